@@ -1,0 +1,22 @@
+"""Errors a user can cause. Every message names the label, value or file involved."""
+
+from __future__ import annotations
+
+__all__ = ["TridensError", "InvalidSpace", "InvalidSample", "GraphError"]
+
+
+class TridensError(Exception):
+    """Base class of every error tridens raises on purpose."""
+
+
+class InvalidSpace(TridensError, ValueError):
+    """The space itself is malformed: empty candidates, one label with two domains, ..."""
+
+
+class InvalidSample(TridensError, ValueError):
+    """A sample does not fit its space: unknown or missing label, value outside the domain,
+    or a model whose shapes don't fit its example inputs."""
+
+
+class GraphError(TridensError, RuntimeError):
+    """An edit on the graph IR left it inconsistent (reported with the node, fx style)."""

@@ -1,0 +1,358 @@
+"""Domains of labels and the description of a whole search space.
+
+A *sample* is a JSON-able ``dict[label, value]``. For categorical labels the value is the
+candidate itself when every candidate is a JSON scalar (``{"width": 32}``), else the candidate's
+index or dict key (``{"op": 1}``), so samples never hold pickled objects.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
+
+from ..errors import InvalidSample, InvalidSpace
+
+__all__ = ["Domain", "Categorical", "Uniform", "LogUniform", "RandInt", "Condition", "LabelSpec", "SearchSpace"]
+
+_JSON_SCALARS = (bool, int, float, str, type(None))
+
+
+def _is_json_scalar(value: Any) -> bool:
+    return isinstance(value, _JSON_SCALARS)
+
+
+class Domain:
+    """The set of values a label may take."""
+
+    finite: bool = True
+
+    def contains(self, value: Any) -> bool:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def values(self) -> list[Any]:
+        """Every sample value, for finite domains."""
+        raise TypeError(f"{self!r} is not finite")
+
+    def sample(self, rng: random.Random) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def default(self) -> Any:
+        """The value used when nothing else decides (the first candidate / the low end)."""
+        raise NotImplementedError
+
+    def to_candidate(self, value: Any) -> Any:
+        """The object a sample value stands for (a module for a LayerChoice index)."""
+        return value
+
+    def same_as(self, other: "Domain") -> bool:
+        return self.describe() == other.describe()
+
+    def describe(self) -> dict[str, Any]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def size(self) -> float:
+        return math.inf
+
+
+class Categorical(Domain):
+    """A finite set of candidates.
+
+    >>> Categorical([16, 32, 64]).values()
+    [16, 32, 64]
+    """
+
+    def __init__(self, candidates: Sequence[Any] | Mapping[str, Any], *, label: str = "?", indexed: bool | None = None):
+        if isinstance(candidates, Mapping):
+            keys = list(candidates.keys())
+            self.candidates = list(candidates.values())
+            self._values = keys
+        else:
+            if isinstance(candidates, (str, bytes)) or not hasattr(candidates, "__len__"):
+                raise InvalidSpace(f"candidates of label {label!r} must be a list or dict, got {candidates!r}")
+            self.candidates = list(candidates)
+            if indexed is None:
+                indexed = not all(_is_json_scalar(c) for c in self.candidates)
+            self._values = list(range(len(self.candidates))) if indexed else list(self.candidates)
+        if not self.candidates:
+            raise InvalidSpace(f"label {label!r} has no candidates: a choice needs at least one")
+        if len(set(map(_hashable, self._values))) != len(self._values):
+            raise InvalidSpace(f"label {label!r} has repeated candidates {self._values!r}")
+
+    def contains(self, value: Any) -> bool:
+        return any(_equal(value, v) for v in self._values)
+
+    def values(self) -> list[Any]:
+        return list(self._values)
+
+    def sample(self, rng: random.Random) -> Any:
+        return rng.choice(self._values)
+
+    def default(self) -> Any:
+        return self._values[0]
+
+    def to_candidate(self, value: Any) -> Any:
+        for v, c in zip(self._values, self.candidates):
+            if _equal(value, v):
+                return c
+        raise KeyError(value)
+
+    def describe(self) -> dict[str, Any]:
+        shown = self._values if all(_is_json_scalar(v) for v in self._values) else [repr(v) for v in self._values]
+        out: dict[str, Any] = {"type": "categorical", "values": shown}
+        if any(not _is_json_scalar(c) for c in self.candidates) or self._values != self.candidates:
+            out["candidates"] = [_short(c) for c in self.candidates]
+        return out
+
+    def size(self) -> float:
+        return float(len(self._values))
+
+    def __repr__(self) -> str:
+        return f"Categorical({self._values!r})"
+
+
+class _Range(Domain):
+    finite = False
+    kind = "range"
+
+    def __init__(self, low: float, high: float, *, label: str = "?"):
+        if not (isinstance(low, (int, float)) and isinstance(high, (int, float))):
+            raise InvalidSpace(f"bounds of label {label!r} must be numbers, got low={low!r}, high={high!r}")
+        if not low < high:
+            raise InvalidSpace(f"`low < high` must hold for label {label!r}, but got (low={low!r}, high={high!r})")
+        self.low, self.high = low, high
+
+    def contains(self, value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and self.low <= value <= self.high
+
+    def default(self) -> Any:
+        return self.low
+
+    def describe(self) -> dict[str, Any]:
+        return {"type": self.kind, "low": self.low, "high": self.high}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.low!r}, {self.high!r})"
+
+
+class Uniform(_Range):
+    kind = "uniform"
+
+    def sample(self, rng: random.Random) -> float:
+        return rng.uniform(self.low, self.high)
+
+
+class LogUniform(_Range):
+    kind = "loguniform"
+
+    def __init__(self, low: float, high: float, *, label: str = "?"):
+        super().__init__(low, high, label=label)
+        if low <= 0:
+            raise InvalidSpace(f"`low > 0` must hold for log-uniform label {label!r}, but got low={low!r}")
+
+    def sample(self, rng: random.Random) -> float:
+        return math.exp(rng.uniform(math.log(self.low), math.log(self.high)))
+
+
+class RandInt(_Range):
+    """Integers in ``[low, high]``, both ends included."""
+
+    kind = "randint"
+
+    def __init__(self, low: int, high: int, *, label: str = "?"):
+        if not (isinstance(low, int) and isinstance(high, int)):
+            raise InvalidSpace(f"bounds of randint label {label!r} must be ints, got low={low!r}, high={high!r}")
+        super().__init__(low, high, label=label)
+        self.finite = True
+
+    def contains(self, value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and self.low <= value <= self.high
+
+    def values(self) -> list[int]:
+        return list(range(self.low, self.high + 1))
+
+    def sample(self, rng: random.Random) -> int:
+        return rng.randint(self.low, self.high)
+
+    def size(self) -> float:
+        return float(self.high - self.low + 1)
+
+
+@dataclass(frozen=True)
+class Condition:
+    """``label`` is active only when ``parent`` takes one of ``values``."""
+
+    parent: str
+    values: tuple[Any, ...]
+
+    def holds(self, sample: Mapping[str, Any]) -> bool:
+        return self.parent in sample and any(_equal(sample[self.parent], v) for v in self.values)
+
+    def __str__(self) -> str:
+        vals = list(self.values)
+        if len(vals) == 1:
+            return f"{self.parent} == {vals[0]!r}"
+        return f"{self.parent} in {vals!r}"
+
+
+@dataclass
+class LabelSpec:
+    """One decision of a space: its label, domain, conditions (all must hold) and origin."""
+
+    label: str
+    domain: Domain
+    conditions: list[Condition] = field(default_factory=list)
+    source: str = "choice"  # "choice", "layer_choice", "input_choice", "repeat", "cell", "mutator:<Name>"
+
+    def active(self, sample: Mapping[str, Any]) -> bool:
+        return all(c.holds(sample) for c in self.conditions)
+
+    def describe(self) -> dict[str, Any]:
+        out = dict(self.domain.describe())
+        out["source"] = self.source
+        if self.conditions:
+            out["condition"] = " and ".join(str(c) for c in self.conditions)
+        return out
+
+
+class SearchSpace(Mapping[str, LabelSpec]):
+    """Every label of a space in discovery order, with its domain and condition.
+
+    Behaves as a read-only ``dict[label, LabelSpec]``; ``describe()`` gives plain JSON.
+    """
+
+    def __init__(self, specs: Sequence[LabelSpec]):
+        self._specs = {s.label: s for s in specs}
+
+    def __getitem__(self, label: str) -> LabelSpec:
+        return self._specs[label]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def merged(self, other: "SearchSpace") -> "SearchSpace":
+        """Union of two spaces (e.g. a model space and an evaluator's hyperparameters)."""
+        specs = dict(self._specs)
+        for label, spec in other.items():
+            if label in specs and not specs[label].domain.same_as(spec.domain):
+                raise InvalidSpace(
+                    f"label {label!r} has conflicting domains: {specs[label].domain!r} and {spec.domain!r}")
+            specs.setdefault(label, spec)
+        return SearchSpace(list(specs.values()))
+
+    def describe(self) -> dict[str, dict[str, Any]]:
+        return {label: spec.describe() for label, spec in self._specs.items()}
+
+    def active_labels(self, sample: Mapping[str, Any]) -> list[str]:
+        return [label for label, spec in self._specs.items() if spec.active(sample)]
+
+    def random_sample(self, rng: random.Random | int | None = None) -> dict[str, Any]:
+        """Draw every active label; conditions are checked in discovery order, parents first."""
+        rng = rng if isinstance(rng, random.Random) else random.Random(rng)
+        sample: dict[str, Any] = {}
+        for label, spec in self._specs.items():
+            if spec.active(sample):
+                sample[label] = spec.domain.sample(rng)
+        return sample
+
+    def default_sample(self) -> dict[str, Any]:
+        sample: dict[str, Any] = {}
+        for label, spec in self._specs.items():
+            if spec.active(sample):
+                sample[label] = spec.domain.default()
+        return sample
+
+    def validate(self, sample: Mapping[str, Any]) -> dict[str, Any]:
+        """Check a sample; return it restricted to its active labels.
+
+        Raises :class:`InvalidSample` naming the label for an unknown label, a missing active
+        label or a value outside its domain. Labels that exist but are inactive under the
+        sample are ignored (flat samplers such as TPE may propose them).
+        """
+        if not isinstance(sample, Mapping):
+            raise InvalidSample(f"a sample must be a dict of label -> value, got {type(sample).__name__}")
+        unknown = [k for k in sample if k not in self._specs]
+        if unknown:
+            raise InvalidSample(
+                f"unknown label {unknown[0]!r} in sample (known labels: {', '.join(self._specs) or 'none'})")
+        out: dict[str, Any] = {}
+        for label, spec in self._specs.items():
+            if not spec.active(out):
+                continue
+            if label not in sample:
+                raise InvalidSample(f"sample is missing label {label!r} (domain {spec.domain!r})")
+            value = sample[label]
+            if not spec.domain.contains(value):
+                raise InvalidSample(f"value {value!r} of label {label!r} is outside its domain {spec.domain!r}")
+            out[label] = value
+        return out
+
+    def size(self) -> float:
+        """Number of distinct samples, counting conditional labels only where active;
+        ``math.inf`` when an active label is continuous."""
+        specs = list(self._specs.values())
+        parents = {c.parent for s in specs for c in s.conditions}
+
+        def count(i: int, assigned: dict[str, Any]) -> float:
+            total = 1.0
+            for j in range(i, len(specs)):
+                spec = specs[j]
+                if not spec.active(assigned):
+                    continue
+                if spec.label in parents:
+                    if not spec.domain.finite:
+                        return math.inf
+                    return total * sum(count(j + 1, {**assigned, spec.label: v}) for v in spec.domain.values())
+                total *= spec.domain.size()
+            return total
+
+        return count(0, {})
+
+    def grid(self) -> Iterator[dict[str, Any]]:
+        """Every sample of a finite space, in a fixed order."""
+        specs = list(self._specs.values())
+
+        def walk(i: int, assigned: dict[str, Any]) -> Iterator[dict[str, Any]]:
+            while i < len(specs) and not specs[i].active(assigned):
+                i += 1
+            if i == len(specs):
+                yield dict(assigned)
+                return
+            spec = specs[i]
+            for v in spec.domain.values():
+                yield from walk(i + 1, {**assigned, spec.label: v})
+
+        if not all(s.domain.finite for s in specs):
+            raise InvalidSpace("a grid needs finite domains; continuous labels: "
+                               + ", ".join(s.label for s in specs if not s.domain.finite))
+        yield from walk(0, {})
+
+    def __repr__(self) -> str:
+        lines = [f"  {label}: {spec.domain!r}" + (f"  if {' and '.join(map(str, spec.conditions))}" if spec.conditions else "")
+                 for label, spec in self._specs.items()]
+        return "SearchSpace(\n" + "\n".join(lines) + "\n)"
+
+
+def _hashable(v: Any) -> Any:
+    try:
+        hash(v)
+        return (type(v) is bool, v)
+    except TypeError:
+        return id(v)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    # True == 1 in Python; a sample of {"bn": 1} must not match the candidate True.
+    return type(a) is type(b) and a == b or (
+        isinstance(a, (int, float)) and isinstance(b, (int, float))
+        and not isinstance(a, bool) and not isinstance(b, bool) and a == b)
+
+
+def _short(obj: Any) -> str:
+    text = repr(obj).replace("\n", " ")
+    text = " ".join(text.split())
+    return text if len(text) <= 60 else text[:57] + "..."

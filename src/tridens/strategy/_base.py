@@ -1,0 +1,60 @@
+"""The one interface every multi-trial strategy implements."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Sequence
+
+from ..space._domain import SearchSpace
+from ..trial import Decision, Objective, Trial, TrialGroup
+
+__all__ = ["Strategy"]
+
+
+class Strategy:
+    """Decides which samples to train next and whether a running trial continues.
+
+    The engine drives a strategy like this::
+
+        strategy.start(search_space, objective, rng, history)   # history: finished trials (resume)
+        while (group := strategy.ask(remaining)) is not None:
+            for each trial of the group, for each step (epoch):
+                strategy.report(trial, step, value)               # intermediate objective value
+                if strategy.decide(trial, step) is Decision.STOP: stop that trial
+            strategy.tell(trial)                                  # every finished trial, any status
+
+    When a group's trials train in lockstep, the engine reports every trial's value for a step
+    before asking any decision for that step, so synchronous rules (Hyperband rungs) see the
+    whole rung. ``ask`` returns ``None`` when the strategy is finished, and must return a
+    non-empty group otherwise. Constructors only store parameters; ``start`` validates them.
+    """
+
+    def start(self, space: SearchSpace, objective: Objective, rng: random.Random,
+              history: Sequence[Trial] = ()) -> None:
+        """Begin (or resume) a search. ``history`` holds the finished trials of an earlier run,
+        in id order; a strategy rebuilds its state from them (by default, by ``tell``-ing each)."""
+        self.space, self.objective, self.rng = space, objective, rng
+        for trial in history:
+            self.tell(trial)
+
+    def ask(self, remaining: int | None = None) -> TrialGroup | None:
+        """The next group of samples, at most ``remaining`` of them; ``None`` when done."""
+        raise NotImplementedError
+
+    def report(self, trial: Trial, step: int, value: float) -> None:
+        """An intermediate value of the objective for ``trial`` after ``step`` (0-based)."""
+
+    def decide(self, trial: Trial, step: int) -> Decision:
+        """Continue or stop ``trial`` after ``step``. Default: always continue."""
+        return Decision.CONTINUE
+
+    def tell(self, trial: Trial) -> None:
+        """``trial`` finished (completed, stopped, failed or duplicate)."""
+
+    def params(self) -> dict[str, Any]:
+        """The constructor's parameters (for the store, as JSON)."""
+        return {k: v for k, v in vars(self).items() if not k.startswith("_") and k not in ("space", "objective", "rng")}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{type(self).__name__}({args})"

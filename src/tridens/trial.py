@@ -1,0 +1,112 @@
+"""The small records that travel between layers: trials, groups of trials, objectives."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["TrialStatus", "Trial", "TrialGroup", "Objective", "Decision"]
+
+
+class TrialStatus(str, enum.Enum):
+    PENDING = "pending"        # created by the engine, not started
+    RUNNING = "running"
+    COMPLETED = "completed"    # trained to its budget; .metric is final
+    STOPPED = "stopped"        # stopped early by the strategy; .metric is its last value
+    FAILED = "failed"          # raised, went NaN or timed out; .error says why
+    DUPLICATE = "duplicate"    # same fingerprint, hyperparameters and seed as an earlier trial
+
+    @property
+    def finished(self) -> bool:
+        return self is not TrialStatus.PENDING and self is not TrialStatus.RUNNING
+
+
+class Decision(str, enum.Enum):
+    """A strategy's answer after an intermediate result."""
+
+    CONTINUE = "continue"
+    STOP = "stop"
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What a search optimizes: a metric name and a direction.
+
+    >>> Objective("val_acc", "max").better(0.9, 0.8)
+    True
+    """
+
+    metric: str = "val_acc"
+    mode: str = "max"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("max", "min"):
+            raise ValueError(f"The 'mode' parameter of Objective must be 'max' or 'min'. Got {self.mode!r} instead.")
+
+    def better(self, a: float | None, b: float | None) -> bool:
+        """Is ``a`` strictly better than ``b``? ``None`` and NaN are worst."""
+        if a is None or (isinstance(a, float) and math.isnan(a)):
+            return False
+        if b is None or (isinstance(b, float) and math.isnan(b)):
+            return True
+        return a > b if self.mode == "max" else a < b
+
+    def score(self, value: float | None) -> float:
+        """A number to maximize: ``value`` for max, ``-value`` for min, ``-inf`` when missing."""
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return -math.inf
+        return value if self.mode == "max" else -value
+
+
+@dataclass
+class Trial:
+    """One model of the space trained (or looked up) once.
+
+    ``metrics`` maps a metric name to its per-step (per-epoch) values; ``metric`` is the final
+    value of the objective. ``info`` holds measured facts used by constraints (``params``, ``flops``).
+    """
+
+    id: int
+    sample: dict[str, Any]
+    seed: int
+    status: TrialStatus = TrialStatus.PENDING
+    fingerprint: str | None = None
+    metric: float | None = None
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    checkpoint: str | None = None
+    error: str | None = None
+    group: int | None = None
+    max_steps: int | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    started_at: float | None = None
+    finished_at: float | None = None
+    experiment: str | None = None
+    parent: int | None = None
+
+    @property
+    def duration(self) -> float | None:
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return self.finished_at - self.started_at
+
+    @property
+    def steps(self) -> int:
+        return max((len(v) for v in self.metrics.values()), default=0)
+
+
+@dataclass
+class TrialGroup:
+    """Trials a strategy hands over together (a generation, a rung, a batch).
+
+    The engine may run the group's trials in any order or fused; ``max_steps`` caps the number of
+    steps (epochs) of each trial, ``None`` meaning the evaluator's full budget.
+    """
+
+    samples: list[dict[str, Any]]
+    max_steps: int | None = None
+    name: str = ""
+
+    def __len__(self) -> int:
+        return len(self.samples)
