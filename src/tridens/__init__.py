@@ -4,15 +4,16 @@
 >>> lr = td.choice("lr", [0.01, 0.1])
 """
 
-from . import space, strategy
+from . import nn, space, strategy
 from .errors import GraphError, InvalidSample, InvalidSpace, TridensError
-from .space import choice, loguniform, randint, uniform
+from .space import Mutator, choice, loguniform, randint, uniform
+from .space._model_space import ModelSpace
 from .trial import Decision, Objective, Trial, TrialGroup, TrialStatus
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "choice", "uniform", "loguniform", "randint",
+    "ModelSpace", "Mutator", "choice", "uniform", "loguniform", "randint", "nn",
     "TridensError", "InvalidSpace", "InvalidSample", "GraphError",
     "Trial", "TrialGroup", "TrialStatus", "Objective", "Decision",
     "space", "strategy",

@@ -32,6 +32,13 @@ class Resolver:
 
     def __init__(self) -> None:
         self.asked: dict[str, tuple[Domain, Any, str]] = {}  # label -> (domain, value, source), in order
+        self._auto: dict[str, int] = {}
+
+    def auto_label(self, kind: str) -> str:
+        """A label for an unlabelled choice: ``kind_1``, ``kind_2``... in construction order, which
+        is the same in every re-run of the same ``__init__``."""
+        self._auto[kind] = self._auto.get(kind, 0) + 1
+        return f"{kind}_{self._auto[kind]}"
 
     def resolve(self, label: str, domain: Domain, source: str = "choice") -> Any:
         """Return the *candidate* (not the sample value) chosen for ``label``."""

@@ -20,6 +20,9 @@ _JSON_SCALARS = (bool, int, float, str, type(None))
 
 
 def _is_json_scalar(value: Any) -> bool:
+    """A value a sample can hold as itself: a JSON scalar, or a list of them (InputChoice picks)."""
+    if isinstance(value, list):
+        return all(isinstance(v, _JSON_SCALARS) for v in value)
     return isinstance(value, _JSON_SCALARS)
 
 
@@ -47,7 +50,12 @@ class Domain:
         return value
 
     def same_as(self, other: "Domain") -> bool:
-        return self.describe() == other.describe()
+        """Same sample values (candidate objects may differ: two LayerChoices sharing a label
+        may hold layers of different widths, and are still one decision)."""
+        mine, theirs = self.describe(), other.describe()
+        mine.pop("candidates", None)
+        theirs.pop("candidates", None)
+        return mine == theirs
 
     def describe(self) -> dict[str, Any]:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -338,6 +346,8 @@ class SearchSpace(Mapping[str, LabelSpec]):
 
 
 def _hashable(v: Any) -> Any:
+    if isinstance(v, list):
+        return tuple(_hashable(x) for x in v)
     try:
         hash(v)
         return (type(v) is bool, v)
@@ -347,6 +357,8 @@ def _hashable(v: Any) -> Any:
 
 def _equal(a: Any, b: Any) -> bool:
     # True == 1 in Python; a sample of {"bn": 1} must not match the candidate True.
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and a == b or (
         isinstance(a, (int, float)) and isinstance(b, (int, float))
         and not isinstance(a, bool) and not isinstance(b, bool) and a == b)
