@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TridensError", "InvalidSpace", "InvalidSample", "GraphError"]
+__all__ = ["TridensError", "InvalidSpace", "InvalidSample", "GraphError", "StoreError"]
 
 
 class TridensError(Exception):
@@ -20,3 +20,8 @@ class InvalidSample(TridensError, ValueError):
 
 class GraphError(TridensError, RuntimeError):
     """An edit on the graph IR left it inconsistent (reported with the node, fx style)."""
+
+
+class StoreError(TridensError, RuntimeError):
+    """The experiment store cannot be opened, read or written: corrupt, locked, read-only, written
+    by a newer tridens, or asked for an experiment or trial it does not hold (names the file)."""

@@ -1,0 +1,19 @@
+"""The experiment store: experiments, trials, per-step metrics and checkpoints in one SQLite file.
+
+>>> import tempfile, os
+>>> from tridens.store import Store
+>>> from tridens.trial import Trial
+>>> with Store(os.path.join(tempfile.mkdtemp(), "tridens.db")) as store:
+...     _ = store.create_experiment("search", {"space": "models:Net", "max_trials": 8})
+...     trial = store.add_trial("search", Trial(id=-1, sample={"width": 32}, seed=0))
+...     store.add_metrics(trial.id, 0, {"val_acc": 0.91})
+...     print(store.trials("search")[0].metrics)
+{'val_acc': [0.91]}
+"""
+
+from ..errors import StoreError
+from ._records import ExperimentRecord
+from ._schema import CURRENT_VERSION
+from ._sqlite import Store
+
+__all__ = ["Store", "ExperimentRecord", "StoreError", "CURRENT_VERSION"]

@@ -1,0 +1,619 @@
+"""The experiment store: one SQLite file (WAL mode) plus checkpoint files beside it.
+
+Layout on disk, for ``Store("runs/tridens.db")``::
+
+    runs/tridens.db                               experiments, trials, metrics, checkpoints (SQLite)
+    runs/tridens.db-wal, runs/tridens.db-shm      SQLite's write-ahead log, while the store is open
+    runs/tridens.db.files/<experiment>/trial-<id>.pt   checkpoints (torch.save, atomic os.replace)
+
+Every write method commits before it returns (unless inside :meth:`Store.transaction`), so a trial
+is on disk before the engine reports it done, and a process killed at any point leaves every
+committed row intact. Readers in other processes never wait for the writer (WAL); writers wait up to
+``timeout`` seconds for each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import math
+import os
+import re
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from ..errors import StoreError
+from ..trial import Trial, TrialStatus
+from ._records import ExperimentRecord
+from ._schema import CURRENT_VERSION, read_version, upgrade
+
+__all__ = ["Store"]
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+
+_TRIAL_COLUMNS = (
+    "t.id, e.name, t.sample, t.fingerprint, t.seed, t.status, t.metric, t.metric_nan, t.group_id, "
+    "t.max_steps, t.info, t.parent, t.started_at, t.finished_at, t.error")
+_INSERT_TRIAL = (
+    "INSERT INTO trials (experiment_id, sample, fingerprint, seed, status, metric, metric_nan, group_id, "
+    "max_steps, info, parent, created_at, started_at, finished_at, error) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+_UPDATE_TRIAL = (
+    "UPDATE trials SET sample = ?, fingerprint = ?, seed = ?, status = ?, metric = ?, metric_nan = ?, "
+    "group_id = ?, max_steps = ?, info = ?, parent = ?, started_at = ?, finished_at = ?, error = ? "
+    "WHERE id = ?")
+_INSERT_METRIC = "INSERT OR REPLACE INTO metrics (trial_id, name, step, value) VALUES (?, ?, ?, ?)"
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if hasattr(obj, "tolist") and callable(obj.tolist):  # numpy scalars and arrays, torch tensors
+        return obj.tolist()
+    raise TypeError(
+        f"{type(obj).__qualname__} value {obj!r} is not JSON; the store keeps JSON values (numbers, "
+        f"strings, lists, dicts) and dotted import paths, never Python objects")
+
+
+def _float_or_nan(value: Any) -> tuple[float | None, int]:
+    """A metric as (column value, is-NaN flag): SQLite stores a NaN REAL as NULL."""
+    if value is None:
+        return None, 0
+    v = float(value)
+    return (None, 1) if math.isnan(v) else (v, 0)
+
+
+class Store:
+    """The SQLite experiment database of tridens (experiments, trials, metrics, checkpoints).
+
+    Parameters: ``path`` of the database file (its directory must exist); ``timeout`` seconds a write
+    waits for another writer before raising :class:`~tridens.errors.StoreError`; ``readonly`` opens
+    for reading only (works in a read-only directory); ``synchronous`` is ``"NORMAL"`` (committed data
+    survive a crash of the process, the default) or ``"FULL"`` (they also survive a power loss;
+    checkpoint files are fsynced too; slower).
+
+    Trial ids are unique in the whole store (not per experiment). A ``Store`` may be shared by threads
+    (calls are serialized) and pickled to another process (it reopens the file there).
+
+    >>> import tempfile, os
+    >>> from tridens.trial import Trial, TrialStatus
+    >>> store = Store(os.path.join(tempfile.mkdtemp(), "tridens.db"))
+    >>> _ = store.create_experiment("demo", {"space": "models:Net", "max_trials": 4})
+    >>> t = store.add_trial("demo", Trial(id=-1, sample={"width": 32}, seed=0))
+    >>> store.add_metrics(t.id, 0, {"val_acc": 0.5})
+    >>> t.status, t.metric = TrialStatus.COMPLETED, 0.5
+    >>> store.update_trial(t)
+    >>> [(x.id, x.metrics) for x in store.trials("demo")]
+    [(1, {'val_acc': [0.5]})]
+    >>> store.close()
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, timeout: float = 5.0, readonly: bool = False,
+                 synchronous: str = "NORMAL") -> None:
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout >= 0:
+            raise ValueError(f"The 'timeout' parameter of Store must be a number >= 0. Got {timeout!r} instead.")
+        if synchronous not in ("NORMAL", "FULL"):
+            raise ValueError(
+                f"The 'synchronous' parameter of Store must be 'NORMAL' or 'FULL'. Got {synchronous!r} instead.")
+        self.path = Path(path)
+        self.files_dir = self.path.with_name(self.path.name + ".files")
+        self.timeout = float(timeout)
+        self.readonly = bool(readonly)
+        self.synchronous = synchronous
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._experiment_ids: dict[str, int] = {}
+        self._orphans: list[sqlite3.Connection] = []
+        self._conn: sqlite3.Connection | None = self._open()
+        self._pid = os.getpid()
+
+    # -- opening ----------------------------------------------------------------------------------
+
+    def _open(self) -> sqlite3.Connection:
+        path, directory = self.path, self.path.parent
+        if not directory.is_dir():
+            raise StoreError(f"cannot open the store {path}: its directory {directory} does not exist; "
+                             f"create it first or pass another path")
+        if path.is_dir():
+            raise StoreError(f"cannot open the store {path}: it is a directory, not a database file")
+        if self.readonly and not path.exists():
+            raise StoreError(f"cannot open the store {path} read-only: the file does not exist")
+        if not self.readonly and not os.access(directory, os.W_OK):
+            raise StoreError(f"cannot write the store {path}: its directory {directory} is read-only; pass "
+                             f"a path in a writable directory, or open it with Store(..., readonly=True)")
+        if not self.readonly and path.exists() and not os.access(path, os.W_OK):
+            raise StoreError(f"cannot write the store {path}: the file is read-only; open it with "
+                             f"Store(..., readonly=True) to read it")
+        conn = None
+        try:
+            if self.readonly:
+                conn = self._connect_readonly()
+                version = read_version(conn, str(path))
+                if version != CURRENT_VERSION:
+                    upgrade(conn, str(path), [])  # raises if newer; in any case not writable here
+                    raise StoreError(
+                        f"cannot read the store {path} read-only: it has schema version {version} and this "
+                        f"tridens reads {CURRENT_VERSION}; open it once writable to upgrade it")
+            else:
+                conn = sqlite3.connect(str(path), timeout=self.timeout, isolation_level=None,
+                                       check_same_thread=False)
+                mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+                if str(mode).lower() != "wal":
+                    raise StoreError(f"cannot put the store {path} in WAL mode (SQLite answered {mode!r})")
+                conn.execute(f"PRAGMA synchronous={self.synchronous}")
+                upgrade(conn, str(path))
+            conn.execute("PRAGMA foreign_keys=ON")
+            return conn
+        except sqlite3.Error as e:
+            if conn is not None:
+                conn.close()
+            raise self._translate(e, "opening it") from e
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            raise
+
+    def _connect_readonly(self) -> sqlite3.Connection:
+        uri = self.path.resolve().as_uri()
+        conn = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=self.timeout, isolation_level=None,
+                               check_same_thread=False)
+        try:
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return conn
+        except sqlite3.OperationalError:
+            conn.close()
+            if os.access(self.path.parent, os.W_OK):
+                raise
+        # A WAL database in a directory where the -shm file can't be created: nobody can be writing
+        # it either, so read it as an immutable file.
+        return sqlite3.connect(f"{uri}?immutable=1", uri=True, timeout=self.timeout, isolation_level=None,
+                               check_same_thread=False)
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise StoreError(f"the store {self.path} is closed")
+        if os.getpid() != self._pid:  # forked: a SQLite connection must not cross fork()
+            self._orphans.append(self._conn)  # never closed here: closing could disturb the parent
+            self._conn = self._open()
+            self._pid = os.getpid()
+            self._depth = 0
+        return self._conn
+
+    def close(self) -> None:
+        """Close the database (SQLite then folds the write-ahead log back into the file)."""
+        with self._lock:
+            if self._conn is not None and os.getpid() == self._pid:
+                self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.path)!r}{', readonly=True' if self.readonly else ''})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "timeout": self.timeout, "readonly": self.readonly,
+                "synchronous": self.synchronous}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"], timeout=state["timeout"], readonly=state["readonly"],  # type: ignore[misc]
+                      synchronous=state["synchronous"])
+
+    # -- error translation, reads and writes ----------------------------------------------------
+
+    def _translate(self, e: sqlite3.Error, what: str) -> StoreError:
+        msg = str(e)
+        low = msg.lower()
+        p = self.path
+        if "locked" in low or "busy" in low:
+            return StoreError(f"the store {p} is locked by another process or connection (waited "
+                              f"{self.timeout:g} s while {what}); retry later, raise timeout=, or stop the "
+                              f"other writer")
+        if "not a database" in low or "malformed" in low or "corrupt" in low:
+            return StoreError(f"{p} is not a tridens store or is corrupt (SQLite: {msg}, while {what}); move "
+                              f"it aside or pass another path")
+        if "readonly" in low or "read-only" in low or "unable to open" in low:
+            if not os.access(p.parent, os.W_OK):
+                return StoreError(f"cannot write the store {p}: its directory {p.parent} is read-only (while "
+                                  f"{what}); pass a path in a writable directory, or use readonly=True")
+            if self.readonly:
+                return StoreError(f"the store {p} is open read-only (while {what})")
+            return StoreError(f"cannot open or write the store {p} (SQLite: {msg}, while {what})")
+        return StoreError(f"the store {p}: {msg} (while {what})")
+
+    @contextlib.contextmanager
+    def _guard(self, what: str, integrity: str | None = None) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.IntegrityError as e:
+            if integrity is not None:
+                raise StoreError(integrity) from e
+            raise self._translate(e, what) from e
+        except sqlite3.Error as e:
+            raise self._translate(e, what) from e
+
+    @contextlib.contextmanager
+    def _writing(self, what: str, *, single: bool = False,
+                 integrity: str | None = None) -> Iterator[sqlite3.Connection]:
+        """One write: commits on exit unless inside :meth:`transaction`. ``single`` marks one
+        statement, which SQLite commits by itself (no BEGIN/COMMIT round trips)."""
+        if self.readonly:
+            raise StoreError(f"the store {self.path} is open read-only; cannot write while {what}")
+        with self._lock, self._guard(what, integrity):
+            conn = self._connection()
+            if self._depth or single:
+                yield conn
+                return
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                self._experiment_ids.clear()
+                raise
+            conn.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def _reading(self, what: str) -> Iterator[sqlite3.Connection]:
+        """Several reads from one snapshot."""
+        with self._lock, self._guard(what):
+            conn = self._connection()
+            if self._depth:
+                yield conn
+                return
+            conn.execute("BEGIN")
+            try:
+                yield conn
+            finally:
+                if conn.in_transaction:
+                    conn.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator["Store"]:
+        """Group writes: all of them commit at the end of the block, or none if it raises.
+
+        Holds the write lock for the whole block (other processes' writes wait), so keep it short.
+        Nested blocks join the outer one.
+
+        >>> import tempfile, os
+        >>> store = Store(os.path.join(tempfile.mkdtemp(), "t.db"))
+        >>> with store.transaction():
+        ...     _ = store.create_experiment("a")
+        ...     _ = store.create_experiment("b")
+        >>> [e.name for e in store.experiments()]
+        ['a', 'b']
+        """
+        if self.readonly:
+            raise StoreError(f"the store {self.path} is open read-only; cannot start a transaction")
+        with self._lock:
+            if self._depth:
+                self._depth += 1
+                try:
+                    yield self
+                finally:
+                    self._depth -= 1
+                return
+            conn = self._connection()
+            with self._guard("starting a transaction"):
+                conn.execute("BEGIN IMMEDIATE")
+            self._depth = 1
+            try:
+                yield self
+            except BaseException:
+                self._depth = 0
+                self._experiment_ids.clear()
+                with self._guard("rolling back a transaction"):
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                raise
+            self._depth = 0
+            with self._guard("committing a transaction"):
+                conn.execute("COMMIT")
+
+    def _json(self, obj: Any, what: str) -> str:
+        try:
+            return json.dumps(obj, default=_json_default, separators=(",", ":"))
+        except (TypeError, ValueError) as e:
+            raise StoreError(f"cannot write {what} to the store {self.path}: {e}") from e
+
+    # -- experiments ----------------------------------------------------------------------------
+
+    def create_experiment(self, name: str, config: Mapping[str, Any] | None = None, *,
+                          status: str = "created", exist_ok: bool = False) -> ExperimentRecord:
+        """Add an experiment; ``name`` is unique in the store and names its checkpoint folder.
+
+        With ``exist_ok=True`` an existing experiment of that name is returned unchanged.
+
+        >>> import tempfile, os
+        >>> store = Store(os.path.join(tempfile.mkdtemp(), "t.db"))
+        >>> store.create_experiment("lr-sweep", {"max_trials": 16, "seed": 0}).config
+        {'max_trials': 16, 'seed': 0}
+        """
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+            raise ValueError(
+                f"An experiment name must be 1-128 characters of letters, digits, '_', '.', '-', not starting "
+                f"with '.' or '-' (it names a folder). Got {name!r} instead.")
+        config_json = self._json(dict(config or {}), f"the config of experiment {name!r}")
+        now = time.time()
+        with self._writing(f"creating experiment {name!r}", single=True) as conn:
+            if exist_ok:
+                cur = conn.execute(
+                    "INSERT OR IGNORE INTO experiments (name, status, config, created_at, updated_at) "
+                    "VALUES (?, ?, ?, ?, ?)", (name, status, config_json, now, now))
+            else:
+                try:
+                    cur = conn.execute(
+                        "INSERT INTO experiments (name, status, config, created_at, updated_at) "
+                        "VALUES (?, ?, ?, ?, ?)", (name, status, config_json, now, now))
+                except sqlite3.IntegrityError as e:
+                    raise StoreError(f"experiment {name!r} already exists in the store {self.path}; use "
+                                     f"get_experiment({name!r}), exist_ok=True, or another name") from e
+        return self.get_experiment(name)
+
+    def get_experiment(self, name: str) -> ExperimentRecord:
+        """The experiment called ``name``; :class:`StoreError` listing the known names if none."""
+        with self._reading(f"reading experiment {name!r}") as conn:
+            row = conn.execute("SELECT id, name, status, config, created_at, updated_at FROM experiments "
+                               "WHERE name = ?", (name,)).fetchone()
+            if row is None:
+                names = [r[0] for r in conn.execute("SELECT name FROM experiments ORDER BY id LIMIT 21")]
+        if row is None:
+            shown = ", ".join(repr(n) for n in names[:20]) + (", ..." if len(names) > 20 else "")
+            raise StoreError(f"no experiment {name!r} in the store {self.path} (it holds: {shown or 'none'})")
+        return self._experiment_record(row)
+
+    def experiments(self) -> list[ExperimentRecord]:
+        """Every experiment, oldest first."""
+        with self._reading("listing experiments") as conn:
+            rows = conn.execute("SELECT id, name, status, config, created_at, updated_at FROM experiments "
+                                "ORDER BY id").fetchall()
+        return [self._experiment_record(r) for r in rows]
+
+    def update_experiment(self, name: str, *, status: str | None = None,
+                          config: Mapping[str, Any] | None = None) -> ExperimentRecord:
+        """Set the status and/or replace the config of an experiment; returns the updated record."""
+        sets, args = ["updated_at = ?"], [time.time()]
+        if status is not None:
+            sets.append("status = ?")
+            args.append(status)
+        if config is not None:
+            sets.append("config = ?")
+            args.append(self._json(dict(config), f"the config of experiment {name!r}"))
+        with self._writing(f"updating experiment {name!r}", single=True) as conn:
+            cur = conn.execute(f"UPDATE experiments SET {', '.join(sets)} WHERE name = ?", (*args, name))
+        if cur.rowcount == 0:
+            self.get_experiment(name)  # raises, naming the experiments there are
+        return self.get_experiment(name)
+
+    def _experiment_record(self, row: tuple[Any, ...]) -> ExperimentRecord:
+        return ExperimentRecord(id=row[0], name=row[1], status=row[2], config=json.loads(row[3]),
+                                created_at=row[4], updated_at=row[5])
+
+    def _experiment_id(self, name: str) -> int:
+        eid = self._experiment_ids.get(name)
+        if eid is None:
+            eid = self.get_experiment(name).id
+            self._experiment_ids[name] = eid
+        return eid
+
+    # -- trials -----------------------------------------------------------------------------------
+
+    def add_trial(self, experiment: str, trial: Trial) -> Trial:
+        """Write a new trial and give it its id; returns ``trial`` itself, with ``.id`` and
+        ``.experiment`` set. The incoming ``.id`` is ignored. Per-step values already in
+        ``trial.metrics`` are written as steps 0, 1, ...; ``trial.checkpoint`` is not (see
+        :meth:`save_checkpoint`)."""
+        with self._lock:
+            eid = self._experiment_id(experiment)
+            metric, metric_nan = _float_or_nan(trial.metric)
+            values = (eid, self._json(trial.sample, f"the sample {trial.sample!r}"), trial.fingerprint,
+                      int(trial.seed), TrialStatus(trial.status).value, metric, metric_nan, trial.group,
+                      trial.max_steps, self._json(trial.info, f"the info of a trial of {experiment!r}"),
+                      trial.parent, time.time(), trial.started_at, trial.finished_at, trial.error)
+            rows = [(name, step, v) for name, vs in trial.metrics.items() for step, v in enumerate(vs)]
+            parent_msg = (f"cannot add a trial to experiment {experiment!r}: its parent trial {trial.parent} "
+                          f"is not in the store {self.path}")
+            with self._writing(f"adding a trial to experiment {experiment!r}", single=not rows,
+                               integrity=parent_msg) as conn:
+                trial_id = conn.execute(_INSERT_TRIAL, values).lastrowid
+                if rows:
+                    conn.executemany(_INSERT_METRIC, [(trial_id, n, s, _float_or_nan(v)[0]) for n, s, v in rows])
+            trial.id = int(trial_id)  # type: ignore[arg-type]
+            trial.experiment = experiment
+            return trial
+
+    def update_trial(self, trial: Trial) -> None:
+        """Write every field of ``trial`` (found by ``.id``) except ``.metrics`` and ``.checkpoint``,
+        which :meth:`add_metrics` and :meth:`save_checkpoint` write."""
+        metric, metric_nan = _float_or_nan(trial.metric)
+        values = (self._json(trial.sample, f"the sample of trial {trial.id}"), trial.fingerprint, int(trial.seed),
+                  TrialStatus(trial.status).value, metric, metric_nan, trial.group, trial.max_steps,
+                  self._json(trial.info, f"the info of trial {trial.id}"), trial.parent, trial.started_at,
+                  trial.finished_at, trial.error, trial.id)
+        with self._writing(f"updating trial {trial.id}", single=True,
+                           integrity=f"cannot update trial {trial.id}: its parent trial {trial.parent} is not "
+                                     f"in the store {self.path}") as conn:
+            cur = conn.execute(_UPDATE_TRIAL, values)
+        if cur.rowcount == 0:
+            raise StoreError(f"no trial with id {trial.id} in the store {self.path} (add it with add_trial first)")
+
+    def add_metrics(self, trial_id: int, step: int, values: Mapping[str, float]) -> None:
+        """Record the values of one step (epoch) of a trial: ``{name: value}``. Writing a step again
+        replaces it. NaN is stored (as SQL NULL) and read back as NaN.
+
+        >>> import tempfile, os, math
+        >>> from tridens.trial import Trial
+        >>> store = Store(os.path.join(tempfile.mkdtemp(), "t.db"))
+        >>> _ = store.create_experiment("e")
+        >>> t = store.add_trial("e", Trial(id=-1, sample={}, seed=0))
+        >>> store.add_metrics(t.id, 0, {"loss": float("nan"), "val_acc": 0.1})
+        >>> math.isnan(store.trial(t.id).metrics["loss"][0])
+        True
+        """
+        rows = []
+        for name, value in values.items():
+            try:
+                v = _float_or_nan(value)[0]
+            except (TypeError, ValueError) as e:
+                raise StoreError(f"metric {name!r} of trial {trial_id} at step {step} must be a number, got "
+                                 f"{value!r}") from e
+            rows.append((trial_id, str(name), int(step), v))
+        with self._writing(f"adding metrics of trial {trial_id}", single=len(rows) == 1,
+                           integrity=f"no trial with id {trial_id} in the store {self.path}") as conn:
+            conn.executemany(_INSERT_METRIC, rows)
+
+    def trial(self, trial_id: int) -> Trial:
+        """One trial by id, with its metrics and checkpoint filled."""
+        with self._reading(f"reading trial {trial_id}") as conn:
+            row = conn.execute(f"SELECT {_TRIAL_COLUMNS} FROM trials t JOIN experiments e ON e.id = t.experiment_id "
+                               f"WHERE t.id = ?", (trial_id,)).fetchone()
+            if row is None:
+                raise StoreError(f"no trial with id {trial_id} in the store {self.path}")
+            metrics = conn.execute("SELECT trial_id, name, value FROM metrics WHERE trial_id = ? "
+                                   "ORDER BY name, step", (trial_id,)).fetchall()
+            checkpoints = conn.execute("SELECT trial_id, path FROM checkpoints WHERE trial_id = ? ORDER BY id",
+                                       (trial_id,)).fetchall()
+        return self._assemble([row], metrics, checkpoints)[0]
+
+    def trials(self, experiment: str, *, status: TrialStatus | str | None = None) -> list[Trial]:
+        """Every trial of ``experiment`` in id order (optionally only one status), each with
+        ``.metrics`` (name -> values ordered by step) and ``.checkpoint`` (the absolute path of its
+        latest checkpoint, or None)."""
+        eid = self._experiment_id(experiment)
+        where, args = "t.experiment_id = ?", [eid]
+        if status is not None:
+            where += " AND t.status = ?"
+            args.append(TrialStatus(status).value)
+        with self._reading(f"reading the trials of experiment {experiment!r}") as conn:
+            rows = conn.execute(f"SELECT {_TRIAL_COLUMNS} FROM trials t JOIN experiments e ON e.id = t.experiment_id "
+                                f"WHERE {where} ORDER BY t.id", args).fetchall()
+            metrics = conn.execute(f"SELECT m.trial_id, m.name, m.value FROM metrics m JOIN trials t ON t.id = "
+                                   f"m.trial_id WHERE {where} ORDER BY m.trial_id, m.name, m.step", args).fetchall()
+            checkpoints = conn.execute(f"SELECT c.trial_id, c.path FROM checkpoints c JOIN trials t ON t.id = "
+                                       f"c.trial_id WHERE {where} ORDER BY c.id", args).fetchall()
+        return self._assemble(rows, metrics, checkpoints)
+
+    def _assemble(self, rows: list[tuple[Any, ...]], metrics: list[tuple[Any, ...]],
+                  checkpoints: list[tuple[Any, ...]]) -> list[Trial]:
+        trials: dict[int, Trial] = {}
+        nan = math.nan
+        for (tid, exp, sample, fingerprint, seed, status, metric, metric_nan, group, max_steps, info, parent,
+             started, finished, error) in rows:
+            trials[tid] = Trial(
+                id=tid, sample=json.loads(sample), seed=seed, status=TrialStatus(status), fingerprint=fingerprint,
+                metric=nan if metric_nan else metric, error=error, group=group, max_steps=max_steps,
+                info=json.loads(info), started_at=started, finished_at=finished, experiment=exp, parent=parent)
+        for tid, name, value in metrics:
+            trials[tid].metrics.setdefault(name, []).append(nan if value is None else value)
+        for tid, rel in checkpoints:
+            trials[tid].checkpoint = str(self.files_dir / rel)
+        return list(trials.values())
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save_checkpoint(self, trial_id: int, state: Any, *, kind: str = "final") -> Path:
+        """Save ``state`` (tensors, numbers, strings and dicts/lists of them: a ``state_dict()``)
+        for a trial, atomically; returns the file's absolute path. The file is
+        ``<db name>.files/<experiment>/trial-<id>.pt`` (``trial-<id>-<kind>.pt`` for another
+        ``kind``, e.g. a stage-tree branch point); saving the same kind again replaces it.
+
+        >>> import tempfile, os, torch
+        >>> from tridens.trial import Trial
+        >>> store = Store(os.path.join(tempfile.mkdtemp(), "t.db"))
+        >>> _ = store.create_experiment("e")
+        >>> t = store.add_trial("e", Trial(id=-1, sample={}, seed=0))
+        >>> p = store.save_checkpoint(t.id, {"w": torch.ones(2)})
+        >>> p.name, store.load_checkpoint(p)["w"].tolist()
+        ('trial-1.pt', [1.0, 1.0])
+        """
+        import torch
+
+        if not isinstance(kind, str) or not _NAME_RE.fullmatch(kind):
+            raise ValueError(f"A checkpoint kind must be letters, digits, '_', '.', '-'. Got {kind!r} instead.")
+        if self.readonly:
+            raise StoreError(f"the store {self.path} is open read-only; cannot save a checkpoint of trial {trial_id}")
+        _check_state(state, "the checkpoint state", torch)
+        with self._reading(f"finding trial {trial_id}") as conn:
+            row = conn.execute("SELECT e.name FROM trials t JOIN experiments e ON e.id = t.experiment_id "
+                               "WHERE t.id = ?", (trial_id,)).fetchone()
+        if row is None:
+            raise StoreError(f"no trial with id {trial_id} in the store {self.path}; cannot save its checkpoint")
+        rel = f"{row[0]}/trial-{trial_id}.pt" if kind == "final" else f"{row[0]}/trial-{trial_id}-{kind}.pt"
+        final = self.files_dir / rel
+        tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                if self.synchronous == "FULL":
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, final)
+            if self.synchronous == "FULL":
+                fd = os.open(final.parent, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise StoreError(f"cannot write the checkpoint {final} of trial {trial_id}: {e}") from e
+        with self._writing(f"recording the checkpoint of trial {trial_id}", single=True,
+                           integrity=f"no trial with id {trial_id} in the store {self.path}") as conn:
+            conn.execute("INSERT OR REPLACE INTO checkpoints (trial_id, kind, path, saved_at) VALUES (?, ?, ?, ?)",
+                         (trial_id, kind, rel, time.time()))
+        return final.resolve()
+
+    def load_checkpoint(self, path: str | os.PathLike[str], *, map_location: Any = "cpu") -> Any:
+        """Load a checkpoint saved by :meth:`save_checkpoint` (``weights_only=True``: tensors and plain
+        containers, nothing executable). ``path`` is absolute or relative to ``<db name>.files/``."""
+        import pickle
+
+        import torch
+
+        p = Path(path)
+        if not p.is_absolute():
+            p = self.files_dir / p
+        if not p.is_file():
+            raise StoreError(f"no checkpoint file {p} (store {self.path})")
+        try:
+            return torch.load(p, map_location=map_location, weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise StoreError(f"cannot load the checkpoint {p}: {first}") from e
+
+
+_LEAVES = (str, bytes, int, float, bool, type(None))
+
+
+def _check_state(obj: Any, where: str, torch: Any) -> None:
+    """Refuse what ``torch.load(weights_only=True)`` would refuse, naming where it sits."""
+    if isinstance(obj, _LEAVES) or isinstance(obj, (torch.Tensor, torch.dtype, torch.device, torch.Size)):
+        return
+    if isinstance(obj, torch.nn.Module):
+        raise StoreError(f"{where} is a {type(obj).__name__} module; save its state_dict() instead (checkpoints "
+                         f"are loaded with weights_only=True)")
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if not isinstance(key, (str, int, float, bool, type(None))):
+                raise StoreError(f"{where} has a key of type {type(key).__qualname__} ({key!r}); use str or int keys")
+            _check_state(value, f"{where}[{key!r}]", torch)
+        return
+    if isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            _check_state(value, f"{where}[{i}]", torch)
+        return
+    raise StoreError(f"{where} is a {type(obj).__qualname__}; checkpoints hold tensors, numbers, strings and "
+                     f"dicts/lists of them (they are loaded with weights_only=True)")
