@@ -1,0 +1,30 @@
+"""Evaluators: how a model is trained and scored.
+
+* :class:`Classification` / :class:`Regression`: declarative supervised training that the engine
+  drives epoch by epoch (``evaluator.trainer(model, sample, seed)``) and may fuse across models.
+* :class:`FunctionalEvaluator`: the user's own loop, reporting with :func:`report` (``td.report``).
+* :class:`Tabular`: results looked up in a benchmark table (:mod:`.nasbench201`).
+
+>>> import tridens as td
+>>> ev = td.evaluators.Classification(train=None, val=None, lr=td.choice("lr", [0.01, 0.1]))
+>>> ev.search_space()["lr"].domain
+Categorical([0.01, 0.1])
+>>> ev.objective
+Objective(metric='val_acc', mode='max')
+"""
+
+from . import nasbench201
+from ._base import Evaluator, NullReporter, RecordingReporter, Reporter, StepwiseEvaluator, Trainer, drive
+from ._errors import InvalidParameter, NonFiniteLoss, NothingReported, TrialFailed, TrialStopped
+from ._functional import FunctionalEvaluator, report
+from ._schedules import SCHEDULES, lr_factor
+from ._supervised import OPTIMIZERS, Classification, Regression, SupervisedTrainer, TrainConfig
+from ._tabular import MemoryTable, Table, TableTrainer, Tabular
+
+__all__ = [
+    "Evaluator", "StepwiseEvaluator", "Reporter", "NullReporter", "RecordingReporter", "Trainer", "drive",
+    "Classification", "Regression", "TrainConfig", "SupervisedTrainer", "OPTIMIZERS", "SCHEDULES", "lr_factor",
+    "FunctionalEvaluator", "report",
+    "Tabular", "Table", "MemoryTable", "TableTrainer", "nasbench201",
+    "InvalidParameter", "TrialFailed", "NonFiniteLoss", "NothingReported", "TrialStopped",
+]

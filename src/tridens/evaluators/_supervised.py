@@ -1,0 +1,488 @@
+"""Declarative supervised training: ``Classification`` and ``Regression``.
+
+The engine owns the loop of these evaluators, so it is exposed step-wise: ``evaluator.trainer(model,
+sample, seed)`` gives a :class:`SupervisedTrainer` whose ``train_epoch()`` / ``validate()`` the
+engine calls, and whose ``state_dict()`` is a complete checkpoint. ``evaluator.config(sample)``
+gives the resolved, validated :class:`TrainConfig` a fused executor can read instead.
+
+Determinism (CPU): with the same model initialization, sample and seed, every epoch's metrics are
+bit-identical. Three things make that so:
+
+* the order of training examples in epoch ``e`` is a permutation drawn from a
+  ``torch.Generator`` seeded from ``(seed, e)`` alone (so trials with the same seed see the same
+  batches, and a resumed trial sees the batches it would have seen);
+* dropout and any randomness in ``transforms`` draw from the trainer's own torch random stream,
+  started with ``torch.manual_seed(seed)`` when the trainer is created and swapped in around
+  its own work only, so trainers interleaved in one process don't disturb one another (nor the
+  caller's global random state);
+* the learning rate is a pure function of the optimizer step (see ``lr_factor``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from ..trial import Objective
+from ._base import StepwiseEvaluator
+from ._errors import InvalidParameter, NonFiniteLoss
+from ._params import Constraint, Interval, Options, Satisfies, check, labels_of
+from ._schedules import SCHEDULES, lr_factor
+
+__all__ = ["Classification", "Regression", "TrainConfig", "SupervisedTrainer", "OPTIMIZERS"]
+
+OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")
+_CHECKPOINT_FORMAT = 1
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _is_dataset(value: Any) -> bool:
+    return isinstance(value, Dataset) or (hasattr(value, "__getitem__") and hasattr(value, "__len__"))
+
+
+def _is_device(value: Any) -> bool:
+    if value == "auto":
+        return True
+    try:
+        torch.device(value)
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    return int(np.random.SeedSequence([seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF, epoch]).generate_state(1)[0])
+
+
+@dataclass
+class TrainConfig:
+    """The resolved, validated training setup of one trial.
+
+    ``loss`` is a callable ``(output, target) -> scalar``; ``metrics`` the validation metric names
+    produced (``val_acc``, ``val_loss``, ``val_mse``, ``val_mae``).
+    """
+
+    train: Any
+    val: Any
+    epochs: int
+    batch_size: int
+    optimizer: str
+    lr: float
+    momentum: float | None
+    weight_decay: float
+    schedule: str
+    loss: LossFn
+    metrics: tuple[str, ...]
+    device: torch.device
+    transforms: Callable[[torch.Tensor], torch.Tensor] | None
+    task: str = "classification"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(len(self.train) / self.batch_size)
+
+    @property
+    def total_steps(self) -> int:
+        return self.epochs * self.steps_per_epoch
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (0-based, counted over the whole training)."""
+        return self.lr * lr_factor(self.schedule, step, self.total_steps)
+
+    def epoch_order(self, seed: int, epoch: int) -> torch.Tensor:
+        """The permutation of training examples used in ``epoch`` by a trial with ``seed``."""
+        g = torch.Generator().manual_seed(_epoch_seed(seed, epoch))
+        return torch.randperm(len(self.train), generator=g)
+
+    def make_optimizer(self, params: Any) -> torch.optim.Optimizer:
+        """A fresh optimizer of the configured kind. ``momentum`` means SGD's and RMSprop's
+        momentum and Adam's/AdamW's first beta; ``None`` keeps the default (0.9 for SGD)."""
+        wd, m = self.weight_decay, self.momentum
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, momentum=0.9 if m is None else m, weight_decay=wd)
+        if self.optimizer == "rmsprop":
+            return torch.optim.RMSprop(params, lr=self.lr, momentum=0.0 if m is None else m, weight_decay=wd)
+        betas = (0.9 if m is None else m, 0.999)
+        cls = torch.optim.Adam if self.optimizer == "adam" else torch.optim.AdamW
+        return cls(params, lr=self.lr, betas=betas, weight_decay=wd)
+
+
+class _Supervised(StepwiseEvaluator):
+    """Shared machinery of Classification and Regression."""
+
+    task = "?"
+    _LOSSES: dict[str, LossFn] = {}
+    _METRICS: dict[str, str] = {}          # accepted name -> reported name
+    _DEFAULT_METRICS: tuple[str, ...] = ()
+    _MODES: dict[str, str] = {}
+
+    def __init__(self, train: Any, val: Any, *, epochs: int = 10, batch_size: int = 64, optimizer: str = "sgd",
+                 lr: float = 0.01, momentum: float | None = None, weight_decay: float = 0.0,
+                 schedule: str = "constant", loss: str | LossFn | None = None,
+                 metrics: Sequence[str] | None = None, metric: str | None = None,
+                 device: str | torch.device = "auto",
+                 transforms: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.train = train
+        self.val = val
+        self.epochs = epochs
+        self.batch_size = batch_size
+        self.optimizer = optimizer
+        self.lr = lr
+        self.momentum = momentum
+        self.weight_decay = weight_decay
+        self.schedule = schedule
+        self.loss = loss
+        self.metrics = metrics
+        self.metric = metric
+        self.device = device
+        self.transforms = transforms
+
+    # -- what is reported -------------------------------------------------------------------
+    def _metric_names(self, metrics: Sequence[str] | None) -> tuple[str, ...]:
+        names = self._DEFAULT_METRICS if metrics is None else tuple(metrics)
+        return tuple(dict.fromkeys(self._METRICS[m] for m in names))
+
+    @property
+    def objective(self) -> Objective:
+        """``val_acc`` (max) for Classification and ``val_mse`` (min) for Regression, unless
+        ``metric=`` names another reported metric."""
+        metric = self.metric if isinstance(self.metric, str) else self._metric_names(None)[0]
+        return Objective(metric, self._MODES.get(metric, "min"))
+
+    # -- validation -------------------------------------------------------------------------
+    def _constraints(self) -> dict[str, list[Constraint]]:
+        return {
+            "train": [Satisfies(_is_dataset, "a torch Dataset")],
+            "val": [Satisfies(_is_dataset, "a torch Dataset")],
+            "epochs": [Interval("int", 1, None)],
+            "batch_size": [Interval("int", 1, None)],
+            "optimizer": [Options(OPTIMIZERS)],
+            "lr": [Interval("float", 0, None, closed="neither")],
+            "momentum": [Interval("float", 0, 1, closed="left"), Satisfies(lambda v: v is None, "None")],
+            "weight_decay": [Interval("float", 0, None)],
+            "schedule": [Options(SCHEDULES)],
+            "loss": [Options(list(self._LOSSES)), Satisfies(callable, "a callable (output, target) -> loss"),
+                     Satisfies(lambda v: v is None, "None")],
+            "device": [Satisfies(_is_device, "'auto' or a torch device ('cpu', 'cuda', 'cuda:1')")],
+            "transforms": [Satisfies(lambda v: v is None or callable(v), "None or a callable batch -> batch")],
+        }
+
+    def config(self, sample: Mapping[str, Any] | None = None) -> TrainConfig:
+        """Resolve the parameters from ``sample`` and validate them.
+
+        >>> import torch, tridens as td
+        >>> ds = torch.utils.data.TensorDataset(torch.zeros(10, 4), torch.zeros(10, dtype=torch.long))
+        >>> ev = td.evaluators.Classification(ds, ds, lr=td.choice("lr", [0.1, 0.5]), epochs=2, batch_size=4)
+        >>> ev.config({"lr": 0.5}).lr, ev.config({"lr": 0.5}).total_steps
+        (0.5, 6)
+        """
+        sample = {} if sample is None else sample
+        owner = type(self).__name__
+        given = self.params()
+        values = self.resolved(sample)
+        labels = labels_of(given)
+        check(owner, values, self._constraints(), labels)
+        metrics = values["metrics"]
+        if metrics is not None and (isinstance(metrics, str) or not all(m in self._METRICS for m in metrics) or not metrics):
+            raise InvalidParameter(f"The 'metrics' parameter of {owner} must be None or a non-empty list of names "
+                                   f"from {sorted(self._METRICS)!r}. Got {metrics!r} instead.")
+        names = self._metric_names(metrics)
+        allowed = [*names, "train_loss"]
+        if values["metric"] is not None and values["metric"] not in allowed:
+            raise InvalidParameter(f"The 'metric' parameter of {owner} must be None or one of {allowed!r} "
+                                   f"(the metrics it reports). Got {values['metric']!r} instead.")
+        for name in ("train", "val"):
+            if len(values[name]) == 0:
+                raise InvalidParameter(f"The {name!r} parameter of {owner} must be a non-empty dataset. Got an empty one.")
+        loss = values["loss"]
+        loss_fn = self._LOSSES[loss] if isinstance(loss, str) else (loss or next(iter(self._LOSSES.values())))
+        device = values["device"]
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return TrainConfig(
+            train=values["train"], val=values["val"], epochs=values["epochs"], batch_size=values["batch_size"],
+            optimizer=values["optimizer"], lr=float(values["lr"]),
+            momentum=None if values["momentum"] is None else float(values["momentum"]),
+            weight_decay=float(values["weight_decay"]), schedule=values["schedule"], loss=loss_fn,
+            metrics=names, device=torch.device(device), transforms=values["transforms"], task=self.task)
+
+    # -- training ---------------------------------------------------------------------------
+    def trainer(self, model: nn.Module | None, sample: Mapping[str, Any], seed: int) -> "SupervisedTrainer":
+        """A trainer at epoch 0 for ``model`` under ``sample``'s hyperparameters.
+
+        >>> trainer = evaluator.trainer(model, {"lr": 0.1}, seed=0)       # doctest: +SKIP
+        >>> trainer.train_epoch(), trainer.validate()                     # doctest: +SKIP
+        ({'train_loss': 1.93}, {'val_acc': 0.71, 'val_loss': 1.12})
+        """
+        if not isinstance(model, nn.Module):
+            raise InvalidParameter(f"{type(self).__name__} trains an nn.Module; got {type(model).__name__} as the model")
+        return SupervisedTrainer(self.config(sample), model, seed, owner=type(self).__name__)
+
+
+def _accuracy_count(out: torch.Tensor, y: torch.Tensor) -> float:
+    return float((out.argmax(dim=1) == y).sum().item())
+
+
+class Classification(_Supervised):
+    """Train a classifier with a standard loop; report ``val_acc`` and ``val_loss`` per epoch.
+
+    ``train`` and ``val`` are torch datasets of ``(input, class index)`` pairs (a
+    ``TensorDataset``, or a ``Subset`` of one, is indexed directly, without a DataLoader).
+    Every parameter may be a ``td.choice`` placeholder. ``optimizer`` is one of ``sgd, adam,
+    adamw, rmsprop``; ``schedule`` one of ``constant, step, cosine, linear, rex``, set every
+    optimizer step; ``momentum`` is SGD/RMSprop momentum or Adam's first beta (``None``: the
+    default, 0.9 for SGD); ``loss`` defaults to cross entropy (or a name, or any callable);
+    ``metrics`` chooses among ``"acc"`` and ``"loss"``; ``metric`` the objective (default
+    ``val_acc``); ``transforms`` is applied to each training input batch (augmentation).
+
+    >>> import tridens as td
+    >>> ev = td.evaluators.Classification(train=train_ds, val=val_ds, epochs=3, batch_size=64,  # doctest: +SKIP
+    ...                                   optimizer="sgd", lr=td.choice("lr", [0.01, 0.05, 0.1]))
+    >>> ev.evaluate(model, {"lr": 0.05}, seed=0)                                                 # doctest: +SKIP
+    0.93
+    """
+
+    task = "classification"
+    _LOSSES = {"cross_entropy": F.cross_entropy, "nll": F.nll_loss}
+    _METRICS = {"acc": "val_acc", "accuracy": "val_acc", "loss": "val_loss"}
+    _DEFAULT_METRICS = ("acc", "loss")
+    _MODES = {"val_acc": "max"}
+
+
+def _match(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # (N, 1) outputs against (N,) targets: compare element-wise, not by broadcasting to (N, N).
+    if out.dim() == 2 and out.shape[1] == 1 and y.dim() == 1:
+        return out.squeeze(1)
+    return out
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(_match(out, y), y.to(out.dtype))
+
+
+def _l1(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.l1_loss(_match(out, y), y.to(out.dtype))
+
+
+def _huber(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.huber_loss(_match(out, y), y.to(out.dtype))
+
+
+class Regression(_Supervised):
+    """Train a regressor; report ``val_mse`` and ``val_mae`` per epoch (``metrics`` may add ``"loss"``).
+
+    Same parameters as :class:`Classification`; ``loss`` defaults to mean squared error
+    (``"mse"``, ``"l1"``, ``"huber"`` or any callable). A model output of shape ``(N, 1)`` is
+    compared with targets of shape ``(N,)`` element by element.
+
+    >>> ev = td.evaluators.Regression(train_ds, val_ds, epochs=5, optimizer="adam", lr=1e-3)  # doctest: +SKIP
+    """
+
+    task = "regression"
+    _LOSSES = {"mse": _mse, "l1": _l1, "huber": _huber}
+    _METRICS = {"mse": "val_mse", "mae": "val_mae", "loss": "val_loss"}
+    _DEFAULT_METRICS = ("mse", "mae")
+    _MODES: dict[str, str] = {}
+
+
+class _Source:
+    """Batches of ``(input, target)`` from a dataset, on a device, in a given order.
+
+    A dataset exposing ``.tensors`` (``TensorDataset``), or a ``Subset`` of one, is indexed
+    directly on the device; anything else goes through a single-process DataLoader that
+    collates the same examples in the same order.
+    """
+
+    def __init__(self, dataset: Any, device: torch.device):
+        self.dataset, self.device = dataset, device
+        self.tensors: tuple[torch.Tensor, ...] | None = None
+        base, index = dataset, None
+        if isinstance(dataset, Subset) and hasattr(dataset.dataset, "tensors"):
+            base, index = dataset.dataset, torch.as_tensor(list(dataset.indices), dtype=torch.long)
+        tensors = getattr(base, "tensors", None)
+        if isinstance(tensors, (tuple, list)) and len(tensors) >= 2 and all(isinstance(t, torch.Tensor) for t in tensors):
+            self.tensors = tuple((t if index is None else t[index]).to(device) for t in tensors[:2])
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def batches(self, order: torch.Tensor | None, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        n = len(self)
+        if self.tensors is not None:
+            x, y = self.tensors
+            if order is None:
+                for start in range(0, n, batch_size):
+                    yield x[start:start + batch_size], y[start:start + batch_size]
+            else:
+                for idx in order.to(self.device).split(batch_size):
+                    yield x[idx], y[idx]
+            return
+        indices = order.tolist() if order is not None else list(range(n))
+        chunks = [indices[i:i + batch_size] for i in range(0, n, batch_size)]
+        for batch in DataLoader(self.dataset, batch_sampler=chunks, num_workers=0):
+            x, y = batch[0], batch[1]
+            yield x.to(self.device), y.to(self.device)
+
+
+class SupervisedTrainer:
+    """The step-wise training of one model (see the module docstring for determinism).
+
+    ``epoch`` counts finished epochs and ``step`` optimizer steps; ``optimizer`` and ``config``
+    are public for drivers that want to look (the lr of the next step is ``config.lr_at(step)``).
+    """
+
+    def __init__(self, config: TrainConfig, model: nn.Module, seed: int, *, owner: str = "Classification"):
+        self.config, self.seed, self.owner = config, int(seed), owner
+        self.model = model.to(config.device)
+        self.optimizer = config.make_optimizer(self.model.parameters())
+        self.epoch = 0
+        self.step = 0
+        self._train = _Source(config.train, config.device)
+        self._val = _Source(config.val, config.device)
+        self._cuda = config.device.type == "cuda"
+        g = torch.Generator().manual_seed(self.seed)   # the state torch.manual_seed(seed) gives
+        self._rng: torch.Tensor = g.get_state()
+        self._cuda_rng: torch.Tensor | None = None
+        if self._cuda:
+            with torch.random.fork_rng(devices=[self._cuda_index()]):
+                torch.cuda.manual_seed(self.seed)
+                self._cuda_rng = torch.cuda.get_rng_state(self._cuda_index())
+
+    @property
+    def epochs(self) -> int:
+        return self.config.epochs
+
+    @property
+    def done(self) -> bool:
+        return self.epoch >= self.config.epochs
+
+    def _cuda_index(self) -> int:
+        index = self.config.device.index
+        return torch.cuda.current_device() if index is None else index
+
+    @contextlib.contextmanager
+    def _random_stream(self) -> Iterator[None]:
+        """Run with this trainer's own torch random state; leave the caller's untouched."""
+        devices = [self._cuda_index()] if self._cuda else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self._rng)
+            if self._cuda and self._cuda_rng is not None:
+                torch.cuda.set_rng_state(self._cuda_rng, devices[0])
+            try:
+                yield
+            finally:
+                self._rng = torch.get_rng_state()
+                if self._cuda:
+                    self._cuda_rng = torch.cuda.get_rng_state(devices[0])
+
+    def train_epoch(self) -> dict[str, float]:
+        """Train one epoch; return ``{"train_loss": mean training loss over its examples}``.
+
+        Raises :class:`NonFiniteLoss` naming the epoch and batch where the loss became NaN/inf.
+        """
+        cfg = self.config
+        if self.done:
+            raise InvalidParameter(f"this {self.owner} trainer already trained its {cfg.epochs} epochs "
+                                   f"(the 'epochs' parameter); build a new trainer to train more")
+        self.model.train()
+        order = cfg.epoch_order(self.seed, self.epoch)
+        total, count = 0.0, 0
+        with self._random_stream():
+            for batch, (x, y) in enumerate(self._train.batches(order, cfg.batch_size)):
+                lr = cfg.lr_at(self.step)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                if cfg.transforms is not None:
+                    x = cfg.transforms(x)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss = cfg.loss(self.model(x), y)
+                value = float(loss.item())
+                if not math.isfinite(value):
+                    raise NonFiniteLoss(
+                        f"the training loss of {self.owner} became {value} at epoch {self.epoch}, batch {batch} "
+                        f"(optimizer step {self.step}, lr {lr:.6g}); the trial failed. A lower 'lr' usually helps.",
+                        epoch=self.epoch, batch=batch, step=self.step, value=value)
+                loss.backward()
+                self.optimizer.step()
+                total += value * len(y)
+                count += len(y)
+                self.step += 1
+        self.epoch += 1
+        return {"train_loss": total / count}
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Score the model on the validation set: ``val_acc``/``val_loss`` or ``val_mse``/``val_mae``."""
+        cfg = self.config
+        was_training = self.model.training
+        self.model.eval()
+        sums = {name: 0.0 for name in cfg.metrics}
+        n = elements = 0
+        try:
+            with self._random_stream():
+                for x, y in self._val.batches(None, max(cfg.batch_size, 256)):
+                    out = self.model(x)
+                    size = len(y)
+                    n += size
+                    if "val_loss" in sums:
+                        sums["val_loss"] += float(cfg.loss(out, y).item()) * size
+                    if "val_acc" in sums:
+                        sums["val_acc"] += _accuracy_count(out, y)
+                    if "val_mse" in sums or "val_mae" in sums:
+                        diff = _match(out, y) - y.to(out.dtype)
+                        elements += diff.numel()
+                        if "val_mse" in sums:
+                            sums["val_mse"] += float((diff * diff).sum().item())
+                        if "val_mae" in sums:
+                            sums["val_mae"] += float(diff.abs().sum().item())
+        finally:
+            self.model.train(was_training)
+        return {name: value / (elements if name in ("val_mse", "val_mae") else n) for name, value in sums.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """A checkpoint (a copy, safe to keep while training goes on; ``torch.save`` writes it).
+
+        Holds the model and optimizer states, ``epoch``, ``step`` (which fixes the lr schedule's
+        position), ``seed`` and the trainer's random state.
+        """
+        state: dict[str, Any] = {
+            "format": _CHECKPOINT_FORMAT,
+            "model": copy.deepcopy(self.model.state_dict()),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "epoch": self.epoch,
+            "step": self.step,
+            "seed": self.seed,
+            "rng": self._rng.clone(),
+        }
+        if self._cuda_rng is not None:
+            state["cuda_rng"] = self._cuda_rng.clone()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a checkpoint made by a trainer of the same evaluator, sample and seed."""
+        if state.get("format") != _CHECKPOINT_FORMAT:
+            raise InvalidParameter(f"not a {self.owner} trainer checkpoint (format {state.get('format')!r}, "
+                                   f"expected {_CHECKPOINT_FORMAT})")
+        if int(state["seed"]) != self.seed:
+            raise InvalidParameter(f"the checkpoint was made with seed {state['seed']}, but this trainer has "
+                                   f"seed {self.seed}; resume with the trial's own seed")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        self._rng = state["rng"].clone().cpu()
+        if self._cuda and "cuda_rng" in state:
+            self._cuda_rng = state["cuda_rng"].clone().cpu()
+
+    def __repr__(self) -> str:
+        return f"SupervisedTrainer({self.owner}, epoch={self.epoch}/{self.epochs}, step={self.step}, seed={self.seed})"
