@@ -1,0 +1,234 @@
+"""Capture: ``torch.fx`` symbolic tracing with an opaque-node fallback.
+
+Standard ``torch.nn`` modules are leaves (one ``call_module`` node each); user modules are traced
+through. When fx fails inside a user module's forward (data-dependent control flow, ...), that
+module becomes a leaf -- an *opaque* node -- and tracing starts over, a few times at most. When the
+top-level forward itself fails, the whole model is one opaque node. Every opaque node is reported
+with ``warnings.warn`` (an :class:`OpaqueModuleWarning`) naming the module and the fx error.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from . import _meta
+from ._graph import Graph
+
+__all__ = ["trace", "OpaqueModuleWarning"]
+
+#: how many submodules may be made opaque before the whole model is
+_MAX_OPAQUE = 8
+
+
+class OpaqueModuleWarning(UserWarning):
+    """A module torch.fx could not trace through is kept as one opaque (still trainable) node."""
+
+
+class _Tracer(fx.Tracer):
+    """fx tracer whose leaves are torch.nn modules, ``leaf_types`` and the modules made opaque.
+
+    It remembers the innermost traced-through module whose forward raised (``failed_path``).
+    """
+
+    def __init__(self, opaque: dict[str, str], leaf_types: tuple[type, ...]) -> None:
+        super().__init__()
+        self.opaque = opaque
+        self.leaf_types = leaf_types
+        self.failed_path: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return (
+            module_qualified_name in self.opaque
+            or (bool(self.leaf_types) and isinstance(m, self.leaf_types))
+            or super().is_leaf_module(m, module_qualified_name)
+        )
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_path is None:
+                self.failed_path = self.path_of_module(m)
+            raise
+
+
+def _as_tuple(example_inputs: Any) -> tuple[Any, ...] | None:
+    if example_inputs is None:
+        return None
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs)
+    raise TypeError(
+        "example_inputs must be a tensor or a tuple of tensors, "
+        f"but got {type(example_inputs).__name__}"
+    )
+
+
+def _signature(model: nn.Module) -> list[inspect.Parameter] | None:
+    try:
+        return list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
+def _concrete_args(params: list[inspect.Parameter] | None, n_given: int | None) -> dict[str, Any] | None:
+    """Parameters with defaults that the example inputs don't cover are traced with the default."""
+    if params is None:
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    concrete = {}
+    for i, p in enumerate(positional):
+        if p.default is not p.empty and (n_given is None or i >= n_given):
+            concrete[p.name] = p.default
+    return concrete or None
+
+
+def _copy_attr(src_root: nn.Module, dst_root: nn.Module, target: str) -> None:
+    """Make ``dst_root.<target>`` the same object as ``src_root.<target>``, creating empty
+    containers on the way (the user's model is never modified)."""
+    *prefix, field = target.split(".")
+    src: Any = src_root
+    dst: Any = dst_root
+    for atom in prefix:
+        src = getattr(src, atom)
+        nxt = getattr(dst, atom, None)
+        if nxt is src:  # already copied by reference: everything below is there
+            return
+        if nxt is None:
+            nxt = nn.Module()
+            dst.add_module(atom, nxt)
+        dst = nxt
+    obj = getattr(src, field)
+    if getattr(dst, field, None) is obj:
+        return
+    if isinstance(obj, nn.Module):
+        dst.add_module(field, obj)
+    elif isinstance(obj, nn.Parameter):
+        dst.register_parameter(field, obj)
+    elif isinstance(obj, torch.Tensor):
+        dst.register_buffer(field, obj)
+    else:
+        setattr(dst, field, obj)
+
+
+def _build_root(model: nn.Module, fx_graph: fx.Graph, added: dict[str, Any]) -> nn.Module:
+    root = nn.Module()
+    targets = {str(n.target) for n in fx_graph.nodes if n.op in ("call_module", "get_attr")}
+    for target in sorted(targets, key=lambda t: t.count(".")):
+        if target in added:  # a constant fx attached to the model while tracing
+            value = added[target]
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                root.register_buffer(target, value)
+            else:
+                setattr(root, target, value)
+        else:
+            _copy_attr(model, root, target)
+    return root
+
+
+def _opaque_whole(model: nn.Module, params: list[inspect.Parameter] | None,
+                  n_given: int | None) -> tuple[nn.Module, fx.Graph]:
+    """The whole model as one call_module node fed by its positional inputs."""
+    names: list[str] = []
+    if params is not None:
+        for p in params:
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                if n_given is None and p.default is not p.empty:
+                    break
+                if n_given is not None and len(names) >= n_given:
+                    break
+                names.append(p.name)
+            elif p.kind == p.VAR_POSITIONAL and n_given is not None:
+                names += [f"{p.name}_{i}" for i in range(n_given - len(names))]
+    else:
+        names = [f"input_{i}" for i in range(n_given or 1)]
+    fx_graph = fx.Graph()
+    inputs = tuple(fx_graph.placeholder(name) for name in names)
+    out = fx_graph.call_module("model", inputs)
+    fx_graph.output(out)
+    root = nn.Module()
+    root.add_module("model", model)
+    return root, fx_graph
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+def trace(model: nn.Module, example_inputs: Any = None, *,
+          leaf_modules: Sequence[type[nn.Module]] = ()) -> Graph:
+    """Capture ``model`` as a :class:`Graph` with ``torch.fx``.
+
+    ``example_inputs`` (a tensor or a tuple of tensors) give the nodes their output shapes; they
+    are propagated lazily, the first time a shape is read. Modules of the ``leaf_modules`` types are
+    kept as single nodes like standard ``torch.nn`` modules. Modules fx cannot trace through become
+    opaque nodes (see :class:`OpaqueModuleWarning`). The graph shares the model's submodules and
+    weights; the model itself is never modified.
+
+    >>> import torch, torch.nn as nn
+    >>> g = trace(nn.Sequential(nn.Linear(4, 8), nn.ReLU()), torch.randn(2, 4))
+    >>> [n.name for n in g.nodes()]
+    ['input_1', '_0', '_1', 'output']
+    >>> g.nodes(op_type=nn.Linear)[0].output_shape
+    torch.Size([2, 8])
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"trace() needs an nn.Module, but got {type(model).__name__}")
+    inputs = _as_tuple(example_inputs)
+    n_given = None if inputs is None else len(inputs)
+    params = _signature(model)
+    concrete = _concrete_args(params, n_given)
+    opaque: dict[str, str] = {}
+    leaf_types = tuple(leaf_modules)
+    name = type(model).__name__
+    fx_graph: fx.Graph | None = None
+    root_error: BaseException | None = None
+    for _ in range(_MAX_OPAQUE + 1):
+        tracer = _Tracer(opaque, leaf_types)
+        before = set(vars(model))
+        try:
+            fx_graph = tracer.trace(model, concrete_args=concrete)
+        except Exception as err:  # fx raises TraceError, TypeError, AttributeError, ...
+            fx_graph = None
+            path = tracer.failed_path
+            if path is None or path in opaque:
+                root_error = err
+                break
+            opaque[path] = _first_line(err)
+        finally:
+            added = {k: vars(model)[k] for k in set(vars(model)) - before}
+            for k in added:  # fx attaches tensor constants to the root: move them off the model
+                delattr(model, k)
+        if fx_graph is not None:
+            break
+    if fx_graph is None:
+        reason = _first_line(root_error) if root_error is not None else "too many opaque submodules"
+        warnings.warn(
+            f"tridens.graph.trace: the whole model {name} is one opaque node: torch.fx could not "
+            f"trace its forward ({reason}). It stays trainable, but mutators cannot see inside it.",
+            OpaqueModuleWarning, stacklevel=2)
+        root, fx_graph = _opaque_whole(model, params, n_given)
+        opaque = {"model": reason}
+    else:
+        root = _build_root(model, fx_graph, added)
+        used = {str(n.target) for n in fx_graph.nodes if n.op == "call_module"}
+        for path, reason in opaque.items():
+            if path in used:
+                warnings.warn(
+                    f"tridens.graph.trace: module {name}.{path} ({type(model.get_submodule(path)).__name__}) "
+                    f"is an opaque node: torch.fx could not trace its forward ({reason}). It stays "
+                    "trainable, but mutators cannot see inside it.",
+                    OpaqueModuleWarning, stacklevel=2)
+    for node in fx_graph.nodes:
+        if node.op == "call_module" and str(node.target) in opaque:
+            node.meta[_meta.OPAQUE] = True
+            node.meta[_meta.OPAQUE_REASON] = opaque[str(node.target)]
+    return Graph._create(root, fx_graph, inputs, name=name, training=model.training)
