@@ -1,5 +1,26 @@
-"""Multi-trial exploration strategies behind one interface, :class:`Strategy`."""
+"""Multi-trial exploration strategies behind one interface, :class:`Strategy`.
 
+Proposing strategies (what to train next): :class:`Random`, :class:`GridSearch`,
+:class:`RegularizedEvolution`, :class:`TPE`. Multi-fidelity strategies (what to train next and
+which running trial to stop): :class:`Hyperband`, :class:`BOHB`, :class:`ASHA`. A stopping rule
+that wraps any proposing strategy: :class:`MedianStopping`. Constraints on measured facts of a
+model and the Pareto front of several objectives: :class:`Constraint`, :func:`pareto_front`.
+"""
+
+from ._asha import ASHA
 from ._base import Strategy
+from ._bohb import BOHB
+from ._constraints import Constraint, pareto_front
+from ._evolution import RegularizedEvolution
+from ._grid import GridSearch
+from ._hyperband import Hyperband
+from ._median import MedianStopping
+from ._random import Random
+from ._tpe import TPE
 
-__all__ = ["Strategy"]
+__all__ = [
+    "Strategy",
+    "Random", "GridSearch", "RegularizedEvolution", "TPE",
+    "Hyperband", "BOHB", "ASHA", "MedianStopping",
+    "Constraint", "pareto_front",
+]
