@@ -17,13 +17,13 @@ from . import nasbench201
 from ._base import Evaluator, NullReporter, RecordingReporter, Reporter, StepwiseEvaluator, Trainer, drive
 from ._errors import InvalidParameter, NonFiniteLoss, NothingReported, TrialFailed, TrialStopped
 from ._functional import FunctionalEvaluator, report
-from ._schedules import SCHEDULES, lr_factor
+from ._schedules import SCHEDULES, lr_factor, scheduled_lr
 from ._supervised import OPTIMIZERS, Classification, Regression, SupervisedTrainer, TrainConfig
 from ._tabular import MemoryTable, Table, TableTrainer, Tabular
 
 __all__ = [
     "Evaluator", "StepwiseEvaluator", "Reporter", "NullReporter", "RecordingReporter", "Trainer", "drive",
-    "Classification", "Regression", "TrainConfig", "SupervisedTrainer", "OPTIMIZERS", "SCHEDULES", "lr_factor",
+    "Classification", "Regression", "TrainConfig", "SupervisedTrainer", "OPTIMIZERS", "SCHEDULES", "lr_factor", "scheduled_lr",
     "FunctionalEvaluator", "report",
     "Tabular", "Table", "MemoryTable", "TableTrainer", "nasbench201",
     "InvalidParameter", "TrialFailed", "NonFiniteLoss", "NothingReported", "TrialStopped",

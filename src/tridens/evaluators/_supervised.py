@@ -36,7 +36,7 @@ from ..trial import Objective
 from ._base import StepwiseEvaluator
 from ._errors import InvalidParameter, NonFiniteLoss
 from ._params import Constraint, Interval, Options, Satisfies, check, labels_of
-from ._schedules import SCHEDULES, lr_factor
+from ._schedules import SCHEDULES, scheduled_lr
 
 __all__ = ["Classification", "Regression", "TrainConfig", "SupervisedTrainer", "OPTIMIZERS"]
 
@@ -98,7 +98,7 @@ class TrainConfig:
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (0-based, counted over the whole training)."""
-        return self.lr * lr_factor(self.schedule, step, self.total_steps)
+        return scheduled_lr(self.schedule, self.lr, step, self.total_steps)
 
     def epoch_order(self, seed: int, epoch: int) -> torch.Tensor:
         """The permutation of training examples used in ``epoch`` by a trial with ``seed``."""
@@ -330,7 +330,10 @@ class _Source:
             return
         indices = order.tolist() if order is not None else list(range(n))
         chunks = [indices[i:i + batch_size] for i in range(0, n, batch_size)]
-        for batch in DataLoader(self.dataset, batch_sampler=chunks, num_workers=0):
+        # A generator of its own: iterating a DataLoader draws a base seed from it, which would
+        # otherwise come from (and advance) the trainer's random stream.
+        loader = DataLoader(self.dataset, batch_sampler=chunks, num_workers=0, generator=torch.Generator())
+        for batch in loader:
             x, y = batch[0], batch[1]
             yield x.to(self.device), y.to(self.device)
 
