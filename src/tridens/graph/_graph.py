@@ -114,10 +114,15 @@ class Node:
     def output_shape(self) -> Any:
         """``torch.Size`` of the output, a tuple of them for multiple outputs, None for a
         non-tensor output or a graph without example inputs. Reading it re-propagates shapes after
-        an edit, which raises :class:`~tridens.errors.InvalidSample` when they don't fit."""
+        an edit, which raises :class:`~tridens.errors.InvalidSample` (naming the failing node) when
+        this node's shape cannot be computed; nodes that don't depend on the failure keep theirs."""
         if self._graph._example_inputs is None:
             return None
-        self._graph._ensure_shapes()
+        try:
+            self._graph._ensure_shapes()
+        except InvalidSample:
+            if _meta.SHAPE not in self._fx.meta:  # this node could not be computed
+                raise
         return self._fx.meta.get(_meta.SHAPE)
 
     @property

@@ -31,14 +31,35 @@ class ShapeProp(fx.Interpreter):
         self.extra_traceback = False
         self._name = graph._name
 
-    def run_node(self, n: fx.Node) -> Any:
-        try:
-            result = super().run_node(n)
-        except Exception as err:
-            raise InvalidSample(self._message(n, err)) from err
-        n.meta[_meta.SHAPE] = _meta.shape_of(result)
-        n.meta[_meta.DTYPE] = _meta.dtype_of(result)
-        return result
+    def run(self, *args: Any, **_: Any) -> InvalidSample | None:  # type: ignore[override]
+        """Run every node whose inputs could be computed; return the first failure (or None).
+
+        Nodes that don't depend on a failing node still get their shapes, so a mutator can read
+        the shapes before a broken spot to repair it.
+        """
+        self.env = {}
+        self.args_iter = iter(args)
+        failed: set[fx.Node] = set()
+        first: InvalidSample | None = None
+        for n in self.graph.nodes:
+            if any(src in failed for src in n.all_input_nodes):
+                failed.add(n)
+                continue
+            try:
+                result = self.run_node(n)
+            except Exception as err:
+                failed.add(n)
+                if first is None:
+                    first = InvalidSample(self._message(n, err))
+                    first.__cause__ = err
+                continue
+            n.meta[_meta.SHAPE] = _meta.shape_of(result)
+            n.meta[_meta.DTYPE] = _meta.dtype_of(result)
+            self.env[n] = result
+            for dead in self.user_to_last_uses.get(n, []):
+                self.env.pop(dead, None)
+        self.env = {}
+        return first
 
     def _message(self, n: fx.Node, err: Exception) -> str:
         line = _meta.format_node(n, self.module, "?")
@@ -52,7 +73,8 @@ class ShapeProp(fx.Interpreter):
 
 
 def propagate(graph: Graph, example_inputs: tuple[Any, ...] | None) -> None:
-    """Fill ``node.meta`` shapes of every node by running ``graph`` on ``example_inputs``."""
+    """Fill ``node.meta`` shapes by running ``graph`` on ``example_inputs``; raise the first
+    failure as :class:`InvalidSample` after recording every shape that could be computed."""
     for n in graph._fx.nodes:
         n.meta.pop(_meta.SHAPE, None)
         n.meta.pop(_meta.DTYPE, None)
@@ -71,7 +93,9 @@ def propagate(graph: Graph, example_inputs: tuple[Any, ...] | None) -> None:
         for m in modules:
             m.training = False
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            ShapeProp(graph).run(*example_inputs)
+            error = ShapeProp(graph).run(*example_inputs)
     finally:
         for m, flag in zip(modules, flags):
             m.training = flag
+    if error is not None:
+        raise error
