@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 from ..errors import StoreError
 
-__all__ = ["CURRENT_VERSION", "MIGRATIONS", "Migration", "read_version", "upgrade"]
+__all__ = ["CURRENT_VERSION", "MIGRATIONS", "Migration", "check_not_newer", "read_version", "upgrade"]
 
 Migration = Callable[[sqlite3.Connection], None]
 
@@ -114,11 +114,11 @@ def upgrade(conn: sqlite3.Connection, path: str, migrations: Sequence[Migration]
     version = read_version(conn, path)
     if version == target:
         return version
-    _check_not_newer(path, version, target)
+    check_not_newer(path, version, target)
     conn.execute("BEGIN IMMEDIATE")
     try:
         version = read_version(conn, path)  # another process may have upgraded meanwhile
-        _check_not_newer(path, version, target)
+        check_not_newer(path, version, target)
         if version == 0 and "schema_version" not in _tables(conn):
             conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
             conn.execute("INSERT INTO schema_version (version) VALUES (0)")
@@ -133,7 +133,8 @@ def upgrade(conn: sqlite3.Connection, path: str, migrations: Sequence[Migration]
     return target
 
 
-def _check_not_newer(path: str, version: int, target: int) -> None:
+def check_not_newer(path: str, version: int, target: int) -> None:
+    """Refuse a file written by a newer schema, naming the file and both versions."""
     if version > target:
         raise StoreError(
             f"{path} was written by a newer tridens (store schema version {version}); this tridens "

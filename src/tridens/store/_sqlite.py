@@ -29,7 +29,7 @@ from typing import Any, Iterator, Mapping
 from ..errors import StoreError
 from ..trial import Trial, TrialStatus
 from ._records import ExperimentRecord
-from ._schema import CURRENT_VERSION, read_version, upgrade
+from ._schema import CURRENT_VERSION, check_not_newer, read_version, upgrade
 
 __all__ = ["Store"]
 
@@ -135,8 +135,8 @@ class Store:
             if self.readonly:
                 conn = self._connect_readonly()
                 version = read_version(conn, str(path))
+                check_not_newer(str(path), version, CURRENT_VERSION)
                 if version != CURRENT_VERSION:
-                    upgrade(conn, str(path), [])  # raises if newer; in any case not writable here
                     raise StoreError(
                         f"cannot read the store {path} read-only: it has schema version {version} and this "
                         f"tridens reads {CURRENT_VERSION}; open it once writable to upgrade it")

@@ -1,0 +1,260 @@
+"""The store's API on real SQLite files: experiments, trials, metrics, checkpoints, transactions."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from tridens.errors import StoreError, TridensError
+from tridens.store import ExperimentRecord, Store
+from tridens.trial import Trial, TrialStatus
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "tridens.db")
+    s.create_experiment("exp", {"space": "models:Net", "max_trials": 8, "seed": 0})
+    yield s
+    s.close()
+
+
+def new_trial(**kw) -> Trial:
+    return Trial(id=-1, sample=kw.pop("sample", {"width": 32, "op": 1}), seed=kw.pop("seed", 0), **kw)
+
+
+# -- experiments ----------------------------------------------------------------------------------
+
+def test_experiments_create_get_list_update(tmp_path):
+    with Store(tmp_path / "t.db") as s:
+        a = s.create_experiment("a", {"space": "pkg.mod:Net", "evaluator": {"type": "Classification",
+                                      "params": {"lr": 0.1}}, "max_trials": 4, "seed": 1, "extra": [1, None]})
+        assert isinstance(a, ExperimentRecord) and a.status == "created" and a.created_at == a.updated_at
+        s.create_experiment("b")
+        assert [e.name for e in s.experiments()] == ["a", "b"]
+        assert s.get_experiment("a").config["evaluator"]["params"] == {"lr": 0.1}
+        u = s.update_experiment("a", status="running")
+        assert u.status == "running" and u.config == a.config and u.updated_at >= a.updated_at
+        u = s.update_experiment("a", config={"max_trials": 5})
+        assert u.config == {"max_trials": 5} and u.status == "running"
+    with Store(tmp_path / "t.db") as s:  # persisted
+        assert s.get_experiment("a").config == {"max_trials": 5}
+
+
+def test_experiment_errors(store):
+    with pytest.raises(StoreError, match=r"experiment 'exp' already exists in the store .*tridens\.db"):
+        store.create_experiment("exp")
+    assert store.create_experiment("exp", {"other": 1}, exist_ok=True).config["max_trials"] == 8
+    with pytest.raises(StoreError, match=r"no experiment 'nope' in the store .*tridens\.db \(it holds: 'exp'\)"):
+        store.get_experiment("nope")
+    with pytest.raises(StoreError, match="no experiment 'nope'"):
+        store.update_experiment("nope", status="done")
+    with pytest.raises(StoreError, match="no experiment 'nope'"):
+        store.add_trial("nope", new_trial())
+    for bad in ["", "a/b", "../x", ".hidden", "-x", "a" * 129, 3]:
+        with pytest.raises(ValueError, match="experiment name"):
+            store.create_experiment(bad)  # type: ignore[arg-type]
+    with pytest.raises(StoreError, match=r"config of experiment 'x'.*object value .* is not JSON"):
+        store.create_experiment("x", {"model": object()})
+    assert issubclass(StoreError, TridensError)
+
+
+# -- trials and metrics -----------------------------------------------------------------------------
+
+def test_trial_round_trip_every_field(store, tmp_path):
+    store.create_experiment("other")
+    t = store.add_trial("exp", new_trial(seed=7, fingerprint="abc", group=2, max_steps=9,
+                                         info={"params": 1234, "flops": 5.5e6}, started_at=10.0))
+    assert t.id == 1 and t.experiment == "exp"
+    child = store.add_trial("exp", new_trial(sample={"width": 64, "lr": 0.01, "act": "relu", "nested": [1, 2]},
+                                             parent=t.id))
+    assert child.id == 2
+    assert store.add_trial("other", new_trial()).id == 3  # ids are unique in the whole store
+    t.status, t.metric, t.finished_at, t.error = TrialStatus.FAILED, 0.25, 12.5, "Traceback ...\nValueError: x"
+    store.update_trial(t)
+    with Store(tmp_path / "tridens.db") as again:
+        got = again.trials("exp")
+    assert [x.id for x in got] == [1, 2]
+    a, b = got
+    assert (a.sample, a.seed, a.fingerprint, a.group, a.max_steps) == ({"width": 32, "op": 1}, 7, "abc", 2, 9)
+    assert a.info == {"params": 1234, "flops": 5.5e6}
+    assert (a.status, a.metric, a.started_at, a.finished_at, a.duration) == (TrialStatus.FAILED, 0.25, 10.0, 12.5, 2.5)
+    assert a.error.endswith("ValueError: x") and a.experiment == "exp" and a.parent is None
+    assert b.sample == {"width": 64, "lr": 0.01, "act": "relu", "nested": [1, 2]} and b.parent == 1
+    assert b.status is TrialStatus.PENDING and b.metric is None and b.metrics == {} and b.checkpoint is None
+    assert store.trial(2).sample == b.sample
+
+
+def test_metrics_per_step_ordered_and_replaced(store):
+    t = store.add_trial("exp", new_trial())
+    store.add_metrics(t.id, 2, {"val_acc": 0.3})
+    store.add_metrics(t.id, 0, {"val_acc": 0.1, "loss": 2.0})
+    store.add_metrics(t.id, 1, {"val_acc": 0.2, "loss": 1.5})
+    store.add_metrics(t.id, 1, {"val_acc": 0.25})  # a step written again replaces its value
+    got = store.trial(t.id)
+    assert got.metrics == {"loss": [2.0, 1.5], "val_acc": [0.1, 0.25, 0.3]}
+    assert got.steps == 3
+
+
+def test_nan_and_inf_metrics_read_back(store):
+    t = store.add_trial("exp", new_trial())
+    store.add_metrics(t.id, 0, {"loss": float("nan"), "val_acc": float("inf")})
+    store.add_metrics(t.id, 1, {"loss": np.float32("nan"), "val_acc": torch.tensor(-math.inf)})
+    t.metric, t.status = float("nan"), TrialStatus.FAILED
+    store.update_trial(t)
+    u = store.add_trial("exp", new_trial())  # no metric yet: None, not NaN
+    got, other = store.trials("exp")
+    assert all(math.isnan(v) for v in got.metrics["loss"])
+    assert got.metrics["val_acc"] == [math.inf, -math.inf]
+    assert math.isnan(got.metric) and other.metric is None and other.id == u.id
+
+
+def test_metric_errors_name_trial_and_value(store):
+    t = store.add_trial("exp", new_trial())
+    with pytest.raises(StoreError, match=r"metric 'acc' of trial 1 at step 0 must be a number, got 'high'"):
+        store.add_metrics(t.id, 0, {"acc": "high"})
+    with pytest.raises(StoreError, match=r"no trial with id 99 in the store .*tridens\.db"):
+        store.add_metrics(99, 0, {"acc": 0.5})
+    with pytest.raises(StoreError, match="no trial with id 99"):
+        store.update_trial(Trial(id=99, sample={}, seed=0))
+    with pytest.raises(StoreError, match="parent trial 42 is not in the store"):
+        store.add_trial("exp", new_trial(parent=42))
+    with pytest.raises(StoreError, match=r"cannot write the sample .*object value .* is not JSON"):
+        store.add_trial("exp", new_trial(sample={"act": object()}))
+    assert [x.id for x in store.trials("exp")] == [1]  # failed writes left nothing behind
+
+
+def test_add_trial_with_metrics_and_numpy_values(store):
+    t = store.add_trial("exp", new_trial(sample={"width": np.int64(16), "lr": np.float32(0.5)},
+                                         metrics={"val_acc": [0.1, 0.2]}, status=TrialStatus.DUPLICATE, metric=0.2))
+    got = store.trial(t.id)
+    assert got.sample == {"width": 16, "lr": 0.5} and got.metrics == {"val_acc": [0.1, 0.2]}
+    assert got.status is TrialStatus.DUPLICATE
+
+
+def test_trials_filtered_by_status(store):
+    for i in range(4):
+        t = store.add_trial("exp", new_trial(seed=i))
+        if i % 2:
+            t.status = TrialStatus.COMPLETED
+            store.update_trial(t)
+    assert [t.seed for t in store.trials("exp", status="completed")] == [1, 3]
+    assert [t.seed for t in store.trials("exp", status=TrialStatus.PENDING)] == [0, 2]
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+
+def test_checkpoint_files_beside_the_database(store, tmp_path):
+    t = store.add_trial("exp", new_trial())
+    state = {"model": torch.nn.Linear(3, 2).state_dict(), "epoch": 3, "shape": torch.Size([2, 3]),
+             "dtype": torch.float16, "opt": {"lr": [0.1, 0.01]}}
+    path = store.save_checkpoint(t.id, state)
+    assert path == tmp_path / "tridens.db.files" / "exp" / f"trial-{t.id}.pt"
+    loaded = store.load_checkpoint(path)
+    assert torch.equal(loaded["model"]["weight"], state["model"]["weight"])
+    assert (loaded["epoch"], loaded["shape"], loaded["dtype"]) == (3, torch.Size([2, 3]), torch.float16)
+    assert torch.equal(store.load_checkpoint(f"exp/trial-{t.id}.pt")["model"]["bias"], state["model"]["bias"])
+    assert store.trial(t.id).checkpoint == str(path)
+    branch = store.save_checkpoint(t.id, {"step": 1}, kind="step-1")
+    assert branch.name == f"trial-{t.id}-step-1.pt"
+    assert store.trials("exp")[0].checkpoint == str(branch)  # the latest one
+    store.save_checkpoint(t.id, {"epoch": 4})  # replaces the final one, atomically
+    assert store.load_checkpoint(path) == {"epoch": 4} and store.trial(t.id).checkpoint == str(path)
+    assert sorted(p.name for p in path.parent.iterdir()) == [f"trial-{t.id}-step-1.pt", f"trial-{t.id}.pt"]
+
+
+def test_checkpoint_errors(store, tmp_path):
+    t = store.add_trial("exp", new_trial())
+    with pytest.raises(StoreError, match=r"state\['net'\] is a Linear module; save its state_dict\(\)"):
+        store.save_checkpoint(t.id, {"net": torch.nn.Linear(2, 2)})
+    with pytest.raises(StoreError, match=r"state\['a'\]\[1\] is a ndarray"):
+        store.save_checkpoint(t.id, {"a": [1, np.zeros(2)]})
+    with pytest.raises(StoreError, match="no trial with id 77"):
+        store.save_checkpoint(77, {})
+    missing = tmp_path / "tridens.db.files" / "exp" / "trial-5.pt"
+    with pytest.raises(StoreError, match=f"no checkpoint file {missing}"):
+        store.load_checkpoint("exp/trial-5.pt")
+    broken = store.save_checkpoint(t.id, {"w": torch.ones(3)})
+    broken.write_bytes(broken.read_bytes()[:40])
+    with pytest.raises(StoreError, match=f"cannot load the checkpoint {broken}"):
+        store.load_checkpoint(broken)
+
+
+# -- transactions, threads, pickling ------------------------------------------------------------------
+
+def test_transaction_commits_together_or_not_at_all(store, tmp_path):
+    with store.transaction():
+        t = store.add_trial("exp", new_trial())
+        store.add_metrics(t.id, 0, {"a": 1.0, "b": 2.0})
+        with store.transaction():  # nested blocks join the outer one
+            t.status = TrialStatus.COMPLETED
+            store.update_trial(t)
+    assert store.trial(t.id).status is TrialStatus.COMPLETED
+    with pytest.raises(RuntimeError, match="boom"):
+        with store.transaction():
+            store.create_experiment("temp")
+            u = store.add_trial("temp", new_trial())
+            store.add_metrics(u.id, 0, {"a": 1.0})
+            raise RuntimeError("boom")
+    assert [e.name for e in store.experiments()] == ["exp"]
+    with Store(tmp_path / "tridens.db") as other:
+        assert [x.id for x in other.trials("exp")] == [t.id]
+    store.create_experiment("temp")  # the rolled-back name is free, and its cached id forgotten
+    assert store.add_trial("temp", new_trial()).experiment == "temp"
+
+
+def test_threads_share_one_store(store):
+    def work(k: int) -> None:
+        for i in range(25):
+            t = store.add_trial("exp", new_trial(seed=k * 100 + i))
+            store.add_metrics(t.id, 0, {"acc": float(i)})
+            t.status = TrialStatus.COMPLETED
+            store.update_trial(t)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    trials = store.trials("exp")
+    assert len(trials) == 100 and len({t.id for t in trials}) == 100
+    assert all(t.status is TrialStatus.COMPLETED and len(t.metrics["acc"]) == 1 for t in trials)
+
+
+def test_pickled_store_reopens_the_file(store):
+    store.add_trial("exp", new_trial())
+    copy = pickle.loads(pickle.dumps(store))
+    assert copy.path == store.path and [t.id for t in copy.trials("exp")] == [1]
+    copy.close()
+
+
+def test_readonly_store_reads_but_refuses_writes(store, tmp_path):
+    store.add_trial("exp", new_trial())
+    ro = Store(tmp_path / "tridens.db", readonly=True)
+    assert len(ro.trials("exp")) == 1
+    with pytest.raises(StoreError, match=r"tridens\.db is open read-only; cannot write while adding a trial"):
+        ro.add_trial("exp", new_trial())
+    with pytest.raises(StoreError, match="open read-only"):
+        ro.save_checkpoint(1, {})
+    with pytest.raises(StoreError, match=r"cannot open the store .*missing\.db read-only: the file does not exist"):
+        Store(tmp_path / "missing.db", readonly=True)
+    ro.close()
+    with pytest.raises(StoreError, match="is closed"):
+        ro.trials("exp")
+
+
+def test_parameter_validation(tmp_path):
+    with pytest.raises(ValueError, match=r"'timeout' parameter of Store must be a number >= 0. Got -1"):
+        Store(tmp_path / "a.db", timeout=-1)
+    with pytest.raises(ValueError, match=r"'synchronous' parameter of Store must be 'NORMAL' or 'FULL'. Got 'OFF'"):
+        Store(tmp_path / "a.db", synchronous="OFF")
+    with pytest.raises(StoreError, match="it is a directory"):
+        Store(tmp_path)
+    with Store(tmp_path / "full.db", synchronous="FULL") as s:  # fsyncs checkpoints too
+        s.create_experiment("e")
+        t = s.add_trial("e", new_trial())
+        assert s.load_checkpoint(s.save_checkpoint(t.id, {"x": 1})) == {"x": 1}
