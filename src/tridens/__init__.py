@@ -18,3 +18,7 @@ __all__ = [
     "Trial", "TrialGroup", "TrialStatus", "Objective", "Decision",
     "space", "strategy",
 ]
+
+from . import graph  # noqa: E402  (the graph IR)
+
+__all__ += ["graph"]
