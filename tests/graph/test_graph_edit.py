@@ -289,3 +289,12 @@ def test_shapes_repropagate_lazily():
     assert graph["flatten"].output_shape == torch.Size([2, 288])
     graph["fc"].replace(nn.Linear(graph["flatten"].output_shape[1], 10))
     assert graph.output.output_shape == torch.Size([2, 10])
+
+
+def test_insert_after_an_input():
+    model, x = SmallCNN().eval(), _x()
+    graph = tg.trace(model, x)
+    norm = graph.insert_after(graph.inputs[0], nn.BatchNorm2d(1).eval())
+    assert graph["conv1"].inputs == [(norm, 0)] and graph.inputs[0].users == [norm]
+    with torch.no_grad():
+        torch.testing.assert_close(_run(graph, x), model(norm.module(x)))

@@ -230,3 +230,25 @@ def test_public_api():
         tg.Graph()
     with pytest.raises(TypeError, match="nn.Module"):
         tg.trace(lambda x: x)
+
+
+def test_several_opaque_modules_nested_and_shared():
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(8, 8), DataDependent())
+            self.other = DataDependent()
+            self.fc = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.fc(self.other(self.other(self.inner(x))))
+
+    model, x = Outer(), torch.randn(2, 8)
+    with pytest.warns(tg.OpaqueModuleWarning) as record:
+        graph = tg.trace(model, x)
+    messages = [str(w.message) for w in record]
+    assert any("Outer.inner.1 (DataDependent)" in m for m in messages)
+    assert any("Outer.other (DataDependent)" in m for m in messages)
+    assert [n.name for n in graph if n.opaque] == ["inner_1", "other", "other_1"]
+    assert not graph["inner_0"].opaque
+    torch.testing.assert_close(graph.to_module()(x), model(x))

@@ -25,8 +25,6 @@ from . import _meta
 
 __all__ = ["Graph", "Node"]
 
-_Slot = "int | str"
-
 
 def _snake(name: str) -> str:
     name = re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower()
@@ -336,7 +334,15 @@ class Graph:
     def fingerprint(self) -> str:
         """Structural hash (32 hex digits) of the computation: ops, their configuration, parameter
         shapes and requires_grad flags, input shapes and connections -- not attribute names, node
-        names or weights. It does not run the model (shapes follow from the input shapes)."""
+        names or weights. It does not run the model (shapes follow from the input shapes), so it
+        exists for a graph whose shapes don't fit too: ``propagate_shapes()`` checks them.
+
+        >>> import torch, torch.nn as nn, tridens as td
+        >>> a = td.graph.trace(nn.Sequential(nn.Linear(4, 8)), torch.randn(1, 4))
+        >>> b = td.graph.trace(nn.Sequential(nn.Linear(4, 8)), torch.randn(1, 4))
+        >>> a.fingerprint() == b.fingerprint()  # other weights, same structure
+        True
+        """
         from ._fingerprint import prefix_fingerprint
         return prefix_fingerprint(self, self.output._fx)
 
@@ -396,10 +402,15 @@ class Graph:
     # ---- editing -----------------------------------------------------------------------------
     def _edited(self) -> None:
         self._version += 1
+        self.lint()
+
+    def lint(self) -> None:
+        """Check the graph's consistency (fx ``lint``: topological order, names, targets);
+        raises :class:`~tridens.errors.GraphError`. Every edit runs it."""
         try:
             self._fx.lint()
-        except Exception as err:  # an edit left fx inconsistent: our bug or a misuse
-            raise GraphError(f"the graph of {self._name} is inconsistent after an edit: {err}") from err
+        except Exception as err:
+            raise GraphError(f"the graph of {self._name} is inconsistent: {err}") from err
 
     def _fx_of(self, node: Node) -> fx.Node:
         if not isinstance(node, Node):

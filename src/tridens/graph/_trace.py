@@ -54,7 +54,10 @@ class _Tracer(fx.Tracer):
             return super().call_module(m, forward, args, kwargs)
         except Exception:
             if self.failed_path is None:
-                self.failed_path = self.path_of_module(m)
+                try:
+                    self.failed_path = self.path_of_module(m)
+                except NameError:  # a module that is not part of the model: give up on it
+                    self.failed_path = ""
             raise
 
 
@@ -199,7 +202,7 @@ def trace(model: nn.Module, example_inputs: Any = None, *,
         except Exception as err:  # fx raises TraceError, TypeError, AttributeError, ...
             fx_graph = None
             path = tracer.failed_path
-            if path is None or path in opaque:
+            if not path or path in opaque:
                 root_error = err
                 break
             opaque[path] = _first_line(err)
