@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import threading
 
@@ -258,3 +259,30 @@ def test_parameter_validation(tmp_path):
         s.create_experiment("e")
         t = s.add_trial("e", new_trial())
         assert s.load_checkpoint(s.save_checkpoint(t.id, {"x": 1})) == {"x": 1}
+
+
+def test_relative_path_gives_absolute_checkpoint_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with Store("rel.db") as s:
+        assert s.path == tmp_path / "rel.db" and s.files_dir == tmp_path / "rel.db.files"
+        s.create_experiment("e")
+        t = s.add_trial("e", new_trial())
+        path = s.save_checkpoint(t.id, {"x": 1})
+    assert path.is_absolute() and path == tmp_path / "rel.db.files" / "e" / "trial-1.pt"
+
+
+def test_forked_child_reopens_instead_of_sharing_the_connection(store):
+    store.add_trial("exp", new_trial())
+    pid = os.fork()
+    if pid == 0:  # child: the inherited connection must not be used across fork()
+        code = 1
+        try:
+            t = store.add_trial("exp", new_trial(seed=5))
+            store.add_metrics(t.id, 0, {"acc": 1.0})
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert [(t.seed, t.metrics) for t in store.trials("exp")] == [(0, {}), (5, {"acc": [1.0]})]
+    store.add_trial("exp", new_trial())  # the parent's connection is unharmed

@@ -124,15 +124,16 @@ def test_locked_by_another_connection(tmp_path):
 # -- read-only directory ----------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def read_only_dir(path: Path) -> Iterator[None]:
-    """Make ``path`` unwritable for this process: chmod as a user; as root (which ignores modes) the
-    immutable attribute via chattr, or skip where the file system has none."""
+def read_only(path: Path) -> Iterator[None]:
+    """Make a directory or file unwritable for this process: chmod as a user; as root (which ignores
+    modes) the immutable attribute via chattr, or skip where the file system has none."""
     if os.geteuid() != 0:
-        path.chmod(0o555)
+        mode = path.stat().st_mode
+        path.chmod(0o555 if path.is_dir() else 0o444)
         try:
             yield
         finally:
-            path.chmod(0o755)
+            path.chmod(mode)
         return
     chattr = shutil.which("chattr")
     if chattr is None:
@@ -151,7 +152,7 @@ def test_store_in_read_only_directory(tmp_path):
     directory.mkdir()
     path = directory / "t.db"
     make_store(path)
-    with read_only_dir(directory):
+    with read_only(directory):
         assert not os.access(directory, os.W_OK)
         for target in (path, directory / "new.db"):
             with pytest.raises(StoreError) as err:
@@ -258,3 +259,14 @@ def test_concurrent_readers_while_a_writer_writes(tmp_path):
     assert len([x for x in lines if x.startswith("done")]) == n
     assert all(max(s) == n for s in seen)
     assert any(len(s) > 2 for s in seen)  # the readers did read while the writer wrote
+
+
+def test_read_only_store_file(tmp_path):
+    path = tmp_path / "t.db"
+    make_store(path)
+    with read_only(path):
+        with pytest.raises(StoreError) as err:
+            Store(path)
+        assert one_line(err).startswith(f"cannot write the store {path}: the file is read-only")
+        with Store(path, readonly=True) as ro:
+            assert len(ro.trials("e")) == 3

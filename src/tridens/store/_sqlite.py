@@ -101,7 +101,7 @@ class Store:
         if synchronous not in ("NORMAL", "FULL"):
             raise ValueError(
                 f"The 'synchronous' parameter of Store must be 'NORMAL' or 'FULL'. Got {synchronous!r} instead.")
-        self.path = Path(path)
+        self.path = Path(path).absolute()  # checkpoint paths stay valid after a chdir
         self.files_dir = self.path.with_name(self.path.name + ".files")
         self.timeout = float(timeout)
         self.readonly = bool(readonly)
@@ -348,12 +348,12 @@ class Store:
         now = time.time()
         with self._writing(f"creating experiment {name!r}", single=True) as conn:
             if exist_ok:
-                cur = conn.execute(
+                conn.execute(
                     "INSERT OR IGNORE INTO experiments (name, status, config, created_at, updated_at) "
                     "VALUES (?, ?, ?, ?, ?)", (name, status, config_json, now, now))
             else:
                 try:
-                    cur = conn.execute(
+                    conn.execute(
                         "INSERT INTO experiments (name, status, config, created_at, updated_at) "
                         "VALUES (?, ?, ?, ?, ?)", (name, status, config_json, now, now))
                 except sqlite3.IntegrityError as e:
@@ -574,7 +574,7 @@ class Store:
                            integrity=f"no trial with id {trial_id} in the store {self.path}") as conn:
             conn.execute("INSERT OR REPLACE INTO checkpoints (trial_id, kind, path, saved_at) VALUES (?, ?, ?, ?)",
                          (trial_id, kind, rel, time.time()))
-        return final.resolve()
+        return final
 
     def load_checkpoint(self, path: str | os.PathLike[str], *, map_location: Any = "cpu") -> Any:
         """Load a checkpoint saved by :meth:`save_checkpoint` (``weights_only=True``: tensors and plain
