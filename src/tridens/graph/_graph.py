@@ -22,6 +22,10 @@ from torch.fx.node import map_arg
 
 from ..errors import GraphError, InvalidSample
 from . import _meta
+from ._fingerprint import prefix_fingerprint
+from ._flops import flops
+from ._params import num_params
+from ._shapes import as_inputs, propagate
 
 __all__ = ["Graph", "Node"]
 
@@ -158,7 +162,6 @@ class Node:
     def prefix_fingerprint(self) -> str:
         """Hash of the subgraph that feeds this node: its own descriptor and its inputs' prefix
         fingerprints in slot order (memoized until the next edit)."""
-        from ._fingerprint import prefix_fingerprint
         return prefix_fingerprint(self._graph, self._fx)
 
     # ---- editing -----------------------------------------------------------------------------
@@ -305,10 +308,9 @@ class Graph:
     # ---- passes ------------------------------------------------------------------------------
     def _ensure_shapes(self) -> None:
         if self._shapes_version == self._version:
-            if self._shape_error is not None:
-                raise self._shape_error
+            if self._shape_error is not None:  # a fresh exception: don't grow the cached traceback
+                raise InvalidSample(str(self._shape_error)) from self._shape_error.__cause__
             return
-        from ._shapes import propagate
         self._shapes_version = self._version
         self._shape_error = None
         try:
@@ -324,8 +326,7 @@ class Graph:
         when the model does not fit its example inputs.
         """
         if example_inputs is not None:
-            from ._trace import _as_tuple
-            self._example_inputs = _as_tuple(example_inputs)
+            self._example_inputs = as_inputs(example_inputs)
             self._version += 1
         if self._example_inputs is None:
             raise InvalidSample(f"the graph of {self._name} has no example inputs to propagate")
@@ -343,18 +344,15 @@ class Graph:
         >>> a.fingerprint() == b.fingerprint()  # other weights, same structure
         True
         """
-        from ._fingerprint import prefix_fingerprint
         return prefix_fingerprint(self, self.output._fx)
 
     def num_params(self, trainable_only: bool = False) -> int:
         """Number of parameter elements the graph uses (shared ones counted once)."""
-        from ._params import num_params
         return num_params(self, trainable_only)
 
     def flops(self) -> int:
         """Estimated floating point operations of one forward pass on the example inputs (see
         ``tridens.graph._flops`` for the counting rules). Per node in ``node.meta["tridens.flops"]``."""
-        from ._flops import flops
         return flops(self)
 
     # ---- code generation and copies ------------------------------------------------------------

@@ -20,7 +20,20 @@ from . import _meta
 if TYPE_CHECKING:
     from ._graph import Graph
 
-__all__ = ["propagate"]
+__all__ = ["propagate", "as_inputs"]
+
+
+def as_inputs(example_inputs: Any) -> tuple[Any, ...] | None:
+    """Example inputs as a tuple: a tensor becomes a 1-tuple, None stays None."""
+    if example_inputs is None:
+        return None
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs)
+    raise TypeError(
+        "example_inputs must be a tensor or a tuple of tensors, "
+        f"but got {type(example_inputs).__name__}")
 
 
 class ShapeProp(fx.Interpreter):

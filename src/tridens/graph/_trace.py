@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from . import _meta
 from ._graph import Graph
+from ._shapes import as_inputs
 
 __all__ = ["trace", "OpaqueModuleWarning"]
 
@@ -59,19 +60,6 @@ class _Tracer(fx.Tracer):
                 except NameError:  # a module that is not part of the model: give up on it
                     self.failed_path = ""
             raise
-
-
-def _as_tuple(example_inputs: Any) -> tuple[Any, ...] | None:
-    if example_inputs is None:
-        return None
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs)
-    raise TypeError(
-        "example_inputs must be a tensor or a tuple of tensors, "
-        f"but got {type(example_inputs).__name__}"
-    )
 
 
 def _signature(model: nn.Module) -> list[inspect.Parameter] | None:
@@ -185,7 +173,7 @@ def trace(model: nn.Module, example_inputs: Any = None, *,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"trace() needs an nn.Module, but got {type(model).__name__}")
-    inputs = _as_tuple(example_inputs)
+    inputs = as_inputs(example_inputs)
     n_given = None if inputs is None else len(inputs)
     params = _signature(model)
     concrete = _concrete_args(params, n_given)
