@@ -78,7 +78,8 @@ def quality(sample: dict[str, Any]) -> float:
 
 @dataclass
 class Bench:
-    """Learning curves ``v_t = q * (1 - 0.5 exp(-(t+1)/3)) + noise`` for ``q = final(sample)``."""
+    """Learning curves rising to ``q = final(sample)`` at the last epoch, plus per-step noise:
+    ``v_t = q * g(t) / g(epochs - 1) + noise``, ``g(t) = 1 - 0.5 exp(-(t + 1) / 3)``."""
 
     space: SearchSpace
     final: Callable[[dict[str, Any]], float] = quality
@@ -92,7 +93,8 @@ class Bench:
     def curve(self, sample: dict[str, Any], objective: Objective) -> list[float]:
         q = self.final(sample)
         rng = random.Random(key(sample))
-        acc = [q * (1 - 0.5 * math.exp(-(t + 1) / 3)) + self.noise * rng.gauss(0, 1) for t in range(self.epochs)]
+        g = [1 - 0.5 * math.exp(-(t + 1) / 3) for t in range(self.epochs)]
+        acc = [q * g[t] / g[-1] + self.noise * rng.gauss(0, 1) for t in range(self.epochs)]
         return acc if objective.mode == "max" else [1 - a for a in acc]
 
 

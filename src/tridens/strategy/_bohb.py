@@ -27,8 +27,10 @@ __all__ = ["BOHB"]
 class BOHB(Hyperband):
     """Hyperband with TPE proposals (see the module docstring).
 
-    ``min_points_in_model`` defaults to the number of labels of the space plus one (BOHB's
-    ``d + 1``).
+    ``min_points_in_model`` defaults to ``max(d + 1, 20)`` for ``d`` labels: BOHB's KDE needs
+    ``d + 1`` points, but Optuna's TPE puts only about the best tenth of its points in its "good"
+    density and is no better than random with a handful of them (measured on synthetic
+    objectives: 20 points beat 3, 5, 6 and 10).
     """
 
     _kind = "bohb"
@@ -57,7 +59,7 @@ class BOHB(Hyperband):
 
     def _model_data(self) -> list[_Observation] | None:
         """Observations at the largest budget with enough of them, in trial-id order."""
-        needed = self.min_points_in_model or len(self.space) + 1
+        needed = self.min_points_in_model or max(len(self.space) + 1, 20)
         failed = [_Observation(self.space.validate(t.sample), "failed", steps={})
                   for tid, t in sorted(self._trials.items())
                   if t.status is TrialStatus.FAILED and self._keys.get(tid) is not None]

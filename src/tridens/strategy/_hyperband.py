@@ -14,8 +14,9 @@ Lockstep or one at a time. When the engine trains a group in lockstep it reports
 value at a rung before asking any decision there, and the whole rung is ranked at once (exact
 Hyperband). With a user training loop trials run one after another, so a decision is due before
 the rung is complete; then a trial continues if its value is in the top ``1/eta`` of the values
-the rung has seen so far (the asynchronous rule of ASHA) and the rung's quota of ``floor(n_i / eta)``
-survivors is not used up, so the bracket never trains more than Hyperband's budget.
+the rung has seen so far (ASHA's rule: at most ``(n - 1) / eta`` of the ``n`` values strictly
+better). That keeps about the same fraction in expectation, but not exactly ``floor(n_i / eta)``:
+a quota would stop good trials only for arriving late.
 
 A duplicate or failed trial is one fewer in its rung; the bracket is not refilled (the next
 group is a new bracket). Resuming: the groups of the history (by ``Trial.group``) are the
@@ -27,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ..trial import Decision, Trial, TrialGroup, TrialStatus
+from ..trial import Decision, Trial, TrialGroup
 from ._common import SearchBase, cap, check_int, check_order, sample_key
 
 __all__ = ["Hyperband"]
@@ -169,14 +170,6 @@ class Hyperband(SearchBase):
         tid = self._ids.get(key)
         return tid is not None and tid in self._trials
 
-    def _planned_keep(self, bracket: _Bracket, i: int) -> int:
-        dead = sum(1 for k in bracket.members if self._finished(k)
-                   and self._trials[self._ids[k]].status in (TrialStatus.FAILED, TrialStatus.DUPLICATE))
-        n = len(bracket.members) - dead
-        for _ in range(i + 1):
-            n = max(1, n // self.reduction_factor)
-        return n
-
     def _decide_rung(self, bracket: _Bracket, i: int, key: str) -> None:
         budget = bracket.budgets[i]
         decided = bracket.decisions[i]
@@ -184,26 +177,18 @@ class Hyperband(SearchBase):
         if key not in members:
             decided[key] = Decision.STOP
             return
+        scores = {k: v for k in members if (v := self._value(k, budget)) is not None}
         previous_closed = i == 0 or all(k in bracket.decisions[i - 1] or self._finished(k)
                                         for k in bracket.rung(i - 1))
-        scores = {k: v for k in members if (v := self._value(k, budget)) is not None}
-        complete = previous_closed and all(k in scores or self._finished(k) for k in members)
-        promoted = sum(1 for d in decided.values() if d is Decision.CONTINUE)
-        if complete:
+        if not decided and previous_closed and all(k in scores or self._finished(k) for k in members):
+            # the whole rung is in before its first decision: rank it (synchronous Hyperband)
             keep = max(1, len(scores) // self.reduction_factor)
             order = {k: j for j, k in enumerate(members)}
             ranked = sorted(scores, key=lambda k: (-scores[k], order[k]))
             for rank, k in enumerate(ranked):
-                if k in decided:
-                    continue
-                if rank < keep and promoted < keep:
-                    decided[k] = Decision.CONTINUE
-                    promoted += 1
-                else:
-                    decided[k] = Decision.STOP
-            decided.setdefault(key, Decision.STOP)
+                decided[k] = Decision.CONTINUE if rank < keep else Decision.STOP
             return
+        # a decision is due before the rung is complete (one trial at a time): ASHA's rule
         mine = scores[key]
         better = sum(1 for v in scores.values() if v > mine)
-        ok = better <= (len(scores) - 1) / self.reduction_factor
-        decided[key] = Decision.CONTINUE if ok and promoted < self._planned_keep(bracket, i) else Decision.STOP
+        decided[key] = Decision.CONTINUE if better <= (len(scores) - 1) / self.reduction_factor else Decision.STOP

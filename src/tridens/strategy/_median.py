@@ -55,6 +55,8 @@ class MedianStopping(Strategy):
         self._base.start(space, objective, rng, history)
 
     def ask(self, remaining: int | None = None) -> TrialGroup | None:
+        if not hasattr(self, "_base"):
+            raise RuntimeError("MedianStopping.start(space, objective, rng) must be called before ask()")
         return self._base.ask(remaining)
 
     def report(self, trial: Trial, step: int, value: float) -> None:
