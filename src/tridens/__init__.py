@@ -1,11 +1,16 @@
 """tridens: exploratory training for PyTorch.
 
+Describe a space of models (a base model plus mutations), pick a strategy, and tridens
+instantiates, trains, compares and stops the models.
+
 >>> import tridens as td
 >>> lr = td.choice("lr", [0.01, 0.1])
 """
 
-from . import nn, space, strategy
-from .errors import GraphError, InvalidSample, InvalidSpace, TridensError
+from . import datasets, evaluators, graph, nn, space, store, strategy
+from .engine import Experiment, load
+from .errors import GraphError, InvalidSample, InvalidSpace, StoreError, TridensError
+from .evaluators import report
 from .space import Mutator, choice, loguniform, randint, uniform
 from .space._model_space import ModelSpace
 from .trial import Decision, Objective, Trial, TrialGroup, TrialStatus
@@ -13,12 +18,9 @@ from .trial import Decision, Objective, Trial, TrialGroup, TrialStatus
 __version__ = "0.1.0"
 
 __all__ = [
-    "ModelSpace", "Mutator", "choice", "uniform", "loguniform", "randint", "nn",
-    "TridensError", "InvalidSpace", "InvalidSample", "GraphError",
+    "ModelSpace", "Mutator", "choice", "uniform", "loguniform", "randint",
+    "Experiment", "load", "report",
+    "TridensError", "InvalidSpace", "InvalidSample", "GraphError", "StoreError",
     "Trial", "TrialGroup", "TrialStatus", "Objective", "Decision",
-    "space", "strategy",
+    "nn", "space", "graph", "strategy", "evaluators", "datasets", "store",
 ]
-
-from . import graph  # noqa: E402  (the graph IR)
-
-__all__ += ["graph"]

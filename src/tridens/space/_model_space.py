@@ -89,6 +89,12 @@ class BaseSpace:
         """The sample of every label's first candidate (what the space object itself computes)."""
         return self.search_space().default_sample()
 
+    def restrict(self, sample: Mapping[str, Any]) -> dict[str, Any]:
+        """The labels of ``sample`` that belong to this space (an experiment's samples also hold
+        the evaluator's hyperparameters)."""
+        labels = self.search_space()
+        return {k: v for k, v in sample.items() if k in labels}
+
     def validate(self, sample: Mapping[str, Any], example_inputs: Any = None) -> dict[str, Any]:
         """Check labels and values (and, given ``example_inputs``, that the model's forward runs);
         return the sample restricted to its active labels. Raises :class:`InvalidSample`."""

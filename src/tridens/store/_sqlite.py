@@ -473,6 +473,11 @@ class Store:
                            integrity=f"no trial with id {trial_id} in the store {self.path}") as conn:
             conn.executemany(_INSERT_METRIC, rows)
 
+    def delete_metrics(self, trial_id: int) -> None:
+        """Forget every recorded step of a trial (before an interrupted trial is trained again)."""
+        with self._writing(f"deleting the metrics of trial {trial_id}") as conn:
+            conn.execute("DELETE FROM metrics WHERE trial_id = ?", (trial_id,))
+
     def trial(self, trial_id: int) -> Trial:
         """One trial by id, with its metrics and checkpoint filled."""
         with self._reading(f"reading trial {trial_id}") as conn:

@@ -1,0 +1,172 @@
+"""The ``tridens`` command: run, ls, show, top, export, resume.
+
+    tridens run search.py            # run a script that builds and runs a td.Experiment
+    tridens ls                       # experiments in the store
+    tridens show NAME                # configuration and every trial
+    tridens top NAME -k 10           # the best trials
+    tridens export NAME --top 1 --to best/
+    tridens resume NAME              # finish an interrupted experiment (re-runs its script)
+
+Every command takes ``--db PATH`` (default ``$TRIDENS_DB`` or ``tridens.db``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from .errors import TridensError
+
+__all__ = ["main"]
+
+
+def _store(db: str, readonly: bool = True):  # type: ignore[no-untyped-def]
+    from .store import Store, StoreError
+
+    if not Path(db).exists():
+        raise StoreError(f"no store at {db} (run an experiment first, or pass --db PATH)")
+    return Store(db, readonly=readonly)
+
+
+def _run_script(script: str, db: str, argv: Sequence[str]) -> int:
+    from .engine import _experiment
+
+    path = Path(script)
+    if not path.exists():
+        raise TridensError(f"no script {script}")
+    os.environ["TRIDENS_DB"] = os.path.abspath(db)
+    os.environ["TRIDENS_SCRIPT"] = str(path.resolve())
+    before = _experiment.RUN_COUNT
+    sys.argv = [str(path), *argv]
+    sys.path.insert(0, str(path.resolve().parent))
+    runpy.run_path(str(path), run_name="__main__")
+    if _experiment.RUN_COUNT == before:
+        raise TridensError(f"{script} ran but started no experiment (call td.Experiment(...).run() in it)")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    return _run_script(args.script, args.db, args.args)
+
+
+def _cmd_resume(args: argparse.Namespace) -> int:
+    with _store(args.db) as db:
+        record = db.get_experiment(args.name)
+    script = record.config.get("script")
+    if not script:
+        raise TridensError(f"experiment {args.name!r} records no script to resume from")
+    if not Path(script).exists():
+        raise TridensError(f"the script {script} of experiment {args.name!r} no longer exists")
+    return _run_script(script, args.db, record.config.get("argv") or [])
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .trial import Objective, TrialStatus
+
+    with _store(args.db) as db:
+        table = Table(title=f"experiments in {args.db}")
+        for col in ("name", "status", "trials", "best", "objective"):
+            table.add_column(col)
+        for record in db.experiments():
+            trials = db.trials(record.name)
+            objective = Objective(**record.config.get("objective", {"metric": "val_acc", "mode": "max"}))
+            scores = [t.metric for t in trials if t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED) and t.metric is not None]
+            best = max(scores, key=objective.score) if scores else None
+            table.add_row(record.name, record.status, str(len(trials)), "-" if best is None else f"{best:.4f}",
+                          f"{objective.metric} ({objective.mode})")
+    Console().print(table)
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+
+    from .engine._progress import trials_table
+    from .trial import Objective
+
+    with _store(args.db) as db:
+        record = db.get_experiment(args.name)
+        trials = db.trials(args.name)
+    console = Console()
+    config = record.config
+    console.print(f"[bold]{record.name}[/] ({record.status}), {len(trials)} trials")
+    for key in ("script", "strategy", "evaluator", "max_trials", "seed", "objective"):
+        if config.get(key) is not None:
+            value = config[key]
+            console.print(f"  {key}: {value.get('repr', value) if isinstance(value, dict) and 'repr' in value else json.dumps(value)}")
+    objective = Objective(**config.get("objective", {"metric": "val_acc", "mode": "max"}))
+    console.print(trials_table(trials, objective))
+    return 0
+
+
+def _cmd_top(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .engine import Experiment
+    from .engine._progress import trials_table
+
+    exp = Experiment.load(args.db, args.name)
+    Console().print(trials_table(exp.top(args.k), exp._objective(), title=f"top {args.k} of {args.name}"))
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .engine import Experiment
+
+    exp = Experiment.load(args.db, args.name)
+    for path in exp.export(args.to, top=args.top):
+        print(path)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tridens", description="Exploratory training for PyTorch.")
+    default_db = os.environ.get("TRIDENS_DB", "tridens.db")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--db", default=default_db, help="the experiment store (default: %(default)s)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", parents=[common], help="run a script that runs a td.Experiment")
+    p.add_argument("script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    p.set_defaults(fn=_cmd_run)
+    p = sub.add_parser("ls", parents=[common], help="list experiments")
+    p.set_defaults(fn=_cmd_ls)
+    p = sub.add_parser("show", parents=[common], help="an experiment's configuration and trials")
+    p.add_argument("name")
+    p.set_defaults(fn=_cmd_show)
+    p = sub.add_parser("top", parents=[common], help="the best trials of an experiment")
+    p.add_argument("name")
+    p.add_argument("-k", type=int, default=10)
+    p.set_defaults(fn=_cmd_top)
+    p = sub.add_parser("export", parents=[common], help="export the best models")
+    p.add_argument("name")
+    p.add_argument("--top", type=int, default=1)
+    p.add_argument("--to", required=True)
+    p.set_defaults(fn=_cmd_export)
+    p = sub.add_parser("resume", parents=[common], help="finish an interrupted experiment")
+    p.add_argument("name")
+    p.set_defaults(fn=_cmd_resume)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except (TridensError, OSError) as err:
+        message = " ".join(str(err).split())
+        print(f"tridens: error: {message}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,7 @@
+"""The engine: ``Experiment`` (ask, instantiate, dedup, run groups, store) and its executors."""
+
+from ._execution import Executor, InlineExecutor, ProcessExecutor
+from ._experiment import Experiment
+from ._export import load
+
+__all__ = ["Experiment", "Executor", "InlineExecutor", "ProcessExecutor", "load"]

@@ -1,0 +1,450 @@
+"""``td.Experiment``: the JIT engine loop (Retiarii) — ask the strategy, instantiate, dedup,
+run each TrialGroup on an executor, stream metrics to the store and the strategy."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from ..errors import InvalidSample, InvalidSpace, TridensError
+from ..evaluators._base import Evaluator
+from ..space import BaseSpace
+from ..space._domain import SearchSpace
+from ..store import Store, StoreError
+from ..strategy import Strategy
+from ..trial import Decision, Objective, Trial, TrialGroup, TrialStatus
+from ._execution import Executor, Job, make_executor
+from ._recipe import RecipeError, object_path, space_recipe
+
+__all__ = ["Experiment", "default_store_path"]
+
+log = logging.getLogger("tridens")
+
+_FINISHED_COUNTED = (TrialStatus.COMPLETED, TrialStatus.STOPPED, TrialStatus.FAILED)
+_MAX_IDLE_GROUPS = 50  # groups in a row that bring nothing new: the space is exhausted
+RUN_COUNT = 0  # experiments started in this process (the `tridens run` command checks a script started one)
+
+
+def default_store_path() -> str:
+    """``$TRIDENS_DB`` if set (the ``--db`` of the ``tridens`` command), else ``tridens.db``."""
+    return os.environ.get("TRIDENS_DB", "tridens.db")
+
+
+def _parse_duration(value: float | str | None) -> float | None:
+    if value is None or isinstance(value, (int, float)):
+        return None if value is None else float(value)
+    m = re.fullmatch(r"\s*([\d.]+)\s*(s|m|h|d)?\s*", str(value))
+    if not m:
+        raise ValueError(f"The 'max_duration' parameter of Experiment must be seconds or a string like '90s', '10m', '2h'. Got {value!r} instead.")
+    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2) or "s"]
+
+
+def _trial_seed(experiment_seed: int, position: int) -> int:
+    return random.Random(f"{experiment_seed}:{position}").getrandbits(31)
+
+
+class Experiment:
+    """Explore ``space`` with ``strategy``, training each model with ``evaluator``.
+
+    >>> exp = td.Experiment(Net(), evaluator, td.strategy.RegularizedEvolution(), max_trials=32,
+    ...                     store="tridens.db", name="cnn-search")       # doctest: +SKIP
+    >>> exp.run()                                                         # doctest: +SKIP
+    >>> exp.top(5)                                                        # doctest: +SKIP
+
+    Running the same script against the same store and name resumes the experiment: finished
+    trials are kept, interrupted ones are trained again, and the budget is completed.
+    Parameters are only stored here; they are checked when :meth:`run` starts.
+    """
+
+    def __init__(self, space: BaseSpace | None, evaluator: Evaluator | None, strategy: Strategy | None = None, *,
+                 max_trials: int | None = None, max_duration: float | str | None = None,
+                 store: str | os.PathLike[str] | None = None, name: str | None = None,
+                 objective: str | Objective | None = None, seed: int = 0, executor: str | Executor = "inline",
+                 workers: int = 2, trial_timeout: float | None = None, constraints: Sequence[Any] = (),
+                 second_objective: tuple[str, str] | None = None, verbose: bool = True) -> None:
+        self.space = space
+        self.evaluator = evaluator
+        self.strategy = strategy
+        self.max_trials = max_trials
+        self.max_duration = max_duration
+        self.store = store
+        self.name = name
+        self.objective = objective
+        self.seed = seed
+        self.executor = executor
+        self.workers = workers
+        self.trial_timeout = trial_timeout
+        self.constraints = constraints
+        self.second_objective = second_objective
+        self.verbose = verbose
+        self._loaded: list[Trial] | None = None
+
+    # -- reading back -------------------------------------------------------------------------
+    @classmethod
+    def load(cls, store: str | os.PathLike[str], name: str) -> "Experiment":
+        """An experiment read back from ``store`` (no training; ``trials``, ``top``, ``export`` work).
+
+        >>> exp = td.Experiment.load("tridens.db", "cnn-search")     # doctest: +SKIP
+        """
+        path = Path(store)
+        if not path.exists():
+            raise StoreError(f"no store at {path}")
+        with Store(path, readonly=True) as db:
+            record = db.get_experiment(name)
+        config = record.config
+        exp = cls(None, None, None, store=path, name=name, max_trials=config.get("max_trials"),
+                  seed=config.get("seed", 0), objective=Objective(**config["objective"]) if "objective" in config else None,
+                  second_objective=tuple(config["second_objective"]) if config.get("second_objective") else None)
+        return exp
+
+    def _store_path(self) -> Path:
+        return Path(self.store if self.store is not None else default_store_path())
+
+    def _name(self) -> str:
+        if self.name:
+            return self.name
+        if self.space is not None:
+            cls_name = type(getattr(self.space, "base", self.space)).__name__
+            return re.sub(r"(?<!^)(?=[A-Z])", "-", cls_name).lower()
+        raise ValueError("The 'name' parameter of Experiment is required to read an experiment back.")
+
+    def _objective(self) -> Objective:
+        if isinstance(self.objective, Objective):
+            return self.objective
+        base = self.evaluator.objective if self.evaluator is not None else Objective()
+        if isinstance(self.objective, str):
+            return Objective(self.objective, base.mode if self.objective == base.metric else
+                             ("min" if "loss" in self.objective or "error" in self.objective else "max"))
+        return base
+
+    def trials(self) -> list[Trial]:
+        """Every trial of the experiment, in id order, from the store."""
+        with Store(self._store_path(), readonly=True) as db:
+            return db.trials(self._name())
+
+    def top(self, k: int = 5) -> list[Trial]:
+        """The ``k`` best finished trials, best first. With ``second_objective`` set, the Pareto
+        front (objective vs. e.g. ``("params", "min")``) comes first, ordered by the objective."""
+        objective = self._objective()
+        scored = [t for t in self.trials()
+                  if t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED) and t.metric is not None
+                  and not math.isnan(t.metric)]
+        scored.sort(key=lambda t: (-objective.score(t.metric), t.id))
+        if self.second_objective:
+            from ..strategy import pareto_front
+
+            front = pareto_front(scored, [objective, Objective(*self.second_objective)])
+            front_ids = {t.id for t in front}
+            scored = front + [t for t in scored if t.id not in front_ids]
+        return scored[:k]
+
+    def best(self) -> Trial | None:
+        """The best finished trial (``None`` before any)."""
+        top = self.top(1)
+        return top[0] if top else None
+
+    def export(self, directory: str | os.PathLike[str], top: int = 1) -> list[Path]:
+        """Write the ``top`` best models to ``directory`` (one sub-folder each when top > 1), with
+        what :func:`tridens.load` needs to rebuild them: weights, sample, space recipe, metrics."""
+        from ._export import export_trials
+
+        with Store(self._store_path(), readonly=True) as db:
+            record = db.get_experiment(self._name())
+            trials = self.top(top)
+            return export_trials(db, record.config, trials, Path(directory))
+
+    # -- running ------------------------------------------------------------------------------
+    def _check(self) -> None:
+        from ..space import BaseSpace as _Base
+
+        if not isinstance(self.space, _Base):
+            raise InvalidSpace(f"The 'space' parameter of Experiment must be a tridens space (a ModelSpace or "
+                               f"ModelSpace.from_base(...)). Got {type(self.space).__name__} instead.")
+        if not isinstance(self.evaluator, Evaluator):
+            raise ValueError(f"The 'evaluator' parameter of Experiment must be a tridens evaluator. Got {self.evaluator!r} instead.")
+        if self.strategy is not None and not isinstance(self.strategy, Strategy):
+            raise ValueError(f"The 'strategy' parameter of Experiment must be a td.strategy.Strategy (e.g. "
+                             f"td.strategy.Random()). Got {self.strategy!r} instead.")
+        if self.max_trials is not None and (not isinstance(self.max_trials, int) or self.max_trials < 1):
+            raise ValueError(f"The 'max_trials' parameter of Experiment must be an int in the range [1, inf). Got {self.max_trials!r} instead.")
+        if self.trial_timeout is not None and not (isinstance(self.trial_timeout, (int, float)) and self.trial_timeout > 0):
+            raise ValueError(f"The 'trial_timeout' parameter of Experiment must be a positive number of seconds. Got {self.trial_timeout!r} instead.")
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"The 'workers' parameter of Experiment must be an int in the range [1, inf). Got {self.workers!r} instead.")
+        _parse_duration(self.max_duration)
+
+    def _config(self, objective: Objective) -> dict[str, Any]:
+        try:
+            recipe: dict[str, Any] | None = space_recipe(self.space)
+        except RecipeError as err:
+            log.warning("the space cannot be rebuilt from the store (%s); export will keep weights and an exported program only", err)
+            recipe = None
+        main = sys.modules.get("__main__")
+        script = os.environ.get("TRIDENS_SCRIPT") or getattr(main, "__file__", None)
+        return {
+            "space": recipe,
+            "script": os.path.abspath(script) if script else None,
+            "argv": list(sys.argv[1:]),
+            "evaluator": {"type": type(self.evaluator).__name__, "repr": repr(self.evaluator)},
+            "strategy": {"type": type(self.strategy).__name__, "repr": repr(self.strategy)},
+            "max_trials": self.max_trials,
+            "max_duration": self.max_duration,
+            "seed": self.seed,
+            "objective": {"metric": objective.metric, "mode": objective.mode},
+            "second_objective": list(self.second_objective) if self.second_objective else None,
+        }
+
+    def run(self) -> "Experiment":
+        """Run (or resume) the exploration until ``max_trials`` trials finished, ``max_duration``
+        passed, or the strategy is done. Returns the experiment."""
+        from ..strategy import Random
+
+        global RUN_COUNT
+        self._check()
+        RUN_COUNT += 1
+        strategy = self.strategy if self.strategy is not None else Random()
+        objective = self._objective()
+        path = self._store_path()
+        name = self._name()
+        with Store(path) as db:
+            try:
+                db.get_experiment(name)
+                resumed = True
+            except StoreError:
+                db.create_experiment(name, self._config(objective))
+                resumed = False
+            db.update_experiment(name, status="running")
+            run = _Run(self, db, name, strategy, objective)
+            try:
+                run.loop(resumed)
+            except BaseException:
+                db.update_experiment(name, status="interrupted")
+                raise
+            finally:
+                run.progress.close()
+            db.update_experiment(name, status="done")
+        return self
+
+    def __repr__(self) -> str:
+        return f"Experiment(name={self.name!r}, store={str(self._store_path())!r})"
+
+
+class _Run:
+    """The state of one ``run()``: the engine loop and the hooks executors call."""
+
+    def __init__(self, exp: Experiment, db: Store, name: str, strategy: Strategy, objective: Objective):
+        from ._progress import Progress
+
+        self.exp, self.db, self.name, self.strategy, self.objective = exp, db, name, strategy, objective
+        self.trial_timeout = exp.trial_timeout
+        self.evaluator: Evaluator = exp.evaluator  # type: ignore[assignment]
+        self.space: BaseSpace = exp.space  # type: ignore[assignment]
+        self.deadline = None
+        duration = _parse_duration(exp.max_duration)
+        if duration is not None:
+            self.deadline = time.monotonic() + duration
+        self.seen: dict[str, Trial] = {}  # dedup key -> finished trial
+        self.progress = Progress(exp.max_trials, objective, enabled=exp.verbose)
+
+    # -- hooks for executors -----------------------------------------------------------------
+    def record(self, trial: Trial, step: int, metrics: Mapping[str, float]) -> None:
+        values = {k: float(v) for k, v in metrics.items()}
+        self.db.add_metrics(trial.id, step, values)
+        for key, value in values.items():
+            trial.metrics.setdefault(key, []).append(value)
+        value = values.get(self.objective.metric, next(iter(values.values()), math.nan))
+        self.strategy.report(trial, step, value)
+
+    def decide(self, trial: Trial, step: int) -> Decision:
+        decision = self.strategy.decide(trial, step)
+        if decision is Decision.STOP:
+            trial.status = TrialStatus.STOPPED
+        return decision
+
+    def finish(self, trial: Trial, status: TrialStatus, *, error: str | None = None,
+               weights: Mapping[str, Any] | None = None, value: float | None = None) -> None:
+        trial.status = status
+        trial.error = error
+        values = trial.metrics.get(self.objective.metric)
+        trial.metric = value if value is not None else (values[-1] if values else None)
+        trial.finished_at = time.time()
+        if weights is not None and status in (TrialStatus.COMPLETED, TrialStatus.STOPPED):
+            trial.checkpoint = str(self.db.save_checkpoint(trial.id, dict(weights)))
+        self.db.update_trial(trial)  # written before it counts as done
+        if status is TrialStatus.FAILED:
+            log.warning("trial %d failed: %s", trial.id, (error or "").strip().splitlines()[-1] if error else "")
+        else:
+            self.seen.setdefault(self._dedup_key(trial), trial)
+        self.strategy.tell(trial)
+        self.progress.trial_done(trial)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _dedup_key(self, trial: Trial) -> str:
+        hparams = {k: trial.sample[k] for k in self.evaluator.search_space() if k in trial.sample}
+        return f"{trial.fingerprint}|{json.dumps(hparams, sort_keys=True)}"
+
+    def loop(self, resumed: bool) -> None:
+        trials = self.db.trials(self.name)
+        finished = [t for t in trials if t.status.finished]
+        interrupted = [t for t in trials if not t.status.finished]
+        for t in finished:
+            if t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED):
+                self.seen.setdefault(self._dedup_key(t), t)
+        search_space = self.space.search_space().merged(self.evaluator.search_space())
+        self.search_space = search_space
+        self.strategy.start(search_space, self.objective, random.Random(self.exp.seed), finished)
+        executor = make_executor(self.exp.executor, self.exp.workers)
+        self.group_index = max((t.group or 0 for t in trials), default=-1) + 1
+        self.position = len(trials)
+        counted = sum(t.status in _FINISHED_COUNTED for t in finished)
+        self.progress.start(self.name, counted, resumed)
+        if interrupted:
+            log.info("resuming %s: %d finished trials kept, %d interrupted trials run again",
+                     self.name, len(finished), len(interrupted))
+            for t in interrupted:
+                t.metrics = {}
+                self.db.delete_metrics(t.id)  # the re-run writes its own steps
+            self._run_jobs([j for j in (self._job(t) for t in interrupted) if j is not None], executor)
+            counted += len(interrupted)
+        idle = 0
+        try:
+            while True:
+                remaining = None if self.exp.max_trials is None else self.exp.max_trials - counted
+                if remaining is not None and remaining <= 0:
+                    break
+                if self.deadline is not None and time.monotonic() >= self.deadline:
+                    log.info("max_duration reached")
+                    break
+                group = self.strategy.ask(remaining)
+                if group is None:
+                    break
+                samples = group.samples if remaining is None else group.samples[:remaining]
+                jobs = []
+                for sample in samples:
+                    job = self._new_job(sample, group)
+                    if job is not None:
+                        jobs.append(job)
+                if not jobs:
+                    idle += 1
+                    if idle >= _MAX_IDLE_GROUPS:
+                        log.info("the strategy proposed only known models %d times in a row: the space is exhausted", idle)
+                        break
+                    continue
+                idle = 0
+                self._run_jobs(jobs, executor)
+                counted += len(jobs)
+                self.group_index += 1
+        finally:
+            executor.close()
+
+    def _run_jobs(self, jobs: list[Job], executor: Executor) -> None:
+        if not jobs:
+            return
+        now = time.time()
+        for job in jobs:
+            job.trial.status = TrialStatus.RUNNING
+            job.trial.started_at = now
+            self.db.update_trial(job.trial)
+        executor.run_group(jobs, self.evaluator, self)
+
+    def _instantiate(self, trial: Trial) -> Any:
+        """Freeze the trial's model under its seed (so weights are reproducible) and fingerprint it."""
+        from ..graph import trace
+
+        if not getattr(self.evaluator, "needs_model", True):
+            trial.fingerprint = "sample:" + json.dumps({k: trial.sample[k] for k in self.space.search_space()
+                                                        if k in trial.sample}, sort_keys=True)
+            return None
+        torch.manual_seed(trial.seed)
+        model = self.space.freeze(self.space.restrict(trial.sample), check=False)
+        graph = trace(model, self.space.example_inputs)
+        trial.fingerprint = graph.fingerprint()
+        trial.info["params"] = sum(p.numel() for p in model.parameters())
+        try:
+            trial.info["flops"] = graph.flops()
+        except Exception:  # FLOPs are informative; an op the pass does not know must not fail the trial
+            pass
+        return model
+
+    def _violated(self, trial: Trial, model: Any) -> str | None:
+        for constraint in self.exp.constraints:
+            if constraint.key == "latency_ms" and "latency_ms" not in trial.info:
+                trial.info["latency_ms"] = _latency_ms(model, self.space.example_inputs)
+            message = constraint.violation(trial.info)
+            if message:
+                return message
+        return None
+
+    def _job(self, trial: Trial) -> Job | None:
+        """Instantiate an existing trial record; failures are recorded, not raised."""
+        try:
+            model = self._instantiate(trial)
+        except Exception as err:
+            from ._execution import _error_text
+
+            self.finish(trial, TrialStatus.FAILED, error=_error_text(err) if not isinstance(err, InvalidSample) else str(err))
+            return None
+        return Job(trial, model, trial.max_steps)
+
+    def _new_job(self, sample: Mapping[str, Any], group: TrialGroup) -> Job | None:
+        try:
+            clean = self.search_space.validate(sample)
+        except InvalidSample as err:
+            raise TridensError(f"strategy {type(self.strategy).__name__} proposed an invalid sample: {err}") from err
+        trial = Trial(id=-1, sample=clean, seed=0, group=self.group_index, max_steps=group.max_steps,
+                      experiment=self.name)
+        trial = self.db.add_trial(self.name, trial)
+        # Seeds follow the trial's position in its experiment (ids are global to the store).
+        trial.seed = _trial_seed(self.exp.seed, self.position)
+        self.position += 1
+        try:
+            model = self._instantiate(trial)
+        except Exception as err:
+            from ._execution import _error_text
+
+            self.db.update_trial(trial)
+            self.finish(trial, TrialStatus.FAILED, error=str(err) if isinstance(err, (InvalidSample, InvalidSpace)) else _error_text(err))
+            return None
+        key = self._dedup_key(trial)
+        original = self.seen.get(key)
+        if original is not None:
+            trial.status = TrialStatus.DUPLICATE
+            trial.metric = original.metric
+            trial.info["duplicate_of"] = original.id
+            trial.finished_at = time.time()
+            self.db.update_trial(trial)
+            self.strategy.tell(trial)
+            return None
+        violation = self._violated(trial, model)
+        if violation:
+            self.db.update_trial(trial)
+            self.finish(trial, TrialStatus.FAILED, error=f"constraint violated: {violation}")
+            return None
+        self.db.update_trial(trial)
+        return Job(trial, model, group.max_steps)
+
+
+def _latency_ms(model: Any, inputs: Sequence[Any] | None) -> float:
+    """Median forward time (eval mode, no grad) over a few runs on the example inputs."""
+    if model is None or inputs is None:
+        raise InvalidSpace("a latency constraint needs a model and example inputs (set space.example_inputs)")
+    model.eval()
+    times = []
+    with torch.no_grad():
+        model(*inputs)
+        for _ in range(5):
+            t0 = time.perf_counter()
+            model(*inputs)
+            times.append((time.perf_counter() - t0) * 1000)
+    model.train()
+    return sorted(times)[len(times) // 2]

@@ -1,0 +1,90 @@
+"""A progress bar and a live table of the best trials (rich), or one log line per trial when the
+output is not a terminal."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+from ..trial import Objective, Trial, TrialStatus
+
+__all__ = ["Progress", "trials_table"]
+
+
+def trials_table(trials: list[Trial], objective: Objective, title: str = "") -> Any:
+    """A rich Table of trials: id, status, objective, fingerprint, sample."""
+    from rich.table import Table
+
+    table = Table(title=title or None, show_lines=False)
+    for col in ("trial", "status", objective.metric, "epochs", "params", "fingerprint", "sample"):
+        table.add_column(col, overflow="fold")
+    for t in trials:
+        metric = "-" if t.metric is None or (isinstance(t.metric, float) and math.isnan(t.metric)) else f"{t.metric:.4f}"
+        params = t.info.get("params")
+        table.add_row(str(t.id), t.status.value, metric, str(t.steps), "-" if params is None else f"{params:,}",
+                      (t.fingerprint or "")[:10], _short_sample(t.sample))
+    return table
+
+
+def _short_sample(sample: dict[str, Any]) -> str:
+    text = ", ".join(f"{k}={v!r}" for k, v in sample.items())
+    return text if len(text) <= 90 else text[:87] + "..."
+
+
+class Progress:
+    def __init__(self, total: int | None, objective: Objective, enabled: bool = True):
+        self.total, self.objective, self.enabled = total, objective, enabled
+        self.best: list[Trial] = []
+        self.done = 0
+        self._live: Any = None
+
+    def start(self, name: str, done: int, resumed: bool) -> None:
+        self.name, self.done = name, done
+        if not self.enabled:
+            return
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+        if resumed:
+            self.console.print(f"[bold]tridens[/]: resuming {name!r} with {done} finished trials")
+        if self.console.is_terminal:
+            from rich.live import Live
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as Bar
+
+            self.bar = Bar(TextColumn(f"[bold]{name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            self.task = self.bar.add_task(name, total=self.total, completed=done)
+            self._live = Live(self._render(), console=self.console, refresh_per_second=4)
+            self._live.start()
+
+    def _render(self) -> Any:
+        from rich.console import Group
+
+        return Group(self.bar, trials_table(self.best, self.objective, title="best trials"))
+
+    def trial_done(self, trial: Trial) -> None:
+        if trial.status in _COUNTED:
+            self.done += 1
+        if trial.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED) and trial.metric is not None:
+            self.best = sorted(self.best + [trial], key=lambda t: -self.objective.score(t.metric))[:5]
+        if not self.enabled:
+            return
+        if self._live is not None:
+            self.bar.update(self.task, completed=self.done)
+            self._live.update(self._render())
+        else:
+            metric = "-" if trial.metric is None else f"{trial.metric:.4f}"
+            total = "?" if self.total is None else self.total
+            best = self.best[0].metric if self.best else None
+            print(f"[{self.name}] {self.done}/{total} trial {trial.id} {trial.status.value} "
+                  f"{self.objective.metric}={metric} best={'-' if best is None else f'{best:.4f}'}",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+
+_COUNTED = (TrialStatus.COMPLETED, TrialStatus.STOPPED, TrialStatus.FAILED)

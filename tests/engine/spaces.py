@@ -1,0 +1,60 @@
+"""Importable spaces and evaluator functions for engine tests (the process executor pickles them)."""
+
+import math
+import time
+
+import torch
+from torch import nn
+
+import tridens as td
+from tridens import nn as tnn
+
+
+class TinyCNN(tnn.ModelSpace):
+    def __init__(self):
+        super().__init__()
+        w = td.choice("width", [8, 16])
+        self.conv = nn.Conv2d(1, w, 3, padding=1)
+        self.op = tnn.LayerChoice([nn.Conv2d(w, w, 3, padding=1), nn.Identity()], label="op")
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(w * 16, 10)
+        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
+
+    def forward(self, x):
+        x = torch.relu(self.op(torch.relu(self.conv(x))))
+        x = nn.functional.max_pool2d(x, 2)
+        return self.head(self.drop(x.flatten(1)))
+
+
+class TinyMLP(tnn.ModelSpace):
+    def __init__(self):
+        super().__init__()
+        h = td.choice("hidden", [4, 8])
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, h), nn.ReLU(), nn.Linear(h, 10))
+        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def score_by_width(model, scale=1.0):
+    """A trivial user loop: reports a value derived from the model, per step."""
+    width = model.body[1].out_features
+    for step in range(3):
+        td.report(scale * width / 8 * (step + 1) / 3, step=step)
+
+
+def raise_on_hidden_8(model):
+    if model.body[1].out_features == 8:
+        raise RuntimeError("boom: hidden=8 is not supported")
+    return 0.5
+
+
+def nan_on_hidden_8(model):
+    return math.nan if model.body[1].out_features == 8 else 0.5
+
+
+def sleep_on_hidden_8(model):
+    if model.body[1].out_features == 8:
+        time.sleep(60)
+    return 0.5

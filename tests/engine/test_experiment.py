@@ -1,0 +1,161 @@
+import json
+import math
+
+import pytest
+import torch
+
+import tridens as td
+from tridens.engine import Experiment, load
+from tridens.store import Store
+from tridens.trial import TrialStatus
+
+from .spaces import TinyCNN, TinyMLP, nan_on_hidden_8, raise_on_hidden_8, score_by_width, sleep_on_hidden_8
+
+
+def _run(tmp_path, space, evaluator, strategy=None, name="exp", **kw):
+    exp = Experiment(space, evaluator, strategy, store=tmp_path / "t.db", name=name, verbose=False, **kw)
+    return exp.run()
+
+
+def test_declarative_search_end_to_end(tmp_path, classification):
+    exp = _run(tmp_path, TinyCNN(), classification, td.strategy.RegularizedEvolution(population=3, sample_size=2),
+               max_trials=5)
+    trials = exp.trials()
+    counted = [t for t in trials if t.status is not TrialStatus.DUPLICATE]
+    assert len(counted) == 5
+    for t in counted:
+        assert t.status is TrialStatus.COMPLETED
+        assert len(t.metrics["val_acc"]) == 2 and len(t.metrics["train_loss"]) == 2
+        assert t.metric == t.metrics["val_acc"][-1]
+        assert t.fingerprint and t.info["params"] > 0 and t.checkpoint
+        assert set(t.sample) == {"width", "op", "lr"}
+    top = exp.top(3)
+    assert [t.metric for t in top] == sorted((t.metric for t in counted), reverse=True)[:3]
+    assert exp.best().id == top[0].id
+    # trained well above chance on real digits
+    assert exp.best().metric > 0.3
+
+
+def test_same_sample_and_seed_give_same_metrics(tmp_path, classification):
+    a = _run(tmp_path, TinyCNN(), classification, td.strategy.Random(), name="a", max_trials=3, seed=7)
+    b = _run(tmp_path, TinyCNN(), classification, td.strategy.Random(), name="b", max_trials=3, seed=7)
+    ta, tb = a.trials(), b.trials()
+    assert [t.sample for t in ta] == [t.sample for t in tb]
+    assert [t.seed for t in ta] == [t.seed for t in tb]
+    assert [t.metrics for t in ta] == [t.metrics for t in tb]
+
+
+def test_load_reads_back_without_training(tmp_path, classification):
+    _run(tmp_path, TinyCNN(), classification, max_trials=2, name="readback")
+    exp = Experiment.load(tmp_path / "t.db", "readback")
+    assert len(exp.trials()) >= 2
+    assert exp.best() is not None and exp.best().metric is not None
+
+
+def test_functional_evaluator_and_dedup(tmp_path):
+    ev = td.evaluators.FunctionalEvaluator(score_by_width, scale=td.choice("scale", [1.0]))
+    exp = _run(tmp_path, TinyMLP(), ev, td.strategy.Random(), max_trials=10)
+    trials = exp.trials()
+    completed = [t for t in trials if t.status is TrialStatus.COMPLETED]
+    # only two distinct models exist: the rest are duplicates and the run ends
+    assert sorted(t.sample["hidden"] for t in completed) == [4, 8]
+    assert all(t.status in (TrialStatus.COMPLETED, TrialStatus.DUPLICATE) for t in trials)
+    best = exp.best()
+    assert best.sample["hidden"] == 8 and best.metric == pytest.approx(1.0)
+    assert best.metrics["val_acc" if "val_acc" in best.metrics else next(iter(best.metrics))] == pytest.approx([1/3, 2/3, 1.0])
+
+
+def test_failing_trials_are_recorded_and_the_run_continues(tmp_path):
+    ev = td.evaluators.FunctionalEvaluator(raise_on_hidden_8)
+    exp = _run(tmp_path, TinyMLP(), ev, td.strategy.GridSearch(), max_trials=2)
+    by_hidden = {t.sample["hidden"]: t for t in exp.trials()}
+    assert by_hidden[8].status is TrialStatus.FAILED and "boom: hidden=8" in by_hidden[8].error
+    assert "Traceback" in by_hidden[8].error
+    assert by_hidden[4].status is TrialStatus.COMPLETED
+
+
+def test_nan_metric_fails_the_trial(tmp_path):
+    exp = _run(tmp_path, TinyMLP(), td.evaluators.FunctionalEvaluator(nan_on_hidden_8), td.strategy.GridSearch(), max_trials=2)
+    by_hidden = {t.sample["hidden"]: t for t in exp.trials()}
+    assert by_hidden[8].status is TrialStatus.FAILED and "NaN" in by_hidden[8].error
+    assert by_hidden[4].status is TrialStatus.COMPLETED
+
+
+def test_nan_loss_fails_the_trial(tmp_path, digits_data):
+    train, val = digits_data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=128, optimizer="sgd",
+                                      lr=td.choice("lr", [1e38, 0.01]))
+    exp = _run(tmp_path, TinyMLP(), ev, td.strategy.GridSearch(), max_trials=4)
+    failed = [t for t in exp.trials() if t.status is TrialStatus.FAILED]
+    assert failed and all(t.sample["lr"] == 1e38 for t in failed)
+    assert all("loss" in t.error.lower() for t in failed)
+
+
+def test_process_executor_matches_inline_and_enforces_timeout(tmp_path):
+    ev = td.evaluators.FunctionalEvaluator(score_by_width, scale=td.choice("scale", [1.0]))
+    inline = _run(tmp_path, TinyMLP(), ev, td.strategy.GridSearch(), name="inline", max_trials=2)
+    proc = _run(tmp_path, TinyMLP(), ev, td.strategy.GridSearch(), name="proc", max_trials=2,
+                executor="process", workers=2)
+    assert [(t.sample, t.metrics, t.metric) for t in inline.trials()] == [(t.sample, t.metrics, t.metric) for t in proc.trials()]
+    slow = _run(tmp_path, TinyMLP(), td.evaluators.FunctionalEvaluator(sleep_on_hidden_8), td.strategy.GridSearch(),
+                name="slow", max_trials=2, executor="process", workers=2, trial_timeout=5)
+    by_hidden = {t.sample["hidden"]: t for t in slow.trials()}
+    assert by_hidden[8].status is TrialStatus.FAILED and "trial_timeout" in by_hidden[8].error
+    assert by_hidden[4].status is TrialStatus.COMPLETED
+
+
+def test_constraint_skips_models_without_training(tmp_path, classification):
+    big = TinyCNN().freeze({"width": 16, "op": 0})
+    limit = sum(p.numel() for p in big.parameters()) - 1
+    exp = _run(tmp_path, TinyCNN(), classification, td.strategy.GridSearch(), max_trials=8,
+               constraints=[td.strategy.Constraint("params", max=limit)])
+    for t in exp.trials():
+        if t.sample["width"] == 16 and t.sample["op"] == 0:
+            assert t.status is TrialStatus.FAILED and "params" in t.error and not t.metrics
+        else:
+            assert t.status is TrialStatus.COMPLETED
+
+
+def test_pareto_front_in_top(tmp_path, classification):
+    exp = _run(tmp_path, TinyCNN(), classification, td.strategy.GridSearch(), max_trials=8,
+               second_objective=("params", "min"))
+    top = exp.top(8)
+    front = td.strategy.pareto_front(exp.trials(), [td.Objective("val_acc", "max"), td.Objective("params", "min")])
+    assert [t.id for t in top[:len(front)]] == sorted((t.id for t in front), key=lambda i: -next(t.metric for t in front if t.id == i))
+
+
+def test_asha_stops_trials_in_lockstep(tmp_path, digits_data):
+    train, val = digits_data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=4, batch_size=128, optimizer="adam",
+                                      lr=td.choice("lr", [0.03, 0.01, 0.003, 0.001, 0.0003, 0.0001]))
+    exp = _run(tmp_path, TinyMLP(), ev, td.strategy.Hyperband(min_steps=1, max_steps=4, reduction_factor=2),
+               max_trials=6)
+    statuses = [t.status for t in exp.trials()]
+    assert TrialStatus.STOPPED in statuses
+    stopped = [t for t in exp.trials() if t.status is TrialStatus.STOPPED]
+    assert all(t.steps < 4 for t in stopped)
+
+
+def test_export_and_load_round_trip(tmp_path, classification, digits_data):
+    exp = _run(tmp_path, TinyCNN(), classification, max_trials=2)
+    [path] = exp.export(tmp_path / "best")
+    manifest = json.loads((path / "tridens.json").read_text())
+    assert manifest["sample"] == exp.best().sample
+    model = load(path)
+    program = load(path, prefer="program")
+    x = digits_data[1].tensors[0][:16] if hasattr(digits_data[1], "tensors") else torch.stack([digits_data[1][i][0] for i in range(16)])
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), program(x))
+    store = Store(tmp_path / "t.db", readonly=True)
+    weights = store.load_checkpoint(exp.best().checkpoint)
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+def test_bad_parameters_name_the_parameter(tmp_path, classification):
+    with pytest.raises(ValueError, match="'max_trials' parameter of Experiment"):
+        _run(tmp_path, TinyCNN(), classification, max_trials=0)
+    with pytest.raises(ValueError, match="'strategy' parameter"):
+        _run(tmp_path, TinyCNN(), classification, "random")
+    with pytest.raises(td.InvalidSpace, match="'space' parameter"):
+        _run(tmp_path, torch.nn.Linear(2, 2), classification)
