@@ -27,6 +27,14 @@ class Strategy:
     before asking any decision for that step, so synchronous rules (Hyperband rungs) see the
     whole rung. ``ask`` returns ``None`` when the strategy is finished, and must return a
     non-empty group otherwise. Constructors only store parameters; ``start`` validates them.
+
+    What the engine guarantees (the strategies' determinism and resume rely on it): one Trial
+    per sample of a group, in the group's order, with increasing ids; every trial told exactly
+    once, including DUPLICATE ones and ones FAILED by a constraint before training; the trials
+    of one group share ``Trial.group`` and other groups' trials have other values (Hyperband
+    finds its brackets in a history that way); ``Trial.metrics[objective.metric]`` holds the
+    values that were reported, one per step. Strategies identify trials by their sample: a
+    strategy never proposes the same sample twice.
     """
 
     def start(self, space: SearchSpace, objective: Objective, rng: random.Random,
