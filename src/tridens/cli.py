@@ -43,14 +43,50 @@ def _run_script(script: str, db: str, argv: Sequence[str]) -> int:
     before = _experiment.RUN_COUNT
     sys.argv = [str(path), *argv]
     sys.path.insert(0, str(path.resolve().parent))
-    runpy.run_path(str(path), run_name="__main__")
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except (TridensError, OSError, KeyboardInterrupt):
+        raise
+    except SystemExit as exit_:
+        if exit_.code not in (0, None):
+            raise
+    except Exception as err:  # the user's script failed: one line, the traceback on request
+        if os.environ.get("TRIDENS_DEBUG"):
+            raise
+        where = _user_frame(err)
+        raise TridensError(f"{script} failed{where}: {type(err).__name__}: {err} (set TRIDENS_DEBUG=1 for the traceback)") from err
     if _experiment.RUN_COUNT == before:
         raise TridensError(f"{script} ran but started no experiment (call td.Experiment(...).run() in it)")
     return 0
 
 
+def _user_frame(err: BaseException) -> str:
+    """`` at line N`` of the innermost frame in the user's script, if any."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if os.environ.get("TRIDENS_SCRIPT") == os.path.abspath(f.filename)]
+    return f" at line {frames[-1].lineno}" if frames else ""
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
-    return _run_script(args.script, args.db, args.args)
+    # `tridens run s.py --db x.db a b`: our --db may follow the script; after `--` all goes to the script.
+    rest, db = list(args.args), args.db
+    if "--" in rest:
+        cut = rest.index("--")
+        head, tail = rest[:cut], rest[cut + 1:]
+    else:
+        head, tail = rest, []
+    script_args = []
+    i = 0
+    while i < len(head):
+        if head[i] == "--db" and i + 1 < len(head):
+            db, i = head[i + 1], i + 2
+        elif head[i].startswith("--db="):
+            db, i = head[i].split("=", 1)[1], i + 1
+        else:
+            script_args.append(head[i])
+            i += 1
+    return _run_script(args.script, db, script_args + tail)
 
 
 def _cmd_resume(args: argparse.Namespace) -> int:

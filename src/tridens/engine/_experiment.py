@@ -26,13 +26,36 @@ from ..trial import Decision, Objective, Trial, TrialGroup, TrialStatus
 from ._execution import Executor, Job, make_executor
 from ._recipe import RecipeError, object_path, space_recipe
 
-__all__ = ["Experiment", "default_store_path"]
+__all__ = ["Experiment", "ExperimentFailed", "default_store_path"]
 
 log = logging.getLogger("tridens")
 
 _FINISHED_COUNTED = (TrialStatus.COMPLETED, TrialStatus.STOPPED, TrialStatus.FAILED)
 _MAX_IDLE_GROUPS = 50  # groups in a row that bring nothing new: the space is exhausted
 RUN_COUNT = 0  # experiments started in this process (the `tridens run` command checks a script started one)
+
+
+class ExperimentFailed(TridensError):
+    """Every trial of a run failed: nothing was learned (the trials and their errors are stored)."""
+
+
+_STRATEGY_NAMES = {
+    "random": "Random", "grid": "GridSearch", "grid-search": "GridSearch",
+    "regularized-evolution": "RegularizedEvolution", "evolution": "RegularizedEvolution",
+    "tpe": "TPE", "hyperband": "Hyperband", "asha": "ASHA", "bohb": "BOHB",
+}
+
+
+def _strategy_by_name(name: str | None) -> Strategy:
+    from .. import strategy as strategies
+
+    if name is None:
+        return strategies.Random()
+    key = name.lower().replace("_", "-")
+    if key not in _STRATEGY_NAMES:
+        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(sorted(_STRATEGY_NAMES))} "
+                         "(or pass a td.strategy instance)")
+    return getattr(strategies, _STRATEGY_NAMES[key])()
 
 
 def default_store_path() -> str:
@@ -172,7 +195,9 @@ class Experiment:
                                f"ModelSpace.from_base(...)). Got {type(self.space).__name__} instead.")
         if not isinstance(self.evaluator, Evaluator):
             raise ValueError(f"The 'evaluator' parameter of Experiment must be a tridens evaluator. Got {self.evaluator!r} instead.")
-        if self.strategy is not None and not isinstance(self.strategy, Strategy):
+        if isinstance(self.strategy, str):
+            _strategy_by_name(self.strategy)
+        elif self.strategy is not None and not isinstance(self.strategy, Strategy):
             raise ValueError(f"The 'strategy' parameter of Experiment must be a td.strategy.Strategy (e.g. "
                              f"td.strategy.Random()). Got {self.strategy!r} instead.")
         if self.max_trials is not None and (not isinstance(self.max_trials, int) or self.max_trials < 1):
@@ -207,12 +232,10 @@ class Experiment:
     def run(self) -> "Experiment":
         """Run (or resume) the exploration until ``max_trials`` trials finished, ``max_duration``
         passed, or the strategy is done. Returns the experiment."""
-        from ..strategy import Random
-
         global RUN_COUNT
         self._check()
         RUN_COUNT += 1
-        strategy = self.strategy if self.strategy is not None else Random()
+        strategy = _strategy_by_name(self.strategy) if isinstance(self.strategy, str) or self.strategy is None else self.strategy
         objective = self._objective()
         path = self._store_path()
         name = self._name()
@@ -233,6 +256,11 @@ class Experiment:
             finally:
                 run.progress.close()
             db.update_experiment(name, status="done")
+            failed = [t for t in run.finished_here if t.status is TrialStatus.FAILED]
+            if run.finished_here and len(failed) == len(run.finished_here):
+                reason = (failed[0].error or "").strip().splitlines()[-1] if failed[0].error else "unknown"
+                raise ExperimentFailed(f"every trial of {name!r} failed ({len(failed)} in this run; "
+                                       f"trial {failed[0].id}: {reason}); their errors are in {path}")
         return self
 
     def __repr__(self) -> str:
@@ -255,6 +283,7 @@ class _Run:
             self.deadline = time.monotonic() + duration
         self.seen: dict[str, Trial] = {}  # dedup key -> finished trial
         self.progress = Progress(exp.max_trials, objective, enabled=exp.verbose)
+        self.finished_here: list[Trial] = []
 
     # -- hooks for executors -----------------------------------------------------------------
     def record(self, trial: Trial, step: int, metrics: Mapping[str, float]) -> None:
@@ -286,6 +315,7 @@ class _Run:
         else:
             self.seen.setdefault(self._dedup_key(trial), trial)
         self.strategy.tell(trial)
+        self.finished_here.append(trial)
         self.progress.trial_done(trial)
 
     # -- the loop ------------------------------------------------------------------------------
