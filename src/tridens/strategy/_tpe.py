@@ -171,7 +171,7 @@ class _OptunaBridge:
 
 def observation(trial: Trial, objective: Objective, sample: dict[str, Any]) -> _Observation | None:
     """How a finished trial enters the study (``None``: it does not)."""
-    if trial.status is TrialStatus.DUPLICATE:
+    if trial.status is TrialStatus.DUPLICATE or not trial.status.finished:
         return None
     value = final_value(trial, objective)
     if trial.status is TrialStatus.COMPLETED and value is not None:
