@@ -5,7 +5,8 @@ every stage's width, every stage's block count (``tnn.Repeat``) and every block'
 default sample (every label's first candidate) *is* ResNet-18: widths 64/128/256/512, two blocks
 per stage, 3x3 kernels, 11.17 M parameters.
 
-For each of ``--samples`` random samples it times, separately:
+For each of ``--samples`` random samples, and as many runs of the default sample (ResNet-18
+itself), it times, separately:
 
 * ``freeze``      -- ``space.freeze(sample, check=False)``: validate, re-run ``__init__``
                      (including weight initialisation);
@@ -15,20 +16,25 @@ For each of ``--samples`` random samples it times, separately:
 and, reported apart from the target total, two optional passes the engine may also run:
 
 * ``check``       -- the forward pass ``freeze`` runs when the space has example inputs;
-* ``shapes``      -- ``graph.propagate_shapes()`` (what the first ``node.output_shape`` costs).
+* ``flops``       -- ``graph.flops()``, which propagates shapes (one forward through the graph);
+                     the engine calls it for every new trial.
+
+Each random sample is also run on the meta device (``with torch.device("meta"): space.freeze``):
+no weight is allocated or initialised, and the fingerprint is the same.
 
 Run::
 
     .venv/bin/python bench/space_freeze.py                 # 30 samples, table on stdout
-    .venv/bin/python bench/space_freeze.py --profile       # + cProfile of the three phases
+    .venv/bin/python bench/space_freeze.py --profile       # + cProfile's top functions
     .venv/bin/python bench/space_freeze.py --json out.json # + raw timings
+    .venv/bin/python bench/space_freeze.py --threads 1     # one torch intra-op thread
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import cProfile
+import gc
 import io
 import json
 import os
@@ -109,7 +115,7 @@ class ResNet18Space(tnn.ModelSpace):
 # measurement
 
 PHASES = ("freeze", "trace", "fingerprint")
-EXTRAS = ("check", "shapes")
+EXTRAS = ("check", "flops")
 
 
 class Clock:
@@ -128,8 +134,8 @@ def run_once(space: ResNet18Space, sample: dict[str, Any], device: str = "cpu",
              extras: bool = True) -> dict[str, float]:
     """Freeze, trace and fingerprint ``sample`` on ``device`` (``"cpu"`` or ``"meta"``); return the
     wall milliseconds of each phase, their total (``total``), its process-CPU milliseconds
-    (``total_cpu``), and with ``extras`` the shape-check forward (``check``) and shape propagation
-    (``shapes``). On ``"meta"`` the model is built under ``with torch.device("meta")``: no weight
+    (``total_cpu``), and with ``extras`` the shape-check forward (``check``) and ``graph.flops()``
+    including the shape propagation it triggers (``flops``). On ``"meta"`` the model is built under ``with torch.device("meta")``: no weight
     is allocated or initialised; the fingerprint is the same (it never reads values)."""
     inputs = tuple(t.to(device) for t in space.example_inputs)
     with torch.device(device):
@@ -142,6 +148,7 @@ def run_once(space: ResNet18Space, sample: dict[str, Any], device: str = "cpu",
     row: dict[str, Any] = {
         "freeze": c_freeze.wall, "trace": c_trace.wall, "fingerprint": c_fp.wall,
         "total": c_freeze.wall + c_trace.wall + c_fp.wall,
+        "freeze_cpu": c_freeze.cpu, "trace_cpu": c_trace.cpu, "fingerprint_cpu": c_fp.cpu,
         "total_cpu": c_freeze.cpu + c_trace.cpu + c_fp.cpu,
         "params": sum(p.numel() for p in model.parameters()), "nodes": len(graph), "fp": fingerprint,
     }
@@ -149,9 +156,9 @@ def run_once(space: ResNet18Space, sample: dict[str, Any], device: str = "cpu",
         from tridens.space._model_space import check_forward
         with Clock() as c_check:
             check_forward(model, inputs, sample)
-        with Clock() as c_shapes:
-            graph.propagate_shapes()
-        row["check"], row["shapes"] = c_check.wall, c_shapes.wall
+        with Clock() as c_flops:
+            row["flop_count"] = graph.flops()
+        row["check"], row["flops"] = c_check.wall, c_flops.wall
     return row
 
 
@@ -194,7 +201,7 @@ def percentile(values: list[float], q: float) -> float:
 def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """phase -> {median, p90, min, max} in milliseconds."""
     out = {}
-    for key in (*PHASES, "total", "total_cpu", *EXTRAS):
+    for key in (*PHASES, "total", *[f"{p}_cpu" for p in PHASES], "total_cpu", *EXTRAS):
         values = [float(r[key]) for r in rows if key in r]
         if values:
             out[key] = {"median": statistics.median(values), "p90": percentile(values, 90),
@@ -203,11 +210,81 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# profile
+# where the time goes
+
+def _median_ms(fn: Callable[[], Any], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        gc.collect()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def breakdown(reps: int = 15) -> str:
+    """Time the parts of each phase directly on ResNet-18 (the default sample): no profiler, so
+    no profiler overhead. Returns a table of medians over ``reps`` runs."""
+    from tridens.graph._fingerprint import module_structure
+
+    space = ResNet18Space()
+    sample = space.default_sample()
+    inputs = space.example_inputs
+    model = space.freeze(sample, check=False)
+    params = [p for p in model.parameters()]
+    n_params = sum(p.numel() for p in params)
+    resettable = [m for m in model.modules() if hasattr(m, "reset_parameters")]
+
+    def freeze_meta() -> None:
+        with torch.device("meta"):
+            space.freeze(sample, check=False)
+
+    def reset_all() -> None:
+        with torch.no_grad():
+            for m in resettable:
+                m.reset_parameters()  # type: ignore[operator]
+
+    def uniform_all() -> None:
+        with torch.no_grad():
+            for p in params:
+                p.uniform_()
+
+    def empty_all() -> None:
+        for p in params:
+            torch.empty_like(p)
+
+    def fresh_uniform_all() -> None:
+        with torch.no_grad():
+            for p in params:
+                torch.empty_like(p).uniform_()
+
+    graph = td.graph.trace(model, inputs)
+    call_modules = [graph._get(str(n.target)) for n in graph.fx_graph.nodes if n.op == "call_module"]
+    rows = [
+        ("freeze (CPU)", _median_ms(lambda: space.freeze(sample, check=False), reps)),
+        ("  freeze on the meta device (construction, no weights)", _median_ms(freeze_meta, reps)),
+        ("  reset_parameters() of every module (= weight init)", _median_ms(reset_all, reps)),
+        ("    of which uniform_() kernels alone", _median_ms(uniform_all, reps)),
+        ("  allocation of every parameter (empty_like)", _median_ms(empty_all, reps)),
+        ("  uniform_() into freshly allocated tensors (+ page faults)", _median_ms(fresh_uniform_all, reps)),
+        ("trace", _median_ms(lambda: td.graph.trace(model, inputs), reps)),
+        ("  torch.fx Tracer().trace alone", _median_ms(lambda: torch.fx.Tracer().trace(model), reps)),
+        ("fingerprint", _median_ms(lambda: td.graph.trace(model, inputs).fingerprint(), reps)
+         - _median_ms(lambda: td.graph.trace(model, inputs), reps)),
+        ("  module_structure() of every call_module node", _median_ms(lambda: [module_structure(m) for m in call_modules], reps)),
+    ]
+    init_ms = rows[3][1]
+    lines = [f"ResNet-18 (default sample, {n_params / 1e6:.2f} M params, {len(graph)} nodes, "
+             f"{len(call_modules)} call_module nodes), median of {reps} runs, wall ms:"]
+    lines += [f"  {name:<58}{ms:>8.2f}" for name, ms in rows]
+    lines.append(f"  uniform_() throughput: {init_ms * 1e6 / n_params:.2f} ns per parameter "
+                 f"({n_params / init_ms / 1e6:.2f} G params/s)")
+    return "\n".join(lines)
+
 
 def profile(n: int, seed: int, top: int = 20) -> str:
-    """cProfile ``n`` freeze + trace + fingerprint runs of random samples on the CPU; return a
-    breakdown of where the time goes and the top functions by own time."""
+    """cProfile of ``n`` freeze + trace + fingerprint runs of random samples and ``n`` of
+    ResNet-18: the top functions by own time."""
     space = ResNet18Space()
     space.search_space()
     rng = random.Random(seed)
@@ -219,41 +296,10 @@ def profile(n: int, seed: int, top: int = 20) -> str:
         model = space.freeze(sample, check=False)
         td.graph.trace(model, inputs).fingerprint()
     prof.disable()
-    stats = pstats.Stats(prof)
-    raw = stats.stats  # type: ignore[attr-defined]
-
-    def cum(predicate: Callable[[str, str], bool]) -> float:
-        return sum(v[3] for (file, _, func), v in raw.items() if predicate(file, func))
-
-    def own(predicate: Callable[[str, str], bool]) -> float:
-        return sum(v[2] for (file, _, func), v in raw.items() if predicate(file, func))
-
-    total = cum(lambda f, fn: f.endswith("_model_space.py") and fn == "freeze") \
-        + cum(lambda f, fn: f.endswith("graph/_trace.py") and fn == "trace") \
-        + cum(lambda f, fn: f.endswith("graph/_graph.py") and fn == "fingerprint")
-    parts = [
-        ("freeze", cum(lambda f, fn: f.endswith("_model_space.py") and fn == "freeze")),
-        ("  weight init (nn reset_parameters)", cum(lambda f, fn: "torch/nn/modules" in f and fn == "reset_parameters")),
-        ("    of which RNG kernels (uniform_/normal_)",
-         own(lambda f, fn: f == "~" and ("'uniform_'" in fn or "'normal_'" in fn))),
-        ("  search_space().validate", cum(lambda f, fn: f.endswith("_domain.py") and fn == "validate")),
-        ("trace", cum(lambda f, fn: f.endswith("graph/_trace.py") and fn == "trace")),
-        ("  torch.fx Tracer.trace", cum(lambda f, fn: f.endswith("fx/_symbolic_trace.py") and fn == "trace")),
-        ("    fx create_proxy (node creation)", cum(lambda f, fn: f.endswith("fx/proxy.py") and fn == "create_proxy")),
-        ("  root module rebuild (_build_root)", cum(lambda f, fn: f.endswith("graph/_trace.py") and fn == "_build_root")),
-        ("fingerprint", cum(lambda f, fn: f.endswith("graph/_graph.py") and fn == "fingerprint")),
-        ("  module_structure (per call_module)", cum(lambda f, fn: f.endswith("_fingerprint.py") and fn == "module_structure")),
-    ]
-    lines = [f"cProfile of {len(samples)} runs ({n} random samples + {n} x ResNet-18), "
-             f"per run (profiler overhead inflates Python-heavy phases):",
-             f"{'':<44}{'ms/run':>9}{'share':>8}"]
-    for name, seconds in parts:
-        lines.append(f"{name:<44}{seconds * 1e3 / len(samples):>9.2f}{seconds / total:>8.0%}")
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).strip_dirs().sort_stats("tottime").print_stats(top)
-    lines.append("\ntop functions by own time:")
-    lines.append("\n".join(buf.getvalue().splitlines()[4:]))
-    return "\n".join(lines)
+    body = "\n".join(buf.getvalue().splitlines()[4:])
+    return f"cProfile of {len(samples)} runs ({n} random samples + {n} x ResNet-18), top functions by own time:\n{body}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,17 +333,21 @@ def report(runs: dict[str, list[dict[str, Any]]]) -> str:
         "",
         "milliseconds, median / p90" + " " * 8 + "".join(f"{k:>18}" for k in runs),
     ]
-    for key in (*PHASES, "total", "total_cpu", *EXTRAS):
-        name = {"total": "total (freeze+trace+fp)", "total_cpu": "  total, process CPU ms",
-                "check": "(check: forward in freeze)", "shapes": "(shape propagation)"}.get(key, key)
+    for key in (*PHASES, "total", *[f"{p}_cpu" for p in PHASES], "total_cpu", *EXTRAS):
+        name = {"total": "total (freeze+trace+fp)", "total_cpu": "total, process CPU ms",
+                "freeze_cpu": "freeze, process CPU ms", "trace_cpu": "trace, process CPU ms",
+                "fingerprint_cpu": "fingerprint, process CPU ms",
+                "check": "(check: forward in freeze)", "flops": "(graph.flops(), shape prop.)"}.get(key, key)
         cells = "".join(f"{summaries[k][key]['median']:>10.1f} /{summaries[k][key]['p90']:>6.1f}" for k in runs)
         lines.append(f"{name:<34}{cells}")
+        if key in ("total", "total_cpu"):
+            lines.append("-" * (34 + 18 * len(runs)))
     lines.append("")
     for k in ("random/cpu", "resnet18/cpu", "random/meta", "resnet18/meta"):
-        s = summaries[k]["total"]
+        s, c = summaries[k]["total"], summaries[k]["total_cpu"]
         verdict = "under" if s["median"] < TARGET_MS else "OVER"
-        lines.append(f"target total < {TARGET_MS:.0f} ms, {k:<14}: median {s['median']:6.1f} ms, "
-                     f"p90 {s['p90']:6.1f} ms -> {verdict}")
+        lines.append(f"target total < {TARGET_MS:.0f} ms, {k:<14}: wall median {s['median']:6.1f} ms, "
+                     f"p90 {s['p90']:6.1f} ms -> {verdict} (process CPU median {c['median']:.1f} ms)")
     return "\n".join(lines)
 
 
@@ -305,10 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=30, help="random samples to time (default 30)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--profile", action="store_true", help="also print a cProfile breakdown")
+    parser.add_argument("--profile", action="store_true", help="also print cProfile's top functions")
     parser.add_argument("--json", metavar="PATH", help="write the raw timings here")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's, = cores)")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     with Clock() as c_setup:
         space = ResNet18Space()
@@ -322,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as fh:
             json.dump({"machine": machine(), "summary": {k: summarize(v) for k, v in runs.items()},
                        "runs": runs}, fh, indent=1, default=str)
+    print()
+    print(breakdown())
     if args.profile:
         print()
         print(profile(10, args.seed + 1))
