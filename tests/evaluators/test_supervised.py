@@ -301,6 +301,8 @@ def test_device_auto_and_explicit_cpu(digits):
 
 def test_objective_metric_can_be_the_loss(digits):
     train, val = digits
+    assert Classification(train, val, metrics=["loss"]).objective == td.Objective("val_loss", "min")
+    assert Regression(train, val, metrics=["mae"]).objective == td.Objective("val_mae", "min")
     ev = Classification(train, val, epochs=1, batch_size=128, lr=0.1, metric="val_loss")
     assert ev.objective == td.Objective("val_loss", "min")
     reporter = RecordingReporter()
@@ -313,3 +315,17 @@ def test_repr_and_params_show_the_placeholders(digits):
     ev = Classification(train, val, lr=td.choice("lr", [0.01, 0.1]))
     assert ev.params()["lr"].label == "lr"
     assert "lr=Choice('lr'" in repr(ev)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU path is tested above)")
+def test_cuda_training_resumes_identically(digits, tmp_path):
+    train, val = digits
+    ev = Classification(train, val, epochs=2, batch_size=64, lr=0.05, device="auto")
+    assert ev.config().device.type == "cuda"
+    straight = run_epochs(ev.trainer(mlp(dropout=0.3), {}, seed=1), 2)
+    first = ev.trainer(mlp(dropout=0.3), {}, seed=1)
+    head = run_epochs(first, 1)
+    torch.save(first.state_dict(), tmp_path / "c.pt")
+    resumed = ev.trainer(mlp(5, dropout=0.3), {}, seed=1)
+    resumed.load_state_dict(torch.load(tmp_path / "c.pt"))
+    assert [m["val_acc"] for m in head + run_epochs(resumed, 1)] == [m["val_acc"] for m in straight]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -86,7 +86,6 @@ class TrainConfig:
     device: torch.device
     transforms: Callable[[torch.Tensor], torch.Tensor] | None
     task: str = "classification"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -155,9 +154,15 @@ class _Supervised(StepwiseEvaluator):
 
     @property
     def objective(self) -> Objective:
-        """``val_acc`` (max) for Classification and ``val_mse`` (min) for Regression, unless
-        ``metric=`` names another reported metric."""
-        metric = self.metric if isinstance(self.metric, str) else self._metric_names(None)[0]
+        """``metric=`` if given, else the first reported validation metric: ``val_acc`` (max) for
+        Classification and ``val_mse`` (min) for Regression by default. Accuracy is maximized,
+        losses and errors minimized."""
+        if isinstance(self.metric, str):
+            metric = self.metric
+        else:
+            chosen = self.metrics if isinstance(self.metrics, (list, tuple)) and self.metrics and all(
+                m in self._METRICS for m in self.metrics) else None
+            metric = self._metric_names(chosen)[0]
         return Objective(metric, self._MODES.get(metric, "min"))
 
     # -- validation -------------------------------------------------------------------------
