@@ -11,6 +11,7 @@ Run::
     .venv/bin/python bench/zoo_trace.py                    # 5 samples per model, table on stdout
     .venv/bin/python bench/zoo_trace.py --samples 10 --models resnet,darts
     .venv/bin/python bench/zoo_trace.py --json zoo.json
+    .venv/bin/python bench/zoo_trace.py --threads 1         # one torch intra-op thread
 
 Exits with status 1 when a model's outcome differs from the one :data:`zoo.ZOO` expects.
 """
@@ -151,18 +152,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=5, help="random samples per model (default 5)")
     parser.add_argument("--models", default=",".join(ZOO), help="comma-separated subset of: " + ", ".join(ZOO))
     parser.add_argument("--json", metavar="PATH", help="write per-sample results here")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's, = cores)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in ZOO]
     if unknown:
         parser.error(f"unknown model(s) {unknown}; choose from {list(ZOO)}")
     warnings.simplefilter("ignore")
 
+    run_model(ZOO[names[0]], 1)  # warm-up: one-time costs of the process (lazy imports, first meta ops)
     results = []
     for name in names:
         results.append(run_model(ZOO[name], args.samples))
         print(f"  {name}: {results[-1].n_full}/{args.samples} traced fully", file=sys.stderr)
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads; "
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs (load avg {load}), {torch.get_num_threads()} threads; "
           f"{args.samples} random samples per model; times are medians over the samples")
     print()
     print(table(results))
