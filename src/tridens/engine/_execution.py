@@ -19,7 +19,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import torch
 from torch import nn
 
-from ..evaluators._base import Evaluator, StepwiseEvaluator, Trainer
+from ..evaluators._base import Evaluator, StepwiseEvaluator
 from ..trial import Decision, Trial, TrialStatus
 
 __all__ = ["Job", "GroupHooks", "Executor", "InlineExecutor", "ProcessExecutor", "TrialTimeout", "make_executor"]
@@ -114,8 +114,12 @@ class InlineExecutor(Executor):
 
     With a step-wise evaluator the group's trials advance in lockstep, one epoch each in turn:
     every trial's result for an epoch is recorded before any decision for that epoch, so
-    synchronous rules (Hyperband rungs) see the whole rung. Otherwise trials run one by one.
+    synchronous rules (Hyperband rungs) see the whole rung. The planner groups them into execution
+    units, fused where ``optimize`` allows (:mod:`tridens.xopt`). Otherwise trials run one by one.
     """
+
+    def __init__(self, optimize: bool = True):
+        self.optimize = optimize
 
     def run_group(self, jobs: Sequence[Job], evaluator: Evaluator, hooks: GroupHooks) -> None:
         if isinstance(evaluator, StepwiseEvaluator):
@@ -139,47 +143,36 @@ class InlineExecutor(Executor):
                      error=error, weights=_weights(job.model), value=value)
 
     def _lockstep(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, hooks: GroupHooks) -> None:
-        objective = evaluator.objective
-        active: list[tuple[Job, Trainer]] = []
-        for job in jobs:
-            try:
-                active.append((job, evaluator.trainer(job.model, job.trial.sample, job.trial.seed)))
-            except Exception as err:
-                hooks.finish(job.trial, TrialStatus.FAILED, error=_error_text(err))
+        from ._planner import plan
+
+        units = plan(jobs, evaluator, self.optimize)
         step = 0
-        while active:
-            survivors: list[tuple[Job, Trainer]] = []
-            for job, trainer in active:
-                limit = trainer.epochs if job.max_steps is None else min(trainer.epochs, job.max_steps)
-                if trainer.epoch >= limit:
-                    continue
-                t0 = time.monotonic()
-                try:
-                    metrics = dict(trainer.train_epoch())
-                    metrics = {**trainer.validate(), **metrics}
-                    metrics = {objective.metric: metrics[objective.metric], **metrics}
-                except Exception as err:
-                    hooks.finish(job.trial, TrialStatus.FAILED, error=_error_text(err))
-                    continue
-                job.trial.info["train_seconds"] = job.trial.info.get("train_seconds", 0.0) + time.monotonic() - t0
-                hooks.record(job.trial, step, metrics)
-                survivors.append((job, trainer))
-            still: list[tuple[Job, Trainer]] = []
-            for job, trainer in survivors:
-                limit = trainer.epochs if job.max_steps is None else min(trainer.epochs, job.max_steps)
-                value = job.trial.metrics[objective.metric][-1]
-                timeout = hooks.trial_timeout
-                if timeout is not None and job.trial.info["train_seconds"] > timeout:
-                    hooks.finish(job.trial, TrialStatus.FAILED, value=value,
-                                 error=f"trial {job.trial.id} exceeded trial_timeout={timeout} s after epoch {step}")
-                elif trainer.epoch >= limit:
-                    status, error = _final_status(value)
-                    hooks.finish(job.trial, status, error=error, weights=_weights(job.model), value=value)
-                elif hooks.decide(job.trial, step) is Decision.STOP:
-                    hooks.finish(job.trial, TrialStatus.STOPPED, weights=_weights(job.model), value=value)
-                else:
-                    still.append((job, trainer))
-            active = still
+        while any(unit.active() for unit in units):
+            for unit in units:
+                for trial_id, result in unit.train_epoch().items():
+                    job = unit.jobs[trial_id]
+                    if isinstance(result, BaseException):
+                        hooks.finish(job.trial, TrialStatus.FAILED, error=_error_text(result))
+                        unit.drop(trial_id)
+                    else:
+                        hooks.record(job.trial, step, result)
+            for unit in units:
+                for job in unit.active():
+                    trial_id = job.trial.id
+                    values = job.trial.metrics.get(unit.objective.metric)
+                    value = values[-1] if values else None
+                    timeout = hooks.trial_timeout
+                    if timeout is not None and job.trial.info.get("train_seconds", 0.0) > timeout:
+                        hooks.finish(job.trial, TrialStatus.FAILED, value=value,
+                                     error=f"trial {trial_id} exceeded trial_timeout={timeout} s after epoch {step}")
+                    elif unit.epoch(trial_id) >= unit.limit(trial_id):
+                        status, error = _final_status(value)
+                        hooks.finish(job.trial, status, error=error, weights=unit.weights(trial_id), value=value)
+                    elif hooks.decide(job.trial, step) is Decision.STOP:
+                        hooks.finish(job.trial, TrialStatus.STOPPED, weights=unit.weights(trial_id), value=value)
+                    else:
+                        continue
+                    unit.drop(trial_id)
             step += 1
 
 
@@ -287,11 +280,11 @@ class ProcessExecutor(Executor):
         return False
 
 
-def make_executor(kind: str | Executor, workers: int) -> Executor:
+def make_executor(kind: str | Executor, workers: int, optimize: bool = True) -> Executor:
     if isinstance(kind, Executor):
         return kind
     if kind in ("inline", "in-process"):
-        return InlineExecutor()
+        return InlineExecutor(optimize)
     if kind == "process":
         return ProcessExecutor(workers)
     raise ValueError(f"The 'executor' parameter of Experiment must be 'inline', 'process' or an Executor. Got {kind!r} instead.")

@@ -94,7 +94,8 @@ class Experiment:
                  store: str | os.PathLike[str] | None = None, name: str | None = None,
                  objective: str | Objective | None = None, seed: int = 0, executor: str | Executor = "inline",
                  workers: int = 2, trial_timeout: float | None = None, constraints: Sequence[Any] = (),
-                 second_objective: tuple[str, str] | None = None, verbose: bool = True) -> None:
+                 second_objective: tuple[str, str] | None = None, optimize: bool = True,
+                 verbose: bool = True) -> None:
         self.space = space
         self.evaluator = evaluator
         self.strategy = strategy
@@ -109,6 +110,7 @@ class Experiment:
         self.trial_timeout = trial_timeout
         self.constraints = constraints
         self.second_objective = second_objective
+        self.optimize = optimize
         self.verbose = verbose
         self._loaded: list[Trial] | None = None
 
@@ -333,7 +335,7 @@ class _Run:
         search_space = self.space.search_space().merged(self.evaluator.search_space())
         self.search_space = search_space
         self.strategy.start(search_space, self.objective, random.Random(self.exp.seed), finished)
-        executor = make_executor(self.exp.executor, self.exp.workers)
+        executor = make_executor(self.exp.executor, self.exp.workers, self.exp.optimize)
         self.group_index = max((t.group or 0 for t in trials), default=-1) + 1
         self.position = len(trials)
         counted = sum(t.status in _FINISHED_COUNTED for t in finished)
