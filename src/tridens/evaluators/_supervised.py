@@ -9,12 +9,14 @@ Determinism (CPU): with the same model initialization, sample and seed, every ep
 bit-identical. Three things make that so:
 
 * the order of training examples in epoch ``e`` is a permutation drawn from a
-  ``torch.Generator`` seeded from ``(seed, e)`` alone (so trials with the same seed see the same
-  batches, and a resumed trial sees the batches it would have seen);
-* dropout and any randomness in ``transforms`` draw from the trainer's own torch random stream,
-  started with ``torch.manual_seed(seed)`` when the trainer is created and swapped in around
-  its own work only, so trainers interleaved in one process don't disturb one another (nor the
-  caller's global random state);
+  ``torch.Generator`` seeded from ``(data_seed, e)`` alone, and the randomness of ``transforms``
+  (augmentation) in batch ``b`` from ``(data_seed, e, b)``: by default (``data_seed=0``) every
+  trial sees the same batches, so trials can share one data pipeline (tridens.xopt), and a
+  resumed trial sees the batches it would have seen. ``data_seed=None`` uses the trial's seed;
+* dropout draws from the trainer's own torch random stream, started with
+  ``torch.manual_seed(seed)`` when the trainer is created and swapped in around its own work
+  only, so trainers interleaved in one process don't disturb one another (nor the caller's
+  global random state);
 * the learning rate is a pure function of the optimizer step (see ``lr_factor``).
 """
 
@@ -86,6 +88,7 @@ class TrainConfig:
     device: torch.device
     transforms: Callable[[torch.Tensor], torch.Tensor] | None
     task: str = "classification"
+    data_seed: int | None = 0
 
     @property
     def steps_per_epoch(self) -> int:
@@ -99,10 +102,23 @@ class TrainConfig:
         """The learning rate of optimizer step ``step`` (0-based, counted over the whole training)."""
         return scheduled_lr(self.schedule, self.lr, step, self.total_steps)
 
+    def data_seed_of(self, seed: int) -> int:
+        """The seed of the data order and augmentation of a trial with ``seed``."""
+        return seed if self.data_seed is None else self.data_seed
+
     def epoch_order(self, seed: int, epoch: int) -> torch.Tensor:
         """The permutation of training examples used in ``epoch`` by a trial with ``seed``."""
-        g = torch.Generator().manual_seed(_epoch_seed(seed, epoch))
+        g = torch.Generator().manual_seed(_epoch_seed(self.data_seed_of(seed), epoch))
         return torch.randperm(len(self.train), generator=g)
+
+    def augment(self, x: torch.Tensor, seed: int, epoch: int, batch: int) -> torch.Tensor:
+        """``transforms(x)`` with its randomness drawn from ``(data seed, epoch, batch)``, so the
+        same batch is augmented the same way for every trial that shares the data seed."""
+        if self.transforms is None:
+            return x
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_epoch_seed(self.data_seed_of(seed), epoch * 1_000_003 + batch))
+            return self.transforms(x)
 
     def make_optimizer(self, params: Any) -> torch.optim.Optimizer:
         """A fresh optimizer of the configured kind. ``momentum`` means SGD's and RMSprop's
@@ -131,7 +147,7 @@ class _Supervised(StepwiseEvaluator):
                  schedule: str = "constant", loss: str | LossFn | None = None,
                  metrics: Sequence[str] | None = None, metric: str | None = None,
                  device: str | torch.device = "auto",
-                 transforms: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 transforms: Callable[[torch.Tensor], torch.Tensor] | None = None, data_seed: int | None = 0):
         self.train = train
         self.val = val
         self.epochs = epochs
@@ -146,6 +162,7 @@ class _Supervised(StepwiseEvaluator):
         self.metric = metric
         self.device = device
         self.transforms = transforms
+        self.data_seed = data_seed
 
     # -- what is reported -------------------------------------------------------------------
     def _metric_names(self, metrics: Sequence[str] | None) -> tuple[str, ...]:
@@ -181,6 +198,7 @@ class _Supervised(StepwiseEvaluator):
                      Satisfies(lambda v: v is None, "None")],
             "device": [Satisfies(_is_device, "'auto' or a torch device ('cpu', 'cuda', 'cuda:1')")],
             "transforms": [Satisfies(lambda v: v is None or callable(v), "None or a callable batch -> batch")],
+            "data_seed": [Interval("int", 0, None), Satisfies(lambda v: v is None, "None")],
         }
 
     def config(self, sample: Mapping[str, Any] | None = None) -> TrainConfig:
@@ -220,7 +238,8 @@ class _Supervised(StepwiseEvaluator):
             optimizer=values["optimizer"], lr=float(values["lr"]),
             momentum=None if values["momentum"] is None else float(values["momentum"]),
             weight_decay=float(values["weight_decay"]), schedule=values["schedule"], loss=loss_fn,
-            metrics=names, device=torch.device(device), transforms=values["transforms"], task=self.task)
+            metrics=names, device=torch.device(device), transforms=values["transforms"], task=self.task,
+            data_seed=values["data_seed"])
 
     # -- training ---------------------------------------------------------------------------
     def trainer(self, model: nn.Module | None, sample: Mapping[str, Any], seed: int) -> "SupervisedTrainer":
@@ -250,6 +269,8 @@ class Classification(_Supervised):
     default, 0.9 for SGD); ``loss`` defaults to cross entropy (or a name, or any callable);
     ``metrics`` chooses among ``"acc"`` and ``"loss"``; ``metric`` the objective (default
     ``val_acc``); ``transforms`` is applied to each training input batch (augmentation).
+    ``data_seed`` fixes the data order and augmentation shared by every trial (``None``: each
+    trial's own seed); a trial's seed decides its initialization and dropout.
 
     >>> import tridens as td
     >>> ev = td.evaluators.Classification(train=train_ds, val=val_ds, epochs=3, batch_size=64,  # doctest: +SKIP
@@ -411,8 +432,7 @@ class SupervisedTrainer:
                 lr = cfg.lr_at(self.step)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
-                if cfg.transforms is not None:
-                    x = cfg.transforms(x)
+                x = cfg.augment(x, self.seed, self.epoch, batch)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss = cfg.loss(self.model(x), y)
                 value = float(loss.item())
