@@ -50,8 +50,9 @@ class ExecutionUnit:
         """Train one more epoch of every active trial that has epochs left, then validate."""
         raise NotImplementedError
 
-    def weights(self, trial_id: int) -> dict[str, Any]:  # pragma: no cover - abstract
-        """The trial's current weights, as its own model's state_dict would hold them."""
+    def weights(self, trial_id: int) -> dict[str, Any] | None:  # pragma: no cover - abstract
+        """The trial's current weights, as its own model's state_dict would hold them (None
+        when the trial has no model)."""
         raise NotImplementedError
 
     def drop(self, trial_id: int) -> None:
@@ -116,9 +117,10 @@ class SeparateUnit(ExecutionUnit):
             info["train_seconds"] = info.get("train_seconds", 0.0) + time.monotonic() - t0
         return results
 
-    def weights(self, trial_id: int) -> dict[str, Any]:
+    def weights(self, trial_id: int) -> dict[str, Any] | None:
         model = self.jobs[trial_id].model
-        assert model is not None
+        if model is None:  # an evaluator that needs no model (Tabular): nothing to checkpoint
+            return None
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
     def _leave(self, trial_id: int) -> None:
