@@ -27,6 +27,9 @@ bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python bench/space_freeze.py
 	$(BIN)/python bench/zoo_trace.py
+	$(BIN)/python bench/bookkeeping.py
+	$(BIN)/python bench/random_search.py
+	$(BIN)/python bench/nb201_quality.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

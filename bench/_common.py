@@ -1,0 +1,129 @@
+"""Helpers shared by the engine benchmarks (bookkeeping, random_search, nb201_quality).
+
+Every compared system runs in its own fresh Python process (``python bench/X.py --one NAME ...``,
+printing one JSON line), so imports, Ray's runtime and allocator state never leak from one
+measurement into the next; the driver runs the systems interleaved (A B C A B C ...) and reports
+medians. The machine these were written on has 2 cores and is shared, hence the repeats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from importlib import metadata
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def machine() -> dict[str, Any]:
+    """What BENCHMARKS.md records next to every figure."""
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = (float("nan"),) * 3
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu_model(),
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "optuna": version("optuna"),
+        "ray": version("ray"),
+        "tridens": version("tridens"),
+        "loadavg": [round(x, 2) for x in load],
+    }
+
+
+def print_machine() -> None:
+    m = machine()
+    print(f"machine: nproc={m['nproc']}, cpu={m['cpu']!r}, python {m['python']}, torch {m['torch']}, "
+          f"optuna {m['optuna']}, ray {m['ray']}, tridens {m['tridens']}, load average {m['loadavg']}")
+
+
+def rss_mb() -> float:
+    """Resident set size of this process, MB (from /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def emit(result: Mapping[str, Any]) -> None:
+    """The one JSON line a ``--one`` worker prints last."""
+    sys.stdout.flush()
+    print("RESULT " + json.dumps(dict(result)), flush=True)
+
+
+def run_worker(script: str, args: Sequence[str], *, env: Mapping[str, str] | None = None,
+               timeout: float | None = None) -> dict[str, Any]:
+    """Run ``python script args`` in a fresh process; return the JSON of its ``RESULT`` line."""
+    cmd = [sys.executable, script, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, cwd=ROOT)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def interleave(names: Sequence[str], repeats: int, one: Callable[[str, int], dict[str, Any]],
+               *, log: bool = True) -> dict[str, list[dict[str, Any]]]:
+    """Run ``one(name, repeat)`` for every name, ``repeats`` rounds, A B C A B C ...;
+    the order inside a round rotates each round so no system always runs first."""
+    results: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for r in range(repeats):
+        order = list(names[r % len(names):]) + list(names[:r % len(names)])
+        for name in order:
+            res = one(name, r)
+            results[name].append(res)
+            if log:
+                shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()
+                         if not isinstance(v, (list, dict))}
+                print(f"  round {r + 1}/{repeats} {name:24s} {shown}", flush=True)
+    return results
+
+
+def median(values: Iterable[float]) -> float:
+    values = [v for v in values]
+    return statistics.median(values) if values else float("nan")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub-markdown table (also readable on a terminal)."""
+    cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else _fmt(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells[1:]]
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "-"
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
