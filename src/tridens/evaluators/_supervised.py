@@ -419,35 +419,54 @@ class SupervisedTrainer:
         """Train one epoch; return ``{"train_loss": mean training loss over its examples}``.
 
         Raises :class:`NonFiniteLoss` naming the epoch and batch where the loss became NaN/inf.
+        Built from :meth:`begin_epoch`, :meth:`epoch_batches`, :meth:`train_batch` and
+        :meth:`end_epoch`, which a driver sharing one data pipeline among trials calls itself.
         """
-        cfg = self.config
+        self.begin_epoch()
+        total, count = 0.0, 0
+        for batch, x, y in self.epoch_batches():
+            total += self.train_batch(x, y, batch) * len(y)
+            count += len(y)
+        return self.end_epoch(total / count)
+
+    def begin_epoch(self) -> None:
+        """Check there is an epoch left and put the model in training mode."""
         if self.done:
-            raise InvalidParameter(f"this {self.owner} trainer already trained its {cfg.epochs} epochs "
+            raise InvalidParameter(f"this {self.owner} trainer already trained its {self.config.epochs} epochs "
                                    f"(the 'epochs' parameter); build a new trainer to train more")
         self.model.train()
+
+    def epoch_batches(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """``(batch index, augmented input, target)`` of the current epoch, in training order."""
+        cfg = self.config
         order = cfg.epoch_order(self.seed, self.epoch)
-        total, count = 0.0, 0
+        for batch, (x, y) in enumerate(self._train.batches(order, cfg.batch_size)):
+            yield batch, cfg.augment(x, self.seed, self.epoch, batch), y
+
+    def train_batch(self, x: torch.Tensor, y: torch.Tensor, batch: int) -> float:
+        """One optimizer step on an (already augmented) batch; returns its training loss."""
+        cfg = self.config
+        lr = cfg.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         with self._random_stream():
-            for batch, (x, y) in enumerate(self._train.batches(order, cfg.batch_size)):
-                lr = cfg.lr_at(self.step)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-                x = cfg.augment(x, self.seed, self.epoch, batch)
-                self.optimizer.zero_grad(set_to_none=True)
-                loss = cfg.loss(self.model(x), y)
-                value = float(loss.item())
-                if not math.isfinite(value):
-                    raise NonFiniteLoss(
-                        f"the training loss of {self.owner} became {value} at epoch {self.epoch}, batch {batch} "
-                        f"(optimizer step {self.step}, lr {lr:.6g}); the trial failed. A lower 'lr' usually helps.",
-                        epoch=self.epoch, batch=batch, step=self.step, value=value)
-                loss.backward()
-                self.optimizer.step()
-                total += value * len(y)
-                count += len(y)
-                self.step += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = cfg.loss(self.model(x), y)
+            value = float(loss.item())
+            if not math.isfinite(value):
+                raise NonFiniteLoss(
+                    f"the training loss of {self.owner} became {value} at epoch {self.epoch}, batch {batch} "
+                    f"(optimizer step {self.step}, lr {lr:.6g}); the trial failed. A lower 'lr' usually helps.",
+                    epoch=self.epoch, batch=batch, step=self.step, value=value)
+            loss.backward()
+            self.optimizer.step()
+        self.step += 1
+        return value
+
+    def end_epoch(self, train_loss: float) -> dict[str, float]:
+        """Count the epoch as done; returns ``{"train_loss": train_loss}``."""
         self.epoch += 1
-        return {"train_loss": total / count}
+        return {"train_loss": train_loss}
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
