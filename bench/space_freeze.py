@@ -212,17 +212,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 # ---------------------------------------------------------------------------------------------
 # where the time goes
 
-def _median_ms(fn: Callable[[], Any], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        gc.collect()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def breakdown(reps: int = 15) -> str:
+def breakdown(reps: int = 21) -> str:
     """Time the parts of each phase directly on ResNet-18 (the default sample): no profiler, so
     no profiler overhead. Returns a table of medians over ``reps`` runs."""
     from tridens.graph._fingerprint import module_structure
@@ -260,20 +250,31 @@ def breakdown(reps: int = 15) -> str:
 
     graph = td.graph.trace(model, inputs)
     call_modules = [graph._get(str(n.target)) for n in graph.fx_graph.nodes if n.op == "call_module"]
-    rows = [
-        ("freeze (CPU)", _median_ms(lambda: space.freeze(sample, check=False), reps)),
-        ("  freeze on the meta device (construction, no weights)", _median_ms(freeze_meta, reps)),
-        ("  reset_parameters() of every module (= weight init)", _median_ms(reset_all, reps)),
-        ("    of which uniform_() kernels alone", _median_ms(uniform_all, reps)),
-        ("  allocation of every parameter (empty_like)", _median_ms(empty_all, reps)),
-        ("  uniform_() into freshly allocated tensors (+ page faults)", _median_ms(fresh_uniform_all, reps)),
-        ("trace", _median_ms(lambda: td.graph.trace(model, inputs), reps)),
-        ("  torch.fx Tracer().trace alone", _median_ms(lambda: torch.fx.Tracer().trace(model), reps)),
-        ("fingerprint", _median_ms(lambda: td.graph.trace(model, inputs).fingerprint(), reps)
-         - _median_ms(lambda: td.graph.trace(model, inputs), reps)),
-        ("  module_structure() of every call_module node", _median_ms(lambda: [module_structure(m) for m in call_modules], reps)),
+    parts: list[tuple[str, Callable[[], Any]]] = [
+        ("freeze (CPU)", lambda: space.freeze(sample, check=False)),
+        ("  freeze on the meta device (construction, no weights)", freeze_meta),
+        ("  reset_parameters() of every module (= weight init)", reset_all),
+        ("    of which uniform_() kernels alone", uniform_all),
+        ("  allocation of every parameter (empty_like)", empty_all),
+        ("  uniform_() into freshly allocated tensors (+ page faults)", fresh_uniform_all),
+        ("trace", lambda: td.graph.trace(model, inputs)),
+        ("  torch.fx Tracer().trace alone", lambda: torch.fx.Tracer().trace(model)),
+        ("trace + fingerprint", lambda: td.graph.trace(model, inputs).fingerprint()),
+        ("  module_structure() of every call_module node", lambda: [module_structure(m) for m in call_modules]),
     ]
-    init_ms = rows[3][1]
+    times: dict[str, list[float]] = {name: [] for name, _ in parts}
+    for _ in range(reps):  # round-robin, so that load changes hit every part alike
+        for name, fn in parts:
+            gc.collect()
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    medians["fingerprint (trace + fingerprint - trace)"] = medians.pop("trace + fingerprint") - medians["trace"]
+    order = [name for name, _ in parts if name != "trace + fingerprint"]
+    order.insert(order.index("  module_structure() of every call_module node"), "fingerprint (trace + fingerprint - trace)")
+    rows = [(name, medians[name]) for name in order]
+    init_ms = medians["    of which uniform_() kernels alone"]
     lines = [f"ResNet-18 (default sample, {n_params / 1e6:.2f} M params, {len(graph)} nodes, "
              f"{len(call_modules)} call_module nodes), median of {reps} runs, wall ms:"]
     lines += [f"  {name:<58}{ms:>8.2f}" for name, ms in rows]
