@@ -161,3 +161,19 @@ def test_bad_parameters_name_the_parameter(tmp_path, classification):
         _run(tmp_path, TinyCNN(), classification, "randon")
     with pytest.raises(td.InvalidSpace, match="'space' parameter"):
         _run(tmp_path, torch.nn.Linear(2, 2), classification)
+
+
+def test_trained_weights_start_from_the_trial_seed(tmp_path, classification):
+    """The engine fingerprints on the meta device, then initialises under the trial's seed: the
+    stored model equals a model frozen under that seed and trained separately."""
+    exp = _run(tmp_path, TinyCNN(), classification, td.strategy.GridSearch(), max_trials=1)
+    [trial] = exp.trials()
+    assert trial.info["flops"] > 0 and trial.info["params"] > 0
+    space = TinyCNN()
+    torch.manual_seed(trial.seed)
+    model = space.freeze(space.restrict(trial.sample), check=False)
+    trainer = classification.trainer(model, trial.sample, trial.seed)
+    for _ in range(2):
+        trainer.train_epoch()
+        metrics = trainer.validate()
+    assert metrics["val_acc"] == trial.metric

@@ -199,3 +199,20 @@ def test_opaque_fingerprint_from_module_structure():
         assert fp(frozen, x) != base
     with pytest.warns(tg.OpaqueModuleWarning):
         assert fp(DataDependent(), x) != base  # the class counts
+
+
+def test_factory_made_functions_are_told_apart():
+    import torch.nn.functional as F
+
+    class Pool1(torch.nn.Module):
+        def forward(self, x):
+            return F.max_pool1d(x, 2)
+
+    class Pool2(torch.nn.Module):
+        def forward(self, x):
+            return F.max_pool2d(x, 2)
+
+    x = torch.zeros(1, 4, 8)
+    g1, g2 = tg.trace(Pool1(), (x,)), tg.trace(Pool2(), (x,))
+    assert g1.fingerprint() != g2.fingerprint()
+    assert "max_pool1d" in str(g1) and "max_pool2d" in str(g2)

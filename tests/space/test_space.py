@@ -336,3 +336,14 @@ def test_random_samples_of_a_nested_space_run(seed):
     out = model(torch.zeros(2, 1, 8, 8))
     assert out.shape == (2, 10)
     json.dumps(sample)
+
+
+def test_meta_freeze_has_the_structure_without_weights():
+    space = HelloNet()
+    sample = space.random_sample(4)
+    real = space.freeze(sample)
+    meta = space.freeze(sample, device="meta")
+    assert all(p.is_meta for p in meta.parameters())
+    assert [(n, p.shape) for n, p in meta.named_parameters()] == [(n, p.shape) for n, p in real.named_parameters()]
+    x = space.example_inputs
+    assert td.graph.trace(meta, x).fingerprint() == td.graph.trace(real, x).fingerprint()

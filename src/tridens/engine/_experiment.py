@@ -286,6 +286,7 @@ class _Run:
         self.seen: dict[str, Trial] = {}  # dedup key -> finished trial
         self.progress = Progress(exp.max_trials, objective, enabled=exp.verbose)
         self.finished_here: list[Trial] = []
+        self.flops: dict[str, int | None] = {}  # fingerprint -> FLOPs
 
     # -- hooks for executors -----------------------------------------------------------------
     def record(self, trial: Trial, step: int, metrics: Mapping[str, float]) -> None:
@@ -390,23 +391,38 @@ class _Run:
         executor.run_group(jobs, self.evaluator, self)
 
     def _instantiate(self, trial: Trial) -> Any:
-        """Freeze the trial's model under its seed (so weights are reproducible) and fingerprint it."""
+        """Build the trial's model structure and fingerprint it, cheaply: on the meta device where
+        the space allows (no weights initialised), so duplicates and constraint violations never
+        pay for initialisation. Returns the structure (possibly already a real model)."""
         from ..graph import trace
 
         if not getattr(self.evaluator, "needs_model", True):
-            trial.fingerprint = "sample:" + json.dumps({k: trial.sample[k] for k in self.space.search_space()
-                                                        if k in trial.sample}, sort_keys=True)
+            trial.fingerprint = "sample:" + json.dumps(self.space.restrict(trial.sample), sort_keys=True)
             return None
-        torch.manual_seed(trial.seed)
-        model = self.space.freeze(self.space.restrict(trial.sample), check=False)
-        graph = trace(model, self.space.example_inputs)
+        torch.manual_seed(trial.seed)  # a mutator space builds real weights here: make them the trial's
+        structure = self.space.freeze(self.space.restrict(trial.sample), check=False, device="meta")
+        inputs = self.space.example_inputs
+        on_meta = any(p.is_meta for p in structure.parameters())
+        if inputs is not None and on_meta:
+            inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
+        graph = trace(structure, inputs)
         trial.fingerprint = graph.fingerprint()
-        trial.info["params"] = sum(p.numel() for p in model.parameters())
-        try:
-            trial.info["flops"] = graph.flops()
-        except Exception:  # FLOPs are informative; an op the pass does not know must not fail the trial
-            pass
-        return model
+        trial.info["params"] = sum(p.numel() for p in structure.parameters())
+        if trial.fingerprint not in self.flops:  # identical structures have identical FLOPs
+            try:
+                self.flops[trial.fingerprint] = graph.flops()
+            except Exception:  # FLOPs are informative; an op the pass does not know must not fail the trial
+                self.flops[trial.fingerprint] = None
+        if self.flops[trial.fingerprint] is not None:
+            trial.info["flops"] = self.flops[trial.fingerprint]
+        return structure
+
+    def _materialize(self, trial: Trial, structure: Any) -> Any:
+        """The trainable model: the structure itself if it has real weights, else a seeded freeze."""
+        if structure is None or not any(p.is_meta for p in structure.parameters()):
+            return structure
+        torch.manual_seed(trial.seed)
+        return self.space.freeze(self.space.restrict(trial.sample), check=False)
 
     def _violated(self, trial: Trial, model: Any) -> str | None:
         for constraint in self.exp.constraints:
@@ -420,7 +436,7 @@ class _Run:
     def _job(self, trial: Trial) -> Job | None:
         """Instantiate an existing trial record; failures are recorded, not raised."""
         try:
-            model = self._instantiate(trial)
+            model = self._materialize(trial, self._instantiate(trial))
         except Exception as err:
             from ._execution import _error_text
 
@@ -457,7 +473,18 @@ class _Run:
             self.db.update_trial(trial)
             self.strategy.tell(trial)
             return None
-        violation = self._violated(trial, model)
+        try:
+            if any(c.key == "latency_ms" for c in self.exp.constraints):
+                model = self._materialize(trial, model)  # latency is measured on the real model
+            violation = self._violated(trial, model)
+            if not violation:
+                model = self._materialize(trial, model)
+        except Exception as err:
+            from ._execution import _error_text
+
+            self.db.update_trial(trial)
+            self.finish(trial, TrialStatus.FAILED, error=_error_text(err))
+            return None
         if violation:
             self.db.update_trial(trial)
             self.finish(trial, TrialStatus.FAILED, error=f"constraint violated: {violation}")

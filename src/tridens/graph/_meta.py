@@ -64,6 +64,10 @@ def qualified_name(obj: Any) -> str:
             return qualified_name(type(obj))
         if name.startswith("_VariableFunctionsClass."):  # torch.relu, torch.cat, ...
             module, name = "torch", name.split(".", 1)[1]
+        if "<locals>" in name and getattr(obj, "__name__", None):
+            # Functions made by a factory share a qualname (F.max_pool1d and F.max_pool2d are both
+            # `boolean_dispatch.<locals>.fn`); their __name__ tells them apart.
+            name = obj.__name__
         if module in ("builtins", "_operator"):
             module = "operator" if module == "_operator" else ""
         return f"{module}.{name}" if module else name

@@ -103,24 +103,33 @@ class BaseSpace:
             self.freeze(clean, example_inputs=example_inputs)
         return clean
 
-    def freeze(self, sample: Mapping[str, Any], *, example_inputs: Any = None, check: bool | None = None) -> nn.Module:
+    def freeze(self, sample: Mapping[str, Any], *, example_inputs: Any = None, check: bool | None = None,
+               device: str | torch.device | None = None) -> nn.Module:
         """The concrete model of ``sample``: a plain ``nn.Module`` with no choices left.
 
         The model carries ``tridens_sample`` (the sample) and ``tridens_history`` (a list of
         :class:`Mutation`). When example inputs are known (argument or ``space.example_inputs``)
         a forward pass checks that the shapes fit, unless ``check=False``.
 
+        ``device="meta"`` builds the structure only (no weights allocated or initialised, no
+        forward check): what a fingerprint needs, several times cheaper for large models; the
+        engine deduplicates this way before it initialises a model. Mutator spaces trace their
+        base on the CPU, so for them ``"meta"`` builds a normal model.
+
         >>> model = space.freeze({"width": 32, "op": 1})   # doctest: +SKIP
         """
         clean = self.search_space().validate(sample)
+        meta = device is not None and torch.device(device).type == "meta"
         resolver = FixedResolver(clean)
         with using(resolver):
             try:
-                model = self._build(resolver, discovery=False)
+                model = self._build(resolver, discovery=meta)
             except InvalidSample as err:
                 raise InvalidSample(f"sample {dict(clean)} is invalid: {err}") from err
+        if device is not None and not meta:
+            model = model.to(device)
         inputs = _as_tuple(example_inputs if example_inputs is not None else self.example_inputs)
-        if inputs is not None and check is not False:
+        if inputs is not None and check is not False and not meta:
             check_forward(model, inputs, clean)
         model.tridens_sample = dict(clean)
         model.tridens_history = self._history(resolver, model)
