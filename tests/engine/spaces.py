@@ -58,3 +58,8 @@ def sleep_on_hidden_8(model):
     if model.body[1].out_features == 8:
         time.sleep(60)
     return 0.5
+
+
+def sleep_briefly(model):
+    time.sleep(0.7)
+    return 0.5

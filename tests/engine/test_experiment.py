@@ -9,7 +9,8 @@ from tridens.engine import Experiment, load
 from tridens.store import Store
 from tridens.trial import TrialStatus
 
-from .spaces import TinyCNN, TinyMLP, nan_on_hidden_8, raise_on_hidden_8, score_by_width, sleep_on_hidden_8
+from .spaces import (TinyCNN, TinyMLP, nan_on_hidden_8, raise_on_hidden_8, score_by_width, sleep_briefly,
+                     sleep_on_hidden_8)
 
 
 def _run(tmp_path, space, evaluator, strategy=None, name="exp", **kw):
@@ -177,3 +178,25 @@ def test_trained_weights_start_from_the_trial_seed(tmp_path, classification):
         trainer.train_epoch()
         metrics = trainer.validate()
     assert metrics["val_acc"] == trial.metric
+
+
+def test_failures_before_training_count_toward_the_budget(tmp_path, classification):
+    """Constraint violations are failed trials: the budget counts them, and it is never exceeded."""
+    with pytest.raises(td.TridensError, match="every trial of 'exp' failed"):
+        _run(tmp_path, TinyCNN(), classification, td.strategy.Random(batch_size=3), max_trials=4,
+             constraints=[td.strategy.Constraint("params", max=1)])
+    exp = Experiment.load(tmp_path / "t.db", "exp")
+    trials = exp.trials()
+    counted = [t for t in trials if t.status is not TrialStatus.DUPLICATE]
+    assert len(counted) == 4 and all(t.status is TrialStatus.FAILED for t in counted)
+    groups = {}
+    for t in trials:
+        groups.setdefault(t.group, []).append(t.id)
+    assert all(ids == sorted(ids) for ids in groups.values())
+    assert exp.best() is None
+
+
+def test_max_duration_stops_between_groups(tmp_path):
+    ev = td.evaluators.FunctionalEvaluator(sleep_briefly)
+    exp = _run(tmp_path, TinyMLP(), ev, td.strategy.GridSearch(batch_size=1), max_duration=0.5)
+    assert len(exp.trials()) == 1  # the grid has two models; the deadline passed during the first

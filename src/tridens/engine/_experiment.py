@@ -339,8 +339,8 @@ class _Run:
         executor = make_executor(self.exp.executor, self.exp.workers, self.exp.optimize)
         self.group_index = max((t.group or 0 for t in trials), default=-1) + 1
         self.position = len(trials)
-        counted = sum(t.status in _FINISHED_COUNTED for t in finished)
-        self.progress.start(self.name, counted, resumed)
+        before = sum(t.status in _FINISHED_COUNTED for t in finished)
+        self.progress.start(self.name, before, resumed)
         if interrupted:
             log.info("resuming %s: %d finished trials kept, %d interrupted trials run again",
                      self.name, len(finished), len(interrupted))
@@ -348,10 +348,11 @@ class _Run:
                 t.metrics = {}
                 self.db.delete_metrics(t.id)  # the re-run writes its own steps
             self._run_jobs([j for j in (self._job(t) for t in interrupted) if j is not None], executor)
-            counted += len(interrupted)
         idle = 0
         try:
             while True:
+                # Trials that failed before training (constraints, bad shapes) count like any other.
+                counted = before + sum(t.status in _FINISHED_COUNTED for t in self.finished_here)
                 remaining = None if self.exp.max_trials is None else self.exp.max_trials - counted
                 if remaining is not None and remaining <= 0:
                     break
@@ -362,12 +363,14 @@ class _Run:
                 if group is None:
                     break
                 samples = group.samples if remaining is None else group.samples[:remaining]
+                progress_mark = len(self.finished_here)
                 jobs = []
                 for sample in samples:
                     job = self._new_job(sample, group)
                     if job is not None:
                         jobs.append(job)
-                if not jobs:
+                self.group_index += 1  # one group index per TrialGroup, duplicates and early failures included
+                if not jobs and len(self.finished_here) == progress_mark:
                     idle += 1
                     if idle >= _MAX_IDLE_GROUPS:
                         log.info("the strategy proposed only known models %d times in a row: the space is exhausted", idle)
@@ -375,8 +378,6 @@ class _Run:
                     continue
                 idle = 0
                 self._run_jobs(jobs, executor)
-                counted += len(jobs)
-                self.group_index += 1
         finally:
             executor.close()
 
@@ -488,6 +489,7 @@ class _Run:
         if violation:
             self.db.update_trial(trial)
             self.finish(trial, TrialStatus.FAILED, error=f"constraint violated: {violation}")
+            self.seen.setdefault(key, trial)  # the same model would violate it again
             return None
         self.db.update_trial(trial)
         return Job(trial, model, group.max_steps)
