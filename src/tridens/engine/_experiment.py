@@ -95,7 +95,7 @@ class Experiment:
                  objective: str | Objective | None = None, seed: int = 0, executor: str | Executor = "inline",
                  workers: int = 2, trial_timeout: float | None = None, constraints: Sequence[Any] = (),
                  second_objective: tuple[str, str] | None = None, optimize: bool = True,
-                 verbose: bool = True) -> None:
+                 verbose: bool = True, warm_start: Any = False) -> None:
         self.space = space
         self.evaluator = evaluator
         self.strategy = strategy
@@ -112,6 +112,7 @@ class Experiment:
         self.second_objective = second_objective
         self.optimize = optimize
         self.verbose = verbose
+        self.warm_start = warm_start  # False, True (a zoo beside the store), a store path or a td.warmup.Zoo
         self._loaded: list[Trial] | None = None
 
     # -- reading back -------------------------------------------------------------------------
@@ -209,6 +210,20 @@ class Experiment:
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"The 'workers' parameter of Experiment must be an int in the range [1, inf). Got {self.workers!r} instead.")
         _parse_duration(self.max_duration)
+        if self.warm_start is not None and self.warm_start is not False:
+            self._zoo(self._store_path())  # a bad zoo path is an error before anything runs
+
+    def _zoo(self, store_path: Path) -> Any:
+        from ..warmup import Zoo
+
+        ws = self.warm_start
+        if isinstance(ws, Zoo):
+            return ws
+        if ws is True:
+            return Zoo(store_path)
+        if isinstance(ws, (str, os.PathLike)):
+            return Zoo(ws)
+        raise ValueError(f"The 'warm_start' parameter of Experiment must be True, a store path or a td.warmup.Zoo. Got {ws!r} instead.")
 
     def _config(self, objective: Objective) -> dict[str, Any]:
         try:
@@ -287,6 +302,11 @@ class _Run:
         self.progress = Progress(exp.max_trials, objective, enabled=exp.verbose)
         self.finished_here: list[Trial] = []
         self.flops: dict[str, int | None] = {}  # fingerprint -> FLOPs
+        self.zoo: Any = None  # warm start (tridens.warmup): the zoo, and each trial's IR description
+        self.zoo_desc: dict[int, Any] = {}
+        self.warmed: set[int] = set()
+        if exp.warm_start is not None and exp.warm_start is not False:
+            self.zoo = exp._zoo(db.path)
 
     # -- hooks for executors -----------------------------------------------------------------
     def record(self, trial: Trial, step: int, metrics: Mapping[str, float]) -> None:
@@ -312,6 +332,8 @@ class _Run:
         trial.finished_at = time.time()
         if weights is not None and status in (TrialStatus.COMPLETED, TrialStatus.STOPPED):
             trial.checkpoint = str(self.db.save_checkpoint(trial.id, dict(weights)))
+            if self.zoo is not None and trial.id in self.zoo_desc and trial.metric is not None:
+                self._add_to_zoo(trial, weights)
         self.db.update_trial(trial)  # written before it counts as done
         if status is TrialStatus.FAILED:
             log.warning("trial %d failed: %s", trial.id, (error or "").strip().splitlines()[-1] if error else "")
@@ -420,10 +442,46 @@ class _Run:
 
     def _materialize(self, trial: Trial, structure: Any) -> Any:
         """The trainable model: the structure itself if it has real weights, else a seeded freeze."""
-        if structure is None or not any(p.is_meta for p in structure.parameters()):
+        if structure is None:
             return structure
-        torch.manual_seed(trial.seed)
-        return self.space.freeze(self.space.restrict(trial.sample), check=False)
+        model = structure
+        if any(p.is_meta for p in structure.parameters()):
+            torch.manual_seed(trial.seed)
+            model = self.space.freeze(self.space.restrict(trial.sample), check=False)
+        if self.zoo is not None and trial.id not in self.warmed:
+            self.warmed.add(trial.id)
+            self._warm_start(trial, model)
+        return model
+
+    def _warm_start(self, trial: Trial, model: Any) -> None:
+        """Load the best zoo parent's transformed weights into ``model``; never fails the trial."""
+        from ..warmup import describe
+
+        rng = torch.get_rng_state()
+        try:
+            desc = describe(model, self.space.example_inputs)
+            self.zoo_desc[trial.id] = desc
+            result = self.zoo.warm_start(model, desc=desc, exclude=())
+            info = result.as_info()
+        except Exception as err:  # warm start is an optimization: a cold start is always correct
+            info = {"parent": None, "reason": f"{type(err).__name__}: {err}"}
+        finally:
+            torch.set_rng_state(rng)
+        if info.get("parent") is None:
+            log.info("trial %d: no warm start (%s)", trial.id, info.get("reason"))
+        elif isinstance(info["parent"], int) and Path(self.zoo.path).resolve() == Path(self.db.path).resolve():
+            trial.parent = info["parent"]
+        trial.info["warm_start"] = info
+
+    def _add_to_zoo(self, trial: Trial, weights: Mapping[str, Any]) -> None:
+        desc = self.zoo_desc.pop(trial.id)
+        if desc.get("opaque") or trial.metric is None or math.isnan(trial.metric):
+            return
+        try:
+            self.zoo.add_description(desc, dict(weights), accuracy=self.objective.score(trial.metric),
+                                     trial=trial.id, experiment=self.name, store=str(self.db.path))
+        except Exception as err:
+            log.warning("trial %d not added to the zoo: %s: %s", trial.id, type(err).__name__, err)
 
     def _violated(self, trial: Trial, model: Any) -> str | None:
         for constraint in self.exp.constraints:

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..trial import Objective, Trial, TrialStatus
 
-__all__ = ["Progress", "trials_table"]
+__all__ = ["Progress", "trials_table", "warm_start_text"]
 
 
 def trials_table(trials: list[Trial], objective: Objective, title: str = "") -> Any:
@@ -17,14 +17,28 @@ def trials_table(trials: list[Trial], objective: Objective, title: str = "") -> 
     from rich.table import Table
 
     table = Table(title=title or None, show_lines=False)
-    for col in ("trial", "status", objective.metric, "epochs", "params", "fingerprint", "sample"):
+    warm = any("warm_start" in t.info for t in trials)  # the column only for warm-started experiments
+    for col in ("trial", "status", objective.metric, "epochs", "params", "fingerprint") + (("warm start",) if warm else ()) + ("sample",):
         table.add_column(col, overflow="fold")
     for t in trials:
         metric = "-" if t.metric is None or (isinstance(t.metric, float) and math.isnan(t.metric)) else f"{t.metric:.4f}"
         params = t.info.get("params")
-        table.add_row(str(t.id), t.status.value, metric, str(t.steps), "-" if params is None else f"{params:,}",
-                      (t.fingerprint or "")[:10], _short_sample(t.sample))
+        row = [str(t.id), t.status.value, metric, str(t.steps), "-" if params is None else f"{params:,}",
+               (t.fingerprint or "")[:10]]
+        if warm:
+            row.append(warm_start_text(t))
+        table.add_row(*row, _short_sample(t.sample))
     return table
+
+
+def warm_start_text(trial: Trial) -> str:
+    """``from 12 (0.83)`` for a warm-started trial (parent, match score), ``cold`` otherwise."""
+    ws = trial.info.get("warm_start")
+    if not ws:
+        return "-"
+    if ws.get("parent") is None:
+        return "cold"
+    return f"from {ws['parent']} ({ws.get('score', 0):.2f})"
 
 
 def _short_sample(sample: dict[str, Any]) -> str:
@@ -77,8 +91,9 @@ class Progress:
             metric = "-" if trial.metric is None else f"{trial.metric:.4f}"
             total = "?" if self.total is None else self.total
             best = self.best[0].metric if self.best else None
+            warm = f" warm-start {warm_start_text(trial)}" if "warm_start" in trial.info else ""
             print(f"[{self.name}] {self.done}/{total} trial {trial.id} {trial.status.value} "
-                  f"{self.objective.metric}={metric} best={'-' if best is None else f'{best:.4f}'}",
+                  f"{self.objective.metric}={metric} best={'-' if best is None else f'{best:.4f}'}{warm}",
                   file=sys.stderr, flush=True)
 
     def close(self) -> None:

@@ -1,0 +1,171 @@
+"""Graph alignment (ModelKeeper): a DP over (parent prefix, child prefix) of the topologically
+ordered IR nodes.
+
+MATCH(c, p) scores the fraction of the child node's weight elements that can be inherited:
+sum over its parameters of prod(min(dc, dp)) / sum of prod(dc) -- partial overlaps count in
+proportion (no integer division), a type or rank mismatch scores 0 (no match); parameterless nodes
+of the same type score 1. SKIP a child node costs 0 (it keeps its init), SKIP a parent node -1.
+Score = DP total / child nodes, clamped to [0, 1]. Identical graphs score 1.
+
+Matching a child against many parents is batched: every zoo entry is a padded array (types and
+parameter dims), the score matrices of all entries are computed in one broadcast and the DP runs
+row by row (child nodes) over all entries and parent columns at once; the SKIP-parent chain inside
+a row is a running maximum (``max.accumulate(A + j) - j``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = ["Encoded", "encode", "node_score", "score", "scores", "align"]
+
+P_MAX, R_MAX = 4, 5  # parameters per node and dims per parameter kept for scoring
+_VOCAB: dict[str, int] = {}
+
+
+def _type_id(name: str) -> int:
+    return _VOCAB.setdefault(name, len(_VOCAB))
+
+
+class Encoded:
+    """A description as arrays: ``types`` (m,), ``dims`` (m, P, R) (0 for an absent parameter,
+    1 for an absent dim), ``ranks`` (m, P), ``has_params`` (m,)."""
+
+    __slots__ = ("types", "dims", "ranks", "n")
+
+    def __init__(self, desc: dict[str, Any]):
+        nodes = desc["nodes"]
+        m = len(nodes)
+        self.n = m
+        self.types = np.array([_type_id(nd["t"]) for nd in nodes], dtype=np.int64)
+        self.dims = np.ones((m, P_MAX, R_MAX), dtype=np.float64)
+        self.ranks = np.full((m, P_MAX), -1, dtype=np.int64)
+        for i, nd in enumerate(nodes):
+            params = nd.get("p") or []
+            for j in range(P_MAX):
+                if j < len(params):
+                    shape = params[j][:R_MAX]
+                    self.dims[i, j, :len(shape)] = shape
+                    self.ranks[i, j] = len(params[j])
+                else:
+                    self.dims[i, j, :] = 0
+
+
+def encode(desc: dict[str, Any]) -> Encoded:
+    return Encoded(desc)
+
+
+def _match_matrix(child: Encoded, types: np.ndarray, dims: np.ndarray, ranks: np.ndarray,
+                  tie_break: bool = False) -> np.ndarray:
+    """(E, n, M) MATCH scores of each child node against each parent node of each entry."""
+    same = child.types[None, :, None] == types[:, None, :]                       # (E, n, M)
+    cd = child.dims[None, :, None]                                               # (1, n, 1, P, R)
+    inter = np.minimum(cd, dims[:, None, :]).prod(axis=-1)                       # (E, n, M, P)
+    rank_ok = child.ranks[None, :, None, :] == ranks[:, None, :, :]
+    inter = np.where(rank_ok, inter, 0.0).sum(axis=-1)                            # (E, n, M)
+    total = child.dims.prod(axis=-1).sum(axis=-1)                                 # (n,)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        frac = np.where(total[None, :, None] > 0, inter / np.maximum(total, 1e-12)[None, :, None], 1.0)
+    out = np.where(same, frac, 0.0)
+    if tie_break:  # equal dims break ties between equally inheritable matches (align only)
+        eq = (cd == dims[:, None, :]) & (cd > 0)
+        eq_frac = eq.all(axis=-1).mean(axis=-1) + eq.mean(axis=(-1, -2))
+        out = np.where(out > 0, out + 1e-3 * eq_frac, out)
+    return out
+
+
+def node_score(child_node: dict[str, Any], parent_node: dict[str, Any]) -> float:
+    """MATCH score of one child node against one parent node."""
+    c, p = Encoded({"nodes": [child_node]}), Encoded({"nodes": [parent_node]})
+    return float(_match_matrix(c, p.types[None], p.dims[None], p.ranks[None])[0, 0, 0])
+
+
+def _dp(S: np.ndarray) -> np.ndarray:
+    """Full DP tables (E, n+1, M+1) for match matrices S (E, n, M)."""
+    E, n, M = S.shape
+    D = np.empty((E, n + 1, M + 1))
+    idx = np.arange(M + 1, dtype=np.float64)
+    D[:, 0, :] = -idx
+    for i in range(1, n + 1):
+        prev = D[:, i - 1, :]
+        A = prev.copy()
+        diag = np.where(S[:, i - 1, :] > 0, prev[:, :-1] + S[:, i - 1, :], -np.inf)
+        A[:, 1:] = np.maximum(A[:, 1:], diag)
+        D[:, i, :] = np.maximum.accumulate(A + idx, axis=1) - idx
+    return D
+
+
+def _dp_last(S: np.ndarray) -> np.ndarray:
+    """Last DP row (E, M+1) only (no table kept)."""
+    E, n, M = S.shape
+    idx = np.arange(M + 1, dtype=np.float64)
+    row = np.broadcast_to(-idx, (E, M + 1)).copy()
+    for i in range(n):
+        A = row.copy()
+        np.maximum(A[:, 1:], np.where(S[:, i, :] > 0, row[:, :-1] + S[:, i, :], -np.inf), out=A[:, 1:])
+        row = np.maximum.accumulate(A + idx, axis=1) - idx
+    return row
+
+
+class Batch:
+    """Padded arrays of many encoded parents, for :func:`scores`."""
+
+    def __init__(self, encoded: Sequence[Encoded]):
+        M = max((e.n for e in encoded), default=1)
+        E = len(encoded)
+        self.lengths = np.array([e.n for e in encoded], dtype=np.int64)
+        self.types = np.full((E, M), -1, dtype=np.int64)
+        self.dims = np.zeros((E, M, P_MAX, R_MAX))
+        self.ranks = np.full((E, M, P_MAX), -2, dtype=np.int64)
+        for k, e in enumerate(encoded):
+            self.types[k, :e.n] = e.types
+            self.dims[k, :e.n] = e.dims
+            self.ranks[k, :e.n] = e.ranks
+
+
+def scores(child: Encoded, batch: Batch, chunk: int = 256) -> np.ndarray:
+    """Alignment score of ``child`` against every parent of ``batch`` (E,)."""
+    out = np.zeros(len(batch.lengths))
+    if child.n == 0:
+        return out
+    for a in range(0, len(out), chunk):
+        b = min(a + chunk, len(out))
+        M = int(batch.lengths[a:b].max())
+        S = _match_matrix(child, batch.types[a:b, :M], batch.dims[a:b, :M], batch.ranks[a:b, :M])
+        last = _dp_last(S)
+        out[a:b] = last[np.arange(b - a), batch.lengths[a:b]] / child.n
+    return np.clip(out, 0.0, 1.0)
+
+
+def score(child: dict[str, Any] | Encoded, parent: dict[str, Any] | Encoded) -> float:
+    """Alignment score of one child description against one parent description."""
+    c = child if isinstance(child, Encoded) else Encoded(child)
+    p = parent if isinstance(parent, Encoded) else Encoded(parent)
+    return float(scores(c, Batch([p]))[0])
+
+
+def align(child: dict[str, Any] | Encoded, parent: dict[str, Any] | Encoded) -> tuple[float, list[tuple[int, int]]]:
+    """(score, matched (child index, parent index) pairs) by DP traceback."""
+    c = child if isinstance(child, Encoded) else Encoded(child)
+    p = parent if isinstance(parent, Encoded) else Encoded(parent)
+    if c.n == 0:
+        return 0.0, []
+    S0 = _match_matrix(c, p.types[None], p.dims[None], p.ranks[None])[0]
+    S = _match_matrix(c, p.types[None], p.dims[None], p.ranks[None], tie_break=True)
+    D = _dp(S)[0]
+    S = S[0]
+    i, j = c.n, p.n
+    pairs: list[tuple[int, int]] = []
+    while i > 0 and j > 0:
+        if S[i - 1, j - 1] > 0 and np.isclose(D[i, j], D[i - 1, j - 1] + S[i - 1, j - 1]):
+            pairs.append((i - 1, j - 1))
+            i, j = i - 1, j - 1
+        elif np.isclose(D[i, j], D[i - 1, j]):
+            i -= 1
+        else:
+            j -= 1
+    pairs.reverse()
+    total = sum(S0[a, b] for a, b in pairs) - (p.n - len(pairs))
+    return float(np.clip(total / c.n, 0.0, 1.0)), pairs
