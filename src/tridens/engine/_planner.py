@@ -31,6 +31,7 @@ def plan(jobs: Sequence[Job], evaluator: StepwiseEvaluator, optimize: bool) -> l
     units: list[ExecutionUnit] = []
     rest = list(jobs)
     if optimize:
+        from .. import xopt  # noqa: F401  (importing it registers the optimizations)
         for _name, planner in _OPTIMIZATIONS:
             if not rest:
                 break

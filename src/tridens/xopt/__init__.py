@@ -1,0 +1,18 @@
+"""Cross-model optimizations: execution units that train many trials cheaper than one by one.
+
+Each optimization registers a planner with :func:`tridens.engine._planner.register` when this
+package is imported (the engine imports it before planning). Planners are asked in registration
+order, each taking the jobs it can fuse and leaving the rest to the next; whatever is left trains
+separately.
+
+* common sub-expression elimination (:mod:`._cse`): trials sharing a data pipeline read one
+  loader (each batch augmented once), and a shared frozen prefix runs once per batch.
+"""
+
+from ..engine._planner import register as _register
+from . import _cse as cse
+from ._cse import PipelineMember, SharedPipelineUnit, SharedPrefix, TrainerMember, plan_cse
+
+_register("cse", plan_cse)
+
+__all__ = ["SharedPipelineUnit", "PipelineMember", "TrainerMember", "SharedPrefix", "plan_cse", "cse"]

@@ -1,0 +1,1153 @@
+"""Common sub-expression elimination across the trials of a group (issue 4).
+
+Two things that many trials of a TrialGroup compute alike are computed once per unit:
+
+* **The data pipeline.** Trials whose training configs read the same datasets with the same batch
+  size, the same ``transforms`` and the same data order (the same data seed: the default,
+  ``data_seed=0``) read ONE loader: each training batch is indexed and augmented once and fed to
+  every member, and each validation batch is read once. Members may be any architectures.
+* **A frozen prefix.** When members' models start with the same non-trainable subgraph (a
+  pretrained backbone in a fine-tuning space) -- found with the graph IR's prefix fingerprints,
+  with identical weights checked by hashing them, and deterministic (no dropout or other random
+  op; BatchNorm may be in training mode: every member sees the same batches, so its running
+  statistics evolve alike) -- it is computed once per batch under ``torch.no_grad()`` and its
+  output fed to each member's remaining part (the *suffix*, split off with ``torch.fx``), which
+  alone trains. ``weights(trial_id)`` is still the whole model's ``state_dict`` (same keys).
+
+**Fused equals separate.** Every member is a :class:`SupervisedTrainer` driven through
+``train_batch``; the batches, the augmentation (its randomness is drawn from the data seed), the
+learning rates and each trial's own random stream are those of separate training, so per-epoch
+metrics are bit-identical on CPU. A split is used only after it reproduced the model's output on a
+batch of real data in training and in evaluation mode, with the prefix consuming no random numbers.
+A member that modifies its input in place is detected (version counters) and gets copies.
+
+**Memory.** A unit's estimate -- every member's parameters, buffers, gradients and optimizer
+state, plus the largest member's activations at the batch size (shapes from the graph IR), the
+shared prefixes' activations and the shared batches -- is kept under ``max_unit_memory``
+(:data:`MAX_UNIT_MEMORY`, or the ``max_unit_memory=`` argument of :func:`plan_cse`); a group
+over it is split into several units, each with its own pipeline. Members train one at a time, so a
+unit never holds more than separate training of the same trials would, plus the shared batches.
+
+**Log.** One line per unit: what is shared, and which trials were not and why ("different batch
+size (32, not 64)", "different data seed", "prefix weights differ", ...).
+
+**Members.** A unit drives *members* (:class:`PipelineMember`): anything that trains one or more
+trials on the shared batches. :class:`TrainerMember` wraps one trial's trainer (its whole model, or
+its suffix after a shared prefix). A fused group of same-shaped models (``tridens.xopt._batching``)
+can join a unit as one member answering the same protocol (a "mixed unit"): ``inputs`` says which
+shared tensor it reads, ``train_batch(x, y, batch)`` steps every trial it holds, the validation
+calls accumulate per trial, ``weights``/``leave`` work per trial.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..engine._execution import Job
+from ..engine._units import ExecutionUnit, UnitResult
+from ..evaluators._base import StepwiseEvaluator
+from ..evaluators._supervised import SupervisedTrainer, TrainConfig, _accuracy_count, _match, _Source, _Supervised
+from ..graph import Graph, trace
+from ..graph import _meta
+
+__all__ = [
+    "MAX_UNIT_MEMORY", "MIN_PREFIX_SHARE", "BATCH",
+    "PipelineMember", "TrainerMember", "SharedPrefix", "SharedPipelineUnit",
+    "plan_cse", "default_max_unit_memory", "unit_memory",
+]
+
+log = logging.getLogger("tridens")
+
+#: Bytes one execution unit may use (estimate). ``None``: :func:`default_max_unit_memory` -- half
+#: of the machine's memory for CPU training, 80% of the GPU's free memory for CUDA.
+MAX_UNIT_MEMORY: int | None = None
+
+#: A shared frozen prefix is used only when it holds at least this fraction of the members'
+#: forward FLOPs (below that, saving it does not repay splitting the models).
+MIN_PREFIX_SHARE = 0.05
+
+#: The key of the shared (augmented) input batch among a unit's shared tensors.
+BATCH = "batch"
+
+#: Examples of the training set the planner traces and checks models with.
+_EXAMPLES = 8
+
+
+def default_max_unit_memory(device: torch.device | str = "cpu") -> int:
+    """The default bound of a unit's memory on ``device``: half of the physical memory for the
+    CPU, 80% of the free memory of a CUDA device."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * 0.8)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 8 << 30
+
+
+# ------------------------------------------------------------------------------------------------
+# members
+# ------------------------------------------------------------------------------------------------
+class PipelineMember:
+    """What a :class:`SharedPipelineUnit` feeds: one or more trials training on the shared batches.
+
+    ``inputs`` names the shared tensors the member reads (``(BATCH,)``: the augmented input batch;
+    otherwise outputs of a :class:`SharedPrefix`); with one name it receives that tensor, with
+    several a tuple. Per epoch the unit calls ``begin_epoch()``, ``train_batch(x, y, batch)`` for
+    every batch, ``end_epoch()``, then ``begin_validation()``, ``validate_batch(x, y)`` for every
+    validation batch and ``end_validation()``. Failures are per trial: a trial whose step raised
+    reports the error from ``end_epoch`` and receives no more batches; the others go on.
+    """
+
+    inputs: tuple[str, ...] = (BATCH,)
+
+    def trial_ids(self) -> list[int]:  # pragma: no cover - abstract
+        """The member's trials still in the unit, in order."""
+        raise NotImplementedError
+
+    def limit(self, trial_id: int) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def epoch(self, trial_id: int) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def wants_epoch(self) -> bool:
+        """Whether any of its trials trains this epoch."""
+        return any(self.epoch(t) < self.limit(t) for t in self.trial_ids())
+
+    def begin_epoch(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def train_batch(self, x: Any, y: torch.Tensor, batch: int) -> None:  # pragma: no cover - abstract
+        """One optimizer step of every trial that trains this epoch and has not failed."""
+        raise NotImplementedError
+
+    def end_epoch(self) -> dict[int, dict[str, float] | BaseException]:  # pragma: no cover - abstract
+        """Per trial trained this epoch: its training metrics, or the error that failed it."""
+        raise NotImplementedError
+
+    def begin_validation(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def validate_batch(self, x: Any, y: torch.Tensor) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def end_validation(self) -> dict[int, dict[str, float] | BaseException]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def weights(self, trial_id: int) -> dict[str, Any] | None:  # pragma: no cover - abstract
+        """The trial's weights, keyed as its own model's state_dict."""
+        raise NotImplementedError
+
+    def leave(self, trial_id: int) -> None:  # pragma: no cover - abstract
+        """Release the trial's state."""
+        raise NotImplementedError
+
+
+class _Validation:
+    """Accumulates validation metrics exactly as ``SupervisedTrainer.validate`` does."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.sums = {name: 0.0 for name in cfg.metrics}
+        self.n = 0
+        self.elements = 0
+
+    def add(self, out: torch.Tensor, y: torch.Tensor) -> None:
+        cfg, sums = self.cfg, self.sums
+        size = len(y)
+        self.n += size
+        if "val_loss" in sums:
+            sums["val_loss"] += float(cfg.loss(out, y).item()) * size
+        if "val_acc" in sums:
+            sums["val_acc"] += _accuracy_count(out, y)
+        if "val_mse" in sums or "val_mae" in sums:
+            diff = _match(out, y) - y.to(out.dtype)
+            self.elements += diff.numel()
+            if "val_mse" in sums:
+                sums["val_mse"] += float((diff * diff).sum().item())
+            if "val_mae" in sums:
+                sums["val_mae"] += float(diff.abs().sum().item())
+
+    def result(self) -> dict[str, float]:
+        return {name: value / (self.elements if name in ("val_mse", "val_mae") else self.n)
+                for name, value in self.sums.items()}
+
+
+class TrainerMember(PipelineMember):
+    """One trial: a :class:`SupervisedTrainer` of its model, or of its suffix after a shared prefix.
+
+    ``model`` is the trial's whole model (what ``weights`` returns); ``trainer.model`` is what
+    trains (the same model, or the suffix, whose modules are the model's own). ``prefix_buffers``
+    maps the model's state_dict keys of the prefix's buffers to the tensors of the shared prefix
+    that replace them (BatchNorm running statistics updated once for all members).
+    """
+
+    def __init__(self, job: Job, trainer: SupervisedTrainer, *, inputs: tuple[str, ...] = (BATCH,),
+                 prefix_buffers: Mapping[str, torch.Tensor] | None = None):
+        self.job = job
+        self.trainer = trainer
+        self.inputs = inputs
+        self.prefix_buffers = dict(prefix_buffers or {})
+        self.trial_id = job.trial.id
+        self._training = False
+        self._error: BaseException | None = None
+        self._total = 0.0
+        self._count = 0
+        self._val: _Validation | None = None
+        self._was_training = True
+        self._left = False
+
+    def trial_ids(self) -> list[int]:
+        return [] if self._left else [self.trial_id]
+
+    def limit(self, trial_id: int) -> int:
+        steps = self.job.max_steps
+        return self.trainer.epochs if steps is None else min(self.trainer.epochs, steps)
+
+    def epoch(self, trial_id: int) -> int:
+        return self.trainer.epoch
+
+    def begin_epoch(self) -> None:
+        self._training = self.wants_epoch()
+        self._error = None
+        self._total, self._count = 0.0, 0
+        if self._training:
+            try:
+                self.trainer.begin_epoch()
+            except Exception as err:
+                self._error = err
+
+    def train_batch(self, x: Any, y: torch.Tensor, batch: int) -> None:
+        if not self._training or self._error is not None:
+            return
+        try:
+            loss = self.trainer.train_batch(x, y, batch)
+        except Exception as err:
+            self._error = err
+            return
+        self._total += loss * len(y)
+        self._count += len(y)
+
+    def end_epoch(self) -> dict[int, dict[str, float] | BaseException]:
+        if not self._training:
+            return {}
+        if self._error is not None:
+            return {self.trial_id: self._error}
+        try:
+            return {self.trial_id: self.trainer.end_epoch(self._total / self._count)}
+        except Exception as err:
+            self._error = err
+            return {self.trial_id: err}
+
+    def begin_validation(self) -> None:
+        self._val = None
+        if not self._training or self._error is not None:
+            return
+        model = self.trainer.model
+        self._was_training = model.training
+        model.eval()
+        self._val = _Validation(self.trainer.config)
+
+    @torch.no_grad()
+    def validate_batch(self, x: Any, y: torch.Tensor) -> None:
+        if self._val is None or self._error is not None:
+            return
+        try:
+            with self.trainer._random_stream():
+                self._val.add(self.trainer.model(x), y)
+        except Exception as err:
+            self._error = err
+
+    def end_validation(self) -> dict[int, dict[str, float] | BaseException]:
+        if not self._training:
+            return {}
+        if self._val is not None:
+            self.trainer.model.train(self._was_training)
+        if self._error is not None:
+            return {self.trial_id: self._error}
+        assert self._val is not None
+        return {self.trial_id: self._val.result()}
+
+    def weights(self, trial_id: int) -> dict[str, Any] | None:
+        state = {k: v.detach().cpu() for k, v in self.job.model.state_dict().items()}
+        for key, tensor in self.prefix_buffers.items():
+            if key in state:
+                state[key] = tensor.detach().cpu().clone()
+        return state
+
+    def leave(self, trial_id: int) -> None:
+        self._left = True
+
+
+# ------------------------------------------------------------------------------------------------
+# a shared frozen prefix
+# ------------------------------------------------------------------------------------------------
+class SharedPrefix:
+    """A frozen prefix computed once per batch for several members.
+
+    ``module`` is an fx ``GraphModule`` over the prefix modules of a representative model; it maps
+    the input batch to the tuple of tensors named ``outputs``. Its modules' training flags are those
+    the representative's own ``train()``/``eval()`` set (``train_flags``/``eval_flags``, over
+    ``module.modules()``), so a model that keeps its backbone in eval mode keeps it so. ``calls``
+    counts forward passes.
+    """
+
+    def __init__(self, key: str, module: fx.GraphModule, outputs: tuple[str, ...], description: str,
+                 train_flags: Sequence[bool], eval_flags: Sequence[bool]):
+        self.key = key
+        self.module = module
+        self.outputs = outputs
+        self.description = description
+        self.train_flags = list(train_flags)
+        self.eval_flags = list(eval_flags)
+        self.calls = 0
+
+    def _set(self, flags: Sequence[bool]) -> None:
+        for m, flag in zip(self.module.modules(), flags):
+            m.training = flag
+
+    def train_mode(self) -> None:
+        self._set(self.train_flags)
+
+    def eval_mode(self) -> None:
+        self._set(self.eval_flags)
+
+    def copy(self) -> "SharedPrefix":
+        """An independent copy (own modules and buffers), for a second unit."""
+        return SharedPrefix(self.key, copy.deepcopy(self.module), self.outputs, self.description,
+                            self.train_flags, self.eval_flags)
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.calls += 1
+        out = self.module(x)
+        return dict(zip(self.outputs, out))
+
+
+# ------------------------------------------------------------------------------------------------
+# the unit
+# ------------------------------------------------------------------------------------------------
+class SharedPipelineUnit(ExecutionUnit):
+    """Trials reading ONE data pipeline: each batch is indexed and augmented once per unit and fed
+    to every member, validation batches too; shared frozen prefixes run once per batch.
+
+    ``members`` default to one :class:`TrainerMember` per job training its whole model; the
+    planner (:func:`plan_cse`) passes members that train suffixes after ``prefixes``. Every job's
+    config must share dataset, transforms, batch size, data seed and device (the planner checks).
+    ``counts`` holds ``batches`` (training batches read), ``augment`` (augmentation calls) and
+    ``val_batches``.
+    """
+
+    kind = "cse"
+
+    def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
+                 members: Sequence[PipelineMember] | None = None, prefixes: Sequence[SharedPrefix] = (),
+                 reason: str = "", memory: int | None = None):
+        super().__init__(jobs, evaluator)
+        self.reason = reason
+        self.memory = memory
+        self.errors: dict[int, BaseException] = {}
+        self.prefixes = {p.key: p for p in prefixes}
+        self.counts = {"batches": 0, "augment": 0, "val_batches": 0}
+        self._order = {job.trial.id: i for i, job in enumerate(jobs)}
+        if members is None:
+            built: list[PipelineMember] = []
+            for job in jobs:
+                try:
+                    trainer = evaluator.trainer(job.model, job.trial.sample, job.trial.seed)
+                except Exception as err:  # reported as the trial's failure at its first epoch
+                    self.errors[job.trial.id] = err
+                    continue
+                built.append(TrainerMember(job, trainer))
+            members = built
+        self.members: list[PipelineMember] = list(members)
+        self._by_trial: dict[int, PipelineMember] = {t: m for m in self.members for t in m.trial_ids()}
+        first = next((m for m in self.members if isinstance(m, TrainerMember)), None)
+        self.config: TrainConfig | None = first.trainer.config if first is not None else None
+        self._seed = first.trainer.seed if first is not None else 0
+        self._train: _Source | None = None
+        self._val: _Source | None = None
+        if self.config is not None:
+            self._train = _Source(self.config.train, self.config.device)
+            self._val = _Source(self.config.val, self.config.device)
+        self._copies: set[int] = set()  # ids of members that modify their inputs in place
+
+    # -- the ExecutionUnit protocol -------------------------------------------------------------
+    def limit(self, trial_id: int) -> int:
+        member = self._by_trial.get(trial_id)
+        return 0 if member is None else member.limit(trial_id)
+
+    def epoch(self, trial_id: int) -> int:
+        member = self._by_trial.get(trial_id)
+        return 0 if member is None else member.epoch(trial_id)
+
+    def weights(self, trial_id: int) -> dict[str, Any] | None:
+        member = self._by_trial.get(trial_id)
+        if member is None:
+            model = self.jobs[trial_id].model
+            return None if model is None else {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        return member.weights(trial_id)
+
+    def _leave(self, trial_id: int) -> None:
+        self.errors.pop(trial_id, None)
+        member = self._by_trial.pop(trial_id, None)
+        if member is None:
+            return
+        member.leave(trial_id)
+        if not member.trial_ids():
+            self.members.remove(member)
+            self._copies.discard(id(member))
+            used = {key for m in self.members for key in m.inputs}
+            for key in [k for k, p in self.prefixes.items() if not used & set(p.outputs)]:
+                del self.prefixes[key]  # nobody reads it any more: stop computing it
+
+    def describe(self) -> str:
+        ids = ", ".join(str(i) for i in self.jobs)
+        text = f"{self.kind} unit of {len(self.jobs)} trial(s) [{ids}]"
+        return text + (f": {self.reason}" if self.reason else "")
+
+    # -- training ---------------------------------------------------------------------------------
+    def _shared(self, x: torch.Tensor, prefixes: Iterable[SharedPrefix]) -> dict[str, Any]:
+        env: dict[str, Any] = {BATCH: x}
+        for prefix in prefixes:
+            env.update(prefix(x))
+        return env
+
+    def _feed(self, members: Sequence[PipelineMember], env: dict[str, Any], y: torch.Tensor,
+              call: Callable[[PipelineMember, Any, torch.Tensor], None], seconds: dict[int, float]) -> None:
+        """Give each member its inputs; a member that modifies a shared tensor in place is found by
+        the tensor's version counter, the tensor is restored and that member gets copies from then on."""
+        readers: dict[str, int] = {}
+        for m in members:
+            if id(m) not in self._copies:
+                for key in m.inputs:
+                    readers[key] = readers.get(key, 0) + 1
+        watched = {k: v for k, v in env.items() if readers.get(k, 0) > 1 and isinstance(v, torch.Tensor)}
+        if watched or sum(readers.values()) > 1:
+            watched["__y__"] = y
+        pristine = {k: v.clone() for k, v in watched.items()}
+        for m in members:
+            copies = id(m) in self._copies
+            args = [env[k].clone() if copies else env[k] for k in m.inputs]
+            x = args[0] if len(args) == 1 else tuple(args)
+            versions = {k: v._version for k, v in watched.items()}
+            t0 = time.monotonic()
+            call(m, x, y.clone() if copies else y)
+            seconds[id(m)] = seconds.get(id(m), 0.0) + time.monotonic() - t0
+            changed = [k for k, v in watched.items() if v._version != versions[k]]
+            if changed and not copies:
+                self._copies.add(id(m))
+                with torch.no_grad():
+                    for k in changed:
+                        watched[k].copy_(pristine[k])
+
+    def train_epoch(self) -> dict[int, UnitResult]:
+        results: dict[int, UnitResult] = {}
+        for trial_id in list(self.errors):
+            if trial_id in self.jobs:
+                results[trial_id] = self.errors.pop(trial_id)
+        members = [m for m in self.members if m.wants_epoch()]
+        if not members or self.config is None:
+            return results
+        cfg = self.config
+        assert self._train is not None and self._val is not None
+        epochs = {m.epoch(t) for m in members for t in m.trial_ids() if m.epoch(t) < m.limit(t)}
+        if len(epochs) != 1:
+            raise RuntimeError(f"the members of a shared pipeline must be at the same epoch; got {sorted(epochs)}")
+        epoch = epochs.pop()
+        needed = {key for m in members for key in m.inputs}
+        prefixes = [p for p in self.prefixes.values() if needed & set(p.outputs)]
+        seconds: dict[int, float] = {}
+        t0 = time.monotonic()
+        shared = 0.0
+        for prefix in prefixes:
+            prefix.train_mode()
+        for m in members:
+            m.begin_epoch()
+        order = cfg.epoch_order(self._seed, epoch)
+        t_shared = time.monotonic()
+        for batch, (x, y) in enumerate(self._train.batches(order, cfg.batch_size)):
+            x = cfg.augment(x, self._seed, epoch, batch)
+            self.counts["batches"] += 1
+            if cfg.transforms is not None:
+                self.counts["augment"] += 1
+            env = self._shared(x, prefixes)
+            shared += time.monotonic() - t_shared
+            self._feed(members, env, y, lambda m, xb, yb: m.train_batch(xb, yb, batch), seconds)
+            t_shared = time.monotonic()
+        trained: dict[int, dict[str, float] | BaseException] = {}
+        for m in members:
+            trained.update(m.end_epoch())
+        # validation: each batch read once (and each prefix run once) for every member
+        for prefix in prefixes:
+            prefix.eval_mode()
+        for m in members:
+            m.begin_validation()
+        t_shared = time.monotonic()
+        try:
+            for x, y in self._val.batches(None, max(cfg.batch_size, 256)):
+                self.counts["val_batches"] += 1
+                env = self._shared(x, prefixes)
+                shared += time.monotonic() - t_shared
+                self._feed(members, env, y, lambda m, xb, yb: m.validate_batch(xb, yb), seconds)
+                t_shared = time.monotonic()
+        finally:
+            for prefix in prefixes:
+                prefix.train_mode()
+        validated: dict[int, dict[str, float] | BaseException] = {}
+        for m in members:
+            validated.update(m.end_validation())
+        # results in the jobs' order, as the separate unit reports them
+        metric = self.objective.metric
+        for trial_id in sorted(trained, key=lambda t: self._order.get(t, 0)):
+            train = trained[trial_id]
+            val = validated.get(trial_id)
+            if isinstance(train, BaseException):
+                results[trial_id] = train
+            elif isinstance(val, BaseException):
+                results[trial_id] = val
+            else:
+                metrics = {**(val or {}), **train}
+                if metric in metrics:
+                    results[trial_id] = {metric: metrics[metric], **metrics}
+                else:
+                    results[trial_id] = KeyError(metric)
+        # each trial's time: its own steps plus an equal share of the shared work
+        share = (shared / len(trained)) if trained else 0.0
+        for m in members:
+            ids = [t for t in m.trial_ids() if t in trained]
+            for trial_id in ids:
+                info = self.jobs[trial_id].trial.info
+                own = seconds.get(id(m), 0.0) / max(len(ids), 1)
+                info["train_seconds"] = info.get("train_seconds", 0.0) + own + share
+        del t0
+        return results
+
+
+# ------------------------------------------------------------------------------------------------
+# planning: pipelines
+# ------------------------------------------------------------------------------------------------
+def _dataset_key(ds: Any) -> Any:
+    spec = getattr(ds, "spec", None)
+    return ("spec", spec) if isinstance(spec, str) else ("id", id(ds))
+
+
+_KEY_PARTS = ("training data", "validation data", "batch size", "transforms", "data seed", "device")
+
+
+def _pipeline_key(cfg: TrainConfig, seed: int) -> tuple[Any, ...]:
+    return (_dataset_key(cfg.train), _dataset_key(cfg.val), cfg.batch_size,
+            None if cfg.transforms is None else id(cfg.transforms), cfg.data_seed_of(seed), str(cfg.device))
+
+
+def _difference(key: tuple[Any, ...], other: tuple[Any, ...]) -> str:
+    for name, a, b in zip(_KEY_PARTS, key, other):
+        if a != b:
+            if name in ("batch size", "data seed", "device"):
+                return f"different {name} ({a}, not {b})"
+            return f"different {name}"
+    return "alone"  # pragma: no cover - equal keys are grouped
+
+
+# ------------------------------------------------------------------------------------------------
+# planning: frozen prefixes
+# ------------------------------------------------------------------------------------------------
+_RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+                   nn.FeatureAlphaDropout, nn.RReLU)
+_RANDOM_FUNCTIONS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+                     F.feature_alpha_dropout, F.rrelu, torch.dropout, torch.rand, torch.randn,
+                     torch.randint, torch.rand_like, torch.randn_like, torch.randint_like, torch.randperm,
+                     torch.bernoulli, torch.normal, torch.multinomial, torch.poisson}
+_RANDOM_METHODS = {"bernoulli", "bernoulli_", "uniform_", "normal_", "random_", "exponential_",
+                   "geometric_", "cauchy_", "log_normal_", "multinomial"}
+
+
+class _Hasher:
+    """Hashes of weights and buffers, memoized for one planning call (while every model is alive,
+    a storage address names one tensor)."""
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple[Any, ...], str] = {}
+
+    def tensor(self, t: torch.Tensor) -> str:
+        t = t.detach()
+        key = (t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
+        digest = self.cache.get(key)
+        if digest is None:
+            h = hashlib.blake2b(f"{tuple(t.shape)}{t.dtype}".encode(), digest_size=16)
+            if t.numel():
+                h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            digest = self.cache[key] = h.hexdigest()
+        return digest
+
+    def state(self, obj: Any) -> str:
+        """Weights, buffers and training flags of a node's module (or attribute)."""
+        if isinstance(obj, nn.Module):
+            parts = [f"{k}={self.tensor(v)}" for k, v in obj.state_dict(keep_vars=True).items()
+                     if isinstance(v, torch.Tensor)]
+            parts.append("".join("T" if m.training else "E" for m in obj.modules()))
+            return ";".join(parts)
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj)
+        return repr(type(obj))
+
+
+def _frozen(obj: Any) -> bool:
+    if isinstance(obj, nn.Module):
+        return all(not p.requires_grad for p in obj.parameters())
+    if isinstance(obj, torch.Tensor):
+        return not obj.requires_grad
+    return True
+
+
+def _random(n: fx.Node, module: nn.Module | None) -> bool:
+    if n.op == "call_module" and module is not None:
+        return any(isinstance(m, _RANDOM_MODULES) and m.training for m in module.modules())
+    if n.op == "call_function":
+        return n.target in _RANDOM_FUNCTIONS
+    if n.op == "call_method":
+        return n.target in _RANDOM_METHODS
+    return False
+
+
+def _bytes(shape: Any, dtype: Any) -> int:
+    if isinstance(shape, torch.Size):
+        size = dtype.itemsize if isinstance(dtype, torch.dtype) else 4
+        return math.prod(shape) * size
+    if isinstance(shape, tuple):
+        dtypes = dtype if isinstance(dtype, tuple) else (None,) * len(shape)
+        return sum(_bytes(s, d) for s, d in zip(shape, dtypes))
+    return 0
+
+
+@dataclass
+class _Analysis:
+    """One job's model seen through the graph IR."""
+
+    job: Job
+    cfg: TrainConfig
+    example: torch.Tensor
+    graph: Graph | None = None
+    eligible: dict[str, fx.Node] = field(default_factory=dict)   # value fingerprint -> first node
+    key_of: dict[fx.Node, str] = field(default_factory=dict)     # eligible node -> value fingerprint
+    cost: dict[str, float] = field(default_factory=dict)         # value fingerprint -> FLOPs
+    total: float = 0.0                                           # the model's FLOPs
+    activations: dict[fx.Node, int] = field(default_factory=dict)  # output bytes at the batch size
+    why_not: str = ""
+
+
+def _example_batch(cfg: TrainConfig) -> torch.Tensor:
+    """The first few training examples (the planner traces and checks models on real data)."""
+    source = _Source(cfg.train, torch.device("cpu"))
+    x, _ = next(iter(source.batches(None, min(_EXAMPLES, len(source)))))
+    return x.clone()  # a copy: the batch may be a view of the dataset, and a model may modify its input
+
+
+def _analyse(job: Job, cfg: TrainConfig, example: torch.Tensor, hasher: _Hasher) -> _Analysis:
+    a = _Analysis(job, cfg, example)
+    model = job.model
+    assert model is not None
+    scale = cfg.batch_size / max(len(example), 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the engine reported opaque modules when it traced the trial
+        graph = trace(model, (example.clone(),))
+    a.graph = graph
+    try:
+        a.total = float(graph.flops())
+    except Exception:
+        try:  # an op the FLOP pass does not know: shapes alone
+            graph.propagate_shapes()
+        except Exception as err:
+            a.why_not = f"its shapes could not be computed ({type(err).__name__})"
+            return a
+    nodes = list(graph.fx_graph.nodes)
+    for n in nodes:
+        if n.op in ("call_module", "call_function", "call_method"):
+            a.activations[n] = int(_bytes(n.meta.get(_meta.SHAPE), n.meta.get(_meta.DTYPE)) * scale)
+    if sum(1 for n in nodes if n.op == "placeholder") != 1:
+        a.why_not = "the model takes several inputs"
+    elif not any(not p.requires_grad for p in model.parameters()):
+        a.why_not = "no frozen parameters"
+    else:
+        _eligible_nodes(a, nodes, hasher)
+    return a
+
+
+def _eligible_nodes(a: _Analysis, nodes: list[fx.Node], hasher: _Hasher) -> None:
+    """Value fingerprints of the nodes that may belong to a shared prefix: frozen, deterministic,
+    fed only by such nodes. A value fingerprint hashes the node's prefix fingerprint (structure),
+    its module's weights, buffers and training flags, and its inputs' value fingerprints."""
+    graph, model = a.graph, a.job.model
+    assert graph is not None and model is not None
+    flags = [m.training for m in model.modules()]
+    model.train()  # the flags separate training runs with (a model may keep its backbone in eval)
+    try:
+        for n in nodes:
+            if n.op == "output":
+                continue
+            if n.op == "placeholder":
+                key = "input"
+            else:
+                if any(src not in a.key_of for src in n.all_input_nodes):
+                    continue
+                state = ""
+                if n.op in ("call_module", "get_attr"):
+                    obj = graph._get(str(n.target))
+                    if not _frozen(obj) or (n.op == "call_module" and _random(n, obj)):
+                        continue
+                    state = hasher.state(obj)
+                elif _random(n, None):
+                    continue
+                fp = graph[n.name].prefix_fingerprint()
+                text = fp + "|" + state + "|" + ",".join(a.key_of[s] for s in n.all_input_nodes)
+                key = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+            a.key_of[n] = key
+            a.eligible.setdefault(key, n)
+            a.cost[key] = float(n.meta.get(_meta.FLOPS, 0) or 0)
+    finally:
+        for m, flag in zip(model.modules(), flags):
+            m.training = flag
+
+
+def _cost(keys: Iterable[str], a: _Analysis) -> float:
+    return sum(a.cost.get(k, 0.0) for k in keys)
+
+
+@dataclass
+class _Split:
+    """One member's split at a shared prefix."""
+
+    suffix: nn.Module
+    inputs: tuple[str, ...]
+    buffers: dict[str, str] = field(default_factory=dict)  # member state_dict key -> prefix module's key
+
+
+def _build_prefix(rep: _Analysis, keys: set[str], outputs: list[str]) -> fx.GraphModule:
+    """The prefix (``keys``) of the representative's graph as a module returning ``outputs``."""
+    graph = rep.graph
+    assert graph is not None
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in graph.fx_graph.nodes:
+        key = rep.key_of.get(n)
+        if key is not None and (key in keys or key == "input") and rep.eligible[key] is n:
+            env[n] = g.node_copy(n, lambda s: env[rep.eligible[rep.key_of[s]]])
+    g.output(tuple(env[rep.eligible[k]] for k in outputs))
+    return fx.GraphModule(graph.root, g, class_name="SharedPrefix")
+
+
+class _Suffix(nn.Module):
+    """The suffix of a model that reads several shared tensors (the trainer passes them as a tuple)."""
+
+    def __init__(self, module: fx.GraphModule):
+        super().__init__()
+        self.module = module
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> Any:
+        return self.module(*inputs)
+
+
+def _split(a: _Analysis, keys: set[str]) -> _Split | str:
+    """The member's suffix after the prefix made of ``keys``, or why it cannot be split."""
+    graph = a.graph
+    assert graph is not None
+    nodes = list(graph.fx_graph.nodes)
+    in_prefix = {n for n in nodes if a.key_of.get(n) is not None and (a.key_of[n] in keys or n.op == "placeholder")}
+    frontier: list[fx.Node] = []
+    for n in nodes:
+        if n not in in_prefix:
+            frontier += [src for src in n.all_input_nodes if src in in_prefix and src not in frontier]
+    prefix_targets = {str(n.target) for n in in_prefix if n.op in ("call_module", "get_attr")}
+    for n in nodes:
+        if n not in in_prefix and n.op in ("call_module", "get_attr"):
+            t = str(n.target)
+            if any(t == p or t.startswith(p + ".") or p.startswith(t + ".") for p in prefix_targets):
+                return "a frozen module is used both in the prefix and after it"
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {n: g.placeholder(f"shared_{i}") for i, n in enumerate(frontier)}
+    for n in nodes:
+        if n not in in_prefix:
+            env[n] = g.node_copy(n, lambda s: env[s])
+    gm = fx.GraphModule(graph.root, g, class_name="Suffix")
+    if not any(p.requires_grad for p in gm.parameters()):
+        return "nothing trainable after the frozen prefix"
+    inputs = tuple(BATCH if n.op == "placeholder" else a.key_of[n] for n in frontier)
+    return _Split(gm if len(frontier) == 1 else _Suffix(gm), inputs)
+
+
+def _buffer_map(member: _Analysis, rep: _Analysis, keys: set[str]) -> dict[str, str]:
+    """The member's state_dict keys of its prefix buffers -> the prefix module's keys (the
+    representative's target paths, which ``fx.GraphModule`` keeps)."""
+    out: dict[str, str] = {}
+    assert member.graph is not None
+    for n, key in member.key_of.items():
+        if key not in keys or n.op not in ("call_module", "get_attr"):
+            continue
+        r = rep.eligible[key]
+        obj = member.graph._get(str(n.target))
+        if isinstance(obj, nn.Module):
+            for name, _ in obj.named_buffers():
+                out[f"{n.target}.{name}"] = f"{r.target}.{name}"
+        elif isinstance(obj, torch.Tensor) and not isinstance(obj, nn.Parameter):
+            out[str(n.target)] = str(r.target)
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b)
+
+
+def _verify(member: _Analysis, rep: _Analysis, prefix: fx.GraphModule, outputs: list[str], split: _Split) -> str:
+    """Check ``suffix(prefix(x)) == model(x)`` on real data in training and in evaluation mode, the
+    prefix drawing no random numbers; buffers and flags are restored. '' when it holds."""
+    model, rep_model = member.job.model, rep.job.model
+    assert model is not None and rep_model is not None
+    x = member.example
+    saved = [(b, b.detach().clone()) for m in (model, rep_model) for b in m.buffers()]
+    flags = [(m, m.training) for mm in (model, rep_model) for m in mm.modules()]
+    try:
+        with torch.no_grad():
+            for mode in (True, False):
+                model.train(mode)
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(0)
+                    expected = model(x.clone())
+                rep_model.train(mode)
+                model.train(mode)
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(0)
+                    state = torch.get_rng_state()
+                    values = dict(zip(outputs, prefix(x.clone())))
+                    if not torch.equal(state, torch.get_rng_state()):
+                        return "the frozen prefix draws random numbers"
+                    args = [x.clone() if k == BATCH else values[k] for k in split.inputs]
+                    got = split.suffix(args[0] if len(args) == 1 else tuple(args))
+                if not _same(expected, got):
+                    return "the split model does not reproduce the model"
+    except Exception as err:
+        return f"the split model failed ({type(err).__name__})"
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+        for m, flag in flags:
+            m.training = flag
+    return ""
+
+
+def _mode_flags(model: nn.Module, module: nn.Module) -> tuple[list[bool], list[bool]]:
+    """The training flags of ``module.modules()`` after ``model.train()`` and after ``model.eval()``."""
+    saved = [(m, m.training) for m in model.modules()]
+    try:
+        model.train()
+        train = [m.training for m in module.modules()]
+        model.eval()
+        evaluation = [m.training for m in module.modules()]
+    finally:
+        for m, flag in saved:
+            m.training = flag
+    return train, evaluation
+
+
+@dataclass
+class _PrefixPlan:
+    prefix: SharedPrefix
+    keys: set[str]
+    rep: _Analysis
+    members: dict[int, _Split]        # trial id -> its split
+
+
+def _find_prefixes(analyses: list[_Analysis], notes: dict[int, str]) -> list[_PrefixPlan]:
+    """Cluster the members whose frozen prefixes overlap (greedily, keeping at least half of a
+    cluster's prefix FLOPs), split them, keep the splits that reproduce their models."""
+    clusters: list[tuple[set[str], list[_Analysis]]] = []
+    for a in analyses:
+        if not a.eligible or a.why_not:
+            continue
+        own = set(a.eligible) - {"input"}
+        best, best_cost = None, 0.0
+        for i, (keys, _members) in enumerate(clusters):
+            cost = _cost(keys & own, a)
+            if cost > best_cost and cost >= 0.5 * _cost(keys, a):
+                best, best_cost = i, cost
+        if best is None:
+            clusters.append((own, [a]))
+        else:
+            keys, members = clusters[best]
+            clusters[best] = (keys & own, members + [a])
+    plans: list[_PrefixPlan] = []
+    for keys, members in clusters:
+        if len(members) < 2:
+            notes.setdefault(members[0].job.trial.id, "no other trial shares its frozen prefix")
+            continue
+        mean_total = sum(m.total for m in members) / len(members)
+        cost = _cost(keys, members[0])
+        if cost <= 0 or cost < MIN_PREFIX_SHARE * mean_total:
+            for m in members:
+                notes.setdefault(m.job.trial.id, f"shared frozen prefix too small ({cost / max(mean_total, 1):.0%} of FLOPs)")
+            continue
+        rep = members[0]
+        splits: dict[int, _Split] = {}
+        for m in members:
+            split = _split(m, keys)
+            if isinstance(split, str):
+                notes[m.job.trial.id] = split
+            else:
+                splits[m.job.trial.id] = split
+        outputs = list(dict.fromkeys(k for s in splits.values() for k in s.inputs if k != BATCH))
+        if len(splits) < 2 or not outputs:
+            continue
+        module = _build_prefix(rep, keys, outputs)
+        by_id = {m.job.trial.id: m for m in members}
+        verified: dict[int, _Split] = {}
+        for trial_id, split in splits.items():
+            why = _verify(by_id[trial_id], rep, module, outputs, split)
+            if why:
+                notes[trial_id] = why
+            else:
+                split.buffers = _buffer_map(by_id[trial_id], rep, keys)
+                verified[trial_id] = split
+        if len(verified) < 2:
+            for trial_id in verified:
+                notes.setdefault(trial_id, "no other trial shares its frozen prefix")
+            continue
+        n_nodes = sum(1 for n, k in rep.key_of.items() if k in keys)
+        description = f"frozen prefix of {n_nodes} nodes ({cost / max(mean_total, 1):.0%} of FLOPs)"
+        key = "prefix:" + hashlib.blake2b(",".join(sorted(keys)).encode(), digest_size=6).hexdigest()
+        assert rep.job.model is not None
+        train_flags, eval_flags = _mode_flags(rep.job.model, module)
+        prefix = SharedPrefix(key, module, tuple(outputs), description, train_flags, eval_flags)
+        plans.append(_PrefixPlan(prefix, keys, rep, verified))
+    return plans
+
+
+# ------------------------------------------------------------------------------------------------
+# planning: memory
+# ------------------------------------------------------------------------------------------------
+def _optimizer_states(cfg: TrainConfig) -> int:
+    """Tensors of optimizer state per trainable parameter."""
+    if cfg.optimizer == "sgd":
+        return 0 if cfg.momentum == 0 else 1
+    if cfg.optimizer == "rmsprop":
+        return 2 if cfg.momentum else 1
+    return 2  # adam, adamw: first and second moments
+
+
+def _resident(model: nn.Module, cfg: TrainConfig) -> int:
+    """Bytes a member holds between steps: parameters, buffers, gradients and optimizer state."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return params + buffers + trainable * (1 + _optimizer_states(cfg))
+
+
+def unit_memory(parts: Sequence[tuple[int, int]], shared: int = 0) -> int:
+    """A unit's estimated bytes from its members' ``(resident, transient)`` bytes: every member's
+    resident bytes (parameters, buffers, gradients, optimizer state) plus the largest transient
+    (activations kept for backward at the batch size: members step one at a time) plus ``shared``
+    (the shared batches, with the copy that guards them, and the shared prefixes).
+
+    >>> unit_memory([(100, 50), (200, 80)], shared=10)
+    390
+    """
+    return sum(r for r, _ in parts) + max((t for _, t in parts), default=0) + shared
+
+
+# ------------------------------------------------------------------------------------------------
+# the planner
+# ------------------------------------------------------------------------------------------------
+def plan_cse(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
+             max_unit_memory: int | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
+    """Group ``jobs`` whose data pipelines agree into :class:`SharedPipelineUnit`\\ s, with shared
+    frozen prefixes where found; return the units and the jobs left to train separately.
+
+    Only the declarative supervised evaluators (``Classification``, ``Regression``) are fused. A
+    job alone in its pipeline is left over; the first unit's log line says why ("different batch
+    size (32, not 64)", "different data seed (7, not 0)", ...). ``max_unit_memory`` (bytes)
+    defaults to :data:`MAX_UNIT_MEMORY`.
+    """
+    if not isinstance(evaluator, _Supervised):
+        return [], list(jobs)
+    groups: dict[tuple[Any, ...], list[tuple[Job, TrainConfig]]] = {}
+    leftover: list[Job] = []
+    for job in jobs:
+        if not isinstance(job.model, nn.Module):
+            leftover.append(job)
+            continue
+        try:
+            cfg = evaluator.config(job.trial.sample)
+        except Exception:  # the separate unit reports it as the trial's failure
+            leftover.append(job)
+            continue
+        groups.setdefault(_pipeline_key(cfg, job.trial.seed), []).append((job, cfg))
+    shared = [(k, g) for k, g in groups.items() if len(g) > 1]
+    notes: list[str] = []
+    for key, group in groups.items():
+        if len(group) == 1:
+            job = group[0][0]
+            leftover.append(job)
+            if shared:
+                biggest = max(shared, key=lambda kg: len(kg[1]))[0]
+                notes.append(f"trial {job.trial.id} ({_difference(key, biggest)})")
+            else:
+                notes.append(f"trial {job.trial.id}")
+    if not shared:
+        if len(jobs) > 1:
+            log.info("cse: no two trials share a data pipeline (%s); they train separately", ", ".join(notes))
+        return [], leftover
+    units: list[ExecutionUnit] = []
+    for index, (_key, group) in enumerate(shared):
+        extra = ("not shared: " + ", ".join(notes)) if index == 0 and notes else ""
+        units.extend(_plan_group(group, evaluator, max_unit_memory, extra))
+    order = {job.trial.id: i for i, job in enumerate(jobs)}
+    leftover.sort(key=lambda j: order[j.trial.id])
+    return units, leftover
+
+
+def _plan_group(group: list[tuple[Job, TrainConfig]], evaluator: StepwiseEvaluator,
+                max_unit_memory: int | None, extra: str) -> list[ExecutionUnit]:
+    cfg0 = group[0][1]
+    example = _example_batch(cfg0)
+    hasher = _Hasher()
+    analyses: list[_Analysis] = []
+    for job, cfg in group:
+        try:
+            analyses.append(_analyse(job, cfg, example, hasher))
+        except Exception as err:  # tracing is an optimization: a model it fails on trains whole
+            a = _Analysis(job, cfg, example)
+            a.why_not = f"tracing failed ({type(err).__name__})"
+            analyses.append(a)
+    notes: dict[int, str] = {}
+    plans = _find_prefixes(analyses, notes) if any(a.eligible for a in analyses) else []
+    split_of: dict[int, _PrefixPlan] = {t: plan for plan in plans for t in plan.members}
+    for a in analyses:
+        if a.why_not and any(b.eligible for b in analyses):
+            notes.setdefault(a.job.trial.id, a.why_not)
+    # memory of each member, of the shared batches and of each shared prefix
+    parts: list[tuple[_Analysis, int, int]] = []
+    for a in analyses:
+        assert a.job.model is not None
+        plan = split_of.get(a.job.trial.id)
+        acts = a.activations.values() if plan is None else [
+            b for n, b in a.activations.items() if a.key_of.get(n) not in plan.keys]
+        parts.append((a, _resident(a.job.model, a.cfg), sum(acts)))
+    batch_bytes = example[:1].numel() * example.element_size() * max(cfg0.batch_size, 256)
+    prefix_bytes: dict[str, int] = {}
+    for plan in plans:
+        rep = plan.rep
+        acts = sum(b for n, b in rep.activations.items() if rep.key_of.get(n) in plan.keys)
+        state = sum(t.numel() * t.element_size() for t in plan.prefix.module.state_dict().values())
+        prefix_bytes[plan.prefix.key] = 2 * acts + state
+    limit = max_unit_memory if max_unit_memory is not None else MAX_UNIT_MEMORY
+    if limit is None:
+        limit = default_max_unit_memory(cfg0.device)
+
+    def estimate(chunk: list[tuple[_Analysis, int, int]]) -> int:
+        keys = {split_of[a.job.trial.id].prefix.key for a, _, _ in chunk if a.job.trial.id in split_of}
+        return unit_memory([(r, t) for _, r, t in chunk], 3 * batch_bytes + sum(prefix_bytes[k] for k in keys))
+
+    # fill units in order, each under the limit; members of one prefix next to each other
+    rank = {plan.prefix.key: i for i, plan in enumerate(plans)}
+    ordered = sorted(parts, key=lambda p: rank.get(split_of[p[0].job.trial.id].prefix.key, -1)
+                     if p[0].job.trial.id in split_of else len(rank))
+    chunks: list[list[tuple[_Analysis, int, int]]] = []
+    over: list[int] = []
+    for part in ordered:
+        if chunks and estimate(chunks[-1] + [part]) <= limit:
+            chunks[-1].append(part)
+        else:
+            chunks.append([part])
+            if estimate([part]) > limit:
+                over.append(part[0].job.trial.id)
+    units: list[ExecutionUnit] = []
+    used: set[str] = set()
+    for i, chunk in enumerate(chunks):
+        units.append(_make_unit(chunk, evaluator, split_of, notes, estimate(chunk), limit, len(chunks),
+                                over, extra if i == 0 else "", cfg0, used))
+    return units
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _make_unit(chunk: list[tuple[_Analysis, int, int]], evaluator: StepwiseEvaluator,
+               split_of: dict[int, _PrefixPlan], notes: dict[int, str], estimate: int, limit: int,
+               n_chunks: int, over: list[int], extra: str, cfg0: TrainConfig, used: set[str]) -> SharedPipelineUnit:
+    jobs = [a.job for a, _, _ in chunk]
+    members: list[PipelineMember] = []
+    errors: dict[int, BaseException] = {}
+    prefixes: dict[str, SharedPrefix] = {}
+    whole: list[int] = []
+    for a, _, _ in chunk:
+        job = a.job
+        trial_id = job.trial.id
+        plan = split_of.get(trial_id)
+        try:
+            if plan is None:
+                trainer = evaluator.trainer(job.model, job.trial.sample, job.trial.seed)
+                members.append(TrainerMember(job, trainer))
+                whole.append(trial_id)
+                continue
+            prefix = prefixes.get(plan.prefix.key)
+            if prefix is None:
+                # a prefix whose members were split over several units: each unit computes its own copy
+                prefix = plan.prefix.copy() if plan.prefix.key in used else plan.prefix
+                prefix.module.to(cfg0.device)
+                prefixes[prefix.key] = prefix
+                used.add(prefix.key)
+            split = plan.members[trial_id]
+            trainer = evaluator.trainer(split.suffix, job.trial.sample, job.trial.seed)
+            state = prefix.module.state_dict(keep_vars=True)
+            buffers = {k: state[r] for k, r in split.buffers.items() if r in state}
+            members.append(TrainerMember(job, trainer, inputs=split.inputs, prefix_buffers=buffers))
+        except Exception as err:  # reported as the trial's failure at its first epoch
+            errors[trial_id] = err
+    unit = SharedPipelineUnit(jobs, evaluator, members=members, prefixes=list(prefixes.values()), memory=estimate)
+    unit.errors.update(errors)
+    # the log line: what is shared, what is not and why
+    data = getattr(cfg0.train, "name", None) or type(cfg0.train).__name__
+    pieces = [f"one data pipeline ({data}, batch size {cfg0.batch_size}, data seed "
+              f"{cfg0.data_seed_of(jobs[0].trial.seed)}"
+              + (", augmentation once per batch" if cfg0.transforms is not None else "") + ")"]
+    for prefix in prefixes.values():
+        ids = [str(m.trial_id) for m in members if isinstance(m, TrainerMember) and set(m.inputs) & set(prefix.outputs)]
+        pieces.append(f"{prefix.description} computed once per batch for trials [{', '.join(ids)}]")
+    if whole and (prefixes or any(t in notes for t in whole)):
+        reasons: dict[str, list[str]] = {}
+        for t in whole:
+            reasons.setdefault(notes.get(t, "no shared prefix"), []).append(str(t))
+        pieces.append("whole models: " + "; ".join(f"trials [{', '.join(ids)}] ({why})" for why, ids in reasons.items()))
+    memory = f"memory estimate {_mib(estimate)}, max_unit_memory {_mib(limit)}"
+    if n_chunks > 1:
+        memory += f" (the group is split into {n_chunks} units)"
+    alone = [str(t) for t in over if t in unit.jobs]
+    if alone:
+        memory += f"; trials [{', '.join(alone)}] exceed it alone"
+    pieces.append(memory)
+    if extra:
+        pieces.append(extra)
+    unit.reason = "; ".join(pieces)
+    return unit
+

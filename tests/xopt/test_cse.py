@@ -1,0 +1,412 @@
+"""CSE (issue 4): a shared data pipeline and a shared frozen prefix give the metrics and weights of
+separate training, compute the shared work once per batch, and go through the engine unchanged."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import tridens as td
+from tridens import nn as tnn
+from tridens.engine._execution import Job
+from tridens.engine._units import SeparateUnit
+from tridens.trial import Trial, TrialStatus
+from tridens.xopt import _cse
+from tridens.xopt._cse import SharedPipelineUnit, plan_cse
+
+
+@pytest.fixture(scope="module")
+def data():
+    return td.datasets.digits()
+
+
+class Counter:
+    """A random flip + noise augmentation written with torch ops on the batch, counting its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1
+        flip = torch.rand(x.shape[0], 1, 1, 1) < 0.5
+        return torch.where(flip, x.flip(-1), x) + 0.05 * torch.randn_like(x)
+
+
+# -- models: several architectures, with Dropout and BatchNorm -------------------------------------
+def cnn(width):
+    return nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Dropout(0.2), nn.Flatten(), nn.Linear(width * 16, 10))
+
+
+def mlp(hidden):
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.BatchNorm1d(hidden), nn.ReLU(),
+                         nn.Dropout(0.3), nn.Linear(hidden, 10))
+
+
+class InPlace(nn.Module):
+    """Modifies its training input in place (the unit must hand it a copy). Not in eval mode: the
+    separate trainer's validation batches are views of the dataset."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp(16)
+
+    def forward(self, x):
+        if self.training:
+            x.mul_(2.0)
+        return self.body(x)
+
+
+ARCHS = [lambda: cnn(8), lambda: cnn(12), lambda: mlp(32), lambda: mlp(24)]
+
+
+def jobs_for(makers, samples, max_steps=None):
+    jobs = []
+    for i, (make, sample) in enumerate(zip(makers, samples)):
+        torch.manual_seed(1000 + i)
+        jobs.append(Job(Trial(id=i + 1, sample=dict(sample), seed=1000 + i), make(), max_steps))
+    return jobs
+
+
+def drive(units, stop=None):
+    """The executor's lockstep loop, in short: {trial: [metrics per epoch]}, {trial: final weights},
+    errors. ``stop`` maps a trial to the epoch after which it is stopped."""
+    metrics, weights, errors = {}, {}, {}
+    stop = stop or {}
+    step = 0
+    while any(u.active() for u in units):
+        for unit in units:
+            for trial_id, result in unit.train_epoch().items():
+                if isinstance(result, BaseException):
+                    errors[trial_id] = result
+                    unit.drop(trial_id)
+                else:
+                    metrics.setdefault(trial_id, []).append(result)
+        for unit in units:
+            for job in unit.active():
+                t = job.trial.id
+                if unit.epoch(t) >= unit.limit(t) or stop.get(t) == step:
+                    weights[t] = unit.weights(t)
+                    unit.drop(t)
+        step += 1
+    return metrics, weights, errors
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for t in a:
+        assert len(a[t]) == len(b[t])
+        for ea, eb in zip(a[t], b[t]):
+            assert list(ea) == list(eb)  # same names, objective first
+            assert ea == pytest.approx(eb, abs=1e-4)
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for t in a:
+        assert list(a[t]) == list(b[t])
+        for k in a[t]:
+            torch.testing.assert_close(a[t][k], b[t][k], atol=1e-4, rtol=0)
+
+
+# -- the shared data pipeline ---------------------------------------------------------------------
+def test_shared_pipeline_equals_separate_and_augments_once(data):
+    train, val = data
+    aug = Counter()
+    ev = td.evaluators.Classification(train=train, val=val, epochs=2, batch_size=64, transforms=aug,
+                                      optimizer=td.choice("opt", ["sgd", "adam", "adamw", "rmsprop"]),
+                                      lr=td.choice("lr", [0.05, 0.01, 0.003]))
+    samples = [{"opt": "sgd", "lr": 0.05}, {"opt": "adam", "lr": 0.01}, {"opt": "adamw", "lr": 0.003},
+               {"opt": "rmsprop", "lr": 0.003}]
+    separate = drive([SeparateUnit(jobs_for(ARCHS, samples), ev)])
+    separate_calls = aug.calls
+    aug.calls = 0
+    units, rest = plan_cse(jobs_for(ARCHS, samples), ev)
+    assert rest == [] and len(units) == 1 and isinstance(units[0], SharedPipelineUnit)
+    fused = drive(units)
+    assert_same(separate[0], fused[0])
+    assert_same_weights(separate[1], fused[1])
+    batches = -(-len(train) // 64)
+    assert units[0].counts["batches"] == 2 * batches
+    assert aug.calls == 2 * batches                 # once per batch for the whole unit
+    assert separate_calls == 4 * 2 * batches        # once per batch per trial, separately
+    assert units[0].counts["val_batches"] == 2 * -(-len(val) // 256)
+
+
+def test_member_that_modifies_its_input_gets_copies(data):
+    train, val = data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=128, optimizer="adam", lr=0.01)
+    makers = [lambda: cnn(8), InPlace, lambda: mlp(16)]
+    samples = [{}] * 3
+    separate = drive([SeparateUnit(jobs_for(makers, samples), ev)])
+    units, _ = plan_cse(jobs_for(makers, samples), ev)
+    fused = drive(units)
+    assert_same(separate[0], fused[0])
+
+
+def test_failed_and_stopped_members_leave_without_disturbing_others(data):
+    train, val = data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=3, batch_size=128, optimizer="sgd",
+                                      lr=td.choice("lr", [1e38, 0.05, 0.01]))
+    samples = [{"lr": 0.05}, {"lr": 1e38}, {"lr": 0.01}, {"lr": 0.05}]
+    stop = {3: 0}  # trial 3 is stopped by the strategy after its first epoch
+    separate = drive([SeparateUnit(jobs_for(ARCHS, samples), ev)], stop)
+    units, _ = plan_cse(jobs_for(ARCHS, samples), ev)
+    fused = drive(units, stop)
+    assert_same(separate[0], fused[0])
+    assert set(fused[2]) == {2} and "loss" in str(fused[2][2]).lower()
+    assert type(fused[2][2]) is type(separate[2][2])
+    assert len(fused[0][3]) == 1 and len(fused[0][1]) == 3
+    assert_same_weights(separate[1], fused[1])
+
+
+def test_pipeline_groups_and_the_log_line_says_what_is_not_shared(data, caplog):
+    train, val = data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=td.choice("bs", [64, 32]),
+                                      data_seed=td.choice("ds", [0, 7]), optimizer="adam", lr=0.01)
+    samples = [{"bs": 64, "ds": 0}, {"bs": 64, "ds": 0}, {"bs": 32, "ds": 0}, {"bs": 64, "ds": 7}]
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        units, rest = plan_cse(jobs_for(ARCHS, samples), ev)
+    assert [sorted(u.jobs) for u in units] == [[1, 2]]
+    assert [j.trial.id for j in rest] == [3, 4]
+    line = units[0].describe()
+    assert "one data pipeline" in line
+    assert "trial 3 (different batch size (32, not 64))" in line
+    assert "trial 4 (different data seed (7, not 0))" in line
+    # nothing shared at all: one line says so
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        units, rest = plan_cse(jobs_for(ARCHS[2:], samples[2:]), ev)
+    assert units == [] and len(rest) == 2
+    assert any("no two trials share a data pipeline" in r.getMessage() for r in caplog.records)
+
+
+# -- the frozen prefix ------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def pretrained() -> nn.Module:
+    """A backbone (conv + BatchNorm) trained for one epoch on digits, then frozen."""
+    train, val = td.datasets.digits()
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                             nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+    model = nn.Sequential(backbone, nn.Flatten(), nn.Linear(32 * 16, 10))
+    ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=64, optimizer="adam", lr=0.01)
+    ev.trainer(model, {}, seed=0).train_epoch()
+    return backbone.requires_grad_(False)
+
+
+class FineTune(tnn.ModelSpace):
+    """A fine-tuning space: the pretrained backbone (frozen, BatchNorm in training mode) and 4 heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = copy.deepcopy(pretrained())
+        self.head = tnn.LayerChoice([
+            nn.Sequential(nn.Flatten(), nn.Dropout(0.3), nn.Linear(32 * 16, 10)),
+            nn.Sequential(nn.Conv2d(32, 16, 1), nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(), nn.Linear(256, 10)),
+            nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.5),
+                          nn.Linear(64, 10)),
+            nn.Sequential(nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveMaxPool2d(2), nn.Flatten(),
+                          nn.Linear(128, 10)),
+        ], label="head")
+        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
+def head_makers():
+    space = FineTune()
+    return [functools.partial(space.freeze, {"head": i}) for i in range(4)]
+
+
+def count_backbone_calls(units):
+    """Forward calls of every backbone's first layer, in training and in eval mode."""
+    seen = {"train": 0, "eval": 0}
+    handles = []
+    for unit in units:
+        for job in unit.jobs.values():
+            conv = job.model.backbone[0]
+            handles.append(conv.register_forward_hook(
+                lambda m, i, o: seen.__setitem__("train" if m.training else "eval", seen["train" if m.training else "eval"] + 1)))
+    return seen, handles
+
+
+def test_frozen_prefix_is_computed_once_and_equals_separate(data):
+    train, val = data
+    aug = Counter()
+    ev = td.evaluators.Classification(train=train, val=val, epochs=2, batch_size=64, transforms=aug,
+                                      optimizer=td.choice("opt", ["adam", "sgd"]), lr=0.01)
+    samples = [{"opt": "adam"}, {"opt": "sgd"}, {"opt": "adam"}, {"opt": "sgd"}]
+    separate = drive([SeparateUnit(jobs_for(head_makers(), samples), ev)])
+    units, rest = plan_cse(jobs_for(head_makers(), samples), ev)
+    assert rest == [] and len(units) == 1
+    unit = units[0]
+    assert "frozen prefix of" in unit.describe() and "computed once per batch for trials [1, 2, 3, 4]" in unit.describe()
+    [prefix] = unit.prefixes.values()
+    seen, handles = count_backbone_calls(units)
+    try:
+        fused = drive(units)
+    finally:
+        for h in handles:
+            h.remove()
+    batches, val_batches = -(-len(train) // 64), -(-len(val) // 256)
+    assert prefix.calls == 2 * (batches + val_batches)
+    assert seen == {"train": 2 * batches, "eval": 2 * val_batches}  # once per batch, not once per model
+    assert_same(separate[0], fused[0])
+    # weights(): the whole model's state_dict, same keys and values (the backbone's BatchNorm statistics too)
+    assert_same_weights(separate[1], fused[1])
+    reference = head_makers()[0]().state_dict()
+    assert list(fused[1][1]) == list(reference)
+    assert not torch.equal(fused[1][1]["backbone.1.running_mean"], reference["backbone.1.running_mean"])
+
+
+def test_prefix_members_fail_and_stop_alone(data):
+    train, val = data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=2, batch_size=128, optimizer="sgd",
+                                      lr=td.choice("lr", [1e38, 0.05]))
+    samples = [{"lr": 0.05}, {"lr": 1e38}, {"lr": 0.05}, {"lr": 0.05}]
+    stop = {1: 0}
+    separate = drive([SeparateUnit(jobs_for(head_makers(), samples), ev)], stop)
+    units, _ = plan_cse(jobs_for(head_makers(), samples), ev)
+    assert units[0].prefixes
+    fused = drive(units, stop)
+    assert set(fused[2]) == {2}
+    assert_same(separate[0], fused[0])
+    assert_same_weights(separate[1], fused[1])
+
+
+class Branchy(nn.Module):
+    """Frozen backbone, then Python control flow on ``self.training`` that torch.fx bakes into the
+    graph: the split would not reproduce the model in eval mode, so the planner must not use it."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = copy.deepcopy(pretrained())
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(32 * 16, 10))
+
+    def forward(self, x):
+        h = self.backbone(x)
+        if self.training:
+            h = h * 0.5
+        return self.head(h)
+
+
+def test_a_split_that_does_not_reproduce_the_model_is_not_used(data):
+    train, val = data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=128, optimizer="adam", lr=0.01)
+    makers = [Branchy, Branchy, head_makers()[0]]
+    separate = drive([SeparateUnit(jobs_for(makers, [{}] * 3), ev)])
+    units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
+    line = units[0].describe()
+    assert "does not reproduce the model" in line
+    fused = drive(units)
+    assert_same(separate[0], fused[0])
+
+
+def test_different_backbone_weights_are_not_shared(data):
+    train, val = data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=128, optimizer="adam", lr=0.01)
+    makers = head_makers()[:2]
+    jobs = jobs_for(makers, [{}, {}])
+    with torch.no_grad():
+        jobs[1].model.backbone[3].weight.add_(0.01)   # same structure, other weights
+    units, _ = plan_cse(jobs, ev)
+    assert not units[0].prefixes
+    assert "frozen prefix" not in units[0].describe().split("whole models")[0]
+
+
+# -- memory ------------------------------------------------------------------------------------------
+def test_memory_bound_splits_units_and_training_is_unchanged(data):
+    train, val = data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=2, batch_size=64, optimizer="adam", lr=0.01)
+    samples = [{}] * 4
+    separate = drive([SeparateUnit(jobs_for(head_makers(), samples), ev)])
+    [whole] = plan_cse(jobs_for(head_makers(), samples), ev)[0]
+    limit = whole.memory - 1
+    units, rest = plan_cse(jobs_for(head_makers(), samples), ev, max_unit_memory=limit)
+    assert rest == [] and len(units) >= 2
+    assert all(u.memory <= limit for u in units)
+    assert all("split into" in u.describe() for u in units)
+    # each unit runs its own copy of the prefix: BatchNorm statistics are not updated twice
+    prefixes = [p for u in units for p in u.prefixes.values()]
+    assert len({id(p.module) for p in prefixes}) == len(prefixes) >= 2
+    fused = drive(units)
+    assert_same(separate[0], fused[0])
+    assert_same_weights(separate[1], fused[1])
+
+
+def test_memory_estimate_grows_with_batch_size(data):
+    train, val = data
+    sizes = []
+    for bs in (32, 512):
+        ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=bs)
+        [unit], _ = plan_cse(jobs_for(ARCHS[:2], [{}, {}]), ev)
+        sizes.append(unit.memory)
+    assert sizes[1] > sizes[0]
+    assert _cse.unit_memory([(10, 5), (20, 7)], shared=3) == 40
+
+
+# -- end to end through the engine -------------------------------------------------------------------
+class SmallSpace(tnn.ModelSpace):
+    def __init__(self):
+        super().__init__()
+        w = td.choice("width", [6, 10])
+        self.conv = nn.Conv2d(1, w, 3, padding=1)
+        self.bn = nn.BatchNorm2d(w)
+        self.op = tnn.LayerChoice([nn.Conv2d(w, w, 3, padding=1), nn.Identity()], label="op")
+        self.drop = nn.Dropout(0.2)
+        self.head = nn.Linear(w * 16, 10)
+        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
+
+    def forward(self, x):
+        x = torch.relu(self.op(torch.relu(self.bn(self.conv(x)))))
+        x = nn.functional.max_pool2d(x, 2)
+        return self.head(self.drop(x.flatten(1)))
+
+
+def _experiment(tmp_path, name, space, ev, strategy, optimize, **kw):
+    exp = td.Experiment(space, ev, strategy, store=tmp_path / "t.db", name=name, optimize=optimize,
+                        verbose=False, **kw)
+    trials = exp.run().trials()
+    first = min(t.id for t in trials)
+    return {t.id - first: t for t in trials}
+
+
+def _same_trials(a, b):
+    assert a.keys() == b.keys()
+    for i in a:
+        assert a[i].sample == b[i].sample and a[i].status == b[i].status
+        assert a[i].metrics.keys() == b[i].metrics.keys()
+        for name in a[i].metrics:
+            assert a[i].metrics[name] == pytest.approx(b[i].metrics[name], abs=1e-4), (i, name)
+
+
+def test_experiment_optimize_true_equals_false(tmp_path, data, caplog):
+    train, val = data
+    # every trial a different (structure, optimizer kind): nothing for operator batching, all for CSE
+    ev = td.evaluators.Classification(train=train, val=val, epochs=2, batch_size=64, transforms=Counter(),
+                                      optimizer=td.choice("opt", ["adam", "sgd"]), lr=0.01)
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        fused = _experiment(tmp_path, "fused", SmallSpace(), ev, td.strategy.GridSearch(), True, max_trials=8)
+    assert any("one data pipeline" in r.getMessage() for r in caplog.records)
+    separate = _experiment(tmp_path, "separate", SmallSpace(), ev, td.strategy.GridSearch(), False, max_trials=8)
+    assert len(fused) == 8 and all(t.status is TrialStatus.COMPLETED for t in fused.values())
+    _same_trials(fused, separate)
+
+
+def test_experiment_with_hyperband_stops_and_a_frozen_prefix(tmp_path, data, caplog):
+    train, val = data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=4, batch_size=128, lr=0.01,
+                                      optimizer=td.choice("opt", ["adam", "sgd"]))
+    strategy = lambda: td.strategy.Hyperband(min_steps=1, max_steps=4, reduction_factor=2)  # noqa: E731
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        fused = _experiment(tmp_path, "fused", FineTune(), ev, strategy(), True, max_trials=8)
+    assert any("computed once per batch" in r.getMessage() for r in caplog.records)
+    separate = _experiment(tmp_path, "separate", FineTune(), ev, strategy(), False, max_trials=8)
+    assert any(t.status is TrialStatus.STOPPED for t in fused.values())
+    _same_trials(fused, separate)
