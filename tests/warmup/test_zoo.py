@@ -141,3 +141,19 @@ def test_experiment_warm_start_on_digits(tmp_path, digits_data, caplog):
     exp2.run()
     t2 = exp2.trials()[0]
     assert t2.info["warm_start"]["parent"] in ids and t2.parent in ids
+
+
+def test_add_experiment_imports_finished_trials(tmp_path, digits_data):
+    train, val = digits_data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=256, optimizer="adam", lr=0.01)
+    store = tmp_path / "cold.db"
+    exp = td.Experiment(DigitsMLP(), ev, "random", max_trials=2, store=store, name="cold", verbose=False)
+    exp.run()
+    zoo = Zoo(store)
+    assert len(zoo) == 0  # ran without warm start
+    added = zoo.add_experiment("cold")
+    done = [t for t in exp.trials() if t.status is td.TrialStatus.COMPLETED]
+    assert sorted(e.meta["trial"] for e in added) == sorted(t.id for t in done)
+    assert zoo.add_experiment("cold") == []  # not twice
+    entry = next(e for e in added if e.meta["trial"] == done[0].id)
+    assert entry.accuracy == pytest.approx(done[0].metric)

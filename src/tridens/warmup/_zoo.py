@@ -176,6 +176,47 @@ class Zoo:
             raise ZooError(f"{type(model).__name__} cannot be added to the zoo: it has an opaque node ({desc['opaque']})")
         return self.add_description(desc, model.state_dict(), accuracy=accuracy, name=name or type(model).__name__, **meta)
 
+    def add_experiment(self, name: str, store: str | os.PathLike[str] | None = None) -> list[Entry]:
+        """Add every finished trial (with a checkpoint) of experiment ``name`` of ``store`` (default:
+        this zoo's store) that is not in the zoo yet: the experiment's space is rebuilt from its
+        stored recipe, frozen with the trial's sample, and described. Trials whose checkpoint no
+        longer loads are skipped with a :class:`ZooWarning`."""
+        from ..engine._recipe import build_space
+        from ..store import Store
+        from ..trial import Objective, TrialStatus
+
+        path = Path(store) if store is not None else self.path
+        with Store(path, readonly=True) as db:
+            record = db.get_experiment(name)
+            trials = db.trials(name)
+            if not record.config.get("space"):
+                raise ZooError(f"experiment {name!r} has no space recipe in {path}: its trials cannot be rebuilt")
+            space = build_space(record.config["space"])
+            objective = Objective(**record.config.get("objective", {"metric": "val_acc", "mode": "max"}))
+            have = {(e.meta.get("store"), e.meta.get("trial")) for e in self.entries.values()}
+            added = []
+            for t in trials:
+                if t.status not in (TrialStatus.COMPLETED, TrialStatus.STOPPED) or not t.checkpoint or t.metric is None:
+                    continue
+                if (str(Path(path).absolute()), t.id) in have:
+                    continue
+                try:
+                    weights = db.load_checkpoint(t.checkpoint)
+                    model = space.freeze(space.restrict(t.sample), check=False)
+                    model.load_state_dict(weights)
+                except Exception as err:
+                    warnings.warn(f"trial {t.id} of {name!r} skipped: {type(err).__name__}: {err}", ZooWarning, stacklevel=2)
+                    continue
+                desc = describe(model, space.example_inputs)
+                if desc["opaque"]:
+                    log.info("zoo: trial %d of %s not added: opaque node (%s)", t.id, name, desc["opaque"])
+                    continue
+                entry = self.add_description(desc, model.state_dict(), accuracy=objective.score(t.metric), trial=t.id,
+                                             experiment=name, store=str(Path(path).absolute()))
+                if entry is not None:
+                    added.append(entry)
+        return added
+
     def admits(self, accuracy: float) -> tuple[bool, str | None]:
         if accuracy is None or not math.isfinite(accuracy):
             return False, f"accuracy {accuracy!r} is not a finite number"

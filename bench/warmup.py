@@ -1,0 +1,234 @@
+"""Benchmark: warm start (issue 6, tridens.warmup).
+
+1. ``search``: a regularized-evolution search of 50 trials on ``td.datasets.digits()`` (1,438 train
+   / 359 validation 8x8 images; Fashion-MNIST is not on this machine), with and without
+   ``warm_start=True``, same experiment seeds. Each trial trains one epoch (batch 64, Adam 3e-3) of
+   a small CNN from the space: conv1 width {8, 16, 24, 32} kernel {3, 5}, an optional second 3x3
+   conv {conv, identity}, an MLP head of {32, 64, 128} units. Reported per seed: the cold run's
+   best accuracy, the trials / epochs / process CPU-seconds each run needs to first reach it
+   (CPU-seconds of the whole run up to that trial: training, warm-start matching and
+   transformation, engine bookkeeping), and each run's final best accuracy.
+2. ``latency``: matching a new model against a zoo of 1,000 models (MLPs and CNNs of 1-6 layers,
+   widths 8-128, BatchNorm or not; 10-40 IR nodes each): ``describe`` (trace) of the new model,
+   ``Zoo.candidates`` + ``choose`` (exhaustive batched DP, and through k-medoids clusters), and the
+   one-off clustering time. Medians over 20 queries of different models.
+
+Each search runs in its own fresh process (``--one``), cold and warm interleaved per seed, one torch
+thread (``OMP_NUM_THREADS=1``).
+
+    .venv/bin/python bench/warmup.py                 # 3 seeds x {cold, warm} + latency
+    .venv/bin/python bench/warmup.py --seeds 1       # quicker
+    .venv/bin/python bench/warmup.py --latency-only
+    .venv/bin/python bench/warmup.py --search-only --seeds 5 --population 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_space():
+    import tridens as td
+    from tridens import nn as tnn
+
+    class SearchCNN(tnn.ModelSpace):
+        def __init__(self):
+            super().__init__()
+            w = td.choice("width", [8, 16, 24, 32])
+            k = td.choice("kernel", [3, 5])
+            h = td.choice("hidden", [32, 64, 128])
+            self.conv1 = nn.Conv2d(1, w, k, padding=k // 2)
+            self.conv2 = tnn.LayerChoice([nn.Conv2d(w, w, 3, padding=1), nn.Identity()], label="conv2")
+            self.fc = nn.Linear(w * 16, h)
+            self.head = nn.Linear(h, 10)
+            self.example_inputs = (torch.zeros(2, 1, 8, 8),)
+
+        def forward(self, x):
+            x = torch.relu(self.conv1(x))
+            x = torch.relu(self.conv2(x))
+            x = nn.functional.max_pool2d(x, 2).flatten(1)
+            return self.head(torch.relu(self.fc(x)))
+
+    return SearchCNN()
+
+
+def one_search(mode: str, seed: int, trials: int, population: int = 10) -> dict:
+    import tridens as td
+
+    torch.set_num_threads(1)
+    train, val = td.datasets.digits()
+    ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=64, optimizer="adam", lr=0.003)
+    marks: list[tuple[int, float, float | None]] = []
+
+    first_ask: list[float] = []
+
+    class Timed(td.strategy.RegularizedEvolution):
+        def ask(self, remaining=None):
+            if not first_ask:
+                first_ask.append(time.process_time() - t0)
+            return super().ask(remaining)
+
+        def tell(self, trial):
+            super().tell(trial)
+            if trial.status in (td.TrialStatus.COMPLETED, td.TrialStatus.STOPPED):
+                marks.append((trial.id, time.process_time() - t0, trial.metric))
+
+    strategy = Timed(population=population, sample_size=3, batch_size=1, mutation_prob=0.3)
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.process_time()
+        w0 = time.perf_counter()
+        exp = td.Experiment(make_space(), ev, strategy, max_trials=trials, store=os.path.join(d, "b.db"),
+                            name="b", seed=seed, warm_start=(mode == "warm"), verbose=False)
+        exp.run()
+        wall = time.perf_counter() - w0
+        rows = exp.trials()
+        warm = sum(1 for t in rows if (t.info.get("warm_start") or {}).get("parent") is not None)
+    return {"mode": mode, "seed": seed, "curve": marks, "setup_cpu_s": first_ask[0] if first_ask else 0.0, "wall_s": wall, "cpu_s": time.process_time() - t0,
+            "warm_started": warm}
+
+
+def _run_one(mode: str, seed: int, trials: int, population: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.join(ROOT, "src"))
+    out = subprocess.run([sys.executable, __file__, "--one", mode, "--seed", str(seed), "--trials", str(trials),
+                          "--population", str(population)],
+                         capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _first_reach(curve, target):
+    for n, (_, cpu, metric) in enumerate(curve, 1):
+        if metric is not None and metric >= target - 1e-12:
+            return n, cpu
+    return None, None
+
+
+def search(seeds: int, trials: int, population: int) -> list[dict]:
+    rows = []
+    for seed in range(seeds):
+        cold = _run_one("cold", seed, trials, population)
+        warm = _run_one("warm", seed, trials, population)
+        target = max(m for _, _, m in cold["curve"] if m is not None)
+        cn, ccpu = _first_reach(cold["curve"], target)
+        wn, wcpu = _first_reach(warm["curve"], target)
+        thresholds = {}
+        for th in (0.85, 0.88, 0.90):
+            thresholds[str(th)] = [_first_reach(cold["curve"], th)[0], _first_reach(warm["curve"], th)[0]]
+        row = {"seed": seed, "population": population, "trials_to_threshold_cold_warm": thresholds, "cold_best": target, "warm_best": max(m for _, _, m in warm["curve"] if m is not None),
+               "cold_trials_to_target": cn, "warm_trials_to_target": wn,
+               "cold_cpu_to_target": ccpu, "warm_cpu_to_target": wcpu,
+               "cold_cpu_total": cold["cpu_s"], "warm_cpu_total": warm["cpu_s"],
+               "warm_started": warm["warm_started"]}
+        row["epoch_ratio"] = cn / wn if wn else None
+        row["cpu_ratio"] = ccpu / wcpu if wcpu else None
+        # the same without the run's fixed set-up (store, space, strategy start) before the first trial
+        if wcpu:
+            row["cpu_ratio_after_setup"] = (ccpu - cold["setup_cpu_s"]) / (wcpu - warm["setup_cpu_s"])
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def _zoo_model(i: int) -> nn.Module:
+    import random
+
+    r = random.Random(i)
+    if r.random() < 0.5:
+        layers = [nn.Flatten()]
+        width, n_in = r.choice([8, 16, 32, 64, 128]), 64
+        for _ in range(r.randint(1, 6)):
+            layers += [nn.Linear(n_in, width), nn.ReLU()]
+            n_in, width = width, r.choice([8, 16, 32, 64, 128])
+        return nn.Sequential(*layers, nn.Linear(n_in, 10))
+    layers, c = [], 1
+    for _ in range(r.randint(1, 5)):
+        w, k = r.choice([8, 16, 24, 32]), r.choice([3, 5])
+        layers += [nn.Conv2d(c, w, k, padding=k // 2)] + ([nn.BatchNorm2d(w)] if r.random() < 0.5 else []) + [nn.ReLU()]
+        c = w
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(c * 64, 10))
+
+
+def latency(n: int = 1000, queries: int = 20) -> dict:
+    import tridens as td
+    from tridens.warmup import describe
+
+    torch.set_num_threads(1)
+    x = torch.zeros(2, 1, 8, 8)
+    with tempfile.TemporaryDirectory() as d:
+        zoo = td.warmup.Zoo(os.path.join(d, "zoo.db"), cluster_threshold=10**9)
+        t = time.perf_counter()
+        for i in range(n):
+            m = _zoo_model(i)
+            zoo.add_description(describe(m, x), {"w": torch.zeros(1)}, accuracy=0.5 + (i % 97) / 200, name=f"m{i}")
+        build = time.perf_counter() - t
+        nodes = [e.encoded.n for e in zoo]
+        qs = [_zoo_model(10_000 + q) for q in range(queries)]
+        t_desc, t_full, t_clu, agree = [], [], [], 0
+        zoo.choose(zoo.scores(describe(qs[0], x)))  # warm-up
+        t = time.perf_counter()
+        zoo.cluster_threshold = 200
+        clusters = zoo.clusters(force=True)
+        t_cluster = time.perf_counter() - t
+        for q in qs:
+            t = time.perf_counter()
+            dq = describe(q, x)
+            t_desc.append(time.perf_counter() - t)
+            zoo.cluster_threshold = 10**9
+            t = time.perf_counter()
+            full = zoo.choose(zoo.candidates(dq))
+            t_full.append(time.perf_counter() - t)
+            zoo.cluster_threshold = 200
+            t = time.perf_counter()
+            via = zoo.choose(zoo.candidates(dq))
+            t_clu.append(time.perf_counter() - t)
+            if full and via and (via[1] >= full[1] - zoo.bucket):
+                agree += 1
+        med = statistics.median
+        return {"zoo": n, "nodes_median": med(nodes), "nodes_max": max(nodes), "build_s": build,
+                "describe_ms": med(t_desc) * 1000, "match_exhaustive_ms": med(t_full) * 1000,
+                "match_exhaustive_max_ms": max(t_full) * 1000, "match_clusters_ms": med(t_clu) * 1000,
+                "clusters": len(clusters["medoids"]), "clustering_s": t_cluster,
+                "clusters_same_bucket": f"{agree}/{queries}"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--one", choices=["cold", "warm"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--trials", type=int, default=50)
+    ap.add_argument("--population", type=int, default=10, help="evolution population (its first group is all cold)")
+    ap.add_argument("--latency-only", action="store_true")
+    ap.add_argument("--search-only", action="store_true")
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one_search(args.one, args.seed, args.trials, args.population)))
+        return
+    print(f"# load average {os.getloadavg()}, torch {torch.__version__}", flush=True)
+    if not args.search_only:
+        print(json.dumps({"latency": latency()}), flush=True)
+    if not args.latency_only:
+        rows = search(args.seeds, args.trials, args.population)
+        med = statistics.median
+        ratios = [r["epoch_ratio"] for r in rows if r["epoch_ratio"]]
+        cpu = [r["cpu_ratio"] for r in rows if r["cpu_ratio"]]
+        cpu2 = [r["cpu_ratio_after_setup"] for r in rows if r.get("cpu_ratio_after_setup")]
+        print(json.dumps({"summary": {"seeds": len(rows), "epoch_ratio_median": med(ratios) if ratios else None,
+                                      "cpu_ratio_median": med(cpu) if cpu else None,
+                                      "cpu_ratio_after_setup_median": med(cpu2) if cpu2 else None,
+                                      "warm_best_not_lower": sum(r["warm_best"] >= r["cold_best"] for r in rows)}}))
+
+
+if __name__ == "__main__":
+    main()
