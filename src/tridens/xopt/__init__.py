@@ -5,14 +5,20 @@ package is imported (the engine imports it before planning). Planners are asked 
 order, each taking the jobs it can fuse and leaving the rest to the next; whatever is left trains
 separately.
 
+* operator batching (:mod:`._batching`): same-shaped models as one vectorized model.
 * common sub-expression elimination (:mod:`._cse`): trials sharing a data pipeline read one
   loader (each batch augmented once), and a shared frozen prefix runs once per batch.
 """
 
 from ..engine._planner import register as _register
+from . import _batching as batching
+from ._batching import BatchedUnit, BatchingSettings, plan_batching
+
 from . import _cse as cse
 from ._cse import PipelineMember, SharedPipelineUnit, SharedPrefix, TrainerMember, plan_cse
 
+_register("batching", plan_batching)
 _register("cse", plan_cse)
 
-__all__ = ["SharedPipelineUnit", "PipelineMember", "TrainerMember", "SharedPrefix", "plan_cse", "cse"]
+__all__ = ["BatchedUnit", "BatchingSettings", "plan_batching", "batching",
+           "SharedPipelineUnit", "PipelineMember", "TrainerMember", "SharedPrefix", "plan_cse", "cse"]

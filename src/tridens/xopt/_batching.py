@@ -1,0 +1,855 @@
+"""Operator batching: K same-shaped models trained as ONE vectorized model.
+
+Trials whose models have the same structure (module tree, parameter and buffer shapes, forward
+graph; Dropout ``p`` may differ) and whose training setups agree on everything but the learning
+rate, momentum, weight decay and lr schedule (same optimizer kind, batch size, epochs, loss, data,
+transforms and data order) are stacked with ``torch.func``: parameters and buffers become tensors
+with a leading model dimension, the forward is ``vmap(functional_call(...))`` over it, and the
+shared input batch is *not* batched (``in_dims=None``), so the first layer runs as one wide
+convolution / matmul with K times the output channels. Per-model hyperparameters are tensors
+broadcast over the model dimension, and the optimizer step (SGD, Adam, AdamW, RMSprop, with
+``torch.optim``'s semantics) is vectorized.
+
+Fused equals separate (CPU):
+
+* Dropout modules (``nn.Dropout``, ``Dropout1d/2d/3d``) are replaced in the fused forward by a
+  multiplication with masks drawn *outside* vmap, per model, from that trial's own random stream
+  (a ``torch.Generator`` started like :class:`SupervisedTrainer`'s: ``manual_seed(seed)``), in
+  forward order, exactly as ``F.dropout`` draws them on CPU: ``empty_like(x).bernoulli_(1 - p)
+  .div_(1 - p)`` (feature dropout: one value per ``(sample, channel)``). The masks are therefore
+  the ones each separate trainer would draw, bit for bit. Any other random op in a forward makes
+  the planner leave the group unfused (vmap runs with ``randomness="error"``). On CUDA the masks
+  are drawn per model from CUDA generators seeded with the trial seed: independent, but not the
+  ones a separate trainer's fused dropout kernel draws.
+* BatchNorm running statistics are stacked buffers, updated in the vmapped forward in training
+  mode and used in eval mode: per model.
+* Per-model train loss and validation metrics every epoch, with the same names, reductions and
+  Python-float accumulation as :meth:`SupervisedTrainer.validate`.
+
+What differs is floating-point rounding only (grouped/batched kernels instead of per-model
+kernels, the optimizer's products rounded separately instead of fused): the tests hold fused and
+separate per-epoch metrics within 1e-4.
+
+A model whose loss becomes NaN/inf fails alone (:class:`NonFiniteLoss`, same message as the
+separate trainer) and leaves the stack before the optimizer step; a model the strategy stops
+leaves through :meth:`BatchedUnit.drop`; the others' arithmetic is independent of both.
+
+**When it pays.** On a CPU, vmapped convolutions become grouped convolutions, which can be slower
+than K ordinary ones (4 Fashion-MNIST CNNs: 6.4 s separate, 11.0 s vmapped), while small models
+gain a lot. So :func:`plan_batching` times a few steps fused against one model's separate steps on
+the real batch shapes (interleaved, medians), caches the speed-up per (structure, setup, K,
+device type), and fuses only where it reaches ``settings.min_speedup``; the rest is left to the
+next optimization and to separate training. Knobs (module-level :data:`settings`, also read from
+the environment at import):
+
+* ``settings.mode`` (``TRIDENS_BATCHING``): ``"auto"`` (measure, default), ``"force"`` (fuse every
+  compatible group whatever the measurement: used by tests to compare fused with separate),
+  ``"off"``.
+* ``settings.max_unit_memory`` (``TRIDENS_MAX_UNIT_MEMORY``, bytes, default 4 GiB): a unit's
+  estimated parameters + gradients + optimizer state + activations stay under it; larger groups
+  are split. (The engine may pass ``max_unit_memory=`` to :func:`plan_batching` instead.)
+* ``settings.max_unit_size`` (default 64): the most models in one unit.
+* ``settings.min_speedup`` (default 1.15): the measured speed-up a unit must reach to be fused.
+* ``settings.measure_rounds`` (default 3): timed rounds (after one warm-up) per measurement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import os
+import statistics
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call, vmap
+
+from ..engine._execution import Job
+from ..engine._units import ExecutionUnit, SeparateUnit, UnitResult
+from ..evaluators._base import StepwiseEvaluator
+from ..evaluators._errors import NonFiniteLoss
+from ..evaluators._supervised import TrainConfig, _Source, _Supervised, _accuracy_count, _match
+
+__all__ = ["BatchedUnit", "BatchingSettings", "plan_batching", "settings", "group_key", "clear_cache"]
+
+log = logging.getLogger("tridens")
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(float(os.environ.get(name, default)))
+    except ValueError:
+        return default
+
+
+@dataclass
+class BatchingSettings:
+    """Module-level knobs of operator batching (see the module docstring)."""
+
+    mode: str = os.environ.get("TRIDENS_BATCHING", "auto")
+    max_unit_memory: int = _env_int("TRIDENS_MAX_UNIT_MEMORY", 4 * 2**30)
+    max_unit_size: int = 64
+    min_speedup: float = 1.15
+    measure_rounds: int = 3
+
+
+settings = BatchingSettings()
+
+# (group key, K, device type) -> measured speed-up of fused over separate training.
+_SPEEDUPS: dict[tuple[Any, ...], float] = {}
+
+
+def clear_cache() -> None:
+    """Forget the measured speed-ups (they are kept for the process's lifetime)."""
+    _SPEEDUPS.clear()
+
+
+# -- dropout with masks drawn outside vmap ---------------------------------------------------------
+_DROPOUTS: dict[type, int | None] = {nn.Dropout: None, nn.Dropout1d: 3, nn.Dropout2d: 4, nn.Dropout3d: 5}
+_local = threading.local()
+
+
+class _MaskDropout(nn.Module):
+    """Stands in for a dropout module in the fused forward: multiplies by the next mask of the
+    current step (drawn per model outside vmap), or records the shape it would need."""
+
+    def __init__(self, index: int, batched_dim: int | None):
+        super().__init__()
+        self.index, self.batched_dim = index, batched_dim
+
+    def mask_shape(self, shape: torch.Size) -> tuple[int, ...]:
+        if self.batched_dim is None:  # element-wise dropout: one value per element
+            return tuple(shape)
+        if len(shape) == self.batched_dim:  # feature dropout: one value per (sample, channel)
+            return (shape[0], shape[1]) + (1,) * (len(shape) - 2)
+        return (shape[0],) + (1,) * (len(shape) - 1)  # no batch dim: F.dropoutNd unsqueezes one
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        state = _local.state
+        if state.record is not None:
+            state.record.append((self.index, self.mask_shape(x.shape), x.dtype))
+            return x
+        mask = state.masks[state.position]
+        state.position += 1
+        return x if mask is None else x * mask
+
+
+@dataclass
+class _ForwardState:
+    record: list[tuple[int, tuple[int, ...], torch.dtype]] | None = None
+    masks: Sequence[torch.Tensor | None] = ()
+    position: int = 0
+
+
+@contextlib.contextmanager
+def _forward_state(state: _ForwardState) -> Iterator[None]:
+    previous = getattr(_local, "state", None)
+    _local.state = state
+    try:
+        yield
+    finally:
+        _local.state = previous
+
+
+def _dropout_ps(model: nn.Module) -> list[float]:
+    return [float(m.p) for m in model.modules() if type(m) in _DROPOUTS]
+
+
+def _skeleton(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` on the meta device with its dropouts replaced by :class:`_MaskDropout`:
+    the module ``functional_call`` runs with the stacked parameters."""
+    base = copy.deepcopy(model).to("meta")
+    index = 0
+    for name, module in list(base.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) in _DROPOUTS:
+                setattr(module, child_name, _MaskDropout(index, _DROPOUTS[type(child)]))
+                index += 1
+    return base
+
+
+# -- grouping ----------------------------------------------------------------------------------------
+def _structure_key(model: nn.Module) -> str:
+    """The graph fingerprint of ``model`` with every dropout's ``p`` normalized (p may differ
+    within a unit), plus its parameter and buffer names and shapes (what stacking needs)."""
+    from ..graph import trace
+
+    dropouts = [m for m in model.modules() if type(m) in _DROPOUTS]
+    saved = [m.p for m in dropouts]
+    try:
+        for m in dropouts:
+            m.p = 0.5
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fingerprint = trace(model).fingerprint()
+    finally:
+        for m, p in zip(dropouts, saved):
+            m.p = p
+    tensors = [(n, tuple(t.shape), str(t.dtype), t.requires_grad) for n, t in model.named_parameters()]
+    tensors += [(n, tuple(t.shape), str(t.dtype)) for n, t in model.named_buffers()]
+    return f"{fingerprint}|{hash(tuple(tensors))}"
+
+
+def _data_key(ds: Any) -> Any:
+    return getattr(ds, "spec", None) or id(ds)
+
+
+# The parts of a TrainConfig that must agree within a unit, with the reason given when they don't.
+_SETUP_FIELDS: tuple[tuple[str, Callable[[TrainConfig, int], Any]], ...] = (
+    ("optimizer", lambda c, s: c.optimizer),
+    ("batch size", lambda c, s: c.batch_size),
+    ("epochs", lambda c, s: c.epochs),
+    ("loss", lambda c, s: id(c.loss)),
+    ("metrics", lambda c, s: c.metrics),
+    ("training data", lambda c, s: _data_key(c.train)),
+    ("validation data", lambda c, s: _data_key(c.val)),
+    ("transforms", lambda c, s: id(c.transforms)),
+    ("data order", lambda c, s: c.data_seed_of(s)),
+    ("device", lambda c, s: str(c.device)),
+    ("task", lambda c, s: c.task),
+)
+
+
+def _setup_key(cfg: TrainConfig, seed: int) -> tuple[Any, ...]:
+    return tuple(get(cfg, seed) for _, get in _SETUP_FIELDS)
+
+
+def group_key(model: nn.Module, cfg: TrainConfig, seed: int) -> tuple[str, tuple[Any, ...]]:
+    """``(structure key, setup key)``: trials with equal keys can train as one batched unit."""
+    return _structure_key(model), _setup_key(cfg, seed)
+
+
+# -- the vectorized optimizers ----------------------------------------------------------------------
+def _per_model(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    """Per-model scalars as a tensor broadcast over a stacked tensor shaped like ``like``."""
+    return torch.tensor(values, dtype=like.dtype, device=like.device).view(-1, *([1] * (like.dim() - 1)))
+
+
+class _VectorOptimizer:
+    """SGD / Adam / AdamW / RMSprop over stacked parameters, per-model lr, momentum (Adam's beta1)
+    and weight decay, with ``torch.optim``'s single-tensor (CPU) update rules: SGD with dampening 0,
+    no Nesterov; Adam/AdamW betas (momentum, 0.999), eps 1e-8; RMSprop alpha 0.99, eps 1e-8, not
+    centered. A parameter without a gradient is skipped, as torch.optim does."""
+
+    BETA2, EPS, ALPHA = 0.999, 1e-8, 0.99
+
+    def __init__(self, kind: str, momentum: list[float], weight_decay: list[float]):
+        self.kind = kind
+        self.momentum, self.weight_decay = list(momentum), list(weight_decay)
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+        self.steps: dict[str, int] = {}
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only the models at ``rows`` (in that order)."""
+        self.momentum = [self.momentum[r] for r in rows]
+        self.weight_decay = [self.weight_decay[r] for r in rows]
+        for name, state in self.state.items():
+            for key, value in state.items():
+                index = torch.tensor(rows, dtype=torch.long, device=value.device)
+                state[key] = value.index_select(0, index)
+
+    @torch.no_grad()
+    def step(self, params: Mapping[str, torch.Tensor], lrs: list[float]) -> None:
+        wd_any = any(w != 0 for w in self.weight_decay)
+        for name, p in params.items():
+            g = p.grad
+            if g is None:
+                continue
+            state = self.state.setdefault(name, {})
+            count = self.steps[name] = self.steps.get(name, 0) + 1
+            lr = _per_model(lrs, p)
+            if self.kind == "adamw":
+                if wd_any:
+                    p.mul_(_per_model([1 - a * w for a, w in zip(lrs, self.weight_decay)], p))
+            elif wd_any:
+                g = g + _per_model(self.weight_decay, p) * p
+            if self.kind == "sgd":
+                if any(m != 0 for m in self.momentum):
+                    buf = state.get("momentum_buffer")
+                    if buf is None:
+                        buf = state["momentum_buffer"] = g.clone()
+                    else:
+                        buf.mul_(_per_model(self.momentum, p)).add_(g)
+                    g = buf
+                p.sub_(lr * g)
+            elif self.kind in ("adam", "adamw"):
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                exp_avg.lerp_(g, _per_model([1 - m for m in self.momentum], p))
+                exp_avg_sq.mul_(self.BETA2).addcmul_(g, g, value=1 - self.BETA2)
+                bias_correction2 = 1 - self.BETA2 ** count
+                step_size = [a / (1 - m ** count) for a, m in zip(lrs, self.momentum)]
+                denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(self.EPS)
+                p.add_((_per_model([-s for s in step_size], p) * exp_avg).div_(denom))
+            elif self.kind == "rmsprop":
+                if not state:
+                    state["square_avg"] = torch.zeros_like(p)
+                square_avg = state["square_avg"]
+                square_avg.mul_(self.ALPHA).addcmul_(g, g, value=1 - self.ALPHA)
+                avg = square_avg.sqrt().add_(self.EPS)
+                if any(m > 0 for m in self.momentum):
+                    buf = state.setdefault("momentum_buffer", torch.zeros_like(p))
+                    buf.mul_(_per_model(self.momentum, p)).addcdiv_(g, avg)
+                    p.sub_(lr * buf)
+                else:
+                    p.add_((-lr * g).div_(avg))
+            else:  # pragma: no cover - planner checks the kind
+                raise ValueError(f"no vectorized optimizer {self.kind!r}")
+
+
+def _resolved_momentum(cfg: TrainConfig) -> float:
+    if cfg.momentum is not None:
+        return cfg.momentum
+    return 0.0 if cfg.optimizer == "rmsprop" else 0.9
+
+
+# -- the fused models ------------------------------------------------------------------------------------
+class BatchedMember:
+    """The K fused models of a unit: stacked parameters, buffers, optimizer state and random
+    streams, stepped on batches its driver supplies.
+
+    It answers the pipeline-member protocol of :mod:`tridens.xopt._cse` (``inputs``,
+    ``trial_ids``, ``limit``, ``epoch``, ``wants_epoch``, ``begin_epoch``, ``train_batch(x, y,
+    batch)``, ``end_epoch``, ``begin_validation``, ``validate_batch(x, y)``, ``end_validation``,
+    ``weights``, ``leave``), so a shared-pipeline unit can feed it like one trainer;
+    :class:`BatchedUnit` drives it with its own pipeline. Per epoch: ``end_epoch()`` gives each
+    trial trained ``{"train_loss": ...}`` or the error that failed it, ``end_validation()`` its
+    validation metrics.
+    """
+
+    inputs: tuple[str, ...] = ("batch",)
+
+    def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, shared_input: bool | None = None):
+        if not isinstance(evaluator, _Supervised):
+            raise TypeError(f"operator batching trains Classification/Regression trials, not {type(evaluator).__name__}")
+        models = [job.model for job in jobs]
+        if len(jobs) == 0 or any(not isinstance(m, nn.Module) for m in models):
+            raise TypeError("operator batching needs a model per trial")
+        self.jobs = {job.trial.id: job for job in jobs}
+        self.configs = {job.trial.id: evaluator.config(job.trial.sample) for job in jobs}
+        self.cfg = cfg = self.configs[jobs[0].trial.id]
+        self.owner = type(evaluator).__name__
+        self.device = cfg.device
+        self.ids: list[int] = [job.trial.id for job in jobs]  # the stack's rows, in order
+        self._members = list(self.ids)                         # every trial not left yet
+        first = models[0]
+        self.base = _skeleton(first)
+        self._keys = _state_keys(first)
+        with torch.no_grad():
+            named = [(dict(m.named_parameters()), dict(m.named_buffers())) for m in models]
+            self.params: dict[str, torch.Tensor] = {
+                n: torch.stack([p[n].detach().to(self.device) for p, _ in named]).requires_grad_(t.requires_grad)
+                for n, t in first.named_parameters()}
+            self.buffers: dict[str, torch.Tensor] = {
+                n: torch.stack([b[n].detach().to(self.device) for _, b in named]) for n, _ in first.named_buffers()}
+        self._ps = {job.trial.id: _dropout_ps(job.model) for job in jobs}
+        self._generators = {job.trial.id: self._generator(job.trial.seed) for job in jobs}
+        self.optimizer = _VectorOptimizer(cfg.optimizer, [_resolved_momentum(self.configs[i]) for i in self.ids],
+                                          [self.configs[i].weight_decay for i in self.ids])
+        self._epochs = {i: 0 for i in self.ids}
+        self.step = 0
+        self._parked: dict[int, dict[str, torch.Tensor]] = {}
+        self._errors: dict[int, BaseException] = {}
+        self._calls: dict[tuple[int, ...], list[tuple[int, tuple[int, ...], torch.dtype]]] = {}
+        self.shared_input = shared_input
+        self._fwd_shared = vmap(self._forward, in_dims=(0, 0, 0, None), randomness="error")
+        self._fwd_each = vmap(self._forward, in_dims=(0, 0, 0, 0), randomness="error")
+        self._training: list[int] = []
+        self._totals: dict[int, float] = {}
+        self._count = 0
+        self._val_sums: dict[int, dict[str, float]] = {}
+        self._val_n = self._val_elements = 0
+
+    # -- the member protocol ---------------------------------------------------------------------
+    def trial_ids(self) -> list[int]:
+        return list(self._members)
+
+    def limit(self, trial_id: int) -> int:
+        job = self.jobs[trial_id]
+        epochs = self.configs[trial_id].epochs
+        return epochs if job.max_steps is None else min(epochs, job.max_steps)
+
+    def epoch(self, trial_id: int) -> int:
+        return self._epochs.get(trial_id, 0)
+
+    def wants_epoch(self) -> bool:
+        return any(self.epoch(t) < self.limit(t) for t in self.ids)
+
+    def begin_epoch(self) -> None:
+        """Park the trials out of budget (not left yet), put the others in training mode."""
+        done = [r for r, i in enumerate(self.ids) if self._epochs[i] >= self.limit(i)]
+        if done:
+            self._remove(done, park=True)
+        self._training = list(self.ids)
+        self._totals = {i: 0.0 for i in self.ids}
+        self._count = 0
+        self.base.train()
+
+    def train_batch(self, x: torch.Tensor, y: torch.Tensor, batch: int) -> dict[int, float]:
+        """One optimizer step of every model in the stack; returns each one's training loss.
+        A model whose loss is not finite fails (reported by :meth:`end_epoch`) and leaves the
+        stack before the step; the others' steps do not depend on it."""
+        if not self.ids:
+            return {}
+        cfg = self.cfg
+        lrs = [self.configs[i].lr_at(self.step) for i in self.ids]
+        out = self._outputs(x, self._masks(x))
+        losses = vmap(cfg.loss, in_dims=(0, None))(out, y)
+        values = losses.detach().tolist()
+        bad = [r for r, v in enumerate(values) if not math.isfinite(v)]
+        good = [r for r in range(len(values)) if r not in bad]
+        if good:
+            (losses[torch.tensor(good, device=losses.device)] if bad else losses).sum().backward()
+        result: dict[int, float] = {}
+        for r, i in enumerate(self.ids):
+            if r in bad:
+                self._errors[i] = NonFiniteLoss(
+                    f"the training loss of {self.owner} became {values[r]} at epoch {self._epochs[i]}, batch {batch} "
+                    f"(optimizer step {self.step}, lr {lrs[r]:.6g}); the trial failed. A lower 'lr' usually helps.",
+                    epoch=self._epochs[i], batch=batch, step=self.step, value=values[r])
+            else:
+                result[i] = values[r]
+                if i in self._totals:
+                    self._totals[i] += values[r] * len(y)
+        self._count += len(y)
+        if bad:
+            self._remove(bad, park=True, keep_grads=True)
+            lrs = [lrs[r] for r in good]
+        if self.ids:
+            self.optimizer.step(self.params, lrs)
+        for p in self.params.values():
+            p.grad = None
+        self.step += 1
+        return result
+
+    def end_epoch(self) -> dict[int, dict[str, float] | BaseException]:
+        out: dict[int, dict[str, float] | BaseException] = {}
+        for i in self._training:
+            if i in self._errors:
+                out[i] = self._errors.pop(i)
+            elif i in self.ids:
+                self._epochs[i] += 1
+                out[i] = {"train_loss": self._totals[i] / self._count}
+        return out
+
+    def begin_validation(self) -> None:
+        self.base.eval()
+        self._val_sums = {i: {name: 0.0 for name in self.cfg.metrics} for i in self.ids}
+        self._val_n = self._val_elements = 0
+
+    @torch.no_grad()
+    def validate_batch(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Accumulate every model's metrics on a validation batch, as ``SupervisedTrainer.validate``
+        does (per-batch values as Python floats, summed in the same order)."""
+        if not self.ids:
+            return
+        cfg, names = self.cfg, self.cfg.metrics
+        out = self._outputs(x, ())  # eval mode: dropout is the identity
+        size = len(y)
+        self._val_n += size
+        per: dict[str, list[float]] = {}
+        if "val_loss" in names:
+            per["val_loss"] = [v * size for v in vmap(cfg.loss, in_dims=(0, None))(out, y).tolist()]
+        if "val_acc" in names:
+            per["val_acc"] = [float(c) for c in (out.argmax(dim=2) == y).sum(dim=1).tolist()]
+        if "val_mse" in names or "val_mae" in names:
+            diff = vmap(lambda o: _match(o, y) - y.to(o.dtype))(out)
+            self._val_elements += diff[0].numel()
+            flat = diff.reshape(len(self.ids), -1)
+            if "val_mse" in names:
+                per["val_mse"] = (flat * flat).sum(dim=1).tolist()
+            if "val_mae" in names:
+                per["val_mae"] = flat.abs().sum(dim=1).tolist()
+        for name, values in per.items():
+            for i, v in zip(self.ids, values):
+                self._val_sums[i][name] += float(v)
+
+    def end_validation(self) -> dict[int, dict[str, float] | BaseException]:
+        self.base.train()
+        n, elements = self._val_n, self._val_elements
+        return {i: {name: value / (elements if name in ("val_mse", "val_mae") else n) for name, value in sums.items()}
+                for i, sums in self._val_sums.items() if i in self._training}
+
+    def weights(self, trial_id: int) -> dict[str, Any] | None:
+        if trial_id in self._parked:
+            return dict(self._parked[trial_id])
+        return self._row_state(self.ids.index(trial_id))
+
+    def leave(self, trial_id: int) -> None:
+        if trial_id in self.ids:
+            self._remove([self.ids.index(trial_id)], park=False)
+        for store in (self._parked, self._errors, self._generators):
+            store.pop(trial_id, None)
+        if trial_id in self._members:
+            self._members.remove(trial_id)
+
+    # -- the vectorized forward ------------------------------------------------------------------
+    def _generator(self, seed: int) -> torch.Generator:
+        if self.device.type == "cpu":
+            # The state torch.manual_seed(seed) gives the CPU stream: what a separate trainer draws from.
+            return torch.Generator().manual_seed(seed)
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def _forward(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+                 masks: tuple[torch.Tensor | None, ...], x: torch.Tensor) -> torch.Tensor:
+        with _forward_state(_ForwardState(masks=masks)):
+            return functional_call(self.base, (params, buffers), (x,))
+
+    def _dropout_calls(self, x: torch.Tensor) -> list[tuple[int, tuple[int, ...], torch.dtype]]:
+        """The dropout calls of a training forward on ``x``: (dropout index, mask shape, dtype) in
+        call order, found once per input shape by a forward of one model that records them."""
+        key = tuple(x.shape)
+        if key not in self._calls:
+            record: list[tuple[int, tuple[int, ...], torch.dtype]] = []
+            if any(type(m) is _MaskDropout for m in self.base.modules()):
+                params = {n: p[0].detach() for n, p in self.params.items()}
+                buffers = {n: b[0].clone() for n, b in self.buffers.items()}
+                with torch.no_grad(), _forward_state(_ForwardState(record=record)):
+                    functional_call(self.base, (params, buffers), (x,))
+            self._calls[key] = record
+        return self._calls[key]
+
+    def _masks(self, x: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """This step's dropout masks, ``(K, *mask shape)`` per call; each model's rows drawn from
+        its own stream in call order, as ``F.dropout`` draws on CPU."""
+        masks: list[torch.Tensor | None] = []
+        for index, shape, dtype in self._dropout_calls(x):
+            ps = [self._ps[i][index] for i in self.ids]
+            if all(p == 0 for p in ps):
+                masks.append(None)
+                continue
+            numel = math.prod(shape)
+            rows = []
+            for i, p in zip(self.ids, ps):
+                if p == 0 or numel == 0:  # F.dropout returns its input without drawing
+                    rows.append(torch.ones(shape, dtype=dtype, device=self.device))
+                elif p == 1:
+                    rows.append(torch.zeros(shape, dtype=dtype, device=self.device))
+                else:
+                    rows.append(torch.empty(shape, dtype=dtype, device=self.device)
+                                .bernoulli_(1 - p, generator=self._generators[i]).div_(1 - p))
+            masks.append(torch.stack(rows))
+        return tuple(masks)
+
+    def _outputs(self, x: torch.Tensor, masks: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+        """The stacked outputs ``(K, ...)``. The input is shared (not batched) so the first layer
+        runs as one wide layer; if the models cannot take an unbatched input (BatchNorm on the raw
+        input updates batched statistics from it), each gets its own expanded copy."""
+        if self.shared_input is None:  # first call: try sharing on copies of the buffers
+            trial = {n: b.clone() for n, b in self.buffers.items()}
+            try:
+                out = self._fwd_shared(self.params, trial, masks, x)
+            except RuntimeError:
+                self.shared_input = False
+            else:
+                self.shared_input = True
+                with torch.no_grad():
+                    for n, b in self.buffers.items():
+                        b.copy_(trial[n])
+                return out
+        if self.shared_input:
+            return self._fwd_shared(self.params, self.buffers, masks, x)
+        return self._fwd_each(self.params, self.buffers, masks, x.expand(len(self.ids), *x.shape))
+
+    # -- the stack -------------------------------------------------------------------------------
+    def _row_state(self, row: int) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for key, name in self._keys:
+            source = self.params[name] if name in self.params else self.buffers[name]
+            out[key] = source[row].detach().clone().cpu()
+        return out
+
+    def _remove(self, rows: list[int], *, park: bool, keep_grads: bool = False) -> None:
+        """Take the models at ``rows`` out of the stack (keeping their weights if ``park``)."""
+        if park:
+            for r in rows:
+                self._parked[self.ids[r]] = self._row_state(r)
+        keep = [r for r in range(len(self.ids)) if r not in rows]
+        self.ids = [self.ids[r] for r in keep]
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        with torch.no_grad():
+            params = {}
+            for n, p in self.params.items():
+                q = p.detach().index_select(0, index).requires_grad_(p.requires_grad)
+                if keep_grads and p.grad is not None:
+                    q.grad = p.grad.index_select(0, index)
+                params[n] = q
+            self.params = params
+            self.buffers = {n: b.index_select(0, index) for n, b in self.buffers.items()}
+        self.optimizer.select(keep)
+
+
+def _state_keys(model: nn.Module) -> list[tuple[str, str]]:
+    """``(state_dict key, name of the stacked tensor holding it)``: tied parameters and buffers
+    appear under every name in a state_dict but are stacked once."""
+    canonical = {id(t): n for n, t in model.named_parameters()}
+    for n, t in model.named_buffers():
+        canonical.setdefault(id(t), n)
+    alias = {n: canonical[id(t)] for n, t in model.named_parameters(remove_duplicate=False)}
+    alias.update({n: canonical[id(t)] for n, t in model.named_buffers(remove_duplicate=False)})
+    return [(k, alias.get(k, k)) for k in model.state_dict().keys()]
+
+
+class BatchedUnit(ExecutionUnit):
+    """K trials with identical model structure and training setup, trained as one vectorized
+    model (see the module docstring) on one data pipeline. Built by :func:`plan_batching`;
+    usable directly::
+
+        unit = BatchedUnit(jobs, evaluator)
+        while unit.active():
+            results = unit.train_epoch()       # {trial id: metrics, or the error that failed it}
+            ...                                 # unit.drop(trial_id) when a trial ends or stops
+
+    ``weights(trial_id)`` is the trial's own ``state_dict`` (same keys as its model's).
+    """
+
+    kind = "batched"
+
+    def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, reason: str = "", *,
+                 shared_input: bool | None = None):
+        super().__init__(jobs, evaluator)
+        self.reason = reason
+        self.member = BatchedMember(jobs, evaluator, shared_input=shared_input)
+        cfg = self.member.cfg
+        self._seed = jobs[0].trial.seed  # data order and augmentation: shared (the group key says so)
+        self._train = _Source(cfg.train, cfg.device)
+        self._val = _Source(cfg.val, cfg.device)
+
+    def limit(self, trial_id: int) -> int:
+        return self.member.limit(trial_id)
+
+    def epoch(self, trial_id: int) -> int:
+        return self.member.epoch(trial_id)
+
+    def weights(self, trial_id: int) -> dict[str, Any] | None:
+        return self.member.weights(trial_id)
+
+    def _leave(self, trial_id: int) -> None:
+        self.member.leave(trial_id)
+
+    def train_epoch(self) -> dict[int, UnitResult]:
+        member, cfg = self.member, self.member.cfg
+        if not member.wants_epoch():
+            return {}
+        t0 = time.monotonic()
+        epoch = min(member.epoch(i) for i in member.ids if member.epoch(i) < member.limit(i))
+        member.begin_epoch()
+        trained = list(member.ids)
+        order = cfg.epoch_order(self._seed, epoch)
+        for batch, (x, y) in enumerate(self._train.batches(order, cfg.batch_size)):
+            if not member.ids:
+                break  # every model failed: the rest of the epoch trains nothing
+            member.train_batch(cfg.augment(x, self._seed, epoch, batch), y, batch)
+        train = member.end_epoch()
+        val: dict[int, dict[str, float] | BaseException] = {}
+        if member.ids:
+            member.begin_validation()
+            for x, y in self._val.batches(None, max(cfg.batch_size, 256)):
+                member.validate_batch(x, y)
+            val = member.end_validation()
+        results: dict[int, UnitResult] = {}
+        metric = self.objective.metric
+        for i in trained:
+            result = train.get(i)
+            if isinstance(result, BaseException) or result is None:
+                results[i] = result if result is not None else RuntimeError(f"trial {i} was not trained")
+                continue
+            metrics = {**val[i], **result} if isinstance(val.get(i), dict) else result
+            results[i] = {metric: metrics[metric], **metrics}
+        share = (time.monotonic() - t0) / max(len(trained), 1)
+        for i in trained:
+            info = self.jobs[i].trial.info
+            info["train_seconds"] = info.get("train_seconds", 0.0) + share
+        return results
+
+
+# -- the planner ---------------------------------------------------------------------------------------
+def _per_model_bytes(unit: BatchedMember, x: torch.Tensor) -> int:
+    """Estimated bytes one model adds to a unit: parameters, gradients, optimizer state, buffers,
+    and twice the outputs of its leaf modules on a training batch (activations kept for backward
+    and their gradients)."""
+    states = {"sgd": 1, "adam": 2, "adamw": 2, "rmsprop": 2}.get(unit.cfg.optimizer, 2)
+    param_bytes = sum(p[0].numel() * p.element_size() for p in unit.params.values())
+    buffer_bytes = sum(b[0].numel() * b.element_size() for b in unit.buffers.values())
+    activations = 0
+
+    def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+        nonlocal activations
+        if isinstance(output, torch.Tensor):
+            activations += output.numel() * output.element_size()
+
+    handles = [m.register_forward_hook(hook) for m in unit.base.modules() if not list(m.children())]
+    try:
+        params = {n: p[0].detach() for n, p in unit.params.items()}
+        buffers = {n: b[0].clone() for n, b in unit.buffers.items()}
+        with torch.no_grad(), _forward_state(_ForwardState(record=[])):
+            functional_call(unit.base, (params, buffers), (x,))
+    finally:
+        for h in handles:
+            h.remove()
+    return param_bytes * (2 + states) + buffer_bytes + 2 * activations
+
+
+def _first_batch(cfg: TrainConfig, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    source = _Source(cfg.train, cfg.device)
+    x, y = next(iter(source.batches(cfg.epoch_order(seed, 0), cfg.batch_size)))
+    return cfg.augment(x, seed, 0, 0), y
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _measure(jobs: Sequence[Job], evaluator: _Supervised, x: torch.Tensor, y: torch.Tensor,
+             shared_input: bool | None) -> float:
+    """Speed-up of one fused step of ``jobs`` over K separate steps (one model's step times K),
+    timed interleaved on the real batch: a warm-up of each, then ``measure_rounds`` rounds."""
+    probe = BatchedMember(jobs, evaluator, shared_input=shared_input)
+    probe.begin_epoch()
+    job = jobs[0]
+    trainer = evaluator.trainer(copy.deepcopy(job.model), job.trial.sample, job.trial.seed)
+    device = probe.device
+    fused: list[float] = []
+    single: list[float] = []
+    for round_ in range(settings.measure_rounds + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        probe.train_batch(x, y, round_)
+        _sync(device)
+        t1 = time.perf_counter()
+        trainer.train_batch(x, y, round_)
+        _sync(device)
+        t2 = time.perf_counter()
+        if round_:  # the first round warms up both
+            fused.append(t1 - t0)
+            single.append(t2 - t1)
+    return len(jobs) * statistics.median(single) / statistics.median(fused)
+
+
+def _probe(jobs: Sequence[Job], evaluator: _Supervised, x: torch.Tensor, y: torch.Tensor) -> BatchedMember:
+    """A throwaway member that ran one fused step and a validation batch (proves the models
+    vectorize, and finds whether they can share their input)."""
+    probe = BatchedMember(jobs, evaluator)
+    probe.begin_epoch()
+    probe.train_batch(x, y, 0)
+    probe.begin_validation()
+    probe.validate_batch(x, y)
+    probe.end_validation()
+    return probe
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:160]
+
+
+def _differing(a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
+    for (name, _), x, y in zip(_SETUP_FIELDS, a, b):
+        if x != y:
+            return name
+    return "setup"
+
+
+def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
+                  max_unit_memory: int | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
+    """Group ``jobs`` by (structure, training setup); fuse each group of two or more into
+    :class:`BatchedUnit`\\ s where a measurement says it pays (or ``settings.mode == "force"``),
+    within ``max_unit_memory`` (default ``settings.max_unit_memory``). Returns the units and
+    the jobs left for other optimizations / separate training. Logs one line per group that is
+    not fused, saying why (fused units log their own line through the planner)."""
+    if settings.mode == "off" or not isinstance(evaluator, _Supervised):
+        return [], list(jobs)
+    budget = settings.max_unit_memory if max_unit_memory is None else max_unit_memory
+    leftover: list[Job] = []
+    structures: dict[str, list[tuple[tuple[Any, ...], Job, TrainConfig]]] = {}
+    for job in jobs:
+        if not isinstance(job.model, nn.Module):
+            leftover.append(job)
+            continue
+        try:
+            cfg = evaluator.config(job.trial.sample)
+            if cfg.optimizer not in ("sgd", "adam", "adamw", "rmsprop"):
+                raise ValueError(f"no vectorized optimizer {cfg.optimizer!r}")
+            key = _structure_key(job.model)
+        except Exception as err:  # the separate trainer reports invalid setups as the trial's error
+            log.info("batching: trial %d not fused: %s", job.trial.id, _first_line(err))
+            leftover.append(job)
+            continue
+        structures.setdefault(key, []).append((_setup_key(cfg, job.trial.seed), job, cfg))
+    units: list[ExecutionUnit] = []
+    for skey, members in structures.items():
+        setups: dict[tuple[Any, ...], list[Job]] = {}
+        for setup, job, _ in members:
+            setups.setdefault(setup, []).append(job)
+        for setup, group in setups.items():
+            ids = [j.trial.id for j in group]
+            if len(group) == 1:
+                why = ("no other trial with the same model structure" if len(setups) == 1 else
+                       f"different {_differing(setup, next(s for s in setups if s != setup))} from trials with the "
+                       "same model structure")
+                log.info("batching: trial %d not fused: %s", ids[0], why)
+                leftover.extend(group)
+                continue
+            made, rest = _plan_group(skey, setup, group, evaluator, budget)
+            units.extend(made)
+            leftover.extend(rest)
+    return units, leftover
+
+
+def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: _Supervised,
+                budget: int) -> tuple[list[ExecutionUnit], list[Job]]:
+    ids = [j.trial.id for j in group]
+    cfg = evaluator.config(group[0].trial.sample)
+    try:
+        x, y = _first_batch(cfg, group[0].trial.seed)
+        probe = _probe(group[:2], evaluator, x, y)
+        per_model = _per_model_bytes(probe, x)
+        shared = probe.shared_input
+    except Exception as err:
+        log.info("batching: trials %s not fused: the models do not vectorize (%s)", ids, _first_line(err))
+        return [], list(group)
+    size = min(settings.max_unit_size, max(1, budget // max(per_model, 1)))
+    if size < 2:
+        log.info("batching: trials %s not fused: one model needs ~%.0f MiB, max_unit_memory is %.0f MiB",
+                 ids, per_model / 2**20, budget / 2**20)
+        return [], list(group)
+    chunks = [group[i:i + size] for i in range(0, len(group), size)]
+    if len(chunks) > 1 and len(chunks[-1]) == 1:  # never leave one model alone: rebalance
+        chunks = [group[i::len(chunks)] for i in range(len(chunks))]
+    units: list[ExecutionUnit] = []
+    rest: list[Job] = []
+    for chunk in chunks:
+        k = len(chunk)
+        if settings.mode == "force":
+            units.append(BatchedUnit(chunk, evaluator, reason=f"{k} trials, fused: forced (settings.mode='force')",
+                                     shared_input=shared))
+            continue
+        cache_key = (skey, setup, k, cfg.device.type)
+        try:
+            if cache_key not in _SPEEDUPS:
+                _SPEEDUPS[cache_key] = _measure(chunk, evaluator, x, y, shared)
+            speedup = _SPEEDUPS[cache_key]
+        except Exception as err:
+            log.info("batching: trials %s not fused: %s", [j.trial.id for j in chunk], _first_line(err))
+            rest.extend(chunk)
+            continue
+        if speedup >= settings.min_speedup:
+            units.append(BatchedUnit(chunk, evaluator, reason=f"{k} trials, fused: measured {speedup:.1f}x",
+                                     shared_input=shared))
+        else:
+            log.info("batching: trials %s not fused: measured %.2fx (below %.2fx)",
+                     [j.trial.id for j in chunk], speedup, settings.min_speedup)
+            rest.extend(chunk)
+    return units, rest
