@@ -18,7 +18,7 @@ thread (``OMP_NUM_THREADS=1``).
 
     .venv/bin/python bench/warmup.py                 # 3 seeds x {cold, warm} + latency
     .venv/bin/python bench/warmup.py --seeds 1       # quicker
-    .venv/bin/python bench/warmup.py --latency-only
+    .venv/bin/python bench/warmup.py --latency-only [--deep]
     .venv/bin/python bench/warmup.py --search-only --seeds 5 --population 5
 """
 
@@ -159,7 +159,20 @@ def _zoo_model(i: int) -> nn.Module:
     return nn.Sequential(*layers, nn.Flatten(), nn.Linear(c * 64, 10))
 
 
-def latency(n: int = 1000, queries: int = 20) -> dict:
+def _deep_model(i: int) -> nn.Module:
+    """A 25-35-layer MLP (~60 IR nodes): ResNet-sized graphs for the matcher."""
+    import random
+
+    r = random.Random(i)
+    layers, n_in = [nn.Flatten()], 64
+    for _ in range(r.randint(25, 35)):
+        w = r.choice([16, 32, 64])
+        layers += [nn.Linear(n_in, w), nn.ReLU()]
+        n_in = w
+    return nn.Sequential(*layers, nn.Linear(n_in, 10))
+
+
+def latency(n: int = 1000, queries: int = 20, deep: bool = False) -> dict:
     import tridens as td
     from tridens.warmup import describe
 
@@ -168,12 +181,13 @@ def latency(n: int = 1000, queries: int = 20) -> dict:
     with tempfile.TemporaryDirectory() as d:
         zoo = td.warmup.Zoo(os.path.join(d, "zoo.db"), cluster_threshold=10**9)
         t = time.perf_counter()
+        make = _deep_model if deep else _zoo_model
+        distinct = [describe(make(i), x) for i in range(100 if deep else n)]  # deep: 100 graphs, 10 copies each
         for i in range(n):
-            m = _zoo_model(i)
-            zoo.add_description(describe(m, x), {"w": torch.zeros(1)}, accuracy=0.5 + (i % 97) / 200, name=f"m{i}")
+            zoo.add_description(distinct[i % len(distinct)], {"w": torch.zeros(1)}, accuracy=0.5 + (i % 97) / 200, name=f"m{i}")
         build = time.perf_counter() - t
         nodes = [e.encoded.n for e in zoo]
-        qs = [_zoo_model(10_000 + q) for q in range(queries)]
+        qs = [make(10_000 + q) for q in range(queries)]
         t_desc, t_full, t_clu, agree = [], [], [], 0
         zoo.choose(zoo.scores(describe(qs[0], x)))  # warm-up
         t = time.perf_counter()
@@ -195,7 +209,7 @@ def latency(n: int = 1000, queries: int = 20) -> dict:
             if full and via and (via[1] >= full[1] - zoo.bucket):
                 agree += 1
         med = statistics.median
-        return {"zoo": n, "nodes_median": med(nodes), "nodes_max": max(nodes), "build_s": build,
+        return {"zoo": n, "deep": deep, "nodes_median": med(nodes), "nodes_max": max(nodes), "build_s": build,
                 "describe_ms": med(t_desc) * 1000, "match_exhaustive_ms": med(t_full) * 1000,
                 "match_exhaustive_max_ms": max(t_full) * 1000, "match_clusters_ms": med(t_clu) * 1000,
                 "clusters": len(clusters["medoids"]), "clustering_s": t_cluster,
@@ -210,6 +224,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=50)
     ap.add_argument("--population", type=int, default=10, help="evolution population (its first group is all cold)")
     ap.add_argument("--latency-only", action="store_true")
+    ap.add_argument("--deep", action="store_true", help="latency with ~60-node graphs (slow clustering)")
     ap.add_argument("--search-only", action="store_true")
     args = ap.parse_args()
     if args.one:
@@ -218,6 +233,8 @@ def main() -> None:
     print(f"# load average {os.getloadavg()}, torch {torch.__version__}", flush=True)
     if not args.search_only:
         print(json.dumps({"latency": latency()}), flush=True)
+        if args.deep:
+            print(json.dumps({"latency": latency(queries=5, deep=True)}), flush=True)
     if not args.latency_only:
         rows = search(args.seeds, args.trials, args.population)
         med = statistics.median

@@ -59,20 +59,24 @@ def encode(desc: dict[str, Any]) -> Encoded:
 
 def _match_matrix(child: Encoded, types: np.ndarray, dims: np.ndarray, ranks: np.ndarray,
                   tie_break: bool = False) -> np.ndarray:
-    """(E, n, M) MATCH scores of each child node against each parent node of each entry."""
+    """(E, n, M) MATCH scores of each child node against each parent node of each entry. Only the
+    same-type pairs of child nodes with parameters get the (P, R) shape arithmetic."""
     same = child.types[None, :, None] == types[:, None, :]                       # (E, n, M)
-    cd = child.dims[None, :, None]                                               # (1, n, 1, P, R)
-    inter = np.minimum(cd, dims[:, None, :]).prod(axis=-1)                       # (E, n, M, P)
-    rank_ok = child.ranks[None, :, None, :] == ranks[:, None, :, :]
-    inter = np.where(rank_ok, inter, 0.0).sum(axis=-1)                            # (E, n, M)
+    out = same.astype(np.float64)                                                # parameterless: 1
     total = child.dims.prod(axis=-1).sum(axis=-1)                                 # (n,)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        frac = np.where(total[None, :, None] > 0, inter / np.maximum(total, 1e-12)[None, :, None], 1.0)
-    out = np.where(same, frac, 0.0)
+    with_params = np.flatnonzero(total > 0)
+    if len(with_params) == 0:
+        return out
+    e, r, j = np.nonzero(same[:, with_params, :])
+    i = with_params[r]
+    cd, pd = child.dims[i], dims[e, j]                                           # (K, P, R)
+    inter = np.minimum(cd, pd).prod(axis=-1)                                      # (K, P)
+    inter = np.where(child.ranks[i] == ranks[e, j], inter, 0.0).sum(axis=-1)
+    frac = inter / total[i]
     if tie_break:  # equal dims break ties between equally inheritable matches (align only)
-        eq = (cd == dims[:, None, :]) & (cd > 0)
-        eq_frac = eq.all(axis=-1).mean(axis=-1) + eq.mean(axis=(-1, -2))
-        out = np.where(out > 0, out + 1e-3 * eq_frac, out)
+        eq = (cd == pd) & (cd > 0)
+        frac = np.where(frac > 0, frac + 1e-3 * (eq.all(axis=-1).mean(axis=-1) + eq.mean(axis=(-1, -2))), frac)
+    out[e, i, j] = frac
     return out
 
 
@@ -125,11 +129,14 @@ class Batch:
             self.ranks[k, :e.n] = e.ranks
 
 
-def scores(child: Encoded, batch: Batch, chunk: int = 256) -> np.ndarray:
-    """Alignment score of ``child`` against every parent of ``batch`` (E,)."""
+def scores(child: Encoded, batch: Batch, budget: int = 4_000_000) -> np.ndarray:
+    """Alignment score of ``child`` against every parent of ``batch`` (E,); entries are scored in
+    chunks of about ``budget`` elements of the (entries, child, parent, P, R) broadcast."""
     out = np.zeros(len(batch.lengths))
     if child.n == 0:
         return out
+    width = max(int(batch.lengths.max()) if len(out) else 1, 1)
+    chunk = max(1, budget // (child.n * width * P_MAX * R_MAX))
     for a in range(0, len(out), chunk):
         b = min(a + chunk, len(out))
         M = int(batch.lengths[a:b].max())
