@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow bench clean
+.PHONY: demo test test-slow bench clean fashion-mnist
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -23,13 +23,19 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
 
-bench: $(STAMP)
+# Debian's Fashion-MNIST for bench/batching.py and bench/cse.py; apt only when the files are missing (it falls back to mnist5k).
+FASHION := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+fashion-mnist:
+	test -e $(FASHION) || (apt-get update -q && apt-get install -y -q dataset-fashion-mnist) || echo "dataset-fashion-mnist not installed"
+
+bench: $(STAMP) fashion-mnist
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python bench/space_freeze.py
 	$(BIN)/python bench/zoo_trace.py
 	$(BIN)/python bench/bookkeeping.py
 	$(BIN)/python bench/random_search.py
 	$(BIN)/python bench/nb201_quality.py
+	$(BIN)/python bench/cse.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

