@@ -410,3 +410,27 @@ def test_experiment_with_hyperband_stops_and_a_frozen_prefix(tmp_path, data, cap
     separate = _experiment(tmp_path, "separate", FineTune(), ev, strategy(), False, max_trials=8)
     assert any(t.status is TrialStatus.STOPPED for t in fused.values())
     _same_trials(fused, separate)
+
+
+# -- a mixed unit: a fused (batched) member beside separate trainers ---------------------------------
+def test_mixed_unit_batched_member_and_trainers_share_one_pipeline(data):
+    from tridens.xopt._batching import BatchedMember
+    from tridens.xopt._cse import TrainerMember
+
+    train, val = data
+    aug = Counter()
+    ev = td.evaluators.Classification(train=train, val=val, epochs=2, batch_size=64, transforms=aug, optimizer="sgd",
+                                      lr=td.choice("lr", [0.05, 0.02]))
+    makers = [lambda: mlp(32), lambda: mlp(32), lambda: cnn(8), lambda: mlp(24)]
+    samples = [{"lr": 0.05}, {"lr": 0.02}, {"lr": 0.05}, {"lr": 0.02}]
+    stop = {2: 0}  # a batched trial stopped after its first epoch
+    separate = drive([SeparateUnit(jobs_for(makers, samples), ev)], stop)
+    aug.calls = 0
+    jobs = jobs_for(makers, samples)
+    members = [BatchedMember(jobs[:2], ev)] + [TrainerMember(j, ev.trainer(j.model, j.trial.sample, j.trial.seed))
+                                              for j in jobs[2:]]
+    unit = SharedPipelineUnit(jobs, ev, members=members)
+    fused = drive([unit], stop)
+    assert aug.calls == unit.counts["batches"] == 2 * -(-len(train) // 64)
+    assert_same(separate[0], fused[0])
+    assert_same_weights(separate[1], fused[1])

@@ -36,9 +36,11 @@ trials on the shared batches. :class:`TrainerMember` wraps one trial's trainer (
 its suffix after a shared prefix). A fused group of same-shaped models (``tridens.xopt._batching``)
 can join a unit as one member answering the same protocol (a "mixed unit"): ``inputs`` says which
 shared tensor it reads, ``train_batch(x, y, batch)`` steps every trial it holds, the validation
-calls accumulate per trial, ``weights``/``leave`` work per trial. (Not wired yet: ``BatchedUnit``
-drives its own epoch and reads its own validation batches; a ``PipelineMember`` adapter needs it to
-expose ``begin_epoch``/``end_epoch`` and a per-batch validation step next to its ``train_batch``.)
+calls accumulate per trial, ``weights``/``leave`` work per trial. ``tridens.xopt._batching.
+BatchedMember`` is such a member: ``SharedPipelineUnit(jobs, evaluator, members=[BatchedMember(
+same_shaped_jobs, evaluator), TrainerMember(...), ...])`` trains both on one pipeline (tested). The
+planners do not build mixed units yet: the batching planner runs first and its batched units
+read their own pipeline; merging them into a shared one needs a pass over the planned units.
 """
 
 from __future__ import annotations
@@ -379,9 +381,13 @@ class SharedPipelineUnit(ExecutionUnit):
             members = built
         self.members: list[PipelineMember] = list(members)
         self._by_trial: dict[int, PipelineMember] = {t: m for m in self.members for t in m.trial_ids()}
-        first = next((m for m in self.members if isinstance(m, TrainerMember)), None)
-        self.config: TrainConfig | None = first.trainer.config if first is not None else None
-        self._seed = first.trainer.seed if first is not None else 0
+        self.config: TrainConfig | None = None
+        self._seed = jobs[0].trial.seed if jobs else 0
+        if jobs and isinstance(evaluator, _Supervised):
+            try:  # the pipeline every member shares (the planner checked they agree)
+                self.config = evaluator.config(jobs[0].trial.sample)
+            except Exception:  # the trials' own trainers failed too: reported per trial
+                self.config = None
         self._train: _Source | None = None
         self._val: _Source | None = None
         if self.config is not None:
