@@ -157,3 +157,27 @@ def test_add_experiment_imports_finished_trials(tmp_path, digits_data):
     assert zoo.add_experiment("cold") == []  # not twice
     entry = next(e for e in added if e.meta["trial"] == done[0].id)
     assert entry.accuracy == pytest.approx(done[0].metric)
+
+
+def test_experiment_bad_inputs_never_crash(tmp_path, caplog):
+    from .spaces import OpaqueMLP, half
+
+    ev = td.evaluators.FunctionalEvaluator(half)
+    store = tmp_path / "t.db"
+    zoo = Zoo(store)
+    e = zoo.add(mlp(16), X, accuracy=0.9)
+    # an opaque model: no warm start, a logged reason, the trial still runs
+    with caplog.at_level(logging.INFO, logger="tridens"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        td.Experiment(OpaqueMLP(), ev, "random", max_trials=1, store=store, name="opaque", warm_start=zoo,
+                      verbose=False).run()
+    t = td.Experiment.load(store, "opaque").trials()[0]
+    assert t.status is td.TrialStatus.COMPLETED and t.parent is None
+    assert "opaque" in t.info["warm_start"]["reason"] and "opaque" in caplog.text
+    # a zoo entry whose weights no longer load: a warning, a cold start, the trial still runs
+    (zoo.dir / f"{e.id}.pt").write_bytes(b"\x00garbage")
+    with pytest.warns(ZooWarning):
+        td.Experiment(DigitsMLP(), ev, "random", max_trials=1, store=store, name="corrupt", warm_start=True,
+                      verbose=False).run()
+    t = td.Experiment.load(store, "corrupt").trials()[0]
+    assert t.status is td.TrialStatus.COMPLETED and t.info["warm_start"]["parent"] is None
