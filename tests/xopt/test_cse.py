@@ -434,3 +434,16 @@ def test_mixed_unit_batched_member_and_trainers_share_one_pipeline(data):
     assert aug.calls == unit.counts["batches"] == 2 * -(-len(train) // 64)
     assert_same(separate[0], fused[0])
     assert_same_weights(separate[1], fused[1])
+
+
+def test_regression_metrics_equal_separate(data):
+    train, val = data
+    ev = td.evaluators.Regression(train=train, val=val, epochs=2, batch_size=128, optimizer="adam", lr=0.01,
+                                  metrics=["mse", "mae", "loss"])
+    makers = [lambda: nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 1)),
+              lambda: nn.Sequential(nn.Flatten(), nn.Linear(64, 1))]
+    separate = drive([SeparateUnit(jobs_for(makers, [{}, {}]), ev)])
+    units, _ = plan_cse(jobs_for(makers, [{}, {}]), ev)
+    fused = drive(units)
+    assert list(fused[0][1][0]) == ["val_mse", "val_mae", "val_loss", "train_loss"]
+    assert_same(separate[0], fused[0])

@@ -658,9 +658,13 @@ class _Analysis:
 
 def _example_batch(cfg: TrainConfig) -> torch.Tensor:
     """The first few training examples (the planner traces and checks models on real data)."""
-    source = _Source(cfg.train, torch.device("cpu"))
-    x, _ = next(iter(source.batches(None, min(_EXAMPLES, len(source)))))
-    return x.clone()  # a copy: the batch may be a view of the dataset, and a model may modify its input
+    tensors = getattr(cfg.train, "tensors", None)
+    n = min(_EXAMPLES, len(cfg.train))
+    if isinstance(tensors, (tuple, list)) and tensors and isinstance(tensors[0], torch.Tensor):
+        x = tensors[0][:n]
+    else:  # any map-style dataset of (input, target) pairs
+        x = torch.stack([torch.as_tensor(cfg.train[i][0]) for i in range(n)])
+    return x.detach().cpu().clone()  # a copy: a model may modify its input in place
 
 
 def _analyse(job: Job, cfg: TrainConfig, example: torch.Tensor, hasher: _Hasher) -> _Analysis:
