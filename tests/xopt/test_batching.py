@@ -126,13 +126,30 @@ def test_fused_equals_separate_float32(data, optimizer):
         samples = [dict(s, lr=s["lr"] / 30) for s in samples]
     ev = evaluator(data, optimizer)
     separate = run(SeparateUnit(make_jobs(samples, cnn), ev))
-    fused = run(BatchedUnit(make_jobs(samples, cnn), ev))
+    unit = BatchedUnit(make_jobs(samples, cnn), ev)
+    fused = run(unit)
     assert_close_runs(separate, fused, TOL, weight_tol=2e-3)
     assert all(len(h) == 2 for h in fused[0].values())
+    assert unit.member.engine == "grouped kernels"
+
+
+@pytest.fixture(params=["grouped kernels", "vmap"])
+def engine(request, monkeypatch):
+    monkeypatch.setattr(_batching.settings, "packed", request.param == "grouped kernels")
+    return request.param
+
+
+def test_fused_equals_separate_vmap_engine(data, monkeypatch):
+    """The same with the vmap engine (the fallback for models the grouped program does not cover)."""
+    monkeypatch.setattr(_batching.settings, "packed", False)
+    ev = evaluator(data, "adamw")
+    unit = BatchedUnit(make_jobs(ADAPTIVE, cnn), ev)
+    assert_close_runs(run(SeparateUnit(make_jobs(ADAPTIVE, cnn), ev)), run(unit), TOL, weight_tol=2e-3)
+    assert unit.member.engine == "vmap"
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw", "rmsprop"])
-def test_fused_equals_separate_float64_to_rounding(data, optimizer):
+def test_fused_equals_separate_float64_to_rounding(data, optimizer, engine):
     """In float64 the two agree to ~1e-12: the vectorized optimizers, dropout masks and
     per-model BatchNorm are the same computation; float32 differences are rounding only."""
     samples = [dict(s, lr=s["lr"] / (1 if optimizer == "sgd" else 2)) for s in SAMPLES]
@@ -140,9 +157,14 @@ def test_fused_equals_separate_float64_to_rounding(data, optimizer):
     def build(p):
         return mlp(p, torch.float64)
 
-    ev = evaluator(data, optimizer)
-    assert_close_runs(run(SeparateUnit(make_jobs(samples, build), ev)), run(BatchedUnit(make_jobs(samples, build), ev)),
-                      1e-9, weight_tol=1e-9)
+    def build_cnn(p):
+        return cnn(p, torch.float64)
+
+    ev = evaluator(data, optimizer, epochs=1)
+    for b in (build, build_cnn) if optimizer in ("sgd", "adamw") else (build,):
+        unit = BatchedUnit(make_jobs(samples, b), ev)
+        assert_close_runs(run(SeparateUnit(make_jobs(samples, b), ev)), run(unit), 1e-9, weight_tol=1e-9)
+        assert unit.member.engine == engine
 
 
 class InPlaceGain(nn.Module):

@@ -69,6 +69,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.func import functional_call, vmap
 
 from ..engine._execution import Job
@@ -96,6 +97,8 @@ class BatchingSettings:
     mode: str = os.environ.get("TRIDENS_BATCHING", "auto")
     max_unit_memory: int = _env_int("TRIDENS_MAX_UNIT_MEMORY", 4 * 2**30)
     max_unit_size: int = 64
+    packed: bool = True
+    channels_last: bool = True
     min_speedup: float = 1.15
     measure_rounds: int = 3
 
@@ -161,19 +164,27 @@ def _forward_state(state: _ForwardState) -> Iterator[None]:
 
 
 def _dropout_ps(model: nn.Module) -> list[float]:
-    return [float(m.p) for m in model.modules() if type(m) in _DROPOUTS]
+    """Every dropout's ``p``, in ``named_modules`` order (the index :func:`_skeleton` gives it)."""
+    return [float(m.p) for _, m in model.named_modules() if type(m) in _DROPOUTS]
+
+
+def _dropout_names(model: nn.Module) -> dict[str, int]:
+    return {n: i for i, n in enumerate(n for n, m in model.named_modules() if type(m) in _DROPOUTS)}
 
 
 def _skeleton(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` on the meta device with its dropouts replaced by :class:`_MaskDropout`:
-    the module ``functional_call`` runs with the stacked parameters."""
+    """A copy of ``model`` on the meta device with its dropouts replaced by :class:`_MaskDropout`
+    (numbered in ``named_modules`` order, as :func:`_dropout_ps`): the module ``functional_call``
+    runs with the stacked parameters."""
     base = copy.deepcopy(model).to("meta")
-    index = 0
-    for name, module in list(base.named_modules()):
+    index = {id(m): i for i, m in enumerate(m for _, m in base.named_modules() if type(m) in _DROPOUTS)}
+    replaced: dict[int, _MaskDropout] = {}
+    for _, module in list(base.named_modules()):
         for child_name, child in list(module.named_children()):
             if type(child) in _DROPOUTS:
-                setattr(module, child_name, _MaskDropout(index, _DROPOUTS[type(child)]))
-                index += 1
+                if id(child) not in replaced:
+                    replaced[id(child)] = _MaskDropout(index[id(child)], _DROPOUTS[type(child)])
+                setattr(module, child_name, replaced[id(child)])
     return base
 
 
@@ -314,6 +325,196 @@ def _resolved_momentum(cfg: TrainConfig) -> float:
     return 0.0 if cfg.optimizer == "rmsprop" else 0.9
 
 
+# -- packed layout: grouped kernels without vmap ---------------------------------------------------------
+class _Unsupported(Exception):
+    """The model has an op the packed program does not cover (the unit uses vmap instead)."""
+
+
+_ELEMENTWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid,
+                        nn.Hardswish, nn.Hardtanh, nn.Mish, nn.Softplus, nn.Identity)
+_POOL_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d,
+                 nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
+_ELEMENTWISE_FUNCTIONS = {torch.relu, F.relu, torch.tanh, torch.sigmoid, F.gelu, F.silu, F.leaky_relu, F.elu,
+                          F.relu6, F.hardswish}
+_POOL_FUNCTIONS = {F.max_pool1d, F.max_pool2d, F.avg_pool1d, F.avg_pool2d, F.adaptive_avg_pool1d,
+                   F.adaptive_avg_pool2d}
+_ELEMENTWISE_METHODS = {"relu", "tanh", "sigmoid", "to", "float", "double", "contiguous"}
+
+# Layouts of a value in the packed program (K models, batch B):
+#   "S": shared by every model, (B, ...) -- the input, and what is computed from it alone;
+#   "C": channel-packed, (B, K*C, ...) -- model k's channels at [k*C, (k+1)*C): convolutions run as ONE
+#        convolution (the first with K*O outputs, later ones grouped), BatchNorm/pooling/activations as is;
+#   "M": model-major, (K, B, F) -- features after flatten; Linear runs as one batched matmul.
+
+
+class _PackedProgram:
+    """The model's forward over the K stacked models without vmap, for chains (and adds) of common
+    layers: Conv1d/2d, Linear, BatchNorm1d/2d, pooling, activations, Flatten, dropout (masks drawn
+    per model in call order, as separate training draws them). Built from the model's fx graph;
+    anything else raises :class:`_Unsupported` and the unit uses vmap."""
+
+    def __init__(self, model: nn.Module):
+        import operator
+
+        import torch.fx as fx
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                graph = fx.symbolic_trace(model).graph
+        except Exception as err:
+            raise _Unsupported(f"fx: {_first_line(err)}") from err
+        modules = dict(model.named_modules())
+        self.conv2d = False
+        self.steps: list[tuple[str, Any, list[Any], dict[str, Any]]] = []
+        layout: dict[fx.Node, str] = {}
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != 1:
+            raise _Unsupported("more than one input")
+        for node in graph.nodes:
+            inputs = [a for a in node.args if isinstance(a, fx.Node)]
+            if any(isinstance(v, fx.Node) for v in node.kwargs.values()) or any(
+                    isinstance(a, (list, tuple)) and any(isinstance(b, fx.Node) for b in a) for a in node.args):
+                raise _Unsupported(f"node {node.name}: nested inputs")
+            ins = [layout[a] for a in inputs]
+            if node.op == "placeholder":
+                layout[node] = "S"
+                self.steps.append(("input", node, [], {}))
+                continue
+            if node.op == "output":
+                if ins != ["M"]:
+                    raise _Unsupported("the output is not a (batch, features) tensor per model")
+                self.steps.append(("output", node, inputs, {}))
+                continue
+            if node.op in ("call_function", "call_method") and node.target in (operator.add, torch.add, "add"):
+                if len(inputs) != 2 or len(node.args) != 2 or ins[0] != ins[1] or node.kwargs:
+                    raise _Unsupported(f"node {node.name}: add of differently laid-out values")
+                layout[node] = ins[0]
+                self.steps.append(("add", node, inputs, {}))
+                continue
+            if len(inputs) != 1 or node.args[0] is not inputs[0]:
+                raise _Unsupported(f"node {node.name}: not a chain of single-input ops")
+            src = ins[0]
+            if node.op == "call_module":
+                m = modules[str(node.target)]
+                kind, out = self._module(m, src, str(node.target))
+                layout[node] = out
+                self.steps.append((kind, node, inputs, {"module": m, "name": str(node.target), "src": src}))
+            elif node.op == "call_function" and node.target in _ELEMENTWISE_FUNCTIONS:
+                layout[node] = src
+                self.steps.append(("call", node, inputs, {"fn": node.target}))
+            elif node.op == "call_function" and node.target in _POOL_FUNCTIONS and src in "SC":
+                layout[node] = src
+                self.steps.append(("call", node, inputs, {"fn": node.target}))
+            elif node.op == "call_method" and node.target in _ELEMENTWISE_METHODS:
+                layout[node] = src
+                self.steps.append(("method", node, inputs, {}))
+            elif (node.op, node.target) in (("call_function", torch.flatten), ("call_method", "flatten")) and \
+                    tuple(node.args[1:]) in ((1,), (1, -1)) and not node.kwargs:
+                layout[node] = "S" if src == "S" else "M"
+                self.steps.append(("flatten", node, inputs, {"src": src}))
+            else:
+                raise _Unsupported(f"node {node.name}: {node.op} {getattr(node.target, '__name__', node.target)}")
+
+    def _module(self, m: nn.Module, src: str, name: str) -> tuple[str, str]:
+        t = type(m)
+        if t in (nn.Conv1d, nn.Conv2d) and m.padding_mode == "zeros" and src in "SC":
+            self.conv2d = self.conv2d or t is nn.Conv2d
+            return "conv", "C"
+        if t is nn.Linear and src in "SM":
+            return "linear", "M"
+        if t in (nn.BatchNorm1d, nn.BatchNorm2d) and src in "CM":
+            return "bn", src
+        if t in _ELEMENTWISE_MODULES:
+            return "apply", src
+        if t in _POOL_MODULES and src in "SC":
+            return "apply", src
+        if t is nn.Flatten and m.start_dim == 1 and m.end_dim == -1:
+            return "flatten", "S" if src == "S" else "M"
+        if t in _DROPOUTS and src in "CM":
+            return "dropout", src
+        raise _Unsupported(f"module {name} ({t.__name__}) on a {'shared' if src == 'S' else 'per-model'} input")
+
+    def run(self, member: "BatchedMember", x: torch.Tensor, training: bool) -> torch.Tensor:
+        params, buffers, k = member.params, member.buffers, len(member.ids)
+        env: dict[Any, torch.Tensor] = {}
+        for kind, node, inputs, info in self.steps:
+            if kind == "input":
+                # channels-last: pooling, BatchNorm and grouped convolutions over K*C channels run
+                # several times faster on CPU than in NCHW
+                env[node] = x.contiguous(memory_format=torch.channels_last) if (
+                    self.conv2d and settings.channels_last and x.dim() == 4) else x
+                continue
+            if kind == "output":
+                return env[inputs[0]]
+            if kind == "add":
+                env[node] = env[inputs[0]] + env[inputs[1]]
+                continue
+            v = env[inputs[0]]
+            if kind == "conv":
+                m, name = info["module"], info["name"]
+                w = params[f"{name}.weight"]
+                w = w.reshape(k * w.shape[1], *w.shape[2:])
+                b = params.get(f"{name}.bias")
+                b = None if b is None else b.reshape(-1)
+                shared = v.shape[1] == m.in_channels and v.dim() == w.dim()
+                fn = F.conv1d if type(m) is nn.Conv1d else F.conv2d
+                groups = m.groups if shared else k * m.groups
+                if not shared and v.shape[1] != k * m.in_channels:
+                    raise _Unsupported(f"{name}: {v.shape[1]} input channels")
+                out = fn(v, w, b, m.stride, m.padding, m.dilation, groups)
+                if fn is F.conv2d and settings.channels_last:  # (a 1-channel input does not say its format)
+                    out = out.contiguous(memory_format=torch.channels_last)
+                env[node] = out
+            elif kind == "linear":
+                name = info["name"]
+                w, b = params[f"{name}.weight"], params.get(f"{name}.bias")
+                if v.dim() == 2:  # shared (B, F): one matmul with K*O outputs
+                    out = F.linear(v, w.reshape(-1, w.shape[-1]), None if b is None else b.reshape(-1))
+                    env[node] = out.view(v.shape[0], k, -1).transpose(0, 1)
+                elif v.dim() == 3 and v.shape[0] == k:
+                    env[node] = torch.bmm(v, w.transpose(1, 2)) if b is None else \
+                        torch.baddbmm(b.unsqueeze(1), v, w.transpose(1, 2))
+                else:
+                    raise _Unsupported(f"{name}: Linear on a {v.dim()}-d input")
+            elif kind == "bn":
+                env[node] = self._batch_norm(info["module"], info["name"], v, params, buffers, k, training,
+                                             info["src"] == "M")
+            elif kind == "apply":
+                env[node] = info["module"](v)
+            elif kind == "call":
+                env[node] = info["fn"](v, *node.args[1:], **node.kwargs)
+            elif kind == "method":
+                env[node] = getattr(v, node.target)(*node.args[1:], **node.kwargs)
+            elif kind == "flatten":
+                src = info["src"]
+                env[node] = v.flatten(1) if src == "S" else v.flatten(2) if src == "M" else \
+                    v.reshape(v.shape[0], k, -1).transpose(0, 1)
+            elif kind == "dropout":
+                env[node] = member._packed_dropout(v, info["name"], info["src"]) if training else v
+        raise RuntimeError("the packed program has no output")  # pragma: no cover
+
+    @staticmethod
+    def _batch_norm(m: nn.Module, name: str, v: torch.Tensor, params: Mapping[str, torch.Tensor],
+                    buffers: Mapping[str, torch.Tensor], k: int, training: bool, model_major: bool) -> torch.Tensor:
+        weight, bias = params.get(f"{name}.weight"), params.get(f"{name}.bias")
+        mean, var = buffers.get(f"{name}.running_mean"), buffers.get(f"{name}.running_var")
+        tracked = buffers.get(f"{name}.num_batches_tracked")
+        factor = 0.0 if m.momentum is None else m.momentum
+        if training and m.track_running_stats and tracked is not None:
+            tracked.add_(1)
+            if m.momentum is None:
+                factor = 1.0 / float(tracked[0])
+        use_batch = training or (mean is None and var is None)
+        if model_major and v.dim() != 3:
+            raise _Unsupported(f"{name}: BatchNorm on a {v.dim() - 1}-d per-model input")
+        x = v.transpose(0, 1).reshape(v.shape[1], -1) if model_major else v
+        out = F.batch_norm(x, None if mean is None else mean.view(-1), None if var is None else var.view(-1),
+                           None if weight is None else weight.reshape(-1), None if bias is None else bias.reshape(-1),
+                           use_batch, factor, m.eps)
+        return out.view(v.shape[1], k, -1).transpose(0, 1) if model_major else out
+
+
 # -- the fused models ------------------------------------------------------------------------------------
 class BatchedMember:
     """The K fused models of a unit: stacked parameters, buffers, optimizer state and random
@@ -354,6 +555,16 @@ class BatchedMember:
             self.buffers: dict[str, torch.Tensor] = {
                 n: torch.stack([b[n].detach().to(self.device) for _, b in named]) for n, _ in first.named_buffers()}
         self._ps = {job.trial.id: _dropout_ps(job.model) for job in jobs}
+        self._dropout_index = _dropout_names(first)
+        self._dropout_dims = {n: _DROPOUTS[type(m)] for n, m in first.named_modules() if type(m) in _DROPOUTS}
+        self._program: _PackedProgram | None = None
+        self._program_checked = False
+        self.why_vmap = "" if settings.packed else "settings.packed is False"
+        if settings.packed:
+            try:
+                self._program = _PackedProgram(copy.deepcopy(first).to("meta"))
+            except _Unsupported as err:
+                self.why_vmap = str(err)
         self._generators = {job.trial.id: self._generator(job.trial.seed) for job in jobs}
         self.optimizer = _VectorOptimizer(cfg.optimizer, [_resolved_momentum(self.configs[i]) for i in self.ids],
                                           [self.configs[i].weight_decay for i in self.ids])
@@ -404,7 +615,7 @@ class BatchedMember:
             return {}
         cfg = self.cfg
         lrs = [self.configs[i].lr_at(self.step) for i in self.ids]
-        out = self._outputs(x, self._masks(x))
+        out = self._train_outputs(x)
         losses = vmap(cfg.loss, in_dims=(0, None))(out, y)
         values = losses.detach().tolist()
         bad = [r for r, v in enumerate(values) if not math.isfinite(v)]
@@ -455,7 +666,7 @@ class BatchedMember:
         if not self.ids:
             return
         cfg, names = self.cfg, self.cfg.metrics
-        out = self._outputs(x, ())  # eval mode: dropout is the identity
+        out = self._eval_outputs(x)
         size = len(y)
         self._val_n += size
         per: dict[str, list[float]] = {}
@@ -520,26 +731,79 @@ class BatchedMember:
             self._calls[key] = record
         return self._calls[key]
 
+    @property
+    def engine(self) -> str:
+        """``"grouped kernels"`` (the packed program) or ``"vmap"``."""
+        return "vmap" if self._program is None else "grouped kernels"
+
+    def _check_program(self, x: torch.Tensor) -> None:
+        """Use the packed program only if it reproduces the vmapped forward (eval mode) on ``x``."""
+        self._program_checked = True
+        assert self._program is not None
+        was_training = self.base.training
+        self.base.eval()
+        try:
+            with torch.no_grad():
+                reference = self._outputs(x, ())
+                try:
+                    got = self._program.run(self, x, training=False)
+                except Exception as err:
+                    self.why_vmap, self._program = _first_line(err), None
+                    return
+                if got.shape != reference.shape or not torch.allclose(got, reference, rtol=1e-4, atol=1e-5):
+                    self.why_vmap, self._program = "the grouped program disagreed with vmap", None
+        finally:
+            self.base.train(was_training)
+
+    def _train_outputs(self, x: torch.Tensor) -> torch.Tensor:
+        if self._program is not None and not self._program_checked:
+            self._check_program(x)
+        if self._program is not None:
+            return self._program.run(self, x, training=True)
+        return self._outputs(x, self._masks(x))
+
+    def _eval_outputs(self, x: torch.Tensor) -> torch.Tensor:
+        if self._program is not None and not self._program_checked:
+            self._check_program(x)
+        if self._program is not None:
+            return self._program.run(self, x, training=False)
+        return self._outputs(x, ())  # eval mode: dropout is the identity
+
+    def _draw(self, shape: tuple[int, ...], dtype: torch.dtype, ps: Sequence[float]) -> torch.Tensor:
+        """Masks ``(K, *shape)``, row k drawn from model k's stream as ``F.dropout`` draws on CPU."""
+        numel = math.prod(shape)
+        rows = []
+        for i, p in zip(self.ids, ps):
+            if p == 0 or numel == 0:  # F.dropout returns its input without drawing
+                rows.append(torch.ones(shape, dtype=dtype, device=self.device))
+            elif p == 1:
+                rows.append(torch.zeros(shape, dtype=dtype, device=self.device))
+            else:
+                rows.append(torch.empty(shape, dtype=dtype, device=self.device)
+                            .bernoulli_(1 - p, generator=self._generators[i]).div_(1 - p))
+        return torch.stack(rows)
+
+    def _packed_dropout(self, v: torch.Tensor, name: str, src: str) -> torch.Tensor:
+        """Dropout of a packed value: "C" ``(B, K*C, ...)`` or "M" ``(K, B, F)``."""
+        index = self._dropout_index[name]
+        ps = [self._ps[i][index] for i in self.ids]
+        if all(p == 0 for p in ps):
+            return v
+        k = len(self.ids)
+        per_model = (v.shape[0], v.shape[1] // k, *v.shape[2:]) if src == "C" else tuple(v.shape[1:])
+        shape = _MaskDropout(index, self._dropout_dims[name]).mask_shape(torch.Size(per_model))
+        mask = self._draw(shape, v.dtype, ps)
+        if src == "C":
+            mask = mask.transpose(0, 1).reshape(shape[0], k * shape[1], *shape[2:])
+        return v * mask
+
     def _masks(self, x: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """This step's dropout masks, ``(K, *mask shape)`` per call; each model's rows drawn from
         its own stream in call order, as ``F.dropout`` draws on CPU."""
         masks: list[torch.Tensor | None] = []
         for index, shape, dtype in self._dropout_calls(x):
             ps = [self._ps[i][index] for i in self.ids]
-            if all(p == 0 for p in ps):
-                masks.append(None)
-                continue
-            numel = math.prod(shape)
-            rows = []
-            for i, p in zip(self.ids, ps):
-                if p == 0 or numel == 0:  # F.dropout returns its input without drawing
-                    rows.append(torch.ones(shape, dtype=dtype, device=self.device))
-                elif p == 1:
-                    rows.append(torch.zeros(shape, dtype=dtype, device=self.device))
-                else:
-                    rows.append(torch.empty(shape, dtype=dtype, device=self.device)
-                                .bernoulli_(1 - p, generator=self._generators[i]).div_(1 - p))
-            masks.append(torch.stack(rows))
+            masks.append(None if all(p == 0 for p in ps) else self._draw(shape, dtype, ps))
         return tuple(masks)
 
     def _outputs(self, x: torch.Tensor, masks: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
@@ -625,6 +889,12 @@ class BatchedUnit(ExecutionUnit):
         self._seed = jobs[0].trial.seed  # data order and augmentation: shared (the group key says so)
         self._train = _Source(cfg.train, cfg.device)
         self._val = _Source(cfg.val, cfg.device)
+
+    def describe(self) -> str:
+        m = self.member
+        how = m.engine if m._program is None or m._program_checked else "grouped kernels if they check out"
+        extra = f" ({how}" + (f": {m.why_vmap}" if m._program is None else "") + ")"
+        return super().describe() + extra
 
     def limit(self, trial_id: int) -> int:
         return self.member.limit(trial_id)
