@@ -98,7 +98,7 @@ class BatchingSettings:
     max_unit_memory: int = _env_int("TRIDENS_MAX_UNIT_MEMORY", 4 * 2**30)
     max_unit_size: int = 64
     packed: bool = True
-    channels_last: bool = True
+    channels_last: bool = False
     min_speedup: float = 1.15
     measure_rounds: int = 3
 
