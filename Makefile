@@ -35,6 +35,7 @@ bench: $(STAMP) fashion-mnist
 	$(BIN)/python bench/bookkeeping.py
 	$(BIN)/python bench/random_search.py
 	$(BIN)/python bench/nb201_quality.py
+	$(BIN)/python bench/batching.py
 	$(BIN)/python bench/cse.py
 
 clean:

@@ -10,6 +10,18 @@ convolution / matmul with K times the output channels. Per-model hyperparameters
 broadcast over the model dimension, and the optimizer step (SGD, Adam, AdamW, RMSprop, with
 ``torch.optim``'s semantics) is vectorized.
 
+Two engines run the stacked forward (``BatchedMember.engine`` says which; the unit's log line too):
+
+* **grouped kernels** (default where it applies, :class:`_PackedProgram`): for models whose fx
+  graph is a chain (with adds) of Conv1d/2d, Linear, BatchNorm1d/2d, pooling, activations,
+  Flatten and dropout, the K models run without vmap on packed tensors: ``(B, K*C, H, W)`` for
+  feature maps (the first convolution as ONE convolution with K*O outputs on the shared input,
+  later ones as one grouped convolution, BatchNorm over K*C channels with the stacked running
+  statistics as views, pooling/activations as they are) and ``(K, B, F)`` after Flatten (Linear
+  as one ``baddbmm``; a Linear on the shared input as one matmul with K*O outputs). It is used
+  only after it reproduced the vmapped forward on the first batch.
+* **vmap** (the fallback for everything else): ``vmap(functional_call(...))``.
+
 Fused equals separate (CPU):
 
 * Dropout modules (``nn.Dropout``, ``Dropout1d/2d/3d``) are replaced in the fused forward by a
@@ -21,7 +33,7 @@ Fused equals separate (CPU):
   the planner leave the group unfused (vmap runs with ``randomness="error"``). On CUDA the masks
   are drawn per model from CUDA generators seeded with the trial seed: independent, but not the
   ones a separate trainer's fused dropout kernel draws.
-* BatchNorm running statistics are stacked buffers, updated in the vmapped forward in training
+* BatchNorm running statistics are stacked buffers, updated in the fused forward in training
   mode and used in eval mode: per model.
 * Per-model train loss and validation metrics every epoch, with the same names, reductions and
   Python-float accumulation as :meth:`SupervisedTrainer.validate`.
@@ -51,6 +63,11 @@ the environment at import):
 * ``settings.max_unit_size`` (default 64): the most models in one unit.
 * ``settings.min_speedup`` (default 1.15): the measured speed-up a unit must reach to be fused.
 * ``settings.measure_rounds`` (default 3): timed rounds (after one warm-up) per measurement.
+* ``settings.packed`` (default True): use the grouped-kernel engine where it applies.
+* ``settings.channels_last`` (default False): run the grouped engine's 2-d feature maps
+  channels-last. Pooling, BatchNorm and grouped convolutions over K*C channels are several times
+  faster so in isolation, but whole steps measured no faster here, and the different float32
+  rounding moved one trial of the equivalence tests past 1e-4 in two epochs (float64: equal).
 """
 
 from __future__ import annotations

@@ -1,0 +1,259 @@
+"""Operator batching (issue 4): K same-shaped models fused into one vectorized model vs a plain
+sequential PyTorch loop over the same models, data and steps.
+
+Scenarios (HPO over lr, weight decay and seed; every model has the same structure):
+
+* ``digits-cnn`` / ``digits-mlp``: small CNNs / MLPs on scikit-learn's 8x8 digits, 3 epochs
+  (the overhead-bound case, where fusion should pay: target >= 3x at K=16);
+* ``fashion-cnn``: a 16/32-channel CNN on 28x28 Fashion-MNIST, one epoch (the compute-bound case,
+  where a vmapped model becomes grouped convolutions: the planner must not be slower than
+  sequential). Debian's ``dataset-fashion-mnist`` (``make fashion-mnist``); without it mnist5k at
+  28x28 is used and the header says so. ``--fashion-limit N`` trains on N training images
+  (default 12,000 of 60,000, to keep the run short; ``0``: the full epoch).
+
+Each measurement runs in a fresh child process (so peak RSS is its own), in the modes:
+
+* ``sequential``: a plain PyTorch loop, model after model (``torch.optim.SGD``, the same data
+  order, ``loss.item()`` per step, validation every epoch);
+* ``fused``: tridens' :class:`BatchedUnit` forced on all K (one vectorized model);
+* ``planner``: what tridens does by default: ``plan_batching`` measures fused against separate
+  and fuses only where it pays; leftovers train as a ``SeparateUnit``. The time includes the
+  measurement.
+
+Modes alternate (A B C, then C B A, ...) for ``--reps`` rounds; medians are reported, with the
+speed-up over sequential, achieved GFLOP/s (training FLOPs from the graph IR: forward FLOPs x 3,
+plus validation forwards) beside the peak fp32 matmul GFLOP/s measured in the same run, and the
+peak memory of each child (max RSS, and its increase over the RSS before training).
+
+    .venv/bin/python bench/batching.py                         # everything, ~25 min on 2 cores
+    .venv/bin/python bench/batching.py --scenarios digits-cnn --ks 16 --reps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+SCENARIOS = ("digits-cnn", "digits-mlp", "fashion-cnn")
+MODES = ("sequential", "fused", "planner")
+
+
+# -- models and data -----------------------------------------------------------------------------------
+def make_model(scenario: str) -> nn.Module:
+    if scenario == "digits-cnn":
+        return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                             nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                             nn.MaxPool2d(2), nn.Flatten(), nn.Dropout(0.2), nn.Linear(16 * 16, 10))
+    if scenario == "digits-mlp":
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 10))
+    if scenario == "fashion-cnn":
+        return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Flatten(), nn.Linear(32 * 7 * 7, 10))
+    raise ValueError(scenario)
+
+
+def load_data(scenario: str, fashion_limit: int) -> tuple[object, object, str]:
+    import tridens as td
+
+    if scenario.startswith("digits"):
+        train, val = td.datasets.digits()
+        return train, val, "digits (1,438 train / 359 val, 8x8)"
+    try:
+        train, val = td.datasets.fashion_mnist(limit=fashion_limit or None)
+        name = "Fashion-MNIST"
+    except td.datasets.DatasetNotFound:
+        train, val = td.datasets.mnist5k()
+        name = "mnist5k (FALLBACK: dataset-fashion-mnist is not installed)"
+    return train, val, f"{name} ({len(train):,} train / {len(val):,} val, 28x28)"
+
+
+EPOCHS = {"digits-cnn": 3, "digits-mlp": 3, "fashion-cnn": 1}
+BATCH = {"digits-cnn": 64, "digits-mlp": 64, "fashion-cnn": 64}
+
+
+def hparams(k: int) -> list[dict]:
+    """K points of an HPO over lr, weight decay and seed (deterministic)."""
+    import random
+
+    rng = random.Random(0)
+    return [{"lr": 10 ** rng.uniform(-2.5, -0.7), "wd": rng.choice([0.0, 1e-4, 1e-3]), "seed": 1000 + i}
+            for i in range(k)]
+
+
+# -- the child: one measurement ------------------------------------------------------------------------
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def child(args: argparse.Namespace) -> None:
+    import tridens as td
+    from tridens.engine._execution import Job
+    from tridens.engine._units import SeparateUnit
+    from tridens.trial import Trial
+    from tridens.xopt import _batching
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    scenario, k, mode = args.scenario, args.k, args.mode
+    train, val, _ = load_data(scenario, args.fashion_limit)
+    epochs, batch = EPOCHS[scenario], BATCH[scenario]
+    points = hparams(k)
+    models = []
+    for p in points:
+        torch.manual_seed(p["seed"])
+        models.append(make_model(scenario))
+    ev = td.evaluators.Classification(train, val, epochs=epochs, batch_size=batch, optimizer="sgd", momentum=0.9,
+                                      lr=td.uniform("lr", 1e-4, 1.0), weight_decay=td.uniform("wd", 0.0, 1.0))
+    cfg = ev.config({"lr": 0.1, "wd": 0.0})
+    xs, ys = train.tensors
+    vx, vy = val.tensors
+    decision = ""
+    # one-time imports (torch.optim pulls in torch._dynamo on first use) are not what is measured
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    import tridens.graph  # noqa: F401  (the planner traces models)
+    base_rss = _rss_mib()
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    if mode == "sequential":
+        for model, p in zip(models, points):
+            opt = torch.optim.SGD(model.parameters(), lr=p["lr"], momentum=0.9, weight_decay=p["wd"])
+            torch.manual_seed(p["seed"])
+            for epoch in range(epochs):
+                model.train()
+                for idx in cfg.epoch_order(0, epoch).split(batch):
+                    opt.zero_grad(set_to_none=True)
+                    loss = nn.functional.cross_entropy(model(xs[idx]), ys[idx])
+                    loss.item()
+                    loss.backward()
+                    opt.step()
+                model.eval()
+                with torch.no_grad():
+                    for s in range(0, len(vy), 256):
+                        out = model(vx[s:s + 256])
+                        nn.functional.cross_entropy(out, vy[s:s + 256]).item()
+                        (out.argmax(1) == vy[s:s + 256]).sum().item()
+    else:
+        jobs = [Job(Trial(id=i, sample={"lr": p["lr"], "wd": p["wd"]}, seed=p["seed"]), m)
+                for i, (m, p) in enumerate(zip(models, points))]
+        if mode == "fused" and k > 1:
+            units = [_batching.BatchedUnit(jobs, ev)]
+            decision = f"fused {k}, {units[0].member.engine}"
+        elif mode == "fused":
+            units = [SeparateUnit(jobs, ev)]
+            decision = "K=1: separate"
+        else:
+            _batching.settings.mode = "auto"
+            units, rest = _batching.plan_batching(jobs, ev)
+            fused = sum(len(u.jobs) for u in units)
+            key = next(iter(_batching._SPEEDUPS.values()), None)
+            decision = (f"fused {fused}" if fused else "separate") + (f" (measured {key:.2f}x)" if key else "")
+            decision += "".join(f", {u.member.engine}" for u in units if isinstance(u, _batching.BatchedUnit))
+            if rest:
+                units.append(SeparateUnit(rest, ev))
+        for unit in units:
+            while unit.active():
+                for tid, result in unit.train_epoch().items():
+                    if isinstance(result, BaseException):
+                        raise result
+                for job in unit.active():
+                    if unit.epoch(job.trial.id) >= unit.limit(job.trial.id):
+                        unit.weights(job.trial.id)
+                        unit.drop(job.trial.id)
+    seconds = time.perf_counter() - t0
+    cpu = time.process_time() - c0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"seconds": seconds, "cpu": cpu, "peak_mib": peak, "base_mib": base_rss, "decision": decision}))
+
+
+# -- the parent: interleaved rounds ---------------------------------------------------------------------
+def peak_matmul_gflops(threads: int | None) -> float:
+    if threads:
+        torch.set_num_threads(threads)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    best = 0.0
+    for _ in range(6):
+        t0 = time.perf_counter()
+        a @ b
+        best = max(best, 2 * 2048 ** 3 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def train_flops(scenario: str, k: int, fashion_limit: int) -> float:
+    import tridens as td
+
+    train, val, _ = load_data(scenario, fashion_limit)
+    x = train.tensors[0][:1]
+    fwd = td.graph.trace(make_model(scenario), (x,)).flops()
+    return k * EPOCHS[scenario] * (3 * fwd * len(train) + fwd * len(val))
+
+
+def run_child(args: argparse.Namespace, scenario: str, k: int, mode: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", "--scenario", scenario, "--k", str(k), "--mode", mode,
+           "--fashion-limit", str(args.fashion_limit)] + (["--threads", str(args.threads)] if args.threads else [])
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--ks", default="1,4,16,64")
+    parser.add_argument("--reps", type=int, default=3, help="rounds per (scenario, K) on digits")
+    parser.add_argument("--fashion-reps", type=int, default=1, help="rounds per (scenario, K) on Fashion-MNIST")
+    parser.add_argument("--fashion-limit", type=int, default=12000)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: on a shared 2-core machine 2 threads spin-wait)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--scenario", help=argparse.SUPPRESS)
+    parser.add_argument("--k", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    modes = args.modes.split(",")
+    peak = peak_matmul_gflops(args.threads or None)
+    print(f"# bench/batching.py  torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    print(f"# peak fp32 matmul (2048x2048, best of 6): {peak:.0f} GFLOP/s")
+    for scenario in args.scenarios.split(","):
+        print(f"\n## {scenario}: {load_data(scenario, args.fashion_limit)[2]}, {EPOCHS[scenario]} epoch(s), "
+              f"batch {BATCH[scenario]}")
+        print("| K | mode | wall s | CPU s | vs sequential (wall / CPU) | GFLOP/s (CPU) | % of peak | "
+              "peak RSS MiB (+ over start) | planner |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        reps = args.fashion_reps if scenario.startswith("fashion") else args.reps
+        for k in [int(v) for v in args.ks.split(",")]:
+            results: dict[str, list[dict]] = {m: [] for m in modes}
+            for r in range(reps):
+                for mode in (modes if r % 2 == 0 else modes[::-1]):
+                    results[mode].append(run_child(args, scenario, k, mode))
+            flops = train_flops(scenario, k, args.fashion_limit)
+            seq = statistics.median(x["seconds"] for x in results["sequential"]) if "sequential" in results else None
+            seq_cpu = statistics.median(x["cpu"] for x in results["sequential"]) if "sequential" in results else None
+            for mode in modes:
+                secs = statistics.median(x["seconds"] for x in results[mode])
+                cpu = statistics.median(x["cpu"] for x in results[mode])
+                peak_mib = max(x["peak_mib"] for x in results[mode])
+                grow = max(x["peak_mib"] - x["base_mib"] for x in results[mode])
+                gflops = flops / cpu / 1e9  # per CPU second: what one (shared) core achieved
+                ratio = f"{seq / secs:.2f}x / {seq_cpu / cpu:.2f}x" if seq else ""
+                decision = results[mode][0]["decision"]
+                print(f"| {k} | {mode} | {secs:.2f} | {cpu:.2f} | {ratio} | {gflops:.1f} | {100 * gflops / peak:.0f}% | "
+                      f"{peak_mib:.0f} (+{grow:.0f}) | {decision} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
