@@ -910,10 +910,8 @@ class BatchedUnit(ExecutionUnit):
         self._val = _Source(cfg.val, cfg.device)
 
     def describe(self) -> str:
-        m = self.member
-        how = m.engine if m._program is None or m._program_checked else "grouped kernels if they check out"
-        extra = f" ({how}" + (f": {m.why_vmap}" if m._program is None else "") + ")"
-        return super().describe() + extra
+        m = self.member  # (the planner's probe already checked the grouped program on this structure)
+        return super().describe() + f" ({m.engine}" + (f": {m.why_vmap}" if m._program is None else "") + ")"
 
     def limit(self, trial_id: int) -> int:
         return self.member.limit(trial_id)
