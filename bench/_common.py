@@ -38,6 +38,23 @@ def cpu_model() -> str:
     return platform.processor() or "?"
 
 
+def source() -> str:
+    """Where ``tridens`` is imported from, and the commit of the checkout it is in."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("tridens")
+    path = os.path.dirname(os.path.dirname(spec.origin)) if spec and spec.origin else "?"
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=path, check=False).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], capture_output=True, text=True,
+                               cwd=path, check=False).stdout.strip()
+    except OSError:
+        commit, dirty = "", ""
+    label = os.environ.get("BENCH_SOURCE_LABEL")  # e.g. the commit of an exported snapshot
+    return f"{path} @ {commit or label or 'no git'}{' + uncommitted changes' if dirty else ''}"
+
+
 def machine() -> dict[str, Any]:
     """What BENCHMARKS.md records next to every figure."""
     try:
@@ -53,6 +70,7 @@ def machine() -> dict[str, Any]:
         "ray": version("ray"),
         "tridens": version("tridens"),
         "loadavg": [round(x, 2) for x in load],
+        "source": source(),
     }
 
 
@@ -60,6 +78,7 @@ def print_machine() -> None:
     m = machine()
     print(f"machine: nproc={m['nproc']}, cpu={m['cpu']!r}, python {m['python']}, torch {m['torch']}, "
           f"optuna {m['optuna']}, ray {m['ray']}, tridens {m['tridens']}, load average {m['loadavg']}")
+    print(f"tridens source: {m['source']}")
 
 
 def rss_mb() -> float:

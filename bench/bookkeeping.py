@@ -181,10 +181,10 @@ def one_ray(n: int, *, reuse: bool) -> dict[str, Any]:
 
 
 # -- memory -----------------------------------------------------------------------------------------
-def memory(n: int, every: int) -> dict[str, Any]:
-    """RSS of the driver over ``n`` trivial tridens trials (model space, SQLite store)."""
-    import tridens  # noqa: F401
-
+def memory(n: int, every: int, warmup: int = 20) -> dict[str, Any]:
+    """RSS of the driver over ``n`` trivial tridens trials (model space, SQLite store), after a
+    ``warmup``-trial experiment in another store has paid the one-time costs (lazy imports: the
+    first shape propagation on the meta device imports sympy and torch's decompositions)."""
     samples: list[tuple[int, float]] = []
     count = [0]
 
@@ -195,9 +195,12 @@ def memory(n: int, every: int) -> dict[str, Any]:
         return 0.5
 
     with tempfile.TemporaryDirectory() as d:
-        exp = _tridens_experiment(n, os.path.join(d, "bench.db"), model=True, fn=fn)
+        gc.collect()
+        start = C.rss_mb()
+        _tridens_experiment(warmup, os.path.join(d, "warmup.db"), model=True).run()
         gc.collect()
         before = C.rss_mb()
+        exp = _tridens_experiment(n, os.path.join(d, "bench.db"), model=True, fn=fn)
         t0 = time.perf_counter()
         exp.run()
         seconds = time.perf_counter() - t0
@@ -205,8 +208,10 @@ def memory(n: int, every: int) -> dict[str, Any]:
         gc.collect()
         after_gc = C.rss_mb()
         db_mb = os.path.getsize(os.path.join(d, "bench.db")) / 2**20
-    return {"trials": n, "seconds": seconds, "rss_before_mb": before, "rss_after_mb": after,
-            "rss_after_gc_mb": after_gc, "growth_mb": after_gc - before, "curve": samples, "db_mb": db_mb}
+    return {"trials": n, "seconds": seconds, "rss_start_mb": start, "warmup_trials": warmup,
+            "rss_before_mb": before, "rss_after_mb": after, "rss_after_gc_mb": after_gc,
+            "growth_mb": after_gc - before, "growth_incl_warmup_mb": after_gc - start,
+            "curve": samples, "db_mb": db_mb}
 
 
 # -- breakdown --------------------------------------------------------------------------------------
@@ -349,11 +354,13 @@ def main() -> None:
             raw["memory"] = m
             print(f"\ndriver RSS over {m['trials']} trivial tridens trials ({m['seconds']:.1f} s, "
                   f"store {m['db_mb']:.1f} MB on disk):")
-            print(C.table(["point", "RSS MB"], [["before run()", m["rss_before_mb"]]]
+            print(C.table(["point", "RSS MB"], [["start (tridens, torch imported)", m["rss_start_mb"]],
+                                                [f"after a {m['warmup_trials']}-trial warm-up experiment", m["rss_before_mb"]]]
                           + [[f"after trial {k}", v] for k, v in m["curve"]]
                           + [["after run()", m["rss_after_mb"]], ["after gc.collect()", m["rss_after_gc_mb"]]]))
             verdict = "meets" if m["growth_mb"] <= TARGET_MB else "MISSES"
-            print(f"growth {m['growth_mb']:.1f} MB -> {verdict} the {TARGET_MB} MB target")
+            print(f"growth over the {m['trials']} trials {m['growth_mb']:.1f} MB -> {verdict} the {TARGET_MB} MB target "
+                  f"({m['growth_incl_warmup_mb']:.1f} MB counting the warm-up's one-time imports)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(raw, f, indent=1)
