@@ -302,6 +302,8 @@ class _Run:
         self.progress = Progress(exp.max_trials, objective, enabled=exp.verbose)
         self.finished_here: list[Trial] = []
         self.flops: dict[str, int | None] = {}  # fingerprint -> FLOPs
+        self.wants_flops = any(getattr(c, "key", None) == "flops" for c in exp.constraints) or (
+            bool(exp.second_objective) and exp.second_objective[0] == "flops")
         self.zoo: Any = None  # warm start (tridens.warmup): the zoo, and each trial's IR description
         self.zoo_desc: dict[int, Any] = {}
         self.warmed: set[int] = set()
@@ -431,13 +433,16 @@ class _Run:
         graph = trace(structure, inputs)
         trial.fingerprint = graph.fingerprint()
         trial.info["params"] = sum(p.numel() for p in structure.parameters())
-        if trial.fingerprint not in self.flops:  # identical structures have identical FLOPs
-            try:
-                self.flops[trial.fingerprint] = graph.flops()
-            except Exception:  # FLOPs are informative; an op the pass does not know must not fail the trial
-                self.flops[trial.fingerprint] = None
-        if self.flops[trial.fingerprint] is not None:
-            trial.info["flops"] = self.flops[trial.fingerprint]
+        if self.wants_flops:
+            # A forward pass for shapes: only when a constraint or objective reads FLOPs, and once
+            # per structure (identical structures have identical FLOPs).
+            if trial.fingerprint not in self.flops:
+                try:
+                    self.flops[trial.fingerprint] = graph.flops()
+                except Exception:  # an op the pass does not know must not fail the trial
+                    self.flops[trial.fingerprint] = None
+            if self.flops[trial.fingerprint] is not None:
+                trial.info["flops"] = self.flops[trial.fingerprint]
         return structure
 
     def _materialize(self, trial: Trial, structure: Any) -> Any:
