@@ -7,6 +7,9 @@ Adam, and scores validation accuracy. The space: ``width`` {8, 16, 24, 32}, ``ke
 
 * ``tridens-classification`` -- ``td.Experiment`` with ``td.evaluators.Classification`` (the
   engine's own loop), ``td.strategy.Random()``, a SQLite store in a temporary directory.
+* ``tridens-classification-noopt`` -- the same with ``optimize=False`` (no cross-model
+  optimization: each trial reads its own batches; with the default, the planner may give a
+  TrialGroup one shared data pipeline, issue 4).
 * ``tridens-functional``     -- the same experiment with ``FunctionalEvaluator(train_epoch,
   lr=td.choice(...))``: the exact training function the other systems run.
 * ``tridens-process``        -- ``tridens-functional`` with ``executor="process", workers=2``:
@@ -26,7 +29,8 @@ BENCHMARKS.md), which would swamp everything else measured here; Ray sets one th
 inside the training function (``train_seconds`` for the Classification evaluator), so
 ``wall - train`` is what the framework costs around the training.
 
-    .venv/bin/python bench/random_search.py              # 3 interleaved rounds of 64 trials
+    .venv/bin/python bench/random_search.py              # 3 interleaved rounds of 64 trials (~1 h here)
+    .venv/bin/python bench/random_search.py --systems tridens-classification,tridens-functional,optuna,ray-reuse
     .venv/bin/python bench/random_search.py --quick      # 1 round of 16 trials
     .venv/bin/python bench/random_search.py --one optuna --trials 64   # one measurement (JSON)
 """
@@ -56,7 +60,8 @@ KERNELS = [3, 5]
 HIDDEN = [32, 64, 96, 128]
 LRS = [1e-3, 2e-3, 5e-3, 1e-2]
 BATCH_SIZE = 32
-SYSTEMS = ["tridens-classification", "tridens-functional", "tridens-process", "optuna", "ray", "ray-reuse"]
+SYSTEMS = ["tridens-classification", "tridens-classification-noopt", "tridens-functional", "tridens-process",
+           "optuna", "ray", "ray-reuse"]
 
 
 def _layers(module: nn.Module, width: int, kernel: int, hidden: int) -> None:
@@ -108,6 +113,13 @@ def data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
 TRAIN_SECONDS = [0.0]
 
 
+def warm_up() -> None:
+    """Pay once, before any timing, what the first optimizer of a process costs: torch imports
+    ``torch._dynamo`` then (about 1.7 s here). Every measured driver does this; a worker process
+    that Ray or the process executor starts for a trial pays it in that trial."""
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)])
+
+
 def train_epoch(model: nn.Module, lr: float, seed: int = 0, tensors=None) -> float:
     """One epoch of Adam (batch 32, order from ``seed``), then validation accuracy. The one
     training function every non-declarative system calls."""
@@ -137,9 +149,10 @@ def train_epoch_reported(model: nn.Module, lr: float, seed: int = 0) -> None:
 
 
 # -- systems ------------------------------------------------------------------------------------------
-def one_tridens(n: int, *, declarative: bool, executor: str = "inline") -> dict[str, Any]:
+def one_tridens(n: int, *, declarative: bool, executor: str = "inline", optimize: bool = True) -> dict[str, Any]:
     train, val = td.datasets.digits()
     data()
+    warm_up()
     if declarative:
         evaluator = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=BATCH_SIZE,
                                                  optimizer="adam", lr=td.choice("lr", LRS))
@@ -150,7 +163,7 @@ def one_tridens(n: int, *, declarative: bool, executor: str = "inline") -> dict[
     with tempfile.TemporaryDirectory() as d:
         exp = td.Experiment(CNNSpace(), evaluator, td.strategy.Random(), max_trials=n,
                             store=os.path.join(d, "rs.db"), name="random-search", verbose=False,
-                            executor=executor, workers=2)
+                            executor=executor, workers=2, optimize=optimize)
         t0 = time.perf_counter()
         exp.run()
         seconds = time.perf_counter() - t0
@@ -170,6 +183,7 @@ def one_optuna(n: int) -> dict[str, Any]:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     data()
+    warm_up()
 
     def objective(trial):
         model = CNN(trial.suggest_categorical("width", WIDTHS), trial.suggest_categorical("kernel", KERNELS),
@@ -197,6 +211,7 @@ def one_ray(n: int, *, reuse: bool) -> dict[str, Any]:
     import ray
     from ray import tune
 
+    warm_up()  # the driver does not train; for symmetry only
     t0 = time.perf_counter()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     init_s = time.perf_counter() - t0
@@ -224,6 +239,8 @@ def one_ray(n: int, *, reuse: bool) -> dict[str, Any]:
 def one(name: str, n: int) -> dict[str, Any]:
     if name == "tridens-classification":
         return one_tridens(n, declarative=True)
+    if name == "tridens-classification-noopt":
+        return one_tridens(n, declarative=True, optimize=False)
     if name == "tridens-functional":
         return one_tridens(n, declarative=False)
     if name == "tridens-process":
