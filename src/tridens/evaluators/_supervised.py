@@ -364,6 +364,37 @@ class _Source:
             yield x.to(self.device), y.to(self.device)
 
 
+class ValidationSums:
+    """Validation metrics accumulated batch by batch: the one definition of their arithmetic,
+    used by :meth:`SupervisedTrainer.validate` and by drivers that validate many models at once."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.sums = {name: 0.0 for name in cfg.metrics}
+        self.n = 0
+        self.elements = 0
+
+    def add(self, out: torch.Tensor, y: torch.Tensor) -> None:
+        cfg, sums = self.cfg, self.sums
+        size = len(y)
+        self.n += size
+        if "val_loss" in sums:
+            sums["val_loss"] += float(cfg.loss(out, y).item()) * size
+        if "val_acc" in sums:
+            sums["val_acc"] += _accuracy_count(out, y)
+        if "val_mse" in sums or "val_mae" in sums:
+            diff = _match(out, y) - y.to(out.dtype)
+            self.elements += diff.numel()
+            if "val_mse" in sums:
+                sums["val_mse"] += float((diff * diff).sum().item())
+            if "val_mae" in sums:
+                sums["val_mae"] += float(diff.abs().sum().item())
+
+    def result(self) -> dict[str, float]:
+        return {name: value / (self.elements if name in ("val_mse", "val_mae") else self.n)
+                for name, value in self.sums.items()}
+
+
 class SupervisedTrainer:
     """The step-wise training of one model (see the module docstring for determinism).
 
@@ -474,28 +505,14 @@ class SupervisedTrainer:
         cfg = self.config
         was_training = self.model.training
         self.model.eval()
-        sums = {name: 0.0 for name in cfg.metrics}
-        n = elements = 0
+        sums = ValidationSums(cfg)
         try:
             with self._random_stream():
                 for x, y in self._val.batches(None, max(cfg.batch_size, 256)):
-                    out = self.model(x)
-                    size = len(y)
-                    n += size
-                    if "val_loss" in sums:
-                        sums["val_loss"] += float(cfg.loss(out, y).item()) * size
-                    if "val_acc" in sums:
-                        sums["val_acc"] += _accuracy_count(out, y)
-                    if "val_mse" in sums or "val_mae" in sums:
-                        diff = _match(out, y) - y.to(out.dtype)
-                        elements += diff.numel()
-                        if "val_mse" in sums:
-                            sums["val_mse"] += float((diff * diff).sum().item())
-                        if "val_mae" in sums:
-                            sums["val_mae"] += float(diff.abs().sum().item())
+                    sums.add(self.model(x), y)
         finally:
             self.model.train(was_training)
-        return {name: value / (elements if name in ("val_mse", "val_mae") else n) for name, value in sums.items()}
+        return sums.result()
 
     def state_dict(self) -> dict[str, Any]:
         """A checkpoint (a copy, safe to keep while training goes on; ``torch.save`` writes it).

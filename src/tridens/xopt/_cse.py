@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from ..engine._execution import Job
 from ..engine._units import ExecutionUnit, UnitResult
 from ..evaluators._base import StepwiseEvaluator
-from ..evaluators._supervised import SupervisedTrainer, TrainConfig, _accuracy_count, _match, _Source, _Supervised
+from ..evaluators._supervised import SupervisedTrainer, TrainConfig, ValidationSums, _Source, _Supervised
 from ..graph import Graph, trace
 from ..graph import _meta
 
@@ -162,36 +162,6 @@ class PipelineMember:
         raise NotImplementedError
 
 
-class _Validation:
-    """Accumulates validation metrics exactly as ``SupervisedTrainer.validate`` does."""
-
-    def __init__(self, cfg: TrainConfig):
-        self.cfg = cfg
-        self.sums = {name: 0.0 for name in cfg.metrics}
-        self.n = 0
-        self.elements = 0
-
-    def add(self, out: torch.Tensor, y: torch.Tensor) -> None:
-        cfg, sums = self.cfg, self.sums
-        size = len(y)
-        self.n += size
-        if "val_loss" in sums:
-            sums["val_loss"] += float(cfg.loss(out, y).item()) * size
-        if "val_acc" in sums:
-            sums["val_acc"] += _accuracy_count(out, y)
-        if "val_mse" in sums or "val_mae" in sums:
-            diff = _match(out, y) - y.to(out.dtype)
-            self.elements += diff.numel()
-            if "val_mse" in sums:
-                sums["val_mse"] += float((diff * diff).sum().item())
-            if "val_mae" in sums:
-                sums["val_mae"] += float(diff.abs().sum().item())
-
-    def result(self) -> dict[str, float]:
-        return {name: value / (self.elements if name in ("val_mse", "val_mae") else self.n)
-                for name, value in self.sums.items()}
-
-
 class TrainerMember(PipelineMember):
     """One trial: a :class:`SupervisedTrainer` of its model, or of its suffix after a shared prefix.
 
@@ -212,7 +182,7 @@ class TrainerMember(PipelineMember):
         self._error: BaseException | None = None
         self._total = 0.0
         self._count = 0
-        self._val: _Validation | None = None
+        self._val: ValidationSums | None = None
         self._was_training = True
         self._left = False
 
@@ -265,7 +235,7 @@ class TrainerMember(PipelineMember):
         model = self.trainer.model
         self._was_training = model.training
         model.eval()
-        self._val = _Validation(self.trainer.config)
+        self._val = ValidationSums(self.trainer.config)
 
     @torch.no_grad()
     def validate_batch(self, x: Any, y: torch.Tensor) -> None:
