@@ -241,11 +241,13 @@ def breakdown(n: int) -> dict[str, Any]:
     space = _tridens_space()
     cls = type(space)
     # nested phases are reported inside their parent, so the top level sums to the total
-    wrap(E._Run, "_instantiate", "instantiate (freeze+trace+fingerprint+flops)")
-    wrap(cls, "freeze", "  freeze")
+    wrap(E._Run, "_instantiate", "instantiate (structure: freeze + trace + fingerprint)")
+    if hasattr(E._Run, "_materialize"):
+        wrap(E._Run, "_materialize", "materialize (the trainable model: a seeded real freeze)")
+    wrap(cls, "freeze", "  freeze (every call, under either phase above)")
     wrap(G, "trace", "  trace (torch.fx)")
     wrap(G.Graph, "fingerprint", "  fingerprint")
-    wrap(G.Graph, "flops", "  flops (incl. shape propagation)")
+    wrap(G.Graph, "flops", "  flops (incl. shape propagation), when computed")
     wrap(FunctionalEvaluator, "evaluate", "evaluate (the user function, seeded)")
     wrap(Store, "add_trial", "store.add_trial")
     wrap(Store, "update_trial", "store.update_trial")
