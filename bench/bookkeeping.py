@@ -6,9 +6,10 @@ values each (65,536 samples, so random samples never repeat), an objective that 
 * ``tridens``          -- ``td.Experiment`` over a ``tnn.ModelSpace`` (an MLP whose four widths are
                           the labels), ``FunctionalEvaluator(lambda model, **hp: 0.5)``,
                           ``td.strategy.Random()``, a real SQLite store in a temporary directory.
-                          Per trial the engine freezes the model, traces it (torch.fx), fingerprints
-                          it, computes its FLOPs, runs the function, saves its weights and writes the
-                          trial and its metric to the store.
+                          Per trial the engine builds the structure (meta device), traces it
+                          (torch.fx), fingerprints it, builds the real model under the trial's
+                          seed, runs the function, saves its weights and writes the trial to the
+                          store (FLOPs only when a constraint or objective reads them).
 * ``tridens-nomodel``  -- the same with an evaluator that declares ``needs_model = False`` (like
                           ``Tabular``): no model is built, so this is the store + strategy + dedup
                           cost alone, the part comparable to what Optuna does.
