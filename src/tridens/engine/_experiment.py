@@ -95,7 +95,9 @@ class Experiment:
                  objective: str | Objective | None = None, seed: int = 0, executor: str | Executor = "inline",
                  workers: int = 2, trial_timeout: float | None = None, constraints: Sequence[Any] = (),
                  second_objective: tuple[str, str] | None = None, optimize: bool = True,
-                 verbose: bool = True, warm_start: Any = False) -> None:
+                 verbose: bool = True, warm_start: Any = False, max_unit_memory: int | str | None = None,
+                 allocation: str | None = None, ray_address: str | None = None,
+                 storage: str | os.PathLike[str] | None = None, max_retries: int = 0) -> None:
         self.space = space
         self.evaluator = evaluator
         self.strategy = strategy
@@ -113,6 +115,11 @@ class Experiment:
         self.optimize = optimize
         self.verbose = verbose
         self.warm_start = warm_start  # False, True (a zoo beside the store), a store path or a td.warmup.Zoo
+        self.max_unit_memory = max_unit_memory  # bound on a fused unit's estimated bytes (tridens.xopt)
+        self.allocation = allocation  # None, "static" or "dynamic" (Fluid: shares of the workers per trial)
+        self.ray_address = ray_address  # executor="ray": None starts a local Ray, an address joins a cluster
+        self.storage = storage  # where workers write checkpoints (a directory every worker sees)
+        self.max_retries = max_retries  # a unit whose worker died restarts from its last checkpoint
         self._loaded: list[Trial] | None = None
 
     # -- reading back -------------------------------------------------------------------------
