@@ -395,22 +395,41 @@ class _Run:
                     break
                 samples = group.samples if remaining is None else group.samples[:remaining]
                 progress_mark = len(self.finished_here)
-                jobs = []
-                for sample in samples:
-                    job = self._new_job(sample, group)
-                    if job is not None:
-                        jobs.append(job)
+                ran = 0
+                for wave in self._waves(samples):  # one wave unless warm start is on
+                    jobs = []
+                    for sample in wave:
+                        job = self._new_job(sample, group)
+                        if job is not None:
+                            jobs.append(job)
+                    ran += len(jobs)
+                    self._run_jobs(jobs, executor)
                 self.group_index += 1  # one group index per TrialGroup, duplicates and early failures included
-                if not jobs and len(self.finished_here) == progress_mark:
+                if not ran and len(self.finished_here) == progress_mark:
                     idle += 1
                     if idle >= _MAX_IDLE_GROUPS:
                         log.info("the strategy proposed only known models %d times in a row: the space is exhausted", idle)
                         break
                     continue
                 idle = 0
-                self._run_jobs(jobs, executor)
         finally:
             executor.close()
+
+    def _waves(self, samples: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+        """Scheduling hook for warm start: the group's samples in the order and waves they are
+        instantiated and run. Without warm start, one wave (the whole group, fusable, in lockstep).
+        With it, :meth:`tridens.warmup.Zoo.waves` (1, 1, 2, 4, ... trials; the executor's workers
+        first when it runs trials in parallel): a wave is instantiated, and so warm-started, only
+        after the previous one finished and entered the zoo, so later members of a group start
+        from earlier ones, as in ModelKeeper where each job starts from the zoo when it arrives."""
+        if self.zoo is None or len(samples) <= 1:
+            return [list(samples)]
+        first = 1 if self.exp.executor in ("inline", "in-process") else max(1, int(self.exp.workers))
+        waves, start = [], 0
+        for size in self.zoo.waves(len(samples), first):
+            waves.append(list(samples[start:start + size]))
+            start += size
+        return waves
 
     def _run_jobs(self, jobs: list[Job], executor: Executor) -> None:
         if not jobs:

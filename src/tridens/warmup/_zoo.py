@@ -92,11 +92,15 @@ class Zoo:
     on, matching goes through k-medoids clusters (medoids first, then the ``probe`` best clusters);
     ``max_bytes``: eviction cap on the weights kept; ``outlier_iqr``: admission rejects accuracies
     below Q1 - outlier_iqr * IQR (once ``min_for_outliers`` entries exist).
+
+    ``wave_growth``: inside ``td.Experiment`` a TrialGroup of new trials is started in waves so that
+    later members can start from earlier ones (see :meth:`waves`); ``None`` starts a group at once.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, bucket: float = 0.1, min_score: float = 0.05,
                  cluster_threshold: int = 200, probe: int = 3, max_bytes: int | None = None,
-                 outlier_iqr: float = 1.5, min_for_outliers: int = 8, create: bool = True):
+                 outlier_iqr: float = 1.5, min_for_outliers: int = 8, create: bool = True,
+                 wave_growth: float | None = 2.0):
         from ..store import Store
 
         self.path = Path(path)
@@ -115,11 +119,41 @@ class Zoo:
         self.dir.mkdir(exist_ok=True)
         self.bucket, self.min_score, self.cluster_threshold, self.probe = bucket, min_score, cluster_threshold, probe
         self.max_bytes, self.outlier_iqr, self.min_for_outliers = max_bytes, outlier_iqr, min_for_outliers
+        if wave_growth is not None and not (isinstance(wave_growth, (int, float)) and wave_growth >= 1):
+            raise ValueError(f"The 'wave_growth' parameter of Zoo must be a number >= 1 or None. Got {wave_growth!r} instead.")
+        self.wave_growth = wave_growth
         self.entries: dict[int, Entry] = {}
         self.broken: dict[int, str] = {}
         self._batch: tuple[list[int], _match.Batch] | None = None
         self._clusters: dict[str, Any] | None = None
         self.refresh()
+
+    # -- scheduling -------------------------------------------------------------------------------
+    def waves(self, n: int, first: int = 1) -> list[int]:
+        """Sizes of the waves in which the engine starts a group of ``n`` new trials.
+
+        ModelKeeper warm-starts each job from the zoo as it arrives. A group whose members are all
+        instantiated before any has trained (an evolution's random initial population, a random
+        search's batch) would start every member from the zoo as it was before the group: empty, the
+        first time. So the engine instantiates and trains a group in waves, each after the previous
+        one has finished and entered the zoo: ``first`` trials (the executor's parallelism), then
+        waves that grow the group's started total by ``wave_growth`` times (2: 1, 1, 2, 4, 8, ...;
+        1: waves of ``first``). The cost: fusion (operator batching, shared data pipelines) and
+        lockstep only within a wave, and about log2(n) rounds instead of one.
+
+        >>> Zoo("tridens.db").waves(10)                                     # doctest: +SKIP
+        [1, 1, 2, 4, 2]
+        """
+        first = max(1, int(first))
+        if n <= first or self.wave_growth is None:
+            return [n] if n > 0 else []
+        sizes, done = [first], first
+        while done < n:
+            size = max(first, math.ceil(done * (self.wave_growth - 1)))
+            size = min(size, n - done)
+            sizes.append(size)
+            done += size
+        return sizes
 
     # -- reading ----------------------------------------------------------------------------------
     def refresh(self) -> None:
