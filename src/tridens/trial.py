@@ -102,11 +102,36 @@ class TrialGroup:
 
     The engine may run the group's trials in any order or fused; ``max_steps`` caps the number of
     steps (epochs) of each trial, ``None`` meaning the evaluator's full budget.
+
+    ``parents`` (optional, one entry per sample) asks for weight inheritance: the id of the
+    finished trial whose trained weights sample ``i`` starts from, for the layers they share, or
+    ``None`` for a fresh start. The engine records it as the trial's ``parent``.
+
+    >>> TrialGroup([{"width": 16}, {"width": 32}], parents=[7, None]).parent_of({"width": 16})
+    7
     """
 
     samples: list[dict[str, Any]]
     max_steps: int | None = None
     name: str = ""
+    parents: list[int | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.parents is not None and len(self.parents) != len(self.samples):
+            raise ValueError(f"The 'parents' parameter of TrialGroup must hold one entry per sample "
+                             f"({len(self.samples)}). Got {len(self.parents)} instead.")
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def parent_of(self, sample: dict[str, Any]) -> int | None:
+        """The parent trial id given for ``sample`` (the same object or an equal dict), or ``None``."""
+        if self.parents is None:
+            return None
+        for i, s in enumerate(self.samples):
+            if s is sample:
+                return self.parents[i]
+        for i, s in enumerate(self.samples):
+            if s == sample:
+                return self.parents[i]
+        return None

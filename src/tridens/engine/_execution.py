@@ -1,5 +1,6 @@
 """Running a group of trials: the in-process executor (lockstep epochs for step-wise evaluators)
-and the process-pool executor (each trial in its own process, for user loops that need isolation).
+and the process-pool executor (long-lived worker processes that run trials one after another, for
+user loops that need isolation; with Fluid allocation, see :mod:`._fluid`).
 
 Executors never touch the store or the strategy: they call the hooks of :class:`GroupHooks`
 (implemented by the experiment), which alone write results and ask for decisions.
@@ -177,100 +178,227 @@ class InlineExecutor(Executor):
 
 
 # -- process pool --------------------------------------------------------------------------------
-def _child_main(conn: Connection, evaluator: Evaluator, model: nn.Module | None, sample: dict[str, Any],
-                seed: int, max_steps: int | None) -> None:
-    """Entry point of a worker process: run one trial, talk to the driver over ``conn``."""
+# Messages, driver -> worker:  ("evaluator", token, pickled evaluator)  sent once per worker and evaluator
+#                              ("run", trial id, token, model, sample, seed, max_steps)  one whole trial
+#                              ("host", ...) / ("ddp", ...)  a Fluid placement (see tridens.engine._fluid)
+#                              ("decision", trial id, value)  the answer to a "report"
+#                              ("quit",)
+# worker -> driver:            ("started", trial id)  ("report", trial id, step, metrics[, seconds])
+#                              ("done", trial id, value, weights bytes)  ("error", trial id, traceback)
+#                              ("yielded", trial id, trainer state bytes)  (Fluid)
+
+
+def _worker_main(conn: Connection, index: int) -> None:
+    """Entry point of a pool worker: serve trials one after another until told to quit."""
+    import pickle
+
     torch.set_num_threads(1)
+    evaluators: dict[int, Evaluator] = {}
+    pending: list[tuple[Any, ...]] = []  # messages read while waiting for something else
+    while True:
+        try:
+            message = pending.pop(0) if pending else conn.recv()
+        except (EOFError, OSError):  # the driver went away
+            return
+        kind = message[0]
+        if kind == "quit":
+            return
+        if kind == "evaluator":
+            evaluators[message[1]] = pickle.loads(message[2])
+        elif kind == "run":
+            _, trial_id, token, model, sample, seed, max_steps = message
+            _serve_trial(conn, evaluators[token], trial_id, model, sample, seed, max_steps)
+        elif kind in ("host", "ddp"):
+            from ._fluid import serve_placement
+
+            serve_placement(conn, message, evaluators, pending)
+
+
+def _serve_trial(conn: Connection, evaluator: Evaluator, trial_id: int, model: nn.Module | None,
+                 sample: dict[str, Any], seed: int, max_steps: int | None) -> None:
+    """Run one whole trial in this worker, streaming its reports to the driver."""
 
     class PipeReporter:
         def report(self, step: int, metrics: Mapping[str, float]) -> Decision:
-            conn.send(("report", step, {k: float(v) for k, v in metrics.items()}))
-            return Decision(conn.recv())
+            conn.send(("report", trial_id, step, {k: float(v) for k, v in metrics.items()}))
+            reply = conn.recv()
+            return Decision(reply[2])
 
+    torch.set_num_threads(1)  # a previous user loop may have changed it
     try:
-        conn.send(("started",))  # the timeout counts from here, not from the interpreter's start-up
+        conn.send(("started", trial_id))  # the timeout counts from here, not from the worker's start-up
         value = evaluator.evaluate(model, sample, seed, PipeReporter(), max_steps=max_steps)
-        conn.send(("done", None if value is None else float(value), _weights_bytes(model)))
-    except BaseException as err:  # report everything, even KeyboardInterrupt, before dying
-        conn.send(("error", _error_text(err)))
-    finally:
-        conn.close()
+        conn.send(("done", trial_id, None if value is None else float(value), _weights_bytes(model)))
+    except BaseException as err:  # report everything (SystemExit too); the worker serves the next trial
+        conn.send(("error", trial_id, _error_text(err)))
+        if isinstance(err, KeyboardInterrupt):
+            raise
+
+
+class _Worker:
+    """One long-lived worker process of the pool and the driver's end of its pipe."""
+
+    def __init__(self, ctx: Any, index: int):
+        self.index = index
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child, index), daemon=True,
+                                   name=f"tridens-worker-{index}")
+        self.process.start()
+        child.close()
+        self.evaluators: set[int] = set()  # tokens of the evaluators this worker holds
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+        self.conn.close()
 
 
 @dataclass
 class _Running:
     job: Job
-    process: Any
-    conn: Connection
+    worker: _Worker
     last: float | None = None
 
 
 class ProcessExecutor(Executor):
-    """Each trial in its own process (``spawn``), at most ``workers`` at a time.
+    """A pool of ``workers`` long-lived processes (``spawn``) that run trials one after another.
 
-    The driver streams reports back, asks the strategy and answers each report with a decision;
-    a trial past ``trial_timeout`` is killed, and a worker that dies is a failed trial. The space,
-    evaluator and model are pickled to the worker, so they must be importable (define them at
-    module level and guard the script's main code with ``if __name__ == "__main__":``).
+    Each trial runs in a worker, so a user loop that crashes its process, hangs or leaks memory
+    cannot take the driver down: a trial past ``trial_timeout`` is killed with its worker, a worker
+    that dies fails only its trial, and either way a fresh worker replaces it. The driver streams
+    reports back, records them and answers each with the strategy's decision; final weights come
+    back as bytes. Workers are started on first use and kept until :meth:`close` (the experiment's
+    end), so interpreter start-up and imports are paid once per worker, not once per trial. State a
+    user loop leaves at module level in a worker (globals, caches) is seen by the next trial that
+    worker runs; the random state is re-seeded for every trial by the evaluator.
+
+    The evaluator and the models are pickled to the workers, so they must be importable (define
+    them at module level and guard the script's main code with ``if __name__ == "__main__":``).
+    With ``allocation`` (a :class:`~tridens.engine.StaticFluid` or
+    :class:`~tridens.engine.DynamicFluid` policy) a declarative evaluator's TrialGroups are
+    placed by Fluid: several trials packed on a worker, or one trial data-parallel over several.
+
+    >>> exp = td.Experiment(space, evaluator, executor=td.engine.ProcessExecutor(workers=4))  # doctest: +SKIP
     """
 
-    def __init__(self, workers: int = 2):
+    def __init__(self, workers: int = 2, allocation: Any = None):
         self.workers = workers
+        self.allocation = allocation
         self._ctx = mp.get_context("spawn")
+        self._pool: dict[int, _Worker] = {}
+        self._payloads: dict[int, tuple[Evaluator, bytes]] = {}  # id(evaluator) -> (kept alive, pickle)
 
+    # -- the pool ------------------------------------------------------------------------------
+    def worker(self, index: int) -> _Worker:
+        """The live worker in slot ``index`` (started, or restarted after a death or a kill)."""
+        current = self._pool.get(index)
+        if current is None or not current.alive():
+            if current is not None:
+                current.kill()
+            current = self._pool[index] = _Worker(self._ctx, index)
+        return current
+
+    def replace(self, index: int) -> None:
+        """Kill the worker in slot ``index``; the next :meth:`worker` call starts a fresh one."""
+        current = self._pool.pop(index, None)
+        if current is not None:
+            current.kill()
+
+    def ship(self, worker: _Worker, evaluator: Evaluator) -> int:
+        """Send ``evaluator`` to ``worker`` unless it holds it already; returns its token."""
+        import pickle
+
+        token = id(evaluator)
+        if token not in self._payloads:
+            self._payloads[token] = (evaluator, pickle.dumps(evaluator))
+        if token not in worker.evaluators:
+            worker.conn.send(("evaluator", token, self._payloads[token][1]))
+            worker.evaluators.add(token)
+        return token
+
+    def pids(self) -> dict[int, int]:
+        """Slot -> process id of the live workers."""
+        return {i: w.process.pid for i, w in self._pool.items() if w.alive()}
+
+    def close(self) -> None:
+        for worker in self._pool.values():
+            try:
+                worker.conn.send(("quit",))
+            except (OSError, BrokenPipeError):
+                pass
+        for worker in self._pool.values():
+            worker.process.join(timeout=5)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join()
+            worker.conn.close()
+        self._pool.clear()
+
+    # -- running a group -------------------------------------------------------------------------
     def run_group(self, jobs: Sequence[Job], evaluator: Evaluator, hooks: GroupHooks) -> None:
+        if self.allocation is not None:
+            from ._fluid import fluid_policy, run_fluid
+
+            if isinstance(evaluator, StepwiseEvaluator):
+                run_fluid(self, jobs, evaluator, hooks, fluid_policy(self.allocation))
+                return
         queue = list(jobs)
-        running: list[_Running] = []
+        running: dict[int, _Running] = {}  # slot -> its trial
         while queue or running:
-            while queue and len(running) < self.workers:
-                job = queue.pop(0)
-                parent, child = self._ctx.Pipe()
-                proc = self._ctx.Process(target=_child_main, daemon=True,
-                                         args=(child, evaluator, job.model, job.trial.sample, job.trial.seed, job.max_steps))
-                job.started = math.inf  # set when the worker says it started
-                proc.start()
-                child.close()
-                running.append(_Running(job, proc, parent))
-            ready = wait([r.conn for r in running], timeout=0.2)
-            for run in list(running):
-                if run.conn in ready:
-                    if not self._handle(run, evaluator, hooks):
-                        running.remove(run)
-                        continue
+            for index in range(self.workers):
+                if queue and index not in running:
+                    job = queue.pop(0)
+                    worker = self.worker(index)
+                    job.started = math.inf  # set when the worker says it started
+                    try:
+                        token = self.ship(worker, evaluator)
+                        worker.conn.send(("run", job.trial.id, token, job.model, job.trial.sample,
+                                          job.trial.seed, job.max_steps))
+                    except (OSError, BrokenPipeError):  # died between two trials: its message is read below
+                        pass
+                    running[index] = _Running(job, worker)
+            ready = wait([run.worker.conn for run in running.values()], timeout=0.2)
+            for index, run in list(running.items()):
+                if run.worker.conn in ready and not self._handle(index, run, hooks):
+                    del running[index]
+                    continue
                 timeout = hooks.trial_timeout
-                if timeout is not None and time.monotonic() - run.job.started > timeout and run in running:
-                    run.process.kill()
-                    run.process.join()
+                if timeout is not None and time.monotonic() - run.job.started > timeout:
+                    self.replace(index)
                     hooks.finish(run.job.trial, TrialStatus.FAILED, value=run.last,
                                  error=f"trial {run.job.trial.id} exceeded trial_timeout={timeout} s and was killed")
-                    running.remove(run)
+                    del running[index]
 
-    def _handle(self, run: _Running, evaluator: Evaluator, hooks: GroupHooks) -> bool:
-        """Process one message; False when the trial is over."""
+    def _handle(self, index: int, run: _Running, hooks: GroupHooks) -> bool:
+        """Process one message of ``run``'s worker; False when the trial is over."""
         trial = run.job.trial
         try:
-            message = run.conn.recv()
+            message = run.worker.conn.recv()
         except (EOFError, OSError):
-            run.process.join()
+            run.worker.process.join()
+            code = run.worker.process.exitcode
+            self.replace(index)
             hooks.finish(trial, TrialStatus.FAILED, value=run.last,
-                         error=f"the worker process of trial {trial.id} died (exit code {run.process.exitcode})")
+                         error=f"the worker process of trial {trial.id} died (exit code {code})")
             return False
         kind = message[0]
         if kind == "started":
             run.job.started = time.monotonic()
             return True
         if kind == "report":
-            _, step, metrics = message
+            _, _, step, metrics = message[:4]
             hooks.record(trial, step, metrics)
             run.last = next(iter(metrics.values()), None)
             decision = hooks.decide(trial, step)
-            run.conn.send(decision.value)
+            run.worker.conn.send(("decision", trial.id, decision.value))
             return True
-        run.process.join()
         if kind == "error":
-            hooks.finish(trial, TrialStatus.FAILED, value=run.last, error=message[1])
+            hooks.finish(trial, TrialStatus.FAILED, value=run.last, error=message[2])
             return False
-        _, value, payload = message
+        _, _, value, payload = message
         weights = None if payload is None else torch.load(io.BytesIO(payload), weights_only=True)
         value = run.last if value is None else value
         status, error = _final_status(value)
@@ -280,11 +408,17 @@ class ProcessExecutor(Executor):
         return False
 
 
-def make_executor(kind: str | Executor, workers: int, optimize: bool = True) -> Executor:
+def make_executor(kind: str | Executor, workers: int, optimize: bool = True, *, ray_address: str | None = None,
+                  storage: str | None = None, max_retries: int = 0, experiment: str = "experiment",
+                  allocation: Any = None) -> Executor:
     if isinstance(kind, Executor):
         return kind
     if kind in ("inline", "in-process"):
         return InlineExecutor(optimize)
     if kind == "process":
-        return ProcessExecutor(workers)
-    raise ValueError(f"The 'executor' parameter of Experiment must be 'inline', 'process' or an Executor. Got {kind!r} instead.")
+        return ProcessExecutor(workers, allocation)
+    if kind == "ray":
+        from ._ray import RayExecutor  # Ray is optional: imported only when asked for
+
+        return RayExecutor(workers, ray_address, storage, max_retries, experiment=experiment)
+    raise ValueError(f"The 'executor' parameter of Experiment must be 'inline', 'process', 'ray' or an Executor. Got {kind!r} instead.")

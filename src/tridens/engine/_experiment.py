@@ -479,10 +479,21 @@ class _Run:
         if any(p.is_meta for p in structure.parameters()):
             torch.manual_seed(trial.seed)
             model = self.space.freeze(self.space.restrict(trial.sample), check=False)
+        self._inherit(trial, model)
         if self.zoo is not None and trial.id not in self.warmed:
             self.warmed.add(trial.id)
             self._warm_start(trial, model)
         return model
+
+    def _inherit(self, trial: Trial, model: Any) -> None:
+        """Weight inheritance (``TrialGroup.parents``): the parent's trained weights for the layers
+        the child shares with it (:mod:`tridens.xopt._supergraph`); such a child gets no zoo warm start."""
+        if trial.parent is None or "warm_start" in trial.info or trial.id in self.warmed:
+            return
+        from ..xopt._supergraph import inherit_from_trial
+
+        self.warmed.add(trial.id)
+        trial.info["inherit"] = inherit_from_trial(self.db, self.space, trial, model)
 
     def _warm_start(self, trial: Trial, model: Any) -> None:
         """Load the best zoo parent's transformed weights into ``model``; never fails the trial."""
@@ -540,7 +551,7 @@ class _Run:
         except InvalidSample as err:
             raise TridensError(f"strategy {type(self.strategy).__name__} proposed an invalid sample: {err}") from err
         trial = Trial(id=-1, sample=clean, seed=0, group=self.group_index, max_steps=group.max_steps,
-                      experiment=self.name)
+                      experiment=self.name, parent=group.parent_of(sample))
         trial = self.db.add_trial(self.name, trial)
         # Seeds follow the trial's position in its experiment (ids are global to the store).
         trial.seed = _trial_seed(self.exp.seed, self.position)

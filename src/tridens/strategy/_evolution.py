@@ -7,7 +7,7 @@ import random
 from typing import Any
 
 from ..trial import Trial, TrialGroup
-from ._common import SearchBase, cap, check_float, check_int, final_value, sample_key
+from ._common import SearchBase, cap, check_bool, check_float, check_int, final_value, sample_key
 
 __all__ = ["RegularizedEvolution"]
 
@@ -29,14 +29,24 @@ class RegularizedEvolution(SearchBase):
 
     A child that repeats an earlier sample is mutated again (then replaced by a random sample),
     so no sample is proposed twice. :meth:`parent_of` gives the trial a child was mutated from.
+
+    With ``inherit_weights=True`` each generation's group names every child's parent
+    (``TrialGroup.parents``): a child starts from its parent's trained weights for the layers
+    they share (matched through the graph IR; the others keep their initialisation), and children
+    of one parent in a generation train merged in one super-graph, their shared layers stored
+    once (:mod:`tridens.xopt._supergraph`). The trial records its ``parent`` and, in
+    ``info["inherit"]``, what it inherited.
+
+    >>> strategy = td.strategy.RegularizedEvolution(population=8, inherit_weights=True)  # doctest: +SKIP
     """
 
     def __init__(self, population: int = 20, sample_size: int = 5, mutation_prob: float = 0.05,
-                 batch_size: int = 4):
+                 batch_size: int = 4, inherit_weights: bool = False):
         self.population = population
         self.sample_size = sample_size
         self.mutation_prob = mutation_prob
         self.batch_size = batch_size
+        self.inherit_weights = inherit_weights
 
     def _check(self) -> None:
         name = "RegularizedEvolution"
@@ -44,6 +54,7 @@ class RegularizedEvolution(SearchBase):
         check_int(name, "sample_size", self.sample_size, 1, self.population, high_text=f"population={self.population}")
         check_float(name, "mutation_prob", self.mutation_prob, 0.0, 1.0)
         check_int(name, "batch_size", self.batch_size, 1)
+        check_bool(name, "inherit_weights", self.inherit_weights)
 
     def _setup(self) -> None:
         self._scored: dict[int, float] = {}   # trial id -> score (maximized), trials with a value
@@ -69,7 +80,10 @@ class RegularizedEvolution(SearchBase):
             if child is None:
                 break
             samples.append(self._accept(child))
-        return self._group(samples, "evolution")
+        group = self._group(samples, "evolution")
+        if group is not None and self.inherit_weights:
+            group.parents = [self.parent_of(sample) for sample in samples]
+        return group
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -17,6 +17,8 @@ from ._batching import BatchedUnit, BatchingSettings, plan_batching
 from . import _cse as cse
 from ._cse import PipelineMember, SharedPipelineUnit, SharedPrefix, TrainerMember, plan_cse
 
+from ._supergraph import plan_supergraph as _plan_supergraph  # weight inheritance (issue 5): first
+_register("supergraph", _plan_supergraph)
 _register("batching", plan_batching)
 _register("cse", plan_cse)
 

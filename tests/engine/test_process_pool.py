@@ -1,0 +1,119 @@
+"""The process pool (``executor="process"``): long-lived workers, real subprocesses, real kills.
+
+Each user loop reports ``os.getpid()`` so the tests see which worker ran which trial.
+"""
+
+import math
+import os
+import signal
+import time
+
+import torch
+
+import tridens as td
+from tridens.engine import Experiment
+from tridens.store import Store
+from tridens.trial import TrialStatus
+
+from .spaces import TinyMLP
+
+# -- user loops (module level: the workers import them) ------------------------------------------
+
+
+def report_pid(model, x):
+    for step in range(2):
+        td.report({"value": x + step, "pid": os.getpid()}, step=step)
+
+
+def misbehave(model, x):
+    """x=1 kills its own process, x=2 raises, x=3 returns NaN, x=4 hangs; others report their pid."""
+    td.report({"value": 0.0, "pid": os.getpid()}, step=0)
+    if x == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if x == 2:
+        raise RuntimeError("boom: x=2")
+    if x == 3:
+        return math.nan
+    if x == 4:
+        time.sleep(120)
+    return float(x)
+
+
+def set_weights(model, x):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(x / 10)
+    td.report({"value": x, "pid": os.getpid()}, step=0)
+
+
+def report_until_stopped(model, lr):
+    for step in range(4):
+        td.report({"value": lr * (step + 1), "pid": os.getpid()}, step=step)
+
+
+class StopOddLrAtStep1(td.strategy.GridSearch):
+    """A user strategy: stops the trials with lr 0.1 and 0.3 after their step 1."""
+
+    def decide(self, trial, step):
+        if step == 1 and trial.sample["lr"] in (0.1, 0.3):
+            return td.Decision.STOP
+        return super().decide(trial, step)
+
+
+def _run(tmp_path, evaluator, name, strategy=None, **kw):
+    exp = Experiment(TinyMLP(), evaluator, strategy or td.strategy.GridSearch(), store=tmp_path / "t.db",
+                     name=name, verbose=False, executor="process", **kw)
+    return exp.run()
+
+
+def _pids(trial):
+    return {int(p) for p in trial.metrics.get("pid", [])}
+
+
+def test_many_quick_trials_reuse_the_workers(tmp_path):
+    ev = td.evaluators.FunctionalEvaluator(report_pid, x=td.choice("x", list(range(6))))
+    exp = _run(tmp_path, ev, "reuse", max_trials=12, workers=2)
+    trials = exp.trials()
+    assert len(trials) == 12 and all(t.status is TrialStatus.COMPLETED for t in trials)
+    pids = set().union(*(_pids(t) for t in trials))
+    assert len(pids) == 2 and os.getpid() not in pids  # 12 trials, two worker processes
+    assert all(t.metrics["value"] == [t.sample["x"], t.sample["x"] + 1] for t in trials)
+
+
+def test_a_misbehaving_trial_fails_alone_and_its_worker_is_replaced(tmp_path):
+    ev = td.evaluators.FunctionalEvaluator(misbehave, x=td.choice("x", [0, 1, 2, 3, 4, 5, 6, 7]))
+    exp = _run(tmp_path, ev, "misbehave", max_trials=16, workers=2, trial_timeout=4)
+    by_x = {}
+    for t in exp.trials():
+        by_x.setdefault(t.sample["x"], t)
+    assert "died" in by_x[1].error and by_x[1].status is TrialStatus.FAILED
+    assert "boom: x=2" in by_x[2].error
+    assert by_x[3].status is TrialStatus.FAILED and "NaN" in by_x[3].error
+    assert "trial_timeout" in by_x[4].error
+    for x in (0, 5, 6, 7):
+        assert by_x[x].status is TrialStatus.COMPLETED and by_x[x].metric == float(x)
+    # The killed and the timed-out workers were replaced: more than two processes served the run,
+    # and the worker whose trial raised served later trials too.
+    pids = [p for t in sorted(exp.trials(), key=lambda t: t.id) for p in sorted(_pids(t))]
+    assert len(set(pids)) >= 3
+    raised_in = _pids(by_x[2])
+    later = [p for t in exp.trials() if t.id > by_x[2].id for p in _pids(t)]
+    assert raised_in & set(later)
+
+
+def test_weights_come_back_and_stop_decisions_reach_the_loop(tmp_path):
+    ev = td.evaluators.FunctionalEvaluator(set_weights, x=td.choice("x", [1, 2, 3]))
+    exp = _run(tmp_path, ev, "weights", max_trials=3, workers=2)
+    store = Store(tmp_path / "t.db", readonly=True)
+    for t in exp.trials():
+        weights = store.load_checkpoint(t.checkpoint)
+        assert all(torch.all(w == t.sample["x"] / 10) for w in weights.values())
+
+    ev = td.evaluators.FunctionalEvaluator(report_until_stopped,
+                                           lr=td.choice("lr", [0.1, 0.2, 0.3, 0.4]))
+    exp = _run(tmp_path, ev, "stops", StopOddLrAtStep1(), max_trials=4, workers=2)
+    for t in exp.trials():
+        if t.sample["lr"] in (0.1, 0.3):  # the loop saw STOP at its next report and ended
+            assert t.status is TrialStatus.STOPPED and t.steps == 2 and t.metric == 2 * t.sample["lr"]
+        else:
+            assert t.status is TrialStatus.COMPLETED and t.steps == 4
