@@ -219,6 +219,49 @@ class Experiment:
         _parse_duration(self.max_duration)
         if self.warm_start is not None and self.warm_start is not False:
             self._zoo(self._store_path())  # a bad zoo path is an error before anything runs
+        self._check_ray()
+
+    def _check_ray(self) -> None:
+        """The executor and its Ray parameters (ray_address, storage, max_retries)."""
+        kinds = ("inline", "in-process", "process", "ray")
+        if not isinstance(self.executor, Executor) and self.executor not in kinds:
+            raise ValueError(f"The 'executor' parameter of Experiment must be one of {kinds!r} or an Executor. "
+                             f"Got {self.executor!r} instead.")
+        if not isinstance(self.max_retries, int) or isinstance(self.max_retries, bool) or self.max_retries < 0:
+            raise ValueError(f"The 'max_retries' parameter of Experiment must be an int in the range [0, inf). "
+                             f"Got {self.max_retries!r} instead.")
+        if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address.strip()):
+            raise ValueError(f"The 'ray_address' parameter of Experiment must be None (start a local Ray) or an address "
+                             f"like 'host:6379', 'auto' or 'ray://host:10001'. Got {self.ray_address!r} instead.")
+        if self.ray_address is not None and self.executor != "ray":
+            raise ValueError(f"The 'ray_address' parameter of Experiment is only used with executor='ray'. "
+                             f"Got executor={self.executor!r} instead.")
+        if self.storage is not None:
+            if not isinstance(self.storage, (str, os.PathLike)) or not os.fspath(self.storage):
+                raise ValueError(f"The 'storage' parameter of Experiment must be None, a directory or an fsspec URI. "
+                                 f"Got {self.storage!r} instead.")
+            location = os.fspath(self.storage)
+            if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", location) and not location.startswith("file://"):
+                try:
+                    import fsspec  # noqa: F401
+                except ImportError:
+                    raise ValueError(f"The 'storage' parameter of Experiment is the URI {location!r}, which needs fsspec "
+                                     "(pip install fsspec and the package of its file system, e.g. s3fs).") from None
+            elif Path(location).exists() and not Path(location).is_dir():
+                raise ValueError(f"The 'storage' parameter of Experiment must be a directory. Got the file {location!r} instead.")
+        if self.executor == "ray":
+            try:
+                import ray  # noqa: F401
+            except ImportError:
+                raise ValueError("The 'executor' parameter of Experiment is 'ray', but Ray is not installed "
+                                 "(pip install 'ray==2.58.0').") from None
+
+    def _storage(self, store_path: Path) -> str:
+        """Where workers write checkpoints: ``storage``, or a folder beside the store."""
+        if self.storage is not None:
+            return os.fspath(self.storage)
+        return str(Path(store_path).absolute()) + ".ray"
+
 
     def _zoo(self, store_path: Path) -> Any:
         from ..warmup import Zoo
@@ -367,7 +410,9 @@ class _Run:
         search_space = self.space.search_space().merged(self.evaluator.search_space())
         self.search_space = search_space
         self.strategy.start(search_space, self.objective, random.Random(self.exp.seed), finished)
-        executor = make_executor(self.exp.executor, self.exp.workers, self.exp.optimize)
+        executor = make_executor(self.exp.executor, self.exp.workers, self.exp.optimize,
+                                 ray_address=self.exp.ray_address, max_retries=self.exp.max_retries,
+                                 storage=self.exp._storage(self.db.path), experiment=self.name)
         self.group_index = max((t.group or 0 for t in trials), default=-1) + 1
         self.position = len(trials)
         before = sum(t.status in _FINISHED_COUNTED for t in finished)
