@@ -57,7 +57,8 @@ def test_start_validates_parameters(strategy, message: str) -> None:
 
 def test_parameters_are_kept_as_given() -> None:
     strategy = RegularizedEvolution(population=1)  # no error until start
-    assert strategy.params() == {"population": 1, "sample_size": 5, "mutation_prob": 0.05, "batch_size": 4}
+    assert strategy.params() == {"population": 1, "sample_size": 5, "mutation_prob": 0.05, "batch_size": 4,
+                                 "inherit_weights": False}
     assert repr(Hyperband(max_steps=9)) == "Hyperband(min_steps=1, max_steps=9, reduction_factor=3)"
     base = TPE()
     assert MedianStopping(base).params()["base"] is base
