@@ -8,7 +8,7 @@ instantiates, trains, compares and stops the models.
 """
 
 from . import datasets, evaluators, graph, nn, space, store, strategy
-from . import warmup
+from . import oneshot, warmup
 from .engine import Experiment, load
 from .errors import GraphError, InvalidSample, InvalidSpace, StoreError, TridensError
 from .evaluators import report
@@ -23,5 +23,5 @@ __all__ = [
     "Experiment", "load", "report",
     "TridensError", "InvalidSpace", "InvalidSample", "GraphError", "StoreError",
     "Trial", "TrialGroup", "TrialStatus", "Objective", "Decision",
-    "nn", "space", "graph", "strategy", "evaluators", "datasets", "store", "warmup",
+    "nn", "space", "graph", "strategy", "evaluators", "datasets", "store", "warmup", "oneshot",
 ]

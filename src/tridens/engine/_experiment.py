@@ -207,7 +207,7 @@ class Experiment:
             raise ValueError(f"The 'evaluator' parameter of Experiment must be a tridens evaluator. Got {self.evaluator!r} instead.")
         if isinstance(self.strategy, str):
             _strategy_by_name(self.strategy)
-        elif self.strategy is not None and not isinstance(self.strategy, Strategy):
+        elif self.strategy is not None and not isinstance(self.strategy, Strategy) and not getattr(self.strategy, "one_shot", False):
             raise ValueError(f"The 'strategy' parameter of Experiment must be a td.strategy.Strategy (e.g. "
                              f"td.strategy.Random()). Got {self.strategy!r} instead.")
         if self.max_trials is not None and (not isinstance(self.max_trials, int) or self.max_trials < 1):
@@ -303,6 +303,10 @@ class Experiment:
         self._check()
         RUN_COUNT += 1
         strategy = _strategy_by_name(self.strategy) if isinstance(self.strategy, str) or self.strategy is None else self.strategy
+        if getattr(strategy, "one_shot", False):  # tridens.oneshot: one supernet instead of separate trials
+            from ..oneshot._run import run_oneshot
+
+            return run_oneshot(self, strategy)
         objective = self._objective()
         path = self._store_path()
         name = self._name()

@@ -101,6 +101,9 @@ def InputChoice(n_candidates: int, n_chosen: int = 1, reduction: str = "sum", *,
         raise InvalidSpace(f"The 'n_chosen' parameter of InputChoice {label!r} must be an int in [1, {n_candidates}]. Got {n_chosen!r} instead.")
     if reduction not in _REDUCTIONS:
         raise InvalidSpace(f"The 'reduction' parameter of InputChoice {label!r} must be one of {list(_REDUCTIONS)}. Got {reduction!r} instead.")
+    hook = getattr(active_resolver(), "input_choice", None)
+    if hook is not None:  # a one-shot supernet (tridens.oneshot) holds every input
+        return hook(label, n_candidates, n_chosen, reduction)
     if n_chosen == 1:
         domain = Categorical(list(range(n_candidates)), label=label)
         picked = resolve(label, domain, "input_choice")
@@ -127,6 +130,10 @@ def Repeat(blocks: Callable[[int], nn.Module] | nn.Module | Sequence[nn.Module],
         depth = resolve(label, RandInt(depth[0], depth[1], label=label) if depth[0] < depth[1] else Categorical([depth[0]], label=label), "repeat")
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
         raise InvalidSpace(f"The 'depth' parameter of Repeat must be a non-negative int. Got {depth!r} instead.")
+    hook = getattr(active_resolver(), "repeat", None)
+    built = hook(blocks, depth) if hook is not None else None
+    if built is not None:  # a one-shot supernet (tridens.oneshot): the largest depth, cut per sample
+        return built
     if isinstance(blocks, nn.Module):
         return nn.Sequential(*[copy.deepcopy(blocks) for _ in range(depth)])
     if isinstance(blocks, Sequence):

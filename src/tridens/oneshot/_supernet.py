@@ -1,0 +1,724 @@
+"""The supernet: one module holding every model of a space, built from the space itself.
+
+:func:`build_supernet` runs the space's ``__init__`` once under a :class:`SupernetResolver`
+(the resolver mechanism of :mod:`tridens.space._context`; nothing is patched):
+
+* ``tnn.LayerChoice`` -> :class:`MixedLayer`, holding every candidate;
+* ``tnn.InputChoice`` -> :class:`MixedInput`, reading every input;
+* ``tnn.Repeat`` with a chosen depth -> :class:`MixedDepth`, the largest depth, cut per sample;
+* an int ``td.choice`` (width, kernel size, depth...) -> a :class:`~._traced.TracedInt` at the
+  largest candidate, so layers are built at their largest size; afterwards each ``Conv1d/2d``,
+  ``Linear`` and ``BatchNorm1d/2d`` whose sizes depend on a label becomes an entangled layer that
+  slices its weight per sample (kernels centred, BatchNorm statistics sliced too); other modules
+  whose attributes depend on a label (pooling sizes, dropout rates, strides) get those
+  attributes set per sample before each call.
+
+Every mixed module reads one :class:`ArchState`: either a *path* (a concrete sample: only the
+chosen candidate runs, layers are sliced: SPOS, ENAS, subnet evaluation) or *weights* (a
+probability vector per label: DARTS/GDAS; candidates are mixed, widths become soft channel
+masks and kernel sizes soft centred kernel masks over the one largest weight).
+
+After building, the supernet is checked against the space: for a set of samples (every value of
+every label, one label at a time, plus random ones), the model built alone by ``space.freeze``
+must take the weights extracted from the supernet (same names, same shapes) and, given example
+inputs, compute the same output as the supernet on that path. A space that fails is refused with
+:class:`~tridens.errors.InvalidSpace` naming the label and the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import random
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import InvalidSample, InvalidSpace
+from ..nn._choices import ChosenInputs, _instantiate
+from ..space._context import Resolver, using
+from ..space._domain import Categorical, Domain, RandInt, SearchSpace, _equal, _hashable
+from ..space._model_space import BaseSpace, ModelSpace
+from ._traced import TracedFloat, TracedInt, is_traced, plain, traced_labels, value_at
+
+__all__ = ["ArchState", "Supernet", "SupernetResolver", "MixedLayer", "MixedInput", "MixedDepth", "build_supernet",
+           "not_one_shot"]
+
+Sample = Mapping[str, Any]
+
+
+def not_one_shot(label: str | None, reason: str) -> InvalidSpace:
+    """The error of a space that cannot be made one-shot, naming the label and the way out."""
+    what = f"label {label!r}" if label else "the space"
+    return InvalidSpace(f"this space cannot be trained as a one-shot supernet: {what} {reason}. "
+                        "Use a multi-trial strategy for it (e.g. td.strategy.RegularizedEvolution() or "
+                        "td.strategy.Random()), which builds each model on its own.")
+
+
+# ---------------------------------------------------------------------------------------------
+class ArchState:
+    """What the supernet computes right now: a path (``sample``) or per-label probabilities.
+
+    ``values[label]`` lists the domain values of a finite label; ``probs[label]`` is a tensor
+    over them (weights mode). In weights mode ``sample`` is the most probable value of every
+    label, used by what cannot be mixed (strides, pooling sizes, dimensions that depend on
+    several labels).
+    """
+
+    def __init__(self) -> None:
+        self.mode = "path"
+        self.sample: dict[str, Any] = {}
+        self.probs: dict[str, torch.Tensor] = {}
+        self.values: dict[str, list[Any]] = {}
+        self._cache: dict[Any, torch.Tensor] = {}
+
+    def set_path(self, sample: Sample) -> None:
+        self.mode, self.sample, self.probs = "path", dict(sample), {}
+
+    def set_weights(self, probs: Mapping[str, torch.Tensor], argmax: Sample) -> None:
+        self.mode, self.probs, self.sample = "weights", dict(probs), dict(argmax)
+
+    @property
+    def weighted(self) -> bool:
+        return self.mode == "weights"
+
+    def index(self, label: str) -> int:
+        """Index of the path's value of ``label`` among its domain values (0 when inactive)."""
+        if label not in self.sample:
+            return 0
+        value = self.sample[label]
+        for i, v in enumerate(self.values[label]):
+            if _equal(v, value):
+                return i
+        raise InvalidSample(f"value {value!r} of label {label!r} is outside its domain {self.values[label]!r}")
+
+    def single(self, dim: Any) -> str | None:
+        """The label a traced dimension depends on, when it is exactly one label with weights."""
+        labels = traced_labels(dim)
+        if len(labels) == 1:
+            (label,) = labels
+            if label in self.probs:
+                return label
+        return None
+
+    def channel_mask(self, dim: Any, size: int, device: torch.device) -> torch.Tensor | None:
+        """The soft mask over ``size`` channels: ``sum_i p_i [c < dim(v_i)]`` (weights mode)."""
+        label = self.single(dim)
+        if label is None:
+            n = value_at(dim, self.sample)
+            return None if n >= size else (torch.arange(size, device=device) < n).float()
+        key = ("channels", id(dim), size, str(device))
+        table = self._cache.get(key)
+        if table is None:
+            sizes = torch.tensor([value_at(dim, {label: v}) for v in self.values[label]], device=device)
+            table = (torch.arange(size, device=device)[None, :] < sizes[:, None]).float()
+            self._cache[key] = table
+        return self.probs[label].to(device) @ table
+
+    def kernel_mask(self, dim: Any, kmax: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+        """The soft mask over a ``kmax`` kernel: ``sum_i p_i centred_box(k(v_i))`` (weights mode)."""
+        label = self.single(dim[0]) if isinstance(dim, tuple) else self.single(dim)
+        if label is None:
+            k = value_at(dim, self.sample)
+            return None if tuple(k) == tuple(kmax) else _box(tuple(k), kmax, device)
+        key = ("kernel", id(dim), kmax, str(device))
+        table = self._cache.get(key)
+        if table is None:
+            table = torch.stack([_box(tuple(value_at(dim, {label: v})), kmax, device) for v in self.values[label]])
+            self._cache[key] = table
+        return torch.tensordot(self.probs[label].to(device), table, dims=1)
+
+
+def _box(k: tuple[int, ...], kmax: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    mask = torch.zeros(kmax, device=device)
+    index = tuple(slice((m - s) // 2, (m - s) // 2 + s) for s, m in zip(k, kmax))
+    mask[index] = 1.0
+    return mask
+
+
+def _crop(weight: torch.Tensor, k: tuple[int, ...]) -> torch.Tensor:
+    """The centred ``k`` window of the spatial dims (the last ones) of ``weight``."""
+    spatial = weight.shape[2:]
+    if tuple(k) == tuple(spatial):
+        return weight
+    for d, (s, m) in enumerate(zip(k, spatial)):
+        if s > m:
+            raise InvalidSample(f"kernel size {s} is larger than the supernet's {m}")
+        weight = weight.narrow(2 + d, (m - s) // 2, s)
+    return weight
+
+
+# ---------------------------------------------------------------------------------------------
+class MixedLayer(nn.Module):
+    """Every candidate of a ``LayerChoice``; runs the path's one or the probability-weighted sum."""
+
+    def __init__(self, label: str, keys: Sequence[Any], candidates: Sequence[nn.Module], state: ArchState):
+        super().__init__()
+        self.label, self.keys = label, list(keys)
+        self.candidates = nn.ModuleList(candidates)
+        self.__dict__["_state"] = state
+
+    def chosen(self) -> nn.Module:
+        return self.candidates[self._state.index(self.label)]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        state = self._state
+        if state.weighted and self.label in state.probs:
+            p = state.probs[self.label]
+            total = None
+            for i, cand in enumerate(self.candidates):
+                if not p.requires_grad and float(p[i]) == 0.0:
+                    continue  # a hard (one-hot) sample: only the chosen candidate runs
+                y = p[i] * cand(*args, **kwargs)
+                total = y if total is None else total + y
+            return total
+        return self.chosen()(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"label={self.label!r}, keys={self.keys!r}"
+
+
+class MixedInput(nn.Module):
+    """Every input of an ``InputChoice``: the path's selection or the weighted sum of selections."""
+
+    def __init__(self, label: str, selections: Sequence[Any], reduction: str, state: ArchState):
+        super().__init__()
+        self.label, self.reduction = label, reduction
+        self.selectors = [ChosenInputs([s] if isinstance(s, int) else list(s), reduction) for s in selections]
+        self.__dict__["_state"] = state
+
+    def forward(self, inputs: Sequence[torch.Tensor]) -> Any:
+        state = self._state
+        if state.weighted and self.label in state.probs:
+            if self.reduction == "none":
+                raise not_one_shot(self.label, "is an InputChoice with reduction='none' (a list of tensors) that a "
+                                               "weighted strategy cannot mix; use reduction sum/mean/concat or "
+                                               "td.oneshot.RandomOneShot/ENAS")
+            p = state.probs[self.label]
+            return sum(p[i] * sel(inputs) for i, sel in enumerate(self.selectors)
+                       if p.requires_grad or float(p[i]) != 0.0)
+        return self.selectors[state.index(self.label)](inputs)
+
+    def extra_repr(self) -> str:
+        return f"label={self.label!r}, reduction={self.reduction!r}, options={len(self.selectors)}"
+
+
+class MixedDepth(nn.Sequential):
+    """A ``Repeat`` at its largest depth; the path runs its first ``depth`` blocks, weights mix
+    the outputs after each candidate depth. Iterating it yields the path's blocks only."""
+
+    def __init__(self, blocks: Sequence[nn.Module], depth: TracedInt, state: ArchState):
+        super().__init__(*blocks)
+        self.__dict__["_depth"] = depth
+        self.__dict__["_state"] = state
+
+    def _active(self) -> list[nn.Module]:
+        return list(self._modules.values())[: value_at(self._depth, self._state.sample)]
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        state = self._state
+        if state.weighted and state.single(self._depth) is not None:
+            raise not_one_shot(next(iter(self._depth.labels)), "is a Repeat depth whose blocks are iterated in "
+                                                                 "forward; call the Repeat module itself (self.blocks(x)) so a weighted "
+                                                                 "strategy can mix depths")
+        return iter(self._active())
+
+    def forward(self, x: Any) -> Any:
+        state = self._state
+        label = state.single(self._depth) if state.weighted else None
+        if label is None:
+            for block in self._active():
+                x = block(x)
+            return x
+        p = state.probs[label]
+        depths = [value_at(self._depth, {label: v}) for v in state.values[label]]
+        wanted = {d: [i for i, e in enumerate(depths) if e == d] for d in set(depths)}
+        total = None
+        blocks = list(self._modules.values())
+        for d in range(max(depths) + 1):
+            if d > 0:
+                x = blocks[d - 1](x)
+            for i in wanted.get(d, ()):
+                y = p[i] * x
+                total = y if total is None else total + y
+        return total
+
+    def extra_repr(self) -> str:
+        return f"depth={sorted(self._depth.labels)}"
+
+
+# ---------------------------------------------------------------------------------------------
+class _Entangled:
+    """Mixin of layers built at their largest size and sliced per sample (weight entanglement)."""
+
+    _traced: dict[str, Any]
+    _state: ArchState
+
+    def _setup(self, traced: dict[str, Any], state: ArchState) -> None:
+        self.__dict__["_traced"] = traced
+        self.__dict__["_state"] = state
+        for name, value in traced.items():
+            object.__setattr__(self, name, plain(value))
+
+    def _at(self, name: str, sample: Sample | None = None) -> Any:
+        if name in self._traced:
+            return value_at(self._traced[name], self._state.sample if sample is None else sample)
+        return getattr(self, name)
+
+    def sliced(self, name: str, sample: Sample) -> torch.Tensor:  # pragma: no cover - per layer
+        raise NotImplementedError
+
+
+class _EntangledConv(_Entangled):
+    def _weight_bias(self, sample: Sample | None = None) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        out_c, in_c, groups = self._at("out_channels", sample), self._at("in_channels", sample), self._at("groups", sample)
+        w = self.weight[:out_c, : in_c // groups]
+        w = _crop(w, self._at("kernel_size", sample))
+        b = None if self.bias is None else self.bias[:out_c]
+        return w, b, groups
+
+    def sliced(self, name: str, sample: Sample) -> torch.Tensor:
+        w, b, _ = self._weight_bias(sample)
+        return w if name == "weight" else b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        conv = F.conv1d if isinstance(self, nn.Conv1d) else F.conv2d
+        state = self._state
+        if state.weighted:
+            w, b = self.weight, self.bias
+            if "kernel_size" in self._traced:
+                mask = state.kernel_mask(self._traced["kernel_size"], tuple(w.shape[2:]), w.device)
+                if mask is not None:
+                    w = w * mask
+            stride, dilation = self._at("stride"), self._at("dilation")
+            y = conv(x, w, b, stride, self.padding, dilation, self.groups)
+            if "out_channels" in self._traced:
+                mask = state.channel_mask(self._traced["out_channels"], w.shape[0], w.device)
+                if mask is not None:
+                    y = y * mask.view(1, -1, *([1] * (y.dim() - 2)))
+            return y
+        w, b, groups = self._weight_bias()
+        return conv(x, w, b, self._at("stride"), self._at("padding"), self._at("dilation"), groups)
+
+
+class EntangledConv2d(_EntangledConv, nn.Conv2d):
+    """A ``Conv2d`` at its largest channels/kernel, sliced per sample (kernel centred)."""
+
+
+class EntangledConv1d(_EntangledConv, nn.Conv1d):
+    """A ``Conv1d`` at its largest channels/kernel, sliced per sample (kernel centred)."""
+
+
+class EntangledLinear(_Entangled, nn.Linear):
+    """A ``Linear`` at its largest sizes, sliced per sample."""
+
+    def sliced(self, name: str, sample: Sample) -> torch.Tensor:
+        out_f, in_f = self._at("out_features", sample), self._at("in_features", sample)
+        return self.weight[:out_f, :in_f] if name == "weight" else self.bias[:out_f]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = self._state
+        if state.weighted:
+            y = F.linear(x, self.weight, self.bias)
+            if "out_features" in self._traced:
+                mask = state.channel_mask(self._traced["out_features"], self.weight.shape[0], y.device)
+                if mask is not None:
+                    y = y * mask
+            return y
+        return F.linear(x, self.sliced("weight", state.sample), None if self.bias is None else self.sliced("bias", state.sample))
+
+
+class _EntangledNorm(_Entangled):
+    def sliced(self, name: str, sample: Sample) -> torch.Tensor:
+        tensor = getattr(self, name)
+        if name == "num_batches_tracked":
+            return tensor
+        return tensor[: self._at("num_features", sample)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = self._state
+        c = self.num_features if state.weighted else self._at("num_features")
+        momentum = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # cumulative moving average, as nn.BatchNorm does
+                momentum = 1.0 / float(self.num_batches_tracked)
+        use_batch = self.training or self.running_mean is None
+        # Slices of the running buffers are views: batch_norm updates the shared statistics in place.
+        y = F.batch_norm(x, None if self.running_mean is None else self.running_mean[:c],
+                         None if self.running_var is None else self.running_var[:c],
+                         None if self.weight is None else self.weight[:c], None if self.bias is None else self.bias[:c],
+                         use_batch, momentum, self.eps)
+        if state.weighted and "num_features" in self._traced:
+            mask = state.channel_mask(self._traced["num_features"], c, y.device)
+            if mask is not None:
+                y = y * mask.view(1, -1, *([1] * (y.dim() - 2)))
+        return y
+
+
+class EntangledBatchNorm2d(_EntangledNorm, nn.BatchNorm2d):
+    """A ``BatchNorm2d`` at its largest width; parameters and running statistics sliced."""
+
+
+class EntangledBatchNorm1d(_EntangledNorm, nn.BatchNorm1d):
+    """A ``BatchNorm1d`` at its largest width; parameters and running statistics sliced."""
+
+
+_ENTANGLED: dict[type, tuple[type, tuple[str, ...]]] = {
+    nn.Conv2d: (EntangledConv2d, ("in_channels", "out_channels", "kernel_size", "padding", "stride", "dilation", "groups")),
+    nn.Conv1d: (EntangledConv1d, ("in_channels", "out_channels", "kernel_size", "padding", "stride", "dilation", "groups")),
+    nn.Linear: (EntangledLinear, ("in_features", "out_features")),
+    nn.BatchNorm2d: (EntangledBatchNorm2d, ("num_features",)),
+    nn.BatchNorm1d: (EntangledBatchNorm1d, ("num_features",)),
+}
+# Attributes that only change how a module computes, never the shape of its weights.
+_DYNAMIC_OK = {"kernel_size", "stride", "padding", "dilation", "p", "output_size", "negative_slope", "scale_factor"}
+
+
+# ---------------------------------------------------------------------------------------------
+class SupernetResolver(Resolver):
+    """Answers every label so that the construction holds *all* its models (see module doc)."""
+
+    def __init__(self, state: ArchState):
+        super().__init__()
+        self.state = state
+        self.claimed: dict[str, str] = {}  # label -> what holds it (for errors and the description)
+
+    def _register(self, label: str, domain: Domain, source: str) -> None:
+        if not isinstance(label, str) or not label:
+            raise InvalidSpace(f"a label must be a non-empty string, got {label!r}")
+        if label in self.asked:
+            known = self.asked[label][0]
+            if not known.same_as(domain):
+                raise InvalidSpace(f"label {label!r} is used with conflicting candidates: {known!r} and {domain!r}")
+            return
+        if not domain.finite:
+            raise not_one_shot(label, f"is a continuous {source} ({domain!r}); a supernet needs finite choices "
+                                      "(td.choice with a list of values)")
+        self.asked[label] = (domain, domain.default(), source)
+        self.state.values[label] = domain.values()
+
+    def resolve(self, label: str, domain: Domain, source: str = "choice") -> Any:
+        self._register(label, domain, source)
+        values = domain.values()
+        candidates = [domain.to_candidate(v) for v in values]
+        if source == "layer_choice":
+            self.claimed[label] = "LayerChoice"
+            return MixedLayer(label, values, [_instantiate(c, label) for c in candidates], self.state)
+        if source == "cell" and not all(isinstance(c, int) for c in candidates):
+            self.claimed[label] = "Cell op"
+            state = self.state
+
+            def build(j: int, k: int, source_index: int) -> nn.Module:
+                mods = [c if isinstance(c, nn.Module) else c(j, k, source_index) for c in candidates]
+                return MixedLayer(label, values, [_copy(m) for m in mods], state)
+            return build
+        if source == "cell":
+            if len(values) == 1:
+                self.claimed[label] = "Cell input"
+                return candidates[0]
+            raise not_one_shot(label, "chooses the input of a Cell node; the supernet does not hold every cell "
+                                      "wiring (fix the inputs with num_predecessors=1 and one node, or search "
+                                      "the wiring with a multi-trial strategy)")
+        if all(isinstance(c, int) and not isinstance(c, bool) for c in candidates):
+            top = max(candidates)
+            return TracedInt(top, _leaf(label, domain, top), {label})
+        if all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in candidates):
+            return TracedFloat(float(candidates[0]), _leaf(label, domain, candidates[0]), {label})
+        raise not_one_shot(label, f"has candidates {values!r} that are not numbers: its value is used in Python "
+                                  "code the supernet cannot follow; choose between layers with "
+                                  "tnn.LayerChoice({...}) instead")
+
+    # -- hooks called by tnn.InputChoice and tnn.Repeat while this resolver is active ----------
+    def input_choice(self, label: str, n_candidates: int, n_chosen: int, reduction: str) -> nn.Module:
+        if n_chosen == 1:
+            domain = Categorical(list(range(n_candidates)), label=label)
+        else:
+            domain = Categorical([list(c) for c in itertools.combinations(range(n_candidates), n_chosen)], label=label)
+        self._register(label, domain, "input_choice")
+        self.claimed[label] = "InputChoice"
+        return MixedInput(label, domain.values(), reduction, self.state)
+
+    def repeat(self, blocks: Any, depth: int) -> nn.Module | None:
+        if not isinstance(depth, TracedInt):
+            return None  # a fixed depth: an ordinary Repeat
+        if isinstance(blocks, nn.Module):
+            built = [_copy(blocks) for _ in range(depth)]
+        elif isinstance(blocks, Sequence):
+            if depth > len(blocks):
+                raise InvalidSpace(f"Repeat got depth {int(depth)} but only {len(blocks)} blocks")
+            built = list(blocks)[:depth]
+        else:
+            built = [blocks(i) for i in range(depth)]
+        for label in depth.labels:
+            self.claimed[label] = "Repeat depth"
+        return MixedDepth(built, depth, self.state)
+
+
+def _copy(module: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(module)
+
+
+def _leaf(label: str, domain: Domain, top: Any) -> Callable[[Sample], Any]:
+    def fn(sample: Sample) -> Any:
+        return domain.to_candidate(sample[label]) if label in sample else top
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------
+class Supernet:
+    """A space's supernet: ``model`` (an ``nn.Module``), its :class:`ArchState` and helpers.
+
+    >>> net = build_supernet(space)                      # doctest: +SKIP
+    >>> net.set_path(space.random_sample(0)); y = net.model(x)   # doctest: +SKIP
+    >>> child = net.extract(sample)   # a frozen model carrying the supernet's weights  # doctest: +SKIP
+    """
+
+    def __init__(self, space: BaseSpace, model: nn.Module, state: ArchState, claimed: Mapping[str, str]):
+        self.space, self.model, self.state = space, model, state
+        self.claimed = dict(claimed)
+        self.search_space: SearchSpace = space.search_space()
+
+    def set_path(self, sample: Sample) -> None:
+        """Compute the model of ``sample`` (labels of the space; others are ignored)."""
+        self.state.set_path({k: v for k, v in sample.items() if k in self.state.values})
+
+    def set_weights(self, probs: Mapping[str, torch.Tensor]) -> None:
+        """Mix every label by ``probs[label]`` (a vector over ``search_space[label].domain.values()``)."""
+        argmax = {label: self.state.values[label][int(p.argmax())] for label, p in probs.items()}
+        self.state.set_weights(probs, argmax)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.model.parameters()
+
+    # -- subnets ------------------------------------------------------------------------------
+    def subnet_state(self, sample: Sample, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The tensors the frozen model of ``sample`` has under ``names``, sliced from the supernet."""
+        out = {}
+        for name in names:
+            out[name] = self._locate(name, sample)
+        return out
+
+    def _locate(self, name: str, sample: Sample) -> torch.Tensor:
+        parts = name.split(".")
+        module: nn.Module = self.model
+        path = []
+        for part in parts[:-1]:
+            module = _unwrap(module, sample, self.state)
+            child = module._modules.get(part)
+            if child is None:
+                raise KeyError(".".join(path + [part]))
+            module = child
+            path.append(part)
+        module = _unwrap(module, sample, self.state)
+        leaf = parts[-1]
+        if isinstance(module, _Entangled) and leaf in {*module._parameters, *module._buffers}:
+            return module.sliced(leaf, sample)
+        tensor = module._parameters.get(leaf)
+        if tensor is None:
+            tensor = module._buffers.get(leaf)
+        if tensor is None:
+            raise KeyError(name)
+        return tensor
+
+    def extract(self, sample: Sample, *, seed: int = 0) -> nn.Module:
+        """The frozen model of ``sample`` (``space.freeze``) carrying the supernet's weights."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = self.space.freeze(self.space.restrict(sample), check=False)
+        clean = model.tridens_sample
+        state = model.state_dict()
+        sliced = self.subnet_state(clean, list(state))
+        model.load_state_dict({k: v.detach().clone() for k, v in sliced.items()})
+        return model
+
+
+def _unwrap(module: nn.Module, sample: Sample, state: ArchState) -> nn.Module:
+    while isinstance(module, MixedLayer):
+        module = module.candidates[_index_in(state.values[module.label], sample, module.label)]
+    return module
+
+
+def _index_in(values: list[Any], sample: Sample, label: str) -> int:
+    if label not in sample:
+        return 0
+    for i, v in enumerate(values):
+        if _equal(v, sample[label]):
+            return i
+    raise InvalidSample(f"value {sample[label]!r} of label {label!r} is outside its domain {values!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+def build_supernet(space: BaseSpace, *, verify: bool = True, seed: int = 0, max_checks: int = 24) -> Supernet:
+    """Build the supernet of ``space`` (see the module docstring); raises :class:`InvalidSpace`
+    naming the label when the space cannot be made one-shot.
+
+    >>> net = td.oneshot.build_supernet(Net())   # doctest: +SKIP
+    """
+    if not isinstance(space, ModelSpace):
+        raise not_one_shot(None, f"is a {type(space).__name__} (graph mutators edit each model after it is built, "
+                                 "so no single module holds them all)")
+    search_space = space.search_space()
+    state = ArchState()
+    resolver = SupernetResolver(state)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with using(resolver):
+            model = space._build(resolver, discovery=False)
+    _entangle(model, state, resolver.claimed)
+    for label, spec in search_space.items():
+        if label not in resolver.claimed:
+            if label not in resolver.asked:
+                raise not_one_shot(label, "exists only under some values of another choice that the supernet "
+                                          "cannot hold at once (Python control flow on a choice)")
+            raise not_one_shot(label, "does not reach a layer the supernet can slice (it is used in Python code: "
+                                      "an if, a loop, or a module type that is not Conv1d/Conv2d/Linear/BatchNorm)")
+    net = Supernet(space, model, state, resolver.claimed)
+    if verify:
+        _verify(net, seed, max_checks)
+    return net
+
+
+def _entangle(model: nn.Module, state: ArchState, claimed: dict[str, str]) -> None:
+    """Turn layers whose sizes are traced into entangled layers; make other traced attributes
+    dynamic (set from the path before each call)."""
+    for name, module in list(model.named_modules()):
+        traced = {k: v for k, v in vars(module).items()
+                  if not k.startswith("_") and (is_traced(v) or (isinstance(v, (tuple, list)) and traced_labels(v)))}
+        if not traced:
+            continue
+        where = f"{name or '<root>'} ({type(module).__name__})"
+        spec = _ENTANGLED.get(type(module))
+        if spec is not None:
+            cls, allowed = spec
+            bad = [k for k in traced if k not in allowed]
+            if bad:
+                raise not_one_shot(sorted(traced_labels(traced[bad[0]]))[0],
+                                   f"sets {where}.{bad[0]}, which the supernet cannot slice")
+            if "groups" in traced and not (traced.get("in_channels") is traced["groups"] or
+                                           plain(traced.get("in_channels")) == plain(traced["groups"])):
+                raise not_one_shot(sorted(traced_labels(traced["groups"]))[0],
+                                   f"sets the groups of {where} without it being depthwise (groups == in_channels)")
+            if getattr(module, "padding_mode", "zeros") != "zeros" and module.weight.dim() > 2:
+                raise not_one_shot(sorted(traced_labels(next(iter(traced.values()))))[0],
+                                   f"changes {where}, whose padding_mode {module.padding_mode!r} cannot be sliced")
+            if isinstance(getattr(module, "padding", None), str):
+                raise not_one_shot(sorted(traced_labels(next(iter(traced.values()))))[0],
+                                   f"changes {where}, whose padding={module.padding!r} cannot be sliced; use an int padding")
+            module.__class__ = cls  # our own supernet copy: the user's classes are untouched
+            module._setup(traced, state)
+            for k, v in traced.items():
+                for label in traced_labels(v):
+                    claimed.setdefault(label, f"{where}.{k}")
+            continue
+        if type(module) in _ENTANGLED or any(isinstance(module, t) for t in _ENTANGLED) and any(
+                k in traced for k in ("in_channels", "out_channels", "in_features", "out_features", "num_features")):
+            label = sorted(traced_labels(next(iter(traced.values()))))[0]
+            raise not_one_shot(label, f"sets the size of {where}, a subclass with its own forward that the supernet "
+                                      "cannot slice")
+        if any(p is not None for p in module._parameters.values()):
+            k = next(iter(traced))
+            raise not_one_shot(sorted(traced_labels(traced[k]))[0],
+                               f"sets {where}.{k}, a layer with weights the supernet does not know how to slice")
+        _make_dynamic(module, traced, state)
+        for k, v in traced.items():
+            for label in traced_labels(v):
+                claimed.setdefault(label, f"{where}.{k}")
+
+
+def _make_dynamic(module: nn.Module, traced: dict[str, Any], state: ArchState) -> None:
+    for k, v in traced.items():
+        object.__setattr__(module, k, plain(v))
+
+    def before(mod: nn.Module, _args: Any) -> None:
+        for k, v in traced.items():
+            object.__setattr__(mod, k, value_at(v, state.sample))
+    module.register_forward_pre_hook(before)
+
+
+# ---------------------------------------------------------------------------------------------
+def _verify(net: Supernet, seed: int, max_checks: int) -> None:
+    """Every checked sample's model built alone must take the supernet's weights and (with
+    example inputs) compute the supernet's output on that path."""
+    space, search_space = net.space, net.search_space
+    # Two bases: every label at its default, and at the supernet's own (largest) values, where
+    # labels that exist only under a large depth are active; each label varied one at a time.
+    largest = _fill(search_space, {}, largest=True) or search_space.default_sample()
+    checks: list[tuple[str | None, dict[str, Any]]] = [(None, search_space.default_sample()), (None, largest)]
+    for base in (checks[0][1], largest):
+        for label, spec in search_space.items():
+            for value in spec.domain.values():
+                filled = _fill(search_space, {**base, label: value})
+                if filled is not None:
+                    checks.append((label, filled))
+    rng = random.Random(seed)
+    unique: dict[str, tuple[str | None, dict[str, Any]]] = {}
+    for label, sample in checks:
+        unique.setdefault(repr(sorted(sample.items())), (label, sample))
+    ordered = list(unique.values())
+    if len(ordered) > max_checks:
+        ordered = ordered[:1] + rng.sample(ordered[1:], max_checks - 1)
+    inputs = space.example_inputs
+    was_training = net.model.training
+    net.model.eval()
+    try:
+        for label, sample in ordered:
+            try:
+                child = net.extract(sample, seed=seed)
+            except KeyError as err:
+                raise not_one_shot(label, f"changes the model's structure in a way the supernet does not hold "
+                                          f"(sample {sample}: the model built alone has {err.args[0]!r}, the supernet "
+                                          f"has nothing there)") from None
+            except RuntimeError as err:
+                detail = " ".join(str(err).split())[:300]
+                raise not_one_shot(label, f"changes a weight's shape in a way the supernet cannot slice (sample "
+                                          f"{sample}: {detail})") from None
+            if inputs is None:
+                continue
+            args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+            net.set_path(sample)
+            child.eval()
+            with torch.no_grad():
+                want = child(*args)
+                got = net.model(*args)
+            if not _close(want, got):
+                culprit = label
+                if culprit is None:
+                    culprit = next(iter(search_space), None)
+                raise not_one_shot(culprit, f"is used in a way the supernet cannot follow (sample {sample}: the model "
+                                            "built alone and the supernet's path compute different outputs; a value "
+                                            "stored and used in forward, or data-dependent control flow?)")
+    finally:
+        net.model.train(was_training)
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _fill(search_space: SearchSpace, partial: Mapping[str, Any], largest: bool = False) -> dict[str, Any] | None:
+    """A valid sample keeping ``partial``'s values where active, else each label's default (or,
+    with ``largest``, its largest int value)."""
+    out: dict[str, Any] = {}
+    for label, spec in search_space.items():
+        if not spec.active(out):
+            continue
+        if label in partial and spec.domain.contains(partial[label]):
+            out[label] = partial[label]
+        elif largest and all(isinstance(v, int) and not isinstance(v, bool) for v in spec.domain.values()):
+            out[label] = max(spec.domain.values())
+        else:
+            out[label] = spec.domain.default()
+    try:
+        return search_space.validate(out)
+    except InvalidSample:
+        return None

@@ -1,0 +1,8 @@
+import pytest
+
+from tridens.datasets import digits
+
+
+@pytest.fixture(scope="session")
+def digits_data():
+    return digits()
