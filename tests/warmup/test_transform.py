@@ -116,3 +116,32 @@ def test_narrower_child_takes_a_slice():
     new, _ = transfer(cd, pd, pairs, parent.state_dict(), child.state_dict())
     assert torch.equal(new["1.weight"], parent[1].weight[:8])
     assert torch.equal(new["3.weight"], parent[3].weight[:, :8])
+
+
+def test_zero_widening_preserves_function_with_fresh_units(digits_data, train):
+    """widen="zero" (the zoo's default): extra units keep their init, consumers see them with zero
+    weights -- the same function, and the new units are not copies of old ones."""
+    torch.manual_seed(0)
+    parent = train(mlp(16), digits_data)
+    child = mlp(40, depth=2)
+    init = child[1].weight.detach().clone()
+    td.warmup.warm_start(child, parent, _val(digits_data)[:2], _val(digits_data)[:2], widen="zero")
+    _same(child, parent, _val(digits_data))
+    assert torch.equal(child[1].weight[:16], parent[1].weight)
+    assert torch.equal(child[1].weight[16:], init[16:])                 # fresh units keep their init
+    assert child[5].weight[:, 16:].abs().sum() == 0                     # ... and start unheard (head)
+    torch.manual_seed(0)
+    pcnn = train(cnn(6), digits_data, epochs=1)                        # BatchNorm and a flatten
+    ccnn = cnn(11)
+    td.warmup.warm_start(ccnn, pcnn, _val(digits_data)[:2], _val(digits_data)[:2], widen="zero")
+    _same(ccnn, pcnn, _val(digits_data))
+
+
+def test_noise_widening_breaks_symmetry_and_stays_close(digits_data, train):
+    torch.manual_seed(0)
+    parent = train(mlp(16), digits_data)
+    child = mlp(40)
+    td.warmup.warm_start(child, parent, _val(digits_data)[:2], _val(digits_data)[:2], widen="noise")
+    g = replication_map(16, 40)
+    assert not torch.equal(child[1].weight[20], parent[1].weight[g[20]])
+    _same(child, parent, _val(digits_data), atol=0.2)

@@ -24,6 +24,7 @@ from ..store import Store, StoreError
 from ..strategy import Strategy
 from ..trial import Decision, Objective, Trial, TrialGroup, TrialStatus
 from ._execution import Executor, Job, make_executor
+from ._planner import parse_memory, unit_memory_limit
 from ._recipe import RecipeError, object_path, space_recipe
 
 __all__ = ["Experiment", "ExperimentFailed", "default_store_path"]
@@ -217,6 +218,7 @@ class Experiment:
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"The 'workers' parameter of Experiment must be an int in the range [1, inf). Got {self.workers!r} instead.")
         _parse_duration(self.max_duration)
+        parse_memory(self.max_unit_memory, "max_unit_memory", "Experiment")
         if self.warm_start is not None and self.warm_start is not False:
             self._zoo(self._store_path())  # a bad zoo path is an error before anything runs
         self._check_ray()
@@ -320,7 +322,8 @@ class Experiment:
             db.update_experiment(name, status="running")
             run = _Run(self, db, name, strategy, objective)
             try:
-                run.loop(resumed)
+                with unit_memory_limit(self.max_unit_memory):  # every fused unit's bound (tridens.xopt)
+                    run.loop(resumed)
             except BaseException:
                 db.update_experiment(name, status="interrupted")
                 raise

@@ -24,11 +24,14 @@ __all__ = ["Zoo", "ZooError", "ZooWarning", "Entry", "WarmStart", "describe", "s
            "node_score", "transfer", "replication_map", "warm_start"]
 
 
-def warm_start(child, parent, child_inputs=None, parent_inputs=None):
+def warm_start(child, parent, child_inputs=None, parent_inputs=None, *, widen="replicate"):
     """Load ``parent``'s weights (an nn.Module) into ``child`` through alignment and transformation,
-    without a zoo. Returns (score, stats)."""
+    without a zoo. Returns (score, stats). ``widen``: see :func:`transfer`.
+
+    >>> score, stats = td.warmup.warm_start(wide_mlp, trained_mlp, x, x)   # doctest: +SKIP
+    """
     cd, pd = describe(child, child_inputs), describe(parent, parent_inputs)
     s, pairs = align(cd, pd)
-    new, stats = transfer(cd, pd, pairs, parent.state_dict(), child.state_dict())
+    new, stats = transfer(cd, pd, pairs, parent.state_dict(), child.state_dict(), widen=widen)
     child.load_state_dict(new)
     return s, stats

@@ -31,11 +31,12 @@ def replication_map(parent: int, child: int) -> torch.Tensor:
 
 
 class _Map:
-    """A channel map of a node's output: child unit j <- parent unit g[j]; ``counts`` per parent unit."""
+    """A channel map of a node's output: child unit j <- parent unit g[j] (-1: a new unit that keeps
+    its init, whose consumers get zero incoming weights); ``counts`` per parent unit."""
 
     def __init__(self, g: torch.Tensor, parent_size: int):
         self.g, self.parent_size = g, parent_size
-        self.counts = torch.bincount(g, minlength=parent_size).clamp(min=1)
+        self.counts = torch.bincount(g[g >= 0], minlength=parent_size).clamp(min=1)
 
 
 def _default_index(dc: int, dp: int) -> torch.Tensor:
@@ -46,8 +47,9 @@ def _default_index(dc: int, dp: int) -> torch.Tensor:
 
 def _apply(parent_t: torch.Tensor, child_t: torch.Tensor, index: list[torch.Tensor | None],
            scale: list[torch.Tensor | None], centred: set[int]) -> torch.Tensor:
-    """Child-shaped tensor: per dim an index into the parent (-1: keep the child's value), an
-    optional per-child-index scale, or centring (kernel dims)."""
+    """Child-shaped tensor: per dim an index into the parent (-1: keep the child's value; -2: zero,
+    unless another dim keeps the child's value), an optional per-child-index scale, or centring
+    (kernel dims)."""
     t = parent_t.detach().to(child_t.dtype)
     if t.dim() != child_t.dim():
         return child_t
@@ -63,6 +65,7 @@ def _apply(parent_t: torch.Tensor, child_t: torch.Tensor, index: list[torch.Tens
         else:
             t = t.narrow(d, (dp - dc) // 2, dc)
     mask = torch.ones(child_t.shape, dtype=torch.bool)
+    zero = torch.zeros(child_t.shape, dtype=torch.bool)
     for d in range(child_t.dim()):
         if d in centred:
             continue
@@ -72,9 +75,18 @@ def _apply(parent_t: torch.Tensor, child_t: torch.Tensor, index: list[torch.Tens
         view = [1] * child_t.dim()
         view[d] = -1
         mask = mask & valid.view(view)
+        zero = zero | (idx == -2).view(view)
         if scale[d] is not None:
             t = t * scale[d].to(t.dtype).view(view)
-    return torch.where(mask, t, child_t)
+    keep = ~mask & ~zero
+    for d in range(child_t.dim()):  # an element some dim keeps is kept (a new unit's own weights)
+        if d in centred:
+            continue
+        idx = index[d] if index[d] is not None else _default_index(child_t.shape[d], t.shape[d])
+        view = [1] * child_t.dim()
+        view[d] = -1
+        keep = keep | (idx == -1).view(view)
+    return torch.where(mask, t, torch.where(keep, child_t, torch.zeros_like(child_t)))
 
 
 def _input_map(desc: list[dict[str, Any]], maps: dict[int, _Map | None], i: int) -> _Map | None:
@@ -85,20 +97,34 @@ def _input_map(desc: list[dict[str, Any]], maps: dict[int, _Map | None], i: int)
 def _expand(m: _Map, size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(index, scale) over an incoming dim of ``size`` from a channel map (flatten: blocks)."""
     n = len(m.g)
+    new = m.g < 0
+    g = torch.where(new, -2, m.g)  # a new unit's outgoing weights start at zero
+    scale = torch.where(new, 1.0, 1.0 / m.counts[m.g.clamp(min=0)].to(torch.float64))
     if size == n:
-        return m.g, 1.0 / m.counts[m.g].to(torch.float64)
+        return g, scale
     if n and size % n == 0:
         f = size // n
         j = torch.arange(size)
         c, s = j // f, j % f
-        return m.g[c] * f + s, 1.0 / m.counts[m.g[c]].to(torch.float64)
+        return torch.where(new[c], -2, g[c] * f + s), scale[c]
     return None
 
 
 def transfer(child_desc: dict[str, Any], parent_desc: dict[str, Any], pairs: list[tuple[int, int]],
              parent_state: dict[str, torch.Tensor], child_state: dict[str, torch.Tensor],
-             deepen: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A new child state dict from the parent's, and a summary (tensors copied, widened, identity)."""
+             deepen: bool = True, widen: str = "replicate",
+             noise: float = 0.01) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A new child state dict from the parent's, and a summary (tensors copied, widened, identity).
+
+    ``widen`` -- how the extra units of a wider layer start; every choice keeps the parent's function:
+    ``"replicate"`` (Net2WiderNet: copies of parent units, the consumers' incoming weights divided
+    among the copies; exactly the same function, but under Adam copies of one unit stay copies, so
+    the extra width is never used); ``"noise"`` (replicas whose incoming weights get Gaussian noise of
+    ``noise`` times the layer's weight std, the function kept approximately); ``"zero"`` (the extra
+    units keep their random init and their consumers' incoming weights start at zero: exactly the
+    same function, and the new units learn independently)."""
+    if widen not in ("replicate", "noise", "zero"):
+        raise ValueError(f"The 'widen' parameter of transfer must be 'replicate', 'noise' or 'zero'. Got {widen!r} instead.")
     cn, pn = child_desc["nodes"], parent_desc["nodes"]
     match = dict(pairs)
     maps: dict[int, _Map | None] = {}
@@ -142,6 +168,8 @@ def transfer(child_desc: dict[str, Any], parent_desc: dict[str, Any], pairs: lis
             centred: set[int] = set()
             if kind in ("linear", "conv") and c.get("g", 1) == 1:
                 g = replication_map(pt.shape[0], ct.shape[0])
+                if widen == "zero" and ct.shape[0] > pt.shape[0]:
+                    g = torch.cat([g[:pt.shape[0]], torch.full((ct.shape[0] - pt.shape[0],), -1)])
                 out_map = _Map(g, pt.shape[0])
                 index[0] = g
                 if rel.endswith("weight") and ct.dim() >= 2 and in_map is not None:
@@ -158,6 +186,12 @@ def transfer(child_desc: dict[str, Any], parent_desc: dict[str, Any], pairs: lis
                 stats["inherited_elements"] += int(ct.numel())
             else:
                 new[ck] = _apply(pt, ct, index, scale, centred)
+                if widen == "noise" and index[0] is not None and rel.endswith("weight") and ct.shape[0] > pt.shape[0] \
+                        and kind in ("linear", "conv"):
+                    gen = torch.Generator().manual_seed(pt.shape[0] * 100003 + ct.shape[0])
+                    extra = new[ck][pt.shape[0]:]
+                    std = float(pt.float().std()) if pt.numel() > 1 else 0.0
+                    new[ck][pt.shape[0]:] = extra + noise * std * torch.randn(extra.shape, generator=gen, dtype=extra.dtype)
                 stats["transformed"] += 1
                 overlap = 1
                 for a, b in zip(ct.shape, pt.shape):

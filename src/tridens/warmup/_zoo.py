@@ -93,6 +93,10 @@ class Zoo:
     ``max_bytes``: eviction cap on the weights kept; ``outlier_iqr``: admission rejects accuracies
     below Q1 - outlier_iqr * IQR (once ``min_for_outliers`` entries exist).
 
+    ``widen``: how the extra units of a wider child layer start (see :func:`transfer`; ``"zero"`` by
+    default: measured on digits, Net2Wider replicas stay copies of each other under Adam and a
+    warm-started wide model then learned less in its first epoch than with fresh extra units).
+
     ``wave_growth``: inside ``td.Experiment`` a TrialGroup of new trials is started in waves so that
     later members can start from earlier ones (see :meth:`waves`); ``None`` starts a group at once.
     """
@@ -100,7 +104,7 @@ class Zoo:
     def __init__(self, path: str | os.PathLike[str], *, bucket: float = 0.1, min_score: float = 0.05,
                  cluster_threshold: int = 200, probe: int = 3, max_bytes: int | None = None,
                  outlier_iqr: float = 1.5, min_for_outliers: int = 8, create: bool = True,
-                 wave_growth: float | None = 2.0):
+                 wave_growth: float | None = 2.0, widen: str = "zero"):
         from ..store import Store
 
         self.path = Path(path)
@@ -122,6 +126,9 @@ class Zoo:
         if wave_growth is not None and not (isinstance(wave_growth, (int, float)) and wave_growth >= 1):
             raise ValueError(f"The 'wave_growth' parameter of Zoo must be a number >= 1 or None. Got {wave_growth!r} instead.")
         self.wave_growth = wave_growth
+        if widen not in ("replicate", "noise", "zero"):
+            raise ValueError(f"The 'widen' parameter of Zoo must be 'replicate', 'noise' or 'zero'. Got {widen!r} instead.")
+        self.widen = widen
         self.entries: dict[int, Entry] = {}
         self.broken: dict[int, str] = {}
         self._batch: tuple[list[int], _match.Batch] | None = None
@@ -404,7 +411,7 @@ class Zoo:
                 parent_state = self.weights(entry)
                 _, pairs = _match.align(desc, entry.desc)
                 child_state = model.state_dict()
-                new, stats = transfer(desc, entry.desc, pairs, parent_state, child_state)
+                new, stats = transfer(desc, entry.desc, pairs, parent_state, child_state, widen=self.widen)
                 model.load_state_dict(new)
             except Exception as err:
                 msg = f"zoo entry {entry.id} skipped: {err}" if isinstance(err, ZooError) else \

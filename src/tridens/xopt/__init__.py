@@ -8,9 +8,11 @@ separately.
 * operator batching (:mod:`._batching`): same-shaped models as one vectorized model.
 * common sub-expression elimination (:mod:`._cse`): trials sharing a data pipeline read one
   loader (each batch augmented once), and a shared frozen prefix runs once per batch.
+* mixed units (a pass over the planned units, :func:`._cse.merge_pipelines`): batched groups that
+  read the same data as other units join them in one shared pipeline.
 """
 
-from ..engine._planner import register as _register
+from ..engine._planner import register as _register, register_pass as _register_pass
 from . import _batching as batching
 from ._batching import BatchedUnit, BatchingSettings, plan_batching
 
@@ -21,6 +23,7 @@ from ._supergraph import plan_supergraph as _plan_supergraph  # weight inheritan
 _register("supergraph", _plan_supergraph)
 _register("batching", plan_batching)
 _register("cse", plan_cse)
+_register_pass("mixed units", _cse.merge_pipelines)  # batched groups join shared pipelines
 
 __all__ = ["BatchedUnit", "BatchingSettings", "plan_batching", "batching",
            "SharedPipelineUnit", "PipelineMember", "TrainerMember", "SharedPrefix", "plan_cse", "cse"]

@@ -57,9 +57,11 @@ the environment at import):
 * ``settings.mode`` (``TRIDENS_BATCHING``): ``"auto"`` (measure, default), ``"force"`` (fuse every
   compatible group whatever the measurement: used by tests to compare fused with separate),
   ``"off"``.
-* ``settings.max_unit_memory`` (``TRIDENS_MAX_UNIT_MEMORY``, bytes, default 4 GiB): a unit's
-  estimated parameters + gradients + optimizer state + activations stay under it; larger groups
-  are split. (The engine may pass ``max_unit_memory=`` to :func:`plan_batching` instead.)
+* memory: a unit's estimated parameters + gradients + optimizer state + activations stay under
+  the experiment's ``max_unit_memory`` (one bound for every optimization, resolved by
+  :func:`tridens.engine._planner.resolve_max_unit_memory`: ``td.Experiment(max_unit_memory=)``,
+  ``$TRIDENS_MAX_UNIT_MEMORY``, else half the RAM / 80% of free GPU memory; or
+  ``plan_batching(..., max_unit_memory=)``); larger groups are split.
 * ``settings.max_unit_size`` (default 64): the most models in one unit.
 * ``settings.min_speedup`` (default 1.25): the measured speed-up a unit must reach to be fused (a
   margin: a few steps on one cache-hot batch overestimated real epochs by up to ~1.7x here).
@@ -92,6 +94,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, vmap
 
 from ..engine._execution import Job
+from ..engine._planner import resolve_max_unit_memory
 from ..engine._units import ExecutionUnit, SeparateUnit, UnitResult
 from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._errors import NonFiniteLoss
@@ -102,19 +105,11 @@ __all__ = ["BatchedUnit", "BatchingSettings", "plan_batching", "settings", "grou
 log = logging.getLogger("tridens")
 
 
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(float(os.environ.get(name, default)))
-    except ValueError:
-        return default
-
-
 @dataclass
 class BatchingSettings:
     """Module-level knobs of operator batching (see the module docstring)."""
 
     mode: str = os.environ.get("TRIDENS_BATCHING", "auto")
-    max_unit_memory: int = _env_int("TRIDENS_MAX_UNIT_MEMORY", 4 * 2**30)
     max_unit_size: int = 64
     packed: bool = True
     channels_last: bool = False
@@ -478,6 +473,8 @@ class _PackedProgram:
                 b = None if b is None else b.reshape(-1)
                 shared = v.shape[1] == m.in_channels and v.dim() == w.dim()
                 fn = F.conv1d if type(m) is nn.Conv1d else F.conv2d
+                if fn is F.conv2d and settings.channels_last:  # a channels-last weight gives a channels-last output
+                    w = w.contiguous(memory_format=torch.channels_last)
                 groups = m.groups if shared else k * m.groups
                 if not shared and v.shape[1] != k * m.in_channels:
                     raise _Unsupported(f"{name}: {v.shape[1]} input channels")
@@ -903,6 +900,7 @@ class BatchedUnit(ExecutionUnit):
                  shared_input: bool | None = None):
         super().__init__(jobs, evaluator)
         self.reason = reason
+        self.memory: int | None = None  # the planner's estimate (bytes), read by the mixed-unit pass
         self.member = BatchedMember(jobs, evaluator, shared_input=shared_input)
         cfg = self.member.cfg
         self._seed = jobs[0].trial.seed  # data order and augmentation: shared (the group key says so)
@@ -1059,15 +1057,15 @@ def _differing(a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
 
 
 def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
-                  max_unit_memory: int | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
+                  max_unit_memory: int | str | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
     """Group ``jobs`` by (structure, training setup); fuse each group of two or more into
     :class:`BatchedUnit`\\ s where a measurement says it pays (or ``settings.mode == "force"``),
-    within ``max_unit_memory`` (default ``settings.max_unit_memory``). Returns the units and
+    within ``max_unit_memory`` (bytes or e.g. ``"2GiB"``; default: the experiment's bound, see
+    :func:`tridens.engine._planner.resolve_max_unit_memory`). Returns the units and
     the jobs left for other optimizations / separate training. Logs one line per group that is
     not fused, saying why (fused units log their own line through the planner)."""
     if settings.mode == "off" or not isinstance(evaluator, _Supervised):
         return [], list(jobs)
-    budget = settings.max_unit_memory if max_unit_memory is None else max_unit_memory
     leftover: list[Job] = []
     structures: dict[str, list[tuple[tuple[Any, ...], Job, TrainConfig]]] = {}
     for job in jobs:
@@ -1098,6 +1096,7 @@ def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
                 log.info("batching: trial %d not fused: %s", ids[0], why)
                 leftover.extend(group)
                 continue
+            budget = resolve_max_unit_memory(max_unit_memory, evaluator.config(group[0].trial.sample).device)
             made, rest = _plan_group(skey, setup, group, evaluator, budget)
             units.extend(made)
             leftover.extend(rest)
@@ -1131,6 +1130,7 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
         if settings.mode == "force":
             units.append(BatchedUnit(chunk, evaluator, reason=f"{k} trials, fused: forced (settings.mode='force')",
                                      shared_input=shared))
+            units[-1].memory = per_model * k
             continue
         cache_key = (skey, setup, k, cfg.device.type)
         try:
@@ -1144,6 +1144,7 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
         if speedup >= settings.min_speedup:
             units.append(BatchedUnit(chunk, evaluator, reason=f"{k} trials, fused: measured {speedup:.1f}x",
                                      shared_input=shared))
+            units[-1].memory = per_model * k
         else:
             log.info("batching: trials %s not fused: measured %.2fx (below %.2fx)",
                      [j.trial.id for j in chunk], speedup, settings.min_speedup)

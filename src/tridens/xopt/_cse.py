@@ -23,8 +23,9 @@ A member that modifies its input in place is detected (version counters) and get
 
 **Memory.** A unit's estimate -- every member's parameters, buffers, gradients and optimizer
 state, plus the largest member's activations at the batch size (shapes from the graph IR), the
-shared prefixes' activations and the shared batches -- is kept under ``max_unit_memory``
-(:data:`MAX_UNIT_MEMORY`, or the ``max_unit_memory=`` argument of :func:`plan_cse`); a group
+shared prefixes' activations and the shared batches -- is kept under ``max_unit_memory`` (the
+experiment's, one bound for every optimization: :func:`tridens.engine._planner.
+resolve_max_unit_memory`; or the ``max_unit_memory=`` argument of :func:`plan_cse`); a group
 over it is split into several units, each with its own pipeline. Members train one at a time, so a
 unit never holds more than separate training of the same trials would, plus the shared batches.
 
@@ -49,7 +50,6 @@ import copy
 import hashlib
 import logging
 import math
-import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -61,6 +61,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..engine._execution import Job
+from ..engine._planner import default_max_unit_memory, resolve_max_unit_memory
 from ..engine._units import ExecutionUnit, UnitResult
 from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._supervised import SupervisedTrainer, TrainConfig, ValidationSums, _Source, _Supervised
@@ -68,16 +69,12 @@ from ..graph import Graph, trace
 from ..graph import _meta
 
 __all__ = [
-    "MAX_UNIT_MEMORY", "MIN_PREFIX_SHARE", "BATCH",
+    "MIN_PREFIX_SHARE", "BATCH",
     "PipelineMember", "TrainerMember", "SharedPrefix", "SharedPipelineUnit",
     "plan_cse", "default_max_unit_memory", "unit_memory",
 ]
 
 log = logging.getLogger("tridens")
-
-#: Bytes one execution unit may use (estimate). ``None``: :func:`default_max_unit_memory` -- half
-#: of the machine's memory for CPU training, 80% of the GPU's free memory for CUDA.
-MAX_UNIT_MEMORY: int | None = None
 
 #: A shared frozen prefix is used only when it holds at least this fraction of the members'
 #: forward FLOPs (below that, saving it does not repay splitting the models).
@@ -88,19 +85,6 @@ BATCH = "batch"
 
 #: Examples of the training set the planner traces and checks models with.
 _EXAMPLES = 8
-
-
-def default_max_unit_memory(device: torch.device | str = "cpu") -> int:
-    """The default bound of a unit's memory on ``device``: half of the physical memory for the
-    CPU, 80% of the free memory of a CUDA device."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free * 0.8)
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
-        return 8 << 30
 
 
 # ------------------------------------------------------------------------------------------------
@@ -957,14 +941,15 @@ def unit_memory(parts: Sequence[tuple[int, int]], shared: int = 0) -> int:
 # the planner
 # ------------------------------------------------------------------------------------------------
 def plan_cse(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
-             max_unit_memory: int | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
+             max_unit_memory: int | str | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
     """Group ``jobs`` whose data pipelines agree into :class:`SharedPipelineUnit`\\ s, with shared
     frozen prefixes where found; return the units and the jobs left to train separately.
 
     Only the declarative supervised evaluators (``Classification``, ``Regression``) are fused. A
     job alone in its pipeline is left over; the first unit's log line says why ("different batch
-    size (32, not 64)", "different data seed (7, not 0)", ...). ``max_unit_memory`` (bytes)
-    defaults to :data:`MAX_UNIT_MEMORY`.
+    size (32, not 64)", "different data seed (7, not 0)", ...). ``max_unit_memory`` (bytes or
+    e.g. ``"2GiB"``) defaults to the experiment's bound (:func:`tridens.engine._planner.
+    resolve_max_unit_memory`).
     """
     if not isinstance(evaluator, _Supervised):
         return [], list(jobs)
@@ -1005,7 +990,7 @@ def plan_cse(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
 
 
 def _plan_group(group: list[tuple[Job, TrainConfig]], evaluator: StepwiseEvaluator,
-                max_unit_memory: int | None, extra: str) -> list[ExecutionUnit]:
+                max_unit_memory: int | str | None, extra: str) -> list[ExecutionUnit]:
     cfg0 = group[0][1]
     example = _example_batch(cfg0)
     hasher = _Hasher()
@@ -1038,9 +1023,7 @@ def _plan_group(group: list[tuple[Job, TrainConfig]], evaluator: StepwiseEvaluat
         acts = sum(b for n, b in rep.activations.items() if rep.key_of.get(n) in plan.keys)
         state = sum(t.numel() * t.element_size() for t in plan.prefix.module.state_dict().values())
         prefix_bytes[plan.prefix.key] = 2 * acts + state
-    limit = max_unit_memory if max_unit_memory is not None else MAX_UNIT_MEMORY
-    if limit is None:
-        limit = default_max_unit_memory(cfg0.device)
+    limit = resolve_max_unit_memory(max_unit_memory, cfg0.device)
 
     def estimate(chunk: list[tuple[_Analysis, int, int]]) -> int:
         keys = {split_of[a.job.trial.id].prefix.key for a, _, _ in chunk if a.job.trial.id in split_of}
@@ -1130,3 +1113,116 @@ def _make_unit(chunk: list[tuple[_Analysis, int, int]], evaluator: StepwiseEvalu
     unit.reason = "; ".join(pieces)
     return unit
 
+
+
+# ------------------------------------------------------------------------------------------------
+# the pass that builds mixed units
+# ------------------------------------------------------------------------------------------------
+def _unit_pipeline(unit: ExecutionUnit) -> tuple[Any, ...] | None:
+    """The pipeline key of a batched or shared-pipeline unit (None for anything else)."""
+    from ._batching import BatchedUnit
+
+    if isinstance(unit, BatchedUnit):
+        return _pipeline_key(unit.member.cfg, unit._seed)
+    if isinstance(unit, SharedPipelineUnit) and unit.config is not None and not unit.errors:
+        return _pipeline_key(unit.config, unit._seed)
+    return None
+
+
+def merge_pipelines(units: Sequence[ExecutionUnit], rest: Sequence[Job], evaluator: StepwiseEvaluator, *,
+                    max_unit_memory: int | str | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
+    """Put batched units (:class:`~tridens.xopt._batching.BatchedUnit`) that read the same data
+    pipeline as other batched or shared-pipeline units, or as leftover jobs, into ONE
+    :class:`SharedPipelineUnit` (a mixed unit: each batch read and augmented once, fed to every
+    fused group and trainer), as long as the sum of their memory estimates stays under
+    ``max_unit_memory``. It always pays: the members do the same steps, and the pipeline's work is
+    done once instead of once per unit. Returns the units and the jobs still left."""
+    from ._batching import BatchedUnit
+
+    lone = "no other trial to fuse with"
+    units = list(units)
+    by_key: dict[tuple[Any, ...], list[ExecutionUnit]] = {}
+    for unit in units:
+        key = _unit_pipeline(unit)
+        if key is not None:
+            by_key.setdefault(key, []).append(unit)
+    if not any(isinstance(u, BatchedUnit) for group in by_key.values() for u in group):
+        return units, list(rest)
+    left: list[Job] = []
+    for job in rest:  # a lone trial reading a batched group's pipeline joins it as a trainer
+        key = None
+        if isinstance(evaluator, _Supervised) and isinstance(job.model, nn.Module):
+            try:
+                cfg = evaluator.config(job.trial.sample)
+                key = _pipeline_key(cfg, job.trial.seed)
+            except Exception:  # the separate unit reports it as the trial's failure
+                key = None
+        if key is None or not any(isinstance(u, BatchedUnit) for u in by_key.get(key, ())):
+            left.append(job)
+            continue
+        single = SharedPipelineUnit([job], evaluator, memory=unit_memory([(_resident(job.model, cfg), 0)]))
+        if single.errors:
+            left.append(job)
+            continue
+        single.reason = lone
+        by_key[key].append(single)
+        units.append(single)
+    merged: dict[int, ExecutionUnit] = {}   # id of a unit absorbed -> the unit replacing it
+    for key, group in by_key.items():
+        if len(group) < 2 or not any(isinstance(u, BatchedUnit) for u in group):
+            continue
+        cfg = group[0].member.cfg if isinstance(group[0], BatchedUnit) else group[0].config
+        assert cfg is not None
+        limit = resolve_max_unit_memory(max_unit_memory, cfg.device)
+        chunks: list[list[ExecutionUnit]] = []
+        total = 0
+        for unit in group:  # fill mixed units in order, each under the bound
+            size = int(getattr(unit, "memory", None) or 0)
+            if chunks and total + size <= limit:
+                chunks[-1].append(unit)
+                total += size
+            else:
+                chunks.append([unit])
+                total = size
+        for chunk in chunks:
+            if len(chunk) < 2 or not any(isinstance(u, BatchedUnit) for u in chunk):
+                continue
+            mixed = _mixed_unit(chunk, evaluator, sum(int(getattr(u, "memory", None) or 0) for u in chunk), limit)
+            for unit in chunk:
+                merged[id(unit)] = mixed
+    out: list[ExecutionUnit] = []
+    for unit in units:
+        replacement = merged.get(id(unit), unit)
+        if replacement is unit and isinstance(unit, SharedPipelineUnit) and unit.reason == lone:
+            left.extend(unit.jobs.values())  # found no room in a mixed unit: back to separate training
+            continue
+        if not any(u is replacement for u in out):
+            out.append(replacement)
+    order = {job.trial.id: i for i, job in enumerate(rest)}
+    left.sort(key=lambda j: order.get(j.trial.id, 0))
+    return out, left
+
+
+def _mixed_unit(chunk: Sequence[ExecutionUnit], evaluator: StepwiseEvaluator, memory: int,
+                limit: int) -> SharedPipelineUnit:
+    from ._batching import BatchedUnit
+
+    jobs = [job for unit in chunk for job in unit.jobs.values()]
+    members: list[PipelineMember] = []
+    prefixes: list[SharedPrefix] = []
+    parts: list[str] = []
+    for unit in chunk:
+        if isinstance(unit, BatchedUnit):
+            members.append(unit.member)
+            ids = ", ".join(str(i) for i in unit.jobs)
+            parts.append(f"trials [{ids}] as one batched model ({unit.reason or 'fused'}; {unit.member.engine})")
+        else:
+            assert isinstance(unit, SharedPipelineUnit)
+            members.extend(unit.members)
+            prefixes.extend(unit.prefixes.values())
+            ids = ", ".join(str(i) for i in unit.jobs)
+            parts.append(f"trials [{ids}]: {unit.reason}" if unit.reason else f"trials [{ids}]")
+    unit = SharedPipelineUnit(jobs, evaluator, members=members, prefixes=prefixes, memory=memory)
+    unit.reason = (f"mixed unit, one data pipeline for {len(chunk)} planned units: " + " | ".join(parts)
+                   + f"; memory estimate {_mib(memory)}, max_unit_memory {_mib(limit)}")
+    return unit
