@@ -128,3 +128,30 @@ def test_batched_scores_equal_single(tmp_path):
     for e in zoo:
         assert batched[e.id] == pytest.approx(score(child, e.desc))
         assert batched[e.id] == pytest.approx(align(child, e.desc)[0], abs=1e-9)
+
+
+def test_signature_table_gives_the_same_scores_as_shape_arithmetic():
+    """The batched scores gather MATCH values from a table of node signatures; they equal the
+    per-pair shape arithmetic (``_match_matrix``) for every entry."""
+    import random
+
+    from tridens.warmup import _match
+
+    def model(i):
+        r = random.Random(i)
+        layers, c = [], 1
+        for _ in range(r.randint(1, 4)):
+            w, k = r.choice([4, 8, 12]), r.choice([1, 3, 5])
+            layers += [nn.Conv2d(c, w, k, padding=k // 2)] + ([nn.BatchNorm2d(w)] if r.random() < 0.5 else []) + [nn.ReLU()]
+            c = w
+        return nn.Sequential(*layers, nn.Flatten(), nn.Linear(c * 64, r.choice([10, 5])))
+
+    x = torch.zeros(2, 1, 8, 8)
+    encoded = [_match.encode(describe(model(i), x)) for i in range(25)]
+    batch = _match.Batch(encoded)
+    for child in encoded[:6]:
+        fast = _match.scores(child, batch)
+        for k, parent in enumerate(encoded):
+            S = _match._match_matrix(child, parent.types[None], parent.dims[None], parent.ranks[None])
+            slow = np.clip(_match._dp_last(S)[0, parent.n] / child.n, 0, 1)
+            assert fast[k] == pytest.approx(slow, abs=1e-12)

@@ -29,11 +29,64 @@ def _type_id(name: str) -> int:
     return _VOCAB.setdefault(name, len(_VOCAB))
 
 
+class _Signatures:
+    """Every distinct node signature (type, parameter shapes) seen in this process gets an id, and
+    the MATCH score of every pair of signatures is kept in one table, grown as new signatures come.
+    A zoo holds few distinct signatures (a ResNet has ~20, a search space a few hundred), so the
+    (entries, child nodes, parent nodes) match matrices become one gather from the table instead of
+    shape arithmetic per node pair."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple, int] = {}
+        self.types = np.zeros(0, dtype=np.int64)
+        self.dims = np.zeros((0, P_MAX, R_MAX))
+        self.ranks = np.zeros((0, P_MAX), dtype=np.int64)
+        self.table = np.zeros((1, 1))  # (S + 1, S + 1): the last row and column (id -1) are padding
+
+    def id(self, type_id: int, dims: np.ndarray, ranks: np.ndarray) -> int:
+        key = (type_id, dims.tobytes(), ranks.tobytes())
+        sid = self.ids.get(key)
+        if sid is None:
+            sid = self.ids[key] = len(self.ids)
+            self.types = np.append(self.types, type_id)
+            self.dims = np.concatenate([self.dims, dims[None]])
+            self.ranks = np.concatenate([self.ranks, ranks[None]])
+        return sid
+
+    def scores(self) -> np.ndarray:
+        """The (S + 1, S + 1) table, computed for the signatures added since the last call."""
+        n, old = len(self.ids), self.table.shape[0] - 1
+        if n > old:
+            table = np.zeros((n + 1, n + 1))
+            table[:old, :old] = self.table[:old, :old]
+            every = np.arange(n)
+            rows = _pair_scores(np.repeat(np.arange(old, n), n), np.tile(every, n - old), self)
+            table[old:n, :n] = rows.reshape(n - old, n)
+            cols = _pair_scores(np.repeat(every[:old], n - old), np.tile(np.arange(old, n), old), self)
+            table[:old, old:n] = cols.reshape(old, n - old)
+            self.table = table
+        return self.table
+
+
+def _pair_scores(c: np.ndarray, p: np.ndarray, sig: "_Signatures") -> np.ndarray:
+    """MATCH score of signature c[k] (child) against p[k] (parent), vectorized."""
+    same = sig.types[c] == sig.types[p]
+    cd, pd = sig.dims[c], sig.dims[p]                                            # (K, P, R)
+    total = cd.prod(axis=-1).sum(axis=-1)
+    inter = np.minimum(cd, pd).prod(axis=-1)
+    inter = np.where(sig.ranks[c] == sig.ranks[p], inter, 0.0).sum(axis=-1)
+    frac = np.where(total > 0, inter / np.where(total > 0, total, 1.0), 1.0)  # parameterless: 1
+    return np.where(same, frac, 0.0)
+
+
+_SIGS = _Signatures()
+
+
 class Encoded:
     """A description as arrays: ``types`` (m,), ``dims`` (m, P, R) (0 for an absent parameter,
     1 for an absent dim), ``ranks`` (m, P), ``has_params`` (m,)."""
 
-    __slots__ = ("types", "dims", "ranks", "n")
+    __slots__ = ("types", "dims", "ranks", "n", "sig")
 
     def __init__(self, desc: dict[str, Any]):
         nodes = desc["nodes"]
@@ -51,6 +104,7 @@ class Encoded:
                     self.ranks[i, j] = len(params[j])
                 else:
                     self.dims[i, j, :] = 0
+        self.sig = np.array([_SIGS.id(int(self.types[i]), self.dims[i], self.ranks[i]) for i in range(m)], dtype=np.int64)
 
 
 def encode(desc: dict[str, Any]) -> Encoded:
@@ -123,10 +177,12 @@ class Batch:
         self.types = np.full((E, M), -1, dtype=np.int64)
         self.dims = np.zeros((E, M, P_MAX, R_MAX))
         self.ranks = np.full((E, M, P_MAX), -2, dtype=np.int64)
+        self.sig = np.full((E, M), -1, dtype=np.int64)  # -1: padding (scores 0 against anything)
         for k, e in enumerate(encoded):
             self.types[k, :e.n] = e.types
             self.dims[k, :e.n] = e.dims
             self.ranks[k, :e.n] = e.ranks
+            self.sig[k, :e.n] = e.sig
 
 
 def scores(child: Encoded, batch: Batch, budget: int = 4_000_000) -> np.ndarray:
@@ -136,11 +192,12 @@ def scores(child: Encoded, batch: Batch, budget: int = 4_000_000) -> np.ndarray:
     if child.n == 0:
         return out
     width = max(int(batch.lengths.max()) if len(out) else 1, 1)
-    chunk = max(1, budget // (child.n * width * P_MAX * R_MAX))
+    chunk = max(1, budget // (child.n * width))
+    table = _SIGS.scores()
     for a in range(0, len(out), chunk):
         b = min(a + chunk, len(out))
         M = int(batch.lengths[a:b].max())
-        S = _match_matrix(child, batch.types[a:b, :M], batch.dims[a:b, :M], batch.ranks[a:b, :M])
+        S = table[child.sig[None, :, None], batch.sig[a:b, None, :M]]           # (E, n, M) gather
         last = _dp_last(S)
         out[a:b] = last[np.arange(b - a), batch.lengths[a:b]] / child.n
     return np.clip(out, 0.0, 1.0)
