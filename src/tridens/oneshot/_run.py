@@ -24,7 +24,7 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable
 
 import torch
 from torch.utils.data import Subset
@@ -131,11 +131,22 @@ class _OneShotRun:
         n_arch = max(1, int(round(len(train) * fraction)))
         return Subset(train, order[n_arch:]), Subset(train, order[:n_arch])
 
-    def _arch_batches(self, arch: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _arch_batcher(self, arch: Any) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+        """The held-out batch of optimizer step ``step``: a pure function of the step, so a resumed
+        run reads the batches an uninterrupted one would."""
         source = _Source(arch, self.cfg.device)
-        for rnd in itertools.count():
-            g = torch.Generator().manual_seed(self.seed * 7919 + rnd)
-            yield from source.batches(torch.randperm(len(source), generator=g), self.cfg.batch_size)
+        bs = min(self.cfg.batch_size, len(source))
+        per_round = len(source) // bs
+        cache: dict[int, torch.Tensor] = {}
+
+        def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            rnd, pos = divmod(step, per_round)
+            if rnd not in cache:
+                cache.clear()
+                g = torch.Generator().manual_seed(self.seed * 7919 + rnd)
+                cache[rnd] = torch.randperm(len(source), generator=g)
+            return next(iter(source.batches(cache[rnd][pos * bs:(pos + 1) * bs], bs)))
+        return batch
 
     def train_supernet(self, trial: Trial) -> None:
         cfg, strategy, net = self.cfg, self.strategy, self.net
@@ -170,12 +181,13 @@ class _OneShotRun:
         trial.status = TrialStatus.RUNNING
         trial.started_at = trial.started_at or time.time()
         self.db.update_trial(trial)
-        arch_iter = self._arch_batches(arch_data) if arch_data is not None else None
+        arch_of = self._arch_batcher(arch_data) if arch_data is not None else None
+        current = [step]
 
         def arch_batch() -> tuple[torch.Tensor, torch.Tensor]:
-            if arch_iter is None:
+            if arch_of is None:
                 raise TridensError(f"{type(strategy).__name__} asked for architecture data but has no arch_fraction")
-            return next(arch_iter)
+            return arch_of(current[0])
 
         cpu0, wall0 = time.process_time(), time.perf_counter()
         for epoch in range(start_epoch, epochs):
@@ -187,6 +199,7 @@ class _OneShotRun:
                 torch.set_rng_state(torch_rng)
                 for b, (x, y) in enumerate(source.batches(order, cfg.batch_size)):
                     x = cfg.augment(x, self.seed, epoch, b)
+                    current[0] = step
                     loss = strategy.step(x, y, arch_batch, step)
                     if not math.isfinite(loss):
                         raise TridensError(f"the supernet's training loss became {loss} at epoch {epoch}, batch {b} "
