@@ -2,6 +2,8 @@
 
 from ._execution import Executor, InlineExecutor, ProcessExecutor
 from ._experiment import Experiment
+from ._fluid import DynamicFluid, FluidScheduler, StaticFluid, fluid_shares
 from ._export import load
 
-__all__ = ["Experiment", "Executor", "InlineExecutor", "ProcessExecutor", "load"]
+__all__ = ["Experiment", "Executor", "InlineExecutor", "ProcessExecutor", "load",
+           "StaticFluid", "DynamicFluid", "FluidScheduler", "fluid_shares"]

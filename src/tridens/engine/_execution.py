@@ -74,6 +74,15 @@ def _weights(model: nn.Module | None) -> dict[str, Any] | None:
     return None if model is None else {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
+def model_bytes(model: nn.Module | None) -> bytes:
+    """A model pickled by value for a worker. Sent as an object instead, its tensors would travel
+    as handles to shared memory that torch moves the driver's own tensors into: every worker
+    would then train the driver's copy in place (two DDP ranks would step the same weights twice)."""
+    import pickle
+
+    return pickle.dumps(model)
+
+
 def _weights_bytes(model: nn.Module | None) -> bytes | None:
     """Weights serialized for the pipe: tensors sent as-is would travel as shared-memory handles
     that vanish when the worker exits right after sending."""
@@ -179,7 +188,7 @@ class InlineExecutor(Executor):
 
 # -- process pool --------------------------------------------------------------------------------
 # Messages, driver -> worker:  ("evaluator", token, pickled evaluator)  sent once per worker and evaluator
-#                              ("run", trial id, token, model, sample, seed, max_steps)  one whole trial
+#                              ("run", trial id, token, model bytes, sample, seed, max_steps)  one whole trial
 #                              ("host", ...) / ("ddp", ...)  a Fluid placement (see tridens.engine._fluid)
 #                              ("decision", trial id, value)  the answer to a "report"
 #                              ("quit",)
@@ -207,7 +216,7 @@ def _worker_main(conn: Connection, index: int) -> None:
             evaluators[message[1]] = pickle.loads(message[2])
         elif kind == "run":
             _, trial_id, token, model, sample, seed, max_steps = message
-            _serve_trial(conn, evaluators[token], trial_id, model, sample, seed, max_steps)
+            _serve_trial(conn, evaluators[token], trial_id, pickle.loads(model), sample, seed, max_steps)
         elif kind in ("host", "ddp"):
             from ._fluid import serve_placement
 
@@ -339,6 +348,9 @@ class ProcessExecutor(Executor):
 
     # -- running a group -------------------------------------------------------------------------
     def run_group(self, jobs: Sequence[Job], evaluator: Evaluator, hooks: GroupHooks) -> None:
+        for index in range(min(self.workers, len(jobs))):
+            # Start the interpreters together: a first send blocks until its worker has started.
+            self.worker(index)
         if self.allocation is not None:
             from ._fluid import fluid_policy, run_fluid
 
@@ -355,7 +367,7 @@ class ProcessExecutor(Executor):
                     job.started = math.inf  # set when the worker says it started
                     try:
                         token = self.ship(worker, evaluator)
-                        worker.conn.send(("run", job.trial.id, token, job.model, job.trial.sample,
+                        worker.conn.send(("run", job.trial.id, token, model_bytes(job.model), job.trial.sample,
                                           job.trial.seed, job.max_steps))
                     except (OSError, BrokenPipeError):  # died between two trials: its message is read below
                         pass

@@ -217,6 +217,13 @@ class Experiment:
             raise ValueError(f"The 'trial_timeout' parameter of Experiment must be a positive number of seconds. Got {self.trial_timeout!r} instead.")
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"The 'workers' parameter of Experiment must be an int in the range [1, inf). Got {self.workers!r} instead.")
+        if self.allocation is not None:
+            from ._fluid import fluid_policy
+
+            fluid_policy(self.allocation)  # Fluid shares of the workers (tridens.engine._fluid)
+            if self.executor in ("inline", "in-process"):
+                raise ValueError(f"The 'allocation' parameter of Experiment shares the workers of executor='process' "
+                                 f"or 'ray'. Got allocation={self.allocation!r} with executor={self.executor!r} instead.")
         _parse_duration(self.max_duration)
         parse_memory(self.max_unit_memory, "max_unit_memory", "Experiment")
         if self.warm_start is not None and self.warm_start is not False:
@@ -419,7 +426,8 @@ class _Run:
         self.strategy.start(search_space, self.objective, random.Random(self.exp.seed), finished)
         executor = make_executor(self.exp.executor, self.exp.workers, self.exp.optimize,
                                  ray_address=self.exp.ray_address, max_retries=self.exp.max_retries,
-                                 storage=self.exp._storage(self.db.path), experiment=self.name)
+                                 storage=self.exp._storage(self.db.path), experiment=self.name,
+                                 allocation=self.exp.allocation)
         self.group_index = max((t.group or 0 for t in trials), default=-1) + 1
         self.position = len(trials)
         before = sum(t.status in _FINISHED_COUNTED for t in finished)

@@ -1,0 +1,146 @@
+"""Fluid allocation: the rule, the scheduler, and real runs on the process pool (packing, DDP
+over gloo, a DynamicFluid move), checked against the same trials trained in-process."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import tridens as td
+from tridens import nn as tnn
+from tridens.engine import DynamicFluid, Experiment, FluidScheduler, StaticFluid, fluid_shares
+from tridens.trial import TrialGroup, TrialStatus
+
+
+# -- the rule and the scheduler (pure) ---------------------------------------------------------------
+def test_fluid_shares_follow_the_rule():
+    # w_i = min(max(floor(h_i / sum h * n), 1/c), d)
+    assert fluid_shares([8, 4, 2, 1, 1], devices=8, max_pack=2, max_span=4) == [4.0, 2.0, 1.0, 0.5, 0.5]
+    assert fluid_shares([1.0] * 6, devices=2, max_pack=3) == [1 / 3] * 6
+    assert fluid_shares([5.0], devices=4) == [4.0]
+    assert fluid_shares([1.0, 1.0, 1.0], devices=8, max_pack=1) == [2.0, 2.0, 2.0]  # floors leave 2 idle
+    with pytest.raises(ValueError, match="'max_pack' parameter of fluid_shares must be an int"):
+        fluid_shares([1.0], devices=2, max_pack=0)
+    with pytest.raises(ValueError, match="'profiles' parameter of fluid_shares must hold finite times"):
+        fluid_shares([math.nan], devices=2)
+
+
+def test_static_fluid_packs_small_trials_and_spans_big_ones():
+    sched = StaticFluid(max_pack=2).scheduler(devices=4)
+    for key, h in [("big", 20.0), ("mid", 8.0), ("s1", 1.0), ("s2", 1.0), ("s3", 1.0)]:
+        sched.submit(key, h)
+    placed = {p.key: p for p in sched.schedule()}
+    assert placed["big"].share == 2.0 and len(placed["big"].devices) == 2
+    assert placed["mid"].share == 1.0
+    # three half shares: two packed on the last device, the third waits
+    packed = [k for k in ("s1", "s2", "s3") if k in placed]
+    assert len(packed) == 2 and placed[packed[0]].devices == placed[packed[1]].devices
+    sched.finish(packed[0])
+    later = sched.schedule()
+    assert [p.key for p in later] == [k for k in ("s1", "s2", "s3") if k not in packed]
+    assert sched.rescales() == {}  # StaticFluid never moves a running trial
+
+
+def test_dynamic_fluid_moves_only_when_it_pays():
+    sched = DynamicFluid(epsilon=0.0).scheduler(devices=2)
+    sched.submit("a", 10.0)
+    sched.submit("b", 1.0)
+    assert [(p.key, p.share) for p in sched.schedule()] == [("a", 1.0), ("b", 0.5)]
+    sched.finish("b")
+    sched.schedule()
+    assert sched.rescales() == {"a": 2.0}
+    sched.release("a", 9.0)
+    assert [(p.key, p.share, p.devices) for p in sched.schedule()] == [("a", 2.0, (0, 1))]
+
+    # The same event with a move that costs more than it saves: no move.
+    slow = DynamicFluid(epsilon=100.0).scheduler(devices=2)
+    slow.submit("a", 10.0)
+    slow.submit("b", 1.0)
+    slow.schedule()
+    slow.finish("b")
+    slow.schedule()
+    assert slow.rescales() == {}
+    with pytest.raises(ValueError, match="'efficiency' parameter of DynamicFluid"):
+        DynamicFluid(efficiency=0).scheduler(2)
+
+
+def test_allocation_parameter_is_checked(tmp_path, digits_data):
+    train, val = digits_data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=1)
+    with pytest.raises(ValueError, match="The 'allocation' parameter of Experiment must be None, 'static', 'dynamic'"):
+        Experiment(MLPSpace(), ev, store=tmp_path / "t.db", allocation="fluid", executor="process").run()
+    with pytest.raises(ValueError, match="'allocation' parameter of Experiment shares the workers"):
+        Experiment(MLPSpace(), ev, store=tmp_path / "t.db", allocation="static").run()
+
+
+# -- real runs -----------------------------------------------------------------------------------------
+class MLPSpace(tnn.ModelSpace):
+    """No dropout and no BatchNorm: data-parallel training then equals one-process training."""
+
+    def __init__(self):
+        super().__init__()
+        h = td.choice("hidden", [4, 64, 128])
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, h), nn.ReLU(), nn.Linear(h, 10))
+        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class Groups(td.strategy.Strategy):
+    """A user strategy handing over fixed TrialGroups."""
+
+    def __init__(self, groups):
+        self.groups = groups
+
+    def start(self, space, objective, rng, history=()):
+        super().start(space, objective, rng, history)
+        self._next = 0
+
+    def ask(self, remaining=None):
+        if self._next >= len(self.groups):
+            return None
+        self._next += 1
+        return TrialGroup([dict(s) for s in self.groups[self._next - 1]])
+
+
+def _pair(tmp_path, digits_data, groups, name, **kw):
+    """The same search in-process and on the pool with Fluid; returns both trial lists."""
+    train, val = digits_data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=td.choice("epochs", [1, 2, 4, 6]),
+                                      batch_size=96, optimizer="adam", lr=0.01)
+    out = []
+    for executor in ("inline", "process"):
+        extra = kw if executor == "process" else {}
+        exp = Experiment(MLPSpace(), ev, Groups(groups), store=tmp_path / "t.db", name=f"{name}-{executor}",
+                         verbose=False, executor=executor, workers=2, **extra)
+        out.append(exp.run().trials())
+    return out
+
+
+def _assert_same_training(inline, fluid):
+    assert len(inline) == len(fluid)
+    for a, b in zip(inline, fluid):
+        assert a.sample == b.sample and b.status is TrialStatus.COMPLETED
+        assert a.metrics.keys() == b.metrics.keys()
+        for key in a.metrics:
+            torch.testing.assert_close(torch.tensor(b.metrics[key]), torch.tensor(a.metrics[key]), rtol=1e-4, atol=1e-4)
+
+
+def test_one_trial_spans_both_workers_with_ddp_and_trains_as_in_one_process(tmp_path, digits_data):
+    inline, fluid = _pair(tmp_path, digits_data, [[{"hidden": 64, "epochs": 2}]], "ddp", allocation="static")
+    _assert_same_training(inline, fluid)
+    assert fluid[0].info["allocation"] == [{"share": 2.0, "workers": [0, 1], "from_epoch": 0}]
+
+
+def test_dynamic_fluid_packs_then_widens_a_trial_and_trains_as_in_one_process(tmp_path, digits_data):
+    group = [{"hidden": 128, "epochs": 6}, {"hidden": 4, "epochs": 1}, {"hidden": 64, "epochs": 1}]
+    inline, fluid = _pair(tmp_path, digits_data, [group], "dyn", allocation=DynamicFluid(epsilon=0.0))
+    _assert_same_training(inline, fluid)
+    big, small1, small2 = fluid
+    assert [a["share"] for a in small1.info["allocation"]] == [0.5]
+    assert small1.info["allocation"][0]["workers"] == small2.info["allocation"][0]["workers"]  # packed together
+    shares = [a["share"] for a in big.info["allocation"]]
+    assert shares[0] == 1.0 and shares[-1] == 2.0  # moved to DDP once the small trials were done
+    assert big.info["allocation"][-1]["from_epoch"] >= 1
