@@ -155,3 +155,64 @@ def test_signature_table_gives_the_same_scores_as_shape_arithmetic():
             S = _match._match_matrix(child, parent.types[None], parent.dims[None], parent.ranks[None])
             slow = np.clip(_match._dp_last(S)[0, parent.n] / child.n, 0, 1)
             assert fast[k] == pytest.approx(slow, abs=1e-12)
+
+
+class TwoBranch(nn.Module):
+    """A residual block with a projection shortcut; ``shortcut_first`` only changes the order the
+    code runs the two branches in (and so the traced topological order)."""
+
+    def __init__(self, w, shortcut_first):
+        super().__init__()
+        self.stem = nn.Conv2d(1, w, 3, padding=1)
+        self.a1, self.a2 = nn.Conv2d(w, w, 3, padding=1), nn.Conv2d(w, w, 3, padding=1)
+        self.short = nn.Conv2d(w, w, 1)
+        self.head = nn.Linear(w * 64, 10)
+        self.shortcut_first = shortcut_first
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        if self.shortcut_first:
+            s = self.short(x)
+            a = self.a2(torch.relu(self.a1(x)))
+        else:
+            a = self.a2(torch.relu(self.a1(x)))
+            s = self.short(x)
+        return self.head(torch.relu(a + s).flatten(1))
+
+
+def test_branches_are_aligned_per_predecessor():
+    """The code order of a residual block's branches differs between parent and child: aligned in
+    the traced order only one branch can match; aligned per branch, both do."""
+    from tridens.warmup import transfer
+
+    torch.manual_seed(0)
+    parent, child = TwoBranch(6, shortcut_first=False), TwoBranch(6, shortcut_first=True)
+    pd, cd = describe(parent, X), describe(child, X)
+    linear, lpairs = align(cd, pd, branches=False)
+    branched, bpairs = align(cd, pd)
+    assert linear < 1.0 and branched == pytest.approx(1.0) and score(cd, pd) == pytest.approx(1.0)
+    assert score(cd, pd, branches=False) == pytest.approx(linear)
+    assert len(bpairs) > len(lpairs)
+    new, stats = transfer(cd, pd, bpairs, parent.state_dict(), child.state_dict())
+    assert all(torch.equal(new[k], v) for k, v in parent.state_dict().items())  # every weight inherited
+    child.load_state_dict(new)
+    x = torch.randn(3, 1, 8, 8)
+    torch.testing.assert_close(child(x), parent(x))
+    # wider child: both branches still inherit (slices of both), the linear order loses one
+    wide = TwoBranch(9, shortcut_first=True)
+    wd = describe(wide, X)
+    _, wl = align(wd, pd, branches=False)
+    _, wb = align(wd, pd)
+    inherited = lambda pairs: transfer(wd, pd, pairs, parent.state_dict(), wide.state_dict())[1]["inherited_elements"]
+    assert inherited(wb) > inherited(wl)
+    # a zoo picks the parent by the branch-aware score
+    assert td.warmup._match.scores(td.warmup._match.encode(cd), td.warmup._match.Batch([td.warmup._match.encode(pd)]))[0] \
+        == pytest.approx(1.0)
+
+
+def test_chains_keep_their_order():
+    from tridens.warmup._match import encode
+
+    for m in (mlp(16, 3), cnn(4)):
+        e = encode(describe(m, X))
+        assert e.branched() is e

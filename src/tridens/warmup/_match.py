@@ -86,7 +86,7 @@ class Encoded:
     """A description as arrays: ``types`` (m,), ``dims`` (m, P, R) (0 for an absent parameter,
     1 for an absent dim), ``ranks`` (m, P), ``has_params`` (m,)."""
 
-    __slots__ = ("types", "dims", "ranks", "n", "sig")
+    __slots__ = ("types", "dims", "ranks", "n", "sig", "order", "_branched")
 
     def __init__(self, desc: dict[str, Any]):
         nodes = desc["nodes"]
@@ -105,6 +105,63 @@ class Encoded:
                 else:
                     self.dims[i, j, :] = 0
         self.sig = np.array([_SIGS.id(int(self.types[i]), self.dims[i], self.ranks[i]) for i in range(m)], dtype=np.int64)
+        self.order = _branch_order(nodes, self.dims)
+        self._branched: Encoded | None = None
+
+    def branched(self) -> "Encoded":
+        """The same nodes in the branch-canonical topological order (:func:`_branch_order`)."""
+        if self._branched is None:
+            if np.array_equal(self.order, np.arange(self.n)):
+                self._branched = self
+            else:
+                e = Encoded.__new__(Encoded)
+                e.n, e.order, e._branched = self.n, np.arange(self.n), None
+                e.types, e.dims, e.ranks, e.sig = (self.types[self.order], self.dims[self.order],
+                                                   self.ranks[self.order], self.sig[self.order])
+                e._branched = e
+                self._branched = e
+        return self._branched
+
+
+def _branch_order(nodes: list[dict[str, Any]], dims: np.ndarray) -> np.ndarray:
+    """A topological order in which the branches leaving a node come one after the other, the
+    heaviest first (parameter elements along the branch's chain, then its length), whatever order
+    the model's code ran them in. Two models whose code computes a residual block's shortcut
+    before or after its main path get the same order, so a monotone alignment can match both
+    branches (the source order would let it match only one)."""
+    n = len(nodes)
+    preds = [sorted({i for i in (nd.get("i") or []) if 0 <= i < n}) for nd in nodes]
+    succs: list[list[int]] = [[] for _ in range(n)]
+    for j, ps in enumerate(preds):
+        for q in ps:
+            succs[q].append(j)
+    mass = np.where(dims.prod(axis=-1) > 0, dims.prod(axis=-1), 0).sum(axis=-1)
+
+    def key(start: int) -> tuple[float, int, int]:
+        weight, length, u = 0.0, 0, start
+        while True:  # along the chain: one successor that has one input
+            weight += float(mass[u])
+            length += 1
+            if len(succs[u]) != 1 or len(preds[succs[u][0]]) != 1:
+                break
+            u = succs[u][0]
+        return (-weight, -length, start)
+
+    indeg = [len(ps) for ps in preds]
+    stack = sorted((j for j in range(n) if indeg[j] == 0), key=lambda j: -j)  # sources in source order
+    out: list[int] = []
+    while stack:
+        u = stack.pop()
+        out.append(u)
+        ready = []
+        for v in succs[u]:
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                ready.append(v)
+        stack.extend(sorted(ready, key=key, reverse=True))  # the heaviest branch is popped first
+    if len(out) != n:  # not a DAG (cannot happen for a traced graph): keep the source order
+        return np.arange(n)
+    return np.array(out, dtype=np.int64)
 
 
 def encode(desc: dict[str, Any]) -> Encoded:
@@ -178,44 +235,69 @@ class Batch:
         self.dims = np.zeros((E, M, P_MAX, R_MAX))
         self.ranks = np.full((E, M, P_MAX), -2, dtype=np.int64)
         self.sig = np.full((E, M), -1, dtype=np.int64)  # -1: padding (scores 0 against anything)
+        self.sig_branched = np.full((E, M), -1, dtype=np.int64)
         for k, e in enumerate(encoded):
             self.types[k, :e.n] = e.types
             self.dims[k, :e.n] = e.dims
             self.ranks[k, :e.n] = e.ranks
             self.sig[k, :e.n] = e.sig
+            self.sig_branched[k, :e.n] = e.branched().sig
+        self.any_branched = any(e.branched() is not e for e in encoded)
 
 
-def scores(child: Encoded, batch: Batch, budget: int = 4_000_000) -> np.ndarray:
+def scores(child: Encoded, batch: Batch, budget: int = 4_000_000, branches: bool = True) -> np.ndarray:
     """Alignment score of ``child`` against every parent of ``batch`` (E,); entries are scored in
-    chunks of about ``budget`` elements of the (entries, child, parent, P, R) broadcast."""
+    chunks of about ``budget`` elements of the (entries, child, parent) match matrices.
+    ``branches``: also align both graphs in their branch-canonical order and keep the better score
+    (the branches of a node are aligned with each other whatever order the code ran them in)."""
+    out = _scores(child.sig, child.n, batch.sig, batch, budget)
+    if branches and (batch.any_branched or child.branched() is not child):
+        out = np.maximum(out, _scores(child.branched().sig, child.n, batch.sig_branched, batch, budget))
+    return out
+
+
+def _scores(child_sig: np.ndarray, n: int, parent_sig: np.ndarray, batch: Batch, budget: int) -> np.ndarray:
     out = np.zeros(len(batch.lengths))
-    if child.n == 0:
+    child_n = n
+    if child_n == 0:
         return out
     width = max(int(batch.lengths.max()) if len(out) else 1, 1)
-    chunk = max(1, budget // (child.n * width))
+    chunk = max(1, budget // (child_n * width))
     table = _SIGS.scores()
     for a in range(0, len(out), chunk):
         b = min(a + chunk, len(out))
         M = int(batch.lengths[a:b].max())
-        S = table[child.sig[None, :, None], batch.sig[a:b, None, :M]]           # (E, n, M) gather
+        S = table[child_sig[None, :, None], parent_sig[a:b, None, :M]]          # (E, n, M) gather
         last = _dp_last(S)
-        out[a:b] = last[np.arange(b - a), batch.lengths[a:b]] / child.n
+        out[a:b] = last[np.arange(b - a), batch.lengths[a:b]] / child_n
     return np.clip(out, 0.0, 1.0)
 
 
-def score(child: dict[str, Any] | Encoded, parent: dict[str, Any] | Encoded) -> float:
+def score(child: dict[str, Any] | Encoded, parent: dict[str, Any] | Encoded, *, branches: bool = True) -> float:
     """Alignment score of one child description against one parent description."""
     c = child if isinstance(child, Encoded) else Encoded(child)
     p = parent if isinstance(parent, Encoded) else Encoded(parent)
-    return float(scores(c, Batch([p]))[0])
+    return float(scores(c, Batch([p]), branches=branches)[0])
 
 
-def align(child: dict[str, Any] | Encoded, parent: dict[str, Any] | Encoded) -> tuple[float, list[tuple[int, int]]]:
-    """(score, matched (child index, parent index) pairs) by DP traceback."""
+def align(child: dict[str, Any] | Encoded, parent: dict[str, Any] | Encoded, *,
+          branches: bool = True) -> tuple[float, list[tuple[int, int]]]:
+    """(score, matched (child index, parent index) pairs) by DP traceback. ``branches``: also align
+    the branch-canonical orders and keep the better alignment (pairs are in the descriptions'
+    node indices either way)."""
     c = child if isinstance(child, Encoded) else Encoded(child)
     p = parent if isinstance(parent, Encoded) else Encoded(parent)
     if c.n == 0:
         return 0.0, []
+    best = _align(c, p)
+    if branches and (c.branched() is not c or p.branched() is not p):
+        s, pairs = _align(c.branched(), p.branched())
+        if s > best[0] + 1e-12:
+            best = s, sorted((int(c.order[a]), int(p.order[b])) for a, b in pairs)
+    return best
+
+
+def _align(c: Encoded, p: Encoded) -> tuple[float, list[tuple[int, int]]]:
     S0 = _match_matrix(c, p.types[None], p.dims[None], p.ranks[None])[0]
     S = _match_matrix(c, p.types[None], p.dims[None], p.ranks[None], tie_break=True)
     D = _dp(S)[0]
