@@ -138,9 +138,10 @@ class _Hub:
         self.messages.append(message)
         self.arrived.set()
 
-    async def ask(self, trial_id: int, attempt: int, step: int, metrics: dict[str, float], last: bool) -> str:
+    async def ask(self, trial_id: int, attempt: int, step: int, metrics: dict[str, float], last: bool,
+                  seconds: float = 0.0) -> str:
         future = self._future((trial_id, attempt, step))
-        await self.post(("report", trial_id, attempt, step, metrics, last))
+        await self.post(("report", trial_id, attempt, step, metrics, last, seconds))
         try:
             return await future
         finally:
@@ -168,9 +169,11 @@ class _HubReporter:
 
     def __init__(self, hub: Any, spec: Mapping[str, Any], storage: _Storage, trainer: Any = None, limit: int | None = None):
         self.hub, self.spec, self.storage, self.trainer, self.limit = hub, spec, storage, trainer, limit
+        self.mark = time.monotonic()  # training time is counted from here to the next report
 
     def report(self, step: int, metrics: Mapping[str, float]) -> Decision:
         metrics = {k: float(v) for k, v in metrics.items()}
+        seconds = time.monotonic() - self.mark
         last = False
         if self.trainer is not None:
             directory = self.spec["directory"]
@@ -182,7 +185,8 @@ class _HubReporter:
             if epoch > 1:  # only the latest checkpoint is needed to go on
                 self.storage.remove(self.storage.child(directory, f"epoch-{epoch - 1}.pt"))
             last = self.limit is not None and epoch >= self.limit
-        answer = ray.get(self.hub.ask.remote(self.spec["trial_id"], self.spec["attempt"], step, metrics, last))
+        answer = ray.get(self.hub.ask.remote(self.spec["trial_id"], self.spec["attempt"], step, metrics, last, seconds))
+        self.mark = time.monotonic()
         return Decision(answer)
 
 
@@ -219,6 +223,7 @@ def _run_trial(evaluator: Evaluator, model: Any, spec: dict[str, Any], hub: Any)
                                                 trainer.epoch >= limit))
                 stopped = Decision(answer) is Decision.STOP
             if not stopped:
+                reporter.mark = time.monotonic()
                 result = drive(trainer, evaluator.objective, reporter, max_steps=spec["max_steps"])
                 value = result if result is not None else value
             model = trainer.model
@@ -358,8 +363,9 @@ class RayExecutor(Executor):
             track.pids.append(message[3])
             track.job.trial.info["ray"] = {"pid": message[3], "node": message[4], "attempt": attempt}
             return
-        _, _, _, step, metrics, last = message
+        _, _, _, step, metrics, last, seconds = message
         trial = track.job.trial
+        trial.info["train_seconds"] = trial.info.get("train_seconds", 0.0) + seconds  # as the in-process units count it
         if step > track.last_step:
             hooks.record(trial, step, metrics)
             track.last_step = step
