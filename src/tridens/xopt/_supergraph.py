@@ -38,6 +38,7 @@ checkpoint is its whole model's ``state_dict`` (the shared tensors' values at th
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from collections import OrderedDict
 from typing import Any, Mapping, Sequence
@@ -147,9 +148,11 @@ def inherit_from_trial(store: Any, space: Any, trial: Any, model: nn.Module) -> 
     """Load the trained weights of ``trial.parent`` (its checkpoint in ``store``) into ``model``
     for the layers they share; returns the record kept in ``trial.info["inherit"]``. Never raises:
     a parent without a checkpoint, or a model that cannot be matched, leaves ``model`` as
-    initialised and the record says why (``reason``). The torch random state is left untouched."""
+    initialised and the record says why (``reason``). ``seconds`` is the time it took. The torch
+    random state is left untouched."""
     info: dict[str, Any] = {"parent": trial.parent}
     rng = torch.get_rng_state()
+    t0 = time.perf_counter()
     try:
         parent = store.trial(trial.parent)
         if parent.checkpoint is None:
@@ -166,6 +169,7 @@ def inherit_from_trial(store: Any, space: Any, trial: Any, model: nn.Module) -> 
         info["reason"] = f"{type(err).__name__}: {err}"
     finally:
         torch.set_rng_state(rng)
+        info["seconds"] = time.perf_counter() - t0  # checkpoint read + matching + copy
     if "reason" in info:
         log.info("trial %s: nothing inherited from trial %s (%s)", trial.id, trial.parent, info["reason"])
     return info

@@ -1,0 +1,181 @@
+"""Weight inheritance in regularized evolution (issue 5): time per child with the merged
+super-graph vs children trained apart, each from its parent's checkpoint (load + match + copy);
+and, for context, the accuracy the children reach vs no inheritance at the same epochs.
+
+Scenario (the same children in every variant). A CNN space on scikit-learn's digits (width and
+kernel of the first block, width of the second, learning rate: 72 models). For each seed, an
+initial population of ``--population`` random models is trained ONCE into a store; every
+measured run starts from a copy of that store and runs ONE generation of ``--children`` children of
+RegularizedEvolution (``sample_size = population``, so every child's parent is the best model:
+one super-graph of all children). Since the history and the strategy's seed are the same, every
+variant trains the same children of the same parent; only how they start and train differs:
+
+* ``supergraph``   inherit_weights=True, optimize=True: children merged in one SuperGraphUnit
+  (inherited tensors stored once, trained jointly, one data pipeline);
+* ``ckpt-cse``     inherit_weights=True, optimize=True, super-graph planner off: each child from
+  the parent's checkpoint, trained independently, on one shared data pipeline (CSE);
+* ``ckpt-separate`` inherit_weights=True, optimize=False: each child from the parent's checkpoint,
+  trained alone (what checkpoint save/load + transfer means without any fusion);
+* ``scratch``      inherit_weights=False, optimize=True: no inheritance (accuracy context).
+
+Each run is a fresh process (``--one``), the variants interleaved (A B C D, rotating), medians
+over seeds x rounds. Time per child = the run's wall (and process CPU) seconds / children; it
+covers asking, building, inheriting (checkpoint read, IR matching, copy), planning, training,
+validation and the children's checkpoints.
+
+    .venv/bin/python bench/inherit.py --seeds 3 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import tridens as td  # noqa: E402
+from tridens import nn as tnn  # noqa: E402
+
+from _common import emit, interleave, median, print_machine, run_worker, table  # noqa: E402
+
+VARIANTS = ["supergraph", "ckpt-cse", "ckpt-separate", "scratch"]
+NAME = "inherit-bench"
+
+
+class BenchNet(tnn.ModelSpace):
+    def __init__(self):
+        super().__init__()
+        w = td.choice("width", [16, 24, 32])
+        w2 = td.choice("width2", [16, 32, 48])
+        self.stem = nn.Conv2d(1, 16, 3, padding=1)
+        self.block = tnn.LayerChoice([nn.Conv2d(16, w, 3, padding=1), nn.Conv2d(16, w, 5, padding=2)], label="op")
+        self.bn = nn.BatchNorm2d(w)
+        self.block2 = nn.Conv2d(w, w2, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(w2)
+        self.head = nn.Linear(w2 * 16, 10)
+        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        x = torch.relu(self.bn(self.block(x)))
+        x = torch.relu(self.bn2(self.block2(x)))
+        return self.head(nn.functional.max_pool2d(x, 2).flatten(1))
+
+
+def _experiment(store: str, args: argparse.Namespace, variant: str, max_trials: int) -> td.Experiment:
+    train, val = td.datasets.digits()
+    ev = td.evaluators.Classification(train=train, val=val, epochs=args.epochs, batch_size=64,
+                                      lr=td.choice("lr", [0.02, 0.05, 0.1, 0.2]))
+    strategy = td.strategy.RegularizedEvolution(population=args.population, sample_size=args.population,
+                                                batch_size=args.children, mutation_prob=0.25,
+                                                inherit_weights=variant != "scratch")
+    return td.Experiment(BenchNet(), ev, strategy, max_trials=max_trials, store=store, name=NAME,
+                         seed=args.seed, optimize=variant != "ckpt-separate", verbose=False)
+
+
+def _cpu() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def one(args: argparse.Namespace) -> None:
+    """Worker: one generation from a copy of the prepared store; prints one RESULT line."""
+    torch.set_num_threads(1)
+    from tridens.xopt import _supergraph
+
+    _supergraph.ENABLED = args.one != "ckpt-cse"
+    exp = _experiment(args.store, args, args.one, args.population + args.children)
+    import tridens.xopt  # noqa: F401  (imported before timing, as in any run after the first group)
+    cpu0, t0 = _cpu(), time.perf_counter()
+    exp.run()
+    wall, cpu = time.perf_counter() - t0, _cpu() - cpu0
+    children = [t for t in exp.trials() if t.id > args.last_init]
+    accs = [t.metric for t in children if t.metric is not None]
+    inh = [t.info.get("inherit", {}) for t in children]
+    emit({
+        "variant": args.one, "children": len(children),
+        "wall_per_child": wall / max(len(children), 1), "cpu_per_child": cpu / max(len(children), 1),
+        "train_s_per_child": statistics.mean(t.info.get("train_seconds", 0.0) for t in children),
+        "inherit_s_per_child": statistics.mean(i.get("seconds", 0.0) for i in inh),
+        "mean_acc": statistics.mean(accs), "best_acc": max(accs),
+        "fraction": statistics.mean(i.get("fraction", 0.0) for i in inh),
+        "merged": sum("merged" in i for i in inh),
+        "samples": [t.sample for t in children], "parents": [t.parent for t in children],
+    })
+
+
+def prepare(args: argparse.Namespace, seed: int, directory: str) -> tuple[str, int]:
+    """Train the initial population once; returns (store path, id of its last trial)."""
+    store = os.path.join(directory, f"init-{seed}.db")
+    args.seed = seed
+    torch.set_num_threads(1)
+    exp = _experiment(store, args, "supergraph", args.population)
+    exp.run()
+    return store, max(t.id for t in exp.trials())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--population", type=int, default=4)
+    parser.add_argument("--children", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--one", choices=VARIANTS)
+    parser.add_argument("--store")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--last-init", type=int, default=0)
+    args = parser.parse_args()
+    if args.one:
+        one(args)
+        return
+    print_machine()
+    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(args.seeds):
+            store, last = prepare(args, seed, tmp)
+            print(f"seed {seed}: initial population of {args.population} trained (trials up to {last})", flush=True)
+
+            def run_one(variant: str, r: int) -> dict:
+                copy = os.path.join(tmp, f"run-{seed}-{variant}-{r}.db")
+                shutil.copy(store, copy)
+                if os.path.exists(store + ".files"):
+                    shutil.copytree(store + ".files", copy + ".files")
+                common = ["--store", copy, "--seed", str(seed), "--last-init", str(last),
+                          "--population", str(args.population), "--children", str(args.children),
+                          "--epochs", str(args.epochs)]
+                res = run_worker(os.path.abspath(__file__), ["--one", variant, *common], timeout=1800)
+                res.pop("samples"), res.pop("parents")
+                return res
+
+            for variant, runs in interleave(VARIANTS, args.rounds, run_one).items():
+                results[variant].extend(runs)
+    rows = []
+    base = median(r["wall_per_child"] for r in results["ckpt-separate"])
+    base_cse = median(r["wall_per_child"] for r in results["ckpt-cse"])
+    for variant in VARIANTS:
+        runs = results[variant]
+        wall = median(r["wall_per_child"] for r in runs)
+        rows.append([variant, len(runs), wall, median(r["cpu_per_child"] for r in runs),
+                     median(r["train_s_per_child"] for r in runs), median(r["inherit_s_per_child"] for r in runs),
+                     base / wall, base_cse / wall, median(r["mean_acc"] for r in runs),
+                     median(r["best_acc"] for r in runs), median(r["fraction"] for r in runs),
+                     median(r["merged"] for r in runs)])
+    print(table(["variant", "runs", "wall s/child", "CPU s/child", "train s/child", "inherit s/child",
+                 "vs ckpt-separate", "vs ckpt-cse", "mean val_acc", "best val_acc", "inherited fraction",
+                 "merged children"], rows))
+
+
+if __name__ == "__main__":
+    main()
