@@ -308,6 +308,7 @@ def test_planner_decides_by_measurement_and_caches(data, monkeypatch, caplog):
         return speed
 
     monkeypatch.setattr(_batching, "_measure", fake)
+    monkeypatch.setattr(_batching.settings, "max_separate_efficiency", 1.0)  # always measure
     _batching.clear_cache()
     speed = 0.7
     with caplog.at_level(logging.INFO, logger="tridens"):
@@ -319,6 +320,21 @@ def test_planner_decides_by_measurement_and_caches(data, monkeypatch, caplog):
     _batching.clear_cache()
     units, rest = plan_batching(make_jobs(SAMPLES, cnn), ev)
     assert len(units) == 1 and rest == [] and "4 trials, fused: measured 3.0x" in units[0].describe()
+
+
+def test_efficient_separate_step_skips_the_fused_measurement(data, monkeypatch, caplog):
+    """A model whose separate step already runs near the peak matmul rate is left separate without
+    timing fused steps (here the bar is set below any real model's rate)."""
+    ev = evaluator(data, "sgd", epochs=1)
+    fraction, rate = _batching._separate_efficiency(make_jobs(SAMPLES, cnn)[0], ev, data[0].tensors[0][:64],
+                                                    data[0].tensors[1][:64])
+    assert 0 < fraction and rate > 0 and _batching.peak_matmul_flops(torch.device("cpu")) > rate / 10
+    monkeypatch.setattr(_batching.settings, "max_separate_efficiency", 1e-9)
+    _batching.clear_cache()
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        units, rest = plan_batching(make_jobs(SAMPLES, cnn), ev)
+    assert units == [] and len(rest) == 4 and "of the peak matmul rate" in caplog.text
+    assert _batching._SPEEDUPS == {}  # no fused step was timed
 
 
 def test_measurement_runs(data):

@@ -67,6 +67,12 @@ the environment at import):
   margin: a few steps on one cache-hot batch overestimated real epochs by up to ~1.7x here).
 * ``settings.measure_rounds`` (default 3): timed rounds (after one warm-up) per measurement; up to
   three times as many while the ratio is within -20%/+50% of ``min_speedup``.
+* ``settings.max_separate_efficiency`` (default 0.2): on a CPU, before timing fused steps, one
+  model's separate step is timed and its rate (training FLOPs from the graph IR per CPU second)
+  compared with the peak fp32 matmul rate measured once per process. A model that already runs at
+  this fraction of the peak has little per-operation overhead left for fusion to remove (grouped
+  kernels then lose: 0.52-0.66x measured here), so the group trains separately without paying
+  for a fused measurement (K models' fused steps can cost as much as a short epoch).
 * ``settings.packed`` (default True): use the grouped-kernel engine where it applies.
 * ``settings.channels_last`` (default False): run the grouped engine's 2-d feature maps
   channels-last. Pooling, BatchNorm and grouped convolutions over K*C channels are several times
@@ -115,6 +121,7 @@ class BatchingSettings:
     channels_last: bool = False
     min_speedup: float = 1.25
     measure_rounds: int = 3
+    max_separate_efficiency: float = 0.2
 
 
 settings = BatchingSettings()
@@ -124,8 +131,9 @@ _SPEEDUPS: dict[tuple[Any, ...], float] = {}
 
 
 def clear_cache() -> None:
-    """Forget the measured speed-ups (they are kept for the process's lifetime)."""
+    """Forget the measured speed-ups and separate-step rates (kept for the process's lifetime)."""
     _SPEEDUPS.clear()
+    _EFFICIENCY.clear()
 
 
 # -- dropout with masks drawn outside vmap ---------------------------------------------------------
@@ -1032,6 +1040,48 @@ def _measure(jobs: Sequence[Job], evaluator: _Supervised, x: torch.Tensor, y: to
         round_ += 1
 
 
+_PEAKS: dict[tuple[str, int], float] = {}
+# (structure key, setup key, threads) -> (fraction of the peak, FLOPs per CPU second) of a separate step
+_EFFICIENCY: dict[tuple[Any, ...], tuple[float, float]] = {}
+
+
+def peak_matmul_flops(device: torch.device) -> float:
+    """FLOPs per CPU second of a 512x512 fp32 matmul on ``device`` (best of three; cached per
+    process and thread count): the roof one model's step is compared with."""
+    key = (device.type, torch.get_num_threads())
+    if key not in _PEAKS:
+        a, b = torch.randn(512, 512, device=device), torch.randn(512, 512, device=device)
+        best = 0.0
+        for _ in range(3):
+            t0 = time.process_time()
+            for _ in range(4):
+                a @ b
+            elapsed = time.process_time() - t0
+            best = max(best, 4 * 2 * 512 ** 3 / max(elapsed, 1e-6))
+        _PEAKS[key] = best
+    return _PEAKS[key]
+
+
+def _separate_efficiency(job: Job, evaluator: _Supervised, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """``(fraction of the peak matmul rate, FLOPs per CPU second)`` of one model's separate
+    training step on the real batch (a copy of the model; warm-up, then the best of three)."""
+    from ..graph import trace
+
+    model = copy.deepcopy(job.model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        forward = trace(copy.deepcopy(job.model), (x,)).flops()
+    trainer = evaluator.trainer(model, job.trial.sample, job.trial.seed)
+    trainer.train_batch(x, y, 0)
+    best = math.inf
+    for step in range(3):
+        t0 = time.process_time()
+        trainer.train_batch(x, y, step + 1)
+        best = min(best, time.process_time() - t0)
+    rate = 3 * forward / max(best, 1e-6)  # forward + backward ~ 3 forwards
+    return rate / peak_matmul_flops(torch.device("cpu")), rate
+
+
 def _probe(jobs: Sequence[Job], evaluator: _Supervised, x: torch.Tensor, y: torch.Tensor) -> BatchedMember:
     """A throwaway member that ran one fused step and a validation batch (proves the models
     vectorize, and finds whether they can share their input)."""
@@ -1109,6 +1159,23 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
     cfg = evaluator.config(group[0].trial.sample)
     try:
         x, y = _first_batch(cfg, group[0].trial.seed)
+    except Exception as err:
+        log.info("batching: trials %s not fused: %s", ids, _first_line(err))
+        return [], list(group)
+    if settings.mode != "force" and cfg.device.type == "cpu" and settings.max_separate_efficiency < 1:
+        key = (skey, setup, torch.get_num_threads())
+        if key not in _EFFICIENCY:
+            try:
+                _EFFICIENCY[key] = _separate_efficiency(group[0], evaluator, x, y)
+            except Exception:  # no FLOPs or a failing step: decide by measuring fused steps
+                _EFFICIENCY[key] = (0.0, 0.0)
+        fraction, rate = _EFFICIENCY[key]
+        if fraction >= settings.max_separate_efficiency:
+            log.info("batching: trials %s not fused: one model's step already runs at %.0f%% of the peak matmul "
+                     "rate (%.1f GFLOP/s; >= %.0f%%), no per-operation overhead left for fusion to remove",
+                     ids, 100 * fraction, rate / 1e9, 100 * settings.max_separate_efficiency)
+            return [], list(group)
+    try:
         probe = _probe(group[:2], evaluator, x, y)
         per_model = _per_model_bytes(probe, x)
         shared = probe.shared_input
