@@ -127,6 +127,35 @@ def test_worker_killed_more_often_than_max_retries_fails_the_trial(local_ray, cl
     assert len(trial.metrics["val_acc"]) == 2  # steps 0 and 1, each recorded once
 
 
+@pytest.mark.parametrize("fn, timeout, message", [
+    ("raise_on_hidden_8", None, "boom: hidden=8 is not supported"),
+    pytest.param("sleep_on_hidden_8", 3.0, "exceeded trial_timeout=3.0 s", marks=pytest.mark.slow),
+])
+def test_errors_and_timeouts_fail_only_their_trial_on_ray(local_ray, tmp_path, fn, timeout, message):
+    from . import spaces
+
+    exp = td.Experiment(TinyMLP(), td.evaluators.FunctionalEvaluator(getattr(spaces, fn)), td.strategy.GridSearch(),
+                        max_trials=2, executor="ray", trial_timeout=timeout, store=tmp_path / "err.db", name=fn,
+                        verbose=False)
+    trials = {t.sample["hidden"]: t for t in exp.run().trials()}
+    assert trials[4].status is TrialStatus.COMPLETED and trials[4].metric == 0.5
+    assert trials[8].status is TrialStatus.FAILED and message in trials[8].error
+
+
+def test_storage_through_fsspec():
+    from tridens.engine._ray import _Storage
+
+    storage = _Storage("memory://tridens-test/ckpt")
+    assert storage.remote
+    directory = storage.join("exp", "trial-1")
+    for epoch in (1, 2):
+        storage.save(storage.child(directory, f"epoch-{epoch}.pt"), {"epoch": epoch})
+    assert storage.latest_epoch(directory) == 2
+    assert storage.load(storage.child(directory, "epoch-2.pt")) == {"epoch": 2}
+    storage.clear(directory)
+    assert storage.latest_epoch(directory) is None
+
+
 DRIVER = textwrap.dedent("""
     import sys, time
     import tridens as td
