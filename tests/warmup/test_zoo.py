@@ -86,6 +86,40 @@ def test_opaque_model_no_warm_start_with_reason(tmp_path):
         zoo.add(Opaque(), X, accuracy=0.9)
 
 
+def test_add_untraceable_model_is_a_clear_error(tmp_path):
+    """Direct use: a TridensError naming the model and the reason; nothing is written."""
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 10)
+
+        def forward(self, x):
+            if x.mean() > 0.5:  # data-dependent control flow
+                return self.lin(x.flatten(1)) * 2
+            return self.lin(x.flatten(1))
+
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 10)
+
+        def forward(self, x):
+            return self.lin(x.flatten(1))
+
+        def state_dict(self, *args, **kwargs):  # describing the model fails outright
+            raise RuntimeError("weights are on a remote parameter server")
+
+    zoo = Zoo(tmp_path / "z.db")
+    with pytest.raises(td.TridensError, match=r"'branchy-v1' \(Branchy\) cannot be added to the zoo.*opaque"):
+        zoo.add(Branchy(), X, accuracy=0.9, name="branchy-v1")
+    with pytest.raises(ZooError, match=r"Broken cannot be added to the zoo: tracing or reading it failed \(RuntimeError: weights"):
+        zoo.add(Broken(), X, accuracy=0.9)
+    with pytest.raises(ZooError, match="'model' parameter of Zoo.add must be an nn.Module"):
+        zoo.add("resnet18", X, accuracy=0.9)
+    assert len(zoo) == 0 and not list(zoo.dir.glob("*.json"))
+
+
 def test_non_store_path_is_a_clear_error(tmp_path):
     bogus = tmp_path / "notes.txt"
     bogus.write_text("hello, not a database\n" * 50)
@@ -174,6 +208,7 @@ def test_experiment_bad_inputs_never_crash(tmp_path, caplog):
     t = td.Experiment.load(store, "opaque").trials()[0]
     assert t.status is td.TrialStatus.COMPLETED and t.parent is None
     assert "opaque" in t.info["warm_start"]["reason"] and "opaque" in caplog.text
+    assert f"trial {t.id} not added to the zoo" in caplog.text     # and the zoo says why it kept nothing
     # a zoo entry whose weights no longer load: a warning, a cold start, the trial still runs
     (zoo.dir / f"{e.id}.pt").write_bytes(b"\x00garbage")
     with pytest.warns(ZooWarning):

@@ -577,7 +577,11 @@ class _Run:
 
     def _add_to_zoo(self, trial: Trial, weights: Mapping[str, Any]) -> None:
         desc = self.zoo_desc.pop(trial.id)
-        if desc.get("opaque") or trial.metric is None or math.isnan(trial.metric):
+        if desc.get("opaque"):
+            log.info("trial %d not added to the zoo: torch.fx cannot trace the model whole (opaque node %s)",
+                     trial.id, desc["opaque"])
+            return
+        if trial.metric is None or math.isnan(trial.metric):
             return
         try:
             self.zoo.add_description(desc, dict(weights), accuracy=self.objective.score(trial.metric),

@@ -209,13 +209,28 @@ class Zoo:
             **meta: Any) -> Entry | None:
         """Describe ``model`` and keep it with its weights and ``accuracy`` (higher is better).
         Returns the entry, or None when admission rejects it (an accuracy outlier, NaN).
-        A model torch.fx cannot trace (an opaque node) raises :class:`ZooError`."""
+
+        A model that cannot be matched raises :class:`ZooError` (a :class:`~tridens.TridensError`)
+        naming the model and the reason: one torch.fx cannot trace whole (an opaque node: its
+        layers could not be aligned with anything), or whose tracing fails outright.
+        Inside ``td.Experiment`` such a model is never an error: the trial starts cold and the
+        log says why.
+
+        >>> zoo.add(trained_cnn, torch.zeros(1, 1, 28, 28), accuracy=0.91, name="cnn-a")  # doctest: +SKIP
+        """
         if not isinstance(model, nn.Module):
-            raise ZooError(f"Zoo.add needs an nn.Module, got {type(model).__name__}")
-        desc = describe(model, example_inputs)
+            raise ZooError(f"The 'model' parameter of Zoo.add must be an nn.Module. Got {type(model).__name__} instead.")
+        label = f"{name!r} ({type(model).__name__})" if name else type(model).__name__
+        try:
+            desc = describe(model, example_inputs)
+            state = model.state_dict()
+        except Exception as err:
+            raise ZooError(f"The model {label} cannot be added to the zoo: tracing or reading it failed "
+                           f"({type(err).__name__}: {err})") from err
         if desc["opaque"]:
-            raise ZooError(f"{type(model).__name__} cannot be added to the zoo: it has an opaque node ({desc['opaque']})")
-        return self.add_description(desc, model.state_dict(), accuracy=accuracy, name=name or type(model).__name__, **meta)
+            raise ZooError(f"The model {label} cannot be added to the zoo: torch.fx cannot trace it whole, "
+                           f"so its layers cannot be matched (opaque node {desc['opaque']})")
+        return self.add_description(desc, state, accuracy=accuracy, name=name or type(model).__name__, **meta)
 
     def add_experiment(self, name: str, store: str | os.PathLike[str] | None = None) -> list[Entry]:
         """Add every finished trial (with a checkpoint) of experiment ``name`` of ``store`` (default:
