@@ -96,6 +96,33 @@ def test_user_loop_on_ray_with_asha_stops_running_trials(local_ray, tmp_path):
     assert all((tmp_path / "ckpt" / "asha" / f"trial-{t.id}" / "final.pt").exists() for t in trials)
 
 
+class StopFirstAtStep0(td.strategy.Random):
+    """Stops trial 1 (the first of a new store) after its first epoch."""
+
+    def decide(self, trial, step):
+        return Decision.STOP if (trial.id, step) == (1, 0) else super().decide(trial, step)
+
+
+def test_stop_reaches_a_declarative_trial_before_its_next_epoch(local_ray, classification, tmp_path):
+    ev = td.evaluators.Classification(train=classification.train, val=classification.val, epochs=3, batch_size=128,
+                                      optimizer="adam", lr=td.choice("lr", [0.01, 0.003]))
+    runs = {}
+    for executor in ("inline", "ray"):
+        exp = td.Experiment(TinyMLP(), ev, StopFirstAtStep0(), max_trials=2, seed=1, executor=executor, optimize=False,
+                            store=tmp_path / f"{executor}.db", name="stop", verbose=False)
+        runs[executor] = exp.run().trials()
+    stopped = runs["ray"][0]
+    assert stopped.status is TrialStatus.STOPPED and len(stopped.metrics["val_acc"]) == 1
+    assert sorted(os.listdir(stopped.info["storage"])) == ["epoch-1.pt", "final.pt"]  # no second epoch trained
+    assert runs["ray"][1].status is TrialStatus.COMPLETED and len(runs["ray"][1].metrics["val_acc"]) == 3
+    import torch
+
+    for inline, on_ray in zip(runs["inline"], runs["ray"]):
+        assert (inline.status, inline.metrics) == (on_ray.status, on_ray.metrics)
+        a, b = torch.load(inline.checkpoint, weights_only=True), torch.load(on_ray.checkpoint, weights_only=True)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_killed_worker_restarts_from_its_checkpoint(local_ray, classification, tmp_path):
     ev = td.evaluators.Classification(train=classification.train, val=classification.val, epochs=4, batch_size=128,
                                       optimizer="adam", lr=0.01)
