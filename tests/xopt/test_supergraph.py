@@ -66,16 +66,19 @@ def setup():
     return space, ev, {k: v.clone() for k, v in parent.state_dict().items()}, describe(parent, X)
 
 
+def _child(setup, tid, sample, seed):
+    """A child as the engine makes it: seeded init, fingerprint, the parent's shared layers."""
+    space, _ev, parent_state, parent_desc = setup
+    torch.manual_seed(seed)
+    model = space.freeze(space.restrict(sample))
+    record = inherit(model, parent_state, describe(model, X), parent_desc)
+    trial = Trial(id=tid, sample=dict(sample), seed=seed, info={"inherit": {"parent": 0, **record}},
+                  fingerprint=td.graph.trace(model, X).fingerprint())
+    return Job(trial, model)
+
+
 def _children(setup):
-    space, ev, parent_state, parent_desc = setup
-    jobs = []
-    for tid, sample, seed in CHILDREN:
-        torch.manual_seed(seed)
-        model = space.freeze(space.restrict(sample))
-        record = inherit(model, parent_state, describe(model, X), parent_desc)
-        trial = Trial(id=tid, sample=dict(sample), seed=seed, info={"inherit": {"parent": 0, **record}})
-        jobs.append(Job(trial, model))
-    return jobs
+    return [_child(setup, tid, sample, seed) for tid, sample, seed in CHILDREN]
 
 
 def _drive(unit, leave: dict[int, int] | None = None):
@@ -180,6 +183,15 @@ def test_planner_merges_children_and_they_share_one_tensor(setup):
     assert not torch.equal(final[1]["conv.weight"][:, :, 1:4, 1:4], final[2]["conv.weight"])
 
 
+def test_one_child_per_architecture_joins_the_super_graph(setup):
+    jobs = _children(setup)
+    sibling = _child(setup, 4, {"width": 8, "op": 0, "lr": 0.1}, 14)  # child 2's architecture, another lr
+    units, rest = plan_supergraph([*jobs, sibling], setup[1])
+    assert rest == [sibling] and len(units) == 1 and sorted(units[0].jobs) == [1, 2, 3]
+    assert sibling.model.stem.weight is not jobs[0].model.stem.weight
+    assert torch.equal(sibling.model.stem.weight, setup[2]["stem.weight"])  # still inherited
+
+
 def test_the_unit_equals_weight_sharing_through_checkpoints(setup):
     jobs = _children(setup)
     reference = _reference(setup, jobs)
@@ -240,8 +252,8 @@ SCRIPT = textwrap.dedent('''
 
     torch.set_num_threads(1)
     train, val = td.datasets.digits()
-    train = torch.utils.data.Subset(train, range(600))  # small: the kill needs only a few epochs
-    ev = td.evaluators.Classification(train=train, val=val, epochs=3, batch_size=16,
+    train = torch.utils.data.Subset(train, range(400))  # small: the kill needs only a few epochs
+    ev = td.evaluators.Classification(train=train, val=val, epochs=3, batch_size=8,
                                       lr=td.choice("lr", [0.02, 0.05]))
     strategy = td.strategy.RegularizedEvolution(population=2, sample_size=2, batch_size=3, mutation_prob=0.3,
                                                 inherit_weights=True)

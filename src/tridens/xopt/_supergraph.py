@@ -24,6 +24,9 @@ so the next child sees the shared weights just updated. This is exactly what pas
 weights from model to model through checkpoints after every batch would compute, without the
 checkpoints.
 
+One child per architecture joins a super-graph: siblings of the same architecture (a learning-rate
+mutation) would share every inherited layer, so the later ones train apart from the parent's weights.
+
 Per-trial guarantees: metrics are reported for every child every epoch; a child whose loss turns
 NaN/inf fails before its step (the trainer checks the loss before ``backward``), so the shared
 tensors never see its gradient; a child that is stopped or fails leaves the unit at the end of an
@@ -268,8 +271,11 @@ class SuperGraphUnit(SharedPipelineUnit):
 def plan_supergraph(jobs: Sequence[Job], evaluator: StepwiseEvaluator) -> tuple[list[ExecutionUnit], list[Job]]:
     """Merge the children of one parent (``trial.info["inherit"]``) that read the same data
     pipeline and share inherited tensors with each other into :class:`SuperGraphUnit` s; return
-    the units and the jobs left for the other optimizations. Only the declarative supervised
-    evaluators are merged (the engine owns their training loop)."""
+    the units and the jobs left for the other optimizations. One child per architecture (graph
+    fingerprint) joins a super-graph: siblings of the same architecture -- a mutation of the
+    learning rate only -- would share all their inherited layers and hide the hyperparameter's
+    effect, so the others train apart (each still from the parent's weights). Only the
+    declarative supervised evaluators are merged (the engine owns their training loop)."""
     if not ENABLED or not isinstance(evaluator, _Supervised):
         return [], list(jobs)
     groups: dict[tuple[Any, ...], list[Job]] = {}
@@ -284,7 +290,21 @@ def plan_supergraph(jobs: Sequence[Job], evaluator: StepwiseEvaluator) -> tuple[
         groups.setdefault((record.get("parent"), _pipeline_key(cfg, job.trial.seed)), []).append(job)
     units: list[ExecutionUnit] = []
     taken: set[int] = set()
-    for (parent, _key), group in groups.items():
+    for (parent, _key), candidates in groups.items():
+        group: list[Job] = []
+        architectures: dict[str, int] = {}
+        for job in candidates:
+            fingerprint = job.trial.fingerprint
+            if fingerprint is not None and fingerprint in architectures:
+                # Tied to a sibling of the same architecture it would train the same inherited
+                # tensors: its own hyperparameters could no longer be told apart. It trains apart.
+                log.info("supergraph: trial %d has the architecture of trial %d: trained apart from the "
+                         "super-graph (it still starts from trial %s's weights)",
+                         job.trial.id, architectures[fingerprint], parent)
+                continue
+            if fingerprint is not None:
+                architectures[fingerprint] = job.trial.id
+            group.append(job)
         if len(group) < 2:
             continue
         counts: dict[str, int] = {}
