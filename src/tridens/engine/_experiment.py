@@ -11,6 +11,7 @@ import random
 import re
 import sys
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -271,7 +272,6 @@ class Experiment:
             return os.fspath(self.storage)
         return str(Path(store_path).absolute()) + ".ray"
 
-
     def _zoo(self, store_path: Path) -> Any:
         from ..warmup import Zoo
 
@@ -348,6 +348,38 @@ class Experiment:
         return f"Experiment(name={self.name!r}, store={str(self._store_path())!r})"
 
 
+# The structure cache of a run (see _Run._instantiate): restricted samples kept (least recently
+# used dropped first; ~0.3 KB each) and hits re-derived to check that the space's structure is a
+# function of its sample.
+_STRUCTURE_CACHE_SIZE = 4096
+_VERIFIED_HITS = 2
+
+
+def _cpu_only() -> bool:
+    """Whether ``torch.manual_seed`` seeds only the CPU generator in this process (no CUDA, MPS,
+    XPU, MTIA or custom device available). On such a build it also queues lazy seeding for each
+    absent accelerator, formatting a Python stack trace every time: ~0.1-0.2 ms a call here."""
+    try:
+        return not (torch.cuda.is_available() or torch.backends.mps.is_available()
+                    or (hasattr(torch, "xpu") and torch.xpu.is_available())
+                    or (hasattr(torch, "mtia") and torch.mtia.is_available())
+                    or hasattr(torch, torch._C._get_privateuse1_backend_name()))
+    except Exception:  # an unusual build: seed everything
+        return False
+
+
+def _structure_cached(space: BaseSpace) -> bool:
+    """Whether a trial's structure is a function of its restricted sample, so a known sample needs
+    no build: inline-choice spaces (``__init__`` re-run with the sample fixed) and bases without
+    mutators. Graph mutators run arbitrary code on the traced graph, so theirs is always built."""
+    from ..space import ModelSpace
+    from ..space._mutator import MutatorSpace
+
+    if isinstance(space, ModelSpace):
+        return True
+    return isinstance(space, MutatorSpace) and not space.mutators
+
+
 class _Run:
     """The state of one ``run()``: the engine loop and the hooks executors call."""
 
@@ -373,6 +405,14 @@ class _Run:
         self.warmed: set[int] = set()
         if exp.warm_start is not None and exp.warm_start is not False:
             self.zoo = exp._zoo(db.path)
+        self.cpu_only = _cpu_only()
+        # _instantiate: restricted sample (JSON) -> (fingerprint, params), and its counters.
+        self.structures: OrderedDict[str, tuple[str, int]] | None = (
+            OrderedDict() if _structure_cached(exp.space) else None)  # type: ignore[arg-type]
+        self.unverified_hits = _VERIFIED_HITS
+        self.builds = self.built_duplicates = 0
+        # Constraints on parameters or FLOPs reject models before they train: build those on meta.
+        self.meta_first = any(getattr(c, "key", None) != "latency_ms" for c in exp.constraints)
 
     # -- hooks for executors -----------------------------------------------------------------
     def record(self, trial: Trial, step: int, metrics: Mapping[str, float]) -> None:
@@ -396,11 +436,14 @@ class _Run:
         values = trial.metrics.get(self.objective.metric)
         trial.metric = value if value is not None else (values[-1] if values else None)
         trial.finished_at = time.time()
+        state = None
         if weights is not None and status in (TrialStatus.COMPLETED, TrialStatus.STOPPED):
-            trial.checkpoint = str(self.db.save_checkpoint(trial.id, dict(weights)))
+            state = dict(weights)
             if self.zoo is not None and trial.id in self.zoo_desc and trial.metric is not None:
                 self._add_to_zoo(trial, weights)
-        self.db.update_trial(trial)  # written before it counts as done
+        # The checkpoint file, then its row and the trial's in one transaction: written before it
+        # counts as done (trial.checkpoint is set).
+        self.db.finish_trial(trial, state)
         if status is TrialStatus.FAILED:
             log.warning("trial %d failed: %s", trial.id, (error or "").strip().splitlines()[-1] if error else "")
         else:
@@ -495,49 +538,95 @@ class _Run:
         if not jobs:
             return
         now = time.time()
-        for job in jobs:
-            job.trial.status = TrialStatus.RUNNING
-            job.trial.started_at = now
-            self.db.update_trial(job.trial)
+        with self.db.transaction():  # one commit for the group
+            for job in jobs:
+                job.trial.status = TrialStatus.RUNNING
+                job.trial.started_at = now
+                self.db.update_trial(job.trial)
         executor.run_group(jobs, self.evaluator, self)
 
+    def _seed(self, seed: int) -> None:
+        """``torch.manual_seed(seed)``: the same state, minus its cost where only the CPU has a generator."""
+        if self.cpu_only:
+            torch.default_generator.manual_seed(int(seed))
+        else:
+            torch.manual_seed(seed)
+
     def _instantiate(self, trial: Trial) -> Any:
-        """Build the trial's model structure and fingerprint it, cheaply: on the meta device where
-        the space allows (no weights initialised), so duplicates and constraint violations never
-        pay for initialisation. Returns the structure (possibly already a real model)."""
+        """Fingerprint the trial's model structure and count its parameters. Returns the model if
+        one was built (``None`` when the sample's structure was known: :meth:`_materialize` builds it).
+
+        A restricted sample seen before in this run costs no build where the structure is a function
+        of the sample (:func:`_structure_cached`; the first hits are checked by building anyway).
+        Otherwise the model is built once, for real, under the trial's seed, and traced: that is
+        the model that trains, and for small models a real build is cheaper than one on the meta
+        device (whose device mode intercepts every torch call). The structure is built on the meta
+        device first only where initialising would often be wasted: with constraints on parameters
+        or FLOPs, or when more than 1 in 10 built samples turned out to be duplicates."""
         from ..graph import trace
 
+        restricted = self.space.restrict(trial.sample)
         if not getattr(self.evaluator, "needs_model", True):
-            trial.fingerprint = "sample:" + json.dumps(self.space.restrict(trial.sample), sort_keys=True)
+            trial.fingerprint = "sample:" + json.dumps(restricted, sort_keys=True)
             return None
-        torch.manual_seed(trial.seed)  # a mutator space builds real weights here: make them the trial's
-        structure = self.space.freeze(self.space.restrict(trial.sample), check=False, device="meta")
+        key = known = None
+        if self.structures is not None:
+            try:
+                key = json.dumps(restricted, sort_keys=True)
+            except (TypeError, ValueError):  # a value JSON cannot write: no caching for it
+                key = None
+            known = self.structures.get(key) if key is not None else None
+            if known is not None and self.unverified_hits <= 0:
+                self.structures.move_to_end(key)
+                trial.fingerprint, trial.info["params"] = known
+                self._add_flops(trial, None)
+                return None
+        meta = self.meta_first or (self.builds >= 10 and self.built_duplicates * 10 > self.builds)
+        self._seed(trial.seed)  # a real build (also a mutator space's) makes the trial's weights
+        structure = self.space.freeze(restricted, check=False, device="meta" if meta else None)
         inputs = self.space.example_inputs
         on_meta = any(p.is_meta for p in structure.parameters())
         if inputs is not None and on_meta:
             inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
         graph = trace(structure, inputs)
         trial.fingerprint = graph.fingerprint()
-        trial.info["params"] = sum(p.numel() for p in structure.parameters())
-        if self.wants_flops:
-            # A forward pass for shapes: only when a constraint or objective reads FLOPs, and once
-            # per structure (identical structures have identical FLOPs).
-            if trial.fingerprint not in self.flops:
-                try:
-                    self.flops[trial.fingerprint] = graph.flops()
-                except Exception:  # an op the pass does not know must not fail the trial
-                    self.flops[trial.fingerprint] = None
-            if self.flops[trial.fingerprint] is not None:
-                trial.info["flops"] = self.flops[trial.fingerprint]
+        trial.info["params"] = params = sum(p.numel() for p in structure.parameters())
+        self._add_flops(trial, graph)
+        if not on_meta:
+            self.builds += 1
+        if key is not None and self.structures is not None:
+            if known is None:
+                self.structures[key] = (trial.fingerprint, params)
+                if len(self.structures) > _STRUCTURE_CACHE_SIZE:
+                    self.structures.popitem(last=False)
+            elif known == (trial.fingerprint, params):
+                self.unverified_hits -= 1
+            else:
+                log.info("the space %s gave sample %s two structures: its structure depends on more than the "
+                         "sample (random or global state), so every trial builds its model", type(self.space).__name__, key)
+                self.structures = None
         return structure
+
+    def _add_flops(self, trial: Trial, graph: Any) -> None:
+        """FLOPs, a forward pass for shapes: only when a constraint or objective reads them, and once
+        per structure (identical structures have identical FLOPs)."""
+        if not self.wants_flops:
+            return
+        if trial.fingerprint not in self.flops and graph is not None:
+            try:
+                self.flops[trial.fingerprint] = graph.flops()
+            except Exception:  # an op the pass does not know must not fail the trial
+                self.flops[trial.fingerprint] = None
+        if self.flops.get(trial.fingerprint) is not None:
+            trial.info["flops"] = self.flops[trial.fingerprint]
 
     def _materialize(self, trial: Trial, structure: Any) -> Any:
         """The trainable model: the structure itself if it has real weights, else a seeded freeze."""
-        if structure is None:
-            return structure
+        if not getattr(self.evaluator, "needs_model", True):
+            return None
         model = structure
-        if any(p.is_meta for p in structure.parameters()):
-            torch.manual_seed(trial.seed)
+        if model is None or any(p.is_meta for p in model.parameters()):  # a known sample, or built on meta
+            self._seed(trial.seed)
             model = self.space.freeze(self.space.restrict(trial.sample), check=False)
         self._inherit(trial, model)
         if self.zoo is not None and trial.id not in self.warmed:
@@ -614,30 +703,32 @@ class _Run:
             clean = self.search_space.validate(sample)
         except InvalidSample as err:
             raise TridensError(f"strategy {type(self.strategy).__name__} proposed an invalid sample: {err}") from err
-        trial = Trial(id=-1, sample=clean, seed=0, group=self.group_index, max_steps=group.max_steps,
-                      experiment=self.name, parent=group.parent_of(sample))
-        trial = self.db.add_trial(self.name, trial)
         # Seeds follow the trial's position in its experiment (ids are global to the store).
-        trial.seed = _trial_seed(self.exp.seed, self.position)
+        trial = Trial(id=-1, sample=clean, seed=_trial_seed(self.exp.seed, self.position), group=self.group_index,
+                      max_steps=group.max_steps, experiment=self.name, parent=group.parent_of(sample))
         self.position += 1
         try:
             model = self._instantiate(trial)
         except Exception as err:
             from ._execution import _error_text
 
-            self.db.update_trial(trial)
+            self.db.add_trial(self.name, trial)
             self.finish(trial, TrialStatus.FAILED, error=str(err) if isinstance(err, (InvalidSample, InvalidSpace)) else _error_text(err))
             return None
         key = self._dedup_key(trial)
         original = self.seen.get(key)
         if original is not None:
+            if model is not None and not any(p.is_meta for p in model.parameters()):
+                self.built_duplicates += 1  # initialised for nothing (see _instantiate)
             trial.status = TrialStatus.DUPLICATE
             trial.metric = original.metric
             trial.info["duplicate_of"] = original.id
             trial.finished_at = time.time()
-            self.db.update_trial(trial)
+            self.db.add_trial(self.name, trial)
             self.strategy.tell(trial)
             return None
+        # One row, written with its fingerprint; _materialize needs the id (warm start, inheritance).
+        self.db.add_trial(self.name, trial)
         try:
             if any(c.key == "latency_ms" for c in self.exp.constraints):
                 model = self._materialize(trial, model)  # latency is measured on the real model
@@ -647,15 +738,13 @@ class _Run:
         except Exception as err:
             from ._execution import _error_text
 
-            self.db.update_trial(trial)
             self.finish(trial, TrialStatus.FAILED, error=_error_text(err))
             return None
         if violation:
-            self.db.update_trial(trial)
             self.finish(trial, TrialStatus.FAILED, error=f"constraint violated: {violation}")
             self.seen.setdefault(key, trial)  # the same model would violate it again
             return None
-        self.db.update_trial(trial)
+        # What _materialize added (warm start, inheritance) is written by _run_jobs, next.
         return Job(trial, model, group.max_steps)
 
 

@@ -47,6 +47,7 @@ _UPDATE_TRIAL = (
     "group_id = ?, max_steps = ?, info = ?, parent = ?, started_at = ?, finished_at = ?, error = ? "
     "WHERE id = ?")
 _INSERT_METRIC = "INSERT OR REPLACE INTO metrics (trial_id, name, step, value) VALUES (?, ?, ?, ?)"
+_INSERT_CHECKPOINT = "INSERT OR REPLACE INTO checkpoints (trial_id, kind, path, saved_at) VALUES (?, ?, ?, ?)"
 
 
 def _json_default(obj: Any) -> Any:
@@ -109,6 +110,7 @@ class Store:
         self._lock = threading.RLock()
         self._depth = 0
         self._experiment_ids: dict[str, int] = {}
+        self._made_dirs: set[Path] = set()  # checkpoint folders known to exist (one mkdir each)
         self._orphans: list[sqlite3.Connection] = []
         self._conn: sqlite3.Connection | None = self._open()
         self._pid = os.getpid()
@@ -436,17 +438,21 @@ class Store:
     def update_trial(self, trial: Trial) -> None:
         """Write every field of ``trial`` (found by ``.id``) except ``.metrics`` and ``.checkpoint``,
         which :meth:`add_metrics` and :meth:`save_checkpoint` write."""
-        metric, metric_nan = _float_or_nan(trial.metric)
-        values = (self._json(trial.sample, f"the sample of trial {trial.id}"), trial.fingerprint, int(trial.seed),
-                  TrialStatus(trial.status).value, metric, metric_nan, trial.group, trial.max_steps,
-                  self._json(trial.info, f"the info of trial {trial.id}"), trial.parent, trial.started_at,
-                  trial.finished_at, trial.error, trial.id)
+        values = self._trial_values(trial)
         with self._writing(f"updating trial {trial.id}", single=True,
                            integrity=f"cannot update trial {trial.id}: its parent trial {trial.parent} is not "
                                      f"in the store {self.path}") as conn:
             cur = conn.execute(_UPDATE_TRIAL, values)
         if cur.rowcount == 0:
             raise StoreError(f"no trial with id {trial.id} in the store {self.path} (add it with add_trial first)")
+
+    def _trial_values(self, trial: Trial) -> tuple[Any, ...]:
+        """The parameters of ``_UPDATE_TRIAL`` for ``trial``."""
+        metric, metric_nan = _float_or_nan(trial.metric)
+        return (self._json(trial.sample, f"the sample of trial {trial.id}"), trial.fingerprint, int(trial.seed),
+                TrialStatus(trial.status).value, metric, metric_nan, trial.group, trial.max_steps,
+                self._json(trial.info, f"the info of trial {trial.id}"), trial.parent, trial.started_at,
+                trial.finished_at, trial.error, trial.id)
 
     def add_metrics(self, trial_id: int, step: int, values: Mapping[str, float]) -> None:
         """Record the values of one step (epoch) of a trial: ``{name: value}``. Writing a step again
@@ -542,6 +548,54 @@ class Store:
         >>> p.name, store.load_checkpoint(p)["w"].tolist()
         ('trial-1.pt', [1.0, 1.0])
         """
+        rel = self._checkpoint_rel(trial_id, kind, state, None)
+        final = self._write_checkpoint_file(trial_id, rel, state)
+        with self._writing(f"recording the checkpoint of trial {trial_id}", single=True,
+                           integrity=f"no trial with id {trial_id} in the store {self.path}") as conn:
+            conn.execute(_INSERT_CHECKPOINT, (trial_id, kind, rel, time.time()))
+        return final
+
+    def finish_trial(self, trial: Trial, state: Any = None, *, kind: str = "final") -> Path | None:
+        """Write a finished trial: first its checkpoint file (when ``state`` is given, as
+        :meth:`save_checkpoint`), then, in one transaction, the checkpoint's row and every field
+        of ``trial`` (as :meth:`update_trial`). So a trial whose row says it is done always has its
+        checkpoint on disk, and both rows commit together. Returns the checkpoint's path (also set
+        as ``trial.checkpoint``), or ``None`` without ``state``.
+
+        >>> import tempfile, os, torch
+        >>> from tridens.trial import Trial, TrialStatus
+        >>> store = Store(os.path.join(tempfile.mkdtemp(), "t.db"))
+        >>> _ = store.create_experiment("e")
+        >>> t = store.add_trial("e", Trial(id=-1, sample={}, seed=0))
+        >>> t.status, t.metric = TrialStatus.COMPLETED, 0.5
+        >>> store.finish_trial(t, {"w": torch.ones(2)}).name
+        'trial-1.pt'
+        >>> store.trial(t.id).status, store.trial(t.id).checkpoint == t.checkpoint
+        (<TrialStatus.COMPLETED: 'completed'>, True)
+        """
+        if state is None:
+            self.update_trial(trial)
+            return None
+        rel = self._checkpoint_rel(trial.id, kind, state, trial.experiment)
+        final = self._write_checkpoint_file(trial.id, rel, state)
+        values = self._trial_values(trial)
+        eid = None if trial.experiment is None else self._experiment_id(trial.experiment)
+        with self._writing(f"finishing trial {trial.id}",
+                           integrity=f"cannot finish trial {trial.id}: its parent trial {trial.parent} is not "
+                                     f"in the store {self.path}") as conn:
+            if eid is None:
+                cur = conn.execute(_UPDATE_TRIAL, values)
+            else:  # the folder was named after trial.experiment: the row must belong to it
+                cur = conn.execute(_UPDATE_TRIAL + " AND experiment_id = ?", (*values, eid))
+            if cur.rowcount == 0:
+                raise StoreError(f"no trial with id {trial.id} in experiment {trial.experiment!r} of the store "
+                                 f"{self.path}")
+            conn.execute(_INSERT_CHECKPOINT, (trial.id, kind, rel, time.time()))
+        trial.checkpoint = str(final)
+        return final
+
+    def _checkpoint_rel(self, trial_id: int, kind: str, state: Any, experiment: str | None) -> str:
+        """Checks a checkpoint and names its file, relative to ``files_dir``."""
         import torch
 
         if not isinstance(kind, str) or not _NAME_RE.fullmatch(kind):
@@ -549,16 +603,28 @@ class Store:
         if self.readonly:
             raise StoreError(f"the store {self.path} is open read-only; cannot save a checkpoint of trial {trial_id}")
         _check_state(state, "the checkpoint state", torch)
-        with self._reading(f"finding trial {trial_id}") as conn:
-            row = conn.execute("SELECT e.name FROM trials t JOIN experiments e ON e.id = t.experiment_id "
-                               "WHERE t.id = ?", (trial_id,)).fetchone()
-        if row is None:
-            raise StoreError(f"no trial with id {trial_id} in the store {self.path}; cannot save its checkpoint")
-        rel = f"{row[0]}/trial-{trial_id}.pt" if kind == "final" else f"{row[0]}/trial-{trial_id}-{kind}.pt"
+        if experiment is None or not _NAME_RE.fullmatch(experiment):
+            with self._reading(f"finding trial {trial_id}") as conn:
+                row = conn.execute("SELECT e.name FROM trials t JOIN experiments e ON e.id = t.experiment_id "
+                                   "WHERE t.id = ?", (trial_id,)).fetchone()
+            if row is None:
+                raise StoreError(f"no trial with id {trial_id} in the store {self.path}; cannot save its checkpoint")
+            experiment = row[0]
+        return f"{experiment}/trial-{trial_id}.pt" if kind == "final" else f"{experiment}/trial-{trial_id}-{kind}.pt"
+
+    def _write_checkpoint_file(self, trial_id: int, rel: str, state: Any) -> Path:
+        """Write the file atomically (a temporary file, then ``os.replace``). With
+        ``synchronous="NORMAL"`` it is not fsynced, like the database's own commits in WAL mode:
+        both survive a crash of the process (the data sit in the OS page cache), neither
+        necessarily a power loss; ``"FULL"`` fsyncs the file and its folder, as SQLite then does."""
+        import torch
+
         final = self.files_dir / rel
         tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            final.parent.mkdir(parents=True, exist_ok=True)
+            if final.parent not in self._made_dirs:
+                final.parent.mkdir(parents=True, exist_ok=True)
+                self._made_dirs.add(final.parent)
             with open(tmp, "wb") as f:
                 torch.save(state, f)
                 if self.synchronous == "FULL":
@@ -572,13 +638,10 @@ class Store:
                 finally:
                     os.close(fd)
         except OSError as e:
+            self._made_dirs.discard(final.parent)  # removed behind our back? make it again next time
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise StoreError(f"cannot write the checkpoint {final} of trial {trial_id}: {e}") from e
-        with self._writing(f"recording the checkpoint of trial {trial_id}", single=True,
-                           integrity=f"no trial with id {trial_id} in the store {self.path}") as conn:
-            conn.execute("INSERT OR REPLACE INTO checkpoints (trial_id, kind, path, saved_at) VALUES (?, ?, ?, ?)",
-                         (trial_id, kind, rel, time.time()))
         return final
 
     def load_checkpoint(self, path: str | os.PathLike[str], *, map_location: Any = "cpu") -> Any:
