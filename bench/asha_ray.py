@@ -23,8 +23,8 @@ little: the table shows them, and the wall time per trained epoch.
 
 For both Ray systems ``ray.init(num_cpus=2)`` is timed apart ("init s"); "search s" is the search
 itself. CPU-seconds are those of the whole process tree of the measured run (driver, Ray's daemons
-and workers): the benchmark driver is made a child subreaper, so Ray's orphaned processes are
-reaped by it and counted by ``getrusage(RUSAGE_CHILDREN)``. Every run is a fresh process with
+and workers), sampled from /proc every 0.1 s; the benchmark driver is a child subreaper, so Ray's
+orphaned processes stay in that tree. Every run is a fresh process with
 ``OMP_NUM_THREADS=1``; systems are interleaved, medians reported.
 
     .venv/bin/python bench/asha_ray.py                  # 3 interleaved rounds
@@ -38,10 +38,10 @@ import argparse
 import ctypes
 import json
 import os
-import resource
 import signal
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -211,23 +211,34 @@ def one(name: str) -> dict[str, Any]:
 
 # -- the measuring driver -----------------------------------------------------------------------------
 def _become_subreaper() -> None:
-    """Orphans of our descendants (Ray's workers once its daemons stop) are re-parented to us, so
-    reaping them adds their CPU time to RUSAGE_CHILDREN."""
+    """Orphans of our descendants (Ray's workers once its daemons stop) are re-parented to us and
+    stay in the tree we sample."""
     PR_SET_CHILD_SUBREAPER = 36
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-def _children() -> list[int]:
-    me, out = os.getpid(), []
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _tree_cpu() -> dict[int, float]:
+    """CPU seconds (user + system) of every live descendant of this process, from /proc."""
+    parent, cpu = {}, {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[1]) == me:
-                    out.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass
+            except OSError:
+                continue
+            parent[int(entry)] = int(fields[1])
+            cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / _TICK
+    me, out = os.getpid(), {}
+    for pid in cpu:
+        p, seen = pid, 0
+        while p in parent and p != me and seen < 64:
+            p, seen = parent[p], seen + 1
+        if p == me and pid != me:
+            out[pid] = cpu[pid]
     return out
 
 
@@ -241,7 +252,7 @@ def _reap_all(grace: float = 30.0) -> int:
             return killed
         if pid == 0:
             if time.monotonic() > deadline:
-                for child in _children():
+                for child in _tree_cpu():
                     os.kill(child, signal.SIGKILL)
                     killed += 1
                 deadline = time.monotonic() + grace
@@ -249,13 +260,30 @@ def _reap_all(grace: float = 30.0) -> int:
 
 
 def measure(script: str, name: str, env: dict[str, str]) -> dict[str, Any]:
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    """One run in a fresh process; CPU seconds of its whole process tree, sampled every 0.1 s from
+    /proc (Ray's raylet reaps its workers without accounting, so getrusage(RUSAGE_CHILDREN) misses
+    them; a process's last < 0.1 s before it exits can be missed here)."""
+    last: dict[int, float] = {}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            last.update(_tree_cpu())
+            time.sleep(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     t0 = time.perf_counter()
-    result = C.run_worker(script, ["--one", name], env=env, timeout=1800)
-    result["process_s"] = time.perf_counter() - t0
+    try:
+        result = C.run_worker(script, ["--one", name], env=env, timeout=1800)
+    finally:
+        result_s = time.perf_counter() - t0
+        done.set()
+        sampler.join()
+    result["process_s"] = result_s
     result["killed_leftovers"] = _reap_all()
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    result["cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    result["cpu_s"] = sum(last.values())
+    result["processes"] = len(last)
     return result
 
 

@@ -251,7 +251,6 @@ class _Track:
     decisions: dict[int, Decision] = field(default_factory=dict)
     last_value: float | None = None
     started: float = math.inf                 # when the current attempt's worker started
-    pids: list[int] = field(default_factory=list)
     deaths: list[str] = field(default_factory=list)
 
 
@@ -279,6 +278,7 @@ class RayExecutor(Executor):
         self.cpus_per_trial = cpus_per_trial
         self._started_ray = False
         self._hub: Any = None
+        self._evaluator: tuple[Any, Any] | None = None  # (evaluator, its object ref): one copy for all groups
 
     # -- Ray ---------------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -294,7 +294,7 @@ class RayExecutor(Executor):
             else:
                 options["address"] = self.address
             ray.init(**options)
-            self._started_ray = self.address is None
+            self._started_ray = True  # ours to stop (a local Ray) or to disconnect from (a cluster)
         self._hub = _Hub.remote()
 
     def _resources(self) -> dict[str, float]:
@@ -311,6 +311,7 @@ class RayExecutor(Executor):
             except Exception:  # Ray already gone (a cluster that went away): nothing to release
                 pass
             self._hub = None
+        self._evaluator = None
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
         self._started_ray = False
@@ -319,7 +320,9 @@ class RayExecutor(Executor):
     def run_group(self, jobs: Sequence[Job], evaluator: Evaluator, hooks: GroupHooks) -> None:
         self._connect()
         storage = _Storage(os.fspath(self.storage))  # type: ignore[arg-type]
-        evaluator_ref = ray.put(evaluator)
+        if self._evaluator is None or self._evaluator[0] is not evaluator:
+            self._evaluator = (evaluator, ray.put(evaluator))  # its datasets travel to the object store once
+        evaluator_ref = self._evaluator[1]
         resources = self._resources()
         queue = [_Track(job) for job in jobs]
         running: dict[int, _Track] = {}   # trial id -> track
@@ -360,7 +363,6 @@ class RayExecutor(Executor):
             return  # a message of a worker already given up on
         if kind == "started":
             track.started = time.monotonic()
-            track.pids.append(message[3])
             track.job.trial.info["ray"] = {"pid": message[3], "node": message[4], "attempt": attempt}
             return
         _, _, _, step, metrics, last, seconds = message
