@@ -159,7 +159,10 @@ def child(args: argparse.Namespace) -> None:
             units, rest = _batching.plan_batching(jobs, ev)
             fused = sum(len(u.jobs) for u in units)
             key = next(iter(_batching._SPEEDUPS.values()), None)
+            eff = next(iter(_batching._EFFICIENCY.values()), None)
             decision = (f"fused {fused}" if fused else "separate") + (f" (measured {key:.2f}x)" if key else "")
+            if eff and not key:  # decided by the roofline pre-check, without timing fused steps
+                decision += f" (one model at {100 * eff[0]:.0f}% of peak)"
             decision += "".join(f", {u.member.engine}" for u in units if isinstance(u, _batching.BatchedUnit))
             if rest:
                 units.append(SeparateUnit(rest, ev))
