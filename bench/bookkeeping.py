@@ -6,29 +6,35 @@ values each (65,536 samples, so random samples never repeat), an objective that 
 * ``tridens``          -- ``td.Experiment`` over a ``tnn.ModelSpace`` (an MLP whose four widths are
                           the labels), ``FunctionalEvaluator(lambda model, **hp: 0.5)``,
                           ``td.strategy.Random()``, a real SQLite store in a temporary directory.
-                          Per trial the engine builds the structure (meta device), traces it
-                          (torch.fx), fingerprints it, builds the real model under the trial's
-                          seed, runs the function, saves its weights and writes the trial to the
-                          store (FLOPs only when a constraint or objective reads them).
+                          Per trial the engine builds the model under the trial's seed (once),
+                          traces it (torch.fx), fingerprints it, dedups, runs the function, saves
+                          its weights and writes the trial to the store (FLOPs only when a
+                          constraint or objective reads them; a sample seen before would skip
+                          the build and trace, but random samples here never repeat).
 * ``tridens-nomodel``  -- the same with an evaluator that declares ``needs_model = False`` (like
                           ``Tabular``): no model is built, so this is the store + strategy + dedup
                           cost alone, the part comparable to what Optuna does.
 * ``optuna-memory``    -- ``study.optimize`` with ``RandomSampler``, in-memory storage.
 * ``optuna-sqlite``    -- the same with ``sqlite:///`` storage in a temporary directory.
 * ``tridens-omp1``     -- ``tridens`` in a process started with ``OMP_NUM_THREADS=1``.
+* ``tridens-before``   -- ``tridens`` importing the package from ``--before-src DIR`` (e.g. a
+                          ``git archive`` snapshot of an older commit), to measure a change.
 * ``ray``              -- Ray Tune: ``ray.init(num_cpus=2)`` (timed apart), ``tune.Tuner`` with a
                           function trainable returning ``{"score": 0.5}``, ``num_samples=N``,
                           ``reuse_actors=True`` (its best setting for short trials).
 * ``ray-default``      -- the same with Tune's default (one new actor process per trial): about
                           2.5 s per trial here, so it runs ``--ray-default-trials`` (25) per round.
 
-Every (system, round) is a fresh process; rounds are interleaved and the table shows medians.
+Every (system, round) is a fresh process; rounds are interleaved and the table shows medians of
+wall time and of the driver process's CPU time (``time.process_time``: all its threads; Ray's
+worker processes are not in it).
 Then ``--memory`` runs 5,000 tridens trials in one process and reports RSS before, during, after.
 
     .venv/bin/python bench/bookkeeping.py                  # 5 rounds, 500 trials (ray-default: 25), memory run
     .venv/bin/python bench/bookkeeping.py --quick          # 2 rounds, 100 trials (ray-default: 10), no memory run
     .venv/bin/python bench/bookkeeping.py --breakdown      # where tridens' time per trial goes
     .venv/bin/python bench/bookkeeping.py --one tridens --trials 500   # one measurement (JSON)
+    .venv/bin/python bench/bookkeeping.py --before-src /tmp/old/src   # adds tridens-before
 """
 
 from __future__ import annotations
@@ -121,11 +127,12 @@ def _tridens_experiment(n: int, store: str, *, model: bool, fn=_trivial):
 def one_tridens(n: int, *, model: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
         exp = _tridens_experiment(n, os.path.join(d, "bench.db"), model=model)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         exp.run()
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         statuses = Counter(t.status.name for t in exp.trials())
-    return {"trials": n, "seconds": seconds, "ms_per_trial": seconds / n * 1e3, "statuses": dict(statuses)}
+    return {"trials": n, "seconds": seconds, "ms_per_trial": seconds / n * 1e3, "cpu_ms_per_trial": cpu / n * 1e3,
+            "statuses": dict(statuses), "source": C.source()}
 
 
 # -- optuna -----------------------------------------------------------------------------------------
@@ -141,13 +148,13 @@ def one_optuna(n: int, *, sqlite: bool) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as d:
         storage = f"sqlite:///{os.path.join(d, 'optuna.db')}" if sqlite else None
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         study = optuna.create_study(direction="maximize", storage=storage, study_name="bookkeeping",
                                     sampler=optuna.samplers.RandomSampler(seed=0))
         study.optimize(objective, n_trials=n)
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         done = len(study.trials)
-    return {"trials": done, "seconds": seconds, "ms_per_trial": seconds / n * 1e3}
+    return {"trials": done, "seconds": seconds, "ms_per_trial": seconds / n * 1e3, "cpu_ms_per_trial": cpu / n * 1e3}
 
 
 # -- ray tune ---------------------------------------------------------------------------------------
@@ -172,13 +179,14 @@ def one_ray(n: int, *, reuse: bool) -> dict[str, Any]:
                 tune_config=tune.TuneConfig(num_samples=n, metric="score", mode="max", reuse_actors=reuse),
                 run_config=tune.RunConfig(storage_path=d, name="bookkeeping", verbose=0),
             )
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             results = tuner.fit()
-            seconds = time.perf_counter() - t0
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
             done = len(results)
     finally:
         ray.shutdown()
-    return {"trials": done, "seconds": seconds, "ms_per_trial": seconds / n * 1e3, "init_s": init_s}
+    return {"trials": done, "seconds": seconds, "ms_per_trial": seconds / n * 1e3, "cpu_ms_per_trial": cpu / n * 1e3,
+            "init_s": init_s}
 
 
 # -- memory -----------------------------------------------------------------------------------------
@@ -225,26 +233,30 @@ def breakdown(n: int) -> dict[str, Any]:
     from tridens.strategy import Random
 
     spent: dict[str, float] = defaultdict(float)
+    cpu: dict[str, float] = defaultdict(float)
     calls: Counter[str] = Counter()
 
     def wrap(owner, attr, name):
+        if not hasattr(owner, attr):  # an older engine (--before-src) may lack it
+            return
         original = getattr(owner, attr)
 
         def timed(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 return original(*args, **kwargs)
             finally:
                 spent[name] += time.perf_counter() - t0
+                cpu[name] += time.process_time() - c0
                 calls[name] += 1
         setattr(owner, attr, timed)
 
     space = _tridens_space()
     cls = type(space)
     # nested phases are reported inside their parent, so the top level sums to the total
-    wrap(E._Run, "_instantiate", "instantiate (structure: freeze + trace + fingerprint)")
-    if hasattr(E._Run, "_materialize"):
-        wrap(E._Run, "_materialize", "materialize (the trainable model: a seeded real freeze)")
+    wrap(E._Run, "_instantiate", "instantiate (seeded freeze + trace + fingerprint)")
+    wrap(E._Run, "_materialize", "materialize (a second, seeded freeze if the first was on meta)")
+    wrap(E._Run, "_seed", "  engine's torch seeding")
     wrap(cls, "freeze", "  freeze (every call, under either phase above)")
     wrap(G, "trace", "  trace (torch.fx)")
     wrap(G.Graph, "fingerprint", "  fingerprint")
@@ -254,6 +266,8 @@ def breakdown(n: int) -> dict[str, Any]:
     wrap(Store, "update_trial", "store.update_trial")
     wrap(Store, "add_metrics", "store.add_metrics")
     wrap(Store, "save_checkpoint", "store.save_checkpoint")
+    wrap(Store, "finish_trial", "store.finish_trial (checkpoint file + one transaction)")
+    wrap(Store, "_write_checkpoint_file", "  checkpoint file (torch.save, os.replace)")
     wrap(Random, "ask", "strategy.ask")
     wrap(Random, "tell", "strategy.tell")
     wrap(Random, "report", "strategy.report")
@@ -262,16 +276,17 @@ def breakdown(n: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
         exp = E.Experiment(space, FunctionalEvaluator(_trivial), Random(), max_trials=n,
                            store=os.path.join(d, "bench.db"), name="bookkeeping", verbose=False)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         exp.run()
-        total = time.perf_counter() - t0
-    return {"trials": n, "total_ms_per_trial": total / n * 1e3,
-            "phases": {k: v / n * 1e3 for k, v in spent.items()}, "calls": dict(calls)}
+        total, total_cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"trials": n, "total_ms_per_trial": total / n * 1e3, "total_cpu_ms_per_trial": total_cpu / n * 1e3,
+            "phases": {k: v / n * 1e3 for k, v in spent.items()},
+            "cpu_phases": {k: v / n * 1e3 for k, v in cpu.items()}, "calls": dict(calls)}
 
 
 # -- driver -----------------------------------------------------------------------------------------
 def one(name: str, n: int) -> dict[str, Any]:
-    if name in ("tridens", "tridens-omp1"):
+    if name in ("tridens", "tridens-omp1", "tridens-before"):
         return one_tridens(n, model=True)
     if name == "tridens-nomodel":
         return one_tridens(n, model=False)
@@ -302,6 +317,7 @@ def main() -> None:
     p.add_argument("--breakdown", action="store_true", help="only the per-phase breakdown of tridens")
     p.add_argument("--one", help="run one system once in this process and print its JSON")
     p.add_argument("--json", help="write all raw results here")
+    p.add_argument("--before-src", help="also run tridens-before: tridens imported from this src folder")
     args = p.parse_args()
     trials = args.trials or (100 if args.quick else 500)
     ray_trials = args.ray_trials or trials
@@ -325,13 +341,21 @@ def main() -> None:
     if args.breakdown:
         res = [C.run_worker(script, ["--breakdown", "--trials", str(trials)], env=worker_env) for _ in range(rounds)]
         raw["breakdown"] = res
-        phases = sorted({k for r in res for k in r["phases"]}, key=lambda k: -C.median(r["phases"].get(k, 0) for r in res))
-        print(f"\ntridens, {trials} trivial trials, time per trial by phase (median of {rounds} runs, ms):")
-        rows = [[k, C.median(r["phases"].get(k, 0.0) for r in res)] for k in phases]
-        rows.append(["total (exp.run)", C.median(r["total_ms_per_trial"] for r in res)])
-        print(C.table(["phase", "ms/trial"], rows))
+        phases = sorted({k for r in res for k in r["phases"]}, key=lambda k: -C.median(r["cpu_phases"].get(k, 0) for r in res))
+        print(f"\ntridens, {trials} trivial trials, time per trial by phase (median of {rounds} runs, ms; "
+              "nested phases are indented):")
+        rows = [[k, C.median(r["phases"].get(k, 0.0) for r in res), C.median(r["cpu_phases"].get(k, 0.0) for r in res),
+                 C.median(r["calls"].get(k, 0) for r in res) / trials] for k in phases]
+        rows.append(["total (exp.run)", C.median(r["total_ms_per_trial"] for r in res),
+                     C.median(r["total_cpu_ms_per_trial"] for r in res), 1.0])
+        print(C.table(["phase", "wall ms/trial", "CPU ms/trial", "calls/trial"], rows))
     else:
         systems = [s for s in args.systems.split(",") if s]
+        if args.before_src:
+            WORKER_ENV["tridens-before"] = {"PYTHONPATH": os.path.abspath(args.before_src),
+                                            "BENCH_SOURCE_LABEL": os.path.abspath(args.before_src)}
+            if "tridens-before" not in systems:
+                systems.insert(1, "tridens-before")
         if not args.memory:
             def run_one(name: str, r: int) -> dict[str, Any]:
                 n = {"ray": ray_trials, "ray-default": ray_default_trials}.get(name, trials)
@@ -340,18 +364,26 @@ def main() -> None:
             res = C.interleave(systems, rounds, run_one)
             raw["per_trial"] = res
             base = C.median(r["ms_per_trial"] for r in res.get("tridens", [])) if "tridens" in res else float("nan")
+            base_cpu = C.median(r["cpu_ms_per_trial"] for r in res.get("tridens", [])) if "tridens" in res else float("nan")
             rows = []
             for name in systems:
                 ms = [r["ms_per_trial"] for r in res[name]]
-                rows.append([name, res[name][0]["trials"], C.median(ms), min(ms), max(ms), C.median(ms) / base])
+                cpu_ms = [r["cpu_ms_per_trial"] for r in res[name]]
+                paired = [a["ms_per_trial"] / b["ms_per_trial"] for a, b in zip(res[name], res.get("tridens", []))]
+                rows.append([name, res[name][0]["trials"], C.median(ms), min(ms), max(ms), C.median(paired),
+                             C.median(cpu_ms), C.median(cpu_ms) / base_cpu])
             print(f"\nbookkeeping per trivial trial, median of {rounds} interleaved rounds:")
-            print(C.table(["system", "trials/run", "ms/trial (median)", "min", "max", "x tridens"], rows))
+            print(C.table(["system", "trials/run", "wall ms/trial", "min", "max", "paired x tridens",
+                           "driver CPU ms/trial", "CPU x tridens"], rows))
+            for name in systems:
+                if "source" in res[name][0]:
+                    print(f"{name}: tridens from {res[name][0]['source']}")
             for name in ("ray", "ray-default"):
                 if name in res:
                     print(f"{name}: ray.init(num_cpus=2), not counted above: median {C.median(r['init_s'] for r in res[name]):.2f} s")
             if "tridens" in res:
                 verdict = "meets" if base <= TARGET_MS else "MISSES"
-                print(f"tridens: {base:.2f} ms/trial -> {verdict} the {TARGET_MS} ms target")
+                print(f"tridens: {base:.2f} ms/trial wall ({base_cpu:.2f} ms CPU) -> {verdict} the {TARGET_MS} ms target")
         if (args.memory or not (args.quick or args.no_memory)) and "tridens" in systems:
             m = C.run_worker(script, ["--memory", "--memory-trials", str(args.memory_trials)], env=worker_env)
             raw["memory"] = m
