@@ -80,7 +80,7 @@ class MLPSpace(tnn.ModelSpace):
 
     def __init__(self):
         super().__init__()
-        h = td.choice("hidden", [4, 64, 128])
+        h = td.choice("hidden", [4, 64, 512])
         self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, h), nn.ReLU(), nn.Linear(h, 10))
         self.example_inputs = (torch.zeros(2, 1, 8, 8),)
 
@@ -108,7 +108,7 @@ class Groups(td.strategy.Strategy):
 def _pair(tmp_path, digits_data, groups, name, **kw):
     """The same search in-process and on the pool with Fluid; returns both trial lists."""
     train, val = digits_data
-    ev = td.evaluators.Classification(train=train, val=val, epochs=td.choice("epochs", [1, 2, 4, 6]),
+    ev = td.evaluators.Classification(train=train, val=val, epochs=td.choice("epochs", [1, 2, 12]),
                                       batch_size=96, optimizer="adam", lr=0.01)
     out = []
     for executor in ("inline", "process"):
@@ -135,10 +135,14 @@ def test_one_trial_spans_both_workers_with_ddp_and_trains_as_in_one_process(tmp_
 
 
 def test_dynamic_fluid_packs_then_widens_a_trial_and_trains_as_in_one_process(tmp_path, digits_data):
-    group = [{"hidden": 128, "epochs": 6}, {"hidden": 4, "epochs": 1}, {"hidden": 64, "epochs": 1}]
-    inline, fluid = _pair(tmp_path, digits_data, [group], "dyn", allocation=DynamicFluid(epsilon=0.0))
+    # The big trial trains ~50x longer than the small ones: it still has epochs left when they end.
+    group = [{"hidden": 512, "epochs": 12}, {"hidden": 4, "epochs": 1}, {"hidden": 4, "epochs": 2}]
+    # A first group starts both workers, so that neither the big trial nor the small ones get a
+    # head start from a worker that happened to start faster.
+    warm_up = [{"hidden": 64, "epochs": 1}]
+    inline, fluid = _pair(tmp_path, digits_data, [warm_up, group], "dyn", allocation=DynamicFluid(epsilon=0.0))
     _assert_same_training(inline, fluid)
-    big, small1, small2 = fluid
+    big, small1, small2 = fluid[1:]
     assert [a["share"] for a in small1.info["allocation"]] == [0.5]
     assert small1.info["allocation"][0]["workers"] == small2.info["allocation"][0]["workers"]  # packed together
     shares = [a["share"] for a in big.info["allocation"]]
