@@ -112,6 +112,7 @@ def one_search(mode: str, seed: int, trials: int, population: int = 10, dataset:
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])
     import_cpu = time.process_time() - c0
     marks: list[tuple[int, float, float | None]] = []
+    spans: list[tuple[float, float]] = []  # (started, finished) wall time of each trial in ``marks``
 
     first_ask: list[float] = []
 
@@ -125,6 +126,7 @@ def one_search(mode: str, seed: int, trials: int, population: int = 10, dataset:
             super().tell(trial)
             if trial.status in (td.TrialStatus.COMPLETED, td.TrialStatus.STOPPED):
                 marks.append((trial.id, time.process_time() - t0, trial.metric))
+                spans.append((trial.started_at, trial.finished_at))
 
     strategy = Timed(population=population, sample_size=3, batch_size=1, mutation_prob=0.3)
     with tempfile.TemporaryDirectory() as d:
@@ -136,7 +138,11 @@ def one_search(mode: str, seed: int, trials: int, population: int = 10, dataset:
         wall = time.perf_counter() - w0
         rows = exp.trials()
         warm = sum(1 for t in rows if (t.info.get("warm_start") or {}).get("parent") is not None)
-    return {"mode": mode, "seed": seed, "curve": marks, "setup_cpu_s": first_ask[0] if first_ask else 0.0, "wall_s": wall, "cpu_s": time.process_time() - t0,
+    # Epochs the run had trained when each trial's result came: every trial that had started by
+    # then (one epoch each). A group trained in lockstep delivers all its results at its end, so
+    # its first result already cost the whole group's epochs.
+    trained = [sum(1 for start, _ in spans if start <= end) for _, end in spans]
+    return {"mode": mode, "seed": seed, "curve": marks, "trained": trained, "setup_cpu_s": first_ask[0] if first_ask else 0.0, "wall_s": wall, "cpu_s": time.process_time() - t0,
             "warm_started": warm, "import_cpu_s": import_cpu}
 
 
@@ -148,10 +154,12 @@ def _run_one(mode: str, seed: int, trials: int, population: int, dataset: str = 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _first_reach(curve, target):
+def _first_reach(curve, target, trained=None):
+    """(results received, CPU-s) when a trial first reached ``target``; with ``trained``, the epochs
+    trained by then instead of the results received."""
     for n, (_, cpu, metric) in enumerate(curve, 1):
         if metric is not None and metric >= target - 1e-12:
-            return n, cpu
+            return (trained[n - 1] if trained else n), cpu
     return None, None
 
 
@@ -173,6 +181,11 @@ def search(seeds: int, trials: int, population: int, dataset: str = "digits") ->
                "warm_started": warm["warm_started"], "import_cpu_s": [cold["import_cpu_s"], warm["import_cpu_s"]],
                "wall_s": [cold["wall_s"], warm["wall_s"]]}
         row["epoch_ratio"] = cn / wn if wn else None
+        # the same, counting the epochs each run had trained when the target was first reached
+        ce, _ = _first_reach(cold["curve"], target, cold["trained"])
+        we, _ = _first_reach(warm["curve"], target, warm["trained"])
+        row["cold_epochs_trained_to_target"], row["warm_epochs_trained_to_target"] = ce, we
+        row["trained_epoch_ratio"] = ce / we if we else None
         row["cpu_ratio"] = ccpu / wcpu if wcpu else None
         # the same without the run's fixed set-up (store, space, strategy start) before the first trial
         if wcpu:
@@ -230,20 +243,21 @@ def latency(n: int = 1000, queries: int = 20, deep: bool = False) -> dict:
         build = time.perf_counter() - t
         nodes = [e.encoded.n for e in zoo]
         qs = [make(10_000 + q) for q in range(queries)]
-        t_desc, t_full, t_clu, agree = [], [], [], 0
+        t_desc, t_full, t_clu, c_full, agree = [], [], [], [], 0
         zoo.choose(zoo.scores(describe(qs[0], x)))  # warm-up
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         zoo.cluster_threshold = 200
         clusters = zoo.clusters(force=True)
-        t_cluster = time.perf_counter() - t
+        t_cluster, c_cluster = time.perf_counter() - t, time.process_time() - c
         for q in qs:
             t = time.perf_counter()
             dq = describe(q, x)
             t_desc.append(time.perf_counter() - t)
             zoo.cluster_threshold = 10**9
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             full = zoo.choose(zoo.candidates(dq))
             t_full.append(time.perf_counter() - t)
+            c_full.append(time.process_time() - c)
             zoo.cluster_threshold = 200
             t = time.perf_counter()
             via = zoo.choose(zoo.candidates(dq))
@@ -253,8 +267,8 @@ def latency(n: int = 1000, queries: int = 20, deep: bool = False) -> dict:
         med = statistics.median
         return {"zoo": n, "deep": deep, "nodes_median": med(nodes), "nodes_max": max(nodes), "build_s": build,
                 "describe_ms": med(t_desc) * 1000, "match_exhaustive_ms": med(t_full) * 1000,
-                "match_exhaustive_max_ms": max(t_full) * 1000, "match_clusters_ms": med(t_clu) * 1000,
-                "clusters": len(clusters["medoids"]), "clustering_s": t_cluster,
+                "match_exhaustive_max_ms": max(t_full) * 1000, "match_exhaustive_cpu_ms": med(c_full) * 1000, "match_clusters_ms": med(t_clu) * 1000,
+                "clusters": len(clusters["medoids"]), "clustering_s": t_cluster, "clustering_cpu_s": c_cluster,
                 "clusters_same_bucket": f"{agree}/{queries}"}
 
 
@@ -285,9 +299,12 @@ def main() -> None:
         ratios = [r["epoch_ratio"] for r in rows if r["epoch_ratio"]]
         cpu = [r["cpu_ratio"] for r in rows if r["cpu_ratio"]]
         cpu2 = [r["cpu_ratio_after_setup"] for r in rows if r.get("cpu_ratio_after_setup")]
+        trained = [r["trained_epoch_ratio"] for r in rows if r.get("trained_epoch_ratio")]
         print(json.dumps({"summary": {"dataset": args.dataset, "population": args.population,
                                       "seeds": len(rows), "epoch_ratio_median": med(ratios) if ratios else None,
                                       "epoch_ratio_mean": mean(ratios) if ratios else None,
+                                      "trained_epoch_ratio_median": med(trained) if trained else None,
+                                      "trained_epoch_ratio_mean": mean(trained) if trained else None,
                                       "cpu_ratio_median": med(cpu) if cpu else None,
                                       "cpu_ratio_mean": mean(cpu) if cpu else None,
                                       "cpu_ratio_after_setup_median": med(cpu2) if cpu2 else None,
