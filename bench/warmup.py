@@ -25,6 +25,7 @@ thread (``OMP_NUM_THREADS=1``).
     .venv/bin/python bench/warmup.py --latency-only [--deep]
     .venv/bin/python bench/warmup.py --search-only --seeds 5 --population 5
     .venv/bin/python bench/warmup.py --search-only --seeds 3 --dataset fashion
+    .venv/bin/python bench/warmup.py --widen-only    # one-epoch accuracy per widen choice
 """
 
 from __future__ import annotations
@@ -195,6 +196,62 @@ def search(seeds: int, trials: int, population: int, dataset: str = "digits") ->
     return rows
 
 
+WIDEN_PAIRS = [  # (parent sample, child sample): wider, narrower, and with conv2 changed
+    ({"width": 8, "kernel": 3, "hidden": 64, "conv2": 0}, {"width": 32, "kernel": 5, "hidden": 128, "conv2": 1}),
+    ({"width": 24, "kernel": 3, "hidden": 128, "conv2": 0}, {"width": 16, "kernel": 5, "hidden": 64, "conv2": 1}),
+    ({"width": 16, "kernel": 3, "hidden": 32, "conv2": 0}, {"width": 32, "kernel": 3, "hidden": 128, "conv2": 0}),
+    ({"width": 32, "kernel": 3, "hidden": 128, "conv2": 0}, {"width": 8, "kernel": 3, "hidden": 32, "conv2": 0}),
+]
+
+
+def widen_pairs(seeds=(2, 3)) -> list[dict]:
+    """Validation accuracy after one epoch (digits, batch 64, Adam 3e-3) of a child trained cold and
+    warm-started from a parent trained one epoch, with each ``widen`` choice of ``transfer``."""
+    import tridens as td
+    from tridens.warmup import align, describe, transfer
+
+    torch.set_num_threads(1)
+    train, val = td.datasets.digits()
+    x, y, vx, vy = train.tensors[0], train.tensors[1], val.tensors[0], val.tensors[1]
+    space = make_space()
+    ex = space.example_inputs
+
+    def build(sample, seed):
+        torch.manual_seed(seed)
+        return space.freeze(sample)
+
+    def fit(m, seed):
+        opt, g = torch.optim.Adam(m.parameters(), lr=3e-3), torch.Generator().manual_seed(seed)
+        m.train()
+        perm = torch.randperm(len(x), generator=g)
+        for i in range(0, len(x), 64):
+            idx = perm[i:i + 64]
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(x[idx]), y[idx]).backward()
+            opt.step()
+        m.eval()
+        with torch.no_grad():
+            return float((m(vx).argmax(1) == vy).float().mean())
+
+    rows = []
+    for ps, cs in WIDEN_PAIRS:
+        parent = build(ps, 1)
+        row = {"parent": ps, "child": cs, "parent_acc": fit(parent, 1)}
+        pd = describe(parent, ex)
+        for seed in seeds:
+            row[f"cold_{seed}"] = fit(build(cs, seed), seed)
+            for widen in ("replicate", "noise", "zero"):
+                child = build(cs, seed)
+                cd = describe(child, ex)
+                _, pairs = align(cd, pd)
+                new, _ = transfer(cd, pd, pairs, parent.state_dict(), child.state_dict(), widen=widen)
+                child.load_state_dict(new)
+                row[f"{widen}_{seed}"] = fit(child, seed)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def _zoo_model(i: int) -> nn.Module:
     import random
 
@@ -282,6 +339,7 @@ def main() -> None:
     ap.add_argument("--latency-only", action="store_true")
     ap.add_argument("--deep", action="store_true", help="latency with ~60-node graphs (slow clustering)")
     ap.add_argument("--search-only", action="store_true")
+    ap.add_argument("--widen-only", action="store_true", help="one-epoch accuracy of warm-started pairs per widen choice")
     ap.add_argument("--dataset", choices=["digits", "fashion"], default="digits",
                     help="fashion: Fashion-MNIST, 5,000 train / 1,000 validation images (seeded subsets)")
     args = ap.parse_args()
@@ -289,6 +347,9 @@ def main() -> None:
         print(json.dumps(one_search(args.one, args.seed, args.trials, args.population, args.dataset)))
         return
     print(f"# load average {os.getloadavg()}, torch {torch.__version__}", flush=True)
+    if args.widen_only:
+        widen_pairs()
+        return
     if not args.search_only:
         print(json.dumps({"latency": latency()}), flush=True)
         if args.deep:
