@@ -298,23 +298,30 @@ class _OneShotRun:
 
     # -- retraining the best -------------------------------------------------------------------
     def retrain(self, subnets: list[Trial], trials: list[Trial]) -> None:
+        """Train the ``retrain`` best distinct architectures (``True``: the best) from scratch."""
+        space = self.exp.space
+        k = int(self.strategy.retrain)
+        ranked: list[Trial] = []
+        for t in sorted(subnets, key=lambda t: (-self.objective.score(t.metric), t.id)):
+            if all(sample_key(space.restrict(t.sample)) != sample_key(space.restrict(r.sample)) for r in ranked):
+                ranked.append(t)
+        for best in ranked[:k]:
+            self._retrain_one(best, trials)
+
+    def _retrain_one(self, best: Trial, trials: list[Trial]) -> None:
         space, evaluator = self.exp.space, self.exp.evaluator
-        if not subnets:
-            return
-        best = max(subnets, key=lambda t: (self.objective.score(t.metric), -t.id))
         sample = space.restrict(best.sample)
-        done = next((t for t in trials if _role(t) == "retrain" and t.status is TrialStatus.COMPLETED
-                     and sample_key(space.restrict(t.sample)) == sample_key(sample)), None)
-        if done is not None:
+        key = sample_key(sample)
+        mine = [t for t in trials if _role(t) == "retrain" and sample_key(space.restrict(t.sample)) == key]
+        if any(t.status is TrialStatus.COMPLETED for t in mine):
             return
-        trial = next((t for t in trials if _role(t) == "retrain" and not t.status.finished), None)
+        trial = next((t for t in mine if not t.status.finished), None)
         if trial is None:
             trial = self.db.add_trial(self.name, Trial(
                 id=-1, sample={**sample, **self.hparams}, seed=self.seed, group=2, experiment=self.name,
                 info={"oneshot": {"role": "retrain", "strategy": type(self.strategy).__name__, "of": best.id}}))
         else:
             self.db.delete_metrics(trial.id)
-            trial.sample = {**sample, **self.hparams}
             trial.info["oneshot"]["of"] = best.id
         cpu0 = time.process_time()
         with torch.random.fork_rng(devices=[]):
@@ -337,7 +344,7 @@ class _OneShotRun:
         trial.checkpoint = str(self.db.save_checkpoint(trial.id, trainer.model.state_dict()))
         trial.status, trial.finished_at = TrialStatus.COMPLETED, time.time()
         self.db.update_trial(trial)
-        self.say("retrained the best architecture from scratch: %s = %.4f", self.objective.metric, trial.metric)
+        self.say("retrained %s from scratch: %s = %.4f", sample, self.objective.metric, trial.metric)
 
 
 def _fingerprint(model: Any, inputs: Any, sample: dict[str, Any]) -> str:

@@ -50,7 +50,8 @@ class OneShotStrategy:
       ``population`` and ``tournament`` size the evolution;
     * ``bn_batches``: training batches that recalibrate BatchNorm statistics before each subnet
       is scored;
-    * ``retrain``: train the best architecture from scratch with the evaluator, as a normal trial.
+    * ``retrain``: train the best architecture (``True``) or the ``k`` best (an int) from scratch
+      with the evaluator, each as a normal trial.
 
     Subclasses implement :meth:`begin`, :meth:`step` and may add :meth:`proposals`.
     """
@@ -59,7 +60,7 @@ class OneShotStrategy:
     arch_fraction = 0.0       # share of the training set held out for architecture updates
 
     def __init__(self, *, epochs: int | None = None, search: str = "evolution", samples: int = 64,
-                 population: int = 16, tournament: int = 4, bn_batches: int = 4, retrain: bool = False) -> None:
+                 population: int = 16, tournament: int = 4, bn_batches: int = 4, retrain: bool | int = False) -> None:
         self.epochs = epochs
         self.search = search
         self.samples = samples
@@ -80,8 +81,8 @@ class OneShotStrategy:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise _param_error(owner, name, f"an int in the range [{low}, inf)", value)
-        if not isinstance(self.retrain, bool):
-            raise _param_error(owner, "retrain", "a bool", self.retrain)
+        if not isinstance(self.retrain, (bool, int)) or self.retrain < 0:
+            raise _param_error(owner, "retrain", "a bool or an int in the range [0, inf)", self.retrain)
 
     def params(self) -> dict[str, Any]:
         return {k: v for k, v in vars(self).items() if not k.startswith("_")}
