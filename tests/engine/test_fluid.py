@@ -137,12 +137,9 @@ def test_one_trial_spans_both_workers_with_ddp_and_trains_as_in_one_process(tmp_
 def test_dynamic_fluid_packs_then_widens_a_trial_and_trains_as_in_one_process(tmp_path, digits_data):
     # The big trial trains ~50x longer than the small ones: it still has epochs left when they end.
     group = [{"hidden": 512, "epochs": 12}, {"hidden": 4, "epochs": 1}, {"hidden": 4, "epochs": 2}]
-    # A first group starts both workers, so that neither the big trial nor the small ones get a
-    # head start from a worker that happened to start faster.
-    warm_up = [{"hidden": 64, "epochs": 1}]
-    inline, fluid = _pair(tmp_path, digits_data, [warm_up, group], "dyn", allocation=DynamicFluid(epsilon=0.0))
+    inline, fluid = _pair(tmp_path, digits_data, [group], "dyn", allocation=DynamicFluid(epsilon=0.0))
     _assert_same_training(inline, fluid)
-    big, small1, small2 = fluid[1:]
+    big, small1, small2 = fluid
     assert [a["share"] for a in small1.info["allocation"]] == [0.5]
     assert small1.info["allocation"][0]["workers"] == small2.info["allocation"][0]["workers"]  # packed together
     shares = [a["share"] for a in big.info["allocation"]]

@@ -385,10 +385,19 @@ def run_fluid(executor: ProcessExecutor, jobs: Sequence[Job], evaluator: Stepwis
         torch.set_num_threads(torch_threads)
     hosts: dict[int, set[int]] = {i: set() for i in range(executor.workers)}  # slot -> trial ids on it
 
+    def leave(ft: _FluidTrial) -> None:
+        """The trial leaves its workers. Workers that ran a DDP rank are replaced: tearing a gloo
+        group down can hang in ProcessGroupGloo's destructor (seen here: a rank blocked for minutes
+        joining gloo's threads), and a worker stuck there would never read its next placement."""
+        for slot in ft.slots:
+            hosts[slot].discard(ft.job.trial.id)
+            if len(ft.slots) > 1:
+                executor.replace(slot)
+        ft.slots = ()
+
     def end(tid: int, status: TrialStatus, **kw: Any) -> None:
         ft = trials.pop(tid)
-        for slot in ft.slots:
-            hosts[slot].discard(tid)
+        leave(ft)
         sched.finish(tid)
         if ft.history:
             ft.job.trial.info["allocation"] = ft.history
@@ -432,6 +441,10 @@ def run_fluid(executor: ProcessExecutor, jobs: Sequence[Job], evaluator: Stepwis
                     end(tid, TrialStatus.FAILED, value=trials[tid].last,
                         error=f"trial {tid} was lost with worker {s} (killed because of trial(s) {victims})")
 
+    for slot in range(executor.workers):
+        # Every worker has started (and holds the evaluator) before anything is placed: the plan
+        # assumes all devices are there, and a worker still starting would hold its trials back.
+        executor.ship(executor.worker(slot), evaluator)
     timeout = hooks.trial_timeout
     while trials:
         for placement in sched.schedule():
@@ -479,17 +492,11 @@ def run_fluid(executor: ProcessExecutor, jobs: Sequence[Job], evaluator: Stepwis
                     conn.send(("decision", tid, decision.value))
             elif kind == "yielded":
                 ft.state = message[2]
-                for s in ft.slots:
-                    hosts[s].discard(tid)
                 new = sched.rescales().get(tid)
-                sched.release(tid, ft.remaining())
                 log.info("fluid: trial %d moves from %s to share %s after epoch %d", tid, ft.slots, new, ft.epochs_done)
-                ft.slots = ()
-            elif kind == "error":
-                for s in ft.slots:
-                    if s != slot and len(ft.slots) > 1:  # the other DDP ranks would wait forever
-                        executor.replace(s)
-                        hosts[s].discard(tid)
+                leave(ft)
+                sched.release(tid, ft.remaining())
+            elif kind == "error":  # (the other ranks of a DDP trial would wait forever: leave() replaces them)
                 end(tid, TrialStatus.FAILED, value=ft.last, error=message[2])
             elif kind == "done":
                 _, _, value, payload = message
@@ -621,35 +628,38 @@ def _serve_ddp(conn: Connection, message: tuple[Any, ...], evaluators: dict[int,
 
     _, tid, token, model, sample, seed, max_steps, state, rank, world, port = message
     evaluator = evaluators[token]
+    # The group is not torn down here: the driver replaces a worker once its DDP placement ends
+    # (ProcessGroupGloo's destructor can hang), so the last message must go out before anything else.
     try:
         if rank == 0:
             conn.send(("started", tid))
         _ddp.init_group(rank, world, port)
-        try:
-            trainer = _trainer(evaluator, model, sample, seed, state)
-            ddp = DistributedDataParallel(trainer.model)
-            limit = _limit(trainer, max_steps)
-            while True:
-                t0 = time.perf_counter()
-                step = trainer.epoch
-                train = _ddp.train_epoch(trainer, rank, world, ddp)
-                decision = None
+        trainer = _trainer(evaluator, model, sample, seed, state)
+        ddp = DistributedDataParallel(trainer.model)
+        limit = _limit(trainer, max_steps)
+        while True:
+            t0 = time.perf_counter()
+            step = trainer.epoch
+            train = _ddp.train_epoch(trainer, rank, world, ddp)
+            decision = None
+            if rank == 0:
+                metrics = _epoch_metrics(trainer, evaluator, train)
+                conn.send(("report", tid, step, metrics, time.perf_counter() - t0))
+                decision = _await_decision(conn, tid, pending, None, evaluators)
+            decision = _ddp.broadcast(decision, rank)
+            if decision == "drop":
+                break
+            if decision == "yield":
                 if rank == 0:
-                    metrics = _epoch_metrics(trainer, evaluator, train)
-                    conn.send(("report", tid, step, metrics, time.perf_counter() - t0))
-                    decision = _await_decision(conn, tid, pending, None, evaluators)
-                decision = _ddp.broadcast(decision, rank)
-                if decision == "drop":
-                    break
-                if decision == "yield":
-                    if rank == 0:
-                        conn.send(("yielded", tid, _state_bytes(trainer)))
-                    break
-                if decision == Decision.STOP.value or trainer.epoch >= limit:
-                    if rank == 0:
-                        conn.send(("done", tid, metrics[evaluator.objective.metric], _weights_bytes(trainer.model)))
-                    break
-        finally:
-            _ddp.close_group()
+                    conn.send(("yielded", tid, _state_bytes(trainer)))
+                break
+            if decision == Decision.STOP.value or trainer.epoch >= limit:
+                if rank == 0:
+                    conn.send(("done", tid, metrics[evaluator.objective.metric], _weights_bytes(trainer.model)))
+                break
     except Exception as err:
         conn.send(("error", tid, f"rank {rank} of {world}: " + _error_text(err)))
+    _KEEP.append(locals().get("ddp"))  # no destructor runs before the driver kills this worker
+
+
+_KEEP: list[Any] = []
