@@ -164,9 +164,9 @@ def _first_reach(curve, target, trained=None):
     return None, None
 
 
-def search(seeds: int, trials: int, population: int, dataset: str = "digits") -> list[dict]:
+def search(seeds: int, trials: int, population: int, dataset: str = "digits", first: int = 0) -> list[dict]:
     rows = []
-    for seed in range(seeds):
+    for seed in range(first, first + seeds):
         cold = _run_one("cold", seed, trials, population, dataset)
         warm = _run_one("warm", seed, trials, population, dataset)
         target = max(m for _, _, m in cold["curve"] if m is not None)
@@ -332,7 +332,7 @@ def latency(n: int = 1000, queries: int = 20, deep: bool = False) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--one", choices=["cold", "warm"])
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the (first) experiment seed")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--trials", type=int, default=50)
     ap.add_argument("--population", type=int, default=10, help="evolution population (its first group is all cold)")
@@ -355,7 +355,7 @@ def main() -> None:
         if args.deep:
             print(json.dumps({"latency": latency(queries=5, deep=True)}), flush=True)
     if not args.latency_only:
-        rows = search(args.seeds, args.trials, args.population, args.dataset)
+        rows = search(args.seeds, args.trials, args.population, args.dataset, args.seed)
         med, mean = statistics.median, statistics.mean
         ratios = [r["epoch_ratio"] for r in rows if r["epoch_ratio"]]
         cpu = [r["cpu_ratio"] for r in rows if r["cpu_ratio"]]
