@@ -28,12 +28,20 @@ One child per architecture joins a super-graph: siblings of the same architectur
 mutation) would share every inherited layer, so the later ones train apart from the parent's weights.
 
 Per-trial guarantees: metrics are reported for every child every epoch; a child whose loss turns
-NaN/inf fails before its step (the trainer checks the loss before ``backward``), so the shared
-tensors never see its gradient; a child that is stopped or fails leaves the unit at the end of an
+NaN/inf fails before its step (the trainer checks the loss before ``backward``), so that step
+never reaches the shared tensors (a diverging child's earlier finite steps do); a child that is stopped or fails leaves the unit at the end of an
 epoch -- the others keep their optimizer states, data order and shared tensors, and their results
 up to that epoch are exactly those of the run in which nobody left (later, the shared layers are
 trained by the remaining children only: that is what joint training means). Each child's
 checkpoint is its whole model's ``state_dict`` (the shared tensors' values at that moment).
+
+Measured (BENCHMARKS.md, "Weight inheritance"): on a 2-core CPU with small CNNs the merged unit is
+not faster per child than children inherited through the checkpoint and trained apart (the
+per-child inheritance, ~3% of a child's time, is still paid: the engine materializes children
+before planning; sequential steps on shared tensors share no computation), and joint training
+lowers the children's mean accuracy. The tying itself is hand-written (module attribute
+replacement): no library offers weight tying across separately built models. Not yet: a memory
+estimate for ``max_unit_memory``.
 
 >>> td.Experiment(space, evaluator, td.strategy.RegularizedEvolution(inherit_weights=True))  # doctest: +SKIP
 """
