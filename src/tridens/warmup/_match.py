@@ -30,18 +30,17 @@ def _type_id(name: str) -> int:
 
 
 class _Signatures:
-    """Every distinct node signature (type, parameter shapes) seen in this process gets an id, and
-    the MATCH score of every pair of signatures is kept in one table, grown as new signatures come.
-    A zoo holds few distinct signatures (a ResNet has ~20, a search space a few hundred), so the
-    (entries, child nodes, parent nodes) match matrices become one gather from the table instead of
-    shape arithmetic per node pair."""
+    """Every distinct node signature (type, parameter shapes) seen in this process gets an id. A zoo
+    holds few distinct signatures (a ResNet has ~20, a search space a few hundred), so the
+    (entries, child nodes, parent nodes) match matrix is a gather from a small (child signatures x
+    zoo signatures) table instead of shape arithmetic on every node pair. Only the signatures are
+    kept (linear in their number), not a table of all pairs."""
 
     def __init__(self) -> None:
         self.ids: dict[tuple, int] = {}
         self.types = np.zeros(0, dtype=np.int64)
         self.dims = np.zeros((0, P_MAX, R_MAX))
         self.ranks = np.zeros((0, P_MAX), dtype=np.int64)
-        self.table = np.zeros((1, 1))  # (S + 1, S + 1): the last row and column (id -1) are padding
 
     def id(self, type_id: int, dims: np.ndarray, ranks: np.ndarray) -> int:
         key = (type_id, dims.tobytes(), ranks.tobytes())
@@ -53,19 +52,14 @@ class _Signatures:
             self.ranks = np.concatenate([self.ranks, ranks[None]])
         return sid
 
-    def scores(self) -> np.ndarray:
-        """The (S + 1, S + 1) table, computed for the signatures added since the last call."""
-        n, old = len(self.ids), self.table.shape[0] - 1
-        if n > old:
-            table = np.zeros((n + 1, n + 1))
-            table[:old, :old] = self.table[:old, :old]
-            every = np.arange(n)
-            rows = _pair_scores(np.repeat(np.arange(old, n), n), np.tile(every, n - old), self)
-            table[old:n, :n] = rows.reshape(n - old, n)
-            cols = _pair_scores(np.repeat(every[:old], n - old), np.tile(np.arange(old, n), old), self)
-            table[:old, old:n] = cols.reshape(old, n - old)
-            self.table = table
-        return self.table
+    def table(self, child: np.ndarray, parent: np.ndarray) -> np.ndarray:
+        """(len(child) + 1, len(parent) + 1) MATCH scores of signature ids; the last row and column
+        (index -1, padding) are 0."""
+        out = np.zeros((len(child) + 1, len(parent) + 1))
+        if len(child) and len(parent):
+            c, p = np.repeat(child, len(parent)), np.tile(parent, len(child))
+            out[:-1, :-1] = _pair_scores(c, p, self).reshape(len(child), len(parent))
+        return out
 
 
 def _pair_scores(c: np.ndarray, p: np.ndarray, sig: "_Signatures") -> np.ndarray:
@@ -243,6 +237,10 @@ class Batch:
             self.sig[k, :e.n] = e.sig
             self.sig_branched[k, :e.n] = e.branched().sig
         self.any_branched = any(e.branched() is not e for e in encoded)
+        # the distinct signatures of the batch, and each node as an index into them (-1: padding)
+        self.uniq = np.unique(self.sig[self.sig >= 0])
+        self.inv = np.where(self.sig >= 0, np.searchsorted(self.uniq, self.sig), -1)
+        self.inv_branched = np.where(self.sig_branched >= 0, np.searchsorted(self.uniq, self.sig_branched), -1)
 
 
 def scores(child: Encoded, batch: Batch, budget: int = 4_000_000, branches: bool = True) -> np.ndarray:
@@ -250,24 +248,29 @@ def scores(child: Encoded, batch: Batch, budget: int = 4_000_000, branches: bool
     chunks of about ``budget`` elements of the (entries, child, parent) match matrices.
     ``branches``: also align both graphs in their branch-canonical order and keep the better score
     (the branches of a node are aligned with each other whatever order the code ran them in)."""
-    out = _scores(child.sig, child.n, batch.sig, batch, budget)
+    if child.n == 0 or len(batch.lengths) == 0:
+        return np.zeros(len(batch.lengths))
+    cu = np.unique(child.sig)
+    table = _SIGS.table(cu, batch.uniq)
+    out = _scores(np.searchsorted(cu, child.sig), child.n, batch.inv, batch, table, budget)
     if branches and (batch.any_branched or child.branched() is not child):
-        out = np.maximum(out, _scores(child.branched().sig, child.n, batch.sig_branched, batch, budget))
+        out = np.maximum(out, _scores(np.searchsorted(cu, child.branched().sig), child.n, batch.inv_branched,
+                                      batch, table, budget))
     return out
 
 
-def _scores(child_sig: np.ndarray, n: int, parent_sig: np.ndarray, batch: Batch, budget: int) -> np.ndarray:
+def _scores(child_idx: np.ndarray, n: int, parent_idx: np.ndarray, batch: Batch, table: np.ndarray,
+            budget: int) -> np.ndarray:
     out = np.zeros(len(batch.lengths))
     child_n = n
     if child_n == 0:
         return out
     width = max(int(batch.lengths.max()) if len(out) else 1, 1)
     chunk = max(1, budget // (child_n * width))
-    table = _SIGS.scores()
     for a in range(0, len(out), chunk):
         b = min(a + chunk, len(out))
         M = int(batch.lengths[a:b].max())
-        S = table[child_sig[None, :, None], parent_sig[a:b, None, :M]]          # (E, n, M) gather
+        S = table[child_idx[None, :, None], parent_idx[a:b, None, :M]]          # (E, n, M) gather
         last = _dp_last(S)
         out[a:b] = last[np.arange(b - a), batch.lengths[a:b]] / child_n
     return np.clip(out, 0.0, 1.0)
