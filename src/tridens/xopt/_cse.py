@@ -40,8 +40,9 @@ shared tensor it reads, ``train_batch(x, y, batch)`` steps every trial it holds,
 calls accumulate per trial, ``weights``/``leave`` work per trial. ``tridens.xopt._batching.
 BatchedMember`` is such a member: ``SharedPipelineUnit(jobs, evaluator, members=[BatchedMember(
 same_shaped_jobs, evaluator), TrainerMember(...), ...])`` trains both on one pipeline (tested). The
-planners do not build mixed units yet: the batching planner runs first and its batched units
-read their own pipeline; merging them into a shared one needs a pass over the planned units.
+planner builds such mixed units itself: after the batching and CSE planners, the pass
+:func:`merge_pipelines` puts batched units that read the same pipeline as other units (or as
+leftover trials) into one shared-pipeline unit, within ``max_unit_memory``.
 """
 
 from __future__ import annotations
