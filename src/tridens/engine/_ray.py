@@ -139,9 +139,9 @@ class _Hub:
         self.arrived.set()
 
     async def ask(self, trial_id: int, attempt: int, step: int, metrics: dict[str, float], last: bool,
-                  seconds: float = 0.0) -> str:
+                  seconds: float, worker: tuple[int, str]) -> str:
         future = self._future((trial_id, attempt, step))
-        await self.post(("report", trial_id, attempt, step, metrics, last, seconds))
+        await self.post(("report", trial_id, attempt, worker, step, metrics, last, seconds))
         try:
             return await future
         finally:
@@ -185,7 +185,8 @@ class _HubReporter:
             if epoch > 1:  # only the latest checkpoint is needed to go on
                 self.storage.remove(self.storage.child(directory, f"epoch-{epoch - 1}.pt"))
             last = self.limit is not None and epoch >= self.limit
-        answer = ray.get(self.hub.ask.remote(self.spec["trial_id"], self.spec["attempt"], step, metrics, last, seconds))
+        answer = ray.get(self.hub.ask.remote(self.spec["trial_id"], self.spec["attempt"], step, metrics, last, seconds,
+                                             self.spec["worker"]))
         self.mark = time.monotonic()
         return Decision(answer)
 
@@ -199,7 +200,9 @@ def _run_trial(evaluator: Evaluator, model: Any, spec: dict[str, Any], hub: Any)
     """Train one trial on a worker. Errors of the training itself are returned (the trial failed);
     only the worker's death raises on the driver (and restarts the trial)."""
     torch.set_num_threads(max(1, int(spec["cpus"])))
-    hub.post.remote(("started", spec["trial_id"], spec["attempt"], os.getpid(), ray.util.get_node_ip_address()))
+    # Every message names its worker: an async actor may run a worker's calls out of order.
+    spec["worker"] = (os.getpid(), ray.util.get_node_ip_address())
+    hub.post.remote(("started", spec["trial_id"], spec["attempt"], spec["worker"]))
     storage = _Storage(spec["root"])
     directory = spec["directory"]
     try:
@@ -220,7 +223,7 @@ def _run_trial(evaluator: Evaluator, model: Any, spec: dict[str, Any], hub: Any)
                 value = next(iter(metrics.values()))
                 # the report may not have reached the driver before the old worker died
                 answer = ray.get(hub.ask.remote(spec["trial_id"], spec["attempt"], state["step"], metrics,
-                                                trainer.epoch >= limit))
+                                                trainer.epoch >= limit, 0.0, spec["worker"]))
                 stopped = Decision(answer) is Decision.STOP
             if not stopped:
                 reporter.mark = time.monotonic()
@@ -357,16 +360,17 @@ class RayExecutor(Executor):
         track.ref = _run_trial.options(**resources).remote(evaluator_ref, track.job.model, spec, self._hub)
 
     def _handle(self, message: tuple[Any, ...], running: Mapping[int, _Track], hooks: GroupHooks, *, stepwise: bool) -> None:
-        kind, trial_id, attempt = message[0], message[1], message[2]
+        kind, trial_id, attempt, (pid, node) = message[:4]
         track = running.get(trial_id)
         if track is None or attempt != track.attempt:
             return  # a message of a worker already given up on
-        if kind == "started":
-            track.started = time.monotonic()
-            track.job.trial.info["ray"] = {"pid": message[3], "node": message[4], "attempt": attempt}
-            return
-        _, _, _, step, metrics, last, seconds = message
         trial = track.job.trial
+        if trial.info.get("ray", {}).get("attempt") != attempt or track.started == math.inf:
+            track.started = time.monotonic()
+            trial.info["ray"] = {"pid": pid, "node": node, "attempt": attempt}
+        if kind == "started":
+            return
+        step, metrics, last, seconds = message[4:]
         trial.info["train_seconds"] = trial.info.get("train_seconds", 0.0) + seconds  # as the in-process units count it
         if step > track.last_step:
             hooks.record(trial, step, metrics)
