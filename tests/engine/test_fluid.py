@@ -9,7 +9,7 @@ from torch import nn
 
 import tridens as td
 from tridens import nn as tnn
-from tridens.engine import DynamicFluid, Experiment, FluidScheduler, StaticFluid, fluid_shares
+from tridens.engine import DynamicFluid, Experiment, StaticFluid, fluid_shares
 from tridens.trial import TrialGroup, TrialStatus
 
 
