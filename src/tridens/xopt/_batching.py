@@ -1078,25 +1078,26 @@ _EFFICIENCY: dict[tuple[Any, ...], tuple[float, float]] = {}
 
 
 def peak_matmul_flops(device: torch.device) -> float:
-    """FLOPs per CPU second of a 256x256 fp32 matmul on ``device`` (best of three rounds of eight;
-    cached per process and thread count): the roof one model's step is compared with (~10 ms)."""
+    """FLOPs per CPU second of a 512x512 fp32 matmul on ``device`` (best of three rounds of four;
+    cached per process and thread count): the roof one model's step is compared with (~40 ms;
+    256x256 read 80-99 GFLOP/s from run to run here, 512x512 a steady 88)."""
     key = (device.type, torch.get_num_threads())
     if key not in _PEAKS:
-        a, b = torch.randn(256, 256, device=device), torch.randn(256, 256, device=device)
+        a, b = torch.randn(512, 512, device=device), torch.randn(512, 512, device=device)
         best = 0.0
         for _ in range(3):
             t0 = time.process_time()
-            for _ in range(8):
+            for _ in range(4):
                 a @ b
             elapsed = time.process_time() - t0
-            best = max(best, 8 * 2 * 256 ** 3 / max(elapsed, 1e-6))
+            best = max(best, 4 * 2 * 512 ** 3 / max(elapsed, 1e-6))
         _PEAKS[key] = best
     return _PEAKS[key]
 
 
 def _separate_efficiency(job: Job, evaluator: _Supervised, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     """``(fraction of the peak matmul rate, FLOPs per CPU second)`` of one model's separate
-    training step on the real batch (a copy of the model; warm-up, then the best of two)."""
+    training step on the real batch (a copy of the model; warm-up, then the best of three)."""
     from ..graph import trace
 
     model = copy.deepcopy(job.model)
@@ -1106,7 +1107,7 @@ def _separate_efficiency(job: Job, evaluator: _Supervised, x: torch.Tensor, y: t
     trainer = evaluator.trainer(model, job.trial.sample, job.trial.seed)
     trainer.train_batch(x, y, 0)
     best = math.inf
-    for step in range(2):
+    for step in range(3):
         t0 = time.process_time()
         trainer.train_batch(x, y, step + 1)
         best = min(best, time.process_time() - t0)
