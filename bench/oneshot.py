@@ -104,11 +104,12 @@ def one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         strategy: Any = td.strategy.Random()
         kwargs: dict[str, Any] = {"max_trials": 64}
     elif name == "spos":
-        strategy = td.oneshot.RandomOneShot(epochs=args.spos_epochs, samples=args.samples, retrain=args.retrain_top)
+        strategy = td.oneshot.RandomOneShot(epochs=args.spos_epochs, samples=args.samples, retrain=args.retrain_top,
+                                            fair=args.fair, bn_batches=args.bn_batches)
         kwargs = {}
     elif name == "darts":
         strategy = td.oneshot.DARTS(epochs=args.darts_epochs, samples=args.samples, retrain=args.retrain_top,
-                                    arch_lr=args.arch_lr)
+                                    arch_lr=args.arch_lr, bn_batches=args.bn_batches)
         kwargs = {}
     else:
         raise SystemExit(f"unknown system {name!r}")
@@ -150,18 +151,27 @@ def main() -> None:
     parser.add_argument("--arch-lr", type=float, default=3e-3)
     parser.add_argument("--samples", type=int, default=64, help="subnets scored with inherited weights")
     parser.add_argument("--retrain-top", type=int, default=1, help="architectures retrained from scratch (the best counts)")
+    parser.add_argument("--fair", action="store_true", help="SPOS with FairNAS sampling (RandomOneShot(fair=True))")
+    parser.add_argument("--bn-batches", type=int, default=4, help="BatchNorm recalibration batches per scored subnet")
+    parser.add_argument("--baseline", help="'ACC,CPU_S': compare with these random64 means (measured earlier) "
+                                           "instead of running random64")
     args = parser.parse_args()
     if args.one:
         _common.emit(one(args.one, args.seed, args))
         return
     _common.print_machine()
     passed = [f"--epochs={args.epochs}", f"--spos-epochs={args.spos_epochs}", f"--darts-epochs={args.darts_epochs}",
-              f"--arch-lr={args.arch_lr}", f"--samples={args.samples}", f"--retrain-top={args.retrain_top}"]
+              f"--arch-lr={args.arch_lr}", f"--samples={args.samples}", f"--retrain-top={args.retrain_top}",
+              f"--bn-batches={args.bn_batches}", *(["--fair"] if args.fair else [])]
     print(f"config: {' '.join(passed)}, seeds {args.seeds}", flush=True)
     names = args.systems.split(",")
     results = _common.interleave(names, args.seeds, lambda name, r: _common.run_worker(
         __file__, ["--one", name, "--seed", str(r), *passed]))
     base = results.get("random64")
+    if base is None and args.baseline:
+        acc, cpu = (float(v) for v in args.baseline.split(","))
+        base = [{"acc": acc, "cpu_s": cpu}]
+        print(f"random64 not run: compared with the recorded means, acc {100 * acc:.2f} %, CPU {cpu:.1f} s")
     rows = []
     for name in names:
         res = results[name]

@@ -1,12 +1,14 @@
 """One-shot strategies inside td.Experiment, on real digits: what each learns and what is stored."""
 
 import json
+import random
 
 import pytest
 import torch
 
 import tridens as td
-from tridens.oneshot import Controller, gumbel_softmax
+from tridens.oneshot import Controller, build_supernet, gumbel_softmax
+from tridens.oneshot._strategies import fair_paths
 from tridens.store import Store
 from tridens.trial import TrialStatus
 
@@ -61,7 +63,8 @@ def test_retrain_trains_the_best_architecture_from_scratch(tmp_path, evaluator):
     exp = td.Experiment(DigitsCNN(), evaluator, td.oneshot.RandomOneShot(samples=3, search="random", retrain=2),
                         store=tmp_path / "t.db", name="retrain", verbose=False).run()
     trials = exp.trials()
-    subnets = sorted((t for t in trials if _role(t) == "subnet"), key=lambda t: (-t.metric, t.id))
+    # ranked by accuracy, ties broken by the lower validation loss
+    subnets = sorted((t for t in trials if _role(t) == "subnet"), key=lambda t: (-t.metric, t.metrics["val_loss"][-1], t.id))
     retrained = [t for t in trials if _role(t) == "retrain"]
     assert [r.info["oneshot"]["of"] for r in retrained] == [subnets[0].id, subnets[1].id]  # the two best
     assert [r.sample for r in retrained] == [subnets[0].sample, subnets[1].sample]
@@ -74,6 +77,45 @@ def test_retrain_trains_the_best_architecture_from_scratch(tmp_path, evaluator):
     trainer = evaluator.trainer(model, {}, r.seed)
     trainer.train_epoch()
     assert trainer.validate()["val_acc"] == pytest.approx(r.metric, abs=1e-9)
+
+
+def test_fair_paths_cover_every_value_of_every_label():
+    ss = DigitsCNN().search_space()
+    rng = random.Random(0)
+    for _ in range(5):
+        paths = fair_paths(ss, rng)
+        assert len(paths) == max(spec.domain.size() for spec in ss.values())
+        for path in paths:
+            assert set(path) == {lb for lb, spec in ss.items() if spec.active(path)}  # a valid architecture
+        for label, spec in ss.items():
+            if label == "k1":  # active only when depth == 2
+                continue
+            assert {p[label] for p in paths} == set(spec.domain.values()), label
+
+
+def test_a_fair_step_trains_every_candidate_on_its_paths_and_a_plain_step_one(digits_data, evaluator):
+    x, y = digits_data[0].tensors
+    x, y = x[:64], y[:64]
+    index = {"conv3": "0", "sep": "1"}  # op.candidates.<i>; the pool has no weights
+    moved = set()
+    for seed in range(3):
+        changed, paths = {}, []
+        for fair in (False, True):
+            net = build_supernet(DigitsCNN())
+            strategy = td.oneshot.RandomOneShot(fair=fair)
+            strategy.validate()
+            strategy.begin(net, evaluator.config({}), total_steps=1, rng=random.Random(seed))
+            before = {k: v.clone() for k, v in net.model.named_parameters() if k.startswith("op.candidates.")}
+            strategy.step(x, y, lambda: (x, y), 0)
+            after = dict(net.model.named_parameters())
+            changed[fair] = {k.split(".")[2] for k, v in before.items() if not torch.equal(v, after[k])}
+        paths = fair_paths(DigitsCNN().search_space(), random.Random(seed))  # the step's paths (same rng)
+        assert len(changed[False]) <= 1  # one path: at most one op candidate moved
+        # one optimizer step moved every weighted op on a path that uses the op (skip == 1: the
+        # op's branch is taken; skip == 0 bypasses it)
+        assert changed[True] == {index[p["op"]] for p in paths if p["skip"] == 1 and p["op"] in index}
+        moved |= changed[True]
+    assert moved == {"0", "1"}
 
 
 def test_darts_moves_architecture_weights_towards_the_better_op(tmp_path, evaluator):
@@ -145,6 +187,7 @@ def test_enas_runs_in_an_experiment(tmp_path, evaluator):
     (td.oneshot.RandomOneShot(samples=0), "'samples' parameter of RandomOneShot"),
     (td.oneshot.DARTS(arch_fraction=1.5), "'arch_fraction' parameter of DARTS"),
     (td.oneshot.RandomOneShot(search="grid"), "'search' parameter of RandomOneShot"),
+    (td.oneshot.RandomOneShot(fair="yes"), "'fair' parameter of RandomOneShot"),
     (td.oneshot.GumbelDARTS(tau_min=2.0, tau_max=1.0), "tau_min"),
 ])
 def test_bad_parameters_are_named(tmp_path, evaluator, strategy, message):

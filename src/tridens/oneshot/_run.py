@@ -246,7 +246,7 @@ class _OneShotRun:
         # BatchNorm recalibration overwrites running statistics: keep the trained ones to restore.
         buffers = {k: v.clone() for k, v in net.model.state_dict().items()}
 
-        def score(sample: dict[str, Any]) -> float:
+        def score(sample: dict[str, Any]) -> tuple[float, float]:
             key = sample_key(sample)
             if key in known:
                 trial = known[key]
@@ -254,7 +254,7 @@ class _OneShotRun:
                 trial = self._score_subnet(supernet, sample, val, calibration)
                 known[key] = trial
             scored.append(trial)
-            return self.objective.score(trial.metric)
+            return self._rank(trial)
 
         rng = random.Random(f"{self.seed}:search")
         start = []
@@ -269,11 +269,17 @@ class _OneShotRun:
         else:
             evolution(ss, score, n, rng, seen, strategy.population, strategy.tournament, start)
         net.model.load_state_dict(buffers)
-        best = max(scored, key=lambda t: (self.objective.score(t.metric), -t.id)) if scored else None
+        best = max(scored, key=lambda t: (*self._rank(t), -t.id)) if scored else None
         if best is not None:
             self.say("searched %d subnets with inherited weights (%.1f CPU-s); best %s = %.4f: %s", len(scored),
                      time.process_time() - cpu0, self.objective.metric, best.metric, space.restrict(best.sample))
         return scored
+
+    def _rank(self, trial: Trial) -> tuple[float, float]:
+        """A subnet's rank: the objective, ties broken by the lower validation loss. Accuracy on a
+        small validation set is coarse (many subnets tie at one value); the loss separates them."""
+        losses = trial.metrics.get("val_loss") if self.objective.metric != "val_loss" else None
+        return self.objective.score(trial.metric), (-losses[-1] if losses else 0.0)
 
     def _score_subnet(self, supernet: Trial, sample: dict[str, Any], val: _Source, calibration: list[Any]) -> Trial:
         cpu0 = time.process_time()
@@ -302,7 +308,7 @@ class _OneShotRun:
         space = self.exp.space
         k = int(self.strategy.retrain)
         ranked: list[Trial] = []
-        for t in sorted(subnets, key=lambda t: (-self.objective.score(t.metric), t.id)):
+        for t in sorted(subnets, key=lambda t: (*(-v for v in self._rank(t)), t.id)):
             if all(sample_key(space.restrict(t.sample)) != sample_key(space.restrict(r.sample)) for r in ranked):
                 ranked.append(t)
         for best in ranked[:k]:

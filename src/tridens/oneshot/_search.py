@@ -89,7 +89,7 @@ def mutate(search_space: SearchSpace, parent: Mapping[str, Any], rng: random.Ran
     return complete(search_space, child, rng)
 
 
-def random_search(search_space: SearchSpace, score: Callable[[dict[str, Any]], float], n: int, rng: random.Random,
+def random_search(search_space: SearchSpace, score: Callable[[dict[str, Any]], Any], n: int, rng: random.Random,
                   seen: set[str]) -> None:
     """Score ``n`` distinct random samples (fewer when the space is smaller)."""
     misses = 0
@@ -104,11 +104,11 @@ def random_search(search_space: SearchSpace, score: Callable[[dict[str, Any]], f
         score(sample)
 
 
-def evolution(search_space: SearchSpace, score: Callable[[dict[str, Any]], float], n: int, rng: random.Random,
-              seen: set[str], population: int, tournament: int, start: list[tuple[dict[str, Any], float]]) -> None:
+def evolution(search_space: SearchSpace, score: Callable[[dict[str, Any]], Any], n: int, rng: random.Random,
+              seen: set[str], population: int, tournament: int, start: list[tuple[dict[str, Any], Any]]) -> None:
     """Regularized evolution (aging) over samples until ``n`` distinct ones are scored: a random
     population, then tournaments whose winner's one-label mutation replaces the oldest member."""
-    pop: collections.deque[tuple[dict[str, Any], float]] = collections.deque(start[-population:], maxlen=population)
+    pop: collections.deque[tuple[dict[str, Any], Any]] = collections.deque(start[-population:], maxlen=population)
     misses = 0
     while len(seen) < n and misses < 200:
         if len(pop) < population:

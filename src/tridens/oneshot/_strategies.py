@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..evaluators._supervised import TrainConfig
+from ._search import complete
 from ._supernet import Supernet
 
-__all__ = ["OneShotStrategy", "RandomOneShot", "DARTS", "GumbelDARTS", "ENAS", "Controller"]
+__all__ = ["OneShotStrategy", "RandomOneShot", "fair_paths", "DARTS", "GumbelDARTS", "ENAS", "Controller"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 _SEARCHES = ("evolution", "random")
@@ -51,7 +52,8 @@ class OneShotStrategy:
     * ``bn_batches``: training batches that recalibrate BatchNorm statistics before each subnet
       is scored;
     * ``retrain``: train the best architecture (``True``) or the ``k`` best (an int) from scratch
-      with the evaluator, each as a normal trial.
+      with the evaluator, each as a normal trial (subnets rank by the objective, ties broken by
+      the lower validation loss).
 
     Subclasses implement :meth:`begin`, :meth:`step` and may add :meth:`proposals`.
     """
@@ -129,15 +131,62 @@ class OneShotStrategy:
 class RandomOneShot(OneShotStrategy):
     """SPOS: one uniformly random path of the supernet trained per step.
 
+    ``fair=True`` samples FairNAS-style (Chu et al. 2021): each step runs ``m`` paths on the
+    batch (``m``: the most values of any label), built from one random permutation per label so
+    that every value of every label is trained in every step, and makes one optimizer step on
+    their mean gradient. A step then costs ``m`` forward/backward passes.
+
     >>> import tridens as td
     >>> strategy = td.oneshot.RandomOneShot(samples=64, retrain=True)
     >>> exp = td.Experiment(space, evaluator, strategy, store="tridens.db")   # doctest: +SKIP
     >>> exp.run().top(5)                                                       # doctest: +SKIP
     """
 
+    def __init__(self, *, fair: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fair = fair
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.fair, bool):
+            raise _param_error(type(self).__name__, "fair", "a bool", self.fair)
+
     def step(self, x: torch.Tensor, y: torch.Tensor, arch_batch: Callable[[], Batch], step: int) -> float:
-        self.net.set_path(self.net.search_space.random_sample(self.rng))
-        return self._weight_step(x, y, step)
+        if not self.fair:
+            self.net.set_path(self.net.search_space.random_sample(self.rng))
+            return self._weight_step(x, y, step)
+        paths = fair_paths(self.net.search_space, self.rng)
+        lr = self.cfg.lr_at(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for path in paths:
+            self.net.set_path(path)
+            loss = self.cfg.loss(self.net.model(x), y) / len(paths)
+            loss.backward()
+            total += float(loss.item())
+        self.optimizer.step()
+        return total
+
+
+def fair_paths(search_space: Any, rng: random.Random) -> list[dict[str, Any]]:
+    """FairNAS' strict fairness: ``m`` paths (``m``: the largest finite domain) in which every
+    value of every finite label occurs (labels with fewer values repeat theirs, a random
+    permutation each time round). Labels a path leaves inactive are dropped, other labels drawn.
+
+    >>> paths = fair_paths(space.search_space(), random.Random(0))   # doctest: +SKIP
+    """
+    finite = {label: list(spec.domain.values()) for label, spec in search_space.items()
+              if spec.domain.finite and spec.domain.size() > 0}
+    m = max((len(v) for v in finite.values()), default=1)
+    columns: dict[str, list[Any]] = {}
+    for label, values in finite.items():
+        column: list[Any] = []
+        while len(column) < m:
+            column += rng.sample(values, len(values))
+        columns[label] = column[:m]
+    return [complete(search_space, {label: column[j] for label, column in columns.items()}, rng) for j in range(m)]
 
 
 # ---------------------------------------------------------------------------------------------
