@@ -56,6 +56,9 @@ def run_oneshot(exp: Any, strategy: OneShotStrategy) -> Any:
                          f"{type(strategy).__name__}: the supernet is trained by tridens' own loop. "
                          f"Got {type(exp.evaluator).__name__} instead.")
     strategy.validate()
+    if exp.max_duration is not None:  # a supernet's epochs are its budget; say so rather than ignore it silently
+        log.warning("one-shot: max_duration=%r is not applied to a one-shot search (its budget is the "
+                    "strategy's epochs and samples)", exp.max_duration)
     objective = exp._objective()
     path, name = exp._store_path(), exp._name()
     hparams = exp.evaluator.search_space().default_sample()
