@@ -90,10 +90,7 @@ def train_epoch(trainer: Any, rank: int, world: int, ddp: DistributedDataParalle
             dist.all_reduce(part)
             value = float(part) / n
             if not math.isfinite(value):
-                raise NonFiniteLoss(
-                    f"the training loss of {trainer.owner} became {value} at epoch {trainer.epoch}, batch {batch} "
-                    f"(optimizer step {trainer.step}, lr {lr:.6g}); the trial failed. A lower 'lr' usually helps.",
-                    epoch=trainer.epoch, batch=batch, step=trainer.step, value=value)
+                raise NonFiniteLoss.at(trainer.owner, value, epoch=trainer.epoch, batch=batch, step=trainer.step, lr=lr)
             scaled.backward()
             trainer.optimizer.step()
         trainer.step += 1

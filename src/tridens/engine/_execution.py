@@ -119,6 +119,19 @@ def _final_status(value: float | None) -> tuple[TrialStatus, str | None]:
     return TrialStatus.COMPLETED, None
 
 
+def _done_outcome(message: tuple[Any, ...], last: float | None,
+                  trial: Trial) -> tuple[TrialStatus, str | None, dict[str, Any] | None, float | None]:
+    """A worker's ``("done", trial id, value, weight bytes)`` message as the trial's outcome:
+    (status, error, weights, final value); a trial the strategy stopped stays STOPPED."""
+    _, _, value, payload = message
+    weights = None if payload is None else torch.load(io.BytesIO(payload), weights_only=True)
+    value = last if value is None else value
+    status, error = _final_status(value)
+    if status is TrialStatus.COMPLETED and trial.status is TrialStatus.STOPPED:
+        status = TrialStatus.STOPPED
+    return status, error, weights, value
+
+
 class InlineExecutor(Executor):
     """Runs trials in this process.
 
@@ -410,12 +423,7 @@ class ProcessExecutor(Executor):
         if kind == "error":
             hooks.finish(trial, TrialStatus.FAILED, value=run.last, error=message[2])
             return False
-        _, _, value, payload = message
-        weights = None if payload is None else torch.load(io.BytesIO(payload), weights_only=True)
-        value = run.last if value is None else value
-        status, error = _final_status(value)
-        if status is TrialStatus.COMPLETED and trial.status is TrialStatus.STOPPED:
-            status = TrialStatus.STOPPED
+        status, error, weights, value = _done_outcome(message, run.last, trial)
         hooks.finish(trial, status, error=error, weights=weights, value=value)
         return False
 

@@ -364,7 +364,7 @@ class _FluidTrial:
 def run_fluid(executor: ProcessExecutor, jobs: Sequence[Job], evaluator: StepwiseEvaluator, hooks: GroupHooks,
               policy: StaticFluid) -> None:
     """Run one TrialGroup on ``executor``'s workers with Fluid shares (see the module docstring)."""
-    from ._execution import _error_text, _final_status, model_bytes
+    from ._execution import _done_outcome, _error_text, model_bytes
 
     sched = policy.scheduler(executor.workers)
     trials: dict[int, _FluidTrial] = {}
@@ -499,12 +499,7 @@ def run_fluid(executor: ProcessExecutor, jobs: Sequence[Job], evaluator: Stepwis
             elif kind == "error":  # (the other ranks of a DDP trial would wait forever: leave() replaces them)
                 end(tid, TrialStatus.FAILED, value=ft.last, error=message[2])
             elif kind == "done":
-                _, _, value, payload = message
-                weights = None if payload is None else torch.load(io.BytesIO(payload), weights_only=True)
-                value = ft.last if value is None else value
-                status, error = _final_status(value)
-                if status is TrialStatus.COMPLETED and trial.status is TrialStatus.STOPPED:
-                    status = TrialStatus.STOPPED
+                status, error, weights, value = _done_outcome(message, ft.last, trial)
                 end(tid, status, error=error, weights=weights, value=value)
         if timeout is not None:
             now = time.monotonic()

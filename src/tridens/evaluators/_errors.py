@@ -32,6 +32,13 @@ class NonFiniteLoss(TrialFailed):
         super().__init__(message)
         self.epoch, self.batch, self.step, self.value = epoch, batch, step, value
 
+    @classmethod
+    def at(cls, owner: str, value: float, *, epoch: int, batch: int, step: int, lr: float) -> "NonFiniteLoss":
+        """The error of a training loss that became ``value`` (one message wherever training runs)."""
+        return cls(f"the training loss of {owner} became {value} at epoch {epoch}, batch {batch} "
+                   f"(optimizer step {step}, lr {lr:.6g}); the trial failed. A lower 'lr' usually helps.",
+                   epoch=epoch, batch=batch, step=step, value=value)
+
 
 class NothingReported(TrialFailed):
     """A :class:`FunctionalEvaluator`'s function neither reported a value nor returned one."""

@@ -485,10 +485,7 @@ class SupervisedTrainer:
             loss = cfg.loss(self.model(x), y)
             value = float(loss.item())
             if not math.isfinite(value):
-                raise NonFiniteLoss(
-                    f"the training loss of {self.owner} became {value} at epoch {self.epoch}, batch {batch} "
-                    f"(optimizer step {self.step}, lr {lr:.6g}); the trial failed. A lower 'lr' usually helps.",
-                    epoch=self.epoch, batch=batch, step=self.step, value=value)
+                raise NonFiniteLoss.at(self.owner, value, epoch=self.epoch, batch=batch, step=self.step, lr=lr)
             loss.backward()
             self.optimizer.step()
         self.step += 1

@@ -679,10 +679,8 @@ class BatchedMember:
         result: dict[int, float] = {}
         for r, i in enumerate(self.ids):
             if r in bad:
-                self._errors[i] = NonFiniteLoss(
-                    f"the training loss of {self.owner} became {values[r]} at epoch {self._epochs[i]}, batch {batch} "
-                    f"(optimizer step {self.step}, lr {lrs[r]:.6g}); the trial failed. A lower 'lr' usually helps.",
-                    epoch=self._epochs[i], batch=batch, step=self.step, value=values[r])
+                self._errors[i] = NonFiniteLoss.at(self.owner, values[r], epoch=self._epochs[i], batch=batch,
+                                                   step=self.step, lr=lrs[r])
             else:
                 result[i] = values[r]
                 if i in self._totals:
