@@ -63,3 +63,22 @@ def sleep_on_hidden_8(model):
 def sleep_briefly(model):
     time.sleep(0.7)
     return 0.5
+
+
+class InheritNet(tnn.ModelSpace):
+    """A stem every child shares, a conv whose width/kernel mutate, BatchNorm, and a head that
+    changes shape with the width (weight-inheritance and super-graph tests)."""
+
+    def __init__(self):
+        super().__init__()
+        w = td.choice("width", [8, 12])
+        self.stem = nn.Conv2d(1, 8, 3, padding=1)
+        self.conv = tnn.LayerChoice([nn.Conv2d(8, w, 3, padding=1), nn.Conv2d(8, w, 5, padding=2)], label="op")
+        self.bn = nn.BatchNorm2d(w)
+        self.head = nn.Linear(w * 16, 10)
+        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        x = torch.relu(self.bn(self.conv(x)))
+        return self.head(nn.functional.max_pool2d(x, 2).flatten(1))

@@ -16,26 +16,9 @@ from tridens.store import Store
 from tridens.strategy import RegularizedEvolution
 from tridens.trial import Objective, TrialStatus
 
+from ..engine.spaces import InheritNet as Net
 from .harness import Bench, finite_space, run
 
-
-class Net(tnn.ModelSpace):
-    """A stem every child shares, a conv whose width/kernel mutate, BatchNorm, and a head that
-    changes shape with the width."""
-
-    def __init__(self):
-        super().__init__()
-        w = td.choice("width", [8, 12])
-        self.stem = nn.Conv2d(1, 8, 3, padding=1)
-        self.conv = tnn.LayerChoice([nn.Conv2d(8, w, 3, padding=1), nn.Conv2d(8, w, 5, padding=2)], label="op")
-        self.bn = nn.BatchNorm2d(w)
-        self.head = nn.Linear(w * 16, 10)
-        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
-
-    def forward(self, x):
-        x = torch.relu(self.stem(x))
-        x = torch.relu(self.bn(self.conv(x)))
-        return self.head(nn.functional.max_pool2d(x, 2).flatten(1))
 
 
 _DATA: dict[str, object] = {}

@@ -27,24 +27,11 @@ from tridens.trial import Trial, TrialStatus
 from tridens.warmup import describe
 from tridens.xopt._supergraph import SuperGraphUnit, inherit, plan_supergraph
 
+from ..engine.spaces import InheritNet as Net
+
 X = torch.zeros(2, 1, 8, 8)
 EPOCHS = 3
 
-
-class Net(tnn.ModelSpace):
-    def __init__(self):
-        super().__init__()
-        w = td.choice("width", [8, 12])
-        self.stem = nn.Conv2d(1, 8, 3, padding=1)
-        self.conv = tnn.LayerChoice([nn.Conv2d(8, w, 3, padding=1), nn.Conv2d(8, w, 5, padding=2)], label="op")
-        self.bn = nn.BatchNorm2d(w)
-        self.head = nn.Linear(w * 16, 10)
-        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
-
-    def forward(self, x):
-        x = torch.relu(self.stem(x))
-        x = torch.relu(self.bn(self.conv(x)))
-        return self.head(nn.functional.max_pool2d(x, 2).flatten(1))
 
 
 CHILDREN = [  # (trial id, sample, seed): another kernel, the same structure, another width
@@ -248,7 +235,7 @@ SCRIPT = textwrap.dedent('''
     from torch import nn
     import tridens as td
     sys.path.insert(0, {tests!r})
-    from xopt.test_supergraph import Net
+    from engine.spaces import InheritNet as Net
 
     torch.set_num_threads(1)
     train, val = td.datasets.digits()
