@@ -108,7 +108,7 @@ class Groups(td.strategy.Strategy):
 def _pair(tmp_path, digits_data, groups, name, **kw):
     """The same search in-process and on the pool with Fluid; returns both trial lists."""
     train, val = digits_data
-    ev = td.evaluators.Classification(train=train, val=val, epochs=td.choice("epochs", [1, 2, 12]),
+    ev = td.evaluators.Classification(train=train, val=val, epochs=td.choice("epochs", [1, 2, 12, 40]),
                                       batch_size=96, optimizer="adam", lr=0.01)
     out = []
     for executor in ("inline", "process"):
@@ -134,10 +134,17 @@ def test_one_trial_spans_both_workers_with_ddp_and_trains_as_in_one_process(tmp_
     assert fluid[0].info["allocation"] == [{"share": 2.0, "workers": [0, 1], "from_epoch": 0}]
 
 
+def hidden_profile(sample):
+    """Seconds per step by the hidden width: the schedule must not depend on this machine's load."""
+    return 1e-5 * sample["hidden"]
+
+
 def test_dynamic_fluid_packs_then_widens_a_trial_and_trains_as_in_one_process(tmp_path, digits_data):
     # The big trial trains ~50x longer than the small ones: it still has epochs left when they end.
-    group = [{"hidden": 512, "epochs": 12}, {"hidden": 4, "epochs": 1}, {"hidden": 4, "epochs": 2}]
-    inline, fluid = _pair(tmp_path, digits_data, [group], "dyn", allocation=DynamicFluid(epsilon=0.0))
+    # Given profiles fix the shares (1, 0.5, 0.5, then 2 for the big trial once it is alone).
+    group = [{"hidden": 512, "epochs": 40}, {"hidden": 4, "epochs": 1}, {"hidden": 4, "epochs": 2}]
+    policy = DynamicFluid(epsilon=0.0, profile=hidden_profile)
+    inline, fluid = _pair(tmp_path, digits_data, [group], "dyn", allocation=policy)
     _assert_same_training(inline, fluid)
     big, small1, small2 = fluid
     assert [a["share"] for a in small1.info["allocation"]] == [0.5]
@@ -145,3 +152,43 @@ def test_dynamic_fluid_packs_then_widens_a_trial_and_trains_as_in_one_process(tm
     shares = [a["share"] for a in big.info["allocation"]]
     assert shares[0] == 1.0 and shares[-1] == 2.0  # moved to DDP once the small trials were done
     assert big.info["allocation"][-1]["from_epoch"] >= 1
+    assert big.info["fluid_step_seconds"] == pytest.approx(512e-5)  # the given profile, not a measurement
+
+
+class PidGroups(Groups):
+    """Fixed groups; records the pool's worker pids whenever the engine asks for the next group."""
+
+    def __init__(self, groups, executor):
+        super().__init__(groups)
+        self.executor, self.pids = executor, []
+
+    def ask(self, remaining=None):
+        self.pids.append(self.executor.pids())
+        return super().ask(remaining)
+
+
+def test_ddp_workers_are_reused_and_profiles_are_measured_once_per_structure(tmp_path, digits_data):
+    """Two groups, each one trial data-parallel over both workers: the ranks tear their gloo group
+    down and serve the next placement (same processes), and the second trial of an already
+    measured structure starts from the measured profile instead of timing its steps again."""
+    train, val = digits_data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=td.choice("epochs", [1, 2, 12, 40]),
+                                      batch_size=96, optimizer="adam", lr=0.01)
+    executor = td.engine.ProcessExecutor(workers=2, allocation="static")
+    groups = [[{"hidden": 64, "epochs": 2}], [{"hidden": 64, "epochs": 1}], [{"hidden": 4, "epochs": 1}, {"hidden": 4, "epochs": 1}]]
+    strategy = PidGroups(groups, executor)
+    trials = Experiment(MLPSpace(), ev, strategy, store=tmp_path / "t.db", verbose=False, executor=executor).run().trials()
+    assert [t.status for t in trials] == [TrialStatus.COMPLETED] * 4
+    assert [a["share"] for t in trials for a in t.info["allocation"]] == [2.0, 2.0, 1.0, 1.0]
+    after_first, after_second, after_third = strategy.pids[1:]
+    assert len(after_first) == 2 and after_first == after_second == after_third  # no worker was replaced
+    first, second = trials[0].info["fluid_step_seconds"], trials[1].info["fluid_step_seconds"]
+    assert first > 0 and second == first  # measured on the first trial's real steps, reused for the second
+    assert trials[2].info["fluid_step_seconds"] > 0 and trials[2].info["fluid_step_seconds"] != first
+
+
+def test_profile_parameter_is_checked():
+    with pytest.raises(ValueError, match="'profile' parameter of StaticFluid must be None or a callable"):
+        StaticFluid(profile=3.0).scheduler(2)
+    with pytest.raises(ValueError, match="'profile' parameter of DynamicFluid must return a finite number"):
+        DynamicFluid(profile=lambda sample: -1.0).step_time({"hidden": 4})

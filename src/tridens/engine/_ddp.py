@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import math
 import socket
+import time
 from typing import Any
 
 import torch
@@ -45,7 +46,13 @@ def init_group(rank: int, world: int, port: int, timeout: float = 120.0) -> None
 
 
 def close_group() -> None:
+    """Leave the group: a barrier first (every rank's gloo work is done and no rank is still
+    inside a collective), then ``destroy_process_group``. Destroying while a peer still waited in
+    a collective is what made ProcessGroupGloo's destructor block (it joins gloo's threads, and a
+    thread in an unmatched collective returns only at the group's timeout); with a barrier first
+    the pool's workers are torn down cleanly and can serve the next placement."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -62,13 +69,16 @@ def _slice(n: int, rank: int, world: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
-def train_epoch(trainer: Any, rank: int, world: int, ddp: DistributedDataParallel | None = None) -> dict[str, float]:
+def train_epoch(trainer: Any, rank: int, world: int, ddp: DistributedDataParallel | None = None, *,
+                step_times: list[float] | None = None, max_timed: int = 6) -> dict[str, float]:
     """One epoch of ``trainer`` (a SupervisedTrainer) as rank ``rank`` of ``world``; returns
-    ``{"train_loss": ...}`` over the whole epoch, the same number on every rank."""
+    ``{"train_loss": ...}`` over the whole epoch, the same number on every rank. With a
+    ``step_times`` list, the seconds of the first ``max_timed`` steps (batch and step) go there."""
     cfg = trainer.config
     ddp = ddp if ddp is not None else DistributedDataParallel(trainer.model)
     trainer.begin_epoch()
     total = torch.zeros(1, dtype=torch.float64)
+    t0 = time.perf_counter()
     for batch, x, y in trainer.epoch_batches():
         n = len(y)
         lo, hi = _slice(n, rank, world)
@@ -95,4 +105,8 @@ def train_epoch(trainer: Any, rank: int, world: int, ddp: DistributedDataParalle
             trainer.optimizer.step()
         trainer.step += 1
         total += value * n
+        if step_times is not None and len(step_times) < max_timed:
+            t1 = time.perf_counter()
+            step_times.append(t1 - t0)
+            t0 = t1
     return trainer.end_epoch(float(total) / len(trainer._train))

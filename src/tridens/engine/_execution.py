@@ -312,6 +312,7 @@ class ProcessExecutor(Executor):
         self._ctx = mp.get_context("spawn")
         self._pool: dict[int, _Worker] = {}
         self._payloads: dict[int, tuple[Evaluator, bytes]] = {}  # id(evaluator) -> (kept alive, pickle)
+        self._fluid_profiles: dict[Any, float] = {}  # Fluid: measured seconds per step by trial structure
 
     # -- the pool ------------------------------------------------------------------------------
     def worker(self, index: int) -> _Worker:

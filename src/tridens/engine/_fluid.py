@@ -39,7 +39,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Any, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -107,7 +107,10 @@ class StaticFluid:
     trial spans (default: all). ``efficiency`` is the predicted data-parallel efficiency (a trial
     on ``w`` devices runs ``1 + (w - 1) * efficiency`` times faster) and ``epsilon`` the predicted
     cost in seconds of changing a running trial's share (checkpoint, restart); both only matter to
-    :class:`DynamicFluid`. Parameters are checked when a scheduler is made.
+    :class:`DynamicFluid`. ``profile`` (optional) gives a trial's seconds per optimizer step on one
+    device from its sample, for when they are known (earlier runs) or must not depend on this
+    machine's load (tests); by default the executor measures them on the trial's first real
+    training steps. Parameters are checked when a scheduler is made.
 
     >>> policy = StaticFluid(max_pack=2)
     >>> policy.shares([6.0, 1.0, 1.0], devices=2)
@@ -116,11 +119,13 @@ class StaticFluid:
 
     dynamic = False
 
-    def __init__(self, max_pack: int = 2, max_span: int | None = None, epsilon: float = 1.0, efficiency: float = 0.9):
+    def __init__(self, max_pack: int = 2, max_span: int | None = None, epsilon: float = 1.0, efficiency: float = 0.9,
+                 profile: Callable[[Mapping[str, Any]], float] | None = None):
         self.max_pack = max_pack
         self.max_span = max_span
         self.epsilon = epsilon
         self.efficiency = efficiency
+        self.profile = profile
 
     def _check(self) -> None:
         owner = type(self).__name__
@@ -131,6 +136,17 @@ class StaticFluid:
             raise ValueError(f"The 'epsilon' parameter of {owner} must be a number of seconds >= 0. Got {self.epsilon!r} instead.")
         if not (isinstance(self.efficiency, (int, float)) and 0 < self.efficiency <= 1):
             raise ValueError(f"The 'efficiency' parameter of {owner} must be a number in the range (0, 1]. Got {self.efficiency!r} instead.")
+        if self.profile is not None and not callable(self.profile):
+            raise ValueError(f"The 'profile' parameter of {owner} must be None or a callable sample -> seconds per step. "
+                             f"Got {self.profile!r} instead.")
+
+    def step_time(self, sample: Mapping[str, Any]) -> float:
+        """Seconds per step of the trial with ``sample`` by the ``profile`` function (checked)."""
+        value = self.profile(sample)  # type: ignore[misc]
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"The 'profile' parameter of {type(self).__name__} must return a finite number of seconds "
+                             f">= 0. Got {value!r} for the sample {dict(sample)!r} instead.")
+        return float(value)
 
     def shares(self, profiles: Sequence[float], devices: int) -> list[float]:
         """:func:`fluid_shares` with this policy's limits."""
@@ -149,8 +165,9 @@ class StaticFluid:
         return FluidScheduler(self, devices)
 
     def __repr__(self) -> str:
+        profile = "" if self.profile is None else f", profile={self.profile!r}"
         return (f"{type(self).__name__}(max_pack={self.max_pack}, max_span={self.max_span}, "
-                f"epsilon={self.epsilon}, efficiency={self.efficiency})")
+                f"epsilon={self.epsilon}, efficiency={self.efficiency}{profile})")
 
 
 class DynamicFluid(StaticFluid):
@@ -344,12 +361,38 @@ def profile_step_time(evaluator: StepwiseEvaluator, model: Any, sample: Mapping[
 
 
 # -- the process executor's Fluid loop (driver side) -------------------------------------------------
+PROFILE_STEPS = 5      # steps timed (after one warm-up step) at the start of a trial's first epoch
+CLOSE_TIMEOUT = 60.0   # seconds the ranks of a DDP placement get to tear their gloo group down
+
+
+def _plan(evaluator: StepwiseEvaluator, sample: Mapping[str, Any]) -> tuple[int, int | None, Any]:
+    """``(steps per epoch, epochs, config)`` known before training, from the evaluator's ``config``
+    when it has one (the declarative supervised evaluators); otherwise the worker says later."""
+    config = getattr(evaluator, "config", None)
+    if callable(config):
+        try:
+            cfg = config(sample)
+            return int(cfg.steps_per_epoch), int(cfg.epochs), cfg
+        except Exception:  # an invalid sample: the worker fails the trial with the evaluator's own message
+            pass
+    return 1, None, None
+
+
+def _structure(token: int, model: Any, cfg: Any) -> Hashable:
+    """What a step time depends on: the evaluator, the network (its repr names every layer and
+    size) and the batch size and optimizer. Successive-halving rungs and evolution's survivors
+    come back with structures already measured."""
+    return (token, repr(model), getattr(cfg, "batch_size", None), getattr(cfg, "optimizer", None))
+
+
 @dataclass
 class _FluidTrial:
     job: Job
+    structure: Hashable
     step_time: float
     steps_per_epoch: int
     limit: int
+    measured: bool = False           # step_time was measured on this trial (or given), not assumed
     epochs_done: int = 0
     state: bytes | None = None       # the trainer's checkpoint while it waits to move
     slots: tuple[int, ...] = ()
@@ -363,45 +406,97 @@ class _FluidTrial:
 
 def run_fluid(executor: ProcessExecutor, jobs: Sequence[Job], evaluator: StepwiseEvaluator, hooks: GroupHooks,
               policy: StaticFluid) -> None:
-    """Run one TrialGroup on ``executor``'s workers with Fluid shares (see the module docstring)."""
+    """Run one TrialGroup on ``executor``'s workers with Fluid shares (see the module docstring).
+
+    Profiles: a trial's seconds per step come from ``policy.profile`` when given, else from the
+    step times measured on earlier trials of the same structure (cached on the executor across
+    groups), else they are assumed (the median of those measured so far, or 1 s) until the worker
+    running the trial reports its first real steps -- no step is trained twice to measure it.
+    """
     from ._execution import _done_outcome, _error_text, model_bytes
 
     sched = policy.scheduler(executor.workers)
+    cache: dict[Hashable, float] = executor._fluid_profiles  # kept across groups
     trials: dict[int, _FluidTrial] = {}
-    torch_threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # profile as a worker runs: one thread
-    try:
-        for job in jobs:
-            try:
-                step_time, per_epoch, epochs = profile_step_time(evaluator, job.model, job.trial.sample, job.trial.seed)
-            except Exception as err:  # the trainer cannot be built or the first steps fail
-                hooks.finish(job.trial, TrialStatus.FAILED, error=_error_text(err))
-                continue
-            limit = epochs if job.max_steps is None else min(epochs, job.max_steps)
-            trials[job.trial.id] = _FluidTrial(job, step_time, per_epoch, limit)
+    token = id(evaluator)
+
+    def assumed(structure: Hashable) -> tuple[float, bool]:
+        if structure in cache:
+            return cache[structure], True
+        known = sorted(cache.values())
+        return (known[len(known) // 2] if known else 1.0), False
+
+    for job in jobs:
+        per_epoch, epochs, cfg = _plan(evaluator, job.trial.sample)
+        structure = _structure(token, job.model, cfg)
+        try:
+            step_time, measured = (policy.step_time(job.trial.sample), True) if policy.profile is not None else assumed(structure)
+        except Exception as err:  # the user's profile function failed on this sample
+            hooks.finish(job.trial, TrialStatus.FAILED, error=_error_text(err))
+            continue
+        epochs = 1 if epochs is None else epochs
+        limit = epochs if job.max_steps is None else min(epochs, job.max_steps)
+        trials[job.trial.id] = _FluidTrial(job, structure, step_time, per_epoch, limit, measured=measured)
+        if measured:
             job.trial.info["fluid_step_seconds"] = step_time
-            sched.submit(job.trial.id, trials[job.trial.id].remaining())
-    finally:
-        torch.set_num_threads(torch_threads)
+        sched.submit(job.trial.id, trials[job.trial.id].remaining())
     hosts: dict[int, set[int]] = {i: set() for i in range(executor.workers)}  # slot -> trial ids on it
+    # DDP placements whose ranks are tearing their group down: trial id -> [slots yet to say
+    # "closed", deadline, what frees the devices in the schedule once all have]
+    closing: dict[int, list[Any]] = {}
 
-    def leave(ft: _FluidTrial) -> None:
-        """The trial leaves its workers. Workers that ran a DDP rank are replaced: tearing a gloo
-        group down can hang in ProcessGroupGloo's destructor (seen here: a rank blocked for minutes
-        joining gloo's threads), and a worker stuck there would never read its next placement."""
-        for slot in ft.slots:
-            hosts[slot].discard(ft.job.trial.id)
-            if len(ft.slots) > 1:
+    def vacate(tid: int, slots: Sequence[int], then: Callable[[], None], clean: bool = True) -> None:
+        """The trial leaves ``slots``; ``then()`` frees its devices in the schedule. A DDP
+        placement that ended cleanly first tears its gloo group down (barrier, destroy) and each
+        rank says "closed": the devices are free only then, so nothing is sent to a rank still
+        inside the teardown. A DDP placement that failed may have ranks blocked in a collective
+        and is replaced."""
+        if len(slots) > 1 and clean:
+            closing[tid] = [set(slots), time.monotonic() + CLOSE_TIMEOUT, then]
+            return
+        for slot in slots:
+            hosts[slot].discard(tid)
+            if len(slots) > 1:
                 executor.replace(slot)
-        ft.slots = ()
+        then()
 
-    def end(tid: int, status: TrialStatus, **kw: Any) -> None:
+    def closed(tid: int, slot: int | None) -> None:
+        entry = closing[tid]
+        for s in ([slot] if slot is not None else list(entry[0])):
+            entry[0].discard(s)
+            hosts[s].discard(tid)
+            if slot is None:
+                executor.replace(s)
+        if not entry[0]:
+            del closing[tid]
+            entry[2]()
+
+    def end(tid: int, status: TrialStatus, clean: bool = True, **kw: Any) -> None:
         ft = trials.pop(tid)
-        leave(ft)
-        sched.finish(tid)
+        slots, ft.slots = ft.slots, ()
+        vacate(tid, slots, lambda: sched.finish(tid), clean)
         if ft.history:
             ft.job.trial.info["allocation"] = ft.history
         hooks.finish(ft.job.trial, status, **kw)
+
+    def learn(ft: _FluidTrial, step_time: float, per_epoch: int | None, epochs: int | None, share: float) -> None:
+        """A measured step time (of a share-``share`` placement) becomes the trial's profile and
+        the structure's; trials still waiting on an assumed profile are re-estimated."""
+        if share > 1:  # a data-parallel step: the one-device time by the policy's own model
+            step_time *= 1 + (share - 1) * policy.efficiency
+        job = ft.job
+        if per_epoch:
+            ft.steps_per_epoch = int(per_epoch)
+        if epochs:
+            ft.limit = epochs if job.max_steps is None else min(epochs, job.max_steps)
+        ft.step_time, ft.measured = step_time, True
+        job.trial.info["fluid_step_seconds"] = step_time
+        cache[ft.structure] = step_time
+        sched.progress(job.trial.id, ft.remaining())
+        for tid, other in trials.items():
+            if not other.measured and not other.slots:
+                other.step_time, other.measured = assumed(other.structure)
+                sched.progress(tid, other.remaining())
 
     def launch(p: Placement) -> None:
         ft = trials[p.key]
@@ -415,11 +510,12 @@ def run_fluid(executor: ProcessExecutor, jobs: Sequence[Job], evaluator: Stepwis
 
             port = free_port()
         payload = model_bytes(job.model)
+        measure = not ft.measured
         for rank, slot in enumerate(p.devices):
             worker = executor.worker(slot)
             hosts[slot].add(p.key)
             token = executor.ship(worker, evaluator)
-            common = (job.trial.id, token, payload, job.trial.sample, job.trial.seed, job.max_steps, ft.state)
+            common = (job.trial.id, token, payload, job.trial.sample, job.trial.seed, job.max_steps, ft.state, measure)
             if port is None:
                 worker.conn.send(("host", *common))
             else:
@@ -429,24 +525,26 @@ def run_fluid(executor: ProcessExecutor, jobs: Sequence[Job], evaluator: Stepwis
     def kill_slot(slot: int, reason: str) -> None:
         """A worker died or hangs: kill it; every trial on it fails (with the other ranks of a DDP trial)."""
         victims = sorted(hosts[slot])
-        slots = {slot} | {s for tid in victims for s in trials[tid].slots}
+        slots = {slot}
+        for tid in victims:
+            slots |= set(trials[tid].slots) if tid in trials else set(closing.get(tid, [()])[0])
         for s in slots:
             executor.replace(s)
-        for tid in victims:
-            if tid in trials:
-                end(tid, TrialStatus.FAILED, value=trials[tid].last, error=reason.format(trial=tid))
-        for s in slots:  # trials that shared a killed worker with the victims
+        for s in slots:
             for tid in sorted(hosts[s]):
-                if tid in trials:
-                    end(tid, TrialStatus.FAILED, value=trials[tid].last,
-                        error=f"trial {tid} was lost with worker {s} (killed because of trial(s) {victims})")
+                if tid in closing:  # its outcome is recorded already; only the devices are freed
+                    closed(tid, None)
+                elif tid in trials:
+                    error = (reason.format(trial=tid) if tid in victims else
+                             f"trial {tid} was lost with worker {s} (killed because of trial(s) {victims})")
+                    end(tid, TrialStatus.FAILED, clean=False, value=trials[tid].last, error=error)
 
     for slot in range(executor.workers):
         # Every worker has started (and holds the evaluator) before anything is placed: the plan
         # assumes all devices are there, and a worker still starting would hold its trials back.
         executor.ship(executor.worker(slot), evaluator)
     timeout = hooks.trial_timeout
-    while trials:
+    while trials or closing:
         for placement in sched.schedule():
             launch(placement)
         conns = {executor._pool[s].conn: s for s, tids in hosts.items() if tids and s in executor._pool}
@@ -463,12 +561,21 @@ def run_fluid(executor: ProcessExecutor, jobs: Sequence[Job], evaluator: Stepwis
                 kill_slot(slot, "the worker process of trial {trial} died (exit code %s)" % code)
                 continue
             kind, tid = message[0], message[1]
+            if kind == "closed":
+                if tid in closing and slot in closing[tid][0]:
+                    closed(tid, slot)
+                continue
             ft = trials.get(tid)
             if ft is None:
                 continue
             ft.last_message = time.monotonic()
             trial = ft.job.trial
             if kind == "started":
+                continue
+            if kind == "profile":
+                _, _, step_time, per_epoch, epochs = message
+                if not ft.measured:
+                    learn(ft, step_time, per_epoch, epochs, float(len(ft.slots)) if len(ft.slots) > 1 else 1.0)
                 continue
             if kind == "report":
                 _, _, step, metrics, seconds = message
@@ -494,15 +601,19 @@ def run_fluid(executor: ProcessExecutor, jobs: Sequence[Job], evaluator: Stepwis
                 ft.state = message[2]
                 new = sched.rescales().get(tid)
                 log.info("fluid: trial %d moves from %s to share %s after epoch %d", tid, ft.slots, new, ft.epochs_done)
-                leave(ft)
-                sched.release(tid, ft.remaining())
-            elif kind == "error":  # (the other ranks of a DDP trial would wait forever: leave() replaces them)
-                end(tid, TrialStatus.FAILED, value=ft.last, error=message[2])
+                slots, ft.slots = ft.slots, ()
+                vacate(tid, slots, lambda tid=tid, ft=ft: sched.release(tid, ft.remaining()))
+            elif kind == "error":  # the other ranks of a DDP trial may wait in a collective forever: replaced
+                end(tid, TrialStatus.FAILED, clean=False, value=ft.last, error=message[2])
             elif kind == "done":
                 status, error, weights, value = _done_outcome(message, ft.last, trial)
                 end(tid, status, error=error, weights=weights, value=value)
+        now = time.monotonic()
+        for tid in [t for t, entry in closing.items() if now > entry[1]]:
+            log.warning("fluid: the ranks %s of trial %d did not tear their gloo group down within %s s; replaced",
+                        sorted(closing[tid][0]), tid, CLOSE_TIMEOUT)
+            closed(tid, None)
         if timeout is not None:
-            now = time.monotonic()
             for tid, ft in list(trials.items()):
                 # A trial silent for longer than the timeout hangs inside an epoch: kill its worker.
                 if ft.slots and now - ft.last_message > timeout + 5 and tid in trials:
@@ -527,6 +638,42 @@ def _state_bytes(trainer: Any) -> bytes:
 
 def _limit(trainer: Any, max_steps: int | None) -> int:
     return trainer.epochs if max_steps is None else min(trainer.epochs, max_steps)
+
+
+def _per_epoch(trainer: Any) -> int | None:
+    return getattr(getattr(trainer, "config", None), "steps_per_epoch", None)
+
+
+def _profiled_epoch(trainer: Any, conn: Connection, tid: int) -> dict[str, float]:
+    """``trainer.train_epoch()`` (the same steps, the same numbers), timing its first steps: after
+    one warm-up step and ``PROFILE_STEPS`` more, the fastest (the least disturbed by other work)
+    goes to the driver as the trial's profile while the epoch goes on. A trainer without the
+    step-wise parts (``begin_epoch``/``epoch_batches``/``train_batch``/``end_epoch``) is timed
+    by the epoch."""
+    def send(seconds: float, per_epoch: int | None) -> None:
+        conn.send(("profile", tid, seconds, per_epoch, trainer.epochs))
+
+    if not all(hasattr(trainer, m) for m in ("begin_epoch", "epoch_batches", "train_batch", "end_epoch")):
+        t0 = time.perf_counter()
+        out = trainer.train_epoch()
+        send(time.perf_counter() - t0, 1)
+        return out
+    times: list[float] = []
+    trainer.begin_epoch()
+    total, count = 0.0, 0
+    t0 = time.perf_counter()
+    for batch, x, y in trainer.epoch_batches():  # as SupervisedTrainer.train_epoch
+        total += trainer.train_batch(x, y, batch) * len(y)
+        count += len(y)
+        if len(times) <= PROFILE_STEPS:
+            t1 = time.perf_counter()
+            times.append(t1 - t0)  # the batch's preparation and its optimizer step
+            t0 = t1
+            if len(times) == PROFILE_STEPS + 1:
+                send(min(times[1:]), _per_epoch(trainer))
+    if len(times) <= PROFILE_STEPS:  # a short epoch: all of its steps
+        send(min(times[1:] or times), _per_epoch(trainer))
+    return trainer.end_epoch(total / count)
 
 
 def _epoch_metrics(trainer: Any, evaluator: Evaluator, train: dict[str, float]) -> dict[str, float]:
@@ -560,11 +707,11 @@ def _await_decision(conn: Connection, tid: int, pending: list[tuple[Any, ...]], 
 def _host(conn: Connection, message: tuple[Any, ...], hosted: dict[int, Any], evaluators: Mapping[int, Evaluator]) -> None:
     from ._execution import _error_text
 
-    _, tid, token, model, sample, seed, max_steps, state = message
+    _, tid, token, model, sample, seed, max_steps, state, measure = message
     evaluator = evaluators[token]
     try:
         conn.send(("started", tid))
-        hosted[tid] = (evaluator, _trainer(evaluator, model, sample, seed, state), max_steps)
+        hosted[tid] = [evaluator, _trainer(evaluator, model, sample, seed, state), max_steps, measure]
     except Exception as err:
         conn.send(("error", tid, _error_text(err)))
 
@@ -593,11 +740,13 @@ def serve_placement(conn: Connection, message: tuple[Any, ...], evaluators: dict
                     evaluators[incoming[1]] = pickle.loads(incoming[2])
                 else:
                     pending.append(incoming)
-            evaluator, trainer, max_steps = hosted[tid]
+            evaluator, trainer, max_steps, measure = hosted[tid]
             try:
                 t0 = time.perf_counter()
                 step = trainer.epoch
-                metrics = _epoch_metrics(trainer, evaluator, trainer.train_epoch())
+                train = _profiled_epoch(trainer, conn, tid) if measure else trainer.train_epoch()
+                hosted[tid][3] = False
+                metrics = _epoch_metrics(trainer, evaluator, train)
                 conn.send(("report", tid, step, metrics, time.perf_counter() - t0))
             except Exception as err:
                 conn.send(("error", tid, _error_text(err)))
@@ -621,10 +770,8 @@ def _serve_ddp(conn: Connection, message: tuple[Any, ...], evaluators: dict[int,
     from . import _ddp
     from ._execution import _error_text, _weights_bytes
 
-    _, tid, token, model, sample, seed, max_steps, state, rank, world, port = message
+    _, tid, token, model, sample, seed, max_steps, state, measure, rank, world, port = message
     evaluator = evaluators[token]
-    # The group is not torn down here: the driver replaces a worker once its DDP placement ends
-    # (ProcessGroupGloo's destructor can hang), so the last message must go out before anything else.
     try:
         if rank == 0:
             conn.send(("started", tid))
@@ -635,9 +782,13 @@ def _serve_ddp(conn: Connection, message: tuple[Any, ...], evaluators: dict[int,
         while True:
             t0 = time.perf_counter()
             step = trainer.epoch
-            train = _ddp.train_epoch(trainer, rank, world, ddp)
+            times: list[float] | None = [] if measure and rank == 0 else None
+            train = _ddp.train_epoch(trainer, rank, world, ddp, step_times=times, max_timed=PROFILE_STEPS + 1)
             decision = None
             if rank == 0:
+                if times:
+                    conn.send(("profile", tid, min(times[1:] or times), _per_epoch(trainer), trainer.epochs))
+                    measure = False
                 metrics = _epoch_metrics(trainer, evaluator, train)
                 conn.send(("report", tid, step, metrics, time.perf_counter() - t0))
                 decision = _await_decision(conn, tid, pending, None, evaluators)
@@ -653,8 +804,17 @@ def _serve_ddp(conn: Connection, message: tuple[Any, ...], evaluators: dict[int,
                     conn.send(("done", tid, metrics[evaluator.objective.metric], _weights_bytes(trainer.model)))
                 break
     except Exception as err:
+        # A rank that failed alone may leave the others inside a collective: tearing the group
+        # down could then wait for them (the hang seen before), so the driver replaces the ranks.
         conn.send(("error", tid, f"rank {rank} of {world}: " + _error_text(err)))
-    _KEEP.append(locals().get("ddp"))  # no destructor runs before the driver kills this worker
+        _KEEP.append(locals().get("ddp"))  # no destructor runs before the driver kills this worker
+        return
+    # Every rank got here after the same last collective (the decision's broadcast): drop the DDP
+    # wrapper (its reducer holds the group), meet at a barrier so no rank leaves while another
+    # still has gloo work in flight, then destroy the group; this worker then serves placements again.
+    del ddp
+    _ddp.close_group()
+    conn.send(("closed", tid))
 
 
 _KEEP: list[Any] = []
