@@ -441,5 +441,6 @@ def make_executor(kind: str | Executor, workers: int, optimize: bool = True, *, 
     if kind == "ray":
         from ._ray import RayExecutor  # Ray is optional: imported only when asked for
 
-        return RayExecutor(workers, ray_address, storage, max_retries, experiment=experiment)
+        return RayExecutor(workers, ray_address, storage, max_retries, experiment=experiment, optimize=optimize,
+                           allocation=allocation)
     raise ValueError(f"The 'executor' parameter of Experiment must be 'inline', 'process', 'ray' or an Executor. Got {kind!r} instead.")

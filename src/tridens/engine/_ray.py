@@ -22,6 +22,7 @@ Storage layout (``storage`` is a directory every worker sees, or an fsspec URI):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import logging
 import math
@@ -34,7 +35,7 @@ from typing import Any, Mapping, Sequence
 import ray
 import torch
 
-from ..evaluators._base import Evaluator, StepwiseEvaluator, drive
+from ..evaluators._base import Evaluator, StepwiseEvaluator
 from ..trial import Decision, TrialStatus
 from ._execution import Executor, GroupHooks, Job, _error_text, _final_status
 
@@ -165,74 +166,38 @@ class _Hub:
 
 # -- the worker side ---------------------------------------------------------------------------------
 class _HubReporter:
-    """The Reporter of a trial on a worker: checkpoint (step-wise), post the metrics, wait for the decision."""
+    """The Reporter of a user loop on a worker: post the metrics, wait for the decision."""
 
-    def __init__(self, hub: Any, spec: Mapping[str, Any], storage: _Storage, trainer: Any = None, limit: int | None = None):
-        self.hub, self.spec, self.storage, self.trainer, self.limit = hub, spec, storage, trainer, limit
+    def __init__(self, hub: Any, spec: Mapping[str, Any], storage: _Storage):
+        self.hub, self.spec, self.storage = hub, spec, storage
         self.mark = time.monotonic()  # training time is counted from here to the next report
 
     def report(self, step: int, metrics: Mapping[str, float]) -> Decision:
         metrics = {k: float(v) for k, v in metrics.items()}
         seconds = time.monotonic() - self.mark
-        last = False
-        if self.trainer is not None:
-            directory = self.spec["directory"]
-            epoch = self.trainer.epoch
-            # Checkpoint before reporting: a worker killed after this line resumes past the epoch
-            # and posts its metrics again (the driver ignores a step it already has).
-            self.storage.save(self.storage.child(directory, f"epoch-{epoch}.pt"),
-                              {"trainer": self.trainer.state_dict(), "step": step, "metrics": metrics})
-            if epoch > 1:  # only the latest checkpoint is needed to go on
-                self.storage.remove(self.storage.child(directory, f"epoch-{epoch - 1}.pt"))
-            last = self.limit is not None and epoch >= self.limit
-        answer = ray.get(self.hub.ask.remote(self.spec["trial_id"], self.spec["attempt"], step, metrics, last, seconds,
+        answer = ray.get(self.hub.ask.remote(self.spec["trial_id"], self.spec["attempt"], step, metrics, False, seconds,
                                              self.spec["worker"]))
         self.mark = time.monotonic()
         return Decision(answer)
 
 
-def _limit(trainer: Any, max_steps: int | None) -> int:
-    return trainer.epochs if max_steps is None else min(trainer.epochs, max_steps)
-
-
 @ray.remote(max_retries=0)
 def _run_trial(evaluator: Evaluator, model: Any, spec: dict[str, Any], hub: Any) -> dict[str, Any]:
-    """Train one trial on a worker. Errors of the training itself are returned (the trial failed);
-    only the worker's death raises on the driver (and restarts the trial)."""
+    """Run one trial of a user loop (a non-step-wise evaluator) on a worker. Errors of the
+    training itself are returned (the trial failed); only the worker's death raises on the driver
+    (and restarts the trial). Step-wise evaluators run as units (:mod:`._ray_units`)."""
     torch.set_num_threads(max(1, int(spec["cpus"])))
     # Every message names its worker: an async actor may run a worker's calls out of order.
     spec["worker"] = (os.getpid(), ray.util.get_node_ip_address())
-    hub.post.remote(("started", spec["trial_id"], spec["attempt"], spec["worker"]))
+    hub.post.remote(("started", spec["trial_id"], spec["attempt"], spec["worker"],
+                     ray.get_runtime_context().get_assigned_resources()))
     storage = _Storage(spec["root"])
     directory = spec["directory"]
     try:
         if spec["attempt"] == 0:
             storage.clear(directory)  # a new run of this trial (after a driver crash too) starts afresh
-        value: float | None
-        if isinstance(evaluator, StepwiseEvaluator):
-            trainer = evaluator.trainer(model, spec["sample"], spec["seed"])
-            limit = _limit(trainer, spec["max_steps"])
-            reporter = _HubReporter(hub, spec, storage, trainer, limit)
-            epoch = storage.latest_epoch(directory)
-            value = None
-            stopped = False
-            if epoch is not None:
-                state = storage.load(storage.child(directory, f"epoch-{epoch}.pt"))
-                trainer.load_state_dict(state["trainer"])
-                metrics = state["metrics"]
-                value = next(iter(metrics.values()))
-                # the report may not have reached the driver before the old worker died
-                answer = ray.get(hub.ask.remote(spec["trial_id"], spec["attempt"], state["step"], metrics,
-                                                trainer.epoch >= limit, 0.0, spec["worker"]))
-                stopped = Decision(answer) is Decision.STOP
-            if not stopped:
-                reporter.mark = time.monotonic()
-                result = drive(trainer, evaluator.objective, reporter, max_steps=spec["max_steps"])
-                value = result if result is not None else value
-            model = trainer.model
-        else:
-            value = evaluator.evaluate(model, spec["sample"], spec["seed"], _HubReporter(hub, spec, storage),
-                                       max_steps=spec["max_steps"])
+        value = evaluator.evaluate(model, spec["sample"], spec["seed"], _HubReporter(hub, spec, storage),
+                                   max_steps=spec["max_steps"])
         final = None
         if model is not None:
             final = storage.child(directory, "final.pt")
@@ -245,7 +210,7 @@ def _run_trial(evaluator: Evaluator, model: Any, spec: dict[str, Any], hub: Any)
 # -- the driver side ---------------------------------------------------------------------------------
 @dataclass
 class _Track:
-    """The driver's view of one trial."""
+    """The driver's view of one trial of a user loop."""
 
     job: Job
     attempt: int = 0
@@ -257,9 +222,69 @@ class _Track:
     deaths: list[str] = field(default_factory=list)
 
 
+@dataclass
+class _Member:
+    """The driver's view of one trial of a unit."""
+
+    job: Job
+    model: bytes                              # the model as it was before planning (what workers rebuild)
+    last_step: int = -1
+    decisions: dict[int, Decision] = field(default_factory=dict)
+    last_value: float | None = None
+    done: bool = False                        # finished in the store
+    yielded: bool = False                     # left its task to move to a new Fluid share
+    limit: int | None = None                  # (Fluid) epochs it trains in all
+
+
+@dataclass
+class _UnitTrack:
+    """The driver's view of one unit task: its members, its attempts and resources."""
+
+    members: dict[int, _Member]
+    optimize: bool = True
+    planned: str = "separate"                 # the kind of unit the driver's planner made
+    batching: Any = None                      # the driver's batching settings, "force"/"off" as it decided
+    attempt: int = 0
+    ref: Any = None
+    resume: bool = False
+    resources: dict[str, float] = field(default_factory=dict)
+    world: int = 1                            # DDP ranks (a Fluid share above 1)
+    started: float = math.inf
+    last_message: float = math.inf
+    deaths: list[str] = field(default_factory=list)
+
+    def unfinished(self) -> list[_Member]:
+        return [m for m in self.members.values() if not m.done]
+
+
+@dataclass
+class _Fluid:
+    """Fluid's bookkeeping for one group on Ray."""
+
+    sched: Any
+    gpu: bool
+    profiles: dict[int, tuple[float, int]] = field(default_factory=dict)  # trial id -> (step s, steps/epoch)
+
+    def remaining(self, member: _Member) -> float:
+        step_time, per_epoch = self.profiles[member.job.trial.id]
+        return step_time * per_epoch * max((member.limit or 0) - (member.last_step + 1), 0)
+
+
 class RayExecutor(Executor):
-    """Trials as Ray tasks, at most ``workers`` at a time, each asking for one CPU (and a share
-    of a GPU where the cluster has GPUs).
+    """Trials as Ray tasks, at most ``workers`` at a time, each asking for ``cpus_per_trial``
+    CPUs (and a share of a GPU where the cluster has GPUs).
+
+    With a declarative (step-wise) evaluator the planner's units run as tasks: with ``optimize``
+    every fused unit (batched, shared-pipeline, mixed, super-graph) is ONE task reporting each
+    member's metrics and receiving each member's decision; trials that train separately are one
+    task each (see :mod:`._ray_units` for checkpoints and restarts). With ``allocation``
+    (``"static"``, ``"dynamic"`` or a :class:`~tridens.engine.StaticFluid`) each trial gets a
+    Fluid share of the ``workers`` devices (CPUs, or the cluster's GPUs when the evaluator trains
+    on CUDA), turned into its task's resource request: a share below 1 asks for that fraction of a
+    CPU (GPU), so Ray packs several tasks on one; a share above 1 is one task reserving ``share``
+    devices that trains the trial with torch DDP over that many local processes (one node).
+    DynamicFluid moves a trial to a new share at an epoch boundary: its task checkpoints and ends,
+    and a new task at the new share resumes from the checkpoint. Under Fluid trials are not fused.
 
     ``address=None`` starts a local Ray with ``workers`` CPUs (no dashboard, quiet logs) and stops
     it on :meth:`close`; an address (``"host:port"``, ``"auto"``, ``"ray://host:10001"``) joins a
@@ -269,16 +294,20 @@ class RayExecutor(Executor):
 
     >>> exp = td.Experiment(space, evaluator, td.strategy.ASHA(max_steps=9), executor="ray",
     ...                     workers=4, max_retries=2)                       # doctest: +SKIP
+    >>> exp = td.Experiment(space, evaluator, executor="ray", workers=4, allocation="dynamic")  # doctest: +SKIP
     """
 
     def __init__(self, workers: int = 2, address: str | None = None, storage: str | os.PathLike[str] | None = None,
-                 max_retries: int = 0, experiment: str = "experiment", cpus_per_trial: float = 1.0):
+                 max_retries: int = 0, experiment: str = "experiment", cpus_per_trial: float = 1.0,
+                 optimize: bool = True, allocation: Any = None):
         self.workers = workers
         self.address = address
         self.storage = storage
         self.max_retries = max_retries
         self.experiment = experiment
         self.cpus_per_trial = cpus_per_trial
+        self.optimize = optimize
+        self.allocation = allocation
         self._started_ray = False
         self._hub: Any = None
         self._evaluator: tuple[Any, Any] | None = None  # (evaluator, its object ref): one copy for all groups
@@ -289,6 +318,10 @@ class RayExecutor(Executor):
             return
         if self.storage is None:
             raise ValueError("The 'storage' parameter of RayExecutor must be a directory or an fsspec URI. Got None instead.")
+        if self.allocation is not None:
+            from ._fluid import fluid_policy
+
+            fluid_policy(self.allocation).scheduler(max(self.workers, 1))  # checks the policy's parameters
         if not ray.is_initialized():
             options: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.ERROR,
                                        "configure_logging": True}
@@ -326,6 +359,298 @@ class RayExecutor(Executor):
         if self._evaluator is None or self._evaluator[0] is not evaluator:
             self._evaluator = (evaluator, ray.put(evaluator))  # its datasets travel to the object store once
         evaluator_ref = self._evaluator[1]
+        if isinstance(evaluator, StepwiseEvaluator):
+            self._run_units(jobs, evaluator, evaluator_ref, storage, hooks)
+        else:
+            self._run_trials(jobs, evaluator_ref, storage, hooks)
+
+    def _directory(self, storage: _Storage, trial_id: int) -> str:
+        return storage.join(self.experiment, f"trial-{trial_id}")
+
+    # -- units (declarative evaluators) --------------------------------------------------------
+    def _units(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator) -> list[_UnitTrack]:
+        """The group's unit tasks: the planner's fused units, one task each; separate trials one each."""
+        from ._execution import model_bytes
+        from ._units import SeparateUnit
+
+        models = {job.trial.id: model_bytes(job.model) for job in jobs}  # before planning may tie or move them
+        if not self.optimize or self.allocation is not None:
+            return [_UnitTrack({job.trial.id: _Member(job, models[job.trial.id])}, optimize=False) for job in jobs]
+        from ._planner import plan
+
+        from ..xopt import _batching
+
+        tracks = []
+        for unit in plan(jobs, evaluator, True):
+            if isinstance(unit, SeparateUnit):  # nothing shared: each trial its own task, in parallel
+                tracks.extend(_UnitTrack({t: _Member(j, models[t])}, optimize=False) for t, j in unit.jobs.items())
+                continue
+            # The worker plans the unit's trials again: batching as decided here (a measured
+            # speed-up could come out differently there), everything else as configured.
+            batched = isinstance(unit, _batching.BatchedUnit) or any(
+                isinstance(m, _batching.BatchedMember) for m in getattr(unit, "members", ()))
+            settings = dataclasses.replace(_batching.settings, mode="force" if batched else "off")
+            tracks.append(_UnitTrack({t: _Member(j, models[t]) for t, j in unit.jobs.items()},
+                                     planned=unit.kind, batching=settings))
+        return tracks
+
+    def _run_units(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, evaluator_ref: Any, storage: _Storage,
+                   hooks: GroupHooks) -> None:
+        fluid = None
+        tracks = self._units(jobs, evaluator)
+        if self.allocation is not None:
+            fluid, tracks = self._profile(tracks, evaluator, hooks)
+        queue = list(tracks) if fluid is None else []
+        waiting = {next(iter(t.members)): t for t in tracks} if fluid is not None else {}
+        running: list[_UnitTrack] = []
+        owner: dict[int, _UnitTrack] = {}  # trial id -> its running task's track
+        try:
+            while queue or running or waiting:
+                if fluid is not None:
+                    for placement in fluid.sched.schedule():
+                        track = waiting.pop(placement.key)
+                        self._place(track, placement.share, fluid)
+                        queue.append(track)
+                while queue and (fluid is not None or len(running) < self.workers):
+                    track = queue.pop(0)
+                    if fluid is None:
+                        track.resources = self._resources()
+                    self._launch_unit(track, evaluator_ref, storage)
+                    running.append(track)
+                    owner.update({m.job.trial.id: track for m in track.unfinished()})
+                for message in ray.get(self._hub.drain.remote(_POLL_S)):
+                    self._handle_unit(message, owner, storage, hooks, fluid)
+                refs = {t.ref: t for t in running}
+                done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+                for ref in done:
+                    track = refs[ref]
+                    # messages posted before the task returned are in the hub: read them first
+                    for message in ray.get(self._hub.drain.remote(0)):
+                        self._handle_unit(message, owner, storage, hooks, fluid)
+                    if self._unit_done(track, ref, storage, hooks, fluid):
+                        running.remove(track)
+                        for member in track.members.values():
+                            owner.pop(member.job.trial.id, None)
+                            if fluid is not None and member.yielded and not member.done:
+                                member.yielded = False
+                                track.attempt += 1
+                                track.resume = True
+                                fluid.sched.release(member.job.trial.id, fluid.remaining(member))
+                                waiting[member.job.trial.id] = track
+                    else:  # its worker died: again, from the members' last checkpoints
+                        self._launch_unit(track, evaluator_ref, storage)
+                self._unit_timeout(running, hooks, fluid)
+        finally:
+            for track in running:  # interrupted (Ctrl-C, driver error): free the workers
+                ray.cancel(track.ref, force=True)
+
+    def _profile(self, tracks: list[_UnitTrack], evaluator: StepwiseEvaluator,
+                 hooks: GroupHooks) -> tuple[_Fluid, list[_UnitTrack]]:
+        """Fluid's step-time profile of every trial (on the driver, one thread, as a worker runs)."""
+        from ._fluid import fluid_policy, profile_step_time
+
+        gpu = False
+        if tracks:
+            try:
+                job = next(iter(tracks[0].members.values())).job
+                gpu = evaluator.config(job.trial.sample).device.type == "cuda"  # type: ignore[attr-defined]
+            except Exception:  # not a supervised evaluator (Tabular): CPUs
+                gpu = False
+        devices = int(ray.cluster_resources().get("GPU", 0)) if gpu else self.workers
+        fluid = _Fluid(fluid_policy(self.allocation).scheduler(max(devices, 1)), gpu)
+        kept = []
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for track in tracks:
+                member = next(iter(track.members.values()))
+                trial = member.job.trial
+                try:
+                    step_time, per_epoch, epochs = profile_step_time(evaluator, member.job.model, trial.sample, trial.seed)
+                except Exception as err:  # the trainer cannot be built or its first steps fail
+                    member.done = True
+                    hooks.finish(trial, TrialStatus.FAILED, error=_error_text(err))
+                    continue
+                member.limit = epochs if member.job.max_steps is None else min(epochs, member.job.max_steps)
+                fluid.profiles[trial.id] = (step_time, per_epoch)
+                trial.info["fluid_step_seconds"] = step_time
+                fluid.sched.submit(trial.id, fluid.remaining(member))
+                kept.append(track)
+        finally:
+            torch.set_num_threads(threads)
+        return fluid, kept
+
+    def _place(self, track: _UnitTrack, share: float, fluid: _Fluid) -> None:
+        """A Fluid share as the task's resource request."""
+        member = next(iter(track.members.values()))
+        cpus = self.cpus_per_trial * share
+        track.resources = {"num_cpus": cpus}
+        if fluid.gpu:
+            track.resources = {"num_cpus": min(cpus, self.cpus_per_trial), "num_gpus": share}
+        track.world = int(share) if share > 1 else 1
+        trial = member.job.trial
+        trial.info.setdefault("allocation", []).append(
+            {"share": share, "from_epoch": member.last_step + 1, "resources": dict(track.resources)})
+        log.info("fluid on Ray: trial %d gets share %g (%s)%s", trial.id, share,
+                 ", ".join(f"{k}={v:g}" for k, v in track.resources.items()),
+                 f": torch DDP over {track.world} local processes" if track.world > 1 else "")
+
+    def _launch_unit(self, track: _UnitTrack, evaluator_ref: Any, storage: _Storage) -> None:
+        from ._planner import ENV_MAX_UNIT_MEMORY, _MAX_UNIT_MEMORY, parse_memory
+        from ._ray_units import run_unit
+
+        bound = _MAX_UNIT_MEMORY.get()
+        if bound is None and os.environ.get(ENV_MAX_UNIT_MEMORY):
+            bound = parse_memory(os.environ[ENV_MAX_UNIT_MEMORY], ENV_MAX_UNIT_MEMORY, "the environment")
+        members = []
+        for member in track.unfinished():
+            trial = member.job.trial
+            trial.info["storage"] = self._directory(storage, trial.id)
+            members.append({"trial": trial, "model": member.model, "max_steps": member.job.max_steps,
+                            "directory": trial.info["storage"]})
+        spec = {"attempt": track.attempt, "root": storage.root, "cpus": track.resources.get("num_cpus", 1.0),
+                "optimize": track.optimize and not track.resume, "resume": track.resume, "members": members,
+                "max_unit_memory": bound, "world": track.world, "planned": track.planned, "batching": track.batching,
+                "limit": next(iter(track.members.values())).limit}
+        track.started = track.last_message = math.inf
+        track.ref = run_unit.options(**track.resources).remote(evaluator_ref, spec, self._hub)
+
+    def _handle_unit(self, message: tuple[Any, ...], owner: Mapping[int, _UnitTrack], storage: _Storage,
+                     hooks: GroupHooks, fluid: _Fluid | None) -> None:
+        kind, trial_id, attempt, (pid, node) = message[:4]
+        track = owner.get(trial_id)
+        if track is None or attempt != track.attempt or trial_id not in track.members:
+            return  # a message of a task already given up on
+        member = track.members[trial_id]
+        trial = member.job.trial
+        track.last_message = time.monotonic()
+        if track.started == math.inf:
+            track.started = track.last_message
+        if kind == "started":
+            trial.info["ray"] = {"pid": pid, "node": node, "attempt": attempt, "resources": dict(message[4])}
+            return
+        if kind == "left":
+            self._member_left(track, member, message[4], storage, hooks, fluid)
+            return
+        step, metrics, last, seconds = message[4:]
+        trial.info["train_seconds"] = trial.info.get("train_seconds", 0.0) + seconds
+        answer: str
+        if step > member.last_step and not member.done:
+            hooks.record(trial, step, metrics)
+            member.last_step = step
+            member.last_value = next(iter(metrics.values()), None)
+            timeout = hooks.trial_timeout
+            if fluid is not None:
+                fluid.sched.progress(trial_id, fluid.remaining(member))
+            if timeout is not None and trial.info["train_seconds"] > timeout:
+                member.done = True
+                self._fluid_finish(fluid, trial_id)
+                hooks.finish(trial, TrialStatus.FAILED, value=member.last_value,
+                             error=f"trial {trial_id} exceeded trial_timeout={timeout} s after epoch {step}")
+                self._hub.answer.remote(trial_id, attempt, step, "drop")
+                return
+            # The in-process executor asks no decision after a trial's last epoch.
+            member.decisions[step] = Decision.CONTINUE if last else hooks.decide(trial, step)
+            answer = member.decisions[step].value
+            if (fluid is not None and not last and member.decisions[step] is Decision.CONTINUE
+                    and trial_id in fluid.sched.rescales()):
+                answer = "yield"  # to its new share at this epoch boundary
+                log.info("fluid on Ray: trial %d moves to share %g after epoch %d", trial_id,
+                         fluid.sched.rescales()[trial_id], step + 1)
+        else:  # a step reported again after a restart: the answer it had
+            answer = member.decisions.get(step, Decision.CONTINUE).value
+        self._hub.answer.remote(trial_id, attempt, step, answer)
+
+    @staticmethod
+    def _fluid_finish(fluid: _Fluid | None, trial_id: int) -> None:
+        if fluid is not None:
+            fluid.sched.finish(trial_id)
+
+    def _member_left(self, track: _UnitTrack, member: _Member, outcome: Mapping[str, Any], storage: _Storage,
+                     hooks: GroupHooks, fluid: _Fluid | None) -> None:
+        """A member's outcome (from its ``left`` message or the task's result; the first counts)."""
+        kind = outcome["kind"]
+        if member.done or kind == "dropped":
+            return
+        if kind == "yielded":
+            member.yielded = True
+            return
+        trial = member.job.trial
+        member.done = True
+        self._fluid_finish(fluid, trial.id)
+        if kind == "error":
+            hooks.finish(trial, TrialStatus.FAILED, value=member.last_value, error=outcome["error"])
+            return
+        value = member.last_value if outcome["value"] is None else outcome["value"]
+        weights = None
+        if outcome["final"] is not None:
+            trial.info["final_weights"] = outcome["final"]
+            weights = storage.load(outcome["final"])
+        status, error = _final_status(value)
+        if status is TrialStatus.COMPLETED and trial.status is TrialStatus.STOPPED:
+            status = TrialStatus.STOPPED
+        hooks.finish(trial, status, error=error, weights=weights, value=value)
+
+    def _fail_unfinished(self, track: _UnitTrack, hooks: GroupHooks, fluid: _Fluid | None, error: str) -> None:
+        for member in track.unfinished():
+            member.done = True
+            self._fluid_finish(fluid, member.job.trial.id)
+            hooks.finish(member.job.trial, TrialStatus.FAILED, value=member.last_value,
+                         error=error.format(trial=member.job.trial.id))
+
+    def _unit_done(self, track: _UnitTrack, ref: Any, storage: _Storage, hooks: GroupHooks,
+                   fluid: _Fluid | None) -> bool:
+        """Record the outcomes of a finished unit task; False when its worker died and it runs again."""
+        try:
+            outcomes = ray.get(ref)
+        except ray.exceptions.TaskCancelledError:
+            return True  # cancelled by the timeout, already recorded
+        except ray.exceptions.RayTaskError as err:  # raised outside the training (e.g. unpickling a model)
+            self._fail_unfinished(track, hooks, fluid, str(err))
+            return True
+        except ray.exceptions.RayError as err:  # the worker process or its node died
+            text = str(err).strip()
+            track.deaths.append(f"{type(err).__name__}: {text.splitlines()[0] if text else ''}")
+            ids = [m.job.trial.id for m in track.unfinished() if not m.yielded]
+            for member in track.unfinished():
+                member.job.trial.info["ray_restarts"] = len(track.deaths)
+            if len(track.deaths) <= self.max_retries and ids:
+                log.warning("trial(s) %s: their worker died (%s); restarting them from their last checkpoints, "
+                            "as separate trials (retry %d of %d)", ids, type(err).__name__, len(track.deaths),
+                            self.max_retries)
+                track.attempt += 1
+                track.resume = True
+                return False
+            self._fail_unfinished(track, hooks, fluid,
+                                  f"the worker of trial {{trial}} died {len(track.deaths)} time(s) and max_retries="
+                                  f"{self.max_retries} allows no more restarts; last: {track.deaths[-1]}")
+            return True
+        for trial_id, outcome in outcomes.items():
+            if trial_id in track.members:
+                self._member_left(track, track.members[trial_id], outcome, storage, hooks, fluid)
+        lost = [m for m in track.unfinished() if not m.yielded]
+        for member in lost:
+            member.done = True
+            self._fluid_finish(fluid, member.job.trial.id)
+            hooks.finish(member.job.trial, TrialStatus.FAILED, value=member.last_value,
+                         error=f"the unit task of trial {member.job.trial.id} ended without its outcome")
+        return True
+
+    def _unit_timeout(self, running: list[_UnitTrack], hooks: GroupHooks, fluid: _Fluid | None) -> None:
+        """A task silent for longer than ``trial_timeout`` hangs inside an epoch: cancel it (its
+        members' epoch times are checked as they report, in :meth:`_handle_unit`)."""
+        timeout = hooks.trial_timeout
+        if timeout is None:
+            return
+        now = time.monotonic()
+        for track in list(running):
+            if track.last_message != math.inf and now - track.last_message > timeout + 5:
+                ray.cancel(track.ref, force=True)
+                self._fail_unfinished(track, hooks, fluid, f"trial {{trial}} exceeded trial_timeout={timeout} s "
+                                                           "inside an epoch and was killed")
+
+    # -- trials of user loops ------------------------------------------------------------------
+    def _run_trials(self, jobs: Sequence[Job], evaluator_ref: Any, storage: _Storage, hooks: GroupHooks) -> None:
         resources = self._resources()
         queue = [_Track(job) for job in jobs]
         running: dict[int, _Track] = {}   # trial id -> track
@@ -336,14 +661,14 @@ class RayExecutor(Executor):
                     self._launch(track, evaluator_ref, storage, resources)
                     running[track.job.trial.id] = track
                 for message in ray.get(self._hub.drain.remote(_POLL_S)):
-                    self._handle(message, running, hooks, stepwise=isinstance(evaluator, StepwiseEvaluator))
+                    self._handle(message, running, hooks)
                 refs = {t.ref: t for t in running.values()}
                 done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
                 for ref in done:
                     track = refs[ref]
                     if self._finish(track, ref, storage, hooks):
                         del running[track.job.trial.id]
-                    else:  # its worker died: again, from the last checkpoint
+                    else:  # its worker died: again
                         self._launch(track, evaluator_ref, storage, resources)
                 self._enforce_timeout(running, hooks)
         finally:
@@ -354,12 +679,12 @@ class RayExecutor(Executor):
         trial = track.job.trial
         spec = {"trial_id": trial.id, "attempt": track.attempt, "sample": trial.sample, "seed": trial.seed,
                 "max_steps": track.job.max_steps, "root": storage.root, "cpus": resources["num_cpus"],
-                "directory": storage.join(self.experiment, f"trial-{trial.id}")}
+                "directory": self._directory(storage, trial.id)}
         trial.info["storage"] = spec["directory"]
         track.started = math.inf
         track.ref = _run_trial.options(**resources).remote(evaluator_ref, track.job.model, spec, self._hub)
 
-    def _handle(self, message: tuple[Any, ...], running: Mapping[int, _Track], hooks: GroupHooks, *, stepwise: bool) -> None:
+    def _handle(self, message: tuple[Any, ...], running: Mapping[int, _Track], hooks: GroupHooks) -> None:
         kind, trial_id, attempt, (pid, node) = message[:4]
         track = running.get(trial_id)
         if track is None or attempt != track.attempt:
@@ -369,6 +694,7 @@ class RayExecutor(Executor):
             track.started = time.monotonic()
             trial.info["ray"] = {"pid": pid, "node": node, "attempt": attempt}
         if kind == "started":
+            trial.info["ray"]["resources"] = dict(message[4])
             return
         step, metrics, last, seconds = message[4:]
         trial.info["train_seconds"] = trial.info.get("train_seconds", 0.0) + seconds  # as the in-process units count it
@@ -376,9 +702,7 @@ class RayExecutor(Executor):
             hooks.record(trial, step, metrics)
             track.last_step = step
             track.last_value = next(iter(metrics.values()), None)
-            # The in-process executor asks no decision after a trial's last epoch; a user loop is
-            # asked after every report.
-            track.decisions[step] = Decision.CONTINUE if (stepwise and last) else hooks.decide(trial, step)
+            track.decisions[step] = hooks.decide(trial, step)  # a user loop is asked after every report
         decision = track.decisions.get(step, Decision.CONTINUE)
         self._hub.answer.remote(trial_id, attempt, step, decision.value)
 

@@ -1,0 +1,212 @@
+"""Planner units and Fluid shares on a real local Ray: a fused unit is one Ray task reporting every
+member, a stop reaches one member while the others go on, a SIGKILLed unit worker restarts its
+members from their checkpoints; Fluid shares become the tasks' resource requests (fractional CPUs,
+or one task running DDP over two local processes), DynamicFluid moves a trial at an epoch
+boundary. Every run is checked against the same search in-process (1e-4)."""
+
+import logging
+import os
+import signal
+
+import pytest
+import torch
+from torch import nn
+
+import tridens as td
+from tridens import nn as tnn
+from tridens.engine import DynamicFluid
+from tridens.trial import Decision, TrialGroup, TrialStatus
+from tridens.xopt import _batching
+
+from .spaces import TinyMLP
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray for the module (the executor uses a Ray already started in the process)."""
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def force(monkeypatch):
+    """Batch same-shaped trials without measuring whether it pays (the driver's decision travels
+    to the worker, which plans the unit again)."""
+    monkeypatch.setattr(_batching.settings, "mode", "force")
+
+
+def assert_close(a, b):
+    """Two runs' trials (same samples, same order): same status and per-epoch metrics to 1e-4."""
+    assert [t.sample for t in a] == [t.sample for t in b]
+    for x, y in zip(a, b):
+        assert (x.status, x.metrics.keys()) == (y.status, y.metrics.keys()), (x.error, y.error)
+        for key in x.metrics:
+            torch.testing.assert_close(torch.tensor(y.metrics[key]), torch.tensor(x.metrics[key]), rtol=1e-4, atol=1e-4)
+
+
+def evaluator(digits_data, epochs=3):
+    train, val = digits_data
+    return td.evaluators.Classification(train=train, val=val, epochs=epochs, batch_size=128, optimizer="adam",
+                                        lr=td.choice("lr", [0.01, 0.003]))
+
+
+def both(tmp_path, space, ev, strategy_factory, name, max_trials, **ray_kw):
+    """The same search in-process (optimize=True) and on Ray; returns the two trial lists."""
+    out = []
+    for executor in ("inline", "ray"):
+        kw = ray_kw if executor == "ray" else {}
+        exp = td.Experiment(space, ev, strategy_factory(), max_trials=max_trials, seed=5, verbose=False,
+                            store=tmp_path / f"{executor}.db", name=name, executor=executor, **kw)
+        out.append(exp.run().trials())
+    return out
+
+
+# -- planner units -------------------------------------------------------------------------------------
+def test_fused_unit_is_one_ray_task_with_the_in_process_metrics(local_ray, force, digits_data, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        inline, on_ray = both(tmp_path, TinyMLP(), evaluator(digits_data), td.strategy.GridSearch, "fused", 4)
+    assert caplog.text.count("mixed unit, one data pipeline for 2 planned units") == 2  # in-process, then on Ray
+    assert_close(inline, on_ray)
+    assert all(t.status is TrialStatus.COMPLETED for t in on_ray)
+    assert len({t.info["ray"]["pid"] for t in on_ray}) == 1  # the four trials trained in one task
+    for t in on_ray:
+        assert sorted(os.listdir(t.info["storage"])) == ["epoch-3.pt", "final.pt"]  # a checkpoint per member
+        saved = torch.load(os.path.join(t.info["storage"], "epoch-3.pt"), weights_only=True)
+        assert saved["trainer"]["epoch"] == 3 and saved["metrics"]["val_acc"] == t.metrics["val_acc"][-1]
+
+
+class StopTrial2(td.strategy.GridSearch):
+    """Stops trial 2 after its first epoch."""
+
+    def decide(self, trial, step):
+        return Decision.STOP if (trial.id, step) == (2, 0) else super().decide(trial, step)
+
+
+def test_stop_reaches_one_member_of_a_fused_unit(local_ray, force, digits_data, tmp_path):
+    inline, on_ray = both(tmp_path, TinyMLP(), evaluator(digits_data), StopTrial2, "stop", 4)
+    assert_close(inline, on_ray)
+    stopped = next(t for t in on_ray if t.id == 2)
+    assert stopped.status is TrialStatus.STOPPED and len(stopped.metrics["val_acc"]) == 1
+    assert sorted(os.listdir(stopped.info["storage"])) == ["epoch-1.pt", "final.pt"]  # left after one epoch
+    others = [t for t in on_ray if t.id != 2]
+    assert all(t.status is TrialStatus.COMPLETED and len(t.metrics["val_acc"]) == 3 for t in others)
+    assert len({t.info["ray"]["pid"] for t in on_ray}) == 1
+    a = torch.load(next(t for t in inline if t.id == 2).checkpoint, weights_only=True)
+    b = torch.load(stopped.checkpoint, weights_only=True)
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)  # the stopped member's weights
+
+
+class KillUnitOnce(td.strategy.GridSearch):
+    """Grid search that SIGKILLs the unit's worker once, while it waits for the decisions of ``step``
+    (every member's checkpoint of that epoch is written by then)."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+        self.killed = []
+
+    def decide(self, trial, step):
+        info = trial.info.get("ray", {})
+        if not self.killed and info.get("attempt") == 0 and step == self.step:
+            os.kill(info["pid"], signal.SIGKILL)
+            self.killed.append(info["pid"])
+        return super().decide(trial, step)
+
+
+def test_killed_unit_worker_restarts_its_members_from_their_checkpoints(local_ray, force, digits_data, tmp_path,
+                                                                         caplog):
+    strategies = []
+
+    def factory():
+        strategies.append(KillUnitOnce(step=1))
+        return strategies[-1]
+
+    with caplog.at_level(logging.WARNING, logger="tridens"):
+        inline, on_ray = both(tmp_path, TinyMLP(), evaluator(digits_data), factory, "kill", 4, max_retries=1)
+    assert len(strategies[1].killed) == 1 and len(strategies[0].killed) == 0  # in-process: no worker to kill
+    assert "restarting them from their last checkpoints, as separate trials" in caplog.text
+    assert_close(inline, on_ray)  # batched members resumed as separate trainers: the same curves
+    for t in on_ray:
+        assert t.status is TrialStatus.COMPLETED and t.info["ray_restarts"] == 1
+        assert t.info["ray"]["attempt"] == 1 and t.info["ray"]["pid"] != strategies[1].killed[0]
+        assert len(t.metrics["val_acc"]) == 3  # each epoch recorded once
+
+
+# -- Fluid ----------------------------------------------------------------------------------------------
+class MLPSpace(tnn.ModelSpace):
+    """No dropout and no BatchNorm: data-parallel training then equals one-process training."""
+
+    def __init__(self):
+        super().__init__()
+        h = td.choice("hidden", [4, 64, 512])
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, h), nn.ReLU(), nn.Linear(h, 10))
+        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class Groups(td.strategy.Strategy):
+    """Hands over fixed TrialGroups."""
+
+    def __init__(self, groups):
+        self.groups = groups
+
+    def start(self, space, objective, rng, history=()):
+        super().start(space, objective, rng, history)
+        self._next = 0
+
+    def ask(self, remaining=None):
+        if self._next >= len(self.groups):
+            return None
+        self._next += 1
+        return TrialGroup([dict(s) for s in self.groups[self._next - 1]])
+
+
+def fluid_pair(tmp_path, digits_data, group, name, allocation):
+    train, val = digits_data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=td.choice("epochs", [1, 2, 12]),
+                                      batch_size=96, optimizer="adam", lr=0.01)
+    return both(tmp_path, MLPSpace(), ev, lambda: Groups([group]), name, None, workers=2, allocation=allocation)
+
+
+def test_static_fluid_shares_are_the_ray_tasks_resource_requests(local_ray, digits_data, tmp_path, caplog):
+    # four similar trials on two CPUs, none with half the work: each gets half a CPU (Ray packs two
+    # tasks on one)
+    group = [{"hidden": h, "epochs": e} for h in (4, 64) for e in (1, 2)]
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        inline, on_ray = fluid_pair(tmp_path, digits_data, group, "static", "static")
+    assert_close(inline, on_ray)
+    for t in on_ray:
+        assert [a["share"] for a in t.info["allocation"]] == [0.5]
+        assert t.info["ray"]["resources"] == {"CPU": 0.5}  # what Ray assigned to the running task
+    assert caplog.text.count("fluid on Ray: trial") == 4 and "gets share 0.5 (num_cpus=0.5)" in caplog.text
+
+
+def test_share_above_one_is_one_task_running_ddp(local_ray, digits_data, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        inline, on_ray = fluid_pair(tmp_path, digits_data, [{"hidden": 64, "epochs": 2}], "ddp", "static")
+    assert_close(inline, on_ray)  # DDP over two processes trains as one process does
+    (t,) = on_ray
+    assert t.info["allocation"][0]["share"] == 2.0 and t.info["ray"]["resources"] == {"CPU": 2.0}
+    assert "torch DDP over 2 local processes" in caplog.text
+    assert sorted(os.listdir(t.info["storage"])) == ["epoch-2.pt", "final.pt"]
+
+
+@pytest.mark.slow
+def test_dynamic_fluid_relaunches_a_trial_at_a_new_share_from_its_checkpoint(local_ray, digits_data, tmp_path):
+    # The big trial trains far longer than the small ones: it still has epochs left when they end.
+    # (Whether it still has them depends on how fast Ray starts the small trials' workers: if it
+    # finished first, nothing could move and the test says so instead of passing.)
+    group = [{"hidden": 512, "epochs": 12}, {"hidden": 4, "epochs": 1}, {"hidden": 4, "epochs": 2}]
+    inline, on_ray = fluid_pair(tmp_path, digits_data, group, "dyn", DynamicFluid(epsilon=0.0))
+    assert_close(inline, on_ray)
+    big = on_ray[0]
+    if big.finished_at < max(t.finished_at for t in on_ray[1:]):
+        pytest.skip("the big trial ended before the small ones: no share to change on this run")
+    shares = [a["share"] for a in big.info["allocation"]]
+    assert shares[0] == 1.0 and shares[-1] == 2.0 and big.info["allocation"][-1]["from_epoch"] >= 1
+    assert big.info["ray"]["resources"] == {"CPU": 2.0} and big.info["ray"]["attempt"] == len(shares) - 1
