@@ -67,12 +67,14 @@ def sleep_briefly(model):
 
 class InheritNet(tnn.ModelSpace):
     """A stem every child shares, a conv whose width/kernel mutate, BatchNorm, and a head that
-    changes shape with the width (weight-inheritance and super-graph tests)."""
+    changes shape with the width (weight-inheritance and super-graph tests). ``dropout`` > 0 puts
+    a Dropout after the stem (in the prefix the children share)."""
 
-    def __init__(self):
+    def __init__(self, dropout: float = 0.0):
         super().__init__()
         w = td.choice("width", [8, 12])
         self.stem = nn.Conv2d(1, 8, 3, padding=1)
+        self.drop = nn.Dropout(dropout) if dropout else None
         self.conv = tnn.LayerChoice([nn.Conv2d(8, w, 3, padding=1), nn.Conv2d(8, w, 5, padding=2)], label="op")
         self.bn = nn.BatchNorm2d(w)
         self.head = nn.Linear(w * 16, 10)
@@ -80,5 +82,7 @@ class InheritNet(tnn.ModelSpace):
 
     def forward(self, x):
         x = torch.relu(self.stem(x))
+        if self.drop is not None:
+            x = self.drop(x)
         x = torch.relu(self.bn(self.conv(x)))
         return self.head(nn.functional.max_pool2d(x, 2).flatten(1))
