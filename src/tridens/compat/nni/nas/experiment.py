@@ -8,6 +8,10 @@ import time
 from typing import Any
 
 import tridens as td
+from tridens.evaluators._supervised import _Supervised
+from tridens.store import Store
+
+from .._common import NotSupported
 
 __all__ = ["NasExperiment"]
 
@@ -39,10 +43,23 @@ class NasExperiment:
         self.id = id
         self._experiment: td.Experiment | None = None
 
+    @property
+    def experiment(self) -> td.Experiment:
+        """The ``td.Experiment`` underneath (after ``run()``): ``trials()``, ``top(k)``, ``export(dir)``."""
+        if self._experiment is None:
+            raise td.TridensError("NasExperiment.experiment needs a run() first")
+        return self._experiment
+
     def run(self, config: Any = None, port: int | None = None, debug: bool = False, **_: Any) -> bool:
-        """Run the search in this process (no web server: ``port`` is ignored; use ``tridens show``)."""
+        """Run the search in this process (no web server: ``port`` is ignored; use ``tridens show``).
+        A one-shot strategy (DARTS, GumbelDARTS, ENAS, RandomOneShot) trains one supernet; it
+        needs a ``Classification`` / ``Regression`` evaluator."""
         config = config if config is not None else self.config
         name = self.id or getattr(config, "experiment_name", None) or time.strftime("nni-%Y%m%d-%H%M%S")
+        if getattr(self.strategy, "one_shot", False) and not isinstance(self.evaluator, _Supervised):
+            raise NotSupported(f"The one-shot strategy {type(self.strategy).__name__} needs the evaluator "
+                               "nni.nas.evaluator.pytorch.Classification or Regression (tridens.compat.nni.nas.evaluator"
+                               f".pytorch), which tridens trains itself. Got {type(self.evaluator).__name__} instead.")
         if (getattr(config, "trial_concurrency", 1) or 1) > 1:
             log.info("trial_concurrency > 1 is run one trial at a time in-process; use td.Experiment(executor='process') for parallel trials")
         self._experiment = td.Experiment(self.model_space, self.evaluator, self.strategy,
@@ -51,15 +68,35 @@ class NasExperiment:
         self._experiment.run()
         return True
 
-    def export_top_models(self, top_k: int = 1, *, formatter: str = "dict") -> list[Any]:
-        """The best models: ``formatter="dict"`` gives samples, ``"instance"`` frozen models."""
+    def export_top_models(self, top_k: int = 1, *, formatter: str | None = None, **_: Any) -> list[Any]:
+        """The ``top_k`` best models, best first: ``formatter="dict"`` gives samples, ``"instance"``
+        (or ``None``) the models, with the weights their trial ended with (for a one-shot search,
+        the supernet's weights of that subnet, or its retrained weights).
+
+        >>> exp.export_top_models(formatter="dict")       # doctest: +SKIP
+        [{'conv2': 1, 'dropout': 0.25, 'feature': 128}]
+        """
         if self._experiment is None:
             raise td.TridensError("export_top_models() needs a finished run()")
-        trials = self._experiment.top(top_k)
+        self._check_formatter(formatter)
+        return self._formatted(self._experiment.top(top_k), formatter)
+
+    @staticmethod
+    def _check_formatter(formatter: str | None) -> None:
+        if formatter not in (None, "dict", "instance"):
+            raise NotSupported(f"The 'formatter' parameter of export_top_models must be 'dict', 'instance' or None "
+                               f"(tridens has no generated code: use exp.experiment.export(dir) or `tridens export` for "
+                               f"the weights and a self-contained torch.export program). Got {formatter!r} instead.")
+
+    def _formatted(self, trials: list[Any], formatter: str | None) -> list[Any]:
         samples = [self.model_space.restrict(t.sample) for t in trials]
         if formatter == "dict":
             return samples
-        if formatter == "instance":
-            return [self.model_space.freeze(s) for s in samples]
-        raise td.TridensError(f"formatter {formatter!r} is not supported; use 'dict' or 'instance' "
-                              "(or exp.export(dir) / `tridens export` for weights and a self-contained program)")
+        models = []
+        with Store(self.experiment._store_path(), readonly=True) as db:
+            for trial, sample in zip(trials, samples):
+                model = self.model_space.freeze(sample)
+                if trial.checkpoint is not None:
+                    model.load_state_dict(db.load_checkpoint(trial.checkpoint))
+                models.append(model)
+        return models

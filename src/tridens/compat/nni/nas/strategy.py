@@ -1,4 +1,10 @@
-"""``nni.nas.strategy`` on tridens (NNI's parameter names accepted)."""
+"""``nni.nas.strategy`` on tridens (NNI's parameter names accepted).
+
+Multi-trial: ``Random``, ``GridSearch``, ``RegularizedEvolution``, ``TPE`` -> ``td.strategy.*``.
+One-shot: ``DARTS``, ``GumbelDARTS``, ``ENAS``, ``RandomOneShot`` -> ``td.oneshot.*`` (see
+``tridens.compat.nni._oneshot`` for each argument); ``Proxyless`` and ``PolicyBasedRL`` raise,
+naming the tridens alternative.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,11 @@ from typing import Any
 
 from tridens import strategy as _s
 
-__all__ = ["Random", "GridSearch", "RegularizedEvolution", "TPE"]
+from .._common import NotSupported
+from .._oneshot import DARTS, ENAS, GumbelDARTS, Proxyless, RandomOneShot
+
+__all__ = ["Random", "GridSearch", "RegularizedEvolution", "TPE", "PolicyBasedRL",
+           "DARTS", "GumbelDARTS", "ENAS", "RandomOneShot", "Proxyless"]
 
 
 def Random(dedup: bool = True, seed: int | None = None, **_: Any) -> _s.Random:
@@ -26,3 +36,10 @@ def RegularizedEvolution(population_size: int = 100, sample_size: int = 25, muta
 
 def TPE(**_: Any) -> _s.TPE:
     return _s.TPE()
+
+
+def PolicyBasedRL(**_: Any) -> Any:
+    """NNI's multi-trial PPO strategy is not provided: this raises, suggesting the alternatives."""
+    raise NotSupported("PolicyBasedRL (a PPO policy proposing trials) is not provided by tridens. Use "
+                       "td.strategy.TPE or td.strategy.RegularizedEvolution for a multi-trial search, or "
+                       "ENAS (td.oneshot.ENAS: an LSTM controller trained by REINFORCE on a supernet).")

@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from tridens.evaluators import FunctionalEvaluator as _FunctionalEvaluator
 
-from .. import _FINAL
+from ... import _FINAL
 
 __all__ = ["FunctionalEvaluator"]
 

@@ -1,0 +1,217 @@
+"""NNI's Lightning evaluators (``nni.nas.evaluator.pytorch``) as tridens' declarative evaluators.
+
+``Classification(criterion, learning_rate, weight_decay, optimizer, train_dataloaders,
+val_dataloaders, ..., max_epochs=...)`` becomes ``td.evaluators.Classification(train, val,
+epochs, batch_size, optimizer, lr, weight_decay, loss)``: the datasets and batch size are read
+from the DataLoaders, the optimizer class becomes its name, the criterion class its loss. Being
+declarative, it serves both the multi-trial strategies (the engine owns the loop, so it can fuse
+trials) and the one-shot ones (which need it). No PyTorch Lightning is involved: a custom
+``Lightning(module, trainer)`` evaluator is refused, pointing to ``FunctionalEvaluator``.
+
+The Lightning ``Trainer`` arguments honoured: ``max_epochs`` (Lightning's default: 1000),
+``accelerator`` / ``devices`` (one device), ``fast_dev_run``, ``limit_train_batches`` /
+``limit_val_batches`` (a fixed subset: the first ``n`` batches' worth of examples, or the first
+fraction); logging and progress arguments are accepted and ignored; anything else is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Subset, default_collate
+
+from tridens import evaluators as _ev
+
+from ._common import NotSupported, only_default, refuse
+
+__all__ = ["Classification", "Regression", "DataLoader", "Lightning", "LightningModule", "Trainer"]
+
+_OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw", torch.optim.RMSprop: "rmsprop"}
+_LOSSES = {nn.CrossEntropyLoss: "cross_entropy", nn.NLLLoss: "nll", nn.MSELoss: "mse", nn.L1Loss: "l1",
+           nn.HuberLoss: "huber"}
+# Trainer arguments that only change logging, checkpoint files or progress display.
+_IGNORED = {"logger", "enable_progress_bar", "enable_model_summary", "enable_checkpointing", "log_every_n_steps",
+            "num_sanity_val_steps", "default_root_dir", "deterministic", "benchmark", "check_val_every_n_epoch",
+            "profiler", "detect_anomaly", "barebones", "inference_mode", "use_distributed_sampler", "num_nodes"}
+_DEFAULTS: dict[str, Any] = {"max_steps": -1, "min_epochs": None, "min_steps": None, "gradient_clip_val": None,
+                             "gradient_clip_algorithm": None, "accumulate_grad_batches": 1, "callbacks": None,
+                             "strategy": "auto", "plugins": None, "max_time": None, "val_check_interval": None,
+                             "reload_dataloaders_every_n_epochs": 0, "sync_batchnorm": False}
+_HANDLED = {"max_epochs", "accelerator", "devices", "fast_dev_run", "limit_train_batches", "limit_val_batches", "precision"}
+
+
+def _optimizer(owner: str, optimizer: Any) -> tuple[str, float | None]:
+    """The tridens optimizer name, and the momentum NNI's ``optimizer(params, lr, weight_decay)`` gets."""
+    if optimizer in _OPTIMIZERS:
+        # NNI builds the optimizer with lr and weight_decay only: SGD then has no momentum
+        # (tridens' "sgd" defaults to 0.9); Adam/AdamW/RMSprop keep torch's defaults, as tridens does.
+        return _OPTIMIZERS[optimizer], (0.0 if optimizer is torch.optim.SGD else None)
+    raise NotSupported(f"The 'optimizer' parameter of {owner} must be one of the classes "
+                       f"{', '.join('torch.optim.' + c.__name__ for c in _OPTIMIZERS)} (tridens builds it by name). "
+                       f"Got {optimizer!r} instead.")
+
+
+def _loss(owner: str, criterion: Any) -> Any:
+    if criterion in _LOSSES:
+        return _LOSSES[criterion]
+    if isinstance(criterion, type) and issubclass(criterion, nn.Module):
+        return criterion()  # any loss module class: its instance is a callable (output, target) -> loss
+    if callable(criterion):
+        return criterion
+    raise NotSupported(f"The 'criterion' parameter of {owner} must be a loss class such as nn.CrossEntropyLoss. "
+                       f"Got {criterion!r} instead.")
+
+
+def _dataset(owner: str, name: str, loader: Any) -> tuple[Any, int | None]:
+    """A DataLoader's dataset and batch size (a single-element list of loaders is accepted)."""
+    if isinstance(loader, (list, tuple)):
+        if len(loader) != 1:
+            raise NotSupported(f"The {name!r} parameter of {owner} must be one DataLoader (tridens validates on one "
+                               f"set). Got {len(loader)} of them instead.")
+        loader = loader[0]
+    if isinstance(loader, DataLoader):
+        if loader.batch_size is None:
+            raise NotSupported(f"The {name!r} parameter of {owner} uses a batch_sampler; tridens batches the dataset "
+                               f"itself: give DataLoader(dataset, batch_size=...) instead.")
+        if loader.collate_fn is not default_collate:
+            raise NotSupported(f"The {name!r} parameter of {owner} has a custom collate_fn; tridens batches "
+                               f"(input, target) pairs itself: collate in the dataset instead.")
+        return loader.dataset, loader.batch_size
+    if hasattr(loader, "__getitem__") and hasattr(loader, "__len__"):
+        return loader, None
+    raise NotSupported(f"The {name!r} parameter of {owner} must be a torch DataLoader of (input, target) batches. "
+                       f"Got {type(loader).__name__} instead.")
+
+
+def _limit(dataset: Any, limit: Any, batch_size: int, owner: str, name: str) -> Any:
+    """Lightning's ``limit_*_batches``: an int is that many batches, a float that fraction. tridens
+    draws its batches from the dataset, so the limit keeps a fixed subset (the first examples)."""
+    if limit is None or (isinstance(limit, float) and limit == 1.0):
+        return dataset
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
+        raise NotSupported(f"The {name!r} parameter of {owner} must be a positive int (batches) or a float in (0, 1]. "
+                           f"Got {limit!r} instead.")
+    n = limit * batch_size if isinstance(limit, int) else math.ceil(limit * len(dataset))
+    return Subset(dataset, range(min(len(dataset), max(1, int(n)))))
+
+
+def _device(owner: str, accelerator: Any, devices: Any) -> str:
+    if devices not in (None, 1, "1", "auto", -1) and not (isinstance(devices, (list, tuple)) and len(devices) == 1):
+        raise refuse(owner, "devices", devices, "A tridens trial trains on one device; run trials in parallel with "
+                     "td.Experiment(executor='process' or 'ray', workers=N) instead.")
+    kind = {None: "auto", "auto": "auto", "cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "mps": "mps"}.get(accelerator)
+    if kind is None:
+        raise NotSupported(f"The 'accelerator' parameter of {owner} must be one of 'auto', 'cpu', 'gpu', 'cuda', 'mps'. "
+                           f"Got {accelerator!r} instead.")
+    if kind == "cuda" and isinstance(devices, (list, tuple)):
+        return f"cuda:{int(devices[0])}"
+    return kind
+
+
+def _training(owner: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The tridens training arguments from Lightning Trainer keyword arguments."""
+    for key, value in kwargs.items():
+        if key in _IGNORED or key in _HANDLED:
+            continue
+        if key in _DEFAULTS:
+            only_default(owner, key, value, _DEFAULTS[key],
+                         "tridens' declarative evaluators train max_epochs epochs with the optimizer as given.")
+            continue
+        raise NotSupported(f"{owner} got the Lightning Trainer argument {key!r}, which tridens does not honour. "
+                           f"Supported: {', '.join(sorted(_HANDLED))} (and, ignored, {', '.join(sorted(_IGNORED))}).")
+    precision = kwargs.get("precision", 32)
+    if str(precision) not in ("32", "32-true"):
+        raise refuse(owner, "precision", precision, "tridens trains in float32.")
+    epochs = kwargs.get("max_epochs")
+    epochs = 1000 if epochs is None else epochs  # Lightning's default when neither max_epochs nor max_steps is set
+    fast = kwargs.get("fast_dev_run", False)
+    limits = (kwargs.get("limit_train_batches"), kwargs.get("limit_val_batches"))
+    if fast:
+        n = 1 if fast is True else int(fast)
+        epochs, limits = 1, (n, n)
+    return {"epochs": epochs, "limits": limits,
+            "device": _device(owner, kwargs.get("accelerator", "auto"), kwargs.get("devices"))}
+
+
+def _translate(owner: str, criterion: Any, learning_rate: Any, weight_decay: Any, optimizer: Any, train_dataloaders: Any,
+               val_dataloaders: Any, train_dataloader: Any, datamodule: Any, trainer_kwargs: dict[str, Any]) -> dict[str, Any]:
+    if datamodule is not None:
+        raise refuse(owner, "datamodule", datamodule, "Give train_dataloaders= and val_dataloaders= instead.")
+    if train_dataloader is not None:  # NNI's deprecated spelling
+        train_dataloaders = train_dataloaders if train_dataloaders is not None else train_dataloader
+    if train_dataloaders is None or val_dataloaders is None:
+        missing = "train_dataloaders" if train_dataloaders is None else "val_dataloaders"
+        raise NotSupported(f"The {missing!r} parameter of {owner} is required by tridens (it trains and validates "
+                           f"every model itself). Got None instead.")
+    train, batch_size = _dataset(owner, "train_dataloaders", train_dataloaders)
+    val, val_batch_size = _dataset(owner, "val_dataloaders", val_dataloaders)
+    batch_size = batch_size or 64
+    training = _training(owner, trainer_kwargs)
+    name, momentum = _optimizer(owner, optimizer)
+    return {"train": _limit(train, training["limits"][0], batch_size, owner, "limit_train_batches"),
+            "val": _limit(val, training["limits"][1], val_batch_size or batch_size, owner, "limit_val_batches"),
+            "epochs": training["epochs"], "batch_size": batch_size, "optimizer": name, "lr": learning_rate,
+            "momentum": momentum, "weight_decay": weight_decay, "loss": _loss(owner, criterion),
+            "device": training["device"]}
+
+
+class Classification(_ev.Classification):
+    """``nni.nas.evaluator.pytorch.Classification`` -> ``td.evaluators.Classification``; reports
+    ``val_acc`` (the objective) and ``val_loss``. ``learning_rate`` may be a ``nni.choice``.
+
+    >>> evaluator = Classification(learning_rate=1e-3, train_dataloaders=DataLoader(train, batch_size=64),
+    ...                            val_dataloaders=DataLoader(val, batch_size=64), max_epochs=2)  # doctest: +SKIP
+    """
+
+    def __init__(self, criterion: Any = nn.CrossEntropyLoss, learning_rate: float = 0.001, weight_decay: float = 0.0,
+                 optimizer: Any = torch.optim.Adam, train_dataloaders: Any = None, val_dataloaders: Any = None,
+                 export_onnx: bool = True, train_dataloader: Any = None, num_classes: int | None = None,
+                 datamodule: Any = None, **trainer_kwargs: Any) -> None:
+        # export_onnx and num_classes have no effect here: `tridens export` writes a torch.export
+        # program, and accuracy needs no class count.
+        super().__init__(**_translate("Classification", criterion, learning_rate, weight_decay, optimizer,
+                                      train_dataloaders, val_dataloaders, train_dataloader, datamodule, trainer_kwargs))
+
+
+class Regression(_ev.Regression):
+    """``nni.nas.evaluator.pytorch.Regression`` -> ``td.evaluators.Regression``; reports ``val_mse``
+    (the objective, minimized) and ``val_mae``.
+
+    >>> evaluator = Regression(train_dataloaders=DataLoader(train, batch_size=32), val_dataloaders=DataLoader(val),
+    ...                        max_epochs=5)                                           # doctest: +SKIP
+    """
+
+    def __init__(self, criterion: Any = nn.MSELoss, learning_rate: float = 0.001, weight_decay: float = 0.0,
+                 optimizer: Any = torch.optim.Adam, train_dataloaders: Any = None, val_dataloaders: Any = None,
+                 export_onnx: bool = True, train_dataloader: Any = None, datamodule: Any = None,
+                 **trainer_kwargs: Any) -> None:
+        super().__init__(**_translate("Regression", criterion, learning_rate, weight_decay, optimizer,
+                                      train_dataloaders, val_dataloaders, train_dataloader, datamodule, trainer_kwargs))
+
+
+class _Refused:
+    """An NNI/Lightning class tridens does not provide: constructing it raises, naming the alternative."""
+
+    _message = ""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise NotSupported(self._message)
+
+
+class Lightning(_Refused):
+    _message = ("Lightning(module, trainer) runs a custom LightningModule, which tridens does not: write the training "
+                "loop as a function and use FunctionalEvaluator(fn) (nni.report_intermediate_result / "
+                "report_final_result work inside it) for a multi-trial search, or Classification / Regression "
+                "(needed by the one-shot strategies).")
+
+
+class LightningModule(_Refused):
+    _message = Lightning._message
+
+
+class Trainer(_Refused):
+    _message = ("A Lightning Trainer is not needed: pass its arguments (max_epochs=, accelerator=, "
+                "limit_train_batches=, ...) to Classification / Regression directly.")

@@ -1,0 +1,220 @@
+"""NNI's one-shot strategies on :mod:`tridens.oneshot`, with NNI's argument names.
+
+``nni.nas.strategy`` (NNI 3.x) and ``nni.retiarii.strategy`` (NNI 2.8-2.10) both export
+``DARTS``, ``GumbelDARTS``, ``ENAS``, ``RandomOneShot`` and ``Proxyless``; the two versions name
+some arguments differently, so each has its factory here. Each returns the tridens strategy, so
+``td.Experiment`` and ``NasExperiment`` run it like any other. tridens options (``samples``,
+``retrain``, ``epochs``, ``second_order``...) may be passed too.
+
+What differs from NNI, by design: the architecture steps of DARTS/GumbelDARTS/ENAS use a held-out
+share of the *training* set (``arch_fraction``), and the validation set scores the subnets;
+after training, ``samples`` subnets are scored with the supernet's weights and stored as trials,
+so ``export_top_models(k)`` can return more than NNI's top-1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tridens import oneshot as _os
+
+from ._common import NotSupported, only_default, refuse, tridens_kwargs
+
+__all__ = ["DARTS", "GumbelDARTS", "ENAS", "RandomOneShot", "Proxyless",
+           "DARTS_v2", "GumbelDARTS_v2", "ENAS_v2", "RandomOneShot_v2", "Proxyless_v2"]
+
+_HOOKS = ("tridens builds the supernet from the space itself: LayerChoice/InputChoice/Repeat, and an int "
+          "choice in a Conv/Linear/BatchNorm constructor argument (sliced from the largest weight); a space it "
+          "cannot make one-shot is refused with the label named, and td.strategy.* searches it multi-trial.")
+_CLIP = "tridens' one-shot training does not clip gradients; lower the evaluator's learning_rate instead."
+_WARMUP = ("tridens' DARTS/ENAS update the architecture from the first step; to pre-train the weights, "
+           "give more epochs (epochs= on the strategy).")
+_PENALTY = ("tridens' one-shot search has no cost penalty; search with a multi-trial strategy and "
+            "td.Experiment(..., constraints=[td.strategy.Constraint('params', max=...)]) instead.")
+_FILTER = ("tridens' RandomOneShot samples every path uniformly; bound model size with a multi-trial strategy "
+           "and td.Experiment(..., constraints=[td.strategy.Constraint('params', max=...)]) instead.")
+_DARTS_NAMES = ("arc_learning_rate", "gradient_clip_val", "log_prob_every_n_step", "warmup_epochs", "penalty",
+                "mutation_hooks")
+
+
+def _darts_kwargs(owner: str, arc_learning_rate: float, gradient_clip_val: Any, warmup_epochs: Any, penalty: Any,
+                  mutation_hooks: Any, kwargs: dict[str, Any], target: type, extra_names: tuple[str, ...] = ()) -> dict[str, Any]:
+    only_default(owner, "gradient_clip_val", gradient_clip_val, None, _CLIP)
+    only_default(owner, "warmup_epochs", warmup_epochs, 0, _WARMUP)
+    only_default(owner, "penalty", penalty, None, _PENALTY)
+    only_default(owner, "mutation_hooks", mutation_hooks, None, _HOOKS)
+    kw = tridens_kwargs(owner, target, kwargs, _DARTS_NAMES + extra_names, f"td.oneshot.{target.__name__}")
+    kw["arch_lr"] = kw.get("arch_lr", arc_learning_rate)
+    return kw
+
+
+# -- NNI 3.x: nni.nas.strategy ---------------------------------------------------------------------
+def DARTS(*, arc_learning_rate: float = 3.0e-4, gradient_clip_val: float | None = None, log_prob_every_n_step: int = 10,
+          warmup_epochs: int = 0, penalty: Any = None, mutation_hooks: Any = None, **kwargs: Any) -> _os.DARTS:
+    """``nni.nas.strategy.DARTS`` -> ``td.oneshot.DARTS(arch_lr=arc_learning_rate)`` (first order, as
+    NNI; ``second_order=True`` is tridens' unrolled gradient). ``log_prob_every_n_step`` is ignored:
+    the learned probabilities are stored in the supernet trial's ``info["oneshot"]``.
+
+    >>> strategy = DARTS(arc_learning_rate=3e-3)      # doctest: +SKIP
+    """
+    return _os.DARTS(**_darts_kwargs("DARTS", arc_learning_rate, gradient_clip_val, warmup_epochs, penalty,
+                                     mutation_hooks, kwargs, _os.DARTS))
+
+
+def _temperature(owner: str, value: Any) -> tuple[float, float]:
+    """NNI's ``temperature``: a float (fixed), ``(init, min)``, ``{"init":, "min":}`` or a scheduler
+    object with ``init`` and ``min`` attributes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value), float(value)
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return float(value[0]), float(value[1])
+    if isinstance(value, dict) and "init" in value and "min" in value:
+        return float(value["init"]), float(value["min"])
+    if hasattr(value, "init") and hasattr(value, "min"):
+        return float(value.init), float(value.min)
+    raise NotSupported(f"The 'temperature' parameter of {owner} must be a float, a pair (init, min) or a dict "
+                       f"{{'init': ..., 'min': ...}}. Got {value!r} instead.")
+
+
+def GumbelDARTS(*, temperature: Any = (1.0, 0.33), arc_learning_rate: float = 3.0e-4,
+                gradient_clip_val: float | None = None, log_prob_every_n_step: int = 10, warmup_epochs: int = 0,
+                penalty: Any = None, mutation_hooks: Any = None, **kwargs: Any) -> _os.GumbelDARTS:
+    """``nni.nas.strategy.GumbelDARTS`` -> ``td.oneshot.GumbelDARTS(tau_max=init, tau_min=min)``.
+    NNI anneals the temperature linearly per epoch, tridens exponentially per step (same ends).
+
+    >>> strategy = GumbelDARTS(temperature=(1.0, 0.33))     # doctest: +SKIP
+    """
+    tau_max, tau_min = _temperature("GumbelDARTS", temperature)
+    kw = _darts_kwargs("GumbelDARTS", arc_learning_rate, gradient_clip_val, warmup_epochs, penalty, mutation_hooks,
+                       kwargs, _os.GumbelDARTS, ("temperature",))
+    kw.setdefault("tau_max", tau_max)
+    kw.setdefault("tau_min", tau_min)
+    return _os.GumbelDARTS(**kw)
+
+
+def _controller_every(owner: str, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1 or value != int(value):
+        raise NotSupported(f"The {name!r} parameter of {owner} must be a whole number >= 1. Got {value!r} instead.")
+    return int(value)
+
+
+def _reward(owner: str, reward_metric_name: Any) -> None:
+    if reward_metric_name not in (None, "default", "acc", "val_acc", "accuracy"):
+        raise refuse(owner, "reward_metric_name", reward_metric_name,
+                     "tridens' ENAS rewards the sampled path's accuracy on a held-out training batch "
+                     "(minus its loss for Regression).")
+
+
+def ENAS(*, batches_per_update: float = 20, log_prob_every_n_step: int = 10, replay_buffer_size: int | None = None,
+         reward_metric_name: str | None = None, policy_fn: Any = None, update_kwargs: dict | None = None,
+         warmup_epochs: int = 0, penalty: Any = None, filter: Any = None, mutation_hooks: Any = None,
+         **kwargs: Any) -> _os.ENAS:
+    """``nni.nas.strategy.ENAS`` -> ``td.oneshot.ENAS``. NNI's controller collects ``batches_per_update``
+    rewarded samples, then updates (PPO); tridens' does the same with REINFORCE:
+    ``controller_every = controller_samples = batches_per_update``. ``policy_fn``,
+    ``update_kwargs`` and ``replay_buffer_size`` configure PPO and have no tridens meaning; the
+    controller is tuned with ``controller_lr``, ``controller_hidden``, ``entropy_weight``,
+    ``baseline_decay`` instead.
+
+    >>> strategy = ENAS(batches_per_update=10)      # doctest: +SKIP
+    """
+    owner = "ENAS"
+    ppo = ("tridens' ENAS trains its LSTM controller by REINFORCE with a moving-average baseline; tune it with "
+           "controller_lr=, controller_hidden=, entropy_weight=, baseline_decay= instead.")
+    only_default(owner, "policy_fn", policy_fn, None, ppo)
+    only_default(owner, "update_kwargs", update_kwargs, None, ppo)
+    only_default(owner, "replay_buffer_size", replay_buffer_size, None, ppo)
+    only_default(owner, "warmup_epochs", warmup_epochs, 0, _WARMUP)
+    only_default(owner, "penalty", penalty, None, _PENALTY)
+    only_default(owner, "filter", filter, None, "NNI's ENAS refuses a filter too.")
+    only_default(owner, "mutation_hooks", mutation_hooks, None, _HOOKS)
+    _reward(owner, reward_metric_name)
+    n = _controller_every(owner, "batches_per_update", batches_per_update)
+    kw = tridens_kwargs(owner, _os.ENAS, kwargs, ("batches_per_update", "log_prob_every_n_step", "replay_buffer_size",
+                        "reward_metric_name", "policy_fn", "update_kwargs", "warmup_epochs", "penalty", "filter",
+                        "mutation_hooks"), "td.oneshot.ENAS")
+    kw.setdefault("controller_every", n)
+    kw.setdefault("controller_samples", n)
+    return _os.ENAS(**kw)
+
+
+def RandomOneShot(filter: Any = None, mutation_hooks: Any = None, **kwargs: Any) -> _os.RandomOneShot:
+    """``nni.nas.strategy.RandomOneShot`` -> ``td.oneshot.RandomOneShot`` (SPOS: a uniformly random
+    path per step). Unlike NNI, whose export is a random sample, the result is the best of
+    ``samples`` subnets scored with the supernet's weights (``fair=True``: FairNAS sampling).
+
+    >>> strategy = RandomOneShot(samples=32)      # doctest: +SKIP
+    """
+    only_default("RandomOneShot", "filter", filter, None, _FILTER)
+    only_default("RandomOneShot", "mutation_hooks", mutation_hooks, None, _HOOKS)
+    return _os.RandomOneShot(**tridens_kwargs("RandomOneShot", _os.RandomOneShot, kwargs, ("filter", "mutation_hooks"),
+                                              "td.oneshot.RandomOneShot"))
+
+
+def Proxyless(**kwargs: Any) -> Any:
+    """``Proxyless`` is not provided by tridens: this raises, suggesting the alternatives."""
+    raise NotSupported("Proxyless (ProxylessNAS' binary gates, trained with a hardware-latency loss) is not provided "
+                       "by tridens. Use DARTS (softmax-mixed candidates) or GumbelDARTS (sampled, nearly one-hot "
+                       "paths, the closest in memory and behaviour), i.e. td.oneshot.DARTS / td.oneshot.GumbelDARTS; "
+                       "for a size bound, a multi-trial strategy with td.strategy.Constraint('params', max=...).")
+
+
+# -- NNI 2.8-2.10: nni.retiarii.strategy -------------------------------------------------------------
+def DARTS_v2(*, arc_learning_rate: float = 3.0e-4, gradient_clip_val: float | None = None,
+             log_prob_every_n_step: int = 10, warmup_epochs: int = 0, penalty: Any = None,
+             mutation_hooks: Any = None, **kwargs: Any) -> _os.DARTS:
+    """``nni.retiarii.strategy.DARTS``: the same arguments as NNI 3's."""
+    return DARTS(arc_learning_rate=arc_learning_rate, gradient_clip_val=gradient_clip_val,
+                 log_prob_every_n_step=log_prob_every_n_step, warmup_epochs=warmup_epochs, penalty=penalty,
+                 mutation_hooks=mutation_hooks, **kwargs)
+
+
+def GumbelDARTS_v2(*, gumbel_temperature: float = 1.0, use_temp_anneal: bool = False, min_temp: float = 0.33,
+                   arc_learning_rate: float = 3.0e-4, gradient_clip_val: float | None = None,
+                   log_prob_every_n_step: int = 10, warmup_epochs: int = 0, penalty: Any = None,
+                   mutation_hooks: Any = None, **kwargs: Any) -> _os.GumbelDARTS:
+    """``nni.retiarii.strategy.GumbelDARTS``: a fixed ``gumbel_temperature``, or annealed to
+    ``min_temp`` with ``use_temp_anneal=True``."""
+    temperature = (gumbel_temperature, min_temp) if use_temp_anneal else gumbel_temperature
+    return GumbelDARTS(temperature=temperature, arc_learning_rate=arc_learning_rate,
+                       gradient_clip_val=gradient_clip_val, log_prob_every_n_step=log_prob_every_n_step,
+                       warmup_epochs=warmup_epochs, penalty=penalty, mutation_hooks=mutation_hooks, **kwargs)
+
+
+def ENAS_v2(*, ctrl_kwargs: dict | None = None, entropy_weight: float = 1e-4, skip_weight: float = 0.8,
+            baseline_decay: float = 0.999, ctrl_steps_aggregate: float = 20, ctrl_grad_clip: float = 0,
+            log_prob_every_n_step: int = 10, warmup_epochs: int = 0, reward_metric_name: str | None = None,
+            mutation_hooks: Any = None, **kwargs: Any) -> _os.ENAS:
+    """``nni.retiarii.strategy.ENAS`` -> ``td.oneshot.ENAS``: ``entropy_weight`` and ``baseline_decay``
+    are the same; ``ctrl_steps_aggregate`` steps are aggregated into one controller update
+    (``controller_every = controller_samples``); ``ctrl_kwargs={"lstm_size": n}`` is ``controller_hidden``."""
+    owner = "ENAS"
+    only_default(owner, "skip_weight", skip_weight, 0.8,
+                 "tridens' controller has no skip-connection penalty (entropy_weight= is its regularizer).")
+    only_default(owner, "ctrl_grad_clip", ctrl_grad_clip, 0, _CLIP)
+    only_default(owner, "warmup_epochs", warmup_epochs, 0, _WARMUP)
+    only_default(owner, "mutation_hooks", mutation_hooks, None, _HOOKS)
+    _reward(owner, reward_metric_name)
+    n = _controller_every(owner, "ctrl_steps_aggregate", ctrl_steps_aggregate)
+    kw = tridens_kwargs(owner, _os.ENAS, kwargs, ("ctrl_kwargs", "entropy_weight", "skip_weight", "baseline_decay",
+                        "ctrl_steps_aggregate", "ctrl_grad_clip", "log_prob_every_n_step", "warmup_epochs",
+                        "reward_metric_name", "mutation_hooks"), "td.oneshot.ENAS")
+    for key, value in (ctrl_kwargs or {}).items():
+        if key == "lstm_size":
+            kw.setdefault("controller_hidden", value)
+        else:
+            raise refuse(owner, f"ctrl_kwargs[{key!r}]", value,
+                         "tridens' controller is one LSTM cell; ctrl_kwargs may only set 'lstm_size' (controller_hidden).")
+    kw.setdefault("entropy_weight", entropy_weight)
+    kw.setdefault("baseline_decay", baseline_decay)
+    kw.setdefault("controller_every", n)
+    kw.setdefault("controller_samples", n)
+    return _os.ENAS(**kw)
+
+
+def RandomOneShot_v2(mutation_hooks: Any = None, **kwargs: Any) -> _os.RandomOneShot:
+    """``nni.retiarii.strategy.RandomOneShot``."""
+    return RandomOneShot(mutation_hooks=mutation_hooks, **kwargs)
+
+
+Proxyless_v2 = Proxyless

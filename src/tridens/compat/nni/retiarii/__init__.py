@@ -1,0 +1,46 @@
+"""NNI 2.x's Retiarii API (``nni.retiarii``) on tridens: change only the import lines.
+
+    import nni.retiarii.nn.pytorch as nn                 ->  import tridens.compat.nni.retiarii.nn.pytorch as nn
+    from nni.retiarii import model_wrapper, fixed_arch   ->  from tridens.compat.nni.retiarii import model_wrapper, fixed_arch
+    import nni.retiarii.strategy as strategy             ->  import tridens.compat.nni.retiarii.strategy as strategy
+    import nni.retiarii.evaluator.pytorch.lightning as pl ->  import tridens.compat.nni.retiarii.evaluator.pytorch.lightning as pl
+    from nni.retiarii.experiment.pytorch import ...      ->  from tridens.compat.nni.retiarii.experiment.pytorch import ...
+    from nni.retiarii.oneshot.pytorch import DartsTrainer ->  from tridens.compat.nni.retiarii.oneshot.pytorch import DartsTrainer
+
+``@model_wrapper`` turns the decorated ``nn.Module`` class into a ``tridens.nn.ModelSpace``;
+``basic_unit`` and ``serialize`` are not needed (tridens refers to code by import path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tridens.space._model_space import ModelSpace
+from torch import nn as _nn
+
+from .._common import NotSupported
+from .._fixed import fixed_arch
+
+__all__ = ["model_wrapper", "fixed_arch", "basic_unit", "serialize"]
+
+
+def model_wrapper(cls: type) -> type:
+    """``@model_wrapper class Net(nn.Module)``: the same class, made a ``tridens.nn.ModelSpace``
+    (its choices resolve while ``__init__`` runs). Keeps the name and module, so the space can be
+    rebuilt by import path (``tridens export`` / ``td.load``)."""
+    if not isinstance(cls, type) or not issubclass(cls, _nn.Module):
+        raise NotSupported(f"model_wrapper decorates an nn.Module class. Got {cls!r} instead.")
+    if issubclass(cls, ModelSpace):
+        return cls
+    return type(cls.__name__, (cls, ModelSpace), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                                  "__doc__": cls.__doc__})
+
+
+def basic_unit(cls: Any = None, **_: Any) -> Any:
+    """Not needed in tridens (modules are not traced into a graph): returns the class unchanged."""
+    return cls if cls is not None else (lambda c: c)
+
+
+def serialize(cls: Any, *args: Any, **kwargs: Any) -> Any:
+    """``nni.retiarii.serialize(cls, *args)``: tridens needs no serialization wrapper; builds the object."""
+    return cls(*args, **kwargs)

@@ -1,0 +1,5 @@
+"""``nni.retiarii.evaluator``: ``FunctionalEvaluator`` (see ``tridens.compat.nni.nas.evaluator``)."""
+
+from ...nas.evaluator import FunctionalEvaluator
+
+__all__ = ["FunctionalEvaluator"]

@@ -1,0 +1,320 @@
+"""NNI one-shot NAS on tridens: NNI 3.x and 2.x scripts run as real subprocesses on digits, and
+every NNI argument either maps onto tridens or is refused with the argument and the alternative
+named."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+from torch.utils.data import Subset, TensorDataset
+
+import tridens as td
+from tridens.compat.nni._common import NotSupported
+from tridens.compat.nni.nas import strategy as nni3
+from tridens.compat.nni.nas.evaluator import FunctionalEvaluator
+from tridens.compat.nni.nas.evaluator.pytorch import Classification, DataLoader, Lightning, Regression, Trainer
+from tridens.compat.nni.nas.experiment import NasExperiment
+from tridens.compat.nni.nas.space import model_context
+from tridens.compat.nni.retiarii import fixed_arch, model_wrapper
+from tridens.compat.nni.retiarii import strategy as nni2
+from tridens.compat.nni.retiarii.experiment.pytorch import RetiariiExperiment
+from tridens.compat.nni.retiarii.nn import pytorch as rnn
+from tridens.compat.nni.retiarii.oneshot.pytorch import ProxylessTrainer
+from tridens.store import Store
+from tridens.trial import TrialStatus
+
+HERE = Path(__file__).parent
+
+
+def _script(script: str, arg: str, tmp_path: Path) -> tuple[str, Path]:
+    """Run ``script arg`` in ``tmp_path`` with its own store; its stdout + stderr and the store."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    db = tmp_path / "nni.db"
+    env = {**os.environ, "TRIDENS_DB": str(db), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, str(HERE / script), arg], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=600, env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    return res.stdout + res.stderr, db
+
+
+_DEFAULT_RUNS = {"nni3-darts": ("oneshot_nni3.py", "darts"), "nni2-strategy": ("retiarii_nni2.py", "strategy"),
+                 "nni2-darts-trainer": ("retiarii_nni2.py", "darts-trainer")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[tuple[str, Path]]]]:
+    """The default-suite script runs, two at a time (the machine has two cores), started once."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {key: pool.submit(_script, script, arg, tmp_path_factory.mktemp(key))
+               for key, (script, arg) in _DEFAULT_RUNS.items()}
+
+
+def _trials(db: Path) -> list[td.Trial]:
+    with Store(db, readonly=True) as store:
+        [record] = store.experiments()
+        return store.trials(record.name)
+
+
+def _role(trial: td.Trial) -> str:
+    return trial.info["oneshot"]["role"]
+
+
+# -- NNI 3.x scripts ---------------------------------------------------------------------------------
+def _check_nni3(stdout: str, db: Path) -> list[td.Trial]:
+    trials = _trials(db)
+    supernets = [t for t in trials if _role(t) == "supernet"]
+    subnets = [t for t in trials if _role(t) == "subnet" and t.status is TrialStatus.COMPLETED]
+    assert len(supernets) == 1 and len(supernets[0].metrics["train_loss"]) == 2  # max_epochs=2
+    assert subnets and all(t.info["oneshot"]["inherited"] for t in subnets)
+    best = max(subnets, key=lambda t: (t.metric, -t.id))
+    arch = json.loads(re.search(r"^exported architecture: (.*)$", stdout, re.M).group(1).replace("'", '"'))
+    assert arch == {k: best.sample[k] for k in arch} and set(arch) == {"width", "op", "hidden"}
+    # export_top_models(formatter='instance') carries the weights the subnet was scored with
+    exported = float(re.search(r"^exported model accuracy: ([\d.]+)$", stdout, re.M).group(1))
+    assert exported == pytest.approx(best.metric, abs=1e-6)
+    assert best.metric > 0.3  # learned something in 2 epochs (10 classes)
+    rebuilt, original = map(int, re.search(r"rebuilt for retraining: (\d+) parameters, (\d+) exported", stdout).groups())
+    assert rebuilt == original  # model_context(arch) builds the same architecture
+    return supernets
+
+
+def test_nni3_darts_script(runs) -> None:
+    stdout, db = runs["nni3-darts"].result()
+    [supernet] = _check_nni3(stdout, db)
+    probs = supernet.info["oneshot"]["probabilities"]
+    assert set(probs) == {"width", "op", "hidden"} and len(probs["op"]) == 3
+    with Store(db, readonly=True) as store:
+        [record] = store.experiments()
+    assert record.config["oneshot"]["strategy"] == "DARTS"
+    assert record.config["oneshot"]["params"]["arch_lr"] == 3e-3  # arc_learning_rate
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, strategy", [("gdas", "GumbelDARTS"), ("enas", "ENAS"), ("spos", "RandomOneShot")])
+def test_nni3_other_strategies(tmp_path: Path, name: str, strategy: str) -> None:
+    stdout, db = _script("oneshot_nni3.py", name, tmp_path)
+    _check_nni3(stdout, db)
+    with Store(db, readonly=True) as store:
+        [record] = store.experiments()
+    assert record.config["oneshot"]["strategy"] == strategy
+
+
+# -- NNI 2.x scripts ---------------------------------------------------------------------------------
+def _check_nni2(stdout: str, db: Path) -> dict:
+    arch = json.loads(re.search(r"^final architecture: (.*)$", stdout, re.M).group(1).replace("'", '"'))
+    assert set(arch) == {"width", "conv2"} and arch["width"] in (16, 32) and arch["conv2"] in (0, 1)
+    params, kernel = map(int, re.search(r"final model: (\d+) parameters, conv2 kernel (\d)", stdout).groups())
+    width, k = arch["width"], (3, 5)[arch["conv2"]]
+    assert kernel == k and params == (9 * width + width) + (k * k * width * width + width) + (width * 10 + 10)
+    assert any(_role(t) == "supernet" and t.status is TrialStatus.COMPLETED for t in _trials(db))
+    return arch
+
+
+def test_nni2_strategy_script(runs) -> None:
+    """RetiariiExperiment + nni.retiarii.strategy.DARTS + the Lightning Classification evaluator."""
+    stdout, db = runs["nni2-strategy"].result()
+    arch = _check_nni2(stdout, db)
+    best = max((t for t in _trials(db) if _role(t) == "subnet"), key=lambda t: (t.metric, -t.id))
+    assert arch == best.sample
+
+
+def test_nni2_darts_trainer_script(runs) -> None:
+    """The legacy DartsTrainer: fit() trains the supernet, export() is the argmax of alpha."""
+    stdout, db = runs["nni2-darts-trainer"].result()
+    arch = _check_nni2(stdout, db)
+    [supernet] = [t for t in _trials(db) if _role(t) == "supernet"]
+    assert arch == supernet.info["oneshot"]["argmax"]
+    assert "grad_clip=5.0 is not applied" in stdout  # NNI's default clipping: accepted, with a warning
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["enas-trainer", "spos-trainer"])
+def test_nni2_other_trainers(tmp_path: Path, mode: str) -> None:
+    stdout, db = _script("retiarii_nni2.py", mode, tmp_path)
+    _check_nni2(stdout, db)
+
+
+# -- argument mapping (no training) ------------------------------------------------------------------
+def test_nni3_strategies_map_their_arguments() -> None:
+    darts = nni3.DARTS(arc_learning_rate=1e-2, samples=8, retrain=True)
+    assert isinstance(darts, td.oneshot.DARTS) and (darts.arch_lr, darts.samples, darts.retrain) == (1e-2, 8, True)
+    gdas = nni3.GumbelDARTS(temperature=(2.0, 0.5))
+    assert isinstance(gdas, td.oneshot.GumbelDARTS) and (gdas.tau_max, gdas.tau_min) == (2.0, 0.5)
+    assert (nni3.GumbelDARTS(temperature=0.7).tau_max, nni3.GumbelDARTS(temperature={"init": 3, "min": 1}).tau_min) == (0.7, 1.0)
+    enas = nni3.ENAS(batches_per_update=5, controller_lr=3e-3)
+    assert (enas.controller_every, enas.controller_samples, enas.controller_lr) == (5, 5, 3e-3)
+    spos = nni3.RandomOneShot(fair=True)
+    assert isinstance(spos, td.oneshot.RandomOneShot) and spos.fair
+    # logging-only arguments are accepted at any value
+    assert nni3.DARTS(log_prob_every_n_step=1).arch_lr == 3e-4
+
+
+@pytest.mark.parametrize("make, name, hint", [
+    (lambda: nni3.DARTS(gradient_clip_val=5.0), "gradient_clip_val", "learning_rate"),
+    (lambda: nni3.DARTS(warmup_epochs=2), "warmup_epochs", "epochs="),
+    (lambda: nni3.DARTS(penalty={"profiler": None}), "penalty", "Constraint"),
+    (lambda: nni3.GumbelDARTS(mutation_hooks=[print]), "mutation_hooks", "LayerChoice"),
+    (lambda: nni3.ENAS(policy_fn=print), "policy_fn", "controller_lr"),
+    (lambda: nni3.ENAS(reward_metric_name="val_loss"), "reward_metric_name", "accuracy"),
+    (lambda: nni3.RandomOneShot(filter=lambda s: True), "filter", "Constraint"),
+    (lambda: nni3.DARTS(arc_lr=1e-3), "arc_lr", "arch_lr"),
+    (lambda: nni3.GumbelDARTS(temperature="hot"), "temperature", "(init, min)"),
+    (lambda: nni2.ENAS(skip_weight=0.5), "skip_weight", "entropy_weight"),
+    (lambda: nni2.ENAS(ctrl_kwargs={"tanh_constant": 2.0}), "tanh_constant", "lstm_size"),
+])
+def test_arguments_without_tridens_meaning_are_refused(make, name: str, hint: str) -> None:
+    with pytest.raises(NotSupported) as err:
+        make()
+    assert name in str(err.value) and hint in str(err.value)
+
+
+def test_proxyless_and_policy_rl_name_the_alternatives() -> None:
+    for make in (nni3.Proxyless, nni2.Proxyless, lambda: ProxylessTrainer(None), nni3.PolicyBasedRL):
+        with pytest.raises(NotSupported) as err:
+            make()
+        message = str(err.value)
+        assert "not provided by tridens" in message and ("GumbelDARTS" in message or "ENAS" in message)
+
+
+def test_nni2_strategies_map_their_arguments() -> None:
+    gdas = nni2.GumbelDARTS(gumbel_temperature=2.0, use_temp_anneal=True, min_temp=0.5)
+    assert (gdas.tau_max, gdas.tau_min) == (2.0, 0.5)
+    assert (nni2.GumbelDARTS(gumbel_temperature=2.0).tau_max, nni2.GumbelDARTS(gumbel_temperature=2.0).tau_min) == (2.0, 2.0)
+    enas = nni2.ENAS(ctrl_kwargs={"lstm_size": 16}, ctrl_steps_aggregate=3, entropy_weight=1e-3, baseline_decay=0.9)
+    assert (enas.controller_hidden, enas.controller_every, enas.entropy_weight, enas.baseline_decay) == (16, 3, 1e-3, 0.9)
+    assert nni2.TPEStrategy is nni2.TPE and isinstance(nni2.DARTS(), td.oneshot.DARTS)
+
+
+# -- evaluators --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def data() -> tuple[TensorDataset, TensorDataset]:
+    return td.datasets.digits()
+
+
+def test_lightning_classification_becomes_declarative(data) -> None:
+    train, val = data
+    ev = Classification(criterion=torch.nn.CrossEntropyLoss, learning_rate=0.05, weight_decay=1e-4,
+                        optimizer=torch.optim.SGD, train_dataloaders=DataLoader(train, batch_size=32, shuffle=True),
+                        val_dataloaders=[DataLoader(val, batch_size=128)], max_epochs=3, accelerator="cpu",
+                        limit_train_batches=2, enable_progress_bar=False, num_classes=10)
+    cfg = ev.config()
+    assert (cfg.epochs, cfg.batch_size, cfg.optimizer, cfg.lr, cfg.weight_decay) == (3, 32, "sgd", 0.05, 1e-4)
+    assert cfg.momentum == 0.0  # NNI builds SGD(params, lr, weight_decay): no momentum
+    assert isinstance(cfg.train, Subset) and len(cfg.train) == 64 and cfg.val is val
+    assert str(cfg.device) == "cpu" and ev.objective.metric == "val_acc" and ev.objective.mode == "max"
+    fast = Classification(train_dataloaders=DataLoader(train, batch_size=16), val_dataloaders=DataLoader(val),
+                          fast_dev_run=True).config()
+    assert fast.epochs == 1 and len(fast.train) == 16 and len(fast.val) == 1
+    assert Classification(train_dataloaders=DataLoader(train), val_dataloaders=DataLoader(val)).epochs == 1000  # Lightning's
+
+
+def test_lightning_regression_becomes_declarative() -> None:
+    ds = TensorDataset(torch.randn(40, 3), torch.randn(40))
+    ev = Regression(train_dataloaders=DataLoader(ds, batch_size=8), val_dataloaders=DataLoader(ds), max_epochs=2,
+                    criterion=torch.nn.L1Loss)
+    assert ev.config().loss is not None and ev.loss == "l1" and ev.objective.metric == "val_mse"
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"callbacks": [object()]}, "callbacks"),
+    ({"gradient_clip_val": 1.0}, "gradient_clip_val"),
+    ({"devices": 2}, "devices"),
+    ({"precision": 16}, "precision"),
+    ({"max_stepz": 10}, "max_stepz"),
+    ({"optimizer": torch.optim.Adagrad}, "optimizer"),
+    ({"datamodule": object()}, "datamodule"),
+    ({"val_dataloaders": None}, "val_dataloaders"),
+])
+def test_lightning_arguments_tridens_cannot_honour_are_refused(data, kwargs: dict, name: str) -> None:
+    train, val = data
+    args = {"train_dataloaders": DataLoader(train, batch_size=32), "val_dataloaders": DataLoader(val), **kwargs}
+    with pytest.raises(NotSupported, match=name):
+        Classification(**args)
+    with pytest.raises(NotSupported, match="FunctionalEvaluator"):
+        Lightning(None, None)
+    with pytest.raises(NotSupported, match="max_epochs"):
+        Trainer(max_epochs=1)
+
+
+class _Tiny(td.ModelSpace):
+    def __init__(self) -> None:
+        super().__init__()
+        w = td.choice("width", [8, 16])
+        self.conv = torch.nn.Conv2d(1, w, 3, padding=1)
+        self.fc = torch.nn.Linear(w, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.conv(x)).mean((2, 3)))
+
+
+def test_multi_trial_with_the_lightning_evaluator_exports_trained_instances(tmp_path: Path, data, monkeypatch) -> None:
+    """The same compat evaluator drives a multi-trial search; 'instance' models carry their trial's weights."""
+    monkeypatch.setenv("TRIDENS_DB", str(tmp_path / "t.db"))
+    train, val = data
+    ev = Classification(learning_rate=1e-2, train_dataloaders=DataLoader(train, batch_size=64),
+                        val_dataloaders=DataLoader(val, batch_size=64), max_epochs=1)
+    exp = NasExperiment(_Tiny(), ev, nni3.GridSearch())
+    exp.config.max_trial_number = 2
+    exp.run()
+    [best] = exp.experiment.top(1)
+    [model] = exp.export_top_models(formatter="instance")
+    model.eval()
+    with torch.no_grad():
+        x, y = val.tensors
+        acc = float((model(x).argmax(1) == y).float().mean())
+    assert acc == pytest.approx(best.metric, abs=1e-6)
+    assert exp.export_top_models(formatter="dict") == [best.sample]
+    with pytest.raises(NotSupported, match="formatter"):
+        exp.export_top_models(formatter="code")
+
+
+def test_oneshot_needs_the_declarative_evaluator(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("TRIDENS_DB", str(tmp_path / "t.db"))
+    exp = NasExperiment(_Tiny(), FunctionalEvaluator(lambda model: 0.5), nni3.DARTS())
+    with pytest.raises(NotSupported, match="Classification or Regression"):
+        exp.run()
+    assert not (tmp_path / "t.db").exists()
+
+
+# -- NNI 2.x space and fixed_arch ------------------------------------------------------------------
+@model_wrapper
+class _Wrapped(rnn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        w = rnn.ValueChoice([4, 8], label="w")
+        self.conv = rnn.LayerChoice([rnn.Conv2d(1, w, 3, padding=1), rnn.Conv2d(1, w, 5, padding=2)], label="k")
+        self.fc = rnn.Linear(w, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv(x).mean((2, 3)))
+
+
+def test_model_wrapper_makes_a_space_and_fixed_arch_builds_a_sample(tmp_path: Path) -> None:
+    space = _Wrapped()
+    assert isinstance(space, td.ModelSpace) and type(space).__qualname__ == "_Wrapped"
+    assert set(space.search_space()) == {"w", "k"} and space.size() == 4
+    with fixed_arch({"w": 8, "k": 1}):
+        model = _Wrapped()
+    assert model.conv.kernel_size == (5, 5) and model.fc.in_features == 8
+    path = tmp_path / "arch.json"
+    path.write_text(json.dumps({"w": 4, "k": 0}))
+    with fixed_arch(path):
+        assert _Wrapped().conv.out_channels == 4
+    with model_context({"w": 4}), pytest.raises(td.InvalidSample, match="'k'"):
+        _Wrapped()
+    with pytest.raises(NotSupported, match="label"):
+        rnn.ValueChoice([1, 2])
+
+
+def test_retiarii_experiment_refuses_nni_mutators() -> None:
+    with pytest.raises(NotSupported, match="td.Mutator"):
+        RetiariiExperiment(_Wrapped(), None, [object()], nni2.DARTS())
