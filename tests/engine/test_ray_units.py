@@ -67,7 +67,8 @@ def both(tmp_path, space, ev, strategy_factory, name, max_trials, **ray_kw):
 # -- planner units -------------------------------------------------------------------------------------
 def test_fused_unit_is_one_ray_task_with_the_in_process_metrics(local_ray, force, digits_data, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="tridens"):
-        inline, on_ray = both(tmp_path, TinyMLP(), evaluator(digits_data), td.strategy.GridSearch, "fused", 4)
+        inline, on_ray = both(tmp_path, TinyMLP(), evaluator(digits_data), td.strategy.GridSearch, "fused", 4,
+                              workers=1)
     assert caplog.text.count("mixed unit, one data pipeline for 2 planned units") == 2  # in-process, then on Ray
     assert_close(inline, on_ray)
     assert all(t.status is TrialStatus.COMPLETED for t in on_ray)
@@ -85,15 +86,20 @@ class StopTrial2(td.strategy.GridSearch):
         return Decision.STOP if (trial.id, step) == (2, 0) else super().decide(trial, step)
 
 
-def test_stop_reaches_one_member_of_a_fused_unit(local_ray, force, digits_data, tmp_path):
-    inline, on_ray = both(tmp_path, TinyMLP(), evaluator(digits_data), StopTrial2, "stop", 4)
+def test_stop_reaches_one_member_of_a_fused_unit(local_ray, force, digits_data, tmp_path, caplog):
+    # two workers: the mixed unit is planned again as two batched units, one task each
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        inline, on_ray = both(tmp_path, TinyMLP(), evaluator(digits_data), StopTrial2, "stop", 4, workers=2)
+    assert "is planned again as two units for the 2 workers" in caplog.text
+    assert caplog.text.count("batched unit of 2 trial(s)") == 2
     assert_close(inline, on_ray)
     stopped = next(t for t in on_ray if t.id == 2)
     assert stopped.status is TrialStatus.STOPPED and len(stopped.metrics["val_acc"]) == 1
     assert sorted(os.listdir(stopped.info["storage"])) == ["epoch-1.pt", "final.pt"]  # left after one epoch
     others = [t for t in on_ray if t.id != 2]
     assert all(t.status is TrialStatus.COMPLETED and len(t.metrics["val_acc"]) == 3 for t in others)
-    assert len({t.info["ray"]["pid"] for t in on_ray}) == 1
+    pids = {t.id: t.info["ray"]["pid"] for t in on_ray}
+    assert pids[1] == pids[2] and pids[3] == pids[4]  # trial 1 went on in the unit trial 2 left
     a = torch.load(next(t for t in inline if t.id == 2).checkpoint, weights_only=True)
     b = torch.load(stopped.checkpoint, weights_only=True)
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)  # the stopped member's weights
@@ -125,7 +131,8 @@ def test_killed_unit_worker_restarts_its_members_from_their_checkpoints(local_ra
         return strategies[-1]
 
     with caplog.at_level(logging.WARNING, logger="tridens"):
-        inline, on_ray = both(tmp_path, TinyMLP(), evaluator(digits_data), factory, "kill", 4, max_retries=1)
+        inline, on_ray = both(tmp_path, TinyMLP(), evaluator(digits_data), factory, "kill", 4, max_retries=1,
+                              workers=1)
     assert len(strategies[1].killed) == 1 and len(strategies[0].killed) == 0  # in-process: no worker to kill
     assert "restarting them from their last checkpoints, as separate trials" in caplog.text
     assert_close(inline, on_ray)  # batched members resumed as separate trainers: the same curves
@@ -196,13 +203,19 @@ def test_share_above_one_is_one_task_running_ddp(local_ray, digits_data, tmp_pat
     assert sorted(os.listdir(t.info["storage"])) == ["epoch-2.pt", "final.pt"]
 
 
+def step_time(sample):
+    """A fixed profile (seconds per step), so that the shares do not depend on measured times: the
+    12-epoch trial gets one CPU, the others half of the other."""
+    return 1e-3
+
+
 @pytest.mark.slow
 def test_dynamic_fluid_relaunches_a_trial_at_a_new_share_from_its_checkpoint(local_ray, digits_data, tmp_path):
     # The big trial trains far longer than the small ones: it still has epochs left when they end.
     # (Whether it still has them depends on how fast Ray starts the small trials' workers: if it
     # finished first, nothing could move and the test says so instead of passing.)
     group = [{"hidden": 512, "epochs": 12}, {"hidden": 4, "epochs": 1}, {"hidden": 4, "epochs": 2}]
-    inline, on_ray = fluid_pair(tmp_path, digits_data, group, "dyn", DynamicFluid(epsilon=0.0))
+    inline, on_ray = fluid_pair(tmp_path, digits_data, group, "dyn", DynamicFluid(epsilon=0.0, profile=step_time))
     assert_close(inline, on_ray)
     big = on_ray[0]
     if big.finished_at < max(t.finished_at for t in on_ray[1:]):

@@ -1,21 +1,37 @@
-"""The Ray executor: each trial a Ray task on a local Ray or on an existing cluster.
+"""The Ray executor: execution units as Ray tasks on a local Ray or on an existing cluster.
 
 Workers train, the driver decides. A worker trains one epoch (or runs the user's loop up to its
 next ``td.report``), writes a checkpoint to ``storage``, and posts the step's metrics to a small
 hub actor; the driver drains the hub, records the metrics (it alone writes the store and talks
 to the strategy) and answers with the strategy's decision, which the worker reads before its next
-step. A trial whose worker dies (killed, out of memory, node lost) starts again on another worker
-from its last checkpoint, at most ``max_retries`` times; the steps it had reported are not
+step. A task whose worker dies (killed, out of memory, node lost) starts again on another worker
+from its last checkpoints, at most ``max_retries`` times; the steps already reported are not
 recorded twice.
 
-Differences from the in-process executor, by design: trials train separately (no fused units),
-and rung decisions are made as results arrive (asynchronously, as in ASHA) rather than after the
-whole group reported a step, so which trials an early-stopping strategy stops may differ. A
-trial's metrics for the steps it trains are the same, bit for bit, as in-process with the same seed.
+**Units.** With a declarative (step-wise) evaluator the driver plans the group as the in-process
+executor does (:mod:`._planner`, the same log line per unit). Each fused unit (batched,
+shared-pipeline, mixed, super-graph) is ONE Ray task that reports every member's metrics each
+epoch and gets every member's decision: a stopped member leaves, the others go on. Trials that
+train separately (the planner's separate unit, or ``optimize=False``) are one task each, so the
+workers run them in parallel. A unit whose worker died restarts its unfinished members as
+separate trials from their checkpoints (fused units cannot resume mid-way; see
+:mod:`._ray_units`). User loops (other evaluators) run one trial per task.
+
+**Fluid** (``allocation=``): each trial's share of the ``workers`` devices becomes its task's
+resource request: a share below 1 a fractional ``num_cpus`` (``num_gpus`` when the evaluator
+trains on CUDA), so Ray packs tasks; a share above 1 one task reserving ``share`` devices that
+trains the trial with torch DDP over as many local processes (one node, gloo). DynamicFluid moves
+a trial at an epoch boundary: its task checkpoints and ends, a new task at the new share resumes.
+
+Differences from the in-process executor, by design: rung decisions are made as results arrive
+(asynchronously, as in ASHA) rather than after the whole group reported a step, so which trials an
+early-stopping strategy stops may differ. A trial's metrics for the steps it trains are those of
+the in-process run with the same seed (bit for bit for separate trials; fused units and DDP as the
+in-process fused units and DDP are, to float summation order).
 
 Storage layout (``storage`` is a directory every worker sees, or an fsspec URI)::
 
-    <storage>/<experiment>/trial-<id>/epoch-<n>.pt   the latest per-epoch checkpoint (step-wise evaluators)
+    <storage>/<experiment>/trial-<id>/epoch-<n>.pt   the latest per-epoch trainer checkpoint (step-wise evaluators)
     <storage>/<experiment>/trial-<id>/final.pt       the final (or stopped) weights
 """
 
@@ -376,12 +392,11 @@ class RayExecutor(Executor):
         models = {job.trial.id: model_bytes(job.model) for job in jobs}  # before planning may tie or move them
         if not self.optimize or self.allocation is not None:
             return [_UnitTrack({job.trial.id: _Member(job, models[job.trial.id])}, optimize=False) for job in jobs]
+        from ..xopt import _batching
         from ._planner import plan
 
-        from ..xopt import _batching
-
         tracks = []
-        for unit in plan(jobs, evaluator, True):
+        for unit in self._spread(plan(jobs, evaluator, True), evaluator):
             if isinstance(unit, SeparateUnit):  # nothing shared: each trial its own task, in parallel
                 tracks.extend(_UnitTrack({t: _Member(j, models[t])}, optimize=False) for t, j in unit.jobs.items())
                 continue
@@ -393,6 +408,37 @@ class RayExecutor(Executor):
             tracks.append(_UnitTrack({t: _Member(j, models[t]) for t, j in unit.jobs.items()},
                                      planned=unit.kind, batching=settings))
         return tracks
+
+    def _spread(self, units: list[Any], evaluator: StepwiseEvaluator) -> list[Any]:
+        """Fewer tasks than workers: the biggest fused unit is planned again as two halves (whole
+        batched groups kept together), until every worker has a task or nothing is left to split.
+        In-process one unit of the whole group costs nothing; on Ray it would leave workers idle.
+        Super-graph units stay whole (their children are tied already)."""
+        from ..xopt._supergraph import SuperGraphUnit
+        from ._planner import plan
+        from ._units import SeparateUnit
+
+        def tasks() -> int:
+            return sum(len(u.jobs) if isinstance(u, SeparateUnit) else 1 for u in units)
+
+        while tasks() < self.workers:
+            splittable = [u for u in units if not isinstance(u, (SeparateUnit, SuperGraphUnit)) and len(u.jobs) > 1]
+            if not splittable:
+                break
+            unit = max(splittable, key=lambda u: len(u.jobs))
+            members = getattr(unit, "members", None) or [getattr(unit, "member", None)]
+            groups = [m.trial_ids() for m in members if m is not None] or [list(unit.jobs)]
+            if len(groups) == 1:
+                groups = [groups[0][:len(groups[0]) // 2], groups[0][len(groups[0]) // 2:]]
+            halves: list[list[int]] = [[], []]
+            for group in sorted(groups, key=len, reverse=True):
+                min(halves, key=len).extend(group)
+            log.info("ray: the %s unit of trials %s is planned again as two units for the %d workers",
+                     unit.kind, list(unit.jobs), self.workers)
+            units.remove(unit)
+            for half in halves:
+                units.extend(plan([j for t, j in unit.jobs.items() if t in half], evaluator, True))
+        return units
 
     def _run_units(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, evaluator_ref: Any, storage: _Storage,
                    hooks: GroupHooks) -> None:
@@ -446,7 +492,8 @@ class RayExecutor(Executor):
 
     def _profile(self, tracks: list[_UnitTrack], evaluator: StepwiseEvaluator,
                  hooks: GroupHooks) -> tuple[_Fluid, list[_UnitTrack]]:
-        """Fluid's step-time profile of every trial (on the driver, one thread, as a worker runs)."""
+        """Every trial's Fluid profile: the policy's ``profile`` function, else its step time
+        measured on the driver (:func:`~._fluid.profile_step_time`, one thread, as a worker runs)."""
         from ._fluid import fluid_policy, profile_step_time
 
         gpu = False
@@ -457,7 +504,8 @@ class RayExecutor(Executor):
             except Exception:  # not a supervised evaluator (Tabular): CPUs
                 gpu = False
         devices = int(ray.cluster_resources().get("GPU", 0)) if gpu else self.workers
-        fluid = _Fluid(fluid_policy(self.allocation).scheduler(max(devices, 1)), gpu)
+        policy = fluid_policy(self.allocation)
+        fluid = _Fluid(policy.scheduler(max(devices, 1)), gpu)
         kept = []
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -466,7 +514,12 @@ class RayExecutor(Executor):
                 member = next(iter(track.members.values()))
                 trial = member.job.trial
                 try:
-                    step_time, per_epoch, epochs = profile_step_time(evaluator, member.job.model, trial.sample, trial.seed)
+                    if policy.profile is not None:  # the user's step times: nothing to measure
+                        cfg = evaluator.config(trial.sample)  # type: ignore[attr-defined]
+                        step_time, per_epoch, epochs = policy.step_time(trial.sample), cfg.steps_per_epoch, cfg.epochs
+                    else:
+                        step_time, per_epoch, epochs = profile_step_time(evaluator, member.job.model, trial.sample,
+                                                                         trial.seed)
                 except Exception as err:  # the trainer cannot be built or its first steps fail
                     member.done = True
                     hooks.finish(trial, TrialStatus.FAILED, error=_error_text(err))
