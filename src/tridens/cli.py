@@ -32,6 +32,14 @@ def _store(db: str, readonly: bool = True):  # type: ignore[no-untyped-def]
     return Store(db, readonly=readonly)
 
 
+def _console():  # type: ignore[no-untyped-def]
+    """A rich console that prints stored text as it is: no emoji codes (``digits:train:`` in a
+    dataset's repr is not a train emoji)."""
+    from rich.console import Console
+
+    return Console(emoji=False)
+
+
 def _run_script(script: str, db: str, argv: Sequence[str]) -> int:
     from .engine import _experiment
 
@@ -101,7 +109,7 @@ def _cmd_resume(args: argparse.Namespace) -> int:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from .trial import Objective, TrialStatus
@@ -115,16 +123,16 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             objective = Objective(**record.config.get("objective", {"metric": "val_acc", "mode": "max"}))
             scores = [t.metric for t in trials if t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED) and t.metric is not None]
             best = max(scores, key=objective.score) if scores else None
-            table.add_row(record.name, record.status, str(len(trials)), "-" if best is None else f"{best:.4f}",
+            table.add_row(escape(record.name), record.status, str(len(trials)), "-" if best is None else f"{best:.4f}",
                           f"{objective.metric} ({objective.mode})")
-    Console().print(table)
+    _console().print(table)
     return 0
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
     import json
 
-    from rich.console import Console
+    from rich.markup import escape
 
     from .engine._progress import trials_table
     from .trial import Objective
@@ -132,26 +140,25 @@ def _cmd_show(args: argparse.Namespace) -> int:
     with _store(args.db) as db:
         record = db.get_experiment(args.name)
         trials = db.trials(args.name)
-    console = Console()
+    console = _console()
     config = record.config
-    console.print(f"[bold]{record.name}[/] ({record.status}), {len(trials)} trials")
+    console.print(f"[bold]{escape(record.name)}[/] ({record.status}), {len(trials)} trials")
     for key in ("script", "strategy", "evaluator", "max_trials", "seed", "objective"):
         if config.get(key) is not None:
             value = config[key]
-            console.print(f"  {key}: {value.get('repr', value) if isinstance(value, dict) and 'repr' in value else json.dumps(value)}")
+            text = value.get("repr", value) if isinstance(value, dict) and "repr" in value else json.dumps(value)
+            console.print(f"  {key}: {escape(str(text))}")  # stored text, not rich markup
     objective = Objective(**config.get("objective", {"metric": "val_acc", "mode": "max"}))
     console.print(trials_table(trials, objective))
     return 0
 
 
 def _cmd_top(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from .engine import Experiment
     from .engine._progress import trials_table
 
     exp = Experiment.load(args.db, args.name)
-    Console().print(trials_table(exp.top(args.k), exp._objective(), title=f"top {args.k} of {args.name}"))
+    _console().print(trials_table(exp.top(args.k), exp._objective(), title=f"top {args.k} of {args.name}"))
     return 0
 
 

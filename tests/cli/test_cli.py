@@ -179,3 +179,18 @@ def test_read_only_directory(tmp_path):
 
 def _has_table(conn, name):
     return conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (name,)).fetchone() is not None
+
+
+def test_show_and_ls_print_stored_text_verbatim(tmp_path):
+    """Stored reprs are not rich markup: ``digits:train:`` stays text (not a train emoji), ``[/x]``
+    is printed, not rejected as a closing tag."""
+    db = tmp_path / "runs.db"
+    evaluator = "Classification(train=ImageDataset('digits:train:val_fraction=0.2'), lr=Choice('lr', [0.1]))"
+    with Store(db) as store:
+        store.create_experiment("odd-name", {"evaluator": {"type": "Classification", "repr": evaluator},
+                                                  "strategy": {"type": "Random", "repr": "Random([/x] :smile:)"},
+                                                  "objective": {"metric": "val_acc", "mode": "max"}})
+    show = tridens("show", "odd-name", "--db", db).stdout
+    flat = "".join(show.split())  # rich wraps long lines
+    assert "digits:train:val_fraction" in flat and "\U0001f68b" not in show
+    assert "Random([/x]:smile:)" in flat and "odd-name" in tridens("ls", "--db", db).stdout
