@@ -21,12 +21,15 @@ Three parts:
          with ``allocation=None`` (one trial per worker), ``"static"`` and ``"dynamic"``, on digits,
          a successive-halving-shaped sequence of TrialGroups of heterogeneous CNNs (see ``REAL_GROUPS``);
          each run in a fresh process, interleaved, wall time and CPU-seconds (children included).
+         ``--workload fashion-sh``: Fashion-MNIST (3,000 images) rungs 6 x 1, 2 x 2, 1 x 6 epochs
+         (``FASHION_GROUPS``), whose long last rungs leave one worker idle under one trial per worker.
 ``random-search`` The 64-trial 1-epoch random search of ``bench/random_search.py`` with
          ``tridens-process`` (the pool) beside ``tridens-functional`` (in-process), interleaved, with
          CPU-seconds.
 
     .venv/bin/python bench/fluid.py sim                      # seconds
     .venv/bin/python bench/fluid.py real --rounds 3          # a few minutes here
+    .venv/bin/python bench/fluid.py real --workload fashion-sh --rounds 3   # ~4 minutes on a quiet 2-core machine
     .venv/bin/python bench/fluid.py random-search --rounds 3
 """
 
@@ -179,10 +182,40 @@ class CNNSpace(tnn.ModelSpace):
         return self.fc(x.flatten(1))
 
 
-def one_real(allocation: str) -> dict[str, Any]:
+# A successive-halving-shaped sequence on Fashion-MNIST (3,000 training images, 28x28) whose last
+# rungs are long: 6 CNNs x 1 epoch, the best-looking 2 x 2 epochs, 1 x 6 epochs. One trial per worker
+# leaves a worker idle for about half of the run (the second rung's shorter trial ends early, the
+# last rung has a single trial); Fluid can span those trials over both workers with DDP.
+FASHION_GROUPS = [
+    [{"width": w, "epochs": 1} for w in (8, 16, 32, 8, 16, 32)],
+    [{"width": 32, "epochs": 2}, {"width": 16, "epochs": 2}],
+    [{"width": 32, "epochs": 6}],
+]
+WORKLOADS = {"digits": REAL_GROUPS, "fashion-sh": FASHION_GROUPS}
+
+
+class FashionCNNSpace(tnn.ModelSpace):
+    """conv 3x3 (w) -> pool -> conv 3x3 (2w) -> pool -> linear, for 28x28 images."""
+
+    def __init__(self):
+        super().__init__()
+        w = td.choice("width", [8, 16, 32])
+        self.conv1 = nn.Conv2d(1, w, 3, padding=1)
+        self.conv2 = nn.Conv2d(w, 2 * w, 3, padding=1)
+        self.fc = nn.Linear(2 * w * 49, 10)
+        self.example_inputs = (torch.zeros(2, 1, 28, 28),)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc(x.flatten(1))
+
+
+def one_real(allocation: str, workload: str = "digits") -> dict[str, Any]:
     from tridens.trial import TrialGroup
 
     torch.set_num_threads(1)
+    groups = WORKLOADS[workload]
 
     class FixedGroups(td.strategy.Strategy):
         def start(self, space, objective, rng, history=()):
@@ -190,16 +223,23 @@ def one_real(allocation: str) -> dict[str, Any]:
             self._next = 0
 
         def ask(self, remaining=None):
-            if self._next >= len(REAL_GROUPS):
+            if self._next >= len(groups):
                 return None
             self._next += 1
-            return TrialGroup([dict(s) for s in REAL_GROUPS[self._next - 1]])
+            return TrialGroup([dict(s) for s in groups[self._next - 1]])
 
-    train, val = td.datasets.digits()
-    ev = td.evaluators.Classification(train=train, val=val, epochs=td.choice("epochs", [1, 3, 6]), batch_size=128,
-                                      optimizer="adam", lr=3e-3)
+    epochs = sorted({s["epochs"] for g in groups for s in g})
+    if workload == "digits":
+        train, val = td.datasets.digits()
+        space: tnn.ModelSpace = CNNSpace()
+        lr = 3e-3
+    else:
+        train, val = td.datasets.fashion_mnist(limit=3000, val_limit=500)
+        space, lr = FashionCNNSpace(), 2e-3
+    ev = td.evaluators.Classification(train=train, val=val, epochs=td.choice("epochs", epochs), batch_size=128,
+                                      optimizer="adam", lr=lr)
     with tempfile.TemporaryDirectory() as d:
-        exp = td.Experiment(CNNSpace(), ev, FixedGroups(), store=os.path.join(d, "f.db"), name="fluid", verbose=False,
+        exp = td.Experiment(space, ev, FixedGroups(), store=os.path.join(d, "f.db"), name="fluid", verbose=False,
                             executor="process", workers=2, allocation=None if allocation == "none" else allocation)
         t0 = time.perf_counter()
         exp.run()
@@ -207,6 +247,8 @@ def one_real(allocation: str) -> dict[str, Any]:
         trials = exp.trials()
     return {"seconds": seconds, "completed": sum(t.status.value == "completed" for t in trials),
             "best": max(t.metric for t in trials if t.metric is not None),
+            "final": [[t.metrics["val_acc"][-1], t.metrics["val_loss"][-1]] for t in trials],
+            "last_curve": trials[-1].metrics["val_loss"],
             "allocations": {t.id: [a["share"] for a in t.info.get("allocation", [])] for t in trials}}
 
 
@@ -218,7 +260,8 @@ def run_real(args: argparse.Namespace) -> None:
 
     def one(name: str, r: int) -> dict[str, Any]:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        out = C.run_worker(script, ["--one", name], env={"OMP_NUM_THREADS": "1"}, timeout=1800)
+        out = C.run_worker(script, ["--one", name, "--workload", args.workload], env={"OMP_NUM_THREADS": "1"},
+                           timeout=1800)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         out["cpu_s"] = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
         out["load"] = os.getloadavg()[0]
@@ -230,13 +273,19 @@ def run_real(args: argparse.Namespace) -> None:
     for name in names:
         runs = res[name]
         ratios = [b["seconds"] / r["seconds"] for b, r in zip(base, runs)]
+        cpu_ratios = [r["cpu_s"] / b["cpu_s"] for b, r in zip(base, runs)]
+        # Same trials, same training: DDP changes only the float summation order.
+        diff = max(abs(x - y) for r in runs for a, b in zip(base[0]["final"], r["final"]) for x, y in zip(a, b))
         rows.append([{"none": "one trial per worker", "static": "StaticFluid", "dynamic": "DynamicFluid"}[name],
                      C.median(r["seconds"] for r in runs), min(r["seconds"] for r in runs), max(r["seconds"] for r in runs),
-                     C.median(r["cpu_s"] for r in runs), C.median(ratios), C.median(r["best"] for r in runs)])
-    print(f"\n2 CPU workers, digits, groups {[[(s['width'], s['epochs']) for s in g] for g in REAL_GROUPS]}, "
-          f"median of {args.rounds} interleaved rounds:")
+                     C.median(r["cpu_s"] for r in runs), C.median(ratios), C.median(cpu_ratios),
+                     C.median(r["best"] for r in runs), f"{diff:.1e}"])
+    groups = WORKLOADS[args.workload]
+    print(f"\n2 CPU workers, {args.workload}, groups {[[(s['width'], s['epochs']) for s in g] for g in groups]}, "
+          f"median of {args.rounds} interleaved rounds, load average {min(r['load'] for v in res.values() for r in v):.1f}"
+          f"-{max(r['load'] for v in res.values() for r in v):.1f}:")
     print(C.table(["allocation", "wall s", "min", "max", "CPU s (all processes)", "paired speed-up vs one-per-worker",
-                   "best val_acc"], rows))
+                   "paired CPU-s ratio", "best val_acc", "max |final metric - one-per-worker|"], rows))
     for name in ("static", "dynamic"):
         print(f"{name}: shares per trial in the last run: {res[name][-1]['allocations']}")
     if args.json:
@@ -276,11 +325,13 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--trials", type=int, default=64)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="digits",
+                   help="real: digits (the first sessions' groups) or fashion-sh (long last rungs)")
     p.add_argument("--one", help="(internal) one real run with this allocation, JSON out")
     p.add_argument("--json")
     args = p.parse_args()
     if args.one:
-        C.emit(one_real(args.one))
+        C.emit(one_real(args.one, args.workload))
     elif args.part == "sim":
         run_sim(args)
     elif args.part == "real":

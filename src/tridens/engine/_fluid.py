@@ -378,11 +378,13 @@ def _plan(evaluator: StepwiseEvaluator, sample: Mapping[str, Any]) -> tuple[int,
     return 1, None, None
 
 
-def _structure(token: int, model: Any, cfg: Any) -> Hashable:
-    """What a step time depends on: the evaluator, the network (its repr names every layer and
-    size) and the batch size and optimizer. Successive-halving rungs and evolution's survivors
-    come back with structures already measured."""
-    return (token, repr(model), getattr(cfg, "batch_size", None), getattr(cfg, "optimizer", None))
+def _structure(token: int, job: Job, cfg: Any) -> Hashable:
+    """What a step time depends on: the evaluator, the network (the trial's structural fingerprint:
+    ops, their configuration, parameter shapes; else the model's repr) and the batch size and
+    optimizer. Successive-halving rungs and evolution's survivors come back with structures
+    already measured."""
+    net = job.trial.fingerprint or repr(job.model)
+    return (token, net, getattr(cfg, "batch_size", None), getattr(cfg, "optimizer", None))
 
 
 @dataclass
@@ -428,7 +430,7 @@ def run_fluid(executor: ProcessExecutor, jobs: Sequence[Job], evaluator: Stepwis
 
     for job in jobs:
         per_epoch, epochs, cfg = _plan(evaluator, job.trial.sample)
-        structure = _structure(token, job.model, cfg)
+        structure = _structure(token, job, cfg)
         try:
             step_time, measured = (policy.step_time(job.trial.sample), True) if policy.profile is not None else assumed(structure)
         except Exception as err:  # the user's profile function failed on this sample
