@@ -8,8 +8,9 @@ process CPU-seconds of its ``Experiment.run()`` (user + system, ``resource.getru
 
 * ``random64``: ``td.strategy.Random()``, ``max_trials=64``, the evaluator's epochs per trial;
 * ``spos``: ``td.oneshot.RandomOneShot(epochs=..., samples=..., retrain=k)``;
-* ``darts``: ``td.oneshot.DARTS(epochs=..., samples=..., retrain=k)``
-  (``k = --retrain-top``: the k best architectures by inherited score are retrained; the best counts).
+* ``darts``: ``td.oneshot.DARTS(epochs=..., samples=..., retrain=k, warmup=...)``
+  (``k = --retrain-top``, or ``--darts-retrain-top`` for DARTS alone: the k best architectures by
+  inherited score are retrained; the best counts).
 
 The figure: the retrained architecture's validation accuracy against the best of the 64 trials,
 and the ratio of CPU-seconds (supernet training + search + retrain vs the 64 trials).
@@ -108,8 +109,9 @@ def one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
                                             fair=args.fair, bn_batches=args.bn_batches)
         kwargs = {}
     elif name == "darts":
-        strategy = td.oneshot.DARTS(epochs=args.darts_epochs, samples=args.samples, retrain=args.retrain_top,
-                                    arch_lr=args.arch_lr, bn_batches=args.bn_batches)
+        retrain = args.retrain_top if args.darts_retrain_top is None else args.darts_retrain_top
+        strategy = td.oneshot.DARTS(epochs=args.darts_epochs, samples=args.samples, retrain=retrain,
+                                    arch_lr=args.arch_lr, bn_batches=args.bn_batches, warmup=args.darts_warmup)
         kwargs = {}
     else:
         raise SystemExit(f"unknown system {name!r}")
@@ -135,7 +137,8 @@ def one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         out.update(acc=best.metric, inherited_acc=best_inherited.metric, subnets=len(subnets),
                    supernet_cpu_s=sup.info["oneshot"].get("train_cpu_s"),
                    retrain_cpu_s=sum(t.info["oneshot"].get("retrain_cpu_s", 0.0) for t in retrained),
-                   retrained=len(retrained), sample=space.restrict(best.sample))
+                   retrained=len(retrained), sample=space.restrict(best.sample),
+                   retrained_acc=[t.metric for t in sorted(retrained, key=lambda t: t.id)])
     return out
 
 
@@ -149,6 +152,10 @@ def main() -> None:
     parser.add_argument("--spos-epochs", type=int, default=30)
     parser.add_argument("--darts-epochs", type=int, default=10)
     parser.add_argument("--arch-lr", type=float, default=3e-3)
+    parser.add_argument("--darts-warmup", type=float, default=0.5,
+                        help="DARTS(warmup=...): share of the supernet steps that train the weights only")
+    parser.add_argument("--darts-retrain-top", type=int, default=None,
+                        help="DARTS' retrain=k (default: --retrain-top)")
     parser.add_argument("--samples", type=int, default=64, help="subnets scored with inherited weights")
     parser.add_argument("--retrain-top", type=int, default=1, help="architectures retrained from scratch (the best counts)")
     parser.add_argument("--fair", action="store_true", help="SPOS with FairNAS sampling (RandomOneShot(fair=True))")
@@ -162,7 +169,9 @@ def main() -> None:
     _common.print_machine()
     passed = [f"--epochs={args.epochs}", f"--spos-epochs={args.spos_epochs}", f"--darts-epochs={args.darts_epochs}",
               f"--arch-lr={args.arch_lr}", f"--samples={args.samples}", f"--retrain-top={args.retrain_top}",
-              f"--bn-batches={args.bn_batches}", *(["--fair"] if args.fair else [])]
+              f"--bn-batches={args.bn_batches}", f"--darts-warmup={args.darts_warmup}",
+              *([f"--darts-retrain-top={args.darts_retrain_top}"] if args.darts_retrain_top is not None else []),
+              *(["--fair"] if args.fair else [])]
     print(f"config: {' '.join(passed)}, seeds {args.seeds}", flush=True)
     names = args.systems.split(",")
     results = _common.interleave(names, args.seeds, lambda name, r: _common.run_worker(

@@ -129,6 +129,31 @@ def test_darts_moves_architecture_weights_towards_the_better_op(tmp_path, evalua
     assert best.sample["op"] == "linear" and best.metric > 0.5
 
 
+def test_darts_warmup_trains_the_weights_only_then_the_architecture(digits_data, evaluator):
+    x, y = digits_data[0].tensors
+    net = build_supernet(ToyChoice())
+    strategy = td.oneshot.DARTS(arch_lr=0.05, warmup=0.5)
+    strategy.validate()
+    strategy.begin(net, evaluator.config({}), total_steps=8, rng=random.Random(0))
+    assert strategy.warmup_steps() == 4
+    alpha0 = strategy.alpha["op"].detach().clone()
+    weight0 = net.model.op.candidates[0].weight.detach().clone()
+    asked = []
+
+    def arch_batch():
+        asked.append(1)
+        return x[512:576], y[512:576]
+    for step in range(4):
+        strategy.step(x[64 * step:64 * (step + 1)], y[64 * step:64 * (step + 1)], arch_batch, step)
+    assert not asked and torch.equal(strategy.alpha["op"].detach(), alpha0)  # no architecture step
+    assert not torch.equal(net.model.op.candidates[0].weight, weight0)  # the weights trained
+    for step in range(4, 8):
+        strategy.step(x[64 * step:64 * (step + 1)], y[64 * step:64 * (step + 1)], arch_batch, step)
+    assert len(asked) == 4
+    p_linear, p_zero = strategy.probabilities()["op"]
+    assert p_linear > p_zero and not torch.equal(strategy.alpha["op"].detach(), alpha0)
+
+
 def test_darts_second_order_also_prefers_the_better_op(tmp_path, evaluator):
     exp = td.Experiment(ToyChoice(), evaluator, td.oneshot.DARTS(arch_lr=0.05, samples=2, second_order=True),
                         store=tmp_path / "t.db", name="darts2", verbose=False).run()
@@ -186,6 +211,7 @@ def test_enas_runs_in_an_experiment(tmp_path, evaluator):
 @pytest.mark.parametrize("strategy, message", [
     (td.oneshot.RandomOneShot(samples=0), "'samples' parameter of RandomOneShot"),
     (td.oneshot.DARTS(arch_fraction=1.5), "'arch_fraction' parameter of DARTS"),
+    (td.oneshot.DARTS(warmup=1.0), "'warmup' parameter of DARTS"),
     (td.oneshot.RandomOneShot(search="grid"), "'search' parameter of RandomOneShot"),
     (td.oneshot.RandomOneShot(fair="yes"), "'fair' parameter of RandomOneShot"),
     (td.oneshot.GumbelDARTS(tau_min=2.0, tau_max=1.0), "tau_min"),

@@ -198,18 +198,28 @@ class DARTS(OneShotStrategy):
     architecture steps (DARTS: half). ``second_order=True`` uses the unrolled gradient.
     After training, the argmax architecture is evaluated first, then the search runs.
 
+    ``warmup`` (default 0.5): the share of the training steps, at the start, that train the
+    weights only, mixed by the initial (near-uniform) ``alpha``; the architecture steps start
+    after it. Architecture gradients taken on barely trained weights mostly favour the ops that
+    learn fastest (pooling, identity), so DARTS implementations warm the weights up first
+    (PC-DARTS freezes ``alpha`` for 15 of its 50 epochs on CIFAR-10). It also makes the search
+    cheaper: a warm-up step is one forward/backward instead of two (the architecture step's
+    forward and backward to ``alpha`` cost about 40 % of a step), so ``warmup=0.5`` trains the
+    supernet in about 80 % of the CPU time. ``warmup=0`` is the paper's schedule.
+
     >>> strategy = td.oneshot.DARTS(arch_lr=3e-4, retrain=True)   # doctest: +SKIP
     """
 
     def __init__(self, *, arch_lr: float = 3e-4, arch_betas: tuple[float, float] = (0.5, 0.999),
                  arch_weight_decay: float = 1e-3, arch_fraction: float = 0.5, second_order: bool = False,
-                 **kwargs: Any) -> None:
+                 warmup: float = 0.5, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.arch_lr = arch_lr
         self.arch_betas = arch_betas
         self.arch_weight_decay = arch_weight_decay
         self.arch_fraction = arch_fraction
         self.second_order = second_order
+        self.warmup = warmup
 
     def validate(self) -> None:
         super().validate()
@@ -220,6 +230,12 @@ class DARTS(OneShotStrategy):
             raise _param_error(owner, "arch_fraction", "a float in the range (0, 1)", self.arch_fraction)
         if not isinstance(self.second_order, bool):
             raise _param_error(owner, "second_order", "a bool", self.second_order)
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, (int, float)) or not 0 <= self.warmup < 1:
+            raise _param_error(owner, "warmup", "a float in the range [0, 1)", self.warmup)
+
+    def warmup_steps(self) -> int:
+        """Steps at the start of training that update the weights only (``warmup`` of all steps)."""
+        return int(self.warmup * self.total_steps)
 
     def begin(self, net: Supernet, cfg: TrainConfig, total_steps: int, rng: random.Random) -> None:
         super().begin(net, cfg, total_steps, rng)
@@ -238,6 +254,9 @@ class DARTS(OneShotStrategy):
         return {label: F.softmax(a.detach(), dim=-1).tolist() for label, a in self.alpha.items()}
 
     def step(self, x: torch.Tensor, y: torch.Tensor, arch_batch: Callable[[], Batch], step: int) -> float:
+        if step < self.warmup_steps():  # warm-up: alpha stays put while the shared weights learn
+            self.net.set_weights({k: v.detach() for k, v in self.mixing(step).items()})
+            return self._weight_step(x, y, step)
         xa, ya = arch_batch()
         if self.second_order:
             self._unrolled_arch_step(x, y, xa, ya, step)
