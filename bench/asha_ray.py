@@ -12,8 +12,11 @@ little: the table shows them, and the wall time per trained epoch.
 * ``tridens-inline``  -- ``td.Experiment(..., td.strategy.ASHA(min_steps=1, max_steps=9,
   reduction_factor=3, batch_size=32), executor="inline")``: the 32 trials of the group train in
   lockstep in the driver (fused where the planner measures a gain).
-* ``tridens-ray``     -- the same with ``executor="ray", workers=2``: each trial a Ray task with
-  one CPU, metrics streamed to the driver, ASHA's decisions made as results arrive.
+* ``tridens-ray``     -- the same with ``executor="ray", workers=2`` (``optimize=True``, the
+  default): the planner's units as Ray tasks with one CPU each (a fused unit is one task; with
+  fewer tasks than workers the biggest unit is planned again in halves), metrics streamed to the
+  driver, ASHA's decisions made as results arrive.
+* ``tridens-ray-separate`` -- the same with ``optimize=False``: each trial its own Ray task.
 * ``tune``            -- Ray Tune: ``tune.Tuner`` over a function trainable that trains with the
   same trainer and ``tune.report``s ``val_acc`` each epoch, ``ASHAScheduler(time_attr=
   "training_iteration", grace_period=1, max_t=9, reduction_factor=3, brackets=1)``,
@@ -64,7 +67,7 @@ MAX_EPOCHS = 9
 GRACE = 1
 ETA = 3
 TRIALS = 32
-SYSTEMS = ["tridens-inline", "tridens-ray", "tune", "tune-reuse"]
+SYSTEMS = ["tridens-inline", "tridens-ray", "tridens-ray-separate", "tune", "tune-reuse"]
 
 
 def _layers(module: nn.Module, width: int, kernel: int, hidden: int) -> None:
@@ -116,7 +119,7 @@ def warm_up() -> None:
 
 
 # -- systems ------------------------------------------------------------------------------------------
-def one_tridens(executor: str) -> dict[str, Any]:
+def one_tridens(executor: str, optimize: bool = True) -> dict[str, Any]:
     ev = evaluator()
     warm_up()
     init_s = 0.0
@@ -127,9 +130,22 @@ def one_tridens(executor: str) -> dict[str, Any]:
         ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
         init_s = time.perf_counter() - t0
     strategy = td.strategy.ASHA(min_steps=GRACE, max_steps=MAX_EPOCHS, reduction_factor=ETA, batch_size=TRIALS)
+    import logging
+
+    planned: list[str] = []  # the planner's unit lines (what was fused)
+
+    class Units(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            text = record.getMessage()
+            if " unit of " in text or "planned again" in text:
+                planned.append(text)
+
+    logger = logging.getLogger("tridens")
+    logger.addHandler(Units(logging.INFO))
+    logger.setLevel(logging.INFO)
     with tempfile.TemporaryDirectory() as d:
         exp = td.Experiment(CNNSpace(), ev, strategy, max_trials=TRIALS, store=os.path.join(d, "asha.db"),
-                            name="asha", verbose=False, executor=executor, workers=2, seed=0)
+                            name="asha", verbose=False, executor=executor, workers=2, seed=0, optimize=optimize)
         t0 = time.perf_counter()
         exp.run()
         seconds = time.perf_counter() - t0
@@ -141,7 +157,7 @@ def one_tridens(executor: str) -> dict[str, Any]:
     epochs = sum(len(t.metrics.get("val_acc", [])) for t in trials)
     return {"trials": len(trials), "epochs": epochs, "seconds": seconds, "init_s": init_s,
             "train_seconds": sum(t.info.get("train_seconds", 0.0) for t in trials),
-            "best": max(t.metric for t in trials if t.metric is not None)}
+            "best": max(t.metric for t in trials if t.metric is not None), "units": planned}
 
 
 def _tune_trainable(config: dict[str, Any], ev: Any = None) -> None:
@@ -202,6 +218,8 @@ def one(name: str) -> dict[str, Any]:
         return one_tridens("inline")
     if name == "tridens-ray":
         return one_tridens("ray")
+    if name == "tridens-ray-separate":
+        return one_tridens("ray", optimize=False)
     if name == "tune":
         return one_tune()
     if name == "tune-reuse":

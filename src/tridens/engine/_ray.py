@@ -386,10 +386,10 @@ class RayExecutor(Executor):
     # -- units (declarative evaluators) --------------------------------------------------------
     def _units(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator) -> list[_UnitTrack]:
         """The group's unit tasks: the planner's fused units, one task each; separate trials one each."""
-        from ._execution import model_bytes
         from ._units import SeparateUnit
 
-        models = {job.trial.id: model_bytes(job.model) for job in jobs}  # before planning may tie or move them
+        # Pickled before planning may tie or move them; by value where defined in __main__ (a script).
+        models = {job.trial.id: ray.cloudpickle.dumps(job.model) for job in jobs}
         if not self.optimize or self.allocation is not None:
             return [_UnitTrack({job.trial.id: _Member(job, models[job.trial.id])}, optimize=False) for job in jobs]
         from ..xopt import _batching

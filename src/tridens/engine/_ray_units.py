@@ -339,7 +339,7 @@ def _run_ddp(worker: _Worker, job: Job, evaluator: StepwiseEvaluator, spec: Mapp
             state = worker.storage.load(worker.storage.child(directory, f"epoch-{epoch}.pt"))["trainer"]
     else:
         worker.storage.clear(directory)
-    payload = pickle.dumps((evaluator, job.model, job.trial.sample, job.trial.seed, job.max_steps, state))
+    payload = ray.cloudpickle.dumps((evaluator, job.model, job.trial.sample, job.trial.seed, job.max_steps, state))
     ctx = mp.get_context("spawn")
     port = free_port()
     procs, conns = [], []
