@@ -205,7 +205,7 @@ def test_lightning_classification_becomes_declarative(data) -> None:
     ev = Classification(criterion=torch.nn.CrossEntropyLoss, learning_rate=0.05, weight_decay=1e-4,
                         optimizer=torch.optim.SGD, train_dataloaders=DataLoader(train, batch_size=32, shuffle=True),
                         val_dataloaders=[DataLoader(val, batch_size=128)], max_epochs=3, accelerator="cpu",
-                        limit_train_batches=2, enable_progress_bar=False, num_classes=10)
+                        limit_train_batches=2, enable_progress_bar=False, num_classes=10, callbacks=[])
     cfg = ev.config()
     assert (cfg.epochs, cfg.batch_size, cfg.optimizer, cfg.lr, cfg.weight_decay) == (3, 32, "sgd", 0.05, 1e-4)
     assert cfg.momentum == 0.0  # NNI builds SGD(params, lr, weight_decay): no momentum

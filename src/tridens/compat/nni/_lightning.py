@@ -116,6 +116,8 @@ def _training(owner: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     for key, value in kwargs.items():
         if key in _IGNORED or key in _HANDLED:
             continue
+        if key in ("callbacks", "plugins") and not value:  # [] is the same as None
+            continue
         if key in _DEFAULTS:
             only_default(owner, key, value, _DEFAULTS[key],
                          "tridens' declarative evaluators train max_epochs epochs with the optimizer as given.")
