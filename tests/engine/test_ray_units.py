@@ -223,3 +223,56 @@ def test_dynamic_fluid_relaunches_a_trial_at_a_new_share_from_its_checkpoint(loc
     shares = [a["share"] for a in big.info["allocation"]]
     assert shares[0] == 1.0 and shares[-1] == 2.0 and big.info["allocation"][-1]["from_epoch"] >= 1
     assert big.info["ray"]["resources"] == {"CPU": 2.0} and big.info["ray"]["attempt"] == len(shares) - 1
+
+
+# -- a member's checkpoint, taken from a fused unit, resumes as a separate trainer -------------------
+def _cnn(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Dropout(0.2), nn.Linear(128, 10))
+
+
+def _frozen_prefix(seed):
+    """The same frozen backbone (identical weights) under a head of the trial's own."""
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU())
+    torch.manual_seed(seed)
+    return nn.Sequential(backbone.requires_grad_(False), nn.Flatten(), nn.Linear(16 * 64, 10))
+
+
+@pytest.mark.parametrize("kind, optimizer", [("batched", "sgd"), ("batched", "adam"), ("batched", "rmsprop"),
+                                             ("prefix", "adam")])
+def test_member_checkpoint_of_a_fused_unit_resumes_as_a_separate_trainer(digits_data, kind, optimizer):
+    from tridens.engine._execution import Job
+    from tridens.engine._ray_units import member_state
+    from tridens.trial import Trial
+    from tridens.xopt._batching import BatchedUnit
+    from tridens.xopt._cse import plan_cse
+
+    train, val = digits_data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=3, batch_size=128, optimizer=optimizer,
+                                      lr=td.choice("lr", [0.01, 0.003]), momentum=0.5, weight_decay=1e-4,
+                                      schedule="cosine")
+    build = _cnn if kind == "batched" else _frozen_prefix
+    samples = [{"lr": 0.01}, {"lr": 0.003}]
+
+    def jobs():
+        return [Job(Trial(id=i + 1, sample=s, seed=10 + i), build(10 + i)) for i, s in enumerate(samples)]
+
+    if kind == "batched":
+        unit = BatchedUnit(jobs(), ev)
+    else:
+        (unit,), _ = plan_cse(jobs(), ev)
+        assert "frozen prefix" in unit.describe()
+    unit.train_epoch()
+    states = {tid: member_state(unit, tid, ev) for tid in unit.jobs}
+    fused = [unit.train_epoch(), unit.train_epoch()]
+    for job in jobs():
+        tid = job.trial.id
+        trainer = ev.trainer(job.model, job.trial.sample, job.trial.seed)
+        trainer.load_state_dict(states[tid])
+        for epoch in range(2):
+            train_metrics = trainer.train_epoch()
+            metrics = {**trainer.validate(), **train_metrics}
+            for name, value in metrics.items():
+                assert fused[epoch][tid][name] == pytest.approx(value, rel=1e-4, abs=1e-4), (tid, epoch, name)

@@ -704,6 +704,9 @@ class RayExecutor(Executor):
 
     # -- trials of user loops ------------------------------------------------------------------
     def _run_trials(self, jobs: Sequence[Job], evaluator_ref: Any, storage: _Storage, hooks: GroupHooks) -> None:
+        if self.allocation is not None and jobs:
+            log.warning("allocation=%r places the trials of declarative evaluators only; this evaluator's "
+                        "trials run one per task with %s CPU(s)", self.allocation, self.cpus_per_trial)
         resources = self._resources()
         queue = [_Track(job) for job in jobs]
         running: dict[int, _Track] = {}   # trial id -> track

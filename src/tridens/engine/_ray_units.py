@@ -71,7 +71,8 @@ def _trainer_member_state(member: Any, job: Job, evaluator: StepwiseEvaluator) -
     inner = state["optimizer"]["state"]
     state["optimizer"] = {"state": {index[id(params[i])]: s for i, s in inner.items()},
                           "param_groups": _optimizer_groups(evaluator, job)}
-    state["model"] = member.weights(job.trial.id)
+    # (weights() may hand out the live tensors: a checkpoint must not change as training goes on)
+    state["model"] = {k: v.clone() for k, v in member.weights(job.trial.id).items()}
     return state
 
 
