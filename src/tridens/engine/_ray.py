@@ -564,9 +564,18 @@ class RayExecutor(Executor):
         spec = {"attempt": track.attempt, "root": storage.root, "cpus": track.resources.get("num_cpus", 1.0),
                 "optimize": track.optimize and not track.resume, "resume": track.resume, "members": members,
                 "max_unit_memory": bound, "world": track.world, "planned": track.planned, "batching": track.batching,
+                "cse": self._cse_settings(),
                 "limit": next(iter(track.members.values())).limit}
         track.started = track.last_message = math.inf
         track.ref = run_unit.options(**track.resources).remote(evaluator_ref, spec, self._hub)
+
+    @staticmethod
+    def _cse_settings() -> Any:
+        """The driver's CSE settings (where the module has them), for the worker's planning."""
+        from ..xopt import _cse
+
+        settings = getattr(_cse, "settings", None)
+        return dataclasses.replace(settings) if dataclasses.is_dataclass(settings) else None
 
     def _handle_unit(self, message: tuple[Any, ...], owner: Mapping[int, _UnitTrack], storage: _Storage,
                      hooks: GroupHooks, fluid: _Fluid | None) -> None:

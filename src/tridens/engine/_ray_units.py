@@ -117,6 +117,8 @@ def member_state(unit: Any, trial_id: int, evaluator: StepwiseEvaluator) -> dict
         member = unit.member
     elif isinstance(unit, SharedPipelineUnit):
         member = unit._by_trial.get(trial_id)
+        # members stepped together (a joint step) keep each trial's TrainerMember
+        member = getattr(member, "_by", {}).get(trial_id, member)
     if isinstance(member, TrainerMember):
         return _trainer_member_state(member, job, evaluator)
     if isinstance(member, BatchedMember):
@@ -219,15 +221,22 @@ def _plan(jobs: Sequence[Job], evaluator: StepwiseEvaluator, spec: Mapping[str, 
         return [SeparateUnit(jobs, evaluator)]
     from ..xopt import _batching
 
-    saved = dataclasses.replace(_batching.settings)
+    from ..xopt import _cse
+
+    # the driver's settings, for this task only (a worker serves many tasks)
+    given = {"batching": (_batching.settings, spec["batching"]),
+             "cse": (getattr(_cse, "settings", None), spec.get("cse"))}
+    saved = {name: dataclasses.replace(live) for name, (live, new) in given.items() if live is not None and new is not None}
     try:
-        if spec["batching"] is not None:  # (a worker serves many tasks: set for this one only)
-            for f in dataclasses.fields(_batching.settings):
-                setattr(_batching.settings, f.name, getattr(spec["batching"], f.name))
+        for name in saved:
+            live, new = given[name]
+            for f in dataclasses.fields(live):
+                setattr(live, f.name, getattr(new, f.name))
         units = plan(jobs, evaluator, True, max_unit_memory=spec["max_unit_memory"])
     finally:
-        for f in dataclasses.fields(saved):
-            setattr(_batching.settings, f.name, getattr(saved, f.name))
+        for name, old in saved.items():
+            for f in dataclasses.fields(old):
+                setattr(given[name][0], f.name, getattr(old, f.name))
     if len(units) != 1 or units[0].kind != spec["planned"]:
         log.warning("trials %s: the driver planned one %s unit, this worker planned %s (trained as planned here)",
                     [j.trial.id for j in jobs], spec["planned"], [u.describe() for u in units])
