@@ -10,8 +10,10 @@ RegularizedEvolution (``sample_size = population``, so every child's parent is t
 one super-graph of all children). Since the history and the strategy's seed are the same, every
 variant trains the same children of the same parent; only how they start and train differs:
 
-* ``supergraph``   inherit_weights=True, optimize=True: children merged in one SuperGraphUnit
-  (inherited tensors stored once, trained jointly, one data pipeline);
+* ``supergraph``   inherit_weights=True, optimize=True: children of distinct architectures merged
+  in one SuperGraphUnit (inherited tensors stored once; the nodes they compute alike -- the
+  shared prefix -- computed once per batch; one backward over the sum of their losses; one step
+  per shared tensor from their mean gradient; one data pipeline); learning-rate siblings apart;
 * ``ckpt-cse``     inherit_weights=True, optimize=True, super-graph planner off: each child from
   the parent's checkpoint, trained independently, on one shared data pipeline (CSE);
 * ``ckpt-separate`` inherit_weights=True, optimize=False: each child from the parent's checkpoint,
@@ -110,6 +112,9 @@ def one(args: argparse.Namespace) -> None:
         "mean_acc": statistics.mean(accs), "best_acc": max(accs),
         "fraction": statistics.mean(i.get("fraction", 0.0) for i in inh),
         "merged": sum("merged" in i for i in inh),
+        # nodes the merged unit computes per batch / nodes of its children's graphs
+        "node_share": (lambda m: m["nodes"][0] / m["nodes"][1] if m else 1.0)(
+            next((i["merged"] for i in inh if "merged" in i and "nodes" in i["merged"]), None)),
         "samples": [t.sample for t in children], "parents": [t.parent for t in children],
     })
 
@@ -171,10 +176,17 @@ def main() -> None:
                      median(r["train_s_per_child"] for r in runs), median(r["inherit_s_per_child"] for r in runs),
                      base / wall, base_cse / wall, median(r["mean_acc"] for r in runs),
                      median(r["best_acc"] for r in runs), median(r["fraction"] for r in runs),
-                     median(r["merged"] for r in runs)])
+                     median(r["merged"] for r in runs), median(r.get("node_share", 1.0) for r in runs)])
     print(table(["variant", "runs", "wall s/child", "CPU s/child", "train s/child", "inherit s/child",
                  "vs ckpt-separate", "vs ckpt-cse", "mean val_acc", "best val_acc", "inherited fraction",
-                 "merged children"], rows))
+                 "merged children", "nodes computed / children's nodes"], rows))
+    for variant in VARIANTS:  # per run, in the order run (seed-major): for paired ratios
+        print(variant, "cpu_per_child", [round(r["cpu_per_child"], 4) for r in results[variant]],
+              "mean_acc", [round(r["mean_acc"], 4) for r in results[variant]])
+    for other in ("ckpt-separate", "ckpt-cse", "scratch"):  # paired: same seed and round
+        ratios = [a["cpu_per_child"] / b["cpu_per_child"] for a, b in zip(results["supergraph"], results[other])]
+        print(f"CPU ratio supergraph / {other}: median {median(ratios):.3f} (min {min(ratios):.3f}, "
+              f"max {max(ratios):.3f}) over {len(ratios)} pairs")
 
 
 if __name__ == "__main__":

@@ -858,7 +858,7 @@ class SuperGraphUnit(SharedPipelineUnit):
         for job in ok:
             mine = [pk for pk, ids in self.shared.items() if job.trial.id in ids]
             job.trial.info.setdefault("inherit", {})["merged"] = {
-                "unit": [j.trial.id for j in jobs], "tensors": len(mine)}
+                "unit": [j.trial.id for j in jobs], "tensors": len(mine), "nodes": [member.nodes, member.child_nodes]}
         if memory is None and children:
             memory = supergraph_memory(children, ident, _batch_bytes(children[0].cfg, _example_batch(children[0].cfg)))
         if not reason:
