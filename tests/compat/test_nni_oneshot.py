@@ -96,6 +96,16 @@ def test_nni3_darts_script(runs) -> None:
         [record] = store.experiments()
     assert record.config["oneshot"]["strategy"] == "DARTS"
     assert record.config["oneshot"]["params"]["arch_lr"] == 3e-3  # arc_learning_rate
+    # `tridens export` works on the NNI script's result; td.load rebuilds the model from the script
+    target = db.parent / "best"
+    subprocess.run([sys.executable, "-m", "tridens.cli", "export", record.name, "--top", "1", "--to", str(target),
+                    "--db", str(db)], check=True, capture_output=True, timeout=300)
+    best = max((t for t in _trials(db) if _role(t) == "subnet"), key=lambda t: (t.metric, -t.id))
+    model = td.load(target).eval()
+    _, val = td.datasets.digits()
+    with torch.no_grad():
+        x, y = val.tensors
+        assert float((model(x).argmax(1) == y).float().mean()) == pytest.approx(best.metric, abs=1e-6)
 
 
 @pytest.mark.slow
