@@ -48,6 +48,7 @@ from tridens import nn as tnn  # noqa: E402
 from tridens.engine._execution import Job  # noqa: E402
 from tridens.engine._units import SeparateUnit  # noqa: E402
 from tridens.trial import Trial  # noqa: E402
+from tridens.xopt import _cse  # noqa: E402
 from tridens.xopt._cse import plan_cse  # noqa: E402
 
 from _common import print_machine  # noqa: E402
@@ -237,15 +238,25 @@ def run_separate(make_jobs, ev):
     return time.perf_counter() - t0, time.process_time() - c0, 0.0, metrics, None
 
 
-def run_cse(make_jobs, ev):
-    jobs = make_jobs()
-    t0, c0 = time.perf_counter(), time.process_time()
-    units, rest = plan_cse(jobs, ev)
-    planned = time.perf_counter() - t0
-    assert not rest, "every trial should share the pipeline"
-    describe = units[0].describe()
-    metrics = drive(units)
-    return time.perf_counter() - t0, time.process_time() - c0, planned, metrics, describe
+#: cse variants: (joint step, wide first layers) -- see tridens.xopt._cse.settings
+CSE_VARIANTS = {"cse": (False, "off"), "joint": (True, "off"), "wide": (True, "force"), "auto": (True, "auto")}
+
+
+def run_cse(make_jobs, ev, variant="cse"):
+    joint, wide = CSE_VARIANTS[variant]
+    saved = (_cse.settings.joint, _cse.settings.wide)
+    _cse.settings.joint, _cse.settings.wide = joint, wide
+    try:
+        jobs = make_jobs()
+        t0, c0 = time.perf_counter(), time.process_time()
+        units, rest = plan_cse(jobs, ev)
+        planned = time.perf_counter() - t0
+        assert not rest, "every trial should share the pipeline"
+        describe = units[0].describe()
+        metrics = drive(units)
+        return time.perf_counter() - t0, time.process_time() - c0, planned, metrics, describe
+    finally:
+        _cse.settings.joint, _cse.settings.wide = saved
 
 
 def max_diff(a, b) -> float:
@@ -256,44 +267,53 @@ def max_diff(a, b) -> float:
     return worst
 
 
-def compare(name: str, make_jobs, ev, reps: int, aug: CropFlip | None = None) -> dict[str, float]:
-    wall: dict[str, list[float]] = {"separate": [], "cse": []}
-    cpu: dict[str, list[float]] = {"separate": [], "cse": []}
-    plans: list[float] = []
+def compare(name: str, make_jobs, ev, reps: int, aug: CropFlip | None = None,
+            variants: tuple[str, ...] = ("cse",)) -> dict[str, float]:
+    """``separate`` and the cse ``variants`` interleaved, the order reversed every other repeat."""
+    names = ("separate", *variants)
+    wall: dict[str, list[float]] = {v: [] for v in names}
+    cpu: dict[str, list[float]] = {v: [] for v in names}
+    plans: dict[str, list[float]] = {v: [] for v in variants}
     calls: dict[str, int] = {}
     reference = None
-    describe = ""
-    diff = 0.0
+    describe: dict[str, str] = {}
+    diff = {v: 0.0 for v in variants}
     for rep in range(reps):
-        for variant in (("separate", "cse") if rep % 2 == 0 else ("cse", "separate")):
+        for variant in (names if rep % 2 == 0 else names[::-1]):
             if aug is not None:
                 aug.calls = 0
-            runner = run_separate if variant == "separate" else run_cse
-            seconds, cpu_seconds, planned, metrics, text = runner(make_jobs, ev)
+            if variant == "separate":
+                seconds, cpu_seconds, planned, metrics, text = run_separate(make_jobs, ev)
+            else:
+                seconds, cpu_seconds, planned, metrics, text = run_cse(make_jobs, ev, variant)
             wall[variant].append(seconds)
             cpu[variant].append(cpu_seconds)
             if aug is not None:
                 calls[variant] = aug.calls
-            if variant == "cse":
-                plans.append(planned)
-                describe = text
-            if reference is None:
-                reference = metrics
-            else:
-                diff = max(diff, max_diff(reference, metrics))
+            if variant != "separate":
+                plans[variant].append(planned)
+                describe[variant] = text
+            if variant == "separate":
+                if reference is None:
+                    reference = metrics
+            elif reference is not None:
+                diff[variant] = max(diff[variant], max_diff(reference, metrics))
             print(f"  rep {rep + 1} {variant:8s} wall {seconds:7.2f} s, cpu {cpu_seconds:7.2f} s"
-                  + (f" (planning {planned:.2f} s wall)" if variant == "cse" else ""), flush=True)
+                  + (f" (planning {planned:.2f} s wall)" if variant != "separate" else ""), flush=True)
     med = {k: {v: statistics.median(xs[v]) for v in xs} for k, xs in (("wall", wall), ("cpu", cpu))}
-    print(f"  unit: {describe}")
+    for v in variants:
+        print(f"  unit ({v}): {describe[v]}")
     if calls:
-        print(f"  augmentation calls per run: separate {calls['separate']}, cse {calls['cse']}")
-    print(f"  max |metric difference| separate vs cse over all epochs and trials: {diff:.3g}")
-    print(f"{name}: wall separate {med['wall']['separate']:.2f} s, cse {med['wall']['cse']:.2f} s -> "
-          f"{med['wall']['separate'] / med['wall']['cse']:.2f}x; process cpu separate {med['cpu']['separate']:.2f} s, "
-          f"cse {med['cpu']['cse']:.2f} s -> {med['cpu']['separate'] / med['cpu']['cse']:.2f}x "
-          f"[medians of {reps}; planning {statistics.median(plans):.2f} s]", flush=True)
-    return {"wall": med["wall"]["separate"] / med["wall"]["cse"], "cpu": med["cpu"]["separate"] / med["cpu"]["cse"],
-            "diff": diff}
+        print("  augmentation calls per run: " + ", ".join(f"{v} {c}" for v, c in calls.items()))
+    out: dict[str, float] = {}
+    for v in variants:
+        print(f"{name} [{v}]: wall separate {med['wall']['separate']:.2f} s, {v} {med['wall'][v]:.2f} s -> "
+              f"{med['wall']['separate'] / med['wall'][v]:.2f}x; process cpu separate {med['cpu']['separate']:.2f} s, "
+              f"{v} {med['cpu'][v]:.2f} s -> {med['cpu']['separate'] / med['cpu'][v]:.2f}x "
+              f"[medians of {reps}; planning {statistics.median(plans[v]):.2f} s; "
+              f"max |metric difference| vs separate {diff[v]:.3g}]", flush=True)
+        out[v] = med["cpu"]["separate"] / med["cpu"][v]
+    return out
 
 
 def main() -> None:
@@ -305,7 +325,15 @@ def main() -> None:
     parser.add_argument("--val-limit", type=int, default=1000)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--variants", default="cse,joint,wide,auto",
+                        help="cse variants beside separate (comma-separated): cse (members step one at a time), "
+                             "joint (one backward over the members' losses), wide (joint + first layers as one op), "
+                             "auto (the planner's measured choice)")
     args = parser.parse_args()
+    variants = tuple(v for v in args.variants.split(",") if v)
+    unknown = [v for v in variants if v not in CSE_VARIANTS]
+    if unknown:
+        parser.error(f"unknown --variants {unknown}; choose from {sorted(CSE_VARIANTS)}")
     torch.set_num_threads(args.threads)
     print_machine()
     train, val, what = load(args.limit, args.val_limit)
@@ -319,20 +347,21 @@ def main() -> None:
         for _ in range(20):
             aug(x)
         print(f"pipeline: random crop + flip takes {(time.perf_counter() - t0) / 20 * 1e3:.2f} ms per batch")
-        compare("pipeline, 8 MLPs (shared loader + augmentation)", space_jobs(MLPs, MLP_SAMPLES, 100), ev, args.reps, aug)
+        compare("pipeline, 8 MLPs (shared loader + augmentation)", space_jobs(MLPs, MLP_SAMPLES, 100), ev, args.reps, aug,
+                variants)
         compare("pipeline, 8 small CNNs (shared loader + augmentation)", space_jobs(SmallCNNs, CNN_SAMPLES, 100), ev,
-                args.reps, aug)
+                args.reps, aug, variants)
         ev = td.evaluators.Classification(train=Images(train), val=Images(val), epochs=args.epochs,
                                           batch_size=args.batch_size, optimizer="adam", lr=3e-3, transforms=aug)
         compare("pipeline, 8 small CNNs, map-style dataset through a DataLoader", space_jobs(SmallCNNs, CNN_SAMPLES, 100),
-                ev, args.reps, aug)
+                ev, args.reps, aug, variants)
     if args.scenario in ("all", "prefix"):
         backbone, acc, seconds = pretrain(train, val, args.batch_size)
         FineTune.backbone_weights = backbone
         print(f"prefix: backbone pretrained 1 epoch in {seconds:.1f} s (val_acc {acc:.3f}), frozen; 16 heads")
         ev = td.evaluators.Classification(train=train, val=val, epochs=args.epochs, batch_size=args.batch_size,
                                           optimizer=td.choice("opt", ["adam", "sgd"]), lr=3e-3)
-        compare("prefix (16 heads on a frozen backbone)", prefix_jobs, ev, args.reps)
+        compare("prefix (16 heads on a frozen backbone)", prefix_jobs, ev, args.reps, variants=("cse",))
 
 
 if __name__ == "__main__":

@@ -447,3 +447,167 @@ def test_regression_metrics_equal_separate(data):
     fused = drive(units)
     assert list(fused[0][1][0]) == ["val_mse", "val_mae", "val_loss", "train_loss"]
     assert_same(separate[0], fused[0])
+
+
+# -- the joint step and first layers run as one wide op ---------------------------------------------
+class FlatMLP(nn.Module):
+    """An MLP flattening with ``torch.flatten``/``x.flatten`` (not ``nn.Flatten``), the ReLU after
+    its first layer in place (on its slice of the wide op's output)."""
+
+    def __init__(self, hidden, method=False):
+        super().__init__()
+        self.method = method
+        self.fc1 = nn.Linear(64, hidden)
+        self.act = nn.ReLU(inplace=True)
+        self.drop = nn.Dropout(0.25)
+        self.fc2 = nn.Linear(hidden, 10)
+
+    def forward(self, x):
+        x = x.flatten(1) if self.method else torch.flatten(x, 1)
+        return self.fc2(self.drop(self.act(self.fc1(x))))
+
+
+def wide_cnn(width, k=3, bn=True):
+    """A CNN whose convolution has no bias (see the last test), BatchNorm after it or not."""
+    norm = [nn.BatchNorm2d(width)] if bn else []
+    return nn.Sequential(nn.Conv2d(1, width, k, padding=k // 2, bias=False), *norm, nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Dropout(0.2), nn.Flatten(), nn.Linear(width * 16, 10))
+
+
+WIDE_ARCHS = [lambda: mlp(32), lambda: wide_cnn(8, bn=False), lambda: mlp(20), lambda: wide_cnn(12, bn=False),
+              lambda: FlatMLP(24), lambda: FlatMLP(16, method=True), lambda: wide_cnn(6, k=5), lambda: wide_cnn(4, k=5)]
+
+
+@pytest.fixture
+def wide(monkeypatch):
+    monkeypatch.setattr(_cse.settings, "wide", "force")
+    monkeypatch.setattr(_cse.settings, "joint", True)
+
+
+def joint_member(unit):
+    [member] = [m for m in unit.members if isinstance(m, _cse.JointMember)]
+    return member
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_joint_step_with_wide_first_layers_equals_separate(data, wide, optimizer):
+    train, val = data
+    aug = Counter()
+    ev = td.evaluators.Classification(train=train, val=val, epochs=2, batch_size=64, transforms=aug,
+                                      optimizer=optimizer, lr=td.choice("lr", [0.05, 0.01]),
+                                      schedule="cosine", weight_decay=1e-4)
+    samples = [{"lr": 0.05 if optimizer == "sgd" else 0.01}] * 4 + [{"lr": 0.01}] * 4
+    separate = drive([SeparateUnit(jobs_for(WIDE_ARCHS, samples), ev)])
+    aug.calls = 0
+    units, rest = plan_cse(jobs_for(WIDE_ARCHS, samples), ev)
+    assert rest == [] and len(units) == 1
+    member = joint_member(units[0])
+    # Linear(64, .) after three kinds of flatten; Conv2d 3x3 with bias apart from 5x5 (BatchNorm after)
+    assert sorted(sorted(g.layers) for g in member.wide) == [[1, 3, 5, 6], [2, 4], [7, 8]]
+    line = units[0].describe()
+    assert "joint step (one backward) for trials [1, 2, 3, 4, 5, 6, 7, 8]" in line
+    assert "trials [1, 3, 5, 6] share their first layer as one Linear(64 -> 92)" in line
+    assert "trials [2, 4] share their first layer as one Conv2d(1 -> 20, kernel (3, 3)" in line
+    assert "trials [7, 8] share their first layer as one Conv2d(1 -> 10, kernel (5, 5)" in line
+    fused = drive(units)
+    assert_same(separate[0], fused[0])
+    assert_same_weights(separate[1], fused[1])
+    assert aug.calls == 2 * -(-len(train) // 64)
+
+
+def test_joint_members_fail_and_stop_alone(data, wide):
+    train, val = data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=3, batch_size=128, optimizer="sgd",
+                                      lr=td.choice("lr", [1e38, 0.05, 0.01]))
+    makers = [lambda: mlp(32), lambda: mlp(20), lambda: FlatMLP(24), lambda: wide_cnn(8), lambda: wide_cnn(12)]
+    samples = [{"lr": 0.05}, {"lr": 1e38}, {"lr": 0.01}, {"lr": 0.05}, {"lr": 1e38}]
+    stop = {3: 0, 4: 1}  # the strategy stops trial 3 after its first epoch, trial 4 after its second
+    separate = drive([SeparateUnit(jobs_for(makers, samples), ev)], stop)
+    units, _ = plan_cse(jobs_for(makers, samples), ev)
+    member = joint_member(units[0])
+    assert sorted(sorted(g.layers) for g in member.wide) == [[1, 2, 3], [4, 5]]
+    fused = drive(units, stop)
+    assert set(fused[2]) == set(separate[2]) == {2, 5}
+    for t in (2, 5):  # the same error at the same epoch and batch as separately
+        a, b = fused[2][t], separate[2][t]
+        assert type(a) is type(b) is td.evaluators.NonFiniteLoss
+        assert (a.epoch, a.batch, a.step) == (b.epoch, b.batch, b.step)
+        assert str(a) == str(b)
+    assert_same(separate[0], fused[0])
+    assert_same_weights(separate[1], fused[1])
+    assert len(fused[0][3]) == 1 and len(fused[0][4]) == 2 and len(fused[0][1]) == 3
+    assert member.trial_ids() == [] and member.wide == []  # everyone left; lone members ran their own layer
+
+
+def test_joint_step_with_a_member_that_modifies_its_input(data, wide):
+    train, val = data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=128, optimizer="adam", lr=0.01)
+    makers = [lambda: mlp(16), InPlace, lambda: cnn(8), lambda: mlp(24)]
+    separate = drive([SeparateUnit(jobs_for(makers, [{}] * 4), ev)])
+    units, _ = plan_cse(jobs_for(makers, [{}] * 4), ev)
+    line = units[0].describe()
+    assert "joint step (one backward) for trials [1, 3, 4]" in line
+    assert "trials [2] (it modifies its input in place)" in line
+    fused = drive(units)
+    assert_same(separate[0], fused[0])
+    assert_same_weights(separate[1], fused[1])
+    # the joint member itself also guards the batch: an in-place member inside it gets copies
+    jobs = jobs_for(makers, [{}] * 4)
+    trainers = [_cse.TrainerMember(j, ev.trainer(j.model, {}, j.trial.seed)) for j in jobs]
+    unit = SharedPipelineUnit(jobs, ev, members=[_cse.JointMember(trainers)])
+    assert_same(separate[0], drive([unit])[0])
+
+
+def test_wide_layers_kept_only_where_measured_to_pay(data, monkeypatch, caplog):
+    train, val = data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=64, optimizer="adam", lr=0.01)
+    makers = [lambda: mlp(32), lambda: mlp(20), lambda: wide_cnn(8)]
+    monkeypatch.setattr(_cse.settings, "joint", True)
+    monkeypatch.setattr(_cse.settings, "wide", "auto")
+    monkeypatch.setattr(_cse.settings, "wide_min_speedup", float("inf"))
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
+    assert joint_member(units[0]).wide == []
+    assert "first layers of trials [1, 2] kept apart (Linear(64 -> 52) as one op measured" in units[0].describe()
+    monkeypatch.setattr(_cse.settings, "wide_min_speedup", 0.0)
+    units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
+    assert [sorted(g.layers) for g in joint_member(units[0]).wide] == [[1, 2]]
+    assert "trials [1, 2] share their first layer as one Linear(64 -> 52) (measured" in units[0].describe()
+    # off: the joint step alone; no joint step: members one at a time
+    monkeypatch.setattr(_cse.settings, "wide", "off")
+    units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
+    assert joint_member(units[0]).wide == [] and "first layer" not in units[0].describe()
+    monkeypatch.setattr(_cse.settings, "joint", False)
+    units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
+    assert not any(isinstance(m, _cse.JointMember) for m in units[0].members)
+
+
+def test_joint_step_respects_the_memory_bound(data, wide):
+    train, val = data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=64, optimizer="adam", lr=0.01)
+    makers = [lambda: mlp(32), lambda: mlp(20), lambda: wide_cnn(8)]
+    [unit], _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
+    joint_memory = unit.memory
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_cse.settings, "joint", False)
+        [apart], _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
+    assert apart.memory < joint_memory  # members one at a time hold one member's activations
+    [unit], _ = plan_cse(jobs_for(makers, [{}] * 3), ev, max_unit_memory=joint_memory - 1)
+    assert not any(isinstance(m, _cse.JointMember) for m in unit.members)
+    assert "members step one at a time (a joint step would need" in unit.describe()
+
+
+def test_a_convolution_with_a_bias_keeps_its_own_op(data, wide):
+    """oneDNN reduces a convolution's bias gradient inside its backward, rounding differently over
+    a wide op's output than over one member's; before BatchNorm that gradient is rounding noise,
+    which Adam scales to lr-sized steps (one validation example flipped in two epochs when it was
+    fused). So such layers are not fused, and training stays bit-identical."""
+    train, val = data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=2, batch_size=64, optimizer="adam", lr=0.01)
+    makers = [lambda: cnn(8), lambda: cnn(12)]   # Conv2d(bias=True) -> BatchNorm2d
+    separate = drive([SeparateUnit(jobs_for(makers, [{}] * 2), ev)])
+    units, _ = plan_cse(jobs_for(makers, [{}] * 2), ev)
+    assert joint_member(units[0]).wide == [] and "first layer" not in units[0].describe()
+    fused = drive(units)
+    assert_same(separate[0], fused[0])
+    assert_same_weights(separate[1], fused[1])

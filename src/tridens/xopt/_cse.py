@@ -51,6 +51,8 @@ import copy
 import hashlib
 import logging
 import math
+import os
+import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -65,13 +67,14 @@ from ..engine._execution import Job
 from ..engine._planner import default_max_unit_memory, resolve_max_unit_memory
 from ..engine._units import ExecutionUnit, UnitResult
 from ..evaluators._base import StepwiseEvaluator
+from ..evaluators._errors import NonFiniteLoss
 from ..evaluators._supervised import SupervisedTrainer, TrainConfig, ValidationSums, _Source, _Supervised
 from ..graph import Graph, trace
 from ..graph import _meta
 
 __all__ = [
-    "MIN_PREFIX_SHARE", "BATCH",
-    "PipelineMember", "TrainerMember", "SharedPrefix", "SharedPipelineUnit",
+    "MIN_PREFIX_SHARE", "BATCH", "CSESettings", "settings",
+    "PipelineMember", "TrainerMember", "JointMember", "SharedPrefix", "SharedPipelineUnit",
     "plan_cse", "default_max_unit_memory", "unit_memory",
 ]
 
@@ -251,6 +254,253 @@ class TrainerMember(PipelineMember):
 
     def leave(self, trial_id: int) -> None:
         self._left = True
+
+
+# ------------------------------------------------------------------------------------------------
+# several trainers stepped together: one backward, first layers as one wide op
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class CSESettings:
+    """Knobs of the joint step (module-level :data:`settings`; ``TRIDENS_CSE_JOINT=0`` and
+    ``TRIDENS_CSE_WIDE=auto|force|off`` set them at import).
+
+    ``joint``: step the whole-model members of a unit together (:class:`JointMember`: their
+    forwards, then ONE backward over their losses, then each optimizer's step) where the memory
+    bound allows holding all their activations at once. ``wide``: run compatible first layers as
+    one op: ``"auto"`` times the wide layer against the members' own layers on the real batch
+    (forward and backward, interleaved, CPU time; cached per layer shapes, batch shape, device and
+    threads) and keeps it only at ``wide_min_speedup`` or more; ``"force"`` always (tests);
+    ``"off"``.
+    """
+
+    joint: bool = True
+    wide: str = "auto"
+    wide_min_speedup: float = 1.1
+    measure_rounds: int = 5
+
+
+settings = CSESettings(joint=os.environ.get("TRIDENS_CSE_JOINT", "1") != "0",
+                       wide=os.environ.get("TRIDENS_CSE_WIDE", "auto"))
+
+
+class _WideLayer:
+    """First layers of several members that read the same batch (``flatten``: flattened from dim 1),
+    run as ONE ``linear``/``conv2d`` on their concatenated weights. The concatenation is
+    ``torch.cat`` of the members' own parameters inside autograd, so the backward of the one op
+    hands every member exactly the gradient of its own rows; each member's output slice is copied
+    into a tensor of its own (the layout its own layer gives, and an own version counter, so a
+    member's in-place op on it cannot touch the others' saved tensors)."""
+
+    def __init__(self, kind: str, flatten: bool, layers: Mapping[int, nn.Module]):
+        self.kind = kind
+        self.flatten = flatten
+        self.layers = dict(layers)   # trial id -> its first layer (the model's own module)
+
+    def describe(self, ids: Sequence[int] | None = None) -> str:
+        mods = [self.layers[t] for t in (self.layers if ids is None else ids)]
+        width = sum(int(m.weight.shape[0]) for m in mods)
+        m0 = mods[0]
+        if self.kind == "linear":
+            return f"Linear({m0.in_features} -> {width})"
+        return (f"Conv2d({m0.in_channels} -> {width}, kernel {tuple(m0.kernel_size)}, stride {tuple(m0.stride)}, "
+                f"padding {m0.padding if isinstance(m0.padding, str) else tuple(m0.padding)})")
+
+    def __call__(self, x: torch.Tensor, ids: Sequence[int]) -> dict[int, torch.Tensor]:
+        mods = [self.layers[t] for t in ids]
+        inp = x.flatten(1) if self.flatten else x
+        weight = torch.cat([m.weight for m in mods])
+        # the biases enter the op (its rounding is the members' own) but not its backward: each
+        # member's bias gradient is reduced from its own slice, as its own layer's backward does
+        # (a wide reduction rounds differently, and a bias before BatchNorm has a gradient that is
+        # rounding noise only, which Adam scales up to lr-sized steps)
+        bias = torch.cat([m.bias for m in mods]).detach() if mods[0].bias is not None else None
+        if self.kind == "linear":
+            out, dim = F.linear(inp, weight, bias), -1
+        else:
+            m0 = mods[0]
+            out, dim = F.conv2d(inp, weight, bias, m0.stride, m0.padding, m0.dilation, 1), 1
+        parts = out.split([int(m.weight.shape[0]) for m in mods], dim)
+        given: dict[int, torch.Tensor] = {}
+        for t, m, part in zip(ids, mods, parts):
+            part = part.clone(memory_format=torch.contiguous_format)
+            if m.bias is not None and m.bias.requires_grad and torch.is_grad_enabled():
+                shape = (-1,) if self.kind == "linear" else (-1, 1, 1)
+                part = part + (m.bias - m.bias.detach()).view(shape)  # adds exact zeros
+            given[t] = part
+        return given
+
+
+class JointMember(PipelineMember):
+    """Several trials' trainers stepped together on the shared batch.
+
+    Per batch: every member's lr and ``zero_grad`` as its trainer sets them; the wide first layers
+    (:class:`_WideLayer`, members listed in ``after_first``: trial id -> the model after its first
+    layer); every member's forward and loss in its own random stream; ONE
+    ``torch.autograd.backward`` over the finite losses (the members' parameters are disjoint, so
+    each receives exactly its own gradient); then each member's own optimizer step. A member whose
+    loss is NaN/inf fails alone with the :class:`NonFiniteLoss` its separate trainer raises (same
+    epoch, batch, step) and is left out of the backward and the step. Validation batches run the
+    wide layers too (no grad). The bookkeeping per trial is its :class:`TrainerMember`'s.
+
+    A member that modified the shared batch in place would corrupt what the members before it
+    saved for the backward, so only the ``trusted`` trials (checked by the planner on real data not
+    to do so) read the shared batch itself; the others get their own copy of it. A trusted member
+    found modifying it anyway gets copies from then on, and the members after it a pristine copy.
+
+    >>> member = JointMember([TrainerMember(job, evaluator.trainer(job.model, {}, 0))  # doctest: +SKIP
+    ...                       for job in jobs])
+    >>> unit = SharedPipelineUnit(jobs, evaluator, members=[member])                   # doctest: +SKIP
+    """
+
+    def __init__(self, members: Sequence[TrainerMember], *, wide: Sequence[_WideLayer] = (),
+                 after_first: Mapping[int, nn.Module] | None = None, trusted: Iterable[int] = ()):
+        self.members = list(members)
+        self.trusted = set(trusted)
+        self.inputs = (BATCH,)
+        self.wide = list(wide)
+        self.after_first = dict(after_first or {})
+        self._by = {m.trial_id: m for m in self.members}
+        self._copies: set[int] = set()   # trials that modify their input in place: own copies
+
+    # -- per trial: the TrainerMember's ------------------------------------------------------
+    def trial_ids(self) -> list[int]:
+        return [t for m in self.members for t in m.trial_ids()]
+
+    def limit(self, trial_id: int) -> int:
+        return self._by[trial_id].limit(trial_id)
+
+    def epoch(self, trial_id: int) -> int:
+        return self._by[trial_id].epoch(trial_id)
+
+    def weights(self, trial_id: int) -> dict[str, Any] | None:
+        return self._by[trial_id].weights(trial_id)
+
+    def leave(self, trial_id: int) -> None:
+        member = self._by.pop(trial_id, None)
+        if member is None:
+            return
+        member.leave(trial_id)
+        self.members.remove(member)
+        self.after_first.pop(trial_id, None)
+        for group in list(self.wide):
+            group.layers.pop(trial_id, None)
+            if len(group.layers) < 2:  # a lone member runs its own first layer again
+                for t in group.layers:
+                    self.after_first.pop(t, None)
+                self.wide.remove(group)
+
+    def begin_epoch(self) -> None:
+        for m in self.members:
+            m.begin_epoch()
+
+    def end_epoch(self) -> dict[int, dict[str, float] | BaseException]:
+        out: dict[int, dict[str, float] | BaseException] = {}
+        for m in self.members:
+            out.update(m.end_epoch())
+        return out
+
+    def begin_validation(self) -> None:
+        for m in self.members:
+            m.begin_validation()
+
+    def end_validation(self) -> dict[int, dict[str, float] | BaseException]:
+        out: dict[int, dict[str, float] | BaseException] = {}
+        for m in self.members:
+            out.update(m.end_validation())
+        return out
+
+    # -- the joint step ----------------------------------------------------------------------
+    def _first_layers(self, x: torch.Tensor, ids: set[int]) -> dict[int, torch.Tensor]:
+        given: dict[int, torch.Tensor] = {}
+        for group in self.wide:
+            members = [t for t in group.layers if t in ids and t in self.after_first]
+            if len(members) > 1:
+                given.update(group(x, members))
+        return given
+
+    def _run(self, members: Sequence[TrainerMember], x: torch.Tensor,
+             step: Callable[[TrainerMember, Any, bool], None]) -> None:
+        """``step(member, input, after_first)`` for each member: the output of its first layer when
+        that ran in a wide layer, else the batch. Every member reads the pristine batch: one found
+        modifying it in place keeps its modified tensor, the next ones read a copy taken before,
+        and that member gets its own copy from then on."""
+        given = self._first_layers(x, {m.trial_id for m in members})
+        direct = [m for m in members if m.trial_id not in given and m.trial_id in self.trusted]
+        pristine = x.clone() if len(direct) > 1 else None
+        current = x
+        for m in members:
+            if m.trial_id in given:
+                step(m, given[m.trial_id], True)
+                continue
+            own = m.trial_id in self._copies or m.trial_id not in self.trusted
+            inp = current.clone() if own else current
+            version = inp._version
+            step(m, inp, False)
+            if not own and inp._version != version:
+                self._copies.add(m.trial_id)
+                if pristine is not None:
+                    current = pristine.clone()
+
+    def train_batch(self, x: Any, y: torch.Tensor, batch: int) -> None:
+        active = [m for m in self.members if m._training and m._error is None and not m._left]
+        if not active:
+            return
+        lrs: dict[int, float] = {}
+        for m in active:
+            t = m.trainer
+            lrs[m.trial_id] = lr = t.config.lr_at(t.step)
+            for group in t.optimizer.param_groups:
+                group["lr"] = lr
+            t.optimizer.zero_grad(set_to_none=True)
+        roots: list[torch.Tensor] = []
+        stepped: list[tuple[TrainerMember, float]] = []
+
+        def forward(m: TrainerMember, inp: Any, after_first: bool) -> None:
+            t = m.trainer
+            model = self.after_first[m.trial_id] if after_first else t.model
+            try:
+                with t._random_stream():
+                    loss = t.config.loss(model(inp), y)
+                value = float(loss.item())
+                if not math.isfinite(value):
+                    raise NonFiniteLoss.at(t.owner, value, epoch=t.epoch, batch=batch, step=t.step, lr=lrs[m.trial_id])
+            except Exception as err:
+                m._error = err
+                return
+            roots.append(loss)
+            stepped.append((m, value))
+
+        self._run(active, x, forward)
+        if roots:
+            try:
+                torch.autograd.backward(roots)
+            except Exception as err:  # one graph for all: the step fails for every member in it
+                for m, _ in stepped:
+                    m._error = err
+                stepped = []
+        for m, value in stepped:
+            m.trainer.optimizer.step()
+            m.trainer.step += 1
+            m._total += value * len(y)
+            m._count += len(y)
+
+    @torch.no_grad()
+    def validate_batch(self, x: Any, y: torch.Tensor) -> None:
+        active = [m for m in self.members if m._val is not None and m._error is None]
+        if not active:
+            return
+
+        def forward(m: TrainerMember, inp: Any, after_first: bool) -> None:
+            t = m.trainer
+            model = self.after_first[m.trial_id] if after_first else t.model
+            try:
+                with t._random_stream():
+                    assert m._val is not None
+                    m._val.add(model(inp), y)
+            except Exception as err:
+                m._error = err
+
+        self._run(active, x, forward)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -907,6 +1157,250 @@ def _find_prefixes(analyses: list[_Analysis], notes: dict[int, str]) -> list[_Pr
 
 
 # ------------------------------------------------------------------------------------------------
+# planning: joint steps and wide first layers
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class _First:
+    """A member's first layer: the module that alone reads the (possibly flattened) batch."""
+
+    key: tuple[Any, ...]          # members with equal keys may share one wide op
+    kind: str                     # "linear" | "conv2d"
+    flatten: bool
+    layer: nn.Module
+    after: fx.GraphModule         # the model after the layer: its output -> the model's output
+
+
+def _is_flatten(n: fx.Node, graph: Graph, src: fx.Node) -> bool:
+    """``nn.Flatten()``, ``torch.flatten(x, 1)`` or ``x.flatten(1)`` of ``src`` (from dim 1 on)."""
+    if not n.args or n.args[0] is not src:
+        return False
+    if n.op == "call_module":
+        m = graph._get(str(n.target))
+        return type(m) is nn.Flatten and m.start_dim == 1 and m.end_dim == -1 and len(n.args) == 1 and not n.kwargs
+    if (n.op == "call_function" and n.target is torch.flatten) or (n.op == "call_method" and n.target == "flatten"):
+        dims = {"start_dim": 0, "end_dim": -1}
+        for name, value in zip(("start_dim", "end_dim"), n.args[1:]):
+            dims[name] = value
+        dims.update(n.kwargs)
+        return set(dims) == {"start_dim", "end_dim"} and dims["start_dim"] == 1 and dims["end_dim"] == -1
+    return False
+
+
+def _first_layer(a: _Analysis) -> _First | None:
+    """The member's first layer if it can run in a wide op: a plain ``nn.Linear`` or ``nn.Conv2d``
+    (groups 1, zero padding, no bias, as before BatchNorm) with no hooks, trainable, its weight used
+    nowhere else, that is the only reader of the batch (through at most one flatten), called once."""
+    graph, model = a.graph, a.job.model
+    if graph is None or model is None:
+        return None
+    nodes = list(graph.fx_graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    if len(placeholders) != 1:
+        return None
+    src, flatten = placeholders[0], False
+    while True:
+        users = list(src.users)
+        if len(users) != 1:
+            return None
+        n = users[0]
+        if not flatten and _is_flatten(n, graph, src):
+            src, flatten = n, True
+            continue
+        break
+    if n.op != "call_module" or n.args != (src,) or n.kwargs:
+        return None
+    layer = graph._get(str(n.target))
+    if type(layer) not in (nn.Linear, nn.Conv2d) or layer._forward_hooks or layer._forward_pre_hooks:
+        return None
+    if sum(1 for m in nodes if m.op == "call_module" and m.target == n.target) != 1:
+        return None
+    weight, bias = layer.weight, layer.bias
+    if not weight.requires_grad or (bias is not None and not bias.requires_grad):
+        return None
+    if sum(1 for _, p in model.named_parameters(remove_duplicate=False) if p is weight or p is bias) != 1 + (bias is not None):
+        return None  # a weight tied to another module
+    common = (bias is not None, weight.dtype, str(weight.device), flatten)
+    if isinstance(layer, nn.Linear):
+        key: tuple[Any, ...] = ("linear", layer.in_features, *common)
+    else:
+        # a convolution's bias gradient is reduced inside oneDNN's backward, which rounds
+        # differently over the wide op's output than over one member's; before BatchNorm that
+        # gradient is rounding noise only, which Adam scales to lr-sized steps (val_acc moved by
+        # one example in two epochs here): such layers keep their own op
+        if layer.groups != 1 or layer.padding_mode != "zeros" or bias is not None:
+            return None
+        key = ("conv2d", layer.in_channels, tuple(layer.kernel_size), tuple(layer.stride),
+               layer.padding if isinstance(layer.padding, str) else tuple(layer.padding), tuple(layer.dilation), *common)
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {n: g.placeholder("first_layer")}
+    skip = {placeholders[0], src, n}
+    for m in nodes:
+        if m not in skip:
+            env[m] = g.node_copy(m, lambda s: env[s])
+    after = fx.GraphModule(graph.root, g, class_name="AfterFirstLayer")
+    return _First(key, key[0], flatten, layer, after)
+
+
+def _check_member(a: _Analysis, first: _First | None) -> tuple[str, _First | None]:
+    """Run the member's model on the example batch in training and in evaluation mode (its own
+    random stream seeded alike): ``why`` it cannot join a joint step ('' if it can: it does not
+    modify its input in place), and ``first`` if ``after(layer(batch))`` reproduces the model.
+    Buffers, flags and the global random state are restored."""
+    model = a.job.model
+    assert model is not None
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            for mode in (True, False):
+                model.train(mode)
+                x = a.example.clone()
+                version = x._version
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(0)
+                    expected = model(x)
+                if x._version != version:
+                    return "it modifies its input in place", None
+                if first is None:
+                    continue
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(0)
+                    inp = a.example.clone()
+                    got = first.after(first.layer(inp.flatten(1) if first.flatten else inp))
+                if not _same(expected, got):
+                    first = None
+    except Exception as err:
+        return f"its forward failed ({type(err).__name__})", None
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+        for m, flag in flags:
+            m.training = flag
+    return "", first
+
+
+# (layer key, widths, batch shape, threads, device type) -> measured speed-up of the wide op
+_WIDE_SPEEDUP: dict[tuple[Any, ...], float] = {}
+
+
+def _wide_speedup(firsts: Sequence[_First], x: torch.Tensor) -> float:
+    """The wide op's speed-up over the members' own layers, forward and backward on the real batch
+    (copies of the layers, the same upstream gradients), interleaved, CPU time on a CPU; cached."""
+    f0 = firsts[0]
+    widths = tuple(int(f.layer.weight.shape[0]) for f in firsts)
+    cache_key = (f0.key, widths, tuple(x.shape), torch.get_num_threads(), x.device.type)
+    if cache_key in _WIDE_SPEEDUP:
+        return _WIDE_SPEEDUP[cache_key]
+    layers = {i: copy.deepcopy(f.layer) for i, f in enumerate(firsts)}
+    wide = _WideLayer(f0.kind, f0.flatten, layers)
+    inp = x.flatten(1) if f0.flatten else x
+    with torch.no_grad():
+        grads = {i: torch.ones_like(m(inp)) for i, m in layers.items()}
+    ids = list(layers)
+
+    def fused() -> None:
+        outs = wide(x, ids)
+        torch.autograd.backward([outs[i] for i in ids], [grads[i] for i in ids])
+
+    def own() -> None:
+        for i in ids:
+            layers[i](inp).backward(grads[i])
+
+    clock = time.process_time if x.device.type == "cpu" else time.perf_counter
+    times: dict[str, list[float]] = {"fused": [], "own": []}
+    for round_ in range(settings.measure_rounds + 1):
+        for name, run in (("fused", fused), ("own", own)) if round_ % 2 else (("own", own), ("fused", fused)):
+            if x.device.type == "cuda":
+                torch.cuda.synchronize(x.device)
+            t0 = clock()
+            run()
+            if x.device.type == "cuda":
+                torch.cuda.synchronize(x.device)
+            if round_:  # the first round warms up both
+                times[name].append(clock() - t0)
+    ratio = statistics.median(times["own"]) / max(statistics.median(times["fused"]), 1e-9)
+    _WIDE_SPEEDUP[cache_key] = ratio
+    return ratio
+
+
+def _joint_member(members: list[PipelineMember], chunk: list[tuple[_Analysis, int, int]], estimate: int,
+                  limit: int, cfg0: TrainConfig) -> tuple[list[PipelineMember], str, int]:
+    """Replace the unit's whole-model trainer members by one :class:`JointMember` (with wide first
+    layers where they pay), if the memory bound allows; returns the members, the log text and the
+    unit's memory estimate."""
+    if not settings.joint:
+        return members, "", estimate
+    by_id = {a.job.trial.id: (a, t) for a, _, t in chunk}
+    whole = [m for m in members if type(m) is TrainerMember and m.inputs == (BATCH,) and not m.prefix_buffers
+             and m.trainer.model is m.job.model and m.trial_id in by_id]
+    if len(whole) < 2:
+        return members, "", estimate
+    joint: list[TrainerMember] = []
+    firsts: dict[int, _First] = {}
+    apart: dict[str, list[int]] = {}
+    for m in whole:
+        a = by_id[m.trial_id][0]
+        why, first = _check_member(a, _first_layer(a) if settings.wide != "off" else None)
+        if why:
+            apart.setdefault(why, []).append(m.trial_id)
+            continue
+        joint.append(m)
+        if first is not None:
+            firsts[m.trial_id] = first
+    if len(joint) < 2:
+        return members, "", estimate
+    # memory: the joint step holds every joint member's activations at once
+    transients = {a.job.trial.id: t for a, _, t in chunk}
+    ids = {m.trial_id for m in joint}
+    rest = [t for i, t in transients.items() if i not in ids]
+    need = estimate - max(transients.values(), default=0) + sum(transients[i] for i in ids) + max(rest, default=0)
+    if need > limit:
+        return members, (f"members step one at a time (a joint step would need {_mib(need)}, "
+                         f"over max_unit_memory {_mib(limit)})"), estimate
+    # wide first layers: members with the same first-layer key, where the one op pays
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for trial_id, first in firsts.items():
+        groups.setdefault(first.key, []).append(trial_id)
+    wide: list[_WideLayer] = []
+    after_first: dict[int, nn.Module] = {}
+    notes: list[str] = []
+    x = by_id[joint[0].trial_id][0].example
+    for key, trial_ids in groups.items():
+        if len(trial_ids) < 2:
+            continue
+        group = _WideLayer(key[0], firsts[trial_ids[0]].flatten, {t: firsts[t].layer for t in trial_ids})
+        ids_text = ", ".join(str(t) for t in trial_ids)
+        if settings.wide == "auto":
+            batch = x[:1].expand(cfg0.batch_size, *x.shape[1:]).contiguous().to(cfg0.device)
+            speedup = _wide_speedup([firsts[t] for t in trial_ids], batch)
+            if speedup < settings.wide_min_speedup:
+                notes.append(f"first layers of trials [{ids_text}] kept apart ({group.describe()} as one op "
+                             f"measured {speedup:.2f}x)")
+                continue
+            notes.append(f"trials [{ids_text}] share their first layer as one {group.describe()} "
+                         f"(measured {speedup:.2f}x)")
+        else:
+            notes.append(f"trials [{ids_text}] share their first layer as one {group.describe()}")
+        wide.append(group)
+        after_first.update({t: firsts[t].after for t in trial_ids})
+    member = JointMember(joint, wide=wide, after_first=after_first, trusted=ids)
+    out: list[PipelineMember] = []
+    for m in members:
+        if m in joint:
+            if member not in out:
+                out.append(member)
+        else:
+            out.append(m)
+    text = f"joint step (one backward) for trials [{', '.join(str(m.trial_id) for m in joint)}]"
+    if apart:
+        text += "; alone: " + "; ".join(f"trials [{', '.join(map(str, t))}] ({why})" for why, t in apart.items())
+    if notes:
+        text += "; " + "; ".join(notes)
+    return out, text, need
+
+
+# ------------------------------------------------------------------------------------------------
 # planning: memory
 # ------------------------------------------------------------------------------------------------
 def _optimizer_states(cfg: TrainConfig) -> int:
@@ -1087,6 +1581,7 @@ def _make_unit(chunk: list[tuple[_Analysis, int, int]], evaluator: StepwiseEvalu
             members.append(TrainerMember(job, trainer, inputs=split.inputs, prefix_buffers=buffers))
         except Exception as err:  # reported as the trial's failure at its first epoch
             errors[trial_id] = err
+    members, joint, estimate = _joint_member(members, chunk, estimate, limit, cfg0)
     unit = SharedPipelineUnit(jobs, evaluator, members=members, prefixes=list(prefixes.values()), memory=estimate)
     unit.errors.update(errors)
     # the log line: what is shared, what is not and why
@@ -1102,6 +1597,8 @@ def _make_unit(chunk: list[tuple[_Analysis, int, int]], evaluator: StepwiseEvalu
         for t in whole:
             reasons.setdefault(notes.get(t, "no shared prefix"), []).append(str(t))
         pieces.append("whole models: " + "; ".join(f"trials [{', '.join(ids)}] ({why})" for why, ids in reasons.items()))
+    if joint:
+        pieces.append(joint)
     memory = f"memory estimate {_mib(estimate)}, max_unit_memory {_mib(limit)}"
     if n_chunks > 1:
         memory += f" (the group is split into {n_chunks} units)"
