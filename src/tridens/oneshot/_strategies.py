@@ -203,9 +203,11 @@ class DARTS(OneShotStrategy):
     after it. Architecture gradients taken on barely trained weights mostly favour the ops that
     learn fastest (pooling, identity), so DARTS implementations warm the weights up first
     (PC-DARTS freezes ``alpha`` for 15 of its 50 epochs on CIFAR-10). It also makes the search
-    cheaper: a warm-up step is one forward/backward instead of two (the architecture step's
-    forward and backward to ``alpha`` cost about 40 % of a step), so ``warmup=0.5`` trains the
-    supernet in about 80 % of the CPU time. ``warmup=0`` is the paper's schedule.
+    cheaper: a warm-up step is one forward/backward instead of two, and the architecture step
+    costs about as much as the weight step (its backward to ``alpha`` goes through every layer
+    and, through the soft kernel masks, needs the masked convolutions' weight gradients too), so
+    ``warmup=0.5`` trains the supernet in about 75-80 % of the CPU time (measured on the
+    digits CNN of ``bench/oneshot.py``). ``warmup=0`` is the paper's schedule.
 
     >>> strategy = td.oneshot.DARTS(arch_lr=3e-4, retrain=True)   # doctest: +SKIP
     """
