@@ -238,14 +238,16 @@ def run_separate(make_jobs, ev):
     return time.perf_counter() - t0, time.process_time() - c0, 0.0, metrics, None
 
 
-#: cse variants: (joint step, wide first layers) -- see tridens.xopt._cse.settings
-CSE_VARIANTS = {"cse": (False, "off"), "joint": (True, "off"), "wide": (True, "force"), "auto": (True, "auto")}
+#: cse variants: (joint step, wide first layers, multi-model foreach optimizer step), see
+#: tridens.xopt._cse.settings; "auto" is the planner's default
+CSE_VARIANTS = {"cse": (False, "off", False), "joint": (True, "off", False), "foreach": (True, "off", True),
+                "wide": (True, "force", True), "auto": (True, "auto", True)}
 
 
 def run_cse(make_jobs, ev, variant="cse"):
-    joint, wide = CSE_VARIANTS[variant]
-    saved = (_cse.settings.joint, _cse.settings.wide)
-    _cse.settings.joint, _cse.settings.wide = joint, wide
+    joint, wide, foreach = CSE_VARIANTS[variant]
+    saved = (_cse.settings.joint, _cse.settings.wide, _cse.settings.foreach_step)
+    _cse.settings.joint, _cse.settings.wide, _cse.settings.foreach_step = joint, wide, foreach
     try:
         jobs = make_jobs()
         t0, c0 = time.perf_counter(), time.process_time()
@@ -256,7 +258,7 @@ def run_cse(make_jobs, ev, variant="cse"):
         metrics = drive(units)
         return time.perf_counter() - t0, time.process_time() - c0, planned, metrics, describe
     finally:
-        _cse.settings.joint, _cse.settings.wide = saved
+        _cse.settings.joint, _cse.settings.wide, _cse.settings.foreach_step = saved
 
 
 def max_diff(a, b) -> float:
@@ -325,10 +327,11 @@ def main() -> None:
     parser.add_argument("--val-limit", type=int, default=1000)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--variants", default="cse,joint,wide,auto",
+    parser.add_argument("--variants", default="cse,joint,foreach,wide,auto",
                         help="cse variants beside separate (comma-separated): cse (members step one at a time), "
-                             "joint (one backward over the members' losses), wide (joint + first layers as one op), "
-                             "auto (the planner's measured choice)")
+                             "joint (one backward over the members' losses), foreach (joint + one foreach "
+                             "optimizer step for all members), wide (foreach + first layers as one op, forced), "
+                             "auto (the planner's default: joint, foreach, wide where measured to pay)")
     args = parser.parse_args()
     variants = tuple(v for v in args.variants.split(",") if v)
     unknown = [v for v in variants if v not in CSE_VARIANTS]

@@ -277,6 +277,65 @@ class CSESettings:
     wide: str = "auto"
     wide_min_speedup: float = 1.1
     measure_rounds: int = 5
+    foreach_step: bool = True
+
+
+class _RoutedState(dict):
+    """The state of a multi-model optimizer: each parameter's entry lives in its own trainer's
+    optimizer (so that optimizer stays complete), found by the parameter."""
+
+    def __init__(self, owners: Mapping[int, torch.optim.Optimizer]):
+        super().__init__()
+        self.owners = owners   # id(parameter) -> the optimizer that owns it
+
+    def __getitem__(self, p: Any) -> Any:
+        return self.owners[id(p)].state[p]
+
+    def get(self, p: Any, default: Any = None) -> Any:
+        state = self.owners[id(p)].state
+        return state[p] if p in state else default
+
+    def __contains__(self, p: Any) -> bool:
+        return p in self.owners[id(p)].state
+
+
+class _MultiStep:
+    """One optimizer step for several trainers: members whose optimizers are of one class with equal
+    hyperparameters (the lr of this step included) are stepped by ONE call of torch's ``foreach``
+    implementation over all their parameters -- on CPU bit-identical to each optimizer's own
+    for-loop step (checked for SGD, Adam, AdamW, RMSprop) -- with the state kept in each member's
+    own optimizer. Members whose hyperparameters differ form separate calls."""
+
+    def __init__(self) -> None:
+        self._merged: dict[type, torch.optim.Optimizer] = {}
+        self._owners: dict[int, torch.optim.Optimizer] = {}
+
+    def step(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        groups: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        hyper: dict[tuple[Any, ...], dict[str, Any]] = {}
+        for opt in optimizers:
+            for group in opt.param_groups:
+                settings_ = {k: v for k, v in group.items() if k != "params"}
+                key = (type(opt), tuple(sorted(settings_.items())))
+                hyper[key] = settings_
+                params = groups.setdefault(key, [])
+                for p in group["params"]:
+                    self._owners[id(p)] = opt
+                    params.append(p)
+        for key, params in groups.items():
+            cls = key[0]
+            merged = self._merged.get(cls)
+            if merged is None:
+                # built once per class; its one param group is replaced at every step
+                merged = self._merged[cls] = cls(params, lr=hyper[key]["lr"], foreach=True)
+                merged.state = _RoutedState(self._owners)  # type: ignore[assignment]
+            merged.param_groups = [{**hyper[key], "foreach": True, "params": params}]
+            merged.step()
+
+    def forget(self, optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                self._owners.pop(id(p), None)
 
 
 settings = CSESettings(joint=os.environ.get("TRIDENS_CSE_JOINT", "1") != "0",
@@ -361,6 +420,7 @@ class JointMember(PipelineMember):
         self.after_first = dict(after_first or {})
         self._by = {m.trial_id: m for m in self.members}
         self._copies: set[int] = set()   # trials that modify their input in place: own copies
+        self._multi = _MultiStep()
 
     # -- per trial: the TrainerMember's ------------------------------------------------------
     def trial_ids(self) -> list[int]:
@@ -381,6 +441,7 @@ class JointMember(PipelineMember):
             return
         member.leave(trial_id)
         self.members.remove(member)
+        self._multi.forget(member.trainer.optimizer)
         self.after_first.pop(trial_id, None)
         for group in list(self.wide):
             group.layers.pop(trial_id, None)
@@ -478,8 +539,12 @@ class JointMember(PipelineMember):
                 for m, _ in stepped:
                     m._error = err
                 stepped = []
+        if settings.foreach_step and len(stepped) > 1:
+            self._multi.step([m.trainer.optimizer for m, _ in stepped])
+        else:
+            for m, _ in stepped:
+                m.trainer.optimizer.step()
         for m, value in stepped:
-            m.trainer.optimizer.step()
             m.trainer.step += 1
             m._total += value * len(y)
             m._count += len(y)
