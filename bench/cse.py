@@ -7,13 +7,17 @@ and augments every batch itself); *cse* = ``plan_cse`` + ``SharedPipelineUnit`` 
 and augmented once, fed to the 8 trainers). Three variants: 8 MLPs and 8 small CNNs on the
 images as a ``TensorDataset`` (a batch is one indexing op), and the CNNs on the same images as a
 map-style dataset converted per example and read through a ``DataLoader`` (torchvision style).
+Beside *separate*, the cse variants (``--variants``): *cse* (members step one at a time), *joint*
+(one backward over the members' losses), *foreach* (joint + one multi-model foreach optimizer
+step), *wide* (foreach + first layers as one wide op, forced) and *auto* (the planner's default:
+joint, foreach, and wide ops only where its measurement says they pay).
 
 ``prefix``: a CNN backbone trained here once on Fashion-MNIST, then frozen (BatchNorm included),
 and a fine-tuning space of 16 candidate heads (8 head kinds x 2 optimizers). *separate* trains each
 whole model (its forward through the frozen backbone included); *cse* computes the backbone once
 per batch and trains the 16 heads on its output.
 
-Each scenario runs the two variants interleaved (A B A B ...) on fresh copies of the same models
+Each scenario runs its variants interleaved (A B C, C B A, ...) on fresh copies of the same models
 (same seeds), ``--reps`` times, and reports medians and the ratio of wall time and of process CPU
 time (with one torch thread, CPU time is the work done, which the shared machine's contention
 disturbs much less than wall time); the planning time of *cse*

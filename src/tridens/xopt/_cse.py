@@ -43,6 +43,24 @@ same_shaped_jobs, evaluator), TrainerMember(...), ...])`` trains both on one pip
 planner builds such mixed units itself: after the batching and CSE planners, the pass
 :func:`merge_pipelines` puts batched units that read the same pipeline as other units (or as
 leftover trials) into one shared-pipeline unit, within ``max_unit_memory``.
+
+**The members' own steps, shared** (third session). Sharing the pipeline saves its work P once
+per member, so K members gain K(P + T) / (P + KT), bounded by the members' steps T. The planner
+therefore also puts the whole-model members of a unit into one :class:`JointMember`: per batch
+each member's forward and loss (in its own random stream), ONE ``torch.autograd.backward`` over
+the finite losses (the members' parameters are disjoint, so each gets exactly its own gradient),
+then one multi-model optimizer step (torch's ``foreach`` implementation over every member's
+parameters, grouped by optimizer class and hyperparameters, state kept in each member's own
+optimizer: bit-identical to the members' own steps on CPU). Members whose first layer is the
+only reader of the batch (through at most one flatten) and has a compatible shape (``nn.Linear``
+with the same ``in_features``; bias-free ``nn.Conv2d`` with the same ``in_channels``, kernel,
+stride, padding, dilation, groups 1) may run that layer as ONE wide op on ``torch.cat`` of their
+own weights (:class:`_WideLayer`), each member's model after its first layer split off with
+``torch.fx`` and checked on real data like a prefix split; the planner keeps a wide op only
+where it measured it faster than the members' own layers (:data:`settings`). A joint step holds
+every member's activations at once, so it is used only within ``max_unit_memory``. Members that
+modify their input in place step alone. Per-epoch metrics stay bit-identical to separate training
+(tested; see ``BENCHMARKS.md`` for what it gains).
 """
 
 from __future__ import annotations
