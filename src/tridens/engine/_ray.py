@@ -410,8 +410,9 @@ class RayExecutor(Executor):
         return tracks
 
     def _spread(self, units: list[Any], evaluator: StepwiseEvaluator) -> list[Any]:
-        """Fewer tasks than workers: the biggest fused unit is planned again as two halves (whole
-        batched groups kept together), until every worker has a task or nothing is left to split.
+        """Fewer tasks than workers: the biggest fused unit is planned again as two equal halves (at
+        most one of its batched or joint groups cut), until every worker has a task or nothing is
+        left to split.
         In-process one unit of the whole group costs nothing; on Ray it would leave workers idle.
         Super-graph units stay whole (their children are tied already)."""
         from ..xopt._supergraph import SuperGraphUnit
@@ -428,11 +429,10 @@ class RayExecutor(Executor):
             unit = max(splittable, key=lambda u: len(u.jobs))
             members = getattr(unit, "members", None) or [getattr(unit, "member", None)]
             groups = [m.trial_ids() for m in members if m is not None] or [list(unit.jobs)]
-            if len(groups) == 1:
-                groups = [groups[0][:len(groups[0]) // 2], groups[0][len(groups[0]) // 2:]]
-            halves: list[list[int]] = [[], []]
-            for group in sorted(groups, key=len, reverse=True):
-                min(halves, key=len).extend(group)
+            # Equal halves; the members' groups (a batched model, a joint step) in order of size, so
+            # that at most one group is cut in two.
+            order = [t for group in sorted(groups, key=len, reverse=True) for t in group]
+            halves = [order[:(len(order) + 1) // 2], order[(len(order) + 1) // 2:]]
             log.info("ray: the %s unit of trials %s is planned again as two units for the %d workers",
                      unit.kind, list(unit.jobs), self.workers)
             units.remove(unit)
