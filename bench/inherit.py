@@ -73,6 +73,34 @@ class BenchNet(tnn.ModelSpace):
         return self.head(nn.functional.max_pool2d(x, 2).flatten(1))
 
 
+class DeepNet(tnn.ModelSpace):
+    """``--space deep``: the choices at the END (a fixed trunk of three conv layers, then a 1x1 or
+    3x3 conv of width 16/32/48 and the head), so children of one parent share most of their
+    FLOPs -- the case a super-graph's shared prefix is for."""
+
+    def __init__(self):
+        super().__init__()
+        w = td.choice("width", [16, 32, 48])
+        self.stem = nn.Conv2d(1, 32, 3, padding=1)
+        self.block = nn.Conv2d(32, 32, 3, padding=1)
+        self.bn = nn.BatchNorm2d(32)
+        self.block2 = nn.Conv2d(32, 32, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(32)
+        self.last = tnn.LayerChoice([nn.Conv2d(32, w, 1), nn.Conv2d(32, w, 3, padding=1)], label="op")
+        self.head = nn.Linear(w * 16, 10)
+        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        x = torch.relu(self.bn(self.block(x)))
+        x = torch.relu(self.bn2(self.block2(x)))
+        x = torch.relu(self.last(x))
+        return self.head(nn.functional.max_pool2d(x, 2).flatten(1))
+
+
+SPACES = {"cnn": BenchNet, "deep": DeepNet}
+
+
 def _experiment(store: str, args: argparse.Namespace, variant: str, max_trials: int) -> td.Experiment:
     train, val = td.datasets.digits()
     ev = td.evaluators.Classification(train=train, val=val, epochs=args.epochs, batch_size=64,
@@ -80,7 +108,7 @@ def _experiment(store: str, args: argparse.Namespace, variant: str, max_trials: 
     strategy = td.strategy.RegularizedEvolution(population=args.population, sample_size=args.population,
                                                 batch_size=args.children, mutation_prob=0.25,
                                                 inherit_weights=variant != "scratch")
-    return td.Experiment(BenchNet(), ev, strategy, max_trials=max_trials, store=store, name=NAME,
+    return td.Experiment(SPACES[getattr(args, "space", "cnn")](), ev, strategy, max_trials=max_trials, store=store, name=NAME,
                          seed=args.seed, optimize=variant != "ckpt-separate", verbose=False)
 
 
@@ -136,6 +164,9 @@ def main() -> None:
     parser.add_argument("--population", type=int, default=4)
     parser.add_argument("--children", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--space", choices=sorted(SPACES), default="cnn",
+                        help="cnn: choices from the second layer on; deep: choices in the last conv only")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset, in this order")
     parser.add_argument("--one", choices=VARIANTS)
     parser.add_argument("--store")
     parser.add_argument("--seed", type=int, default=0)
@@ -146,7 +177,8 @@ def main() -> None:
         return
     print_machine()
     print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
-    results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    variants = [v for v in VARIANTS if v in args.variants.split(",")]
+    results: dict[str, list[dict]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
             store, last = prepare(args, seed, tmp)
@@ -159,17 +191,17 @@ def main() -> None:
                     shutil.copytree(store + ".files", copy + ".files")
                 common = ["--store", copy, "--seed", str(seed), "--last-init", str(last),
                           "--population", str(args.population), "--children", str(args.children),
-                          "--epochs", str(args.epochs)]
+                          "--epochs", str(args.epochs), "--space", args.space]
                 res = run_worker(os.path.abspath(__file__), ["--one", variant, *common], timeout=1800)
                 res.pop("samples"), res.pop("parents")
                 return res
 
-            for variant, runs in interleave(VARIANTS, args.rounds, run_one).items():
+            for variant, runs in interleave(variants, args.rounds, run_one).items():
                 results[variant].extend(runs)
     rows = []
-    base = median(r["wall_per_child"] for r in results["ckpt-separate"])
-    base_cse = median(r["wall_per_child"] for r in results["ckpt-cse"])
-    for variant in VARIANTS:
+    base = median(r["wall_per_child"] for r in results.get("ckpt-separate", []))
+    base_cse = median(r["wall_per_child"] for r in results.get("ckpt-cse", []))
+    for variant in variants:
         runs = results[variant]
         wall = median(r["wall_per_child"] for r in runs)
         rows.append([variant, len(runs), wall, median(r["cpu_per_child"] for r in runs),
@@ -180,10 +212,10 @@ def main() -> None:
     print(table(["variant", "runs", "wall s/child", "CPU s/child", "train s/child", "inherit s/child",
                  "vs ckpt-separate", "vs ckpt-cse", "mean val_acc", "best val_acc", "inherited fraction",
                  "merged children", "nodes computed / children's nodes"], rows))
-    for variant in VARIANTS:  # per run, in the order run (seed-major): for paired ratios
+    for variant in variants:  # per run, in the order run (seed-major): for paired ratios
         print(variant, "cpu_per_child", [round(r["cpu_per_child"], 4) for r in results[variant]],
               "mean_acc", [round(r["mean_acc"], 4) for r in results[variant]])
-    for other in ("ckpt-separate", "ckpt-cse", "scratch"):  # paired: same seed and round
+    for other in [v for v in variants if v != "supergraph" and "supergraph" in results]:  # paired: same seed and round
         ratios = [a["cpu_per_child"] / b["cpu_per_child"] for a, b in zip(results["supergraph"], results[other])]
         print(f"CPU ratio supergraph / {other}: median {median(ratios):.3f} (min {min(ratios):.3f}, "
               f"max {max(ratios):.3f}) over {len(ratios)} pairs")
