@@ -166,11 +166,31 @@ def test_nni3_strategies_map_their_arguments() -> None:
     assert isinstance(spos, td.oneshot.RandomOneShot) and spos.fair
     # logging-only arguments are accepted at any value
     assert nni3.DARTS(log_prob_every_n_step=1).arch_lr == 3e-4
+    # NNI's DARTS updates the architecture from the first step unless warmup_epochs says otherwise
+    assert nni3.DARTS().warmup == 0.0 and nni3.DARTS(warmup=0.5).warmup == 0.5 and nni2.DARTS().warmup == 0.0
+
+
+def test_warmup_epochs_freeze_alpha_for_that_many_epochs(tmp_path: Path, data) -> None:
+    """GumbelDARTS(warmup_epochs=k) over 2 epochs: with k=2 alpha never moves from its 1e-3-scale
+    start; with k=1 the architecture steps of epoch 2 move it."""
+    train, val = data
+    ev = Classification(learning_rate=1e-2, train_dataloaders=DataLoader(Subset(train, range(256)), batch_size=64),
+                        val_dataloaders=DataLoader(Subset(val, range(64)), batch_size=64), max_epochs=2)
+    moved = {}
+    for k in (2, 1):
+        strategy = nni3.GumbelDARTS(warmup_epochs=k, arc_learning_rate=0.1, samples=1)
+        assert type(strategy).__name__ == "GumbelDARTS" and isinstance(strategy, td.oneshot.GumbelDARTS)
+        td.Experiment(_Tiny(), ev, strategy, store=tmp_path / "w.db", name=f"warm{k}", verbose=False).run()
+        # 128 of the 256 examples train the weights (arch_fraction=0.5): 2 steps per epoch
+        assert strategy.cfg.steps_per_epoch == 2 and strategy.warmup_steps() == 2 * k
+        moved[k] = max(float(a.detach().abs().max()) for a in strategy.alpha.values())
+    assert moved[2] < 1e-2 < moved[1]
 
 
 @pytest.mark.parametrize("make, name, hint", [
     (lambda: nni3.DARTS(gradient_clip_val=5.0), "gradient_clip_val", "learning_rate"),
-    (lambda: nni3.DARTS(warmup_epochs=2), "warmup_epochs", "epochs="),
+    (lambda: nni3.DARTS(warmup_epochs=1.5), "warmup_epochs", "int"),
+    (lambda: nni3.ENAS(warmup_epochs=2), "warmup_epochs", "RandomOneShot"),
     (lambda: nni3.DARTS(penalty={"profiler": None}), "penalty", "Constraint"),
     (lambda: nni3.GumbelDARTS(mutation_hooks=[print]), "mutation_hooks", "LayerChoice"),
     (lambda: nni3.ENAS(policy_fn=print), "policy_fn", "controller_lr"),

@@ -27,8 +27,8 @@ _HOOKS = ("tridens builds the supernet from the space itself: LayerChoice/InputC
           "choice in a Conv/Linear/BatchNorm constructor argument (sliced from the largest weight); a space it "
           "cannot make one-shot is refused with the label named, and td.strategy.* searches it multi-trial.")
 _CLIP = "tridens' one-shot training does not clip gradients; lower the evaluator's learning_rate instead."
-_WARMUP = ("tridens' DARTS/ENAS update the architecture from the first step; to pre-train the weights, "
-           "give more epochs (epochs= on the strategy).")
+_WARMUP = ("tridens' ENAS updates its controller from the first step; to pre-train the shared weights, "
+           "run RandomOneShot first or give more epochs (epochs= on the strategy).")
 _PENALTY = ("tridens' one-shot search has no cost penalty; search with a multi-trial strategy and "
             "td.Experiment(..., constraints=[td.strategy.Constraint('params', max=...)]) instead.")
 _FILTER = ("tridens' RandomOneShot samples every path uniformly; bound model size with a multi-trial strategy "
@@ -37,28 +37,57 @@ _DARTS_NAMES = ("arc_learning_rate", "gradient_clip_val", "log_prob_every_n_step
                 "mutation_hooks")
 
 
-def _darts_kwargs(owner: str, arc_learning_rate: float, gradient_clip_val: Any, warmup_epochs: Any, penalty: Any,
-                  mutation_hooks: Any, kwargs: dict[str, Any], target: type, extra_names: tuple[str, ...] = ()) -> dict[str, Any]:
+class _EpochWarmup:
+    """NNI's ``warmup_epochs``: the first ``k`` epochs of the supernet train the weights only.
+    tridens' DARTS counts its warm-up as a share of the steps (``warmup``); the epochs are known
+    when training starts, so the steps are counted then."""
+
+    _warmup_epochs = 0
+    total_steps: int
+    cfg: Any
+
+    def warmup_steps(self) -> int:
+        return min(self.total_steps, self._warmup_epochs * self.cfg.steps_per_epoch)
+
+
+# Named as the tridens strategies they extend (the experiment records the strategy by class name).
+_WarmupDARTS = type("DARTS", (_EpochWarmup, _os.DARTS), {"__module__": __name__, "__qualname__": "_WarmupDARTS"})
+_WarmupGumbelDARTS = type("GumbelDARTS", (_EpochWarmup, _os.GumbelDARTS),
+                          {"__module__": __name__, "__qualname__": "_WarmupGumbelDARTS"})
+
+
+def _darts(owner: str, arc_learning_rate: float, gradient_clip_val: Any, warmup_epochs: Any, penalty: Any,
+           mutation_hooks: Any, kwargs: dict[str, Any], target: type, extra_names: tuple[str, ...] = (),
+           **defaults: Any) -> Any:
+    """The tridens DARTS/GumbelDARTS for NNI's arguments (``defaults``: mapped NNI values that an
+    explicit tridens option overrides)."""
     only_default(owner, "gradient_clip_val", gradient_clip_val, None, _CLIP)
-    only_default(owner, "warmup_epochs", warmup_epochs, 0, _WARMUP)
     only_default(owner, "penalty", penalty, None, _PENALTY)
     only_default(owner, "mutation_hooks", mutation_hooks, None, _HOOKS)
+    if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int) or warmup_epochs < 0:
+        raise NotSupported(f"The 'warmup_epochs' parameter of {owner} must be an int >= 0. Got {warmup_epochs!r} instead.")
     kw = tridens_kwargs(owner, target, kwargs, _DARTS_NAMES + extra_names, f"td.oneshot.{target.__name__}")
-    kw["arch_lr"] = kw.get("arch_lr", arc_learning_rate)
-    return kw
+    kw = {"arch_lr": arc_learning_rate, **defaults, **kw}
+    if "warmup" in kw or warmup_epochs == 0:
+        kw.setdefault("warmup", 0.0)  # NNI's default: architecture steps from the first step (tridens': half the steps)
+        return target(**kw)
+    strategy = (_WarmupDARTS if target is _os.DARTS else _WarmupGumbelDARTS)(warmup=0.0, **kw)
+    strategy._warmup_epochs = warmup_epochs
+    return strategy
 
 
 # -- NNI 3.x: nni.nas.strategy ---------------------------------------------------------------------
 def DARTS(*, arc_learning_rate: float = 3.0e-4, gradient_clip_val: float | None = None, log_prob_every_n_step: int = 10,
           warmup_epochs: int = 0, penalty: Any = None, mutation_hooks: Any = None, **kwargs: Any) -> _os.DARTS:
     """``nni.nas.strategy.DARTS`` -> ``td.oneshot.DARTS(arch_lr=arc_learning_rate)`` (first order, as
-    NNI; ``second_order=True`` is tridens' unrolled gradient). ``log_prob_every_n_step`` is ignored:
-    the learned probabilities are stored in the supernet trial's ``info["oneshot"]``.
+    NNI; ``second_order=True`` is tridens' unrolled gradient). ``warmup_epochs`` epochs train the
+    weights only (NNI's default 0: tridens' ``warmup=0``; pass ``warmup=0.5`` for tridens' own
+    default). ``log_prob_every_n_step`` is ignored: the learned probabilities are stored in the
+    supernet trial's ``info["oneshot"]``.
 
     >>> strategy = DARTS(arc_learning_rate=3e-3)      # doctest: +SKIP
     """
-    return _os.DARTS(**_darts_kwargs("DARTS", arc_learning_rate, gradient_clip_val, warmup_epochs, penalty,
-                                     mutation_hooks, kwargs, _os.DARTS))
+    return _darts("DARTS", arc_learning_rate, gradient_clip_val, warmup_epochs, penalty, mutation_hooks, kwargs, _os.DARTS)
 
 
 def _temperature(owner: str, value: Any) -> tuple[float, float]:
@@ -85,11 +114,8 @@ def GumbelDARTS(*, temperature: Any = (1.0, 0.33), arc_learning_rate: float = 3.
     >>> strategy = GumbelDARTS(temperature=(1.0, 0.33))     # doctest: +SKIP
     """
     tau_max, tau_min = _temperature("GumbelDARTS", temperature)
-    kw = _darts_kwargs("GumbelDARTS", arc_learning_rate, gradient_clip_val, warmup_epochs, penalty, mutation_hooks,
-                       kwargs, _os.GumbelDARTS, ("temperature",))
-    kw.setdefault("tau_max", tau_max)
-    kw.setdefault("tau_min", tau_min)
-    return _os.GumbelDARTS(**kw)
+    return _darts("GumbelDARTS", arc_learning_rate, gradient_clip_val, warmup_epochs, penalty, mutation_hooks, kwargs,
+                  _os.GumbelDARTS, ("temperature",), tau_max=tau_max, tau_min=tau_min)
 
 
 def _controller_every(owner: str, name: str, value: Any) -> int:

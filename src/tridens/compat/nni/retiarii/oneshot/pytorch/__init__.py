@@ -115,7 +115,8 @@ class DartsTrainer(_Trainer):
         evaluator = td.evaluators.Classification(self.dataset, self.dataset, epochs=self.num_epochs,
                                                  batch_size=self.batch_size, loss=self.loss, device=_device(self.device),
                                                  **_optimizer_settings("DartsTrainer", self.optimizer))
-        self._run(self.model, evaluator, _os.DARTS(arch_lr=self.arc_learning_rate, second_order=self.unrolled, samples=1))
+        self._run(self.model, evaluator, _os.DARTS(arch_lr=self.arc_learning_rate, second_order=self.unrolled, samples=1,
+                                                            warmup=0.0))
 
     def export(self) -> dict[str, Any]:
         """DARTS' choice: the most probable candidate of every label."""
