@@ -303,7 +303,7 @@ def test_planner_decides_by_measurement_and_caches(data, monkeypatch, caplog):
     ev = evaluator(data, "sgd", epochs=1)
     calls = []
 
-    def fake(jobs, evaluator, x, y, shared):
+    def fake(jobs, evaluator, x, y, shared, single=None, checked=False):
         calls.append(len(jobs))
         return speed
 
@@ -326,9 +326,9 @@ def test_efficient_separate_step_skips_the_fused_measurement(data, monkeypatch, 
     """A model whose separate step already runs near the peak matmul rate is left separate without
     timing fused steps (here the bar is set below any real model's rate)."""
     ev = evaluator(data, "sgd", epochs=1)
-    fraction, rate = _batching._separate_efficiency(make_jobs(SAMPLES, cnn)[0], ev, data[0].tensors[0][:64],
-                                                    data[0].tensors[1][:64])
-    assert 0 < fraction and rate > 0 and _batching.peak_matmul_flops(torch.device("cpu")) > rate / 10
+    fraction, rate, seconds = _batching._separate_efficiency(make_jobs(SAMPLES, cnn)[0], ev, data[0].tensors[0][:64],
+                                                             data[0].tensors[1][:64])
+    assert 0 < fraction and rate > 0 and seconds > 0 and _batching.peak_matmul_flops(torch.device("cpu")) > rate / 10
     monkeypatch.setattr(_batching.settings, "max_separate_efficiency", 1e-9)
     _batching.clear_cache()
     with caplog.at_level(logging.INFO, logger="tridens"):
@@ -344,6 +344,8 @@ def test_measurement_runs(data):
     before = {k: v.clone() for k, v in jobs[0].model.state_dict().items()}
     speedup = _batching._measure(jobs, ev, x, y, True)
     assert speedup > 0 and math.isfinite(speedup)
+    # with one model's step time given (the roofline pre-check's), only fused steps are timed
+    assert math.isfinite(_batching._measure(jobs, ev, x, y, True, single=1e-3, checked=True))
     assert all(torch.equal(before[k], v) for k, v in jobs[0].model.state_dict().items())  # models untouched
 
 

@@ -66,7 +66,9 @@ the environment at import):
 * ``settings.min_speedup`` (default 1.25): the measured speed-up a unit must reach to be fused (a
   margin: a few steps on one cache-hot batch overestimated real epochs by up to ~1.7x here).
 * ``settings.measure_rounds`` (default 3): timed rounds (after one warm-up) per measurement; up to
-  three times as many while the ratio is within -20%/+50% of ``min_speedup``.
+  twice as many while the ratio is within -20%/+25% of ``min_speedup``. On a CPU only fused steps
+  are timed: one model's separate step time comes from the roofline pre-check below (least of
+  the rounds on both sides: the cost least disturbed by other processes).
 * ``settings.max_separate_efficiency`` (default 0.2): on a CPU, before timing fused steps, one
   model's separate step is timed and its rate (training FLOPs from the graph IR per CPU second)
   compared with the peak fp32 matmul rate measured once per process. A model that already runs at
@@ -1140,47 +1142,59 @@ def _sync(device: torch.device) -> None:
 
 
 def _measure(jobs: Sequence[Job], evaluator: _Supervised, x: torch.Tensor, y: torch.Tensor,
-             shared_input: bool | None) -> float:
-    """Speed-up of one fused step of ``jobs`` over K separate steps (one model's step times K),
-    timed interleaved on the real batch (CPU time on a CPU): a warm-up of each, then
-    ``measure_rounds`` rounds."""
+             shared_input: bool | None, single: float | None = None, checked: bool = False) -> float:
+    """Speed-up of one fused step of ``jobs`` over K separate steps (one model's step times K) on
+    the real batch (CPU time on a CPU; the least of the rounds, the cost least disturbed by other
+    processes). ``single``: one model's separate step time, when the roofline pre-check has
+    already timed it (then only fused steps are timed); otherwise separate steps are timed
+    interleaved with the fused ones. A warm-up of each, then ``measure_rounds`` rounds, up to
+    twice as many while the ratio is within -20%/+25% of ``min_speedup``. ``checked``: the grouped
+    program was already verified against vmap on this structure (skip the check)."""
     probe = BatchedMember(jobs, evaluator, shared_input=shared_input)
+    probe._program_checked = probe._program_checked or checked
     probe.begin_epoch()
-    job = jobs[0]
-    trainer = evaluator.trainer(copy.deepcopy(job.model), job.trial.sample, job.trial.seed)
+    trainer = None
+    if single is None:
+        job = jobs[0]
+        trainer = evaluator.trainer(copy.deepcopy(job.model), job.trial.sample, job.trial.seed)
     device = probe.device
     # CPU: CPU time, which a loaded machine disturbs far less than wall time (a wall-clock
     # measurement at load ~20 said 0.64x where whole epochs gained 2.6x)
     clock = time.process_time if device.type == "cpu" else time.perf_counter
     fused: list[float] = []
-    single: list[float] = []
+    singles: list[float] = []
+
+    def ratio() -> float:
+        return len(jobs) * (min(singles) if single is None else single) / min(fused)
+
     round_ = 0
     while True:
         if len(probe.ids) < len(jobs):  # a model diverged on the repeated batch: time no further
             if not fused:
                 raise RuntimeError("a model's loss was not finite while measuring")
-            return len(jobs) * statistics.median(single) / statistics.median(fused)
+            return ratio()
         if round_ > settings.measure_rounds:  # enough rounds, unless the answer is still close to the bar
-            ratio = len(jobs) * statistics.median(single) / statistics.median(fused)
-            if round_ > 3 * settings.measure_rounds or not 0.8 <= ratio / settings.min_speedup <= 1.5:
-                return ratio
+            if round_ > 2 * settings.measure_rounds or not 0.8 <= ratio() / settings.min_speedup <= 1.25:
+                return ratio()
         _sync(device)
         t0 = clock()
         probe.train_batch(x, y, round_)
         _sync(device)
         t1 = clock()
-        trainer.train_batch(x, y, round_)
-        _sync(device)
+        if trainer is not None:
+            trainer.train_batch(x, y, round_)
+            _sync(device)
         t2 = clock()
         if round_:  # the first round warms up both
             fused.append(t1 - t0)
-            single.append(t2 - t1)
+            singles.append(t2 - t1)
         round_ += 1
 
 
 _PEAKS: dict[tuple[str, int], float] = {}
-# (structure key, setup key, threads) -> (fraction of the peak, FLOPs per CPU second) of a separate step
-_EFFICIENCY: dict[tuple[Any, ...], tuple[float, float]] = {}
+# (structure key, setup key, threads) -> (fraction of the peak, FLOPs per CPU second, CPU seconds) of
+# a separate step
+_EFFICIENCY: dict[tuple[Any, ...], tuple[float, float, float]] = {}
 
 
 def peak_matmul_flops(device: torch.device) -> float:
@@ -1201,9 +1215,11 @@ def peak_matmul_flops(device: torch.device) -> float:
     return _PEAKS[key]
 
 
-def _separate_efficiency(job: Job, evaluator: _Supervised, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """``(fraction of the peak matmul rate, FLOPs per CPU second)`` of one model's separate
-    training step on the real batch (a copy of the model; warm-up, then the best of three)."""
+def _separate_efficiency(job: Job, evaluator: _Supervised, x: torch.Tensor,
+                         y: torch.Tensor) -> tuple[float, float, float]:
+    """``(fraction of the peak matmul rate, FLOPs per CPU second, CPU seconds)`` of one model's
+    separate training step on the real batch (a copy of the model; warm-up, then the best of
+    three). The step time is reused by :func:`_measure` (no separate steps timed twice)."""
     from ..graph import trace
 
     model = copy.deepcopy(job.model)
@@ -1218,7 +1234,7 @@ def _separate_efficiency(job: Job, evaluator: _Supervised, x: torch.Tensor, y: t
         trainer.train_batch(x, y, step + 1)
         best = min(best, time.process_time() - t0)
     rate = 3 * forward / max(best, 1e-6)  # forward + backward ~ 3 forwards
-    return rate / peak_matmul_flops(torch.device("cpu")), rate
+    return rate / peak_matmul_flops(torch.device("cpu")), rate, best
 
 
 def _probe(jobs: Sequence[Job], evaluator: _Supervised, x: torch.Tensor, y: torch.Tensor) -> BatchedMember:
@@ -1311,8 +1327,8 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
             try:
                 _EFFICIENCY[key] = _separate_efficiency(group[0], evaluator, x, y)
             except Exception:  # no FLOPs or a failing step: decide by measuring fused steps
-                _EFFICIENCY[key] = (0.0, 0.0)
-        fraction, rate = _EFFICIENCY[key]
+                _EFFICIENCY[key] = (0.0, 0.0, 0.0)
+        fraction, rate, _ = _EFFICIENCY[key]
         if fraction >= settings.max_separate_efficiency:
             log.info("batching: trials %s not fused: one model's step already runs at %.0f%% of the peak matmul "
                      "rate (%.1f GFLOP/s; >= %.0f%%), no per-operation overhead left for fusion to remove",
@@ -1322,6 +1338,7 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
         probe = _probe(group[:2], evaluator, x, y)
         per_model = _per_model_bytes(probe, x)
         shared = probe.shared_input
+        checked = probe._program is not None and probe._program_checked  # the structure's grouped program
     except Exception as err:
         log.info("batching: trials %s not fused: the models do not vectorize (%s)", ids, _first_line(err))
         return [], list(group)
@@ -1341,11 +1358,14 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
             units.append(BatchedUnit(chunk, evaluator, reason=f"{k} trials, fused: forced (settings.mode='force')",
                                      shared_input=shared))
             units[-1].memory = per_model * k
+            units[-1].member._program_checked = units[-1].member._program_checked or checked
             continue
         cache_key = (skey, setup, k, cfg.device.type)
         try:
             if cache_key not in _SPEEDUPS:
-                _SPEEDUPS[cache_key] = _measure(chunk, evaluator, x, y, shared)
+                single = _EFFICIENCY.get((skey, setup, torch.get_num_threads()), (0, 0, 0))[2] \
+                    if cfg.device.type == "cpu" else 0
+                _SPEEDUPS[cache_key] = _measure(chunk, evaluator, x, y, shared, single or None, checked)
             speedup = _SPEEDUPS[cache_key]
         except Exception as err:
             log.info("batching: trials %s not fused: %s", [j.trial.id for j in chunk], _first_line(err))
@@ -1355,6 +1375,7 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
             units.append(BatchedUnit(chunk, evaluator, reason=f"{k} trials, fused: measured {speedup:.1f}x",
                                      shared_input=shared))
             units[-1].memory = per_model * k
+            units[-1].member._program_checked = units[-1].member._program_checked or checked
         else:
             log.info("batching: trials %s not fused: measured %.2fx (below %.2fx)",
                      [j.trial.id for j in chunk], speedup, settings.min_speedup)
