@@ -26,8 +26,10 @@ trace-driven simulation in ``bench/fluid.py`` use the same decisions.
 In the process executor (``td.Experiment(..., executor="process", workers=n, allocation="static")``)
 a device is a worker process (one CPU core): packed trials take turns epoch by epoch in one
 worker, and a share above 1 runs the trial with torch DDP (gloo) over that many workers
-(:mod:`._ddp`). Fluid needs a declarative (step-wise) evaluator; other evaluators run one trial
-per worker.
+(:mod:`._ddp`); its ranks leave the gloo group cleanly and the workers serve the next placement.
+Step times are measured on each trial's first real training steps (never on extra steps) and
+cached by structure across the experiment's groups, or given by the policy's ``profile``. Fluid
+needs a declarative (step-wise) evaluator; other evaluators run one trial per worker.
 """
 
 from __future__ import annotations
