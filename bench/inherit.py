@@ -147,6 +147,65 @@ def one(args: argparse.Namespace) -> None:
     })
 
 
+def flop_share(args: argparse.Namespace) -> None:
+    """``--flops``: the FLOPs a merged super-graph computes per batch over its children's FLOPs
+    (graph IR FLOP counts, each node key once), for ``--children`` distinct children mutated from
+    one random parent of the space (1 or 2 labels re-drawn), per seed. Tracing only, no training."""
+    import random
+    import warnings
+
+    from tridens.engine._execution import Job
+    from tridens.graph import _meta, trace
+    from tridens.trial import Trial
+    from tridens.warmup import describe
+    from tridens.xopt._cse import _example_batch
+    from tridens.xopt._supergraph import _analyse, _identities, inherit
+
+    space = SPACES[args.space]()
+    train, val = td.datasets.digits()
+    ev = td.evaluators.Classification(train=train, val=val, epochs=args.epochs, batch_size=64, lr=0.05)
+    x = space.example_inputs[0]
+    labels = {k: v for k, v in space.search_space().items() if k != "lr"}  # architecture labels
+    for seed in range(args.seeds):
+        rng = random.Random(seed)
+        domains = {label: list(spec.domain.values()) for label, spec in labels.items()}
+        parent_sample = {label: rng.choice(values) for label, values in domains.items()}
+        torch.manual_seed(seed)
+        parent = space.freeze(parent_sample)
+        state, desc = parent.state_dict(), describe(parent, x)
+        samples: list[dict] = []
+        for _ in range(1000):
+            s = dict(parent_sample)
+            for label in rng.sample(sorted(domains), min(len(domains), rng.choice([1, 1, 2]))):
+                s[label] = rng.choice([v for v in domains[label] if v != s[label]] or [s[label]])
+            if s not in samples and s != parent_sample:
+                samples.append(s)
+            if len(samples) == args.children:
+                break
+        jobs = []
+        for i, s in enumerate(samples):
+            model = space.freeze(space.restrict(s))
+            record = inherit(model, state, describe(model, x), desc)
+            jobs.append(Job(Trial(id=i + 1, sample=s, seed=i, info={"inherit": {"parent": 0, **record}}), model))
+        cfg = ev.config({})
+        example = _example_batch(cfg)
+        ident = _identities(jobs)
+        total, merged = 0.0, {}
+        for job in jobs:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                graph = trace(job.model, (example.clone(),))
+                graph.flops()
+            flops = {n.name: float(n.meta.get(_meta.FLOPS, 0) or 0) for n in graph.fx_graph.nodes}
+            total += sum(flops.values())
+            child = _analyse(job, cfg, example, ident[job.trial.id])
+            for n in child.nodes or ():
+                if n.op not in ("placeholder", "output"):
+                    merged.setdefault(child.keys[n], flops.get(n.name, 0.0))
+        print(f"space {args.space}, seed {seed}: {len(jobs)} children of {parent_sample}: the merged graph computes "
+              f"{sum(merged.values()) / total:.3f} of their FLOPs", flush=True)
+
+
 def prepare(args: argparse.Namespace, seed: int, directory: str) -> tuple[str, int]:
     """Train the initial population once; returns (store path, id of its last trial)."""
     store = os.path.join(directory, f"init-{seed}.db")
@@ -167,6 +226,7 @@ def main() -> None:
     parser.add_argument("--space", choices=sorted(SPACES), default="cnn",
                         help="cnn: choices from the second layer on; deep: choices in the last conv only")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset, in this order")
+    parser.add_argument("--flops", action="store_true", help="print the FLOP share a merged super-graph computes")
     parser.add_argument("--one", choices=VARIANTS)
     parser.add_argument("--store")
     parser.add_argument("--seed", type=int, default=0)
@@ -174,6 +234,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.one:
         one(args)
+        return
+    if args.flops:
+        flop_share(args)
         return
     print_machine()
     print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
