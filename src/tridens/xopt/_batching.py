@@ -84,9 +84,16 @@ the environment at import):
 * ``settings.channels_last`` (default False): run the grouped engine's 2-d feature maps
   channels-last (convolution weights too, so outputs stay channels-last without copies). Pooling
   and BatchNorm over K*C channels are 3-5x faster so on 8x8 maps and whole fused steps of 16
-  digits CNNs ~15% faster, but BatchNorm's reductions round differently from the models' own NCHW
-  kernels and training amplifies it: the float32 equivalence tests fail (val_loss 1.8e-3 apart
-  after two epochs; float64: equal), so it stays off -- fused must equal separate.
+  digits CNNs ~15% faster, but the native channels-last BatchNorm adds rows one after another in
+  float (mean/var ~6e-6 relative off the NCHW kernel's double accumulation, against ~5e-8) and
+  training amplifies it (val_loss 1.8e-3 apart after two epochs in one test; float64: equal), so
+  it stays off -- fused must equal separate. (A BatchNorm by cascaded column sums on the
+  ``(N*H*W, K*C)`` view was as close to separate training as NCHW, 3e-7, but took more passes
+  over memory than it saved: whole steps 15-20% slower; not kept.)
+
+2x2 max-pools on per-model maps run as :class:`_MaxPool2x2` (two passes, bit-identical values and
+gradients, ~3x faster forward than the NCHW kernel on 8x8 maps), taking over a ReLU right before
+them (exact: max commutes with ReLU).
 """
 
 from __future__ import annotations
@@ -1198,19 +1205,20 @@ _EFFICIENCY: dict[tuple[Any, ...], tuple[float, float, float]] = {}
 
 
 def peak_matmul_flops(device: torch.device) -> float:
-    """FLOPs per CPU second of a 512x512 fp32 matmul on ``device`` (best of three rounds of four;
-    cached per process and thread count): the roof one model's step is compared with (~40 ms;
-    256x256 read 80-99 GFLOP/s from run to run here, 512x512 a steady 88)."""
+    """FLOPs per CPU second of a 512x512 fp32 matmul on ``device`` (a warm-up, then the best of
+    four; cached per process and thread count): the roof one model's step is compared with
+    (~14 ms; 81-87 GFLOP/s from run to run at load ~15 here, as steady as the former best of
+    three rounds of four, which took 40 ms -- a third of the planner's time for 16 MLPs;
+    256x256 read 80-99)."""
     key = (device.type, torch.get_num_threads())
     if key not in _PEAKS:
         a, b = torch.randn(512, 512, device=device), torch.randn(512, 512, device=device)
+        a @ b
         best = 0.0
-        for _ in range(3):
+        for _ in range(4):
             t0 = time.process_time()
-            for _ in range(4):
-                a @ b
-            elapsed = time.process_time() - t0
-            best = max(best, 4 * 2 * 512 ** 3 / max(elapsed, 1e-6))
+            a @ b
+            best = max(best, 2 * 512 ** 3 / max(time.process_time() - t0, 1e-6))
         _PEAKS[key] = best
     return _PEAKS[key]
 
