@@ -288,7 +288,12 @@ class CSESettings:
     one op: ``"auto"`` times the wide layer against the members' own layers on the real batch
     (forward and backward, interleaved, CPU time; cached per layer shapes, batch shape, device and
     threads) and keeps it only at ``wide_min_speedup`` or more; ``"force"`` always (tests);
-    ``"off"``.
+    ``"off"``. ``foreach_step``: step the joint members' optimizers with one ``foreach`` call per
+    optimizer class and hyperparameters (:class:`_MultiStep`; bit-identical on CPU).
+
+    >>> from tridens.xopt import _cse
+    >>> _cse.settings.wide in ("auto", "force", "off")
+    True
     """
 
     joint: bool = True
