@@ -680,9 +680,10 @@ def _profiled_epoch(trainer: Any, conn: Connection, tid: int) -> dict[str, float
     return trainer.end_epoch(total / count)
 
 
-def _epoch_metrics(trainer: Any, evaluator: Evaluator, train: dict[str, float]) -> dict[str, float]:
+def _epoch_metrics(trainer: Any, evaluator: Evaluator, train: dict[str, float],
+                   validated: dict[str, float] | None = None) -> dict[str, float]:
     metric = evaluator.objective.metric
-    metrics = {**trainer.validate(), **train}
+    metrics = {**(trainer.validate() if validated is None else validated), **train}
     if metric not in metrics:
         from ..errors import TridensError
 
@@ -788,12 +789,13 @@ def _serve_ddp(conn: Connection, message: tuple[Any, ...], evaluators: dict[int,
             step = trainer.epoch
             times: list[float] | None = [] if measure and rank == 0 else None
             train = _ddp.train_epoch(trainer, rank, world, ddp, step_times=times, max_timed=PROFILE_STEPS + 1)
+            validated = _ddp.validate(trainer, rank, world)  # every rank scores its share of the batches
             decision = None
             if rank == 0:
                 if times:
                     conn.send(("profile", tid, min(times[1:] or times), _per_epoch(trainer), trainer.epochs))
                     measure = False
-                metrics = _epoch_metrics(trainer, evaluator, train)
+                metrics = _epoch_metrics(trainer, evaluator, train, validated)
                 conn.send(("report", tid, step, metrics, time.perf_counter() - t0))
                 decision = _await_decision(conn, tid, pending, None, evaluators)
             decision = _ddp.broadcast(decision, rank)
