@@ -8,7 +8,8 @@ training step:
 * :class:`RandomOneShot` (SPOS, Guo et al. 2020): one uniformly random path per step.
 * :class:`DARTS` (Liu et al. 2019): every candidate, mixed by ``softmax(alpha)``; ``alpha`` is
   learned on held-out training data by its own Adam (first order; ``second_order=True`` for the
-  unrolled gradient with the finite-difference Hessian-vector product of the paper).
+  unrolled gradient with the finite-difference Hessian-vector product of the paper), after a
+  weights-only warm-up over the first ``warmup`` share of the steps (default half).
 * :class:`GumbelDARTS` (GDAS/SNAS): mixing weights drawn by Gumbel-softmax with a temperature
   annealed from ``tau_max`` to ``tau_min``, so training moves from mixtures towards single paths.
 * :class:`ENAS` (Pham et al. 2018): an LSTM controller samples a path per step; the controller is
