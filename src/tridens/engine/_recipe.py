@@ -5,6 +5,7 @@ arguments, or for a mutator space the base's recipe, the mutators' and the examp
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -73,8 +74,11 @@ def _import_script(file: str) -> Any:
     name = "tridens_script_" + "".join(c if c.isalnum() else "_" for c in str(path.resolve()))
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
+    # An explicit source loader: spec_from_file_location finds none for a script not named *.py.
+    loader = importlib.machinery.SourceFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    if spec is None or spec.loader is None:
+        raise RecipeError(f"cannot import the script {file} that defines this experiment's space")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     sys.path.insert(0, str(path.parent))
