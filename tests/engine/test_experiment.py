@@ -201,3 +201,17 @@ def test_max_duration_stops_between_groups(tmp_path):
     ev = td.evaluators.FunctionalEvaluator(sleep_briefly)
     exp = _run(tmp_path, TinyMLP(), ev, td.strategy.GridSearch(batch_size=1), max_duration=0.5)
     assert len(exp.trials()) == 1  # the grid has two models; the deadline passed during the first
+
+
+def test_epochs_are_shown_while_trials_train(tmp_path, classification, capsys, monkeypatch):
+    # trials of a fused unit finish together: without per-epoch lines a long group prints nothing
+    from tridens.engine._progress import Progress
+
+    monkeypatch.setattr(Progress, "STEP_LINE_S", 0.0)
+    Experiment(TinyCNN(), classification, td.strategy.Random(), store=tmp_path / "t.db", name="shown",
+               max_trials=2, seed=3).run()
+    lines = capsys.readouterr().err.splitlines()
+    training = [line for line in lines if "training, at step" in line]
+    assert training and all(line.startswith("[shown]") for line in training)
+    assert any("best val_acc so far" in line for line in training)
+    assert any("2/2 trial" in line for line in lines)

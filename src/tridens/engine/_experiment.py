@@ -422,6 +422,7 @@ class _Run:
             trial.metrics.setdefault(key, []).append(value)
         value = values.get(self.objective.metric, next(iter(values.values()), math.nan))
         self.strategy.report(trial, step, value)
+        self.progress.step(trial, step, value)
 
     def decide(self, trial: Trial, step: int) -> Decision:
         decision = self.strategy.decide(trial, step)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from typing import Any
 
 from ..trial import Objective, Trial, TrialStatus
@@ -47,11 +48,17 @@ def _short_sample(sample: dict[str, Any]) -> str:
 
 
 class Progress:
+    # Trials of a fused unit or a long group finish together, so epochs are shown as they arrive:
+    # in the live bar, or (not a terminal) one summary line at most every STEP_LINE_S seconds.
+    STEP_LINE_S = 30.0
+
     def __init__(self, total: int | None, objective: Objective, enabled: bool = True):
         self.total, self.objective, self.enabled = total, objective, enabled
         self.best: list[Trial] = []
         self.done = 0
         self._live: Any = None
+        self._training: dict[int, tuple[int, float]] = {}  # trial id -> (last step, its objective value)
+        self._last_line = time.monotonic()
 
     def start(self, name: str, done: int, resumed: bool) -> None:
         self.name, self.done = name, done
@@ -67,8 +74,9 @@ class Progress:
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
             from rich.progress import Progress as Bar
 
-            self.bar = Bar(TextColumn(f"[bold]{name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-            self.task = self.bar.add_task(name, total=self.total, completed=done)
+            self.bar = Bar(TextColumn(f"[bold]{name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                           TextColumn("{task.fields[training]}"))
+            self.task = self.bar.add_task(name, total=self.total, completed=done, training="")
             self._live = Live(self._render(), console=self.console, refresh_per_second=4)
             self._live.start()
 
@@ -77,7 +85,28 @@ class Progress:
 
         return Group(self.bar, trials_table(self.best, self.objective, title="best trials"))
 
+    def step(self, trial: Trial, step: int, value: float) -> None:
+        """A trial reported ``value`` (the objective's metric) at ``step`` (an epoch, usually)."""
+        self._training[trial.id] = (step, value)
+        if not self.enabled:
+            return
+        if self._live is not None:
+            self.bar.update(self.task, training=self._training_text())
+        elif time.monotonic() - self._last_line >= self.STEP_LINE_S:
+            self._last_line = time.monotonic()
+            total = "?" if self.total is None else self.total
+            print(f"[{self.name}] {self.done}/{total} trials done; {self._training_text()}", file=sys.stderr, flush=True)
+
+    def _training_text(self) -> str:
+        if not self._training:
+            return ""
+        steps = [s for s, _ in self._training.values()]
+        values = [v for _, v in self._training.values() if not math.isnan(v)]
+        best = f", best {self.objective.metric} so far {max(values, key=self.objective.score):.4f}" if values else ""
+        return f"{len(self._training)} training, at step {min(steps)}-{max(steps)}{best}"
+
     def trial_done(self, trial: Trial) -> None:
+        self._training.pop(trial.id, None)
         if trial.status in _COUNTED:
             self.done += 1
         if trial.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED) and trial.metric is not None:
@@ -85,7 +114,7 @@ class Progress:
         if not self.enabled:
             return
         if self._live is not None:
-            self.bar.update(self.task, completed=self.done)
+            self.bar.update(self.task, completed=self.done, training=self._training_text())
             self._live.update(self._render())
         else:
             metric = "-" if trial.metric is None else f"{trial.metric:.4f}"
