@@ -48,6 +48,26 @@ def _role(trial: Trial) -> str | None:
     return info.get("role") if isinstance(info, dict) else None
 
 
+# Experiment options a one-shot search does not apply (it trains one supernet in this process), with
+# the value that means "not set"; a user who set one is told rather than ignored silently.
+_IGNORED = {
+    "max_duration": (None, "its budget is the strategy's epochs and samples"),
+    "constraints": ((), "subnets are not filtered by them"),
+    "warm_start": (False, "the supernet starts from its own initialization"),
+    "executor": ("inline", "the supernet trains in this process"),
+    "workers": (2, "the supernet trains in this process"),
+    "allocation": (None, "the supernet trains in this process"),
+    "trial_timeout": (None, "there are no separate trials to time out"),
+}
+
+
+def _warn_ignored(exp: Any) -> None:
+    for option, (unset, why) in _IGNORED.items():
+        value = getattr(exp, option)
+        if value != unset and not (option == "constraints" and not value):
+            log.warning("one-shot: %s=%r is not applied to a one-shot search (%s)", option, value, why)
+
+
 def run_oneshot(exp: Any, strategy: OneShotStrategy) -> Any:
     """Run (or resume) ``exp`` with a one-shot ``strategy``; returns ``exp``."""
     if not isinstance(exp.evaluator, _Supervised):
@@ -56,9 +76,7 @@ def run_oneshot(exp: Any, strategy: OneShotStrategy) -> Any:
                          f"{type(strategy).__name__}: the supernet is trained by tridens' own loop. "
                          f"Got {type(exp.evaluator).__name__} instead.")
     strategy.validate()
-    if exp.max_duration is not None:  # a supernet's epochs are its budget; say so rather than ignore it silently
-        log.warning("one-shot: max_duration=%r is not applied to a one-shot search (its budget is the "
-                    "strategy's epochs and samples)", exp.max_duration)
+    _warn_ignored(exp)
     objective = exp._objective()
     path, name = exp._store_path(), exp._name()
     hparams = exp.evaluator.search_space().default_sample()
