@@ -8,6 +8,7 @@ from torch import nn
 
 import tridens as td
 from tridens import nn as tnn
+from tridens.trial import TrialGroup
 
 
 class TinyCNN(tnn.ModelSpace):
@@ -86,3 +87,33 @@ class InheritNet(tnn.ModelSpace):
             x = self.drop(x)
         x = torch.relu(self.bn(self.conv(x)))
         return self.head(nn.functional.max_pool2d(x, 2).flatten(1))
+
+
+class MLPSpace(tnn.ModelSpace):
+    """Fluid and DDP tests: no dropout and no BatchNorm: data-parallel training then equals one-process training."""
+
+    def __init__(self):
+        super().__init__()
+        h = td.choice("hidden", [4, 64, 512])
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, h), nn.ReLU(), nn.Linear(h, 10))
+        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class Groups(td.strategy.Strategy):
+    """A user strategy handing over fixed TrialGroups (Fluid tests)."""
+
+    def __init__(self, groups):
+        self.groups = groups
+
+    def start(self, space, objective, rng, history=()):
+        super().start(space, objective, rng, history)
+        self._next = 0
+
+    def ask(self, remaining=None):
+        if self._next >= len(self.groups):
+            return None
+        self._next += 1
+        return TrialGroup([dict(s) for s in self.groups[self._next - 1]])

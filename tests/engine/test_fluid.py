@@ -5,12 +5,12 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 import tridens as td
-from tridens import nn as tnn
 from tridens.engine import DynamicFluid, Experiment, StaticFluid, fluid_shares
-from tridens.trial import TrialGroup, TrialStatus
+from tridens.trial import TrialStatus
+
+from .spaces import Groups, MLPSpace
 
 
 # -- the rule and the scheduler (pure) ---------------------------------------------------------------
@@ -75,34 +75,6 @@ def test_allocation_parameter_is_checked(tmp_path, digits_data):
 
 
 # -- real runs -----------------------------------------------------------------------------------------
-class MLPSpace(tnn.ModelSpace):
-    """No dropout and no BatchNorm: data-parallel training then equals one-process training."""
-
-    def __init__(self):
-        super().__init__()
-        h = td.choice("hidden", [4, 64, 512])
-        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, h), nn.ReLU(), nn.Linear(h, 10))
-        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
-
-    def forward(self, x):
-        return self.body(x)
-
-
-class Groups(td.strategy.Strategy):
-    """A user strategy handing over fixed TrialGroups."""
-
-    def __init__(self, groups):
-        self.groups = groups
-
-    def start(self, space, objective, rng, history=()):
-        super().start(space, objective, rng, history)
-        self._next = 0
-
-    def ask(self, remaining=None):
-        if self._next >= len(self.groups):
-            return None
-        self._next += 1
-        return TrialGroup([dict(s) for s in self.groups[self._next - 1]])
 
 
 def _pair(tmp_path, digits_data, groups, name, **kw):

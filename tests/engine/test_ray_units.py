@@ -13,12 +13,11 @@ import torch
 from torch import nn
 
 import tridens as td
-from tridens import nn as tnn
 from tridens.engine import DynamicFluid
-from tridens.trial import Decision, TrialGroup, TrialStatus
+from tridens.trial import Decision, TrialStatus
 from tridens.xopt import _batching
 
-from .spaces import TinyMLP
+from .spaces import Groups, MLPSpace, TinyMLP
 
 ray = pytest.importorskip("ray")
 
@@ -143,34 +142,6 @@ def test_killed_unit_worker_restarts_its_members_from_their_checkpoints(local_ra
 
 
 # -- Fluid ----------------------------------------------------------------------------------------------
-class MLPSpace(tnn.ModelSpace):
-    """No dropout and no BatchNorm: data-parallel training then equals one-process training."""
-
-    def __init__(self):
-        super().__init__()
-        h = td.choice("hidden", [4, 64, 512])
-        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, h), nn.ReLU(), nn.Linear(h, 10))
-        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
-
-    def forward(self, x):
-        return self.body(x)
-
-
-class Groups(td.strategy.Strategy):
-    """Hands over fixed TrialGroups."""
-
-    def __init__(self, groups):
-        self.groups = groups
-
-    def start(self, space, objective, rng, history=()):
-        super().start(space, objective, rng, history)
-        self._next = 0
-
-    def ask(self, remaining=None):
-        if self._next >= len(self.groups):
-            return None
-        self._next += 1
-        return TrialGroup([dict(s) for s in self.groups[self._next - 1]])
 
 
 def fluid_pair(tmp_path, digits_data, group, name, allocation):

@@ -286,6 +286,23 @@ class _Fluid:
         return step_time * per_epoch * max((member.limit or 0) - (member.last_step + 1), 0)
 
 
+def _record_outcome(trial: Any, outcome: Mapping[str, Any], last_value: float | None, storage: _Storage,
+                    hooks: GroupHooks) -> None:
+    """Finish ``trial`` from a worker's outcome (an error, or its final value and weights file)."""
+    if outcome["kind"] == "error":
+        hooks.finish(trial, TrialStatus.FAILED, value=last_value, error=outcome["error"])
+        return
+    value = last_value if outcome["value"] is None else outcome["value"]
+    weights = None
+    if outcome["final"] is not None:
+        trial.info["final_weights"] = outcome["final"]
+        weights = storage.load(outcome["final"])
+    status, error = _final_status(value)
+    if status is TrialStatus.COMPLETED and trial.status is TrialStatus.STOPPED:
+        status = TrialStatus.STOPPED
+    hooks.finish(trial, status, error=error, weights=weights, value=value)
+
+
 class RayExecutor(Executor):
     """Trials as Ray tasks, at most ``workers`` at a time, each asking for ``cpus_per_trial``
     CPUs (and a share of a GPU where the cluster has GPUs).
@@ -640,18 +657,7 @@ class RayExecutor(Executor):
         trial = member.job.trial
         member.done = True
         self._fluid_finish(fluid, trial.id)
-        if kind == "error":
-            hooks.finish(trial, TrialStatus.FAILED, value=member.last_value, error=outcome["error"])
-            return
-        value = member.last_value if outcome["value"] is None else outcome["value"]
-        weights = None
-        if outcome["final"] is not None:
-            trial.info["final_weights"] = outcome["final"]
-            weights = storage.load(outcome["final"])
-        status, error = _final_status(value)
-        if status is TrialStatus.COMPLETED and trial.status is TrialStatus.STOPPED:
-            status = TrialStatus.STOPPED
-        hooks.finish(trial, status, error=error, weights=weights, value=value)
+        _record_outcome(trial, outcome, member.last_value, storage, hooks)
 
     def _fail_unfinished(self, track: _UnitTrack, hooks: GroupHooks, fluid: _Fluid | None, error: str) -> None:
         for member in track.unfinished():
@@ -793,18 +799,7 @@ class RayExecutor(Executor):
                          error=f"the worker of trial {trial.id} died {len(track.deaths)} time(s) and max_retries="
                                f"{self.max_retries} allows no more restarts; last: {track.deaths[-1]}")
             return True
-        if result["kind"] == "error":
-            hooks.finish(trial, TrialStatus.FAILED, value=track.last_value, error=result["error"])
-            return True
-        value = track.last_value if result["value"] is None else result["value"]
-        weights = None
-        if result["final"] is not None:
-            trial.info["final_weights"] = result["final"]
-            weights = storage.load(result["final"])
-        status, error = _final_status(value)
-        if status is TrialStatus.COMPLETED and trial.status is TrialStatus.STOPPED:
-            status = TrialStatus.STOPPED
-        hooks.finish(trial, status, error=error, weights=weights, value=value)
+        _record_outcome(trial, result, track.last_value, storage, hooks)
         return True
 
     def _enforce_timeout(self, running: dict[int, _Track], hooks: GroupHooks) -> None:
