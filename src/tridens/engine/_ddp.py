@@ -113,24 +113,11 @@ def train_epoch(trainer: Any, rank: int, world: int, ddp: DistributedDataParalle
     return trainer.end_epoch(float(total) / len(trainer._train))
 
 
-@torch.no_grad()
 def validate(trainer: Any, rank: int, world: int) -> dict[str, float]:
     """``trainer.validate()`` split over the ranks: rank ``r`` scores validation batches ``r``,
     ``r + world``, ... and the sums are all-reduced, so every rank returns the metrics of the whole
     validation set (those of one process up to float summation order) in about 1/world the time."""
-    from ..evaluators._supervised import ValidationSums
-
-    cfg = trainer.config
-    was_training = trainer.model.training
-    trainer.model.eval()
-    sums = ValidationSums(cfg)
-    try:
-        with trainer._random_stream():
-            for i, (x, y) in enumerate(trainer._val.batches(None, max(cfg.batch_size, 256))):  # as validate()
-                if i % world == rank:
-                    sums.add(trainer.model(x), y)
-    finally:
-        trainer.model.train(was_training)
+    sums = trainer.validation_sums(rank, world)
     names = list(sums.sums)
     total = torch.tensor([float(sums.n), float(sums.elements), *(sums.sums[k] for k in names)], dtype=torch.float64)
     dist.all_reduce(total)

@@ -496,20 +496,26 @@ class SupervisedTrainer:
         self.epoch += 1
         return {"train_loss": train_loss}
 
-    @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Score the model on the validation set: ``val_acc``/``val_loss`` or ``val_mse``/``val_mae``."""
+        return self.validation_sums().result()
+
+    @torch.no_grad()
+    def validation_sums(self, rank: int = 0, world: int = 1) -> ValidationSums:
+        """The validation sums of batches ``rank``, ``rank + world``, ... (all of them by default;
+        data-parallel ranks each score their share and all-reduce the sums)."""
         cfg = self.config
         was_training = self.model.training
         self.model.eval()
         sums = ValidationSums(cfg)
         try:
             with self._random_stream():
-                for x, y in self._val.batches(None, max(cfg.batch_size, 256)):
-                    sums.add(self.model(x), y)
+                for i, (x, y) in enumerate(self._val.batches(None, max(cfg.batch_size, 256))):
+                    if i % world == rank:
+                        sums.add(self.model(x), y)
         finally:
             self.model.train(was_training)
-        return sums.result()
+        return sums
 
     def state_dict(self) -> dict[str, Any]:
         """A checkpoint (a copy, safe to keep while training goes on; ``torch.save`` writes it).
