@@ -588,11 +588,10 @@ class RayExecutor(Executor):
 
     @staticmethod
     def _cse_settings() -> Any:
-        """The driver's CSE settings (where the module has them), for the worker's planning."""
+        """A copy of the driver's CSE settings, for the worker's planning."""
         from ..xopt import _cse
 
-        settings = getattr(_cse, "settings", None)
-        return dataclasses.replace(settings) if dataclasses.is_dataclass(settings) else None
+        return dataclasses.replace(_cse.settings)
 
     def _handle_unit(self, message: tuple[Any, ...], owner: Mapping[int, _UnitTrack], storage: _Storage,
                      hooks: GroupHooks, fluid: _Fluid | None) -> None:

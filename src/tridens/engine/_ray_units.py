@@ -110,15 +110,15 @@ def member_state(unit: Any, trial_id: int, evaluator: StepwiseEvaluator) -> dict
         trainer = unit.trainers.get(trial_id)
         return None if trainer is None else trainer.state_dict()
     from ..xopt._batching import BatchedMember, BatchedUnit
-    from ..xopt._cse import SharedPipelineUnit, TrainerMember
+    from ..xopt._cse import JointMember, SharedPipelineUnit, TrainerMember
 
     member: Any = None
     if isinstance(unit, BatchedUnit):
         member = unit.member
     elif isinstance(unit, SharedPipelineUnit):
         member = unit._by_trial.get(trial_id)
-        # members stepped together (a joint step) keep each trial's TrainerMember
-        member = getattr(member, "_by", {}).get(trial_id, member)
+        if isinstance(member, JointMember):  # members stepped together keep each trial's TrainerMember
+            member = member._by.get(trial_id)
     if isinstance(member, TrainerMember):
         return _trainer_member_state(member, job, evaluator)
     if isinstance(member, BatchedMember):
@@ -225,8 +225,8 @@ def _plan(jobs: Sequence[Job], evaluator: StepwiseEvaluator, spec: Mapping[str, 
 
     # the driver's settings, for this task only (a worker serves many tasks)
     given = {"batching": (_batching.settings, spec["batching"]),
-             "cse": (getattr(_cse, "settings", None), spec.get("cse"))}
-    saved = {name: dataclasses.replace(live) for name, (live, new) in given.items() if live is not None and new is not None}
+             "cse": (_cse.settings, spec["cse"])}
+    saved = {name: dataclasses.replace(live) for name, (live, _) in given.items()}
     try:
         for name in saved:
             live, new = given[name]
