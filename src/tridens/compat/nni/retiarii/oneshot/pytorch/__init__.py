@@ -78,14 +78,14 @@ class _Trainer:
         raise NotImplementedError
 
     def _supernet_info(self) -> dict[str, Any]:
-        if getattr(self, "experiment", None) is None:
+        if self.experiment is None:
             raise td.TridensError(f"{type(self).__name__}.export() needs fit() first")
         supernet = next(t for t in self.experiment.trials() if t.info.get("oneshot", {}).get("role") == "supernet")
         return supernet.info["oneshot"]
 
     def export(self) -> dict[str, Any]:
         """The best architecture (the sample: label -> index, key or value)."""
-        best = self.experiment.best() if getattr(self, "experiment", None) is not None else None
+        best = self.experiment.best() if self.experiment is not None else None
         if best is None:
             raise td.TridensError(f"{type(self).__name__}.export() needs fit() first")
         return self.model.restrict(best.sample)
