@@ -611,3 +611,61 @@ def test_a_convolution_with_a_bias_keeps_its_own_op(data, wide):
     fused = drive(units)
     assert_same(separate[0], fused[0])
     assert_same_weights(separate[1], fused[1])
+
+
+# -- exact faster kernels inside the joint step ----------------------------------------------------
+class PoolNet(nn.Module):
+    """A CNN pooling with ``F.max_pool2d`` after ``torch.relu`` (functional forms), in place or not."""
+
+    def __init__(self, width, inplace=False, ceil=False):
+        super().__init__()
+        self.inplace, self.ceil = inplace, ceil
+        self.conv = nn.Conv2d(1, width, 3, padding=1)
+        self.bn = nn.BatchNorm2d(width)
+        self.fc = nn.Linear(width * 16, 10)
+
+    def forward(self, x):
+        x = self.bn(self.conv(x))
+        x = torch.relu_(x) if self.inplace else torch.relu(x)
+        x = torch.nn.functional.max_pool2d(x, 2, ceil_mode=self.ceil)
+        return self.fc(x.flatten(1))
+
+
+def odd_cnn(width):
+    """A 2x2 max-pool on 7x7 maps (odd): the two-pass kernel does not apply."""
+    return nn.Sequential(nn.Conv2d(1, width, 2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(width * 9, 10))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_joint_step_runs_max_pools_by_the_exact_kernel(data, optimizer):
+    train, val = data
+    aug = Counter()
+    ev = td.evaluators.Classification(train=train, val=val, epochs=2, batch_size=64, transforms=aug,
+                                      optimizer=optimizer, lr=0.01)
+    makers = [lambda: cnn(8), lambda: PoolNet(6), lambda: PoolNet(4, inplace=True), lambda: odd_cnn(4),
+              lambda: mlp(16), lambda: wide_cnn(6, k=5)]
+    separate = drive([SeparateUnit(jobs_for(makers, [{}] * 6), ev)])
+    units, rest = plan_cse(jobs_for(makers, [{}] * 6), ev)
+    assert rest == [] and len(units) == 1
+    member = joint_member(units[0])
+    # not: the 7x7 maps, the MLP (no pool)
+    assert sorted(member.fast) == [1, 2, 3, 6]
+    assert "2x2 max-pools of trials [1, 2, 3, 6] run by an exact two-pass kernel" in units[0].describe()
+    code = member.fast[1].code
+    assert "_pool_2x2" in code and "max_pool2d" not in code and "relu" not in code  # the ReLU taken over
+    fused = drive(units)
+    assert_same(separate[0], fused[0])
+    for t in separate[1]:  # bit for bit
+        for k in separate[1][t]:
+            assert torch.equal(separate[1][t][k], fused[1][t][k]), (t, k)
+
+
+def test_max_pools_the_kernel_cannot_reproduce_keep_their_op(data, monkeypatch):
+    train, val = data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=64, optimizer="adam", lr=0.01)
+    makers = [lambda: PoolNet(6, ceil=True), lambda: odd_cnn(4), lambda: cnn(8)]
+    units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
+    assert sorted(joint_member(units[0]).fast) == [3]  # ceil mode and odd maps: their own op
+    monkeypatch.setattr(_cse.settings, "fast_pools", False)
+    units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
+    assert joint_member(units[0]).fast == {} and "max-pools" not in units[0].describe()

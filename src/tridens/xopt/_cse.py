@@ -289,7 +289,10 @@ class CSESettings:
     (forward and backward, interleaved, CPU time; cached per layer shapes, batch shape, device and
     threads) and keeps it only at ``wide_min_speedup`` or more; ``"force"`` always (tests);
     ``"off"``. ``foreach_step``: step the joint members' optimizers with one ``foreach`` call per
-    optimizer class and hyperparameters (:class:`_MultiStep`; bit-identical on CPU).
+    optimizer class and hyperparameters (:class:`_MultiStep`; bit-identical on CPU). ``fast_pools``:
+    run the joint members' 2x2 max-pools (and a ReLU right before one) by the exact two-pass kernel
+    of ``tridens.xopt._batching`` (:func:`_with_fast_pools`; used only where it reproduced the
+    model's values and gradients bit for bit on real data at planning).
 
     >>> from tridens.xopt import _cse
     >>> _cse.settings.wide in ("auto", "force", "off")
@@ -301,6 +304,7 @@ class CSESettings:
     wide_min_speedup: float = 1.1
     measure_rounds: int = 5
     foreach_step: bool = True
+    fast_pools: bool = True
 
 
 class _RoutedState(dict):
@@ -435,12 +439,18 @@ class JointMember(PipelineMember):
     """
 
     def __init__(self, members: Sequence[TrainerMember], *, wide: Sequence[_WideLayer] = (),
-                 after_first: Mapping[int, nn.Module] | None = None, trusted: Iterable[int] = ()):
+                 after_first: Mapping[int, nn.Module] | None = None, trusted: Iterable[int] = (),
+                 fast: Mapping[int, nn.Module] | None = None, fast_after: Mapping[int, nn.Module] | None = None):
         self.members = list(members)
         self.trusted = set(trusted)
         self.inputs = (BATCH,)
         self.wide = list(wide)
         self.after_first = dict(after_first or {})
+        # trial id -> what runs instead of its model (of its model after the first layer): the same
+        # modules with exact faster kernels (2x2 max-pools: :func:`_with_fast_pools`), checked by
+        # the planner to give the same values and gradients bit for bit
+        self.fast = dict(fast or {})
+        self.fast_after = dict(fast_after or {})
         self._by = {m.trial_id: m for m in self.members}
         self._copies: set[int] = set()   # trials that modify their input in place: own copies
         self._multi = _MultiStep()
@@ -466,6 +476,8 @@ class JointMember(PipelineMember):
         self.members.remove(member)
         self._multi.forget(member.trainer.optimizer)
         self.after_first.pop(trial_id, None)
+        self.fast.pop(trial_id, None)
+        self.fast_after.pop(trial_id, None)
         for group in list(self.wide):
             group.layers.pop(trial_id, None)
             if len(group.layers) < 2:  # a lone member runs its own first layer again
@@ -494,6 +506,16 @@ class JointMember(PipelineMember):
         return out
 
     # -- the joint step ----------------------------------------------------------------------
+    def _model(self, m: TrainerMember, after_first: bool) -> nn.Module:
+        """What runs for the member: its model (or its model after its first layer), with exact
+        faster kernels where the planner found them."""
+        t = m.trial_id
+        if after_first:
+            model = self.fast_after.get(t)
+            return self.after_first[t] if model is None else model
+        model = self.fast.get(t)
+        return m.trainer.model if model is None else model
+
     def _first_layers(self, x: torch.Tensor, ids: set[int]) -> dict[int, torch.Tensor]:
         given: dict[int, torch.Tensor] = {}
         for group in self.wide:
@@ -541,7 +563,7 @@ class JointMember(PipelineMember):
 
         def forward(m: TrainerMember, inp: Any, after_first: bool) -> None:
             t = m.trainer
-            model = self.after_first[m.trial_id] if after_first else t.model
+            model = self._model(m, after_first)
             try:
                 with t._random_stream():
                     loss = t.config.loss(model(inp), y)
@@ -580,7 +602,7 @@ class JointMember(PipelineMember):
 
         def forward(m: TrainerMember, inp: Any, after_first: bool) -> None:
             t = m.trainer
-            model = self.after_first[m.trial_id] if after_first else t.model
+            model = self._model(m, after_first)
             try:
                 with t._random_stream():
                     assert m._val is not None
@@ -1368,6 +1390,185 @@ def _check_member(a: _Analysis, first: _First | None) -> tuple[str, _First | Non
     return "", first
 
 
+def _pool_2x2(x: torch.Tensor, relu: bool) -> torch.Tensor:
+    """``F.max_pool2d(F.relu(x) if relu else x, 2)`` through the batching module's exact two-pass
+    kernel (the fx target the rewrite below inserts)."""
+    from ._batching import _MaxPool2x2
+
+    return _MaxPool2x2.apply(x, relu)
+
+
+def _ints(value: Any, n: int = 2) -> tuple[Any, ...] | None:
+    if isinstance(value, int):
+        return (value,) * n
+    if isinstance(value, (tuple, list)) and len(value) == n:
+        return tuple(value)
+    return None
+
+
+def _is_max_pool_2x2(gm: nn.Module, n: fx.Node) -> bool:
+    """A 2x2, stride-2 max-pool without padding, dilation, ceil mode or indices, on ``n.args[0]``."""
+    if n.op == "call_module":
+        m = gm.get_submodule(str(n.target))
+        if type(m) is not nn.MaxPool2d or m._forward_hooks or m._forward_pre_hooks or len(n.args) != 1 or n.kwargs:
+            return False
+        kernel, stride, padding, dilation = m.kernel_size, m.stride, m.padding, m.dilation
+        ceil, indices = m.ceil_mode, m.return_indices
+    elif n.op == "call_function" and n.target in (F.max_pool2d, torch.max_pool2d):
+        names = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+        given = dict(zip(names, n.args))
+        if set(n.kwargs) - set(names) or set(n.kwargs) & set(given):
+            return False
+        given.update(n.kwargs)
+        if "kernel_size" not in given:
+            return False
+        kernel, stride = given["kernel_size"], given.get("stride")
+        padding, dilation = given.get("padding", 0), given.get("dilation", 1)
+        ceil, indices = given.get("ceil_mode", False), given.get("return_indices", False)
+    else:
+        return False
+    if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0):
+        stride = kernel
+    return (_ints(kernel) == (2, 2) and _ints(stride) == (2, 2) and _ints(padding) == (0, 0)
+            and _ints(dilation) == (1, 1) and ceil is False and indices is False)
+
+
+def _relu_of(gm: nn.Module, n: fx.Node) -> fx.Node | None:
+    """The input of ``n`` if ``n`` is a plain ReLU (module, function or method), else None."""
+    if not isinstance(n, fx.Node) or len(n.args) != 1 or not isinstance(n.args[0], fx.Node):
+        return None
+    inplace = False
+    if n.op == "call_module":
+        m = gm.get_submodule(str(n.target))
+        if type(m) is not nn.ReLU or m._forward_hooks or m._forward_pre_hooks or n.kwargs:
+            return None
+        inplace = m.inplace
+    elif n.op == "call_function" and n.target in (torch.relu, F.relu, torch.relu_):
+        if set(n.kwargs) - {"inplace"}:
+            return None
+        inplace = n.target is torch.relu_ or bool(n.kwargs.get("inplace", False))
+    elif n.op == "call_method" and n.target in ("relu", "relu_"):
+        if n.kwargs:
+            return None
+        inplace = n.target == "relu_"
+    else:
+        return None
+    src = n.args[0]
+    # an in-place ReLU also changes its input for any other reader: taken over only when it has none
+    return None if inplace and len(src.users) != 1 else src
+
+
+def _fast_pool(root: nn.Module, n: fx.Node) -> bool:
+    """Whether node ``n`` (of a graph over ``root``) is a 2x2 max-pool that :func:`_pool_2x2` can
+    run: on a floating-point map of even height and width (the graph IR's shape metadata)."""
+    if n.op not in ("call_module", "call_function") or not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    if not _is_max_pool_2x2(root, n):
+        return False
+    shape, dtype = n.args[0].meta.get(_meta.SHAPE), n.args[0].meta.get(_meta.DTYPE)
+    return (isinstance(shape, torch.Size) and len(shape) == 4 and shape[2] % 2 == 0 and shape[3] % 2 == 0
+            and isinstance(dtype, torch.dtype) and dtype.is_floating_point)
+
+
+def _with_fast_pools(gm: fx.GraphModule) -> int:
+    """Rewrite ``gm``'s 2x2 max-pools on maps of even height and width (from the graph IR's shape
+    metadata) into :func:`_pool_2x2`, taking over a ReLU that alone feeds one; returns how many.
+    The caller checks the result against the model on real data (:func:`_exactly_equal`)."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if not _fast_pool(gm, n):
+            continue
+        src = n.args[0]
+        inp = _relu_of(gm, src) if len(src.users) == 1 else None
+        with gm.graph.inserting_before(n):
+            fast = gm.graph.call_function(_pool_2x2, (src if inp is None else inp, inp is not None))
+        fast.meta = dict(n.meta)
+        n.replace_all_uses_with(fast)
+        gm.graph.erase_node(n)
+        if inp is not None:
+            gm.graph.erase_node(src)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+def _exactly_equal(model: nn.Module, run: Callable[[torch.Tensor], Any], example: torch.Tensor) -> bool:
+    """Whether ``run(x)`` gives exactly ``model(x)`` on real data (train and eval mode), with exactly the same gradients for the model's parameters in train mode (a
+    seeded random upstream gradient), their random streams seeded alike. Buffers, flags, the
+    parameters' ``.grad`` and the global random state are left as they were."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    flags = [(m, m.training) for m in model.modules()]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+
+    def outputs(f: Callable[[torch.Tensor], Any], x: torch.Tensor, grads: bool) -> list[torch.Tensor] | None:
+        restore()
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(0)  # the CPU stream alone (torch.manual_seed costs ~0.1 ms)
+            with torch.set_grad_enabled(grads):
+                out = f(x.clone())
+            if not isinstance(out, torch.Tensor):
+                return None
+            if not grads or not out.requires_grad:
+                return [out.detach()]
+            torch.default_generator.manual_seed(1)
+            upstream = torch.randn_like(out)
+            got = torch.autograd.grad(out, params, upstream, allow_unused=True)
+            return [out.detach(), *(torch.zeros(0) if g is None else g for g in got)]
+
+    try:
+        for mode, x in ((True, example), (False, example)):
+            model.train(mode)
+            expected = outputs(model, x, mode)
+            got = outputs(run, x, mode)
+            if expected is None or got is None or len(expected) != len(got):
+                return False
+            if not all(a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(expected, got)):
+                return False
+    except Exception:
+        return False
+    finally:
+        restore()
+        for m, flag in flags:
+            m.training = flag
+    return True
+
+
+def _fast_model(a: _Analysis, first: "_First | None") -> tuple[nn.Module | None, nn.Module | None]:
+    """The member's model (and, with a wide first layer, its model after that layer) with its 2x2
+    max-pools run by the exact two-pass kernel, where there is one and it reproduces the model's
+    values and gradients bit for bit on real data; None where not."""
+    graph, model = a.graph, a.job.model
+    if graph is None or model is None or a.example.dim() != 4:
+        return None, None
+    if not any(_fast_pool(graph.root, n) for n in graph.fx_graph.nodes):
+        return None, None
+    whole: nn.Module | None = None
+    try:
+        gm = fx.GraphModule(graph.root, copy.deepcopy(graph.fx_graph), class_name="FastPools")
+        if _with_fast_pools(gm) and _exactly_equal(model, gm, a.example):
+            whole = gm
+    except Exception:  # an optimization: a graph it cannot rewrite runs as it is
+        whole = None
+    after: nn.Module | None = None
+    if whole is not None and first is not None:
+        try:
+            gm = fx.GraphModule(first.after, copy.deepcopy(first.after.graph), class_name="FastPoolsAfterFirstLayer")
+            layer = first.layer
+            if _with_fast_pools(gm) and _exactly_equal(
+                    model, lambda x: gm(layer(x.flatten(1) if first.flatten else x)), a.example):
+                after = gm
+        except Exception:
+            after = None
+    return whole, after
+
+
 # (layer key, widths, batch shape, threads, device type) -> measured speed-up of the wide op
 _WIDE_SPEEDUP: dict[tuple[Any, ...], float] = {}
 
@@ -1427,6 +1628,8 @@ def _joint_member(members: list[PipelineMember], chunk: list[tuple[_Analysis, in
     joint: list[TrainerMember] = []
     firsts: dict[int, _First] = {}
     apart: dict[str, list[int]] = {}
+    fast: dict[int, nn.Module] = {}
+    fast_after: dict[int, nn.Module] = {}
     for m in whole:
         a = by_id[m.trial_id][0]
         why, first = _check_member(a, _first_layer(a) if settings.wide != "off" else None)
@@ -1436,6 +1639,12 @@ def _joint_member(members: list[PipelineMember], chunk: list[tuple[_Analysis, in
         joint.append(m)
         if first is not None:
             firsts[m.trial_id] = first
+        if settings.fast_pools:
+            model, after = _fast_model(a, first)
+            if model is not None:
+                fast[m.trial_id] = model
+            if after is not None:
+                fast_after[m.trial_id] = after
     if len(joint) < 2:
         return members, "", estimate
     # memory: the joint step holds every joint member's activations at once
@@ -1472,7 +1681,11 @@ def _joint_member(members: list[PipelineMember], chunk: list[tuple[_Analysis, in
             notes.append(f"trials [{ids_text}] share their first layer as one {group.describe()}")
         wide.append(group)
         after_first.update({t: firsts[t].after for t in trial_ids})
-    member = JointMember(joint, wide=wide, after_first=after_first, trusted=ids)
+    member = JointMember(joint, wide=wide, after_first=after_first, trusted=ids, fast=fast,
+                         fast_after={t: f for t, f in fast_after.items() if t in after_first})
+    if fast:
+        notes.append(f"2x2 max-pools of trials [{', '.join(str(t) for t in fast)}] run by an exact "
+                     f"two-pass kernel")
     out: list[PipelineMember] = []
     for m in members:
         if m in joint:
