@@ -1,0 +1,62 @@
+"""The grouped-kernel engine's hand-written kernels against torch's own (values, gradients,
+running statistics), in float32 (rounding) and float64 (the same computation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tridens.xopt._kernels import BatchNormTrain, batch_norm_supported
+
+
+def _reference(x, weight, bias, rm, rv, momentum, eps, relu):
+    out = F.batch_norm(x, rm, rv, weight, bias, True, momentum, eps)
+    return F.relu(out) if relu else out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("shape", [(16, 12, 8, 8), (7, 5, 3), (4, 6, 2, 3, 2)])
+@pytest.mark.parametrize("affine,relu", [(True, True), (True, False), (False, True)])
+def test_batch_norm_matches_native(dtype, tol, shape, affine, relu):
+    g = torch.Generator().manual_seed(0)
+    c = shape[1]
+    x0 = torch.randn(shape, generator=g, dtype=dtype) * 3 + 2  # an offset mean: the variance is two-pass
+    x0[0, 0] = 1.5  # a constant plane
+    w0 = torch.rand(c, generator=g, dtype=dtype) + 0.5 if affine else None
+    b0 = torch.randn(c, generator=g, dtype=dtype) if affine else None
+    dy = torch.randn(shape, generator=g, dtype=dtype)
+    rm0, rv0 = torch.randn(c, generator=g, dtype=dtype), torch.rand(c, generator=g, dtype=dtype) + 0.5
+    results = []
+    for fn in (_reference, BatchNormTrain.apply):
+        x = x0.clone().requires_grad_()
+        w = None if w0 is None else w0.clone().requires_grad_()
+        b = None if b0 is None else b0.clone().requires_grad_()
+        rm, rv = rm0.clone(), rv0.clone()
+        assert batch_norm_supported(x)
+        out = fn(x, w, b, rm, rv, 0.1, 1e-5, relu)
+        out.backward(dy)
+        results.append([out.detach(), x.grad, rm, rv] + ([w.grad, b.grad] if affine else []))
+    for ref, got in zip(*results):
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        scale = ref.abs().max().clamp_min(1)
+        assert (got - ref).abs().max() <= tol * scale, (got - ref).abs().max()
+
+
+def test_batch_norm_without_running_statistics_and_nan():
+    x = torch.randn(8, 4, 5, 5, requires_grad=True)
+    out = BatchNormTrain.apply(x, None, None, None, None, 0.0, 1e-5, False)
+    ref = F.batch_norm(x, None, None, None, None, True, 0.0, 1e-5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    bad = x.detach().clone()
+    bad[0, 1, 2, 3] = float("nan")
+    out, ref = (BatchNormTrain.apply(bad, None, None, None, None, 0.0, 1e-5, True),
+                F.relu(F.batch_norm(bad, None, None, None, None, True, 0.0, 1e-5)))
+    assert torch.equal(out.isnan(), ref.isnan())
+
+
+def test_batch_norm_supported():
+    assert not batch_norm_supported(torch.randn(4, 3))                   # no spatial dimension: native
+    assert not batch_norm_supported(torch.randn(1, 3, 1))                # one value per channel: native raises
+    assert not batch_norm_supported(torch.randn(4, 3, 5).transpose(1, 2))  # not contiguous
+    assert not batch_norm_supported(torch.randn(4, 3, 5).half())
