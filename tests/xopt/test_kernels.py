@@ -60,3 +60,19 @@ def test_batch_norm_supported():
     assert not batch_norm_supported(torch.randn(1, 3, 1))                # one value per channel: native raises
     assert not batch_norm_supported(torch.randn(4, 3, 5).transpose(1, 2))  # not contiguous
     assert not batch_norm_supported(torch.randn(4, 3, 5).half())
+
+
+def test_packed_pooling_without_gradients_matches_max_pool():
+    """The grouped engine's 2x2 max-pool (validation path: no gradient masks) equals
+    ``F.max_pool2d(F.relu(x), 2)`` bit for bit, ties and NaN included."""
+    from tridens.xopt._batching import _PackedProgram
+
+    x = torch.randn(3, 4, 6, 8)
+    x[0, 0] = 1.0  # a constant plane: ties everywhere
+    x[1, 2, 3, 5] = float("nan")
+    for relu in (False, True):
+        with torch.no_grad():
+            got = _PackedProgram._pool2x2(None, x, {"relu": relu})
+        ref = F.max_pool2d(F.relu(x) if relu else x, 2)
+        assert torch.equal(got.isnan(), ref.isnan())
+        assert torch.equal(got.nan_to_num(), ref.nan_to_num())

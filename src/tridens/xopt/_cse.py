@@ -1277,7 +1277,22 @@ class _First:
     kind: str                     # "linear" | "conv2d"
     flatten: bool
     layer: nn.Module
-    after: fx.GraphModule         # the model after the layer: its output -> the model's output
+    graph: Graph                  # the member's graph IR
+    skip: tuple[fx.Node, ...]     # its nodes up to the layer (input, flatten, layer)
+    _after: fx.GraphModule | None = None
+
+    @property
+    def after(self) -> fx.GraphModule:
+        """The model after the layer: its output -> the model's output (built when first asked:
+        only for the groups whose wide op is kept)."""
+        if self._after is None:
+            g = fx.Graph()
+            env: dict[fx.Node, fx.Node] = {self.skip[-1]: g.placeholder("first_layer")}
+            for m in self.graph.fx_graph.nodes:
+                if m not in self.skip:
+                    env[m] = g.node_copy(m, lambda s: env[s])
+            self._after = fx.GraphModule(self.graph.root, g, class_name="AfterFirstLayer")
+        return self._after
 
 
 def _is_flatten(n: fx.Node, graph: Graph, src: fx.Node) -> bool:
@@ -1341,14 +1356,7 @@ def _first_layer(a: _Analysis) -> _First | None:
             return None
         key = ("conv2d", layer.in_channels, tuple(layer.kernel_size), tuple(layer.stride),
                layer.padding if isinstance(layer.padding, str) else tuple(layer.padding), tuple(layer.dilation), *common)
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {n: g.placeholder("first_layer")}
-    skip = {placeholders[0], src, n}
-    for m in nodes:
-        if m not in skip:
-            env[m] = g.node_copy(m, lambda s: env[s])
-    after = fx.GraphModule(graph.root, g, class_name="AfterFirstLayer")
-    return _First(key, key[0], flatten, layer, after)
+    return _First(key, key[0], flatten, layer, graph, tuple(dict.fromkeys((placeholders[0], src, n))))
 
 
 def _check_member(a: _Analysis, first: _First | None) -> tuple[str, _First | None]:
@@ -1470,28 +1478,29 @@ def _fast_pool(root: nn.Module, n: fx.Node) -> bool:
             and isinstance(dtype, torch.dtype) and dtype.is_floating_point)
 
 
-def _with_fast_pools(gm: fx.GraphModule) -> int:
-    """Rewrite ``gm``'s 2x2 max-pools on maps of even height and width (from the graph IR's shape
-    metadata) into :func:`_pool_2x2`, taking over a ReLU that alone feeds one; returns how many.
-    The caller checks the result against the model on real data (:func:`_exactly_equal`)."""
-    count = 0
-    for n in list(gm.graph.nodes):
-        if not _fast_pool(gm, n):
+def _with_fast_pools(root: nn.Module, source: fx.Graph, class_name: str) -> fx.GraphModule | None:
+    """A module over ``root``'s modules running ``source`` (a graph over ``root``) with its 2x2
+    max-pools on maps of even height and width (from the graph IR's shape metadata) rewritten into
+    :func:`_pool_2x2`, taking over a ReLU that alone feeds one; None if there is none. The caller
+    checks the result against the model on real data (:func:`_exactly_equal`)."""
+    if not any(_fast_pool(root, n) for n in source.nodes):
+        return None
+    g = fx.Graph()
+    g.output(g.graph_copy(source, {}))
+    for n in list(g.nodes):
+        if not _fast_pool(root, n):
             continue
         src = n.args[0]
-        inp = _relu_of(gm, src) if len(src.users) == 1 else None
-        with gm.graph.inserting_before(n):
-            fast = gm.graph.call_function(_pool_2x2, (src if inp is None else inp, inp is not None))
+        inp = _relu_of(root, src) if len(src.users) == 1 else None
+        with g.inserting_before(n):
+            fast = g.call_function(_pool_2x2, (src if inp is None else inp, inp is not None))
         fast.meta = dict(n.meta)
         n.replace_all_uses_with(fast)
-        gm.graph.erase_node(n)
+        g.erase_node(n)
         if inp is not None:
-            gm.graph.erase_node(src)
-        count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
+            g.erase_node(src)
+    g.lint()
+    return fx.GraphModule(root, g, class_name=class_name)
 
 
 def _exactly_equal(model: nn.Module, run: Callable[[torch.Tensor], Any], example: torch.Tensor) -> bool:
@@ -1529,33 +1538,34 @@ def _exactly_equal(model: nn.Module, run: Callable[[torch.Tensor], Any], example
     return True
 
 
-def _fast_model(a: _Analysis, first: "_First | None") -> tuple[nn.Module | None, nn.Module | None]:
-    """The member's model (and, with a wide first layer, its model after that layer) with its 2x2
-    max-pools run by the exact two-pass kernel, where there is one and it reproduces the model's
-    values and gradients bit for bit on real data; None where not."""
+def _fast_model(a: _Analysis) -> nn.Module | None:
+    """The member's model with its 2x2 max-pools run by the exact two-pass kernel, where it has one
+    and the rewrite reproduces the model on real data; None where not."""
     graph, model = a.graph, a.job.model
     if graph is None or model is None or a.example.dim() != 4:
-        return None, None
-    if not any(_fast_pool(graph.root, n) for n in graph.fx_graph.nodes):
-        return None, None
-    whole: nn.Module | None = None
+        return None
     try:
-        gm = fx.GraphModule(graph.root, copy.deepcopy(graph.fx_graph), class_name="FastPools")
-        if _with_fast_pools(gm) and _exactly_equal(model, gm, a.example):
-            whole = gm
+        gm = _with_fast_pools(graph.root, graph.fx_graph, "FastPools")
+        if gm is not None and _exactly_equal(model, gm, a.example):
+            return gm
     except Exception:  # an optimization: a graph it cannot rewrite runs as it is
-        whole = None
-    after: nn.Module | None = None
-    if whole is not None and first is not None:
-        try:
-            gm = fx.GraphModule(first.after, copy.deepcopy(first.after.graph), class_name="FastPoolsAfterFirstLayer")
-            layer = first.layer
-            if _with_fast_pools(gm) and _exactly_equal(
-                    model, lambda x: gm(layer(x.flatten(1) if first.flatten else x)), a.example):
-                after = gm
-        except Exception:
-            after = None
-    return whole, after
+        return None
+    return None
+
+
+def _fast_after(a: _Analysis, first: _First) -> nn.Module | None:
+    """The member's model after its (wide) first layer with the two-pass max-pools, checked alike."""
+    model = a.job.model
+    assert model is not None
+    try:
+        gm = _with_fast_pools(first.after, first.after.graph, "FastPoolsAfterFirstLayer")
+        layer = first.layer
+        if gm is not None and _exactly_equal(
+                model, lambda x: gm(layer(x.flatten(1) if first.flatten else x)), a.example):
+            return gm
+    except Exception:
+        return None
+    return None
 
 
 # (layer key, widths, batch shape, threads, device type) -> measured speed-up of the wide op
@@ -1621,19 +1631,18 @@ def _joint_member(members: list[PipelineMember], chunk: list[tuple[_Analysis, in
     fast_after: dict[int, nn.Module] = {}
     for m in whole:
         a = by_id[m.trial_id][0]
-        why, first = _check_member(a, _first_layer(a) if settings.wide != "off" else None)
+        why, _ = _check_member(a, None)
         if why:
             apart.setdefault(why, []).append(m.trial_id)
             continue
         joint.append(m)
+        first = _first_layer(a) if settings.wide != "off" else None
         if first is not None:
             firsts[m.trial_id] = first
         if settings.fast_pools:
-            model, after = _fast_model(a, first)
+            model = _fast_model(a)
             if model is not None:
                 fast[m.trial_id] = model
-            if after is not None:
-                fast_after[m.trial_id] = after
     if len(joint) < 2:
         return members, "", estimate
     # memory: the joint step holds every joint member's activations at once
@@ -1655,23 +1664,40 @@ def _joint_member(members: list[PipelineMember], chunk: list[tuple[_Analysis, in
     for key, trial_ids in groups.items():
         if len(trial_ids) < 2:
             continue
-        group = _WideLayer(key[0], firsts[trial_ids[0]].flatten, {t: firsts[t].layer for t in trial_ids})
-        ids_text = ", ".join(str(t) for t in trial_ids)
-        if settings.wide == "auto":
-            batch = x[:1].expand(cfg0.batch_size, *x.shape[1:]).contiguous().to(cfg0.device)
+        batch = x[:1].expand(cfg0.batch_size, *x.shape[1:]).contiguous().to(cfg0.device)
+        if settings.wide == "auto":  # measured first (cached): the models are split only if it pays
             speedup = _wide_speedup([firsts[t] for t in trial_ids], batch)
             if speedup < settings.wide_min_speedup:
-                notes.append(f"first layers of trials [{ids_text}] kept apart ({group.describe()} as one op "
-                             f"measured {speedup:.2f}x)")
+                group = _WideLayer(key[0], firsts[trial_ids[0]].flatten, {t: firsts[t].layer for t in trial_ids})
+                notes.append(f"first layers of trials [{', '.join(map(str, trial_ids))}] kept apart "
+                             f"({group.describe()} as one op measured {speedup:.2f}x)")
                 continue
+        # each member's model after its first layer, checked on real data to reproduce the model
+        kept = [t for t in trial_ids if _check_member(by_id[t][0], firsts[t])[1] is not None]
+        if len(kept) < 2:
+            continue
+        group = _WideLayer(key[0], firsts[kept[0]].flatten, {t: firsts[t].layer for t in kept})
+        ids_text = ", ".join(str(t) for t in kept)
+        if settings.wide == "auto":
+            if kept != trial_ids:
+                speedup = _wide_speedup([firsts[t] for t in kept], batch)
+                if speedup < settings.wide_min_speedup:
+                    notes.append(f"first layers of trials [{ids_text}] kept apart ({group.describe()} as one op "
+                                 f"measured {speedup:.2f}x)")
+                    continue
             notes.append(f"trials [{ids_text}] share their first layer as one {group.describe()} "
                          f"(measured {speedup:.2f}x)")
         else:
             notes.append(f"trials [{ids_text}] share their first layer as one {group.describe()}")
         wide.append(group)
-        after_first.update({t: firsts[t].after for t in trial_ids})
+        after_first.update({t: firsts[t].after for t in kept})
+        if settings.fast_pools:
+            for t in kept:
+                after = _fast_after(by_id[t][0], firsts[t]) if t in fast else None
+                if after is not None:
+                    fast_after[t] = after
     member = JointMember(joint, wide=wide, after_first=after_first, trusted=ids, fast=fast,
-                         fast_after={t: f for t, f in fast_after.items() if t in after_first})
+                         fast_after=fast_after)
     if fast:
         notes.append(f"2x2 max-pools of trials [{', '.join(str(t) for t in fast)}] run by an exact "
                      f"two-pass kernel")
