@@ -17,9 +17,13 @@ Each measurement runs in a fresh child process (so peak RSS is its own), in the 
 * ``sequential``: a plain PyTorch loop, model after model (``torch.optim.SGD``, the same data
   order, ``loss.item()`` per step, validation every epoch);
 * ``fused``: tridens' :class:`BatchedUnit` forced on all K (one vectorized model);
-* ``planner``: what tridens does by default: ``plan_batching`` measures fused against separate
-  and fuses only where it pays; leftovers train as a ``SeparateUnit``. The time includes the
-  measurement.
+* ``planner``: what tridens does by default: ``plan_batching`` plans an adaptive unit, which
+  decides fused or separate from its own first real training steps (``tridens.xopt._adaptive``);
+  leftovers train as a ``SeparateUnit``. The time includes planning and deciding; the last column
+  says what the unit decided and why (read after training).
+* ``MODE-ref`` (with ``--ref-src DIR``): MODE with tridens imported from ``DIR/src``, e.g. the
+  planner of an earlier commit (``git archive <commit> src | tar -x -C DIR``), run interleaved with
+  the others.
 
 Modes alternate (A B C, then C B A, ...) for ``--reps`` rounds; medians are reported, with the
 speed-up over sequential, achieved GFLOP/s (training FLOPs from the graph IR: forward FLOPs x 3,
@@ -157,13 +161,6 @@ def child(args: argparse.Namespace) -> None:
         else:
             _batching.settings.mode = "auto"
             units, rest = _batching.plan_batching(jobs, ev)
-            fused = sum(len(u.jobs) for u in units)
-            key = next(iter(_batching._SPEEDUPS.values()), None)
-            eff = next(iter(_batching._EFFICIENCY.values()), None)
-            decision = (f"fused {fused}" if fused else "separate") + (f" (measured {key:.2f}x)" if key else "")
-            if eff and not key:  # decided by the roofline pre-check, without timing fused steps
-                decision += f" (one model at {100 * eff[0]:.0f}% of peak)"
-            decision += "".join(f", {u.member.engine}" for u in units if isinstance(u, _batching.BatchedUnit))
             if rest:
                 units.append(SeparateUnit(rest, ev))
         for unit in units:
@@ -177,8 +174,30 @@ def child(args: argparse.Namespace) -> None:
                         unit.drop(job.trial.id)
     seconds = time.perf_counter() - t0
     cpu = time.process_time() - c0
+    if mode == "planner":  # what the units decided (adaptive ones on their first real steps), after timing
+        decision = "; ".join(planner_decision(u) for u in units)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"seconds": seconds, "cpu": cpu, "peak_mib": peak, "base_mib": base_rss, "decision": decision}))
+
+
+def planner_decision(unit: object) -> str:
+    from tridens.xopt import _batching
+
+    try:
+        from tridens.xopt import _adaptive
+    except ImportError:  # a --ref-src from before adaptive units: what the planner measured up front
+        speedup = next(iter(getattr(_batching, "_SPEEDUPS", {}).values()), None)
+        eff = next(iter(getattr(_batching, "_EFFICIENCY", {}).values()), None)
+        text = "fused" if isinstance(unit, _batching.BatchedUnit) else "separate"
+        if speedup:
+            return f"{text} (measured {speedup:.2f}x before training)"
+        return f"{text} (one model at {100 * eff[0]:.0f}% of peak)" if eff else text
+    if isinstance(unit, _adaptive.AdaptiveUnit):
+        return (f"{len(unit.member.jobs)} trials {unit.member.decision} ({unit.member.engine}; steps of the "
+                f"other kind while deciding: {unit.member.wasted_seconds:.3f} CPU s)")
+    if isinstance(unit, _batching.BatchedUnit):
+        return f"{unit.reason} ({unit.member.engine})"
+    return f"{len(unit.trainers)} trials separate (planned)"
 
 
 # -- the parent: interleaved rounds ---------------------------------------------------------------------
@@ -204,9 +223,13 @@ def train_flops(scenario: str, k: int, fashion_limit: int) -> float:
 
 
 def run_child(args: argparse.Namespace, scenario: str, k: int, mode: str) -> dict:
+    env = None
+    if mode.endswith("-ref"):  # the same mode, with tridens imported from --ref-src (e.g. an older commit)
+        mode = mode[:-len("-ref")]
+        env = {**os.environ, "PYTHONPATH": os.path.join(args.ref_src, "src")}
     cmd = [sys.executable, __file__, "--child", "--scenario", scenario, "--k", str(k), "--mode", mode,
            "--fashion-limit", str(args.fashion_limit)] + (["--threads", str(args.threads)] if args.threads else [])
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -220,7 +243,10 @@ def main() -> None:
     parser.add_argument("--fashion-ks", default="1,4,16", help="K on Fashion-MNIST (64 takes ~30 min here)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: on a shared 2-core machine 2 threads spin-wait)")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="any of sequential, fused, planner; MODE-ref runs MODE with tridens from --ref-src")
+    parser.add_argument("--ref-src", help="a checkout (e.g. `git archive <commit> src | tar -x -C DIR`) whose src/ "
+                        "the -ref modes import tridens from")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--scenario", help=argparse.SUPPRESS)
     parser.add_argument("--k", type=int, help=argparse.SUPPRESS)

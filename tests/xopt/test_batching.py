@@ -299,56 +299,6 @@ def test_planner_groups_by_structure_and_setup(data, force, caplog):
     assert "fused: forced" in units[0].describe()
 
 
-def test_planner_decides_by_measurement_and_caches(data, monkeypatch, caplog):
-    ev = evaluator(data, "sgd", epochs=1)
-    calls = []
-
-    def fake(jobs, evaluator, x, y, shared, single=None, checked=False):
-        calls.append(len(jobs))
-        return speed
-
-    monkeypatch.setattr(_batching, "_measure", fake)
-    monkeypatch.setattr(_batching.settings, "max_separate_efficiency", 1.0)  # always measure
-    _batching.clear_cache()
-    speed = 0.7
-    with caplog.at_level(logging.INFO, logger="tridens"):
-        units, rest = plan_batching(make_jobs(SAMPLES, cnn), ev)
-    assert units == [] and len(rest) == 4 and "not fused: measured 0.70x" in caplog.text
-    speed = 3.0
-    units, rest = plan_batching(make_jobs(SAMPLES, cnn), ev)
-    assert units == [] and calls == [4]  # cached per (structure, setup, K, device type)
-    _batching.clear_cache()
-    units, rest = plan_batching(make_jobs(SAMPLES, cnn), ev)
-    assert len(units) == 1 and rest == [] and "4 trials, fused: measured 3.0x" in units[0].describe()
-
-
-def test_efficient_separate_step_skips_the_fused_measurement(data, monkeypatch, caplog):
-    """A model whose separate step already runs near the peak matmul rate is left separate without
-    timing fused steps (here the bar is set below any real model's rate)."""
-    ev = evaluator(data, "sgd", epochs=1)
-    fraction, rate, seconds = _batching._separate_efficiency(make_jobs(SAMPLES, cnn)[0], ev, data[0].tensors[0][:64],
-                                                             data[0].tensors[1][:64])
-    assert 0 < fraction and rate > 0 and seconds > 0 and _batching.peak_matmul_flops(torch.device("cpu")) > rate / 10
-    monkeypatch.setattr(_batching.settings, "max_separate_efficiency", 1e-9)
-    _batching.clear_cache()
-    with caplog.at_level(logging.INFO, logger="tridens"):
-        units, rest = plan_batching(make_jobs(SAMPLES, cnn), ev)
-    assert units == [] and len(rest) == 4 and "of the peak matmul rate" in caplog.text
-    assert _batching._SPEEDUPS == {}  # no fused step was timed
-
-
-def test_measurement_runs(data):
-    ev = evaluator(data, "sgd", epochs=1)
-    jobs = make_jobs(SAMPLES, mlp)
-    x, y = data[0].tensors[0][:64], data[0].tensors[1][:64]
-    before = {k: v.clone() for k, v in jobs[0].model.state_dict().items()}
-    speedup = _batching._measure(jobs, ev, x, y, True)
-    assert speedup > 0 and math.isfinite(speedup)
-    # with one model's step time given (the roofline pre-check's), only fused steps are timed
-    assert math.isfinite(_batching._measure(jobs, ev, x, y, True, single=1e-3, checked=True))
-    assert all(torch.equal(before[k], v) for k, v in jobs[0].model.state_dict().items())  # models untouched
-
-
 def test_planner_respects_max_unit_memory(data, force, caplog):
     ev = evaluator(data, "sgd", epochs=1)
     probe = BatchedMember(make_jobs(SAMPLES[:2], cnn), ev)

@@ -410,6 +410,7 @@ class RayExecutor(Executor):
         if not self.optimize or self.allocation is not None:
             return [_UnitTrack({job.trial.id: _Member(job, models[job.trial.id])}, optimize=False) for job in jobs]
         from ..xopt import _batching
+        from ..xopt._adaptive import AdaptiveMember
         from ._planner import plan
 
         tracks = []
@@ -419,9 +420,13 @@ class RayExecutor(Executor):
                 continue
             # The worker plans the unit's trials again: batching as decided here (a measured
             # speed-up could come out differently there), everything else as configured.
+            members = getattr(unit, "members", None) or [getattr(unit, "member", None)]
             batched = isinstance(unit, _batching.BatchedUnit) or any(
-                isinstance(m, _batching.BatchedMember) for m in getattr(unit, "members", ()))
-            settings = dataclasses.replace(_batching.settings, mode="force" if batched else "off")
+                isinstance(m, _batching.BatchedMember) for m in members)
+            # an adaptive unit decides on the worker, from its own first steps there
+            adaptive = any(isinstance(m, AdaptiveMember) and m.state == "deciding" for m in members)
+            settings = dataclasses.replace(_batching.settings,
+                                           mode="auto" if adaptive else "force" if batched else "off")
             tracks.append(_UnitTrack({t: _Member(j, models[t]) for t, j in unit.jobs.items()},
                                      planned=unit.kind, batching=settings))
         return tracks

@@ -109,6 +109,7 @@ def member_state(unit: Any, trial_id: int, evaluator: StepwiseEvaluator) -> dict
     if isinstance(unit, SeparateUnit):
         trainer = unit.trainers.get(trial_id)
         return None if trainer is None else trainer.state_dict()
+    from ..xopt._adaptive import AdaptiveMember
     from ..xopt._batching import BatchedMember, BatchedUnit
     from ..xopt._cse import JointMember, SharedPipelineUnit, TrainerMember
 
@@ -119,6 +120,8 @@ def member_state(unit: Any, trial_id: int, evaluator: StepwiseEvaluator) -> dict
         member = unit._by_trial.get(trial_id)
         if isinstance(member, JointMember):  # members stepped together keep each trial's TrainerMember
             member = member._by.get(trial_id)
+    if isinstance(member, AdaptiveMember):  # fused or separate as it decided on its first steps
+        member = member.member_of(trial_id)
     if isinstance(member, TrainerMember):
         return _trainer_member_state(member, job, evaluator)
     if isinstance(member, BatchedMember):
@@ -237,7 +240,8 @@ def _plan(jobs: Sequence[Job], evaluator: StepwiseEvaluator, spec: Mapping[str, 
         for name, old in saved.items():
             for f in dataclasses.fields(old):
                 setattr(given[name][0], f.name, getattr(old, f.name))
-    if len(units) != 1 or units[0].kind != spec["planned"]:
+    if (len(units) != 1 or units[0].kind != spec["planned"]) and spec["batching"].mode != "auto":
+        # (with "auto", an adaptive unit's decision cached in this worker may plan it otherwise)
         log.warning("trials %s: the driver planned one %s unit, this worker planned %s (trained as planned here)",
                     [j.trial.id for j in jobs], spec["planned"], [u.describe() for u in units])
     return units

@@ -48,33 +48,41 @@ leaves through :meth:`BatchedUnit.drop`; the others' arithmetic is independent o
 
 **When it pays.** On a CPU, vmapped convolutions become grouped convolutions, which can be slower
 than K ordinary ones (4 Fashion-MNIST CNNs: 6.4 s separate, 11.0 s vmapped), while small models
-gain a lot. So :func:`plan_batching` times a few steps fused against one model's separate steps on
-the real batch shapes (interleaved, medians), caches the speed-up per (structure, setup, K,
-device type), and fuses only where it reaches ``settings.min_speedup``; the rest is left to the
-next optimization and to separate training. Knobs (module-level :data:`settings`, also read from
-the environment at import):
+gain a lot. So a group whose fusion has not been measured yet becomes an
+:class:`~tridens.xopt._adaptive.AdaptiveUnit`, which decides from its OWN first real training steps
+(no throwaway steps; see :mod:`tridens.xopt._adaptive`): one model's first separate steps (a
+roofline check against the peak matmul rate first), then fused steps interleaved with them, and
+keeps training whichever way pays, with results exactly those of fused or separate training from
+the start. The speed-up is cached per (structure, setup, K, device type, threads): later groups
+with the same key are planned fused (a :class:`BatchedUnit`) or left to the next optimization and
+separate training directly. Grouping traces a model's graph only where another model shares its
+module tree and tensor shapes, and once per set of models whose modules agree in class and plain
+attributes (:func:`_attribute_key`). Knobs (module-level :data:`settings`, also read from the
+environment at import):
 
-* ``settings.mode`` (``TRIDENS_BATCHING``): ``"auto"`` (measure, default), ``"force"`` (fuse every
-  compatible group whatever the measurement: used by tests to compare fused with separate),
-  ``"off"``.
+* ``settings.mode`` (``TRIDENS_BATCHING``): ``"auto"`` (decide from real steps, default),
+  ``"force"`` (fuse every compatible group whatever the measurement: used by tests to compare fused
+  with separate), ``"off"``.
 * memory: a unit's estimated parameters + gradients + optimizer state + activations stay under
   the experiment's ``max_unit_memory`` (one bound for every optimization, resolved by
   :func:`tridens.engine._planner.resolve_max_unit_memory`: ``td.Experiment(max_unit_memory=)``,
   ``$TRIDENS_MAX_UNIT_MEMORY``, else half the RAM / 80% of free GPU memory; or
-  ``plan_batching(..., max_unit_memory=)``); larger groups are split.
+  ``plan_batching(..., max_unit_memory=)``); larger groups are split. The estimate comes from one
+  evaluation-mode forward of one model on 8 examples (:func:`_model_costs`).
 * ``settings.max_unit_size`` (default 64): the most models in one unit.
-* ``settings.min_speedup`` (default 1.25): the measured speed-up a unit must reach to be fused (a
-  margin: a few steps on one cache-hot batch overestimated real epochs by up to ~1.7x here).
-* ``settings.measure_rounds`` (default 3): timed rounds (after one warm-up) per measurement; up to
-  twice as many while the ratio is within -20%/+25% of ``min_speedup``. On a CPU only fused steps
-  are timed: one model's separate step time comes from the roofline pre-check below (least of
-  the rounds on both sides: the cost least disturbed by other processes).
-* ``settings.max_separate_efficiency`` (default 0.2): on a CPU, before timing fused steps, one
-  model's separate step is timed and its rate (training FLOPs from the graph IR per CPU second)
-  compared with the peak fp32 matmul rate measured once per process. A model that already runs at
-  this fraction of the peak has little per-operation overhead left for fusion to remove (grouped
-  kernels then lose: 0.52-0.66x measured here), so the group trains separately without paying
-  for a fused measurement (K models' fused steps can cost as much as a short epoch).
+* ``settings.min_speedup`` (default 1.1): the measured speed-up a group must reach to stay fused
+  (measured on real, different batches in CPU time, not on one cache-hot batch as before: the
+  former 1.25 margin against that bias is no longer needed).
+* ``settings.measure_rounds`` (default 3): timed fused steps (after one warm-up) before deciding;
+  up to twice as many while the ratio is within -20%/+25% of ``min_speedup``.
+* ``settings.max_separate_efficiency`` (default 0.2): on a CPU, one model's separate step rate
+  (training FLOPs of its Linear/Conv layers per CPU second, on its first real steps) against the
+  peak fp32 matmul rate (:func:`peak_matmul_flops`, once per process). A model that already runs
+  at this fraction of the peak has little per-operation overhead left for fusion to remove
+  (grouped kernels then lose: 0.52-0.66x measured here), so the group trains separately without
+  trying a fused step.
+* ``settings.override_speedup`` (default None): replaces the measured speed-up in the decision
+  (tests drive both paths with it on real training).
 * ``settings.packed`` (default True): use the grouped-kernel engine where it applies.
 * ``settings.keep_freed_memory`` (default True, Linux/glibc): a fused step allocates and frees
   activations of several MiB each; glibc returns such blocks to the system and takes them back at
@@ -137,9 +145,10 @@ class BatchingSettings:
     max_unit_size: int = 64
     packed: bool = True
     channels_last: bool = False
-    min_speedup: float = 1.25
+    min_speedup: float = 1.1
     measure_rounds: int = 3
     max_separate_efficiency: float = 0.2
+    override_speedup: float | None = None
     keep_freed_memory: bool = True
 
 
@@ -464,6 +473,15 @@ class _MaxPool2x2(torch.autograd.Function):
         return pairs.view(b, c, h, 2 * half), None
 
 
+_FLATTEN_BATCH_INNER = True
+
+
+def _flatten_packed(v: torch.Tensor, k: int) -> torch.Tensor:
+    if _FLATTEN_BATCH_INNER:
+        return v.reshape(v.shape[0], k, -1).permute(1, 2, 0).contiguous().transpose(1, 2)
+    return v.reshape(v.shape[0], k, -1).transpose(0, 1)
+
+
 def _is_pool2x2(kind: str, node: Any, info: Mapping[str, Any]) -> bool:
     """A 2x2, stride-2 max-pool without padding, dilation, ceil mode or indices."""
     if kind == "apply":
@@ -680,7 +698,7 @@ class _PackedProgram:
             elif kind == "flatten":
                 src = info["src"]
                 env[node] = v.flatten(1) if src == "S" else v.flatten(2) if src == "M" else \
-                    v.reshape(v.shape[0], k, -1).transpose(0, 1)
+                    _flatten_packed(v, k)
             elif kind == "dropout":
                 env[node] = member._packed_dropout(v, info["name"], info["src"]) if training else v
         raise RuntimeError("the packed program has no output")  # pragma: no cover
@@ -890,7 +908,9 @@ class BatchedMember:
         if "val_loss" in names:
             per["val_loss"] = [v * size for v in _stacked_loss(cfg.loss, out, y).tolist()]
         if "val_acc" in names:
-            per["val_acc"] = [float(c) for c in (out.argmax(dim=2) == y).sum(dim=1).tolist()]
+            # max's indices are argmax's (the first maximum, NaN first), and over the class dim of
+            # the grouped program's (K, C, B) outputs 11x faster (argmax walks it per element)
+            per["val_acc"] = [float(c) for c in (out.max(dim=2).indices == y).sum(dim=1).tolist()]
         if "val_mse" in names or "val_mae" in names:
             diff = vmap(lambda o: _match(o, y) - y.to(o.dtype))(out)
             self._val_elements += diff[0].numel()
@@ -1254,111 +1274,34 @@ def _first_batch(cfg: TrainConfig, seed: int) -> tuple[torch.Tensor, torch.Tenso
     return cfg.augment(x, seed, 0, 0), y
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _measure(jobs: Sequence[Job], evaluator: _Supervised, x: torch.Tensor, y: torch.Tensor,
-             shared_input: bool | None, single: float | None = None, checked: bool = False) -> float:
-    """Speed-up of one fused step of ``jobs`` over K separate steps (one model's step times K) on
-    the real batch (CPU time on a CPU; the least of the rounds, the cost least disturbed by other
-    processes). ``single``: one model's separate step time, when the roofline pre-check has
-    already timed it (then only fused steps are timed); otherwise separate steps are timed
-    interleaved with the fused ones. A warm-up of each, then ``measure_rounds`` rounds, up to
-    twice as many while the ratio is within -20%/+25% of ``min_speedup``. ``checked``: the grouped
-    program was already verified against vmap on this structure (skip the check)."""
-    probe = BatchedMember(jobs, evaluator, shared_input=shared_input)
-    probe._program_checked = probe._program_checked or checked
-    probe.begin_epoch()
-    trainer = None
-    if single is None:
-        job = jobs[0]
-        trainer = evaluator.trainer(copy.deepcopy(job.model), job.trial.sample, job.trial.seed)
-    device = probe.device
-    # CPU: CPU time, which a loaded machine disturbs far less than wall time (a wall-clock
-    # measurement at load ~20 said 0.64x where whole epochs gained 2.6x)
-    clock = time.process_time if device.type == "cpu" else time.perf_counter
-    fused: list[float] = []
-    singles: list[float] = []
-
-    def ratio() -> float:
-        return len(jobs) * (min(singles) if single is None else single) / min(fused)
-
-    round_ = 0
-    while True:
-        if len(probe.ids) < len(jobs):  # a model diverged on the repeated batch: time no further
-            if not fused:
-                raise RuntimeError("a model's loss was not finite while measuring")
-            return ratio()
-        if round_ > settings.measure_rounds:  # enough rounds, unless the answer is still close to the bar
-            if round_ > 2 * settings.measure_rounds or not 0.8 <= ratio() / settings.min_speedup <= 1.25:
-                return ratio()
-        _sync(device)
-        t0 = clock()
-        probe.train_batch(x, y, round_)
-        _sync(device)
-        t1 = clock()
-        if trainer is not None:
-            trainer.train_batch(x, y, round_)
-            _sync(device)
-        t2 = clock()
-        if round_:  # the first round warms up both
-            fused.append(t1 - t0)
-            singles.append(t2 - t1)
-        round_ += 1
-
-
 _PEAKS: dict[tuple[str, int], float] = {}
 # (structure key, setup key, threads) -> (fraction of the peak, FLOPs per CPU second, CPU seconds) of
-# a separate step
+# one model's separate step, from the first real steps of an adaptive unit
 _EFFICIENCY: dict[tuple[Any, ...], tuple[float, float, float]] = {}
 
 
 def peak_matmul_flops(device: torch.device) -> float:
-    """FLOPs per CPU second of a 512x512 fp32 matmul on ``device`` (a warm-up, then the best of
-    four; cached per process and thread count): the roof one model's step is compared with
-    (~14 ms; 81-87 GFLOP/s from run to run at load ~15 here, as steady as the former best of
-    three rounds of four, which took 40 ms -- a third of the planner's time for 16 MLPs;
-    256x256 read 80-99)."""
+    """FLOPs per CPU second of a 256x256 fp32 matmul on ``device`` (a warm-up, then the best of
+    eight; cached per process and thread count): the roof one model's step is compared with. ~3 ms
+    (the 512x512 probe it replaces took ~14 ms, a tenth of the planner's cost for 16 small MLPs, and
+    read 81-87 GFLOP/s where this one reads 80-99: close enough for a bar at 20% of it)."""
     key = (device.type, torch.get_num_threads())
     if key not in _PEAKS:
-        a, b = torch.randn(512, 512, device=device), torch.randn(512, 512, device=device)
+        a, b = torch.randn(256, 256, device=device), torch.randn(256, 256, device=device)
         a @ b
         best = 0.0
-        for _ in range(4):
+        for _ in range(8):
             t0 = time.process_time()
             a @ b
-            best = max(best, 2 * 512 ** 3 / max(time.process_time() - t0, 1e-6))
+            best = max(best, 2 * 256 ** 3 / max(time.process_time() - t0, 1e-6))
         _PEAKS[key] = best
     return _PEAKS[key]
 
 
-def _separate_efficiency(job: Job, evaluator: _Supervised, x: torch.Tensor,
-                         y: torch.Tensor) -> tuple[float, float, float]:
-    """``(fraction of the peak matmul rate, FLOPs per CPU second, CPU seconds)`` of one model's
-    separate training step on the real batch (a copy of the model; warm-up, then the best of
-    three). The step time is reused by :func:`_measure` (no separate steps timed twice)."""
-    from ..graph import trace
-
-    model = copy.deepcopy(job.model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        forward = trace(copy.deepcopy(job.model), (x,)).flops()
-    trainer = evaluator.trainer(model, job.trial.sample, job.trial.seed)
-    trainer.train_batch(x, y, 0)
-    best = math.inf
-    for step in range(3):
-        t0 = time.process_time()
-        trainer.train_batch(x, y, step + 1)
-        best = min(best, time.process_time() - t0)
-    rate = 3 * forward / max(best, 1e-6)  # forward + backward ~ 3 forwards
-    return rate / peak_matmul_flops(torch.device("cpu")), rate, best
-
-
 def _probe(jobs: Sequence[Job], evaluator: _Supervised, x: torch.Tensor, y: torch.Tensor) -> BatchedMember:
     """A throwaway member that ran one fused step and a validation batch (proves the models
-    vectorize, and finds whether they can share their input)."""
+    vectorize, and finds whether they can share their input). Forced fusion only: an adaptive
+    unit finds the same on its first real steps."""
     probe = BatchedMember(jobs, evaluator)
     probe.begin_epoch()
     probe.train_batch(x, y, 0)
@@ -1366,6 +1309,128 @@ def _probe(jobs: Sequence[Job], evaluator: _Supervised, x: torch.Tensor, y: torc
     probe.validate_batch(x, y)
     probe.end_validation()
     return probe
+
+
+def _model_costs(model: nn.Module, x: torch.Tensor, cfg: TrainConfig) -> tuple[int, float]:
+    """``(bytes one model adds to a unit, training FLOPs of one step)`` from ONE evaluation-mode
+    forward of the model on 8 examples of ``x`` under ``no_grad`` with copies of its buffers (nothing
+    of the model changed, no random numbers drawn; ~0.3 ms where a meta-device forward took 2-6 ms
+    and ``torch.utils.flop_counter`` 1-2 ms more): parameters, gradients, optimizer state and
+    buffers, plus twice the outputs of its leaf modules scaled to the batch (as
+    :func:`_per_model_bytes`). FLOPs are those of its ``Linear`` and ``Conv`` layers (the matmul-like
+    work the roofline compares with the peak matmul rate; other layers count 0, which can only
+    understate the rate and so lead to measuring fusion), times 3 for forward and backward."""
+    states = {"sgd": 1, "adam": 2, "adamw": 2, "rmsprop": 2}.get(cfg.optimizer, 2)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    activations = 0
+    flops = 0.0
+
+    def hook(module: nn.Module, _inputs: Any, output: Any) -> None:
+        nonlocal activations, flops
+        if not isinstance(output, torch.Tensor):
+            return
+        activations += output.numel() * output.element_size()
+        if isinstance(module, nn.Linear):
+            flops += 2.0 * module.in_features * output.numel()
+        elif isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            flops += 2.0 * output.numel() * module.in_channels // module.groups * math.prod(module.kernel_size)
+
+    part = x[:8]
+    scale = len(x) / max(len(part), 1)
+    flags = [(m, m.training) for m in model.modules()]
+    handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    try:
+        model.eval()  # (activation shapes as in training; no dropout drawn, no running statistics moved)
+        with torch.no_grad():
+            functional_call(model, buffers, (part,), strict=False)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, flag in flags:
+            m.training = flag
+    return param_bytes * (2 + states) + buffer_bytes + int(2 * activations * scale), 3.0 * flops * scale
+
+
+# -- cheap structure keys: trace only models that can be grouped -----------------------------------
+_MODULE_STATE = {"training", "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
+                 "_is_full_backward_hook"}
+_PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _shape_key(model: nn.Module) -> tuple[Any, ...]:
+    """Module tree (names and classes) and parameter/buffer names, shapes and dtypes: a necessary
+    condition for two models to stack (no trace; microseconds)."""
+    tree = tuple((n, type(m).__module__, type(m).__qualname__) for n, m in model.named_modules())
+    tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in model.named_parameters())
+    return tree, tensors, tuple((n, tuple(t.shape), t.dtype) for n, t in model.named_buffers())
+
+
+def _plain(value: Any) -> Any:
+    """A hashable stand-in for an attribute value, or raise TypeError for values it cannot judge."""
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_plain(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted(((repr(k), _plain(v)) for k, v in value.items()))))
+    if isinstance(value, torch.Tensor) and value.numel() <= 4096 and value.device.type == "cpu":
+        return ("tensor", tuple(value.shape), value.dtype, value.detach().numpy().tobytes()
+                if value.dtype != torch.bfloat16 else value.detach().float().numpy().tobytes())
+    raise TypeError(type(value).__name__)
+
+
+def _attribute_key(model: nn.Module) -> tuple[Any, ...] | None:
+    """Every module's class and plain attributes (what ``td.choice`` resolves to in constructors;
+    a dropout's ``p`` left out, as the structure key normalizes it), with parameter and buffer
+    shapes. Models with equal keys run the same forward, so their graph fingerprint is traced once.
+    None where an attribute is of a type it cannot compare, or a hook is registered: traced alone."""
+    parts: list[Any] = [_shape_key(model)]
+    try:
+        for name, m in model.named_modules():
+            attrs = []
+            for key, value in m.__dict__.items():
+                if key in _MODULE_STATE or (key == "p" and type(m) in _DROPOUTS):
+                    continue
+                if key.startswith("_") and key.endswith("hooks") or key.endswith("hooks_with_kwargs") \
+                        or key.endswith("hooks_always_called"):
+                    if value:
+                        return None
+                    continue
+                attrs.append((key, _plain(value)))
+            parts.append((name, tuple(attrs)))
+    except TypeError:
+        return None
+    return tuple(parts)
+
+
+def _structure_keys(jobs: Sequence[Job]) -> list[str | BaseException | None]:
+    """The structure key (:func:`_structure_key`, a graph trace) of each job whose model shares its
+    module tree and tensor shapes with another job's; models with equal attribute keys share one
+    trace. None for a job with no partner to stack with (in ``jobs``' order)."""
+    by_shape: dict[tuple[Any, ...], list[int]] = {}
+    for index, job in enumerate(jobs):
+        by_shape.setdefault(_shape_key(job.model), []).append(index)
+    keys: list[str | BaseException | None] = [None] * len(jobs)
+    traced: dict[tuple[Any, ...], str | BaseException] = {}
+    for group in by_shape.values():
+        if len(group) < 2:
+            continue
+        for index in group:
+            job = jobs[index]
+            attrs = _attribute_key(job.model)
+            if attrs is not None and attrs in traced:
+                keys[index] = traced[attrs]
+                continue
+            try:
+                key: str | BaseException = _structure_key(job.model)
+            except Exception as err:
+                key = err
+            keys[index] = key
+            if attrs is not None:
+                traced[attrs] = key
+    return keys
 
 
 def _first_line(err: BaseException) -> str:
@@ -1382,12 +1447,15 @@ def _differing(a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
 
 def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
                   max_unit_memory: int | str | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
-    """Group ``jobs`` by (structure, training setup); fuse each group of two or more into
-    :class:`BatchedUnit`\\ s where a measurement says it pays (or ``settings.mode == "force"``),
-    within ``max_unit_memory`` (bytes or e.g. ``"2GiB"``; default: the experiment's bound, see
-    :func:`tridens.engine._planner.resolve_max_unit_memory`). Returns the units and
-    the jobs left for other optimizations / separate training. Logs one line per group that is
-    not fused, saying why (fused units log their own line through the planner)."""
+    """Group ``jobs`` by (structure, training setup) and fuse each group of two or more, within
+    ``max_unit_memory`` (bytes or e.g. ``"2GiB"``; default: the experiment's bound, see
+    :func:`tridens.engine._planner.resolve_max_unit_memory`): as a :class:`BatchedUnit` where
+    ``settings.mode == "force"`` or an earlier group with the same key measured that fusion pays;
+    as an :class:`~tridens.xopt._adaptive.AdaptiveUnit` (fused or separate, decided from its own
+    first real steps) where nothing was measured yet; not at all where a group with the same key
+    measured that it does not pay. Returns the units and the jobs left for other optimizations /
+    separate training. Logs one line per group that is not fused, saying why (fused units log
+    their own line through the planner)."""
     if settings.mode == "off" or not isinstance(evaluator, _Supervised):
         return [], list(jobs)
     if len(jobs) < 2:  # nothing to fuse with: skip tracing
@@ -1395,7 +1463,7 @@ def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
             log.info("batching: trial %d not fused: no other trial in its group", job.trial.id)
         return [], list(jobs)
     leftover: list[Job] = []
-    structures: dict[str, list[tuple[tuple[Any, ...], Job, TrainConfig]]] = {}
+    candidates: list[tuple[Job, TrainConfig]] = []
     for job in jobs:
         if not isinstance(job.model, nn.Module):
             leftover.append(job)
@@ -1404,9 +1472,20 @@ def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
             cfg = evaluator.config(job.trial.sample)
             if cfg.optimizer not in ("sgd", "adam", "adamw", "rmsprop"):
                 raise ValueError(f"no vectorized optimizer {cfg.optimizer!r}")
-            key = _structure_key(job.model)
         except Exception as err:  # the separate trainer reports invalid setups as the trial's error
             log.info("batching: trial %d not fused: %s", job.trial.id, _first_line(err))
+            leftover.append(job)
+            continue
+        candidates.append((job, cfg))
+    keys = _structure_keys([job for job, _ in candidates])
+    structures: dict[str, list[tuple[tuple[Any, ...], Job, TrainConfig]]] = {}
+    for (job, cfg), key in zip(candidates, keys):
+        if key is None:
+            log.info("batching: trial %d not fused: no other trial with the same model structure", job.trial.id)
+            leftover.append(job)
+            continue
+        if isinstance(key, BaseException):
+            log.info("batching: trial %d not fused: %s", job.trial.id, _first_line(key))
             leftover.append(job)
             continue
         structures.setdefault(key, []).append((_setup_key(cfg, job.trial.seed), job, cfg))
@@ -1428,7 +1507,16 @@ def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
             made, rest = _plan_group(skey, setup, group, evaluator, budget)
             units.extend(made)
             leftover.extend(rest)
+    order = {id(job): i for i, job in enumerate(jobs)}
+    leftover.sort(key=lambda j: order[id(j)])
     return units, leftover
+
+
+def _chunks(group: list[Job], size: int) -> list[list[Job]]:
+    chunks = [group[i:i + size] for i in range(0, len(group), size)]
+    if len(chunks) > 1 and len(chunks[-1]) == 1:  # never leave one model alone: rebalance
+        chunks = [group[i::len(chunks)] for i in range(len(chunks))]
+    return chunks
 
 
 def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: _Supervised,
@@ -1440,19 +1528,62 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
     except Exception as err:
         log.info("batching: trials %s not fused: %s", ids, _first_line(err))
         return [], list(group)
-    if settings.mode != "force" and cfg.device.type == "cpu" and settings.max_separate_efficiency < 1:
-        key = (skey, setup, torch.get_num_threads())
-        if key not in _EFFICIENCY:
-            try:
-                _EFFICIENCY[key] = _separate_efficiency(group[0], evaluator, x, y)
-            except Exception:  # no FLOPs or a failing step: decide by measuring fused steps
-                _EFFICIENCY[key] = (0.0, 0.0, 0.0)
-        fraction, rate, _ = _EFFICIENCY[key]
-        if fraction >= settings.max_separate_efficiency:
-            log.info("batching: trials %s not fused: one model's step already runs at %.0f%% of the peak matmul "
-                     "rate (%.1f GFLOP/s; >= %.0f%%), no per-operation overhead left for fusion to remove",
-                     ids, 100 * fraction, rate / 1e9, 100 * settings.max_separate_efficiency)
+    if settings.mode == "force":
+        return _plan_forced(group, evaluator, budget, x, y)
+    threads = torch.get_num_threads()
+    efficiency = _EFFICIENCY.get((skey, setup, threads)) if cfg.device.type == "cpu" else None
+    if efficiency is not None and efficiency[0] >= settings.max_separate_efficiency:
+        log.info("batching: trials %s not fused: one model's step already runs at %.0f%% of the peak matmul "
+                 "rate (%.1f GFLOP/s; >= %.0f%%; measured on an earlier unit's first steps), no per-operation "
+                 "overhead left for fusion to remove", ids, 100 * efficiency[0], efficiency[1] / 1e9,
+                 100 * settings.max_separate_efficiency)
+        return [], list(group)
+    try:
+        per_model, flops = _model_costs(group[0].model, x, cfg)
+    except Exception:  # a forward the meta device cannot run: measure on a throwaway fused step
+        try:
+            per_model, flops = _per_model_bytes(_probe(group[:2], evaluator, x, y), x), 0.0
+        except Exception as err:
+            log.info("batching: trials %s not fused: the models do not vectorize (%s)", ids, _first_line(err))
             return [], list(group)
+    size = min(settings.max_unit_size, max(1, budget // max(per_model, 1)))
+    if size < 2:
+        log.info("batching: trials %s not fused: one model needs ~%.0f MiB, max_unit_memory is %.0f MiB",
+                 ids, per_model / 2**20, budget / 2**20)
+        return [], list(group)
+    from ._adaptive import AdaptiveUnit, decision_key
+
+    units: list[ExecutionUnit] = []
+    rest: list[Job] = []
+    for chunk in _chunks(group, size):
+        k, chunk_ids = len(chunk), [j.trial.id for j in chunk]
+        speedup = _SPEEDUPS.get(decision_key(skey, setup, k, cfg.device))
+        if speedup is not None and speedup < settings.min_speedup:
+            log.info("batching: trials %s not fused: measured %.2fx on an earlier unit's first steps (below %.2fx)",
+                     chunk_ids, speedup, settings.min_speedup)
+            rest.extend(chunk)
+            continue
+        try:
+            if speedup is not None:
+                unit: BatchedUnit = BatchedUnit(chunk, evaluator, reason=f"{k} trials, fused: measured {speedup:.2f}x "
+                                                "on an earlier unit's first steps")
+            else:
+                unit = AdaptiveUnit(chunk, evaluator, reason=f"{k} trials, fused or not as measured on their first "
+                                    "real steps", skey=skey, setup=setup, flops=flops)
+        except Exception as err:
+            log.info("batching: trials %s not fused: the models do not vectorize (%s)", chunk_ids, _first_line(err))
+            rest.extend(chunk)
+            continue
+        unit.memory = per_model * k
+        units.append(unit)
+    return units, rest
+
+
+def _plan_forced(group: list[Job], evaluator: _Supervised, budget: int, x: torch.Tensor,
+                 y: torch.Tensor) -> tuple[list[ExecutionUnit], list[Job]]:
+    """``settings.mode == "force"``: fuse every compatible group (a throwaway step proves the
+    models vectorize first)."""
+    ids = [j.trial.id for j in group]
     try:
         probe = _probe(group[:2], evaluator, x, y)
         per_model = _per_model_bytes(probe, x)
@@ -1466,37 +1597,11 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
         log.info("batching: trials %s not fused: one model needs ~%.0f MiB, max_unit_memory is %.0f MiB",
                  ids, per_model / 2**20, budget / 2**20)
         return [], list(group)
-    chunks = [group[i:i + size] for i in range(0, len(group), size)]
-    if len(chunks) > 1 and len(chunks[-1]) == 1:  # never leave one model alone: rebalance
-        chunks = [group[i::len(chunks)] for i in range(len(chunks))]
     units: list[ExecutionUnit] = []
-    rest: list[Job] = []
-    for chunk in chunks:
-        k = len(chunk)
-        if settings.mode == "force":
-            units.append(BatchedUnit(chunk, evaluator, reason=f"{k} trials, fused: forced (settings.mode='force')",
-                                     shared_input=shared))
-            units[-1].memory = per_model * k
-            units[-1].member._program_checked = units[-1].member._program_checked or checked
-            continue
-        cache_key = (skey, setup, k, cfg.device.type)
-        try:
-            if cache_key not in _SPEEDUPS:
-                single = _EFFICIENCY.get((skey, setup, torch.get_num_threads()), (0, 0, 0))[2] \
-                    if cfg.device.type == "cpu" else 0
-                _SPEEDUPS[cache_key] = _measure(chunk, evaluator, x, y, shared, single or None, checked)
-            speedup = _SPEEDUPS[cache_key]
-        except Exception as err:
-            log.info("batching: trials %s not fused: %s", [j.trial.id for j in chunk], _first_line(err))
-            rest.extend(chunk)
-            continue
-        if speedup >= settings.min_speedup:
-            units.append(BatchedUnit(chunk, evaluator, reason=f"{k} trials, fused: measured {speedup:.1f}x",
-                                     shared_input=shared))
-            units[-1].memory = per_model * k
-            units[-1].member._program_checked = units[-1].member._program_checked or checked
-        else:
-            log.info("batching: trials %s not fused: measured %.2fx (below %.2fx)",
-                     [j.trial.id for j in chunk], speedup, settings.min_speedup)
-            rest.extend(chunk)
-    return units, rest
+    for chunk in _chunks(group, size):
+        unit = BatchedUnit(chunk, evaluator, reason=f"{len(chunk)} trials, fused: forced (settings.mode='force')",
+                           shared_input=shared)
+        unit.memory = per_model * len(chunk)
+        unit.member._program_checked = unit.member._program_checked or checked
+        units.append(unit)
+    return units, []

@@ -1,0 +1,450 @@
+"""Operator batching decided from a unit's own first real training steps.
+
+:func:`tridens.xopt._batching.plan_batching` (``settings.mode == "auto"``) builds an
+:class:`AdaptiveUnit` for a group of same-shaped trials whose fusion has not been measured yet. It
+is a :class:`~tridens.xopt._batching.BatchedUnit` (so the mixed-unit pass and the Ray executor see
+it as one) whose member, :class:`AdaptiveMember`, trains the group's first epoch *speculatively*
+and decides on the way, with nothing thrown away that it does not have to:
+
+1. **One model's separate steps** (the *timing trial*: the first trial, its real trainer on its
+   real model) train the first ``1 + 2`` batches. The batches are kept (references; a few MiB at
+   most). From the CPU time of those steps and the model's FLOPs (counted once per group on the
+   meta device at planning) the member knows how close one model already runs to the peak fp32
+   matmul rate (:func:`tridens.xopt._batching.peak_matmul_flops`, once per process). At
+   ``settings.max_separate_efficiency`` or more, fusion has no per-operation overhead left to
+   remove (grouped kernels lose on a CPU: 0.52-0.66x measured), so the group goes **separate** at
+   once: the other trials' trainers train the kept batches and go on. Nothing was wasted.
+2. Otherwise the **fused** stack (built at planning from the untouched initial models: a
+   :class:`~tridens.xopt._batching.BatchedMember` stacks copies) trains the kept batches, then
+   every further batch, each fused step followed by the timing trial's separate step, timed in
+   CPU seconds (a loaded machine disturbs CPU time far less than wall time). After
+   ``settings.measure_rounds`` timed fused steps (past one warm-up; up to twice as many while the
+   ratio is within -20%/+25% of the bar) the speed-up is one model's least separate step time over
+   the least fused step time per model. At ``settings.min_speedup`` or more the group stays
+   **fused**: the timing trial's model is put back to its initial state and its trainer dropped
+   (the waste: a few separate steps of ONE model). Below, it goes **separate**: the other
+   trials' trainers train the kept batches (the waste: those few fused steps).
+
+Either way each trial's results are exactly those of never having decided: the fused stack started
+from the initial weights and the trials' random streams from their seeds; separate trainers start
+from the untouched models and seeds and see the same batches in the same order. Per-epoch metrics
+are those of fused (or separate) training, bit for bit. Going separate keeps the shared data
+pipeline (the trainers are :class:`~tridens.xopt._cse.TrainerMember`\\ s fed by the unit).
+
+An epoch too short to decide decides at its end on what it has (the fused stack trains the kept
+batches if it has not yet). A fused stack that fails (a forward that does not vectorize, an
+evaluation forward that fails) goes separate, saying why. The outcome is logged ("batching: trials
+[...] fused: measured from 5 real steps: 2.31x") and cached per (structure, setup, K, device type,
+threads): later groups with the same key are planned fused or separate directly. Knobs are
+:data:`tridens.xopt._batching.settings` (``settings.override_speedup`` replaces the measured ratio
+in the decision: tests use it to drive either path on real training).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..engine._execution import Job
+from ..engine._units import ExecutionUnit
+from ..evaluators._base import StepwiseEvaluator
+from ._batching import BatchedMember, BatchedUnit, _EFFICIENCY, _SPEEDUPS, peak_matmul_flops, settings
+from ._cse import TrainerMember
+
+__all__ = ["AdaptiveMember", "AdaptiveUnit", "decision_key"]
+
+log = logging.getLogger("tridens")
+
+# separate steps of the timing trial before the roofline check: one warm-up, then timed ones
+_SEPARATE_ROUNDS = 2
+
+
+def decision_key(skey: str, setup: tuple[Any, ...], k: int, device: torch.device) -> tuple[Any, ...]:
+    """The cache key of a measured speed-up: structure, setup, K, device type and torch threads."""
+    return (skey, setup, k, device.type, torch.get_num_threads())
+
+
+class AdaptiveMember:
+    """A group of same-shaped trials that trains fused or separately, decided from its first
+    real steps (see the module docstring). It answers the pipeline-member protocol of
+    :mod:`tridens.xopt._cse` like :class:`~tridens.xopt._batching.BatchedMember`; after the
+    decision it delegates to the fused stack or to one :class:`~tridens.xopt._cse.TrainerMember`
+    per trial. ``state`` is ``"deciding"``, ``"fused"`` or ``"separate"``; ``decision`` says why."""
+
+    inputs: tuple[str, ...] = ("batch",)
+
+    def __init__(self, fused: BatchedMember, jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
+                 skey: str = "", setup: tuple[Any, ...] = (), flops: float = 0.0):
+        self.fused: BatchedMember | None = fused
+        self.jobs = {job.trial.id: job for job in jobs}
+        self.evaluator = evaluator
+        self.cfg = fused.cfg
+        self.device = fused.device
+        self.skey, self.setup = skey, setup
+        self.flops = flops  # one model's training FLOPs per step (0: unknown, no roofline check)
+        self.state = "deciding"
+        self.decision = ""
+        self.trainers: dict[int, TrainerMember] = {}
+        self._order = list(self.jobs)
+        self._left: set[int] = set()
+        self._errors: dict[int, BaseException] = {}  # trainers that could not be built
+        self._limits = {t: fused.limit(t) for t in self._order}
+        self._kept: list[tuple[Any, torch.Tensor, int]] = []
+        self._timing: TrainerMember | None = None
+        self._snapshot: dict[str, torch.Tensor] | None = None
+        self._was_training = True
+        self._separate: list[float] = []            # the timing trial's timed separate steps (CPU s)
+        self._fused_steps: list[tuple[float, int]] = []  # timed fused steps: (CPU s, models stepped)
+        self._fused_started = False
+        self._fused_calls = 0
+        self._separate_calls = 0
+        # CPU (CUDA: wall) seconds of each kind of step taken while deciding: the kind not kept is
+        # the decision's waste (``wasted_seconds``, reported by bench/batching.py)
+        self._spent = {"fused": 0.0, "separate": 0.0}
+        self.wasted_seconds = 0.0
+        self._why_separate = ""
+        self._clock: Callable[[], float] = time.process_time if self.device.type == "cpu" else time.perf_counter
+
+    # -- the member protocol ---------------------------------------------------------------------
+    def trial_ids(self) -> list[int]:
+        return [t for t in self._order if t not in self._left]
+
+    @property
+    def ids(self) -> list[int]:
+        """The trials training now (a fused stack's rows; separate trainers without an error)."""
+        if self.state == "separate":
+            return [t for t, m in self.trainers.items() if m._training and m._error is None]
+        assert self.fused is not None
+        return self.fused.ids
+
+    @property
+    def engine(self) -> str:
+        if self.state == "separate":
+            return "separate trainers"
+        assert self.fused is not None
+        return self.fused.engine + (", deciding" if self.state == "deciding" else "")
+
+    def member_of(self, trial_id: int) -> Any:
+        """What trains ``trial_id`` now: the fused stack, its trainer, or None while deciding."""
+        if self.state == "fused":
+            return self.fused
+        if self.state == "separate":
+            return self.trainers.get(trial_id)
+        return None
+
+    def limit(self, trial_id: int) -> int:
+        return self._limits[trial_id]
+
+    def epoch(self, trial_id: int) -> int:
+        if self.state == "separate":
+            member = self.trainers.get(trial_id)
+            return 0 if member is None else member.epoch(trial_id)
+        assert self.fused is not None
+        return self.fused.epoch(trial_id)
+
+    def wants_epoch(self) -> bool:
+        return any(self.epoch(t) < self.limit(t) for t in self.trial_ids())
+
+    def begin_epoch(self) -> None:
+        if self.state == "separate":
+            for m in self.trainers.values():
+                m.begin_epoch()
+            return
+        assert self.fused is not None
+        self.fused.begin_epoch()
+        if self.state == "deciding":
+            self._start_timing()
+
+    def train_batch(self, x: Any, y: torch.Tensor, batch: int) -> None:
+        if self.state == "fused":
+            assert self.fused is not None
+            self.fused.train_batch(x, y, batch)
+        elif self.state == "separate":
+            for m in self.trainers.values():
+                m.train_batch(x, y, batch)
+        else:
+            self._kept.append((x, y, batch))
+            self._decide_step(x, y, batch)
+
+    def end_epoch(self) -> dict[int, dict[str, float] | BaseException]:
+        if self.state == "deciding":
+            self._decide_now()
+        out: dict[int, dict[str, float] | BaseException] = dict(self._errors)
+        self._errors.clear()
+        if self.state == "separate":
+            for m in self.trainers.values():
+                out.update(m.end_epoch())
+            return out
+        assert self.fused is not None
+        out.update(self.fused.end_epoch())
+        return out
+
+    def begin_validation(self) -> None:
+        if self.state == "separate":
+            for m in self.trainers.values():
+                m.begin_validation()
+        else:
+            assert self.fused is not None
+            self.fused.begin_validation()
+
+    def validate_batch(self, x: Any, y: torch.Tensor) -> None:
+        if self.state == "separate":
+            for m in self.trainers.values():
+                m.validate_batch(x, y)
+        else:
+            assert self.fused is not None
+            self.fused.validate_batch(x, y)
+
+    def end_validation(self) -> dict[int, dict[str, float] | BaseException]:
+        if self.state == "separate":
+            out: dict[int, dict[str, float] | BaseException] = {}
+            for m in self.trainers.values():
+                out.update(m.end_validation())
+            return out
+        assert self.fused is not None
+        return self.fused.end_validation()
+
+    def weights(self, trial_id: int) -> dict[str, Any] | None:
+        if self.state == "fused":
+            assert self.fused is not None
+            return self.fused.weights(trial_id)
+        if self.state == "separate" and trial_id in self.trainers:
+            return self.trainers[trial_id].weights(trial_id)
+        # deciding (nothing final trained yet): the initial weights
+        if self._timing is not None and trial_id == self._timing.trial_id and self._snapshot is not None:
+            return {k: v.detach().cpu().clone() for k, v in self._snapshot.items()}
+        return {k: v.detach().cpu() for k, v in self.jobs[trial_id].model.state_dict().items()}
+
+    def leave(self, trial_id: int) -> None:
+        self._left.add(trial_id)
+        self._errors.pop(trial_id, None)
+        if self.fused is not None and trial_id in self.fused.trial_ids():
+            self.fused.leave(trial_id)
+        member = self.trainers.pop(trial_id, None)
+        if member is not None:
+            member.leave(trial_id)
+        if self._timing is not None and self._timing.trial_id == trial_id and self.state == "deciding":
+            self._timing = None  # (decided at the epoch's end on what was timed)
+
+    # -- deciding ---------------------------------------------------------------------------------
+    def _start_timing(self) -> None:
+        assert self.fused is not None
+        ids = self.fused.ids
+        if not ids or self._timing is not None:
+            return
+        job = self.jobs[ids[0]]
+        try:
+            trainer = self.evaluator.trainer(job.model, job.trial.sample, job.trial.seed)  # type: ignore[attr-defined]
+        except Exception:  # the separate trainers will report it; decide on the fused stack alone
+            return
+        # its first steps train the real model: kept if the group goes separate, undone otherwise
+        self._snapshot = {k: v.detach().clone() for k, v in job.model.state_dict().items()}
+        self._was_training = job.model.training
+        self._timing = TrainerMember(job, trainer)
+        self._timing.begin_epoch()
+
+    def _timed(self, fn: Callable[[], Any]) -> float:
+        sync = self.device.type == "cuda"
+        if sync:
+            torch.cuda.synchronize(self.device)
+        t0 = self._clock()
+        fn()
+        if sync:
+            torch.cuda.synchronize(self.device)
+        return self._clock() - t0
+
+    def _step_separate(self, x: Any, y: torch.Tensor, batch: int) -> None:
+        timing = self._timing
+        if timing is None or timing._error is not None:
+            return
+        seconds = self._timed(lambda: timing.train_batch(x, y, batch))
+        self._spent["separate"] += seconds
+        self._separate_calls += 1
+        if timing._error is None and self._separate_calls > 1:  # past its warm-up step
+            self._separate.append(seconds)
+
+    def _step_fused(self, x: Any, y: torch.Tensor, batch: int) -> bool:
+        """One fused step (timed past the first); False when the stack failed (-> separate)."""
+        fused = self.fused
+        assert fused is not None
+        k = len(fused.ids)
+        if k == 0:
+            return True
+        try:
+            seconds = self._timed(lambda: fused.train_batch(x, y, batch))
+        except Exception as err:
+            self._why_separate = f"the models do not vectorize ({_first_line(err)})"
+            return False
+        self._fused_calls += 1
+        self._spent["fused"] += seconds
+        if self._fused_calls > 1:
+            self._fused_steps.append((seconds, k))
+        return True
+
+    def _roofline(self) -> str:
+        """Why the group should not even try fusion ('' where it may pay)."""
+        if not (self.device.type == "cpu" and self.flops > 0 and settings.max_separate_efficiency < 1
+                and self._separate):
+            return ""
+        rate = self.flops / max(min(self._separate), 1e-9)
+        fraction = rate / peak_matmul_flops(self.device)
+        _EFFICIENCY[(self.skey, self.setup, torch.get_num_threads())] = (fraction, rate, min(self._separate))
+        if fraction < settings.max_separate_efficiency:
+            return ""
+        return (f"one model's step already runs at {100 * fraction:.0f}% of the peak matmul rate "
+                f"({rate / 1e9:.1f} GFLOP/s; >= {100 * settings.max_separate_efficiency:.0f}%), no per-operation "
+                "overhead left for fusion to remove")
+
+    def _start_fused(self) -> bool:
+        """The fused stack trains the batches kept so far (catching up with the timing trial)."""
+        self._fused_started = True
+        for x, y, batch in self._kept:
+            if not self._step_fused(x, y, batch):
+                return False
+        return True
+
+    def _decide_step(self, x: Any, y: torch.Tensor, batch: int) -> None:
+        if not self._fused_started:
+            self._step_separate(x, y, batch)
+            if len(self._separate) < _SEPARATE_ROUNDS and self._timing is not None and self._timing._error is None:
+                return
+            why = self._roofline()
+            if why:
+                self._go_separate(why)
+            elif not self._start_fused():
+                self._go_separate(self._why_separate)
+            else:
+                self._maybe_decide()
+            return
+        if not self._step_fused(x, y, batch):
+            self._go_separate(self._why_separate)
+            return
+        self._step_separate(x, y, batch)
+        self._maybe_decide()
+
+    def _ratio(self) -> float | None:
+        if settings.override_speedup is not None:
+            return float(settings.override_speedup)
+        if not self._separate or not self._fused_steps:
+            return None
+        per_model = min(seconds / k for seconds, k in self._fused_steps)
+        return min(self._separate) / max(per_model, 1e-12)
+
+    def _maybe_decide(self) -> None:
+        rounds = len(self._fused_steps)
+        timing_alive = self._timing is not None and self._timing._error is None
+        if rounds < settings.measure_rounds and timing_alive and self.fused is not None and self.fused.ids:
+            return
+        ratio = self._ratio()
+        if ratio is not None and rounds < 2 * settings.measure_rounds and timing_alive \
+                and 0.8 <= ratio / settings.min_speedup <= 1.25:
+            return  # close to the bar: a few more rounds
+        self._decide(ratio)
+
+    def _decide_now(self) -> None:
+        """The epoch ended before the measurement did: decide on what was timed."""
+        if not self._fused_started:
+            why = self._roofline()
+            if why:
+                self._go_separate(why)
+                return
+            if not self._start_fused():
+                self._go_separate(self._why_separate)
+                return
+        self._decide(self._ratio())
+
+    def _decide(self, ratio: float | None) -> None:
+        steps = len(self._fused_steps) + len(self._separate)
+        assert self.fused is not None
+        k = len(self.jobs)
+        if ratio is None:
+            if self.fused.ids:
+                self._go_separate("too few steps timed to measure a speed-up")
+            else:
+                self._go_separate("every model failed")
+            return
+        _SPEEDUPS[decision_key(self.skey, self.setup, k, self.device)] = ratio
+        text = f"measured from {steps} real steps: {ratio:.2f}x"
+        if settings.override_speedup is not None:
+            text = f"settings.override_speedup: {ratio:.2f}x"
+        if ratio >= settings.min_speedup:
+            self._go_fused(text)
+        else:
+            self._go_separate(f"{text} (below {settings.min_speedup:.2f}x)")
+
+    def _go_fused(self, why: str) -> None:
+        fused = self.fused
+        assert fused is not None
+        if self._kept and fused.ids:  # the evaluation forward works too (validation must not fail later)
+            x, y, _ = self._kept[-1]
+            try:
+                fused.begin_validation()
+                fused.validate_batch(x, y)
+                fused.end_validation()
+            except Exception as err:
+                fused.base.train()
+                self._go_separate(f"the models do not vectorize in evaluation ({_first_line(err)})")
+                return
+        timing = self._timing
+        if timing is not None and self._snapshot is not None:  # undo the timing trial's separate steps
+            model = timing.job.model
+            with torch.no_grad():
+                model.load_state_dict(self._snapshot)
+            model.train(self._was_training)
+        self._timing, self._snapshot, self._kept = None, None, []
+        self.wasted_seconds = self._spent["separate"]
+        self.state = "fused"
+        self.decision = f"fused: {why}"
+        log.info("batching: trials %s %s (%s)", self.trial_ids(), self.decision, fused.engine)
+
+    def _go_separate(self, why: str) -> None:
+        if why.startswith("the models do not vectorize"):  # structural: later groups need not try
+            _SPEEDUPS[decision_key(self.skey, self.setup, len(self.jobs), self.device)] = 0.0
+        timing = self._timing
+        for t in self.trial_ids():
+            if timing is not None and t == timing.trial_id:
+                self.trainers[t] = timing
+                continue
+            job = self.jobs[t]
+            try:
+                trainer = self.evaluator.trainer(job.model, job.trial.sample, job.trial.seed)  # type: ignore[attr-defined]
+            except Exception as err:  # reported as the trial's failure at the epoch's end
+                self._errors[t] = err
+                continue
+            member = TrainerMember(job, trainer)
+            member.begin_epoch()
+            for x, y, batch in self._kept:  # the batches the group has trained so far, in order
+                member.train_batch(x, y, batch)
+            self.trainers[t] = member
+        self.trainers = {t: self.trainers[t] for t in self._order if t in self.trainers}
+        self.fused, self._timing, self._snapshot, self._kept = None, None, None, []
+        self.wasted_seconds = self._spent["fused"]
+        self.state = "separate"
+        self.decision = f"not fused: {why}; trained separately on one data pipeline"
+        log.info("batching: trials %s %s", self.trial_ids(), self.decision)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:160]
+
+
+class AdaptiveUnit(BatchedUnit):
+    """A :class:`~tridens.xopt._batching.BatchedUnit` whose member is an :class:`AdaptiveMember`:
+    fused or separate, decided from its first real training steps (see the module docstring)."""
+
+    def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, reason: str = "", *,
+                 shared_input: bool | None = None, skey: str = "", setup: tuple[Any, ...] = (),
+                 flops: float = 0.0):
+        super().__init__(jobs, evaluator, reason, shared_input=shared_input)
+        fused = self.member
+        assert isinstance(fused, BatchedMember)
+        self.member: AdaptiveMember = AdaptiveMember(fused, jobs, evaluator, skey=skey, setup=setup,  # type: ignore[assignment]
+                                                     flops=flops)
+
+    def describe(self) -> str:
+        return ExecutionUnit.describe(self) + f" ({self.member.engine})"
+

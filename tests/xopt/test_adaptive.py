@@ -1,0 +1,283 @@
+"""Operator batching decided from a unit's own first real training steps (tridens.xopt._adaptive):
+whichever way a group goes, mid-way through its first epoch, its results are those of fused or of
+separate training from the start."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import tridens as td
+from tridens.engine._planner import plan
+from tridens.engine._units import SeparateUnit
+from tridens.evaluators import NonFiniteLoss
+from tridens.trial import TrialStatus
+from tridens.xopt import _batching
+from tridens.xopt._adaptive import AdaptiveMember, AdaptiveUnit
+from tridens.xopt._batching import BatchedUnit, plan_batching
+from tridens.xopt._cse import SharedPipelineUnit
+
+from .test_batching import SAMPLES, TOL, HpSpace, assert_close_runs, cnn, evaluator, make_jobs, mlp, plain, run
+
+
+@pytest.fixture(scope="module")
+def data():
+    return td.datasets.digits()
+
+
+@pytest.fixture(autouse=True)
+def auto(monkeypatch):
+    """The default mode, a clean cache, and ``override_speedup`` unset unless a test sets it."""
+    monkeypatch.setattr(_batching.settings, "mode", "auto")
+    monkeypatch.setattr(_batching.settings, "override_speedup", None)
+    _batching.clear_cache()
+    yield
+    _batching.clear_cache()
+
+
+def assert_equal_runs(a, b):
+    """Bit-identical per-epoch metrics and final weights (the decision changed nothing)."""
+    assert a[0].keys() == b[0].keys()
+    for tid in a[0]:
+        for ra, rb in zip(a[0][tid], b[0][tid], strict=True):
+            if isinstance(ra, BaseException):
+                assert type(ra) is type(rb) and (ra.epoch, ra.batch) == (rb.epoch, rb.batch)
+            else:
+                assert ra == rb, (tid, ra, rb)
+    assert a[1].keys() == b[1].keys()
+    for tid in a[1]:
+        for k, v in a[1][tid].items():
+            assert torch.equal(v, b[1][tid][k]), (tid, k)
+
+
+def adaptive(jobs, ev):
+    units, rest = plan_batching(jobs, ev)
+    assert rest == [] and len(units) == 1 and isinstance(units[0], AdaptiveUnit)
+    return units[0]
+
+
+def test_fused_decision_equals_forced_fusion_and_separate(data, monkeypatch, caplog):
+    """Decided fused (the measured ratio overridden) after real steps of both kinds: per-epoch
+    metrics and weights exactly those of a BatchedUnit fused from the start, within 1e-4 of
+    separate training; the timing trial's model is back at its initial weights."""
+    monkeypatch.setattr(_batching.settings, "override_speedup", 5.0)
+    ev = evaluator(data, "sgd")
+    jobs = make_jobs(SAMPLES, cnn)
+    initial = {k: v.clone() for k, v in jobs[0].model.state_dict().items()}
+    unit = adaptive(jobs, ev)
+    assert "fused or not as measured on their first real steps" in unit.describe()
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        decided = run(unit, stop={2: 1})
+    member = unit.member
+    assert member.state == "fused" and "fused: settings.override_speedup: 5.00x" in caplog.text
+    assert all(torch.equal(v, initial[k]) for k, v in jobs[0].model.state_dict().items())
+    assert_equal_runs(run(BatchedUnit(make_jobs(SAMPLES, cnn), ev), stop={2: 1}), decided)
+    assert_close_runs(run(SeparateUnit(make_jobs(SAMPLES, cnn), ev), stop={2: 1}), decided, TOL, weight_tol=2e-3)
+
+
+def test_separate_decision_after_fused_steps_equals_separate(data, monkeypatch, caplog):
+    """Decided separate after the fused stack trained real batches: the trials' trainers replay
+    the batches kept so far and go on: bit-identical to separate training; a stopped trial too."""
+    monkeypatch.setattr(_batching.settings, "override_speedup", 0.5)
+    ev = evaluator(data, "adam")
+    samples = [dict(s, lr=s["lr"] / 10) for s in SAMPLES]
+    unit = adaptive(make_jobs(samples, cnn), ev)
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        decided = run(unit, stop={1: 1})
+    member = unit.member
+    assert member.state == "separate" and member.fused is None and member._fused_calls >= 4
+    assert "not fused: settings.override_speedup: 0.50x (below 1.10x); trained separately" in caplog.text
+    assert_equal_runs(run(SeparateUnit(make_jobs(samples, cnn), ev), stop={1: 1}), decided)
+
+
+def test_compute_bound_group_goes_separate_without_a_fused_step(data, monkeypatch, caplog):
+    """The roofline check on the timing trial's first real steps (the bar set below any model's
+    rate here): separate at once, no fused step taken; the next group with the same key is not
+    even planned as a unit."""
+    monkeypatch.setattr(_batching.settings, "max_separate_efficiency", 1e-9)
+    ev = evaluator(data, "sgd", epochs=1)
+    unit = adaptive(make_jobs(SAMPLES, mlp), ev)
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        decided = run(unit)
+    assert unit.member.state == "separate" and unit.member._fused_calls == 0
+    assert "of the peak matmul rate" in caplog.text
+    assert_equal_runs(run(SeparateUnit(make_jobs(SAMPLES, mlp), ev)), decided)
+    fraction, rate, seconds = next(iter(_batching._EFFICIENCY.values()))
+    assert fraction > 0 and rate > 0 and seconds > 0
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        units, rest = plan_batching(make_jobs(SAMPLES, mlp), ev)
+    assert units == [] and len(rest) == 4 and "measured on an earlier unit's first steps" in caplog.text
+
+
+def test_measured_decision_is_cached(data, caplog):
+    """A real measurement (no override): the speed-up is finite, cached per key, and the next
+    group of that key is planned by it (fused as a BatchedUnit, or left unfused)."""
+    ev = evaluator(data, "sgd", epochs=1)
+    unit = adaptive(make_jobs(SAMPLES, mlp), ev)
+    run(unit)
+    assert unit.member.state in ("fused", "separate") and "measured from" in unit.member.decision
+    assert len(_batching._SPEEDUPS) == 1
+    speedup = next(iter(_batching._SPEEDUPS.values()))
+    assert 0 < speedup < float("inf")
+    assert unit.member.state == ("fused" if speedup >= _batching.settings.min_speedup else "separate")
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        units, rest = plan_batching(make_jobs(SAMPLES, mlp), ev)
+    if speedup >= _batching.settings.min_speedup:
+        assert [type(u) for u in units] == [BatchedUnit] and "earlier unit's first steps" in units[0].describe()
+    else:
+        assert units == [] and "earlier unit's first steps" in caplog.text
+
+
+@pytest.mark.parametrize("speedup", [5.0, 0.5])
+def test_nan_member_and_budgets(data, monkeypatch, speedup):
+    """A diverging trial fails alone at the same epoch and batch, a trial with a smaller budget
+    stops early, whichever way the group goes."""
+    monkeypatch.setattr(_batching.settings, "override_speedup", speedup)
+    samples = [*SAMPLES[:3], dict(lr=1e12, m=0.9, wd=0.0, s="constant", p=0.1)]
+    ev = evaluator(data, "sgd")
+
+    def jobs():
+        out = make_jobs(samples, plain)
+        out[1].max_steps = 1
+        return out
+
+    decided = run(adaptive(jobs(), ev))
+    separate = run(SeparateUnit(jobs(), ev))
+    assert isinstance(decided[0][3][-1], NonFiniteLoss) and len(decided[0][1]) == 1
+    if speedup < 1:
+        assert_equal_runs(separate, decided)
+    else:
+        assert_close_runs(separate, decided, TOL, weight_tol=2e-3)
+
+
+@pytest.mark.parametrize("speedup", [5.0, 0.5])
+def test_epoch_too_short_to_decide_decides_at_its_end(data, monkeypatch, speedup):
+    """Two batches per epoch: the decision is taken at the first epoch's end on what was timed
+    (the fused stack trains the kept batches first)."""
+    monkeypatch.setattr(_batching.settings, "override_speedup", speedup)
+    train, val = data
+    small = (torch.utils.data.Subset(train, range(100)), val)
+    ev = evaluator(small, "sgd")
+    unit = adaptive(make_jobs(SAMPLES, mlp), ev)
+    decided = run(unit)
+    assert unit.member.state == ("fused" if speedup > 1 else "separate")
+    separate = run(SeparateUnit(make_jobs(SAMPLES, mlp), ev))
+    assert_close_runs(separate, decided, TOL, weight_tol=1e-3)
+
+
+class Counter:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1
+        flip = torch.rand(x.shape[0]) < 0.5
+        return torch.where(flip.view(-1, *([1] * (x.dim() - 1))), x.flip(-1), x)
+
+
+@pytest.mark.parametrize("speedup", [5.0, 0.5])
+def test_adaptive_member_in_a_mixed_unit(data, monkeypatch, speedup):
+    """plan(): an adaptive group and a lone trial on one augmented pipeline, in one mixed unit;
+    equal to separate training, augmentation once per batch."""
+    monkeypatch.setattr(_batching.settings, "override_speedup", speedup)
+    aug = Counter()
+    ev = evaluator(data, "sgd", transforms=aug)
+    builders = [mlp, mlp, mlp, lambda p: nn.Sequential(nn.Flatten(), nn.Linear(64, 20), nn.ReLU(), nn.Linear(20, 10))]
+
+    def jobs():
+        out = make_jobs(SAMPLES, lambda p: nn.Identity())
+        for job, build, s in zip(out, builders, SAMPLES):
+            torch.manual_seed(100 + job.trial.id)
+            job.model = build(s["p"])
+        return out
+
+    separate = run(SeparateUnit(jobs(), ev), stop={0: 1})
+    units = plan(jobs(), ev, optimize=True)
+    assert len(units) == 1 and isinstance(units[0], SharedPipelineUnit)
+    members = [m for m in units[0].members if isinstance(m, AdaptiveMember)]
+    assert len(members) == 1 and members[0].trial_ids() == [0, 1, 2]
+    aug.calls = 0
+    mixed = run(units[0], stop={0: 1})
+    assert members[0].state == ("fused" if speedup > 1 else "separate")
+    assert aug.calls == units[0].counts["batches"]
+    assert_close_runs(separate, mixed, TOL, weight_tol=2e-3)
+
+
+def test_experiment_auto_equals_separate(data, tmp_path):
+    """td.Experiment(optimize=True) in the default mode (each group decides on its own steps)
+    gives the metrics of optimize=False."""
+    train, val = data
+    ev = td.evaluators.Classification(train, val, epochs=2, batch_size=64, optimizer="sgd",
+                                      lr=td.choice("lr", [0.1, 0.05, 0.02]))
+    results = {}
+    for optimize in (False, True):
+        exp = td.Experiment(HpSpace(), ev, td.strategy.GridSearch(), max_trials=6, store=tmp_path / f"{optimize}.db",
+                            name="hp", optimize=optimize, verbose=False, seed=3)
+        exp.run()
+        results[optimize] = {tuple(sorted(t.sample.items())): t for t in exp.trials()}
+    assert results[True].keys() == results[False].keys() and len(results[True]) == 6
+    for key, a in results[False].items():
+        b = results[True][key]
+        assert a.status is TrialStatus.COMPLETED and b.status is TrialStatus.COMPLETED
+        for name in a.metrics:
+            assert all(abs(x - y) <= TOL for x, y in zip(a.metrics[name], b.metrics[name])), (key, name)
+
+
+def test_cheap_structure_keys(data):
+    """Models whose modules agree in class and plain attributes share one traced structure key;
+    a dropout's p may differ; a different width or a hook sets a model apart."""
+    a, b = HpSpace().freeze({"width": 16, "p": 0.0}), HpSpace().freeze({"width": 16, "p": 0.0})
+    c, d = HpSpace().freeze({"width": 16, "p": 0.2}), HpSpace().freeze({"width": 32, "p": 0.0})
+    key = _batching._attribute_key
+    assert key(a) == key(b) is not None and key(a) != key(c) and key(a) != key(d)
+    assert key(nn.Sequential(nn.Dropout(0.1))) == key(nn.Sequential(nn.Dropout(0.5)))
+    hooked = HpSpace().freeze({"width": 16, "p": 0.0})
+    hooked.body[1].register_forward_hook(lambda *args: None)
+    assert key(hooked) is None
+    ev = evaluator(data, "sgd", epochs=1)
+    jobs = make_jobs(SAMPLES[:3], mlp)
+    jobs[0].model, jobs[1].model, jobs[2].model = a, c, d
+    keys = _batching._structure_keys(jobs)
+    assert isinstance(keys[0], str) and keys[0] == keys[1] and keys[2] is None  # d: no partner, not traced
+    assert keys[0] == _batching._structure_key(b)
+    bytes_, flops = _batching._model_costs(a, data[0].tensors[0][:64], ev.config(SAMPLES[0]))
+    assert bytes_ > 0 and flops == 3 * 2 * 64 * (64 * 16 + 16 * 10)
+
+
+def test_adaptive_units_on_ray(monkeypatch, data, tmp_path, caplog):
+    """On Ray the worker decides (the driver sends mode "auto"); checkpoints are taken from what
+    the groups became (separate trainers after fused steps here); metrics as in-process."""
+    ray = pytest.importorskip("ray")
+    from tests.engine.spaces import TinyMLP
+
+    monkeypatch.setattr(_batching.settings, "override_speedup", 0.5)
+    train, val = data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=2, batch_size=128, optimizer="adam",
+                                      lr=td.choice("lr", [0.01, 0.003]))
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    try:
+        runs = []
+        for executor in ("inline", "ray"):
+            kw = {"workers": 1} if executor == "ray" else {}
+            exp = td.Experiment(TinyMLP(), ev, td.strategy.GridSearch(), max_trials=4, seed=5, verbose=False,
+                                store=tmp_path / f"{executor}.db", name="adaptive", executor=executor, **kw)
+            with caplog.at_level(logging.INFO, logger="tridens"):
+                runs.append(exp.run().trials())
+    finally:
+        ray.shutdown()
+    inline, on_ray = runs
+    assert "trained separately on one data pipeline" in caplog.text
+    assert "the driver planned" not in caplog.text
+    assert [t.sample for t in inline] == [t.sample for t in on_ray]
+    for a, b in zip(inline, on_ray):
+        assert a.status is TrialStatus.COMPLETED and b.status is TrialStatus.COMPLETED, (a.error, b.error)
+        for key in a.metrics:
+            assert all(abs(x - y) <= TOL for x, y in zip(a.metrics[key], b.metrics[key])), key
+    for t in on_ray:
+        saved = torch.load(os.path.join(t.info["storage"], "epoch-2.pt"), weights_only=True)
+        assert saved["trainer"] is not None and saved["trainer"]["epoch"] == 2
