@@ -58,3 +58,17 @@ def test_grouped_outputs_are_class_major_and_their_loss_per_model():
     torch.testing.assert_close(losses, expected, rtol=1e-6, atol=1e-6)
     contiguous = _stacked_loss(F.cross_entropy, out.contiguous(), y)  # the vmap engine's layout
     torch.testing.assert_close(contiguous, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_validation_accuracy_takes_the_first_maximum():
+    """val_acc from the (K, C, B) outputs counts argmax's class (the first of tied maxima)."""
+    m = member(ps=[0.0, 0.0])
+    with torch.no_grad():
+        for t in m.params.values():
+            t.zero_()
+        m.params["4.bias"][1, [3, 5]] = 2.0  # model 0: ten tied classes; model 1: classes 3 and 5
+    m.begin_epoch()
+    m.begin_validation()
+    m.validate_batch(torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 0, 3]))
+    acc = m.end_validation()
+    assert [acc[i]["val_acc"] for i in (0, 1)] == [0.5, 0.25]  # class 0, class 3 win their ties
