@@ -9,8 +9,10 @@ images as a ``TensorDataset`` (a batch is one indexing op), and the CNNs on the 
 map-style dataset converted per example and read through a ``DataLoader`` (torchvision style).
 Beside *separate*, the cse variants (``--variants``): *cse* (members step one at a time), *joint*
 (one backward over the members' losses), *foreach* (joint + one multi-model foreach optimizer
-step), *wide* (foreach + first layers as one wide op, forced) and *auto* (the planner's default:
-joint, foreach, and wide ops only where its measurement says they pay).
+step), *pools* (foreach + the members' 2x2 max-pools, with a ReLU before them, by the exact
+two-pass kernel), *wide* (pools + first layers as one wide op, forced), *auto* (the planner's
+default: joint, foreach, pools, and wide ops only where its measurement says they pay) and
+*nopools* (auto without the two-pass max-pools).
 
 ``prefix``: a CNN backbone trained here once on Fashion-MNIST, then frozen (BatchNorm included),
 and a fine-tuning space of 16 candidate heads (8 head kinds x 2 optimizers). *separate* trains each
@@ -242,16 +244,19 @@ def run_separate(make_jobs, ev):
     return time.perf_counter() - t0, time.process_time() - c0, 0.0, metrics, None
 
 
-#: cse variants: (joint step, wide first layers, multi-model foreach optimizer step), see
-#: tridens.xopt._cse.settings; "auto" is the planner's default
-CSE_VARIANTS = {"cse": (False, "off", False), "joint": (True, "off", False), "foreach": (True, "off", True),
-                "wide": (True, "force", True), "auto": (True, "auto", True)}
+#: cse variants: (joint step, wide first layers, multi-model foreach optimizer step, 2x2 max-pools by
+#: the exact two-pass kernel), see tridens.xopt._cse.settings; "auto" is the planner's default
+CSE_VARIANTS = {"cse": (False, "off", False, False), "joint": (True, "off", False, False),
+                "foreach": (True, "off", True, False), "pools": (True, "off", True, True),
+                "wide": (True, "force", True, True), "auto": (True, "auto", True, True),
+                "nopools": (True, "auto", True, False)}
 
 
 def run_cse(make_jobs, ev, variant="cse"):
-    joint, wide, foreach = CSE_VARIANTS[variant]
-    saved = (_cse.settings.joint, _cse.settings.wide, _cse.settings.foreach_step)
-    _cse.settings.joint, _cse.settings.wide, _cse.settings.foreach_step = joint, wide, foreach
+    joint, wide, foreach, pools = CSE_VARIANTS[variant]
+    saved = (_cse.settings.joint, _cse.settings.wide, _cse.settings.foreach_step, _cse.settings.fast_pools)
+    _cse.settings.joint, _cse.settings.wide, _cse.settings.foreach_step, _cse.settings.fast_pools = (
+        joint, wide, foreach, pools)
     try:
         jobs = make_jobs()
         t0, c0 = time.perf_counter(), time.process_time()
@@ -262,7 +267,7 @@ def run_cse(make_jobs, ev, variant="cse"):
         metrics = drive(units)
         return time.perf_counter() - t0, time.process_time() - c0, planned, metrics, describe
     finally:
-        _cse.settings.joint, _cse.settings.wide, _cse.settings.foreach_step = saved
+        _cse.settings.joint, _cse.settings.wide, _cse.settings.foreach_step, _cse.settings.fast_pools = saved
 
 
 def max_diff(a, b) -> float:
@@ -334,9 +339,17 @@ def main() -> None:
     parser.add_argument("--variants", default="cse,joint,foreach,wide,auto",
                         help="cse variants beside separate (comma-separated): cse (members step one at a time), "
                              "joint (one backward over the members' losses), foreach (joint + one foreach "
-                             "optimizer step for all members), wide (foreach + first layers as one op, forced), "
-                             "auto (the planner's default: joint, foreach, wide where measured to pay)")
+                             "optimizer step for all members), pools (foreach + 2x2 max-pools by the exact "
+                             "two-pass kernel), wide (pools + first layers as one op, forced), auto (the "
+                             "planner's default: joint, foreach, pools, wide where measured to pay), nopools "
+                             "(auto without the two-pass max-pools)")
+    parser.add_argument("--pipelines", default="mlp,cnn,map",
+                        help="pipeline scenarios to run (comma-separated): mlp (8 MLPs), cnn (8 small CNNs), "
+                             "map (the CNNs on a map-style dataset through a DataLoader)")
     args = parser.parse_args()
+    pipelines = set(p for p in args.pipelines.split(",") if p)
+    if pipelines - {"mlp", "cnn", "map"}:
+        parser.error(f"unknown --pipelines {sorted(pipelines - {'mlp', 'cnn', 'map'})}; choose from mlp, cnn, map")
     variants = tuple(v for v in args.variants.split(",") if v)
     unknown = [v for v in variants if v not in CSE_VARIANTS]
     if unknown:
@@ -354,14 +367,17 @@ def main() -> None:
         for _ in range(20):
             aug(x)
         print(f"pipeline: random crop + flip takes {(time.perf_counter() - t0) / 20 * 1e3:.2f} ms per batch")
-        compare("pipeline, 8 MLPs (shared loader + augmentation)", space_jobs(MLPs, MLP_SAMPLES, 100), ev, args.reps, aug,
-                variants)
-        compare("pipeline, 8 small CNNs (shared loader + augmentation)", space_jobs(SmallCNNs, CNN_SAMPLES, 100), ev,
-                args.reps, aug, variants)
+        if "mlp" in pipelines:
+            compare("pipeline, 8 MLPs (shared loader + augmentation)", space_jobs(MLPs, MLP_SAMPLES, 100), ev,
+                    args.reps, aug, variants)
+        if "cnn" in pipelines:
+            compare("pipeline, 8 small CNNs (shared loader + augmentation)", space_jobs(SmallCNNs, CNN_SAMPLES, 100),
+                    ev, args.reps, aug, variants)
         ev = td.evaluators.Classification(train=Images(train), val=Images(val), epochs=args.epochs,
                                           batch_size=args.batch_size, optimizer="adam", lr=3e-3, transforms=aug)
-        compare("pipeline, 8 small CNNs, map-style dataset through a DataLoader", space_jobs(SmallCNNs, CNN_SAMPLES, 100),
-                ev, args.reps, aug, variants)
+        if "map" in pipelines:
+            compare("pipeline, 8 small CNNs, map-style dataset through a DataLoader",
+                    space_jobs(SmallCNNs, CNN_SAMPLES, 100), ev, args.reps, aug, variants)
     if args.scenario in ("all", "prefix"):
         backbone, acc, seconds = pretrain(train, val, args.batch_size)
         FineTune.backbone_weights = backbone
