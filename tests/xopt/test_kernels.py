@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tridens.xopt._kernels import BatchNormTrain, batch_norm_supported
+from tridens.xopt._kernels import BatchNormTrain, batch_norm_pays, batch_norm_supported
 
 
 def _reference(x, weight, bias, rm, rv, momentum, eps, relu):
@@ -60,6 +60,9 @@ def test_batch_norm_supported():
     assert not batch_norm_supported(torch.randn(1, 3, 1))                # one value per channel: native raises
     assert not batch_norm_supported(torch.randn(4, 3, 5).transpose(1, 2))  # not contiguous
     assert not batch_norm_supported(torch.randn(4, 3, 5).half())
+    # where it is used: large enough maps with planes of >= 32 values (measured break-even)
+    assert batch_norm_pays(torch.empty(64, 256, 8, 8)) and not batch_norm_pays(torch.empty(64, 16, 8, 8))
+    assert not batch_norm_pays(torch.empty(64, 1024, 2, 2))
 
 
 def test_packed_pooling_without_gradients_matches_max_pool():
@@ -76,3 +79,32 @@ def test_packed_pooling_without_gradients_matches_max_pool():
         ref = F.max_pool2d(F.relu(x) if relu else x, 2)
         assert torch.equal(got.isnan(), ref.isnan())
         assert torch.equal(got.nan_to_num(), ref.nan_to_num())
+
+
+@pytest.mark.parametrize("optimizer,dtype", [("sgd", torch.float32), ("adamw", torch.float32), ("sgd", torch.float64)])
+def test_fused_with_the_batch_norm_kernel_everywhere_equals_separate(optimizer, dtype, monkeypatch):
+    """The grouped engine with :class:`BatchNormTrain` on every packed BatchNorm (also the small
+    maps it is not used for by default, and with the ReLU after it folded in) trains as separate
+    models do: per-epoch metrics within 1e-4 in float32, 1e-9 in float64."""
+    import tridens as td
+    from tridens.engine._units import SeparateUnit
+    from tridens.xopt import _batching
+
+    from .test_batching import ADAPTIVE, SAMPLES, TOL, assert_close_runs, cnn, evaluator, make_jobs, run
+
+    used = []
+    monkeypatch.setattr(_batching, "batch_norm_pays", lambda v: used.append(v.shape) or True)
+    data = td.datasets.digits()
+    ev = evaluator(data, optimizer, epochs=2 if dtype == torch.float32 else 1)
+    samples = SAMPLES if optimizer == "sgd" else ADAPTIVE
+
+    def build(p):
+        return cnn(p, dtype)
+
+    unit = _batching.BatchedUnit(make_jobs(samples, build), ev)
+    fused = run(unit)
+    assert unit.member.engine == "grouped kernels"
+    assert {s[1] for s in used} == {4 * 8, 4 * 16}  # both BatchNorms (the first one with its ReLU)
+    assert any(info.get("relu") for kind, _, _, info in unit.member._program.steps if kind == "bn")
+    tol = TOL if dtype == torch.float32 else 1e-9
+    assert_close_runs(run(SeparateUnit(make_jobs(samples, build), ev)), fused, tol, weight_tol=2e-3 if tol == TOL else 1e-9)

@@ -130,7 +130,7 @@ from ..engine._units import ExecutionUnit, SeparateUnit, UnitResult
 from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._errors import NonFiniteLoss
 from ..evaluators._supervised import TrainConfig, _Source, _Supervised, _accuracy_count, _match
-from ._kernels import BatchNormTrain, batch_norm_supported
+from ._kernels import BatchNormTrain, batch_norm_pays, batch_norm_supported
 
 __all__ = ["BatchedUnit", "BatchingSettings", "plan_batching", "settings", "group_key", "clear_cache"]
 
@@ -473,15 +473,6 @@ class _MaxPool2x2(torch.autograd.Function):
         return pairs.view(b, c, h, 2 * half), None
 
 
-_FLATTEN_BATCH_INNER = True
-
-
-def _flatten_packed(v: torch.Tensor, k: int) -> torch.Tensor:
-    if _FLATTEN_BATCH_INNER:
-        return v.reshape(v.shape[0], k, -1).permute(1, 2, 0).contiguous().transpose(1, 2)
-    return v.reshape(v.shape[0], k, -1).transpose(0, 1)
-
-
 def _is_pool2x2(kind: str, node: Any, info: Mapping[str, Any]) -> bool:
     """A 2x2, stride-2 max-pool without padding, dilation, ceil mode or indices."""
     if kind == "apply":
@@ -698,7 +689,7 @@ class _PackedProgram:
             elif kind == "flatten":
                 src = info["src"]
                 env[node] = v.flatten(1) if src == "S" else v.flatten(2) if src == "M" else \
-                    _flatten_packed(v, k)
+                    v.reshape(v.shape[0], k, -1).transpose(0, 1)
             elif kind == "dropout":
                 env[node] = member._packed_dropout(v, info["name"], info["src"]) if training else v
         raise RuntimeError("the packed program has no output")  # pragma: no cover
@@ -734,7 +725,7 @@ class _PackedProgram:
         use_batch = training or (mean is None and var is None)
         if model_major and v.dim() != 3:
             raise _Unsupported(f"{name}: BatchNorm on a {v.dim() - 1}-d per-model input")
-        if use_batch and not model_major and batch_norm_supported(v):
+        if use_batch and not model_major and batch_norm_supported(v) and batch_norm_pays(v):
             # the native NCHW kernel is per-element bound on packed small maps: ~2.5x slower forward
             return BatchNormTrain.apply(v, None if weight is None else weight.reshape(-1),
                                         None if bias is None else bias.reshape(-1),
