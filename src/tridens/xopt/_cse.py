@@ -1359,43 +1359,59 @@ def _first_layer(a: _Analysis) -> _First | None:
     return _First(key, key[0], flatten, layer, graph, tuple(dict.fromkeys((placeholders[0], src, n))))
 
 
-def _check_member(a: _Analysis, first: _First | None) -> tuple[str, _First | None]:
+def _check_member(a: _Analysis, first: _First | None,
+                  runs: Sequence[Callable[[torch.Tensor], Any]] = ()) -> tuple[str, _First | None, list[bool]]:
     """Run the member's model on the example batch in training and in evaluation mode (its own
-    random stream seeded alike): ``why`` it cannot join a joint step ('' if it can: it does not
-    modify its input in place), and ``first`` if ``after(layer(batch))`` reproduces the model.
-    Buffers, flags and the global random state are restored."""
+    random stream seeded alike, its buffers as they were before each run): ``why`` it cannot join
+    a joint step ('' if it can: it does not modify its input in place), ``first`` if
+    ``after(layer(batch))`` reproduces the model, and for each of ``runs`` (rewrites of the model
+    with exact kernels) whether it gives exactly the model's output. Buffers, flags and the global
+    random state are restored."""
     model = a.job.model
     assert model is not None
     saved = [(b, b.detach().clone()) for b in model.buffers()]
     flags = [(m, m.training) for m in model.modules()]
+    exact = [True] * len(runs)
+
+    def seeded(f: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Any:
+        for b, value in saved:
+            b.copy_(value)
+        torch.default_generator.manual_seed(0)  # the CPU stream alone (torch.manual_seed costs ~0.1 ms)
+        return f(x)
+
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
             for mode in (True, False):
                 model.train(mode)
                 x = a.example.clone()
                 version = x._version
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(0)
-                    expected = model(x)
+                expected = seeded(model, x)
                 if x._version != version:
-                    return "it modifies its input in place", None
-                if first is None:
-                    continue
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(0)
+                    return "it modifies its input in place", None, [False] * len(runs)
+                if first is not None:
                     inp = a.example.clone()
-                    got = first.after(first.layer(inp.flatten(1) if first.flatten else inp))
-                if not _same(expected, got):
-                    first = None
+                    got = seeded(first.after, first.layer(inp.flatten(1) if first.flatten else inp))
+                    if not _same(expected, got):
+                        first = None
+                for i, run in enumerate(runs):
+                    if exact[i]:
+                        try:
+                            got = seeded(run, a.example.clone())
+                        except Exception:  # a rewrite that fails is not used
+                            exact[i] = False
+                            continue
+                        exact[i] = (isinstance(expected, torch.Tensor) and isinstance(got, torch.Tensor)
+                                    and expected.shape == got.shape and expected.dtype == got.dtype
+                                    and torch.equal(expected, got))
     except Exception as err:
-        return f"its forward failed ({type(err).__name__})", None
+        return f"its forward failed ({type(err).__name__})", None, [False] * len(runs)
     finally:
         with torch.no_grad():
             for b, value in saved:
                 b.copy_(value)
         for m, flag in flags:
             m.training = flag
-    return "", first
+    return "", first, exact
 
 
 def _pool_2x2(x: torch.Tensor, relu: bool) -> torch.Tensor:
@@ -1482,7 +1498,7 @@ def _with_fast_pools(root: nn.Module, source: fx.Graph, class_name: str) -> fx.G
     """A module over ``root``'s modules running ``source`` (a graph over ``root``) with its 2x2
     max-pools on maps of even height and width (from the graph IR's shape metadata) rewritten into
     :func:`_pool_2x2`, taking over a ReLU that alone feeds one; None if there is none. The caller
-    checks the result against the model on real data (:func:`_exactly_equal`)."""
+    checks the result against the model on real data (:func:`_check_member`)."""
     if not any(_fast_pool(root, n) for n in source.nodes):
         return None
     g = fx.Graph()
@@ -1503,69 +1519,30 @@ def _with_fast_pools(root: nn.Module, source: fx.Graph, class_name: str) -> fx.G
     return fx.GraphModule(root, g, class_name=class_name)
 
 
-def _exactly_equal(model: nn.Module, run: Callable[[torch.Tensor], Any], example: torch.Tensor) -> bool:
-    """Whether ``run(x)`` gives exactly ``model(x)`` on real data, in train and in eval mode, their
-    random streams seeded alike (the graph rewrite is right; the kernels it inserts are exact by
-    construction, values and gradients: tested end to end). Buffers, flags and the global random
-    state are left as they were."""
-    saved = [(b, b.detach().clone()) for b in model.buffers()]
-    flags = [(m, m.training) for m in model.modules()]
-
-    def restore() -> None:
-        for b, value in saved:
-            b.copy_(value)
-
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            for mode in (True, False):
-                model.train(mode)
-                outs = []
-                for f in (model, run):
-                    restore()
-                    torch.default_generator.manual_seed(0)  # the CPU stream (torch.manual_seed costs ~0.1 ms)
-                    outs.append(f(example.clone()))
-                a, b = outs
-                if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                        and a.dtype == b.dtype and torch.equal(a, b)):
-                    return False
-    except Exception:
-        return False
-    finally:
-        with torch.no_grad():
-            restore()
-        for m, flag in flags:
-            m.training = flag
-    return True
-
-
 def _fast_model(a: _Analysis) -> nn.Module | None:
-    """The member's model with its 2x2 max-pools run by the exact two-pass kernel, where it has one
-    and the rewrite reproduces the model on real data; None where not."""
+    """The member's model with its 2x2 max-pools rewritten for the exact two-pass kernel, where it
+    has one (to be checked on real data by :func:`_check_member`); None where not."""
     graph, model = a.graph, a.job.model
     if graph is None or model is None or a.example.dim() != 4:
         return None
     try:
-        gm = _with_fast_pools(graph.root, graph.fx_graph, "FastPools")
-        if gm is not None and _exactly_equal(model, gm, a.example):
-            return gm
+        return _with_fast_pools(graph.root, graph.fx_graph, "FastPools")
     except Exception:  # an optimization: a graph it cannot rewrite runs as it is
         return None
-    return None
 
 
 def _fast_after(a: _Analysis, first: _First) -> nn.Module | None:
-    """The member's model after its (wide) first layer with the two-pass max-pools, checked alike."""
-    model = a.job.model
-    assert model is not None
+    """The member's model after its (wide) first layer with the two-pass max-pools, where that
+    reproduces the model exactly on real data."""
     try:
         gm = _with_fast_pools(first.after, first.after.graph, "FastPoolsAfterFirstLayer")
-        layer = first.layer
-        if gm is not None and _exactly_equal(
-                model, lambda x: gm(layer(x.flatten(1) if first.flatten else x)), a.example):
-            return gm
     except Exception:
         return None
-    return None
+    if gm is None:
+        return None
+    layer = first.layer
+    _, _, [exact] = _check_member(a, None, [lambda x: gm(layer(x.flatten(1) if first.flatten else x))])
+    return gm if exact else None
 
 
 # (layer key, widths, batch shape, threads, device type) -> measured speed-up of the wide op
@@ -1631,7 +1608,8 @@ def _joint_member(members: list[PipelineMember], chunk: list[tuple[_Analysis, in
     fast_after: dict[int, nn.Module] = {}
     for m in whole:
         a = by_id[m.trial_id][0]
-        why, _ = _check_member(a, None)
+        model = _fast_model(a) if settings.fast_pools else None
+        why, _, exact = _check_member(a, None, [] if model is None else [model])
         if why:
             apart.setdefault(why, []).append(m.trial_id)
             continue
@@ -1639,10 +1617,8 @@ def _joint_member(members: list[PipelineMember], chunk: list[tuple[_Analysis, in
         first = _first_layer(a) if settings.wide != "off" else None
         if first is not None:
             firsts[m.trial_id] = first
-        if settings.fast_pools:
-            model = _fast_model(a)
-            if model is not None:
-                fast[m.trial_id] = model
+        if model is not None and exact[0]:
+            fast[m.trial_id] = model
     if len(joint) < 2:
         return members, "", estimate
     # memory: the joint step holds every joint member's activations at once
