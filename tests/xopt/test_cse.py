@@ -669,3 +669,25 @@ def test_max_pools_the_kernel_cannot_reproduce_keep_their_op(data, monkeypatch):
     monkeypatch.setattr(_cse.settings, "fast_pools", False)
     units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
     assert joint_member(units[0]).fast == {} and "max-pools" not in units[0].describe()
+
+
+class TrainingBranch(PoolNet):
+    """Pools after a branch on ``self.training``, which a traced graph bakes in: the rewritten graph
+    does not reproduce the model in eval mode, so the planner keeps the model's own forward."""
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.conv(x)))
+        x = torch.nn.functional.max_pool2d(x if self.training else x * 0.5, 2)
+        return self.fc(x.flatten(1))
+
+
+def test_a_pool_rewrite_that_does_not_reproduce_the_model_is_not_used(data):
+    train, val = data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=64, optimizer="adam", lr=0.01)
+    makers = [lambda: TrainingBranch(6), lambda: cnn(8)]
+    separate = drive([SeparateUnit(jobs_for(makers, [{}] * 2), ev)])
+    units, _ = plan_cse(jobs_for(makers, [{}] * 2), ev)
+    assert sorted(joint_member(units[0]).fast) == [2]
+    fused = drive(units)
+    assert_same(separate[0], fused[0])
+    assert_same_weights(separate[1], fused[1])
