@@ -101,7 +101,11 @@ environment at import):
 
 2x2 max-pools on per-model maps run as :class:`_MaxPool2x2` (two passes, bit-identical values and
 gradients, ~3x faster forward than the NCHW kernel on 8x8 maps), taking over a ReLU right before
-them (exact: max commutes with ReLU).
+them (exact: max commutes with ReLU); without gradients (validation) only the maxima are computed.
+Training BatchNorm of packed maps of >= 256 Ki values runs as :class:`~tridens.xopt._kernels.
+BatchNormTrain` (vectorized plane sums with float64 over the batch, as accurate as the native
+kernel; its forward ~2.5x faster on ``(64, 256, 8, 8)``, whole fused steps of 16 digits CNNs
+~6-8% faster), with a ReLU right after it folded in.
 """
 
 from __future__ import annotations
