@@ -22,6 +22,7 @@ from tridens.xopt._batching import BatchedUnit, plan_batching
 from tridens.xopt._cse import SharedPipelineUnit
 
 from .test_batching import SAMPLES, TOL, HpSpace, assert_close_runs, cnn, evaluator, make_jobs, mlp, plain, run
+from .test_planning import Counter
 
 
 @pytest.fixture(scope="module")
@@ -168,16 +169,6 @@ def test_epoch_too_short_to_decide_decides_at_its_end(data, monkeypatch, speedup
     assert unit.member.state == ("fused" if speedup > 1 else "separate")
     separate = run(SeparateUnit(make_jobs(SAMPLES, mlp), ev))
     assert_close_runs(separate, decided, TOL, weight_tol=1e-3)
-
-
-class Counter:
-    def __init__(self):
-        self.calls = 0
-
-    def __call__(self, x):
-        self.calls += 1
-        flip = torch.rand(x.shape[0]) < 0.5
-        return torch.where(flip.view(-1, *([1] * (x.dim() - 1))), x.flip(-1), x)
 
 
 @pytest.mark.parametrize("speedup", [5.0, 0.5])

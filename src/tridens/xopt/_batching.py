@@ -1541,10 +1541,8 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
         except Exception as err:
             log.info("batching: trials %s not fused: the models do not vectorize (%s)", ids, _first_line(err))
             return [], list(group)
-    size = min(settings.max_unit_size, max(1, budget // max(per_model, 1)))
+    size = _unit_size(ids, per_model, budget)
     if size < 2:
-        log.info("batching: trials %s not fused: one model needs ~%.0f MiB, max_unit_memory is %.0f MiB",
-                 ids, per_model / 2**20, budget / 2**20)
         return [], list(group)
     from ._adaptive import AdaptiveUnit, decision_key
 
@@ -1574,6 +1572,15 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
     return units, rest
 
 
+def _unit_size(ids: list[int], per_model: int, budget: int) -> int:
+    """The most models per unit under ``budget`` bytes (logged when not even two fit)."""
+    size = min(settings.max_unit_size, max(1, budget // max(per_model, 1)))
+    if size < 2:
+        log.info("batching: trials %s not fused: one model needs ~%.0f MiB, max_unit_memory is %.0f MiB",
+                 ids, per_model / 2**20, budget / 2**20)
+    return size
+
+
 def _plan_forced(group: list[Job], evaluator: _Supervised, budget: int, x: torch.Tensor,
                  y: torch.Tensor) -> tuple[list[ExecutionUnit], list[Job]]:
     """``settings.mode == "force"``: fuse every compatible group (a throwaway step proves the
@@ -1587,10 +1594,8 @@ def _plan_forced(group: list[Job], evaluator: _Supervised, budget: int, x: torch
     except Exception as err:
         log.info("batching: trials %s not fused: the models do not vectorize (%s)", ids, _first_line(err))
         return [], list(group)
-    size = min(settings.max_unit_size, max(1, budget // max(per_model, 1)))
+    size = _unit_size(ids, per_model, budget)
     if size < 2:
-        log.info("batching: trials %s not fused: one model needs ~%.0f MiB, max_unit_memory is %.0f MiB",
-                 ids, per_model / 2**20, budget / 2**20)
         return [], list(group)
     units: list[ExecutionUnit] = []
     for chunk in _chunks(group, size):
