@@ -180,15 +180,8 @@ def test_adaptive_member_in_a_mixed_unit(data, monkeypatch, speedup):
     ev = evaluator(data, "sgd", transforms=aug)
     builders = [mlp, mlp, mlp, lambda p: nn.Sequential(nn.Flatten(), nn.Linear(64, 20), nn.ReLU(), nn.Linear(20, 10))]
 
-    def jobs():
-        out = make_jobs(SAMPLES, lambda p: nn.Identity())
-        for job, build, s in zip(out, builders, SAMPLES):
-            torch.manual_seed(100 + job.trial.id)
-            job.model = build(s["p"])
-        return out
-
-    separate = run(SeparateUnit(jobs(), ev), stop={0: 1})
-    units = plan(jobs(), ev, optimize=True)
+    separate = run(SeparateUnit(make_jobs(SAMPLES, builders), ev), stop={0: 1})
+    units = plan(make_jobs(SAMPLES, builders), ev, optimize=True)
     assert len(units) == 1 and isinstance(units[0], SharedPipelineUnit)
     members = [m for m in units[0].members if isinstance(m, AdaptiveMember)]
     assert len(members) == 1 and members[0].trial_ids() == [0, 1, 2]

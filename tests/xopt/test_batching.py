@@ -76,10 +76,12 @@ def evaluator(data, optimizer, epochs=2, task=td.evaluators.Classification, **kw
 
 
 def make_jobs(samples, build, max_steps=None):
+    """One job per sample; ``build``: one model builder for all, or a list of one per sample."""
+    builders = build if isinstance(build, (list, tuple)) else [build] * len(samples)
     jobs = []
-    for i, s in enumerate(samples):
+    for i, (s, b) in enumerate(zip(samples, builders, strict=True)):
         torch.manual_seed(100 + i)
-        jobs.append(Job(Trial(id=i, sample=s, seed=100 + i), build(s["p"]), max_steps))
+        jobs.append(Job(Trial(id=i, sample=s, seed=100 + i), b(s["p"]), max_steps))
     return jobs
 
 

@@ -135,16 +135,9 @@ def test_planner_builds_mixed_units_equal_to_separate(data, force, optimizer, ca
             s["lr"] /= 10
     builders = [cnn, cnn, mlp, mlp, lambda p: mlp(p, out=10)[:-1].append(nn.Linear(48, 20)).append(nn.Linear(20, 10))]
 
-    def jobs():
-        out = make_jobs(samples, lambda p: nn.Identity())
-        for job, build, s in zip(out, builders, samples):
-            torch.manual_seed(100 + job.trial.id)
-            job.model = build(s["p"])
-        return out
-
-    separate = run(SeparateUnit(jobs(), ev), stop={3: 1})
+    separate = run(SeparateUnit(make_jobs(samples, builders), ev), stop={3: 1})
     with caplog.at_level(logging.INFO, logger="tridens"):
-        units = plan(jobs(), ev, optimize=True)
+        units = plan(make_jobs(samples, builders), ev, optimize=True)
     assert len(units) == 1 and isinstance(units[0], SharedPipelineUnit)
     unit = units[0]
     assert sum(isinstance(m, BatchedMember) for m in unit.members) == 2
