@@ -4,9 +4,12 @@
 width x kernel x hidden, BatchNorm, Dropout) on Fashion-MNIST with a CPU augmentation pipeline (random crop with 2-pixel padding + horizontal flip,
 written with torch ops on the batch). *separate* = the engine's ``SeparateUnit`` (every trial reads
 and augments every batch itself); *cse* = ``plan_cse`` + ``SharedPipelineUnit`` (each batch indexed
-and augmented once, fed to the 8 trainers). Three variants: 8 MLPs and 8 small CNNs on the
+and augmented once, fed to the 8 trainers). Five variants: 8 MLPs and 8 small CNNs on the
 images as a ``TensorDataset`` (a batch is one indexing op), and the CNNs on the same images as a
-map-style dataset converted per example and read through a ``DataLoader`` (torchvision style).
+map-style dataset converted per example and read through a ``DataLoader`` (torchvision style);
+and (``mlp-pex``, ``cnn-pex``) both spaces on a map-style dataset that does the crop + flip itself,
+per example in ``__getitem__``, as torchvision's ``RandomCrop`` + ``RandomHorizontalFlip`` do (its
+randomness drawn per (data seed, epoch, batch), so one shared loader serves every member).
 Beside *separate*, the cse variants (``--variants``): *cse* (members step one at a time), *joint*
 (one backward over the members' losses), *foreach* (joint + one multi-model foreach optimizer
 step), *pools* (foreach + the members' 2x2 max-pools, with a ReLU before them, by the exact
@@ -84,6 +87,31 @@ class Images(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int):
         return self.images[i].float().div(255), self.labels[i]
+
+
+class CropFlipImages(Images):
+    """The map-style images with the random crop (zero padding ``pad``) + horizontal flip done per
+    example in ``__getitem__``, as torchvision's ``transform=Compose([RandomCrop(28, padding=2),
+    RandomHorizontalFlip()])`` does it (the same torch ops: pad, two ``randint`` offsets, a slice,
+    ``rand(1) < 0.5`` then a flip); no batch transform. Counts the examples it augments."""
+
+    def __init__(self, ds, pad: int = 2):
+        super().__init__(ds)
+        self.pad = pad
+        self.spec += f",crop+flip(pad={pad})"
+        self.calls = 0
+
+    def __getitem__(self, i: int):
+        self.calls += 1
+        x = self.images[i].float().div(255)
+        p, (h, w) = self.pad, x.shape[-2:]
+        padded = F.pad(x, (p, p, p, p))
+        top = int(torch.randint(0, 2 * p + 1, (1,)))
+        left = int(torch.randint(0, 2 * p + 1, (1,)))
+        x = padded[..., top:top + h, left:left + w]
+        if torch.rand(1) < 0.5:
+            x = x.flip(-1)
+        return x, self.labels[i]
 
 
 class CropFlip:
@@ -327,6 +355,9 @@ def compare(name: str, make_jobs, ev, reps: int, aug: CropFlip | None = None,
     return out
 
 
+PIPELINES = ("mlp", "cnn", "map", "mlp-pex", "cnn-pex")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenario", choices=["all", "pipeline", "prefix"], default="all")
@@ -343,13 +374,15 @@ def main() -> None:
                              "two-pass kernel), wide (pools + first layers as one op, forced), auto (the "
                              "planner's default: joint, foreach, pools, wide where measured to pay), nopools "
                              "(auto without the two-pass max-pools)")
-    parser.add_argument("--pipelines", default="mlp,cnn,map",
+    parser.add_argument("--pipelines", default=",".join(PIPELINES),
                         help="pipeline scenarios to run (comma-separated): mlp (8 MLPs), cnn (8 small CNNs), "
-                             "map (the CNNs on a map-style dataset through a DataLoader)")
+                             "map (the CNNs on a map-style dataset through a DataLoader; the crop + flip on "
+                             "the batch), mlp-pex / cnn-pex (the MLPs / CNNs with the crop + flip per example "
+                             "in the dataset's __getitem__, torchvision style)")
     args = parser.parse_args()
     pipelines = set(p for p in args.pipelines.split(",") if p)
-    if pipelines - {"mlp", "cnn", "map"}:
-        parser.error(f"unknown --pipelines {sorted(pipelines - {'mlp', 'cnn', 'map'})}; choose from mlp, cnn, map")
+    if pipelines - set(PIPELINES):
+        parser.error(f"unknown --pipelines {sorted(pipelines - set(PIPELINES))}; choose from {', '.join(PIPELINES)}")
     variants = tuple(v for v in args.variants.split(",") if v)
     unknown = [v for v in variants if v not in CSE_VARIANTS]
     if unknown:
@@ -378,6 +411,15 @@ def main() -> None:
         if "map" in pipelines:
             compare("pipeline, 8 small CNNs, map-style dataset through a DataLoader",
                     space_jobs(SmallCNNs, CNN_SAMPLES, 100), ev, args.reps, aug, variants)
+        # torchvision style: the crop + flip per example in the dataset's __getitem__
+        images = CropFlipImages(train)
+        ev = td.evaluators.Classification(train=images, val=Images(val), epochs=args.epochs,
+                                          batch_size=args.batch_size, optimizer="adam", lr=3e-3)
+        for name, space, samples in (("mlp-pex", MLPs, MLP_SAMPLES), ("cnn-pex", SmallCNNs, CNN_SAMPLES)):
+            if name in pipelines:
+                compare(f"pipeline, 8 {'MLPs' if space is MLPs else 'small CNNs'}, crop + flip per example in a "
+                        "map-style dataset (torchvision style) through a DataLoader",
+                        space_jobs(space, samples, 100), ev, args.reps, images, variants)
     if args.scenario in ("all", "prefix"):
         backbone, acc, seconds = pretrain(train, val, args.batch_size)
         FineTune.backbone_weights = backbone

@@ -18,6 +18,8 @@ from tridens.trial import Trial, TrialStatus
 from tridens.xopt import _batching
 from tridens.xopt._batching import BatchedMember, BatchedUnit, plan_batching
 
+from .test_cse import RandomCropFlip
+
 TOL = 1e-4
 
 
@@ -133,6 +135,20 @@ def test_fused_equals_separate_float32(data, optimizer):
     assert_close_runs(separate, fused, TOL, weight_tol=2e-3)
     assert all(len(h) == 2 for h in fused[0].values())
     assert unit.member.engine == "grouped kernels"
+
+
+def test_fused_equals_separate_on_a_dataset_augmenting_per_example(data):
+    # the fused unit reads the dataset once per batch; its random transforms follow the data seed
+    train, val = data
+    images = RandomCropFlip(train)
+    ev = evaluator((images, val), "sgd")
+    torch.manual_seed(1)
+    separate = run(SeparateUnit(make_jobs(SAMPLES, cnn), ev))
+    separate_reads, images.reads = images.reads, 0
+    torch.manual_seed(2)
+    fused = run(BatchedUnit(make_jobs(SAMPLES, cnn), ev))
+    assert_close_runs(separate, fused, TOL, weight_tol=2e-3)
+    assert separate_reads == len(SAMPLES) * images.reads == len(SAMPLES) * 2 * len(train)
 
 
 @pytest.fixture(params=["grouped kernels", "vmap"])

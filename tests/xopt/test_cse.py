@@ -138,6 +138,47 @@ def test_shared_pipeline_equals_separate_and_augments_once(data):
     assert units[0].counts["val_batches"] == 2 * -(-len(val) // 256)
 
 
+class RandomCropFlip(torch.utils.data.Dataset):
+    """Images augmented per example in ``__getitem__`` (torchvision style): a random crop of the
+    zero-padded image and a random horizontal flip, from torch's global generator; counts reads."""
+
+    def __init__(self, ds):
+        self.x, self.y = ds.tensors
+        self.reads = 0
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        padded = torch.nn.functional.pad(self.x[i], (1, 1, 1, 1))
+        top, left = torch.randint(0, 3, (2,)).tolist()
+        x = padded[:, top:top + 8, left:left + 8]
+        return (x.flip(-1) if torch.rand(()) < 0.5 else x), self.y[i]
+
+
+def test_a_dataset_augmenting_per_example_is_read_once_and_equals_separate(data):
+    # Random transforms in a map-style dataset are drawn per (data seed, epoch, batch), so one
+    # shared loader gives every member the batches its own loader would have given it.
+    train, val = data
+    images = RandomCropFlip(train)
+    ev = td.evaluators.Classification(train=images, val=val, epochs=2, batch_size=64,
+                                      optimizer=td.choice("opt", ["sgd", "adam"]), lr=td.choice("lr", [0.05, 0.01]))
+    samples = [{"opt": "sgd", "lr": 0.05}, {"opt": "adam", "lr": 0.01}, {"opt": "adam", "lr": 0.01},
+               {"opt": "sgd", "lr": 0.01}]
+    torch.manual_seed(1)  # the caller's random state differs between the two runs: it must not matter
+    separate = drive([SeparateUnit(jobs_for(ARCHS, samples), ev)])
+    separate_reads, images.reads = images.reads, 0
+    torch.manual_seed(2)
+    units, rest = plan_cse(jobs_for(ARCHS, samples), ev)
+    assert rest == [] and len(units) == 1
+    fused = drive(units)
+    assert_same(separate[0], fused[0])
+    assert_same_weights(separate[1], fused[1])
+    assert separate_reads == 4 * 2 * len(train)
+    assert 2 * len(train) <= images.reads <= 2 * len(train) + 64  # once per epoch (+ the planner's example batch)
+
+
 def test_member_that_modifies_its_input_gets_copies(data):
     train, val = data
     ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=128, optimizer="adam", lr=0.01)

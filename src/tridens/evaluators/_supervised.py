@@ -12,7 +12,11 @@ bit-identical. Three things make that so:
   ``torch.Generator`` seeded from ``(data_seed, e)`` alone, and the randomness of ``transforms``
   (augmentation) in batch ``b`` from ``(data_seed, e, b)``: by default (``data_seed=0``) every
   trial sees the same batches, so trials can share one data pipeline (tridens.xopt), and a
-  resumed trial sees the batches it would have seen. ``data_seed=None`` uses the trial's seed;
+  resumed trial sees the batches it would have seen. ``data_seed=None`` uses the trial's seed.
+  A map-style dataset's own randomness (random transforms in ``__getitem__``, torchvision style)
+  is drawn likewise: torch's, Python's and NumPy's global generators are seeded from ``(data_seed,
+  e, b)`` while batch ``b`` is read, and restored afterwards (validation batches from
+  ``(data_seed, b)``), so such a dataset neither depends on nor disturbs the caller's random state;
 * dropout draws from the trainer's own torch random stream, started with
   ``torch.manual_seed(seed)`` when the trainer is created and swapped in around its own work
   only, so trainers interleaved in one process don't disturb one another (nor the caller's
@@ -25,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import random
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -62,8 +67,40 @@ def _is_device(value: Any) -> bool:
     return True
 
 
-def _epoch_seed(seed: int, epoch: int) -> int:
-    return int(np.random.SeedSequence([seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF, epoch]).generate_state(1)[0])
+def _epoch_seed(seed: int, *path: int) -> int:
+    return int(np.random.SeedSequence([seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF, *path]).generate_state(1)[0])
+
+
+def _global_states() -> tuple[torch.Tensor, Any, Any]:
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+
+def _same_states(a: tuple[torch.Tensor, Any, Any], b: tuple[torch.Tensor, Any, Any]) -> bool:
+    (ta, pa, na), (tb, pb, nb) = a, b
+    return torch.equal(ta, tb) and pa == pb and all(
+        np.array_equal(u, v) if isinstance(u, np.ndarray) else u == v for u, v in zip(na, nb))
+
+
+@contextlib.contextmanager
+def _seeded_globals(seed: int, check: bool = False) -> Iterator[list[bool]]:
+    """torch's CPU, Python's and NumPy's global generators seeded with ``seed``, then restored:
+    what a dataset's ``__getitem__`` (torchvision's random transforms, ``random``, ``np.random``)
+    draws from while one batch is read. With ``check``, the list it gives holds afterwards whether
+    anything drew from them."""
+    py_state, np_state = random.getstate(), np.random.get_state()
+    drew: list[bool] = []
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)  # (torch.manual_seed would reseed CUDA's generators too)
+        random.seed(seed)
+        np.random.seed(seed & 0xFFFFFFFF)
+        fresh = _global_states() if check else None
+        try:
+            yield drew
+            if fresh is not None:
+                drew.append(not _same_states(fresh, _global_states()))
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
 
 
 @dataclass
@@ -110,6 +147,12 @@ class TrainConfig:
         """The permutation of training examples used in ``epoch`` by a trial with ``seed``."""
         g = torch.Generator().manual_seed(_epoch_seed(self.data_seed_of(seed), epoch))
         return torch.randperm(len(self.train), generator=g)
+
+    def loader_seed(self, seed: int, epoch: int | None = None) -> int:
+        """The seed of a map-style dataset's own randomness in training ``epoch`` (``None``:
+        validation) of a trial with ``seed``; :meth:`_Source.batches` derives each batch's from it."""
+        data_seed = self.data_seed_of(seed)
+        return _epoch_seed(data_seed, 2) if epoch is None else _epoch_seed(data_seed, 1, epoch)
 
     def augment(self, x: torch.Tensor, seed: int, epoch: int, batch: int) -> torch.Tensor:
         """``transforms(x)`` with its randomness drawn from ``(data seed, epoch, batch)``, so the
@@ -339,11 +382,19 @@ class _Source:
         tensors = getattr(base, "tensors", None)
         if isinstance(tensors, (tuple, list)) and len(tensors) >= 2 and all(isinstance(t, torch.Tensor) for t in tensors):
             self.tensors = tuple((t if index is None else t[index]).to(device) for t in tensors[:2])
+        # whether reading a batch draws from the global generators: found on the first seeded
+        # batch; a dataset that does not is then read without seeding them (~0.1 ms a batch)
+        self.random: bool | None = None
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def batches(self, order: torch.Tensor | None, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self, order: torch.Tensor | None, batch_size: int,
+                seed: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches of ``batch_size`` in ``order`` (``None``: as stored). A dataset read through the
+        DataLoader reads batch ``b`` with the global generators seeded from ``(seed, b)`` (see
+        :func:`_seeded_globals`; ``None``: from the caller's generators as they are), so random
+        transforms in its ``__getitem__`` give the same batch to every trial sharing the seed."""
         n = len(self)
         if self.tensors is not None:
             x, y = self.tensors
@@ -358,8 +409,14 @@ class _Source:
         chunks = [indices[i:i + batch_size] for i in range(0, n, batch_size)]
         # A generator of its own: iterating a DataLoader draws a base seed from it, which would
         # otherwise come from (and advance) the trainer's random stream.
-        loader = DataLoader(self.dataset, batch_sampler=chunks, num_workers=0, generator=torch.Generator())
-        for batch in loader:
+        loader = iter(DataLoader(self.dataset, batch_sampler=chunks, num_workers=0, generator=torch.Generator()))
+        for b in range(len(chunks)):
+            if seed is None or self.random is False:
+                batch = next(loader)
+            else:
+                with _seeded_globals(_epoch_seed(seed, b), check=self.random is None) as drew:
+                    batch = next(loader)
+                self.random = drew[0] if drew else self.random
             x, y = batch[0], batch[1]
             yield x.to(self.device), y.to(self.device)
 
@@ -471,7 +528,8 @@ class SupervisedTrainer:
         """``(batch index, augmented input, target)`` of the current epoch, in training order."""
         cfg = self.config
         order = cfg.epoch_order(self.seed, self.epoch)
-        for batch, (x, y) in enumerate(self._train.batches(order, cfg.batch_size)):
+        batches = self._train.batches(order, cfg.batch_size, cfg.loader_seed(self.seed, self.epoch))
+        for batch, (x, y) in enumerate(batches):
             yield batch, cfg.augment(x, self.seed, self.epoch, batch), y
 
     def train_batch(self, x: torch.Tensor, y: torch.Tensor, batch: int) -> float:
@@ -509,8 +567,9 @@ class SupervisedTrainer:
         self.model.eval()
         sums = ValidationSums(cfg)
         try:
+            batches = self._val.batches(None, max(cfg.batch_size, 256), cfg.loader_seed(self.seed))
             with self._random_stream():
-                for i, (x, y) in enumerate(self._val.batches(None, max(cfg.batch_size, 256))):
+                for i, (x, y) in enumerate(batches):
                     if i % world == rank:
                         sums.add(self.model(x), y)
         finally:

@@ -218,7 +218,7 @@ class _OneShotRun:
             total_loss, count = 0.0, 0
             with torch.random.fork_rng(devices=[]):
                 torch.set_rng_state(torch_rng)
-                for b, (x, y) in enumerate(source.batches(order, cfg.batch_size)):
+                for b, (x, y) in enumerate(source.batches(order, cfg.batch_size, cfg.loader_seed(self.seed, epoch))):
                     x = cfg.augment(x, self.seed, epoch, b)
                     current[0] = step
                     loss = strategy.step(x, y, arch_batch, step)
@@ -260,7 +260,8 @@ class _OneShotRun:
         calib_source = _Source(cfg.train, cfg.device)
         g = torch.Generator().manual_seed(self.seed)
         calibration = list(itertools.islice(calib_source.batches(torch.randperm(len(calib_source), generator=g),
-                                                                 cfg.batch_size), strategy.bn_batches))
+                                                                 cfg.batch_size, cfg.loader_seed(self.seed, 0)),
+                                            strategy.bn_batches))
         scored: list[Trial] = []
         seen: set[str] = set()
         cpu0 = time.process_time()

@@ -802,7 +802,7 @@ class SharedPipelineUnit(ExecutionUnit):
             m.begin_epoch()
         order = cfg.epoch_order(self._seed, epoch)
         t_shared = time.monotonic()
-        for batch, (x, y) in enumerate(self._train.batches(order, cfg.batch_size)):
+        for batch, (x, y) in enumerate(self._train.batches(order, cfg.batch_size, cfg.loader_seed(self._seed, epoch))):
             x = cfg.augment(x, self._seed, epoch, batch)
             self.counts["batches"] += 1
             if cfg.transforms is not None:
@@ -821,7 +821,7 @@ class SharedPipelineUnit(ExecutionUnit):
             m.begin_validation()
         t_shared = time.monotonic()
         try:
-            for x, y in self._val.batches(None, max(cfg.batch_size, 256)):
+            for x, y in self._val.batches(None, max(cfg.batch_size, 256), cfg.loader_seed(self._seed)):
                 self.counts["val_batches"] += 1
                 env = self._shared(x, prefixes)
                 shared += time.monotonic() - t_shared
