@@ -4,7 +4,10 @@ sequential PyTorch loop over the same models, data and steps.
 Scenarios (HPO over lr, weight decay and seed; every model has the same structure):
 
 * ``digits-cnn`` / ``digits-mlp``: small CNNs / MLPs on scikit-learn's 8x8 digits, 3 epochs
-  (the overhead-bound case, where fusion should pay: target >= 3x at K=16);
+  (the overhead-bound case, where fusion should pay: target >= 3x at K=16); ``digits-cnn-pool``:
+  the same CNN LeNet-style, a 2x2 max-pool after each convolution (its second convolution runs
+  on 4x4 maps: a quarter of ``digits-cnn``'s FLOPs, the kind of small CNN for which the issue
+  measured plain ``vmap`` at 2.5x);
 * ``fashion-cnn``: a 16/32-channel CNN on 28x28 Fashion-MNIST, one epoch (the compute-bound case,
   where a vmapped model becomes grouped convolutions: the planner must not be slower than
   sequential). Debian's ``dataset-fashion-mnist`` (``make fashion-mnist``); without it mnist5k at
@@ -16,6 +19,9 @@ Each measurement runs in a fresh child process (so peak RSS is its own), in the 
 
 * ``sequential``: a plain PyTorch loop, model after model (``torch.optim.SGD``, the same data
   order, ``loss.item()`` per step, validation every epoch);
+* ``vmap`` (not run by default): plain ``torch.func`` as the issue measured it, no tridens: the
+  K models' stacked state, ``vmap(functional_call)`` with the batch shared and independent dropout
+  masks, one ``autograd.grad``, SGD with momentum and weight decay on the stacked tensors;
 * ``fused``: tridens' :class:`BatchedUnit` forced on all K (one vectorized model);
 * ``planner``: what tridens does by default: ``plan_batching`` plans an adaptive unit, which
   decides fused or separate from its own first real training steps (``tridens.xopt._adaptive``);
@@ -37,6 +43,7 @@ peak memory of each child (max RSS, and its increase over the RSS before trainin
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import resource
@@ -48,8 +55,8 @@ import time
 import torch
 import torch.nn as nn
 
-SCENARIOS = ("digits-cnn", "digits-mlp", "fashion-cnn")
-MODES = ("sequential", "fused", "planner")
+SCENARIOS = ("digits-cnn", "digits-cnn-pool", "digits-mlp", "fashion-cnn")
+MODES = ("sequential", "fused", "planner")  # and "vmap" on request (--modes)
 
 
 # -- models and data -----------------------------------------------------------------------------------
@@ -58,6 +65,10 @@ def make_model(scenario: str) -> nn.Module:
         return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
                              nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
                              nn.MaxPool2d(2), nn.Flatten(), nn.Dropout(0.2), nn.Linear(16 * 16, 10))
+    if scenario == "digits-cnn-pool":  # LeNet-style: a 2x2 max-pool after each convolution
+        return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                             nn.MaxPool2d(2), nn.Flatten(), nn.Dropout(0.2), nn.Linear(16 * 2 * 2, 10))
     if scenario == "digits-mlp":
         return nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 10))
     if scenario == "fashion-cnn":
@@ -83,8 +94,8 @@ def load_data(scenario: str, fashion_limit: int) -> tuple[object, object, str]:
     return train, val, f"{name} ({len(train):,} train / {len(val):,} val, 28x28)"
 
 
-EPOCHS = {"digits-cnn": 3, "digits-mlp": 3, "fashion-cnn": 1}
-BATCH = {"digits-cnn": 64, "digits-mlp": 64, "fashion-cnn": 64}
+EPOCHS = {"digits-cnn": 3, "digits-cnn-pool": 3, "digits-mlp": 3, "fashion-cnn": 1}
+BATCH = {"digits-cnn": 64, "digits-cnn-pool": 64, "digits-mlp": 64, "fashion-cnn": 64}
 
 
 def hparams(k: int) -> list[dict]:
@@ -149,6 +160,43 @@ def child(args: argparse.Namespace) -> None:
                         out = model(vx[s:s + 256])
                         nn.functional.cross_entropy(out, vy[s:s + 256]).item()
                         (out.argmax(1) == vy[s:s + 256]).sum().item()
+    elif mode == "vmap":
+        # plain torch.func, as the issue measured it: stacked state, vmap(functional_call) over the
+        # models with the batch shared, independent dropout masks (randomness="different"), per-model
+        # losses, one autograd.grad, SGD with momentum and weight decay on the stacked tensors
+        from torch.func import functional_call, stack_module_state, vmap
+
+        params, buffers = stack_module_state(models)
+        base = copy.deepcopy(models[0]).to("meta")
+        lrs, wds = (torch.tensor([p[key] for p in points]) for key in ("lr", "wd"))
+        velocity = {n: torch.zeros_like(v) for n, v in params.items()}
+
+        def losses(params, buffers, x, y):
+            return nn.functional.cross_entropy(functional_call(base, (params, buffers), (x,)), y)
+
+        def outputs(params, buffers, x):
+            return functional_call(base, (params, buffers), (x,))
+
+        train_losses = vmap(losses, in_dims=(0, 0, None, None), randomness="different")
+        eval_outputs = vmap(outputs, in_dims=(0, 0, None))
+        torch.manual_seed(points[0]["seed"])
+        for epoch in range(epochs):
+            base.train()
+            for idx in cfg.epoch_order(0, epoch).split(batch):
+                loss = train_losses(params, buffers, xs[idx], ys[idx])
+                loss.tolist()
+                grads = torch.autograd.grad(loss.sum(), list(params.values()))
+                with torch.no_grad():
+                    for (n, p), g in zip(params.items(), grads):
+                        shape = (-1,) + (1,) * (p.dim() - 1)
+                        velocity[n].mul_(0.9).add_(g.add(p * wds.view(shape)))
+                        p.sub_(velocity[n] * lrs.view(shape))
+            base.eval()
+            with torch.no_grad():
+                for s in range(0, len(vy), 256):
+                    out = eval_outputs(params, buffers, vx[s:s + 256])
+                    vmap(nn.functional.cross_entropy, in_dims=(0, None))(out, vy[s:s + 256]).tolist()
+                    (out.argmax(2) == vy[s:s + 256]).sum(1).tolist()
     else:
         jobs = [Job(Trial(id=i, sample={"lr": p["lr"], "wd": p["wd"]}, seed=p["seed"]), m)
                 for i, (m, p) in enumerate(zip(models, points))]
@@ -244,7 +292,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: on a shared 2-core machine 2 threads spin-wait)")
     parser.add_argument("--modes", default=",".join(MODES),
-                        help="any of sequential, fused, planner; MODE-ref runs MODE with tridens from --ref-src")
+                        help="any of sequential, vmap, fused, planner; MODE-ref runs MODE with tridens from --ref-src")
     parser.add_argument("--ref-src", help="a checkout (e.g. `git archive <commit> src | tar -x -C DIR`) whose src/ "
                         "the -ref modes import tridens from")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
