@@ -79,7 +79,7 @@ def test_a_datasets_own_randomness_follows_the_data_seed(digit_images):
     # caller's global generators: the same sample and seed gave different metrics run to run.
     first = _random_run(digit_images, global_seed=5)
     assert _random_run(digit_images, global_seed=6) == first    # whatever the caller's random state
-    assert _random_run(digit_images, global_seed=5, seed=2) != first    # dropout and init follow the trial seed...
+    assert _random_run(digit_images, global_seed=5, seed=2) != first    # dropout follows the trial seed...
     assert _random_run(digit_images, global_seed=5, data_seed=3) != first  # ...the augmentation the data seed
 
 
