@@ -440,6 +440,20 @@ def test_experiment_optimize_true_equals_false(tmp_path, data, caplog):
     _same_trials(fused, separate)
 
 
+def test_experiment_on_a_dataset_augmenting_per_example(tmp_path, data):
+    # torchvision-style random transforms in the dataset: the same trials with optimize on and
+    # off, and again from another caller's random state, give the same metrics
+    train, val = data
+    ev = td.evaluators.Classification(train=RandomCropFlip(train), val=val, epochs=2, batch_size=64,
+                                      optimizer=td.choice("opt", ["adam", "sgd"]), lr=0.01)
+    torch.manual_seed(1)
+    fused = _experiment(tmp_path, "fused", SmallSpace(), ev, td.strategy.GridSearch(), True, max_trials=4)
+    torch.manual_seed(2)
+    separate = _experiment(tmp_path, "separate", SmallSpace(), ev, td.strategy.GridSearch(), False, max_trials=4)
+    assert all(t.status is TrialStatus.COMPLETED for t in fused.values())
+    _same_trials(fused, separate)
+
+
 def test_experiment_with_hyperband_stops_and_a_frozen_prefix(tmp_path, data, caplog):
     train, val = data
     ev = td.evaluators.Classification(train=train, val=val, epochs=4, batch_size=128, lr=0.01,
