@@ -115,3 +115,14 @@ def test_a_dataset_that_draws_nothing_is_read_without_seeding(digit_images):
     plain = [x for x, _ in source.batches(cfg.epoch_order(seed=1, epoch=0), 32, cfg.loader_seed(seed=1, epoch=0))]
     assert source.random is False   # found on its first batch: later batches skip the seeding
     assert all(torch.equal(a, train.tensors[0][idx]) for a, idx in zip(plain, cfg.epoch_order(1, 0).split(32)))
+
+
+def test_torch_python_and_numpy_draw_independent_streams_while_a_batch_is_read():
+    # MT19937 seeded with one integer in torch and NumPy gives the same words: a flip drawn from
+    # one would repeat a crop drawn from the other; each library gets a seed of its own
+    from tridens.evaluators._supervised import _seeded_globals
+
+    with _seeded_globals(12345):
+        drawn = [set(torch.randint(0, 2**31, (16,), dtype=torch.int64).tolist()),
+                 set(np.random.randint(0, 2**31, 16).tolist()), {random.getrandbits(31) for _ in range(16)}]
+    assert not (drawn[0] & drawn[1] or drawn[0] & drawn[2] or drawn[1] & drawn[2])

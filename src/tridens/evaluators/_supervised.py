@@ -89,10 +89,13 @@ def _seeded_globals(seed: int, check: bool = False) -> Iterator[list[bool]]:
     anything drew from them."""
     py_state, np_state = random.getstate(), np.random.get_state()
     drew: list[bool] = []
+    # one seed each, derived apart: torch's and NumPy's MT19937 seeded with the same integer give
+    # the same words (a flip drawn from one would follow a crop drawn from the other)
+    torch_seed, py_seed, np_seed = (int(w) for w in np.random.SeedSequence(seed).generate_state(3))
     with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(seed)  # (torch.manual_seed would reseed CUDA's generators too)
-        random.seed(seed)
-        np.random.seed(seed & 0xFFFFFFFF)
+        torch.default_generator.manual_seed(torch_seed)  # (torch.manual_seed would reseed CUDA's too)
+        random.seed(py_seed)
+        np.random.seed(np_seed)
         fresh = _global_states() if check else None
         try:
             yield drew
