@@ -17,6 +17,9 @@ two-pass kernel), *wide* (pools + first layers as one wide op, forced), *auto* (
 default: joint, foreach, pools, and wide ops only where its measurement says they pay) and
 *nopools* (auto without the two-pass max-pools).
 
+``layers``: same-shaped layers at the same position of different architectures batched into one
+op over their stacked inputs, against each member's own layer (:func:`same_shaped_layers`).
+
 ``prefix``: a CNN backbone trained here once on Fashion-MNIST, then frozen (BatchNorm included),
 and a fine-tuning space of 16 candidate heads (8 head kinds x 2 optimizers). *separate* trains each
 whole model (its forward through the frozen backbone included); *cse* computes the backbone once
@@ -355,12 +358,44 @@ def compare(name: str, make_jobs, ev, reps: int, aug: CropFlip | None = None,
     return out
 
 
+def same_shaped_layers(reps: int) -> None:
+    """Same-shaped layers at the same position of different architectures, batched: each member's
+    own ``linear`` vs one ``baddbmm`` over the stacked inputs and weights (forward + backward,
+    B=128, CPU time, best of ``reps`` interleaved rounds of 400 calls). The shapes are the pairs of
+    ``fc`` layers of SmallCNNs (same width and hidden) and the output layers of both spaces."""
+    def timed(f, n=400):
+        for _ in range(30):
+            f()
+        t0 = time.process_time()
+        for _ in range(n):
+            f()
+        return (time.process_time() - t0) / n * 1e3
+
+    for k, fan_in, fan_out in ((2, 392, 16), (2, 392, 32), (4, 32, 10), (2, 256, 10)):
+        xs = [torch.randn(128, fan_in, requires_grad=True) for _ in range(k)]
+        ws = [torch.randn(fan_out, fan_in, requires_grad=True) for _ in range(k)]
+        bs = [torch.randn(fan_out, requires_grad=True) for _ in range(k)]
+        grads = [torch.randn(128, fan_out) for _ in range(k)]
+
+        def own():
+            torch.autograd.backward([F.linear(x, w, b) for x, w, b in zip(xs, ws, bs)], grads)
+
+        def stacked():
+            out = torch.baddbmm(torch.stack(bs).unsqueeze(1), torch.stack(xs), torch.stack(ws).transpose(1, 2))
+            torch.autograd.backward(list(out.unbind(0)), grads)
+
+        rounds = [(timed(own), timed(stacked)) for _ in range(reps)]
+        a, b = min(r[0] for r in rounds), min(r[1] for r in rounds)
+        print(f"same-shaped layers: {k} x Linear({fan_in} -> {fan_out}), own {a:.3f} ms, stacked {b:.3f} ms "
+              f"-> {a / b:.2f}x", flush=True)
+
+
 PIPELINES = ("mlp", "cnn", "map", "mlp-pex", "cnn-pex")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scenario", choices=["all", "pipeline", "prefix"], default="all")
+    parser.add_argument("--scenario", choices=["all", "pipeline", "prefix", "layers"], default="all")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--limit", type=int, default=6000, help="training images (default 6000)")
@@ -420,6 +455,8 @@ def main() -> None:
                 compare(f"pipeline, 8 {'MLPs' if space is MLPs else 'small CNNs'}, crop + flip per example in a "
                         "map-style dataset (torchvision style) through a DataLoader",
                         space_jobs(space, samples, 100), ev, args.reps, images, variants)
+    if args.scenario in ("all", "layers"):
+        same_shaped_layers(args.reps)
     if args.scenario in ("all", "prefix"):
         backbone, acc, seconds = pretrain(train, val, args.batch_size)
         FineTune.backbone_weights = backbone
