@@ -15,7 +15,10 @@ Scenarios (HPO over lr, weight decay and seed; every model has the same structur
   validates on max(1000, N/6) (default 2,000 of 60,000, to keep the run short; ``0``: the full
   epoch and the 10,000 test images).
 
-Each measurement runs in a fresh child process (so peak RSS is its own), in the modes:
+Every mode trains on ``--device`` (default ``auto``: CUDA where there is a GPU, else the CPU; on a
+GPU the times are synchronized wall times, GFLOP/s per wall second against an 8192x8192 matmul,
+and the peak GPU memory is reported beside the RSS). Each measurement runs in a fresh child
+process (so peak RSS is its own), in the modes:
 
 * ``sequential``: a plain PyTorch loop, model after model (``torch.optim.SGD``, the same data
   order, ``loss.item()`` per step, validation every epoch);
@@ -123,23 +126,28 @@ def child(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     scenario, k, mode = args.scenario, args.k, args.mode
+    device = torch.device(resolve_device(args.device))
     train, val, _ = load_data(scenario, args.fashion_limit)
     epochs, batch = EPOCHS[scenario], BATCH[scenario]
     points = hparams(k)
     models = []
     for p in points:
         torch.manual_seed(p["seed"])
-        models.append(make_model(scenario))
+        # the plain loops train on the device themselves; tridens' units move the models they are given
+        models.append(make_model(scenario).to(device) if mode in ("sequential", "vmap") else make_model(scenario))
     ev = td.evaluators.Classification(train, val, epochs=epochs, batch_size=batch, optimizer="sgd", momentum=0.9,
-                                      lr=td.uniform("lr", 1e-4, 1.0), weight_decay=td.uniform("wd", 0.0, 1.0))
+                                      lr=td.uniform("lr", 1e-4, 1.0), weight_decay=td.uniform("wd", 0.0, 1.0),
+                                      device=str(device))
     cfg = ev.config({"lr": 0.1, "wd": 0.0})
-    xs, ys = train.tensors
-    vx, vy = val.tensors
+    xs, ys = (t.to(device) for t in train.tensors)
+    vx, vy = (t.to(device) for t in val.tensors)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     decision = ""
     # one-time imports (torch.optim pulls in torch._dynamo on first use) are not what is measured
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     import tridens.graph  # noqa: F401  (the planner traces models)
     base_rss = _rss_mib()
+    sync()
     c0 = time.process_time()
     t0 = time.perf_counter()
     if mode == "sequential":
@@ -168,7 +176,7 @@ def child(args: argparse.Namespace) -> None:
 
         params, buffers = stack_module_state(models)
         base = copy.deepcopy(models[0]).to("meta")
-        lrs, wds = (torch.tensor([p[key] for p in points]) for key in ("lr", "wd"))
+        lrs, wds = (torch.tensor([p[key] for p in points], device=device) for key in ("lr", "wd"))
         velocity = {n: torch.zeros_like(v) for n, v in params.items()}
 
         def losses(params, buffers, x, y):
@@ -220,12 +228,15 @@ def child(args: argparse.Namespace) -> None:
                     if unit.epoch(job.trial.id) >= unit.limit(job.trial.id):
                         unit.weights(job.trial.id)
                         unit.drop(job.trial.id)
+    sync()
     seconds = time.perf_counter() - t0
     cpu = time.process_time() - c0
     if mode == "planner":  # what the units decided (adaptive ones on their first real steps), after timing
         decision = "; ".join(planner_decision(u) for u in units)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"seconds": seconds, "cpu": cpu, "peak_mib": peak, "base_mib": base_rss, "decision": decision}))
+    gpu_peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    print(json.dumps({"seconds": seconds, "cpu": cpu, "peak_mib": peak, "base_mib": base_rss, "gpu_peak_mib": gpu_peak,
+                      "decision": decision}))
 
 
 def planner_decision(unit: object) -> str:
@@ -249,15 +260,29 @@ def planner_decision(unit: object) -> str:
 
 
 # -- the parent: interleaved rounds ---------------------------------------------------------------------
-def peak_matmul_gflops(threads: int | None) -> float:
+def resolve_device(name: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
+def peak_matmul_gflops(threads: int | None, device: str = "cpu") -> float:
     if threads:
         torch.set_num_threads(threads)
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    n = 2048 if device == "cpu" else 8192
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     best = 0.0
-    for _ in range(6):  # per CPU second, like the GFLOP/s of the runs (wall time under load says little)
-        t0 = time.process_time()
-        a @ b
-        best = max(best, 2 * 2048 ** 3 / (time.process_time() - t0) / 1e9)
+    for _ in range(6):  # CPU: per CPU second, like the runs' GFLOP/s (wall time under load says little)
+        if device == "cpu":
+            t0 = time.process_time()
+            a @ b
+            seconds = time.process_time() - t0
+        else:  # a GPU: wall time, synchronized
+            a @ b
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            a @ b
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+        best = max(best, 2 * n ** 3 / seconds / 1e9)
     return best
 
 
@@ -276,7 +301,8 @@ def run_child(args: argparse.Namespace, scenario: str, k: int, mode: str) -> dic
         mode = mode[:-len("-ref")]
         env = {**os.environ, "PYTHONPATH": os.path.join(args.ref_src, "src")}
     cmd = [sys.executable, __file__, "--child", "--scenario", scenario, "--k", str(k), "--mode", mode,
-           "--fashion-limit", str(args.fashion_limit)] + (["--threads", str(args.threads)] if args.threads else [])
+           "--fashion-limit", str(args.fashion_limit), "--device", args.device] + (
+        ["--threads", str(args.threads)] if args.threads else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -291,6 +317,8 @@ def main() -> None:
     parser.add_argument("--fashion-ks", default="1,4,16", help="K on Fashion-MNIST (64 takes ~30 min here)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: on a shared 2-core machine 2 threads spin-wait)")
+    parser.add_argument("--device", default="auto",
+                        help="where every mode trains: auto (cuda if available, else cpu), cpu, cuda, cuda:1 ...")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="any of sequential, vmap, fused, planner; MODE-ref runs MODE with tridens from --ref-src")
     parser.add_argument("--ref-src", help="a checkout (e.g. `git archive <commit> src | tar -x -C DIR`) whose src/ "
@@ -304,15 +332,19 @@ def main() -> None:
         child(args)
         return
     modes = args.modes.split(",")
-    peak = peak_matmul_gflops(args.threads or None)
+    device = resolve_device(args.device)
+    gpu = device != "cpu"
+    peak = peak_matmul_gflops(args.threads or None, device)
     print(f"# bench/batching.py  torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-    print(f"# peak fp32 matmul (2048x2048, best of 6, per CPU second): {peak:.0f} GFLOP/s")
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, device {device}"
+          + (f" ({torch.cuda.get_device_name(device)})" if gpu else ""))
+    print(f"# peak fp32 matmul (best of 6, {'8192x8192, wall' if gpu else '2048x2048, per CPU second'}): "
+          f"{peak:.0f} GFLOP/s")
     for scenario in args.scenarios.split(","):
         print(f"\n## {scenario}: {load_data(scenario, args.fashion_limit)[2]}, {EPOCHS[scenario]} epoch(s), "
               f"batch {BATCH[scenario]}")
-        print("| K | mode | wall s | CPU s | vs sequential (wall / CPU) | GFLOP/s (CPU) | % of peak | "
-              "peak RSS MiB (+ over start) | planner |")
+        print(f"| K | mode | wall s | CPU s | vs sequential (wall / CPU) | GFLOP/s ({'wall' if gpu else 'CPU'}) | "
+              f"% of peak | peak RSS MiB (+ over start){' / GPU MiB' if gpu else ''} | planner |")
         print("|---|---|---|---|---|---|---|---|---|")
         reps = args.fashion_reps if scenario.startswith("fashion") else args.reps
         ks = args.fashion_ks if scenario.startswith("fashion") else args.ks
@@ -329,11 +361,13 @@ def main() -> None:
                 cpu = statistics.median(x["cpu"] for x in results[mode])
                 peak_mib = max(x["peak_mib"] for x in results[mode])
                 grow = max(x["peak_mib"] - x["base_mib"] for x in results[mode])
-                gflops = flops / cpu / 1e9  # per CPU second: what one (shared) core achieved
+                # CPU: per CPU second, what one (shared) core achieved; a GPU: per wall second
+                gflops = flops / (secs if gpu else cpu) / 1e9
                 ratio = f"{seq / secs:.2f}x / {seq_cpu / cpu:.2f}x" if seq else ""
                 decision = results[mode][0]["decision"]
+                gpu_mib = f" / {max(x['gpu_peak_mib'] for x in results[mode]):.0f}" if gpu else ""
                 print(f"| {k} | {mode} | {secs:.2f} | {cpu:.2f} | {ratio} | {gflops:.1f} | {100 * gflops / peak:.0f}% | "
-                      f"{peak_mib:.0f} (+{grow:.0f}) | {decision} |", flush=True)
+                      f"{peak_mib:.0f} (+{grow:.0f}){gpu_mib} | {decision} |", flush=True)
 
 
 if __name__ == "__main__":
