@@ -219,6 +219,7 @@ def child(args: argparse.Namespace) -> None:
             units, rest = _batching.plan_batching(jobs, ev)
             if rest:
                 units.append(SeparateUnit(rest, ev))
+        sizes = [len(unit.jobs) for unit in units]  # (units drop their trials as they finish)
         for unit in units:
             while unit.active():
                 for tid, result in unit.train_epoch().items():
@@ -232,14 +233,14 @@ def child(args: argparse.Namespace) -> None:
     seconds = time.perf_counter() - t0
     cpu = time.process_time() - c0
     if mode == "planner":  # what the units decided (adaptive ones on their first real steps), after timing
-        decision = "; ".join(planner_decision(u) for u in units)
+        decision = "; ".join(planner_decision(u, n) for u, n in zip(units, sizes))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     gpu_peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     print(json.dumps({"seconds": seconds, "cpu": cpu, "peak_mib": peak, "base_mib": base_rss, "gpu_peak_mib": gpu_peak,
                       "decision": decision}))
 
 
-def planner_decision(unit: object) -> str:
+def planner_decision(unit: object, size: int) -> str:
     from tridens.xopt import _batching
 
     try:
@@ -256,7 +257,7 @@ def planner_decision(unit: object) -> str:
                 f"other kind while deciding: {unit.member.wasted_seconds:.3f} CPU s)")
     if isinstance(unit, _batching.BatchedUnit):
         return f"{unit.reason} ({unit.member.engine})"
-    return f"{len(unit.trainers)} trials separate (planned)"
+    return f"{size} trial(s) separate (planned: nothing to fuse with)"
 
 
 # -- the parent: interleaved rounds ---------------------------------------------------------------------
