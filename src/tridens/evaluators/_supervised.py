@@ -423,6 +423,15 @@ class _Source:
             x, y = batch[0], batch[1]
             yield x.to(self.device), y.to(self.device)
 
+    def epoch_batches(self, cfg: TrainConfig, seed: int, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The training batches of ``epoch`` for a trial with ``seed``: in the epoch's order, a
+        map-style dataset's own randomness drawn from the data seed (before ``cfg.augment``)."""
+        return self.batches(cfg.epoch_order(seed, epoch), cfg.batch_size, cfg.loader_seed(seed, epoch))
+
+    def validation_batches(self, cfg: TrainConfig, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The validation batches (as stored, at least 256 examples each) for a trial with ``seed``."""
+        return self.batches(None, max(cfg.batch_size, 256), cfg.loader_seed(seed))
+
 
 class ValidationSums:
     """Validation metrics accumulated batch by batch: the one definition of their arithmetic,
@@ -530,9 +539,7 @@ class SupervisedTrainer:
     def epoch_batches(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """``(batch index, augmented input, target)`` of the current epoch, in training order."""
         cfg = self.config
-        order = cfg.epoch_order(self.seed, self.epoch)
-        batches = self._train.batches(order, cfg.batch_size, cfg.loader_seed(self.seed, self.epoch))
-        for batch, (x, y) in enumerate(batches):
+        for batch, (x, y) in enumerate(self._train.epoch_batches(cfg, self.seed, self.epoch)):
             yield batch, cfg.augment(x, self.seed, self.epoch, batch), y
 
     def train_batch(self, x: torch.Tensor, y: torch.Tensor, batch: int) -> float:
@@ -570,7 +577,7 @@ class SupervisedTrainer:
         self.model.eval()
         sums = ValidationSums(cfg)
         try:
-            batches = self._val.batches(None, max(cfg.batch_size, 256), cfg.loader_seed(self.seed))
+            batches = self._val.validation_batches(cfg, self.seed)
             with self._random_stream():
                 for i, (x, y) in enumerate(batches):
                     if i % world == rank:

@@ -59,7 +59,7 @@ def evaluate_path(net: Supernet, sample: Mapping[str, Any], cfg: TrainConfig, va
     net.model.eval()
     sums = ValidationSums(cfg)
     try:
-        for x, y in val.batches(None, max(cfg.batch_size, 256), cfg.loader_seed(0)):
+        for x, y in val.validation_batches(cfg, 0):
             sums.add(net.model(x), y)
     finally:
         net.model.train(was_training)

@@ -1208,8 +1208,7 @@ class BatchedUnit(ExecutionUnit):
         epoch = min(member.epoch(i) for i in member.ids if member.epoch(i) < member.limit(i))
         member.begin_epoch()
         trained = list(member.ids)
-        order = cfg.epoch_order(self._seed, epoch)
-        for batch, (x, y) in enumerate(self._train.batches(order, cfg.batch_size, cfg.loader_seed(self._seed, epoch))):
+        for batch, (x, y) in enumerate(self._train.epoch_batches(cfg, self._seed, epoch)):
             if not member.ids:
                 break  # every model failed: the rest of the epoch trains nothing
             member.train_batch(cfg.augment(x, self._seed, epoch, batch), y, batch)
@@ -1217,7 +1216,7 @@ class BatchedUnit(ExecutionUnit):
         val: dict[int, dict[str, float] | BaseException] = {}
         if member.ids:
             member.begin_validation()
-            for x, y in self._val.batches(None, max(cfg.batch_size, 256), cfg.loader_seed(self._seed)):
+            for x, y in self._val.validation_batches(cfg, self._seed):
                 member.validate_batch(x, y)
             val = member.end_validation()
         results: dict[int, UnitResult] = {}
@@ -1265,7 +1264,7 @@ def _per_model_bytes(unit: BatchedMember, x: torch.Tensor) -> int:
 
 def _first_batch(cfg: TrainConfig, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     source = _Source(cfg.train, cfg.device)
-    x, y = next(iter(source.batches(cfg.epoch_order(seed, 0), cfg.batch_size, cfg.loader_seed(seed, 0))))
+    x, y = next(iter(source.epoch_batches(cfg, seed, 0)))
     return cfg.augment(x, seed, 0, 0), y
 
 

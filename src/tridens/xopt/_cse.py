@@ -800,9 +800,8 @@ class SharedPipelineUnit(ExecutionUnit):
             prefix.train_mode()
         for m in members:
             m.begin_epoch()
-        order = cfg.epoch_order(self._seed, epoch)
         t_shared = time.monotonic()
-        for batch, (x, y) in enumerate(self._train.batches(order, cfg.batch_size, cfg.loader_seed(self._seed, epoch))):
+        for batch, (x, y) in enumerate(self._train.epoch_batches(cfg, self._seed, epoch)):
             x = cfg.augment(x, self._seed, epoch, batch)
             self.counts["batches"] += 1
             if cfg.transforms is not None:
@@ -821,7 +820,7 @@ class SharedPipelineUnit(ExecutionUnit):
             m.begin_validation()
         t_shared = time.monotonic()
         try:
-            for x, y in self._val.batches(None, max(cfg.batch_size, 256), cfg.loader_seed(self._seed)):
+            for x, y in self._val.validation_batches(cfg, self._seed):
                 self.counts["val_batches"] += 1
                 env = self._shared(x, prefixes)
                 shared += time.monotonic() - t_shared
