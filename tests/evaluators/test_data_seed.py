@@ -9,6 +9,8 @@ from torch import nn
 import tridens as td
 from tridens.evaluators._supervised import _Source
 
+from .test_supervised import PlainDataset
+
 
 def _config(digit_images, **kw):
     train, val = digit_images
@@ -96,21 +98,10 @@ def test_a_random_dataset_is_augmented_alike_for_every_trial_and_anew_each_epoch
     assert source.random is True
 
 
-class Plain(torch.utils.data.Dataset):
-    def __init__(self, ds):
-        self.x, self.y = ds.tensors
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
-
-
 def test_a_dataset_that_draws_nothing_is_read_without_seeding(digit_images):
     train, _ = digit_images
     cfg = _config(digit_images)
-    source = _Source(Plain(train), torch.device("cpu"))
+    source = _Source(PlainDataset(train), torch.device("cpu"))
     assert source.random is None
     plain = [x for x, _ in source.batches(cfg.epoch_order(seed=1, epoch=0), 32, cfg.loader_seed(seed=1, epoch=0))]
     assert source.random is False   # found on its first batch: later batches skip the seeding
