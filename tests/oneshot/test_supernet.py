@@ -195,13 +195,37 @@ class CellInputs(tnn.ModelSpace):
     (ControlFlow, "width", "cannot follow"),
     (LoopCount, "layers", "does not reach a layer"),
     (Continuous, "p", "continuous"),
-    (CellInputs, "cell/input_1_0", "input of a Cell"),
 ])
 def test_a_space_that_cannot_be_one_shot_is_refused_naming_the_label(cls, label, reason):
     with pytest.raises(td.InvalidSpace) as err:
         build_supernet(cls())
     message = str(err.value)
     assert repr(label) in message and reason in message and "multi-trial" in message
+
+
+def test_a_cell_with_input_choices_is_held_whole_and_each_path_matches_its_frozen_model():
+    space = CellInputs()
+    space.example_inputs = (torch.randn(3, 4),)
+    net = build_supernet(space)  # verifies every checked path against space.freeze
+    assert {"cell/input_2_0", "cell/op_2_0"} <= set(net.claimed)
+    x = torch.randn(3, 4)
+    for seed in range(4):
+        sample = space.random_sample(seed)
+        net.set_path(sample)
+        assert torch.allclose(net.model(x), space.freeze(sample)(x))
+
+
+def test_a_loose_end_cell_is_refused_naming_its_wiring():
+    class LooseEnd(tnn.ModelSpace):
+        def __init__(self):
+            super().__init__()
+            self.cell = tnn.Cell([nn.Identity(), nn.ReLU()], num_nodes=2, merge_op="loose_end", label="cell")
+
+        def forward(self, x):
+            return self.cell(x)
+
+    with pytest.raises(td.InvalidSpace, match="loose_end"):
+        build_supernet(LooseEnd())
 
 
 def test_a_mutator_space_is_refused():

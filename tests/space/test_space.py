@@ -194,8 +194,8 @@ def test_repeat_forms():
 def test_darts_cell(digits_batch):
     space = DartsNet()
     ss = space.search_space()
-    assert "cell/op_2_1" in ss and ss["cell/input_2_1"].domain.values() == [0, 1, 2]
-    assert ss["cell/input_0_0"].domain.values() == [0]
+    assert "cell/op_3_1" in ss and ss["cell/input_3_1"].domain.values() == [0, 1, 2]
+    assert ss["cell/input_1_0"].domain.values() == [0] and "cell/op_0_0" not in ss
     for seed in range(5):
         model = space.freeze(space.random_sample(seed))
         assert model(digits_batch).shape == (32, 10)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidSpace
-from ..space._context import resolve
+from ..space._context import active_resolver, resolve
 from ..space._domain import Categorical
 from ._choices import _label
 
@@ -53,11 +53,13 @@ class FrozenCell(nn.Module):
 def Cell(op_candidates: Sequence[OpFactory | nn.Module] | Mapping[str, OpFactory | nn.Module], num_nodes: int,
          num_ops_per_node: int = 1, num_predecessors: int = 1, merge_op: str = "all", *,
          concat_dim: int = 1, label: str | None = None) -> nn.Module:
-    """A DARTS cell. For node ``j`` and op ``k`` the labels ``{label}/op_{j}_{k}`` (which op) and
-    ``{label}/input_{j}_{k}`` (which earlier state: ``0..num_predecessors-1`` are the cell's
-    inputs, then nodes in order) are decided. Candidates are modules (deep-copied) or factories
+    """A DARTS cell. States are numbered as NNI numbers them: ``0..num_predecessors-1`` are the
+    cell's inputs, then the nodes in order, so node ``n`` (``n >= num_predecessors``) decides, for
+    each of its ops ``k``, the labels ``{label}/op_{n}_{k}`` (which op) and ``{label}/input_{n}_{k}``
+    (which earlier state it reads). Candidates are modules (deep-copied) or factories
     ``f(node_index, op_index, input_index) -> nn.Module``. The output concatenates every node
     (``merge_op="all"``) or the nodes no other node reads (``"loose_end"``) along ``concat_dim``.
+    Under a one-shot supernet (``tridens.oneshot``) every op of every possible input is held.
 
     >>> ops = {"conv": lambda j, k, i: nn.Conv2d(8, 8, 3, padding=1), "skip": lambda j, k, i: nn.Identity()}  # doctest: +SKIP
     >>> self.cell = tnn.Cell(ops, num_nodes=4, num_predecessors=2, label="cell")  # doctest: +SKIP
@@ -73,12 +75,16 @@ def Cell(op_candidates: Sequence[OpFactory | nn.Module] | Mapping[str, OpFactory
         op_domain = Categorical(dict(op_candidates), label=f"{label}/op")
     else:
         op_domain = Categorical(list(op_candidates), label=f"{label}/op", indexed=True)
+    hook = getattr(active_resolver(), "cell", None)
+    if hook is not None:  # a one-shot supernet (tridens.oneshot) holds every op on every input
+        return hook(label, op_domain, num_nodes, num_ops_per_node, num_predecessors, merge_op, concat_dim)
     ops, inputs = [], []
     for j in range(num_nodes):
+        node = num_predecessors + j
         for k in range(num_ops_per_node):
-            source = resolve(f"{label}/input_{j}_{k}", Categorical(list(range(num_predecessors + j))), "cell")
-            candidate = resolve(f"{label}/op_{j}_{k}", op_domain, "cell")
-            op = copy.deepcopy(candidate) if isinstance(candidate, nn.Module) else candidate(j, k, source)
+            source = resolve(f"{label}/input_{node}_{k}", Categorical(list(range(node))), "cell")
+            candidate = resolve(f"{label}/op_{node}_{k}", op_domain, "cell")
+            op = copy.deepcopy(candidate) if isinstance(candidate, nn.Module) else candidate(node, k, source)
             if not isinstance(op, nn.Module):
                 raise InvalidSpace(f"op candidate of cell {label!r} returned {op!r}, not an nn.Module")
             ops.append(op)

@@ -6,6 +6,8 @@
 * ``tnn.LayerChoice`` -> :class:`MixedLayer`, holding every candidate;
 * ``tnn.InputChoice`` -> :class:`MixedInput`, reading every input;
 * ``tnn.Repeat`` with a chosen depth -> :class:`MixedDepth`, the largest depth, cut per sample;
+* ``tnn.Cell`` -> :class:`MixedCell`: for every op of every node, a :class:`MixedEdge` holding the
+  op's candidates (a :class:`MixedLayer`) on each state the op may read (DARTS' edges);
 * an int ``td.choice`` (width, kernel size, depth...) -> a :class:`~._traced.TracedInt` at the
   largest candidate, so layers are built at their largest size; afterwards each ``Conv1d/2d``,
   ``Linear`` and ``BatchNorm1d/2d`` whose sizes depend on a label becomes an entangled layer that
@@ -44,8 +46,8 @@ from ..space._domain import Categorical, Domain, RandInt, SearchSpace, _equal, _
 from ..space._model_space import BaseSpace, ModelSpace
 from ._traced import TracedFloat, TracedInt, is_traced, plain, traced_labels, value_at
 
-__all__ = ["ArchState", "Supernet", "SupernetResolver", "MixedLayer", "MixedInput", "MixedDepth", "build_supernet",
-           "not_one_shot"]
+__all__ = ["ArchState", "Supernet", "SupernetResolver", "MixedLayer", "MixedInput", "MixedDepth", "MixedEdge",
+           "MixedCell", "build_supernet", "not_one_shot"]
 
 Sample = Mapping[str, Any]
 
@@ -250,6 +252,59 @@ class MixedDepth(nn.Sequential):
         return f"depth={sorted(self._depth.labels)}"
 
 
+class MixedEdge(nn.Module):
+    """One op of a ``tnn.Cell`` node: its candidates (a :class:`MixedLayer`) on every state it may
+    read. A path runs the chosen input's op; weights mix the inputs by the input label's probabilities."""
+
+    def __init__(self, label: str, edges: Sequence[nn.Module], state: ArchState):
+        super().__init__()
+        self.label = label
+        self.edges = nn.ModuleList(edges)
+        self.__dict__["_state"] = state
+
+    def forward(self, states: Sequence[torch.Tensor]) -> torch.Tensor:
+        state = self._state
+        if state.weighted and self.label in state.probs:
+            p = state.probs[self.label]
+            total = None
+            for i, edge in enumerate(self.edges):
+                if not p.requires_grad and float(p[i]) == 0.0:
+                    continue
+                y = p[i] * edge(states[i])
+                total = y if total is None else total + y
+            return total
+        i = state.index(self.label)
+        return self.edges[i](states[i])
+
+    def extra_repr(self) -> str:
+        return f"label={self.label!r}, inputs={len(self.edges)}"
+
+
+class MixedCell(nn.Module):
+    """A ``tnn.Cell`` holding every wiring; ``ops[n]`` is the :class:`MixedEdge` of the frozen
+    cell's ``ops[n]``, so a subnet's weights keep their names."""
+
+    def __init__(self, edges: Sequence[MixedEdge], num_nodes: int, num_ops_per_node: int, num_predecessors: int,
+                 concat_dim: int):
+        super().__init__()
+        self.ops = nn.ModuleList(edges)
+        self.num_nodes, self.num_ops_per_node, self.num_predecessors = num_nodes, num_ops_per_node, num_predecessors
+        self.concat_dim = concat_dim
+
+    def forward(self, *inputs: Any) -> torch.Tensor:
+        if len(inputs) == 1 and isinstance(inputs[0], (list, tuple)):
+            inputs = tuple(inputs[0])
+        states = list(inputs)
+        for j in range(self.num_nodes):
+            total = None
+            for k in range(self.num_ops_per_node):
+                y = self.ops[j * self.num_ops_per_node + k](states)
+                total = y if total is None else total + y
+            states.append(total)
+        outs = states[self.num_predecessors:]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=self.concat_dim)
+
+
 # ---------------------------------------------------------------------------------------------
 class _Entangled:
     """Mixin of layers built at their largest size and sliced per sample (weight entanglement)."""
@@ -408,21 +463,6 @@ class SupernetResolver(Resolver):
         if source == "layer_choice":
             self.claimed[label] = "LayerChoice"
             return MixedLayer(label, values, [_instantiate(c, label) for c in candidates], self.state)
-        if source == "cell" and not all(isinstance(c, int) for c in candidates):
-            self.claimed[label] = "Cell op"
-            state = self.state
-
-            def build(j: int, k: int, source_index: int) -> nn.Module:
-                mods = [c if isinstance(c, nn.Module) else c(j, k, source_index) for c in candidates]
-                return MixedLayer(label, values, [_copy(m) for m in mods], state)
-            return build
-        if source == "cell":
-            if len(values) == 1:
-                self.claimed[label] = "Cell input"
-                return candidates[0]
-            raise not_one_shot(label, "chooses the input of a Cell node; the supernet does not hold every cell "
-                                      "wiring (fix the inputs with num_predecessors=1 and one node, or search "
-                                      "the wiring with a multi-trial strategy)")
         if all(isinstance(c, int) and not isinstance(c, bool) for c in candidates):
             top = max(candidates)
             return TracedInt(top, _leaf(label, domain, top), {label})
@@ -441,6 +481,29 @@ class SupernetResolver(Resolver):
         self._register(label, domain, "input_choice")
         self.claimed[label] = "InputChoice"
         return MixedInput(label, domain.values(), reduction, self.state)
+
+    def cell(self, label: str, op_domain: Domain, num_nodes: int, num_ops_per_node: int, num_predecessors: int,
+             merge_op: str, concat_dim: int) -> nn.Module:
+        if merge_op != "all" and num_nodes > 1:
+            raise not_one_shot(f"{label}/input_{num_predecessors + 1}_0",
+                               "wires a Cell with merge_op='loose_end', whose output width depends on the wiring; "
+                               "a supernet needs merge_op='all'")
+        values = op_domain.values()
+        candidates = [op_domain.to_candidate(v) for v in values]
+        edges = []
+        for j in range(num_nodes):
+            node = num_predecessors + j
+            for k in range(num_ops_per_node):
+                op_label, input_label = f"{label}/op_{node}_{k}", f"{label}/input_{node}_{k}"
+                self._register(input_label, Categorical(list(range(node)), label=input_label), "cell")
+                self._register(op_label, op_domain, "cell")
+                self.claimed[input_label] = "Cell input"
+                self.claimed[op_label] = "Cell op"
+                per_input = [MixedLayer(op_label, values, [_copy(c) if isinstance(c, nn.Module) else
+                                                           _instantiate(c(node, k, i), op_label) for c in candidates],
+                                        self.state) for i in range(node)]
+                edges.append(MixedEdge(input_label, per_input, self.state))
+        return MixedCell(edges, num_nodes, num_ops_per_node, num_predecessors, concat_dim)
 
     def repeat(self, blocks: Any, depth: int) -> nn.Module | None:
         if not isinstance(depth, TracedInt):
@@ -539,8 +602,11 @@ class Supernet:
 
 
 def _unwrap(module: nn.Module, sample: Sample, state: ArchState) -> nn.Module:
-    while isinstance(module, MixedLayer):
-        module = module.candidates[_index_in(state.values[module.label], sample, module.label)]
+    while isinstance(module, (MixedLayer, MixedEdge)):
+        if isinstance(module, MixedEdge):
+            module = module.edges[_index_in(state.values[module.label], sample, module.label)]
+        else:
+            module = module.candidates[_index_in(state.values[module.label], sample, module.label)]
     return module
 
 
