@@ -118,8 +118,7 @@ def _rss_mib() -> float:
 
 def child(args: argparse.Namespace) -> None:
     import tridens as td
-    from tridens.engine._execution import Job
-    from tridens.engine._units import SeparateUnit
+    from tridens.units import Job, SeparateUnit
     from tridens.trial import Trial
     from tridens.xopt import _batching
 

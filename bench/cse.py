@@ -57,8 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import tridens as td  # noqa: E402
 from tridens import nn as tnn  # noqa: E402
-from tridens.engine._execution import Job  # noqa: E402
-from tridens.engine._units import SeparateUnit  # noqa: E402
+from tridens.units import Job, SeparateUnit  # noqa: E402
 from tridens.trial import Trial  # noqa: E402
 from tridens.xopt import _cse  # noqa: E402
 from tridens.xopt._cse import plan_cse  # noqa: E402

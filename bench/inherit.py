@@ -154,7 +154,7 @@ def flop_share(args: argparse.Namespace) -> None:
     import random
     import warnings
 
-    from tridens.engine._execution import Job
+    from tridens.units import Job
     from tridens.graph import _meta, trace
     from tridens.trial import Trial
     from tridens.warmup import describe

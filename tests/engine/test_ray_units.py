@@ -220,7 +220,7 @@ def _two_mlps(seed):
 @pytest.mark.parametrize("kind, optimizer", [("batched", "sgd"), ("batched", "adam"), ("batched", "rmsprop"),
                                              ("prefix", "adam"), ("pipeline", "sgd")])
 def test_member_checkpoint_of_a_fused_unit_resumes_as_a_separate_trainer(digits_data, kind, optimizer):
-    from tridens.engine._execution import Job
+    from tridens.units import Job
     from tridens.engine._ray_units import member_state
     from tridens.trial import Trial
     from tridens.xopt._batching import BatchedUnit

@@ -13,7 +13,7 @@ from torch import nn
 
 import tridens as td
 from tridens.engine._planner import plan
-from tridens.engine._units import SeparateUnit
+from tridens.units import SeparateUnit
 from tridens.evaluators import NonFiniteLoss
 from tridens.trial import TrialStatus
 from tridens.xopt import _batching

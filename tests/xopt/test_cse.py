@@ -13,8 +13,7 @@ from torch import nn
 
 import tridens as td
 from tridens import nn as tnn
-from tridens.engine._execution import Job
-from tridens.engine._units import SeparateUnit
+from tridens.units import Job, SeparateUnit
 from tridens.trial import Trial, TrialStatus
 from tridens.xopt import _cse
 from tridens.xopt._cse import SharedPipelineUnit, plan_cse

@@ -87,7 +87,7 @@ def test_fused_with_the_batch_norm_kernel_everywhere_equals_separate(optimizer, 
     maps it is not used for by default, and with the ReLU after it folded in) trains as separate
     models do: per-epoch metrics within 1e-4 in float32, 1e-9 in float64."""
     import tridens as td
-    from tridens.engine._units import SeparateUnit
+    from tridens.units import SeparateUnit
     from tridens.xopt import _batching
 
     from .test_batching import ADAPTIVE, SAMPLES, TOL, assert_close_runs, cnn, evaluator, make_jobs, run

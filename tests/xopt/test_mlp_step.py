@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tridens as td
-from tridens.engine._execution import Job
+from tridens.units import Job
 from tridens.trial import Trial
 from tridens.xopt._batching import BatchedMember, _stacked_loss
 

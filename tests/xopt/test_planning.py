@@ -11,8 +11,8 @@ from torch import nn
 
 import tridens as td
 from tridens import nn as tnn
-from tridens.engine._planner import parse_memory, plan, resolve_max_unit_memory, unit_memory_limit
-from tridens.engine._units import SeparateUnit
+from tridens.engine._planner import plan
+from tridens.units import SeparateUnit, parse_memory, resolve_max_unit_memory, unit_memory_limit
 from tridens.trial import TrialStatus
 from tridens.xopt import _batching
 from tridens.xopt._batching import BatchedMember, BatchedUnit

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import tridens as td
-from tridens.engine._execution import Job
+from tridens.units import Job
 from tridens.engine._planner import plan
 from tridens.evaluators import NonFiniteLoss
 from tridens.store import Store

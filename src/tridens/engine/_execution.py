@@ -13,7 +13,7 @@ import math
 import multiprocessing as mp
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Mapping, Protocol, Sequence
 
@@ -22,22 +22,13 @@ from torch import nn
 
 from ..evaluators._base import Evaluator, StepwiseEvaluator
 from ..trial import Decision, Trial, TrialStatus
+from ..units import Job
 
 __all__ = ["Job", "GroupHooks", "Executor", "InlineExecutor", "ProcessExecutor", "TrialTimeout", "make_executor"]
 
 
 class TrialTimeout(Exception):
     """A trial ran longer than ``trial_timeout``."""
-
-
-@dataclass
-class Job:
-    """One trial to run: its record, its concrete model (None when the evaluator needs none)."""
-
-    trial: Trial
-    model: nn.Module | None
-    max_steps: int | None = None
-    started: float = field(default_factory=time.monotonic)
 
 
 class GroupHooks(Protocol):

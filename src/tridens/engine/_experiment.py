@@ -19,14 +19,12 @@ import torch
 
 from ..errors import InvalidSample, InvalidSpace, TridensError
 from ..evaluators._base import Evaluator
-from ..space import BaseSpace
-from ..space._domain import SearchSpace
+from ..space import BaseSpace, RecipeError, SearchSpace, object_path, space_recipe
 from ..store import Store, StoreError
 from ..strategy import Strategy
 from ..trial import Decision, Objective, Trial, TrialGroup, TrialStatus
-from ._execution import Executor, Job, make_executor
-from ._planner import parse_memory, unit_memory_limit
-from ._recipe import RecipeError, object_path, space_recipe
+from ..units import Job, parse_memory, unit_memory_limit
+from ._execution import Executor, make_executor
 
 __all__ = ["Experiment", "ExperimentFailed", "default_store_path"]
 

@@ -14,7 +14,7 @@ from torch import nn
 from ..errors import TridensError
 from ..store import Store
 from ..trial import Trial
-from ._recipe import RecipeError, build_space
+from ..space import RecipeError, build_space
 
 __all__ = ["export_trials", "load"]
 

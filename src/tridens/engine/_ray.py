@@ -403,13 +403,13 @@ class RayExecutor(Executor):
     # -- units (declarative evaluators) --------------------------------------------------------
     def _units(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator) -> list[_UnitTrack]:
         """The group's unit tasks: the planner's fused units, one task each; separate trials one each."""
-        from ._units import SeparateUnit
+        from ..units import SeparateUnit
 
         # Pickled before planning may tie or move them; by value where defined in __main__ (a script).
         models = {job.trial.id: ray.cloudpickle.dumps(job.model) for job in jobs}
         if not self.optimize or self.allocation is not None:
             return [_UnitTrack({job.trial.id: _Member(job, models[job.trial.id])}, optimize=False) for job in jobs]
-        from ..xopt import _batching
+        from ..xopt import batching as _batching
         from ..xopt._adaptive import AdaptiveMember
         from ._planner import plan
 
@@ -439,7 +439,7 @@ class RayExecutor(Executor):
         Super-graph units stay whole (their children are tied already)."""
         from ..xopt._supergraph import SuperGraphUnit
         from ._planner import plan
-        from ._units import SeparateUnit
+        from ..units import SeparateUnit
 
         def tasks() -> int:
             return sum(len(u.jobs) if isinstance(u, SeparateUnit) else 1 for u in units)
@@ -571,7 +571,7 @@ class RayExecutor(Executor):
                  f": torch DDP over {track.world} local processes" if track.world > 1 else "")
 
     def _launch_unit(self, track: _UnitTrack, evaluator_ref: Any, storage: _Storage) -> None:
-        from ._planner import ENV_MAX_UNIT_MEMORY, _MAX_UNIT_MEMORY, parse_memory
+        from ..units import ENV_MAX_UNIT_MEMORY, MAX_UNIT_MEMORY as _MAX_UNIT_MEMORY, parse_memory
         from ._ray_units import run_unit
 
         bound = _MAX_UNIT_MEMORY.get()
@@ -594,7 +594,7 @@ class RayExecutor(Executor):
     @staticmethod
     def _cse_settings() -> Any:
         """A copy of the driver's CSE settings, for the worker's planning."""
-        from ..xopt import _cse
+        from ..xopt import cse as _cse
 
         return dataclasses.replace(_cse.settings)
 

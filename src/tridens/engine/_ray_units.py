@@ -42,7 +42,8 @@ import torch
 
 from ..evaluators._base import StepwiseEvaluator
 from ..trial import Decision
-from ._execution import Job, _error_text
+from ..units import Job
+from ._execution import _error_text
 
 __all__ = ["run_unit", "member_state"]
 
@@ -103,7 +104,7 @@ def _batched_member_state(member: Any, job: Job, evaluator: StepwiseEvaluator) -
 def member_state(unit: Any, trial_id: int, evaluator: StepwiseEvaluator) -> dict[str, Any] | None:
     """The trainer checkpoint of ``trial_id`` in ``unit`` (None where none can be taken: then the
     member restarts from its first epoch)."""
-    from ._units import SeparateUnit
+    from ..units import SeparateUnit
 
     job = unit.jobs[trial_id]
     if isinstance(unit, SeparateUnit):
@@ -174,7 +175,7 @@ class _Worker:
 def _resume(worker: _Worker, jobs: Sequence[Job], evaluator: StepwiseEvaluator) -> Any:
     """A separate unit of ``jobs``, each from its last checkpoint; members whose last checkpointed
     step is answered STOP (or that were out of budget) leave at once."""
-    from ._units import SeparateUnit
+    from ..units import SeparateUnit
 
     unit = SeparateUnit(jobs, evaluator, reason=f"restarted (attempt {worker.attempt}) from the members' checkpoints")
     log.info("%s", unit.describe())
@@ -219,12 +220,12 @@ def _plan(jobs: Sequence[Job], evaluator: StepwiseEvaluator, spec: Mapping[str, 
     from ._planner import plan
 
     if not spec["optimize"]:
-        from ._units import SeparateUnit
+        from ..units import SeparateUnit
 
         return [SeparateUnit(jobs, evaluator)]
-    from ..xopt import _batching
+    from ..xopt import batching as _batching
 
-    from ..xopt import _cse
+    from ..xopt import cse as _cse
 
     # the driver's settings, for this task only (a worker serves many tasks)
     given = {"batching": (_batching.settings, spec["batching"]),

@@ -237,7 +237,7 @@ class Zoo:
         this zoo's store) that is not in the zoo yet: the experiment's space is rebuilt from its
         stored recipe, frozen with the trial's sample, and described. Trials whose checkpoint no
         longer loads are skipped with a :class:`ZooWarning`."""
-        from ..engine._recipe import build_space
+        from ..space import build_space
         from ..store import Store
         from ..trial import Objective, TrialStatus
 

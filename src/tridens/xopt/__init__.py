@@ -1,29 +1,45 @@
 """Cross-model optimizations: execution units that train many trials cheaper than one by one.
 
-Each optimization registers a planner with :func:`tridens.engine._planner.register` when this
-package is imported (the engine imports it before planning). Planners are asked in registration
-order, each taking the jobs it can fuse and leaving the rest to the next; whatever is left trains
-separately.
+Every optimization is a planner (:class:`tridens.units.Planner`) listed in :data:`OPTIMIZATIONS`,
+the one place the engine's planner reads; they are asked in that order, each taking the jobs it can
+fuse and leaving the rest to the next; whatever is left trains separately. :data:`PASSES` then
+rewrite the planned units.
 
+* super-graph (:mod:`._supergraph`): a child that inherits its parent's weights trains merged with it.
+* stage trees (:mod:`._stages`): trials that share a training prefix (same model, seed and weights,
+  same hyperparameters up to an epoch) train it once, then fork.
 * operator batching (:mod:`._batching`): same-shaped models as one vectorized model.
 * common sub-expression elimination (:mod:`._cse`): trials sharing a data pipeline read one
   loader (each batch augmented once), and a shared frozen prefix runs once per batch.
-* mixed units (a pass over the planned units, :func:`._cse.merge_pipelines`): batched groups that
-  read the same data as other units join them in one shared pipeline.
+* mixed units (a pass, :func:`.cse.merge_pipelines`): batched groups that read the same data as
+  other units join them in one shared pipeline.
+
+>>> import tridens.xopt as xopt
+>>> [optimization.name for optimization in xopt.OPTIMIZATIONS]
+['supergraph', 'stage tree', 'batching', 'cse']
 """
 
-from ..engine._planner import register as _register, register_pass as _register_pass
+from ..units import Optimization, UnitPass
 from . import _batching as batching
-from ._batching import BatchedUnit, BatchingSettings, plan_batching
-
 from . import _cse as cse
-from ._cse import PipelineMember, SharedPipelineUnit, SharedPrefix, TrainerMember, plan_cse
+from ._batching import BatchedUnit, BatchingSettings, plan_batching
+from ._cse import PipelineMember, SharedPipelineUnit, SharedPrefix, TrainerMember, merge_pipelines, plan_cse
+from ._stages import StageTreeUnit, plan_stage_trees
+from ._supergraph import plan_supergraph
 
-from ._supergraph import plan_supergraph as _plan_supergraph  # weight inheritance (issue 5): first
-_register("supergraph", _plan_supergraph)
-_register("batching", plan_batching)
-_register("cse", plan_cse)
-_register_pass("mixed units", _cse.merge_pipelines)  # batched groups join shared pipelines
+OPTIMIZATIONS: tuple[Optimization, ...] = (
+    Optimization("supergraph", plan_supergraph),  # first: a child merged with its parent stays with it
+    Optimization("stage tree", plan_stage_trees),  # before batching: a shared prefix is not trained at all
+    Optimization("batching", plan_batching),
+    Optimization("cse", plan_cse),
+)
+"""The cross-model optimizations the planner asks, in order."""
 
-__all__ = ["BatchedUnit", "BatchingSettings", "plan_batching", "batching",
-           "SharedPipelineUnit", "PipelineMember", "TrainerMember", "SharedPrefix", "plan_cse", "cse"]
+PASSES: tuple[UnitPass, ...] = (
+    UnitPass("mixed units", merge_pipelines),  # batched groups join shared pipelines
+)
+"""The passes over the planned units, in order."""
+
+__all__ = ["OPTIMIZATIONS", "PASSES", "StageTreeUnit", "plan_stage_trees", "BatchedUnit", "BatchingSettings", "plan_batching", "batching",
+           "SharedPipelineUnit", "PipelineMember", "TrainerMember", "SharedPrefix", "plan_cse", "merge_pipelines",
+           "plan_supergraph", "cse"]

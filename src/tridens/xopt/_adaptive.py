@@ -48,8 +48,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..engine._execution import Job
-from ..engine._units import ExecutionUnit
+from ..units import ExecutionUnit, Job
 from ..evaluators._base import StepwiseEvaluator
 from ._batching import BatchedMember, BatchedUnit, _EFFICIENCY, _SPEEDUPS, peak_matmul_flops, settings
 from ._cse import TrainerMember

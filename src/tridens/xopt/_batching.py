@@ -65,7 +65,7 @@ environment at import):
   with separate), ``"off"``.
 * memory: a unit's estimated parameters + gradients + optimizer state + activations stay under
   the experiment's ``max_unit_memory`` (one bound for every optimization, resolved by
-  :func:`tridens.engine._planner.resolve_max_unit_memory`: ``td.Experiment(max_unit_memory=)``,
+  :func:`tridens.units.resolve_max_unit_memory`: ``td.Experiment(max_unit_memory=)``,
   ``$TRIDENS_MAX_UNIT_MEMORY``, else half the RAM / 80% of free GPU memory; or
   ``plan_batching(..., max_unit_memory=)``); larger groups are split. The estimate comes from one
   evaluation-mode forward of one model on 8 examples (:func:`_model_costs`).
@@ -128,9 +128,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, vmap
 
-from ..engine._execution import Job
-from ..engine._planner import resolve_max_unit_memory
-from ..engine._units import ExecutionUnit, SeparateUnit, UnitResult
+from ..units import ExecutionUnit, Job, SeparateUnit, UnitResult, resolve_max_unit_memory
 from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._errors import NonFiniteLoss
 from ..evaluators._supervised import TrainConfig, _Source, _Supervised, _accuracy_count, _match
@@ -1443,7 +1441,7 @@ def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
                   max_unit_memory: int | str | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
     """Group ``jobs`` by (structure, training setup) and fuse each group of two or more, within
     ``max_unit_memory`` (bytes or e.g. ``"2GiB"``; default: the experiment's bound, see
-    :func:`tridens.engine._planner.resolve_max_unit_memory`): as a :class:`BatchedUnit` where
+    :func:`tridens.units.resolve_max_unit_memory`): as a :class:`BatchedUnit` where
     ``settings.mode == "force"`` or an earlier group with the same key measured that fusion pays;
     as an :class:`~tridens.xopt._adaptive.AdaptiveUnit` (fused or separate, decided from its own
     first real steps) where nothing was measured yet; not at all where a group with the same key

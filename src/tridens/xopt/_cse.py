@@ -24,7 +24,7 @@ A member that modifies its input in place is detected (version counters) and get
 **Memory.** A unit's estimate -- every member's parameters, buffers, gradients and optimizer
 state, plus the largest member's activations at the batch size (shapes from the graph IR), the
 shared prefixes' activations and the shared batches -- is kept under ``max_unit_memory`` (the
-experiment's, one bound for every optimization: :func:`tridens.engine._planner.
+experiment's, one bound for every optimization: :func:`tridens.units.
 resolve_max_unit_memory`; or the ``max_unit_memory=`` argument of :func:`plan_cse`); a group
 over it is split into several units, each with its own pipeline. Members train one at a time, so a
 unit never holds more than separate training of the same trials would, plus the shared batches.
@@ -81,9 +81,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..engine._execution import Job
-from ..engine._planner import default_max_unit_memory, resolve_max_unit_memory
-from ..engine._units import ExecutionUnit, UnitResult
+from ..units import ExecutionUnit, Job, UnitResult, default_max_unit_memory, resolve_max_unit_memory
 from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._errors import NonFiniteLoss
 from ..evaluators._supervised import SupervisedTrainer, TrainConfig, ValidationSums, _Source, _Supervised
@@ -1734,7 +1732,7 @@ def plan_cse(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
     Only the declarative supervised evaluators (``Classification``, ``Regression``) are fused. A
     job alone in its pipeline is left over; the first unit's log line says why ("different batch
     size (32, not 64)", "different data seed (7, not 0)", ...). ``max_unit_memory`` (bytes or
-    e.g. ``"2GiB"``) defaults to the experiment's bound (:func:`tridens.engine._planner.
+    e.g. ``"2GiB"``) defaults to the experiment's bound (:func:`tridens.units.
     resolve_max_unit_memory`).
     """
     if not isinstance(evaluator, _Supervised):

@@ -75,9 +75,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..engine._execution import Job
-from ..engine._units import ExecutionUnit
-from ..engine._planner import resolve_max_unit_memory
+from ..units import ExecutionUnit, Job, resolve_max_unit_memory
 from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._errors import NonFiniteLoss
 from ..evaluators._supervised import SupervisedTrainer, TrainConfig, ValidationSums, _Supervised
@@ -882,7 +880,7 @@ def plan_supergraph(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
     pipeline, use the same optimizer kind, momentum and weight decay (their shared tensors take
     one optimizer's steps) and share inherited tensors with each other into
     :class:`SuperGraphUnit` s, each under ``max_unit_memory`` (bytes or e.g. ``"2GiB"``; default:
-    the experiment's bound, :func:`tridens.engine._planner.resolve_max_unit_memory`): a group
+    the experiment's bound, :func:`tridens.units.resolve_max_unit_memory`): a group
     over it is split, in trial order. Return the units and the jobs left for the other
     optimizations. One child per architecture (graph fingerprint) joins a super-graph: siblings
     of the same architecture -- a mutation of the learning rate only -- would share all their

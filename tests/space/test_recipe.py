@@ -2,7 +2,7 @@
 
 import pytest
 
-from tridens.engine._recipe import RecipeError, import_object
+from tridens.space import RecipeError, import_object
 
 
 def test_a_script_not_named_py_is_imported(tmp_path):

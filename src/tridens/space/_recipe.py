@@ -17,6 +17,9 @@ import torch
 from torch import nn
 
 from ..errors import TridensError
+from ._choice import Choice, choice, loguniform, randint, uniform
+from ._model_space import ModelSpace
+from ._mutator import MutatorSpace
 
 __all__ = ["object_path", "import_object", "space_recipe", "build_space", "RecipeError"]
 
@@ -99,8 +102,6 @@ def _json_args(values: Any, what: str) -> Any:
 
 def space_recipe(space: Any) -> dict[str, Any]:
     """JSON that :func:`build_space` turns back into an equal space."""
-    from ..space import ModelSpace, MutatorSpace
-
     if isinstance(space, MutatorSpace):
         return {
             "kind": "mutators",
@@ -123,8 +124,6 @@ def _module_recipe(module: nn.Module) -> dict[str, Any]:
 
 
 def _placeholders_to_json(obj: Any) -> Any:
-    from ..space._choice import Choice
-
     if isinstance(obj, Choice):
         return {"__choice__": obj.label, "domain": obj.domain.describe()}
     if isinstance(obj, dict):
@@ -135,8 +134,6 @@ def _placeholders_to_json(obj: Any) -> Any:
 
 
 def _json_to_placeholders(obj: Any) -> Any:
-    from ..space import choice, loguniform, randint, uniform
-
     if isinstance(obj, dict) and "__choice__" in obj:
         d = obj["domain"]
         kind = d["type"]
@@ -153,8 +150,6 @@ def _json_to_placeholders(obj: Any) -> Any:
 
 def build_space(recipe: dict[str, Any]) -> Any:
     """The space (or plain module) a recipe describes."""
-    from ..space import ModelSpace
-
     kind = recipe["kind"]
     if kind == "mutators":
         base = build_space(recipe["base"])

@@ -1,0 +1,24 @@
+"""The contract between planning and execution, below both the engine and the optimizations.
+
+* :class:`Job` -- one trial to run with its concrete model;
+* :class:`ExecutionUnit` -- the protocol every unit answers (train an epoch, members, weights,
+  drop a member, describe); :class:`SeparateUnit` -- trials trained one by one;
+* the memory bound every planner bounds its units by (:func:`resolve_max_unit_memory`);
+* the planner interface (:class:`Planner`, :class:`Pass`) that :mod:`tridens.xopt` implements.
+
+>>> from tridens.units import Job, SeparateUnit, parse_memory
+>>> parse_memory("1KiB")
+1024
+"""
+
+from ._job import Job
+from ._memory import (ENV_MAX_UNIT_MEMORY, MAX_UNIT_MEMORY, configured_max_unit_memory, default_max_unit_memory,
+                      parse_memory, resolve_max_unit_memory, unit_memory_limit)
+from ._planning import Optimization, Pass, Planner, UnitPass
+from ._separate import SeparateUnit
+from ._unit import ExecutionUnit, UnitResult
+
+__all__ = ["Job", "ExecutionUnit", "UnitResult", "SeparateUnit",
+           "parse_memory", "resolve_max_unit_memory", "default_max_unit_memory", "unit_memory_limit",
+           "configured_max_unit_memory", "ENV_MAX_UNIT_MEMORY", "MAX_UNIT_MEMORY",
+           "Planner", "Pass", "Optimization", "UnitPass"]

@@ -1,0 +1,49 @@
+"""The planner interface: what a cross-model optimization offers the engine.
+
+A planner takes a TrialGroup's jobs and returns the units it fuses and the jobs it leaves to the
+next planner; a pass rewrites the planned units afterwards (e.g. merges units that read the same
+data). The engine asks the planners listed in :data:`tridens.xopt.OPTIMIZATIONS` in order and
+trains whatever is left in a :class:`~tridens.units.SeparateUnit`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol, Sequence
+
+from ..evaluators import StepwiseEvaluator
+from ._job import Job
+from ._unit import ExecutionUnit
+
+__all__ = ["Planner", "Pass", "Optimization", "UnitPass"]
+
+
+class Planner(Protocol):
+    """``planner(jobs, evaluator) -> (units, leftover jobs)``; bounds its units by
+    :func:`~tridens.units.resolve_max_unit_memory`."""
+
+    def __call__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, /) -> tuple[list[ExecutionUnit], list[Job]]: ...
+
+
+class Pass(Protocol):
+    """``fn(units, leftover jobs, evaluator) -> (units to run, jobs still left)``."""
+
+    def __call__(self, units: list[ExecutionUnit], jobs: list[Job], evaluator: StepwiseEvaluator, /
+                 ) -> tuple[list[ExecutionUnit], list[Job]]: ...
+
+
+class Optimization(NamedTuple):
+    """A named planner, as listed in :data:`tridens.xopt.OPTIMIZATIONS`.
+
+    >>> Optimization("nothing", lambda jobs, evaluator: ([], list(jobs))).name
+    'nothing'
+    """
+
+    name: str
+    plan: Planner
+
+
+class UnitPass(NamedTuple):
+    """A named pass over the planned units, as listed in :data:`tridens.xopt.PASSES`."""
+
+    name: str
+    run: Pass
