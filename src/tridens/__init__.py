@@ -9,6 +9,7 @@ instantiates, trains, compares and stops the models.
 
 from . import datasets, evaluators, graph, nn, space, store, strategy
 from . import oneshot, warmup
+from . import hub
 from .engine import Experiment, load
 from .errors import GraphError, InvalidSample, InvalidSpace, StoreError, TridensError
 from .evaluators import report
@@ -22,6 +23,6 @@ __all__ = [
     "ModelSpace", "Mutator", "choice", "uniform", "loguniform", "randint",
     "Experiment", "load", "report",
     "TridensError", "InvalidSpace", "InvalidSample", "GraphError", "StoreError",
-    "Trial", "TrialGroup", "TrialStatus", "Objective", "Decision",
+    "Trial", "TrialGroup", "TrialStatus", "Objective", "Decision", "hub",
     "nn", "space", "graph", "strategy", "evaluators", "datasets", "store", "warmup", "oneshot",
 ]

@@ -53,6 +53,9 @@ class BaseSpace:
     """
 
     example_inputs: tuple[torch.Tensor, ...] | None = None
+    #: True when every label exists in every model (no choice decides whether another label is
+    #: asked): discovery then needs only the first construction instead of one per value.
+    labels_unconditional: bool = False
 
     # -- to implement -------------------------------------------------------------------------
     def _build(self, resolver: Resolver, discovery: bool) -> nn.Module:  # pragma: no cover
@@ -73,7 +76,12 @@ class BaseSpace:
         """
         cached = self.__dict__.get("_tridens_search_space")
         if cached is None:
-            cached = discover(self._discovery_run, self._base_trace())
+            base = self._base_trace()
+            if self.labels_unconditional:
+                trace = base if base is not None else self._discovery_run({})
+                cached = SearchSpace([LabelSpec(label, domain, [], source) for label, (domain, _, source) in trace.items()])
+            else:
+                cached = discover(self._discovery_run, base)
             self.__dict__["_tridens_search_space"] = cached
         return cached
 

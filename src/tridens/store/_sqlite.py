@@ -33,7 +33,7 @@ from ._schema import CURRENT_VERSION, check_not_newer, read_version, upgrade
 
 __all__ = ["Store"]
 
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+_NAME_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_. \-]{0,126}[A-Za-z0-9_.\-])?")
 
 _TRIAL_COLUMNS = (
     "t.id, e.name, t.sample, t.fingerprint, t.seed, t.status, t.metric, t.metric_nan, t.group_id, "
@@ -344,8 +344,8 @@ class Store:
         """
         if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
             raise ValueError(
-                f"An experiment name must be 1-128 characters of letters, digits, '_', '.', '-', not starting "
-                f"with '.' or '-' (it names a folder). Got {name!r} instead.")
+                f"An experiment name must be 1-128 characters of letters, digits, '_', '.', '-' and inner spaces, "
+                f"not starting with '.' or '-' (it names a folder). Got {name!r} instead.")
         config_json = self._json(dict(config or {}), f"the config of experiment {name!r}")
         now = time.time()
         with self._writing(f"creating experiment {name!r}", single=True) as conn:
