@@ -8,8 +8,8 @@ import math
 import pytest
 
 from tridens.errors import InvalidSpace
-from tridens.strategy import (ASHA, BOHB, TPE, Constraint, GridSearch, Hyperband, MedianStopping, Random,
-                              RegularizedEvolution)
+from tridens.strategy import (ASHA, BOHB, BOSS, SS, TPE, AsyncSS, Constraint, GridSearch, Hyperband, MedianStopping,
+                              Random, RegularizedEvolution)
 from tridens.trial import Objective, Trial, TrialStatus
 
 from .harness import ACC, LOSS, Bench, finite_space, key, mixed_space, nasbench201, run
@@ -22,11 +22,14 @@ STRATEGIES = {
     "hyperband": lambda: Hyperband(max_steps=9),
     "bohb": lambda: BOHB(max_steps=9, min_points_in_model=4),
     "asha": lambda: ASHA(max_steps=9, batch_size=6, brackets=2),
+    "ss": lambda: SS(max_steps=9),
+    "async-ss": lambda: AsyncSS(max_steps=9, batch_size=6, brackets=2),
+    "boss": lambda: BOSS(max_steps=9, min_points_in_model=4),
     "median(random)": lambda: MedianStopping(min_trials=2),
     "median(evolution)": lambda: MedianStopping(RegularizedEvolution(population=6, sample_size=2, batch_size=3),
                                                 grace_steps=2),
 }
-STOPPING = {"hyperband", "bohb", "asha", "median(random)", "median(evolution)"}
+STOPPING = {"hyperband", "bohb", "asha", "ss", "async-ss", "boss", "median(random)", "median(evolution)"}
 
 
 @pytest.fixture(params=sorted(STRATEGIES))

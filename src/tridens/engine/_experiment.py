@@ -43,6 +43,7 @@ _STRATEGY_NAMES = {
     "random": "Random", "grid": "GridSearch", "grid-search": "GridSearch",
     "regularized-evolution": "RegularizedEvolution", "evolution": "RegularizedEvolution",
     "tpe": "TPE", "hyperband": "Hyperband", "asha": "ASHA", "bohb": "BOHB",
+    "ss": "SS", "async-ss": "AsyncSS", "boss": "BOSS",
 }
 
 

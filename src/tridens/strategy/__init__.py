@@ -2,7 +2,8 @@
 
 Proposing strategies (what to train next): :class:`Random`, :class:`GridSearch`,
 :class:`RegularizedEvolution`, :class:`TPE`. Multi-fidelity strategies (what to train next and
-which running trial to stop): :class:`Hyperband`, :class:`BOHB`, :class:`ASHA`. A stopping rule
+which running trial to stop): :class:`Hyperband`, :class:`BOHB`, :class:`ASHA`, and the
+sub-sampling bandit :class:`SS`, its asynchronous variant :class:`AsyncSS` and :class:`BOSS`. A stopping rule
 that wraps any proposing strategy: :class:`MedianStopping`. Constraints on measured facts of a
 model and the Pareto front of several objectives: :class:`Constraint`, :func:`pareto_front`.
 """
@@ -10,17 +11,19 @@ model and the Pareto front of several objectives: :class:`Constraint`, :func:`pa
 from ._asha import ASHA
 from ._base import Strategy
 from ._bohb import BOHB
+from ._boss import BOSS
 from ._constraints import Constraint, pareto_front
 from ._evolution import RegularizedEvolution
 from ._grid import GridSearch
 from ._hyperband import Hyperband
 from ._median import MedianStopping
 from ._random import Random
+from ._ss import SS, AsyncSS
 from ._tpe import TPE
 
 __all__ = [
     "Strategy",
     "Random", "GridSearch", "RegularizedEvolution", "TPE",
-    "Hyperband", "BOHB", "ASHA", "MedianStopping",
+    "Hyperband", "BOHB", "ASHA", "SS", "AsyncSS", "BOSS", "MedianStopping",
     "Constraint", "pareto_front",
 ]

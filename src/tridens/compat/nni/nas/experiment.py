@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from typing import Any
 
@@ -13,9 +14,15 @@ from tridens.store import Store
 
 from .._common import NotSupported
 
-__all__ = ["NasExperiment"]
+__all__ = ["NasExperiment", "unique_name"]
 
 log = logging.getLogger("tridens")
+
+
+def unique_name(kind: str) -> str:
+    """A new experiment's name when NNI's script gives none: the time and a random suffix, so two
+    experiments started in the same second do not resume each other."""
+    return time.strftime(f"{kind}-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
 
 
 class _Config:
@@ -55,7 +62,7 @@ class NasExperiment:
         A one-shot strategy (DARTS, GumbelDARTS, ENAS, RandomOneShot) trains one supernet; it
         needs a ``Classification`` / ``Regression`` evaluator."""
         config = config if config is not None else self.config
-        name = self.id or getattr(config, "experiment_name", None) or time.strftime("nni-%Y%m%d-%H%M%S")
+        name = self.id or getattr(config, "experiment_name", None) or unique_name("nni")
         if getattr(self.strategy, "one_shot", False) and not isinstance(self.evaluator, _Supervised):
             raise NotSupported(f"The one-shot strategy {type(self.strategy).__name__} needs the evaluator "
                                "nni.nas.evaluator.pytorch.Classification or Regression (tridens.compat.nni.nas.evaluator"
