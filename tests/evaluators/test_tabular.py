@@ -137,3 +137,54 @@ def test_a_small_nasbench201_model_trains_on_digit_images(digit_images):
     assert ev.evaluate(model, sample, seed=0) > 0.5
     # The engine may pair the same space with the table instead of training.
     assert Tabular(nasbench201.table()).evaluate(None, space.random_sample(0), seed=0) > 0
+
+
+# -- multi-fidelity: the recorded learning-curve table, queries charged to a simulated clock -------------
+RECORDED = __import__("pathlib").Path(__file__).resolve().parents[2] / "bench" / "data" / "digits-mlp.json.gz"
+
+
+def test_recorded_curve_table_is_complete_and_real():
+    from tridens.evaluators import CurveTable
+
+    table = CurveTable.load(RECORDED)
+    assert len(table) == 648 and table.epochs == 27 and table.info["cost"]["complete"]
+    space = table.search_space()
+    assert space.size() == 648 and set(space.keys()) == set(table.labels)
+    sample, best = table.best()
+    assert 0.95 < best < 1.0  # an MLP on digits, averaged over the recorded seeds
+    curves = [table.lookup(sample, seed) for seed in range(3)]
+    assert curves[0] != curves[1] and table.lookup(sample, 3) == curves[0]  # seed 3 replays run 0
+    for curve in curves:
+        assert len(curve) == 27 and set(curve[0]) == {"val_acc", "val_loss", "cpu_seconds"}
+        assert all(r["cpu_seconds"] > 0 for r in curve)
+        assert curve[-1]["val_acc"] > curve[0]["val_acc"] - 0.05
+
+
+def test_tabular_charges_each_epoch_its_recorded_seconds():
+    from tridens.evaluators import CurveTable, SimulatedClock
+
+    table = CurveTable.load(RECORDED)
+    sample = dict(table.best()[0])
+    clock = SimulatedClock()
+    ev = Tabular(table, metric="val_acc", clock=clock)
+    curve = table.lookup(sample, 1)
+    reporter = RecordingReporter(stop_after=5)
+    ev.evaluate(None, sample, seed=1, reporter=reporter)
+    assert reporter.metrics["val_acc"] == [r["val_acc"] for r in curve[:5]]
+    assert clock.queries == 5 and clock.seconds == pytest.approx(sum(r["cpu_seconds"] for r in curve[:5]))
+    ev.evaluate(None, sample, seed=1)  # the full curve: 27 more queries
+    assert clock.queries == 32 and clock.seconds == pytest.approx(sum(r["cpu_seconds"] for r in curve[:5] + curve))
+    with pytest.raises(InvalidParameter, match="'clock' parameter of Tabular"):
+        Tabular(table, clock=object()).trainer(None, sample, 0)
+    with pytest.raises(td.InvalidSample, match="no row for"):
+        ev.trainer(None, {**sample, "width": 7}, 0)
+
+
+def test_curve_table_load_names_a_bad_file(tmp_path):
+    from tridens.errors import TridensError
+    from tridens.evaluators import CurveTable
+
+    bad = tmp_path / "bad.json.gz"
+    bad.write_bytes(b"not gzip")
+    with pytest.raises(TridensError, match="bad.json.gz is not a recorded curve table"):
+        CurveTable.load(bad)

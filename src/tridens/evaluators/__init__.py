@@ -3,7 +3,8 @@
 * :class:`Classification` / :class:`Regression`: declarative supervised training that the engine
   drives epoch by epoch (``evaluator.trainer(model, sample, seed)``) and may fuse across models.
 * :class:`FunctionalEvaluator`: the user's own loop, reporting with :func:`report` (``td.report``).
-* :class:`Tabular`: results looked up in a benchmark table (:mod:`.nasbench201`).
+* :class:`Tabular`: results looked up in a benchmark table (:mod:`.nasbench201`; learning curves
+  recorded by ``bench/record_curves.py`` in a :class:`CurveTable`, charged to a :class:`SimulatedClock`).
 
 >>> import tridens as td
 >>> ev = td.evaluators.Classification(train=None, val=None, lr=td.choice("lr", [0.01, 0.1]))
@@ -18,13 +19,15 @@ from ._base import Evaluator, NullReporter, RecordingReporter, Reporter, Stepwis
 from ._errors import InvalidParameter, NonFiniteLoss, NothingReported, TrialFailed, TrialStopped
 from ._functional import FunctionalEvaluator, report
 from ._schedules import SCHEDULES, lr_factor, scheduled_lr
-from ._supervised import OPTIMIZERS, Classification, Regression, SupervisedTrainer, TrainConfig
-from ._tabular import MemoryTable, Table, TableTrainer, Tabular
+from ._supervised import (CHECKPOINT_FORMAT, OPTIMIZERS, BatchSource, Classification, Regression, SupervisedEvaluator,
+                          SupervisedTrainer, TrainConfig, align_output, correct_count)
+from ._tabular import CurveTable, MemoryTable, SimulatedClock, Table, TableTrainer, Tabular
 
 __all__ = [
     "Evaluator", "StepwiseEvaluator", "Reporter", "NullReporter", "RecordingReporter", "Trainer", "drive",
-    "Classification", "Regression", "TrainConfig", "SupervisedTrainer", "OPTIMIZERS", "SCHEDULES", "lr_factor", "scheduled_lr",
+    "Classification", "Regression", "SupervisedEvaluator", "TrainConfig", "SupervisedTrainer", "BatchSource",
+    "CHECKPOINT_FORMAT", "correct_count", "align_output", "OPTIMIZERS", "SCHEDULES", "lr_factor", "scheduled_lr",
     "FunctionalEvaluator", "report",
-    "Tabular", "Table", "MemoryTable", "TableTrainer", "nasbench201",
+    "Tabular", "Table", "MemoryTable", "CurveTable", "SimulatedClock", "TableTrainer", "nasbench201",
     "InvalidParameter", "TrialFailed", "NonFiniteLoss", "NothingReported", "TrialStopped",
 ]
