@@ -150,7 +150,7 @@ class SearchBase(Strategy):
         self._check()
         self.space, self.objective, self.rng = space, objective, rng
         self._seed = rng.getrandbits(64)
-        self._size = space.size()
+        self._space_size: float | None = None        # counted when first needed (see _size)
         self._seen: set[str] = set()             # every sample proposed or told about
         self._pending: dict[str, dict[str, Any]] = {}   # proposed, not told yet
         self._curves: dict[int, list[float]] = {}       # trial id -> objective per step
@@ -201,8 +201,16 @@ class SearchBase(Strategy):
         self._keys[trial.id] = key
         return key
 
+    @property
+    def _size(self) -> float:
+        """The number of distinct samples of the space, counted on first use (a strategy starts
+        without it: a random proposal needs no count)."""
+        if self._space_size is None:
+            self._space_size = self.space.size()
+        return self._space_size
+
     def _exhausted(self) -> bool:
-        return len(self._seen) >= self._size
+        return bool(self._seen) and len(self._seen) >= self._size  # every space holds a sample
 
     def _is_new(self, sample: Mapping[str, Any]) -> bool:
         return sample_key(sample) not in self._seen
