@@ -22,7 +22,8 @@ from torch import nn
 
 from ..evaluators._base import Evaluator, StepwiseEvaluator
 from ..trial import Decision, Trial, TrialStatus
-from ..units import Job
+from ..units import ExecutionUnit, Job
+from ._threads import ThreadPolicy
 
 __all__ = ["Job", "GroupHooks", "Executor", "InlineExecutor", "ProcessExecutor", "TrialTimeout", "make_executor"]
 
@@ -130,10 +131,13 @@ class InlineExecutor(Executor):
     every trial's result for an epoch is recorded before any decision for that epoch, so
     synchronous rules (Hyperband rungs) see the whole rung. The planner groups them into execution
     units, fused where ``optimize`` allows (:mod:`tridens.xopt`). Otherwise trials run one by one.
+    ``threads`` (a :class:`~tridens.engine.ThreadPolicy`, default ``ThreadPolicy()``) sets the torch
+    threads each group's units train with.
     """
 
-    def __init__(self, optimize: bool = True):
+    def __init__(self, optimize: bool = True, threads: ThreadPolicy | None = None):
         self.optimize = optimize
+        self.threads = ThreadPolicy() if threads is None else threads
 
     def run_group(self, jobs: Sequence[Job], evaluator: Evaluator, hooks: GroupHooks) -> None:
         if isinstance(evaluator, StepwiseEvaluator):
@@ -160,6 +164,10 @@ class InlineExecutor(Executor):
         from ._planner import plan
 
         units = plan(jobs, evaluator, self.optimize)
+        with self.threads.decide_units(units).applied():
+            self._epochs(units, hooks)
+
+    def _epochs(self, units: Sequence[ExecutionUnit], hooks: GroupHooks) -> None:
         step = 0
         while any(unit.active() for unit in units):
             for unit in units:

@@ -1,0 +1,184 @@
+"""The thread and parallelism policy: torch threads per execution unit, and units run at once.
+
+On a CPU, the intra-op threads torch starts by default (one per core) pay only for large steps.
+A small model's step is a few milliseconds of many short kernels: a second OpenMP thread adds
+synchronization to every kernel and, on a machine with other work on it, a thread that waits for a
+descheduled partner spins. Measured here (2 cores, load average 7-10): 8 tiny MLP trials took 33-44
+wall seconds with torch's 2 threads and 1.1 s with one. :class:`ThreadPolicy` therefore gives each
+unit one thread when its training step is small or the machine has no idle core, and every idle
+core otherwise; units that take one thread each may run several at a time (``concurrent``: used by
+executors that run units side by side, e.g. a process pool; the in-process executor runs one unit
+at a time). The size of a step is its training FLOPs (3x the forward FLOPs of one example, counted
+with :class:`torch.utils.flop_counter.FlopCounterMode`, times the batch size, summed over the
+unit's models).
+
+A policy is an object passed in (``td.executors.Inline(threads=ThreadPolicy(threads=2))``); each
+decision is logged (logger ``tridens``) with its reason.
+
+>>> plan = ThreadPolicy(threads=1).decide(step_flops=5e9, units=3, total=2, load=0.0)  # 2 idle cores
+>>> plan.threads, plan.concurrent
+(1, 2)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.nn as nn
+
+__all__ = ["ThreadPolicy", "ThreadPlan", "step_flops", "cores"]
+
+log = logging.getLogger("tridens")
+
+
+def cores() -> int:
+    """CPU cores this process may run on (its affinity mask, else ``os.cpu_count()``)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def idle_cores(total: int | None = None, load: float | None = None) -> int:
+    """Cores no other process is using: ``total`` minus the 1-minute load average beyond this
+    process's own running thread (at least 1)."""
+    total = cores() if total is None else total
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:  # pragma: no cover - not POSIX
+            load = 0.0
+    return max(1, min(total, int(total - max(0.0, load - 1.0) + 0.5)))
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    """What the policy decided: ``threads`` torch threads per unit, ``concurrent`` units at once."""
+
+    threads: int
+    concurrent: int
+    reason: str
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        """Run the block with ``torch.set_num_threads(self.threads)``, then restore the count."""
+        before = torch.get_num_threads()
+        if before != self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
+
+
+class ThreadPolicy:
+    """Threads per unit and units at once, from the machine (cores, load) and the step size.
+
+    ``threads`` / ``concurrent`` fix either number (a user override); ``large_step_flops`` is the
+    training step, in FLOPs, from which a unit gets every idle core (default 2 GFLOP: ~20 ms of
+    this machine's one-thread peak, where kernels are long enough for threads to pay).
+
+    >>> ThreadPolicy().decide(step_flops=1e7, units=4, total=8, load=0.0)
+    ThreadPlan(threads=1, concurrent=4, reason='small steps (10 MFLOP < 2000 MFLOP): one thread per unit, 4 at once on 8 idle cores')
+    >>> ThreadPolicy().decide(step_flops=5e10, units=4, total=8, load=0.0).threads
+    8
+    """
+
+    def __init__(self, threads: int | None = None, concurrent: int | None = None, large_step_flops: float = 2e9):
+        self.threads = threads
+        self.concurrent = concurrent
+        self.large_step_flops = large_step_flops
+
+    def _check(self) -> None:
+        for name in ("threads", "concurrent"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"The '{name}' parameter of ThreadPolicy must be None or an int in the range "
+                                 f"[1, inf). Got {value!r} instead.")
+
+    def decide(self, step_flops: float | None, units: int = 1, *, total: int | None = None,
+               load: float | None = None) -> ThreadPlan:
+        """The plan for ``units`` units whose largest training step is ``step_flops`` FLOPs
+        (None: unknown, treated as large); ``total`` cores and ``load`` default to this machine's."""
+        self._check()
+        free = idle_cores(total, load)
+        units = max(1, units)
+        if self.threads is not None:
+            threads, why = self.threads, f"threads={self.threads} set by the user"
+        elif free < 2:
+            threads, why = 1, f"no idle core beside this one (load average {_load(load):.1f} on {total or cores()} cores)"
+        elif step_flops is not None and step_flops < self.large_step_flops:
+            threads, why = 1, f"small steps ({step_flops / 1e6:.0f} MFLOP < {self.large_step_flops / 1e6:.0f} MFLOP)"
+        else:
+            size = "unknown step size" if step_flops is None else f"large steps ({step_flops / 1e6:.0f} MFLOP)"
+            threads, why = free, f"{size}: every idle core"
+        concurrent = self.concurrent if self.concurrent is not None else max(1, min(units, free // threads))
+        text = f"{why}: one thread per unit" if threads == 1 and self.threads is None else why
+        return ThreadPlan(threads, concurrent, f"{text}, {concurrent} at once on {free} idle cores")
+
+    def decide_units(self, units: Sequence[Any]) -> ThreadPlan:
+        """The plan for execution units (each step sized by :func:`unit_step_flops`); logged."""
+        flops = max((unit_step_flops(u) for u in units), default=None, key=lambda v: -1 if v is None else v)
+        plan = self.decide(flops, len(units))
+        log.info("threads: %d per unit, %d unit(s) at once: %s", plan.threads, plan.concurrent, plan.reason)
+        return plan
+
+    def __repr__(self) -> str:
+        return (f"ThreadPolicy(threads={self.threads!r}, concurrent={self.concurrent!r}, "
+                f"large_step_flops={self.large_step_flops!r})")
+
+
+def _load(load: float | None) -> float:
+    if load is not None:
+        return load
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # pragma: no cover
+        return 0.0
+
+
+def step_flops(model: nn.Module, example: torch.Tensor, batch_size: int) -> float:
+    """Training FLOPs of one step of ``model`` on ``batch_size`` examples like ``example`` (one
+    example, no batch dimension): 3x one example's forward FLOPs times the batch size.
+
+    >>> step_flops(nn.Linear(10, 4), torch.zeros(10), 32)
+    7680.0
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(example.unsqueeze(0))
+    finally:
+        model.train(was_training)
+    return 3.0 * counter.get_total_flops() * batch_size
+
+
+def unit_step_flops(unit: Any) -> float | None:
+    """The training FLOPs of one step of ``unit``: its largest model's step (counted on one
+    example), times the number of models where they step as one fused model; None when it cannot
+    be counted (a user's loop, a model that does not run on one example)."""
+    evaluator = getattr(unit, "evaluator", None)
+    jobs = [job for job in getattr(unit, "jobs", {}).values() if isinstance(job.model, nn.Module)]
+    if evaluator is None or not jobs or not hasattr(evaluator, "config"):
+        return None
+    job = max(jobs, key=lambda j: sum(p.numel() for p in j.model.parameters()))
+    try:
+        cfg = evaluator.config(job.trial.sample)
+        example = cfg.train[0][0]
+        if not isinstance(example, torch.Tensor):
+            return None
+        flops = step_flops(job.model, example, cfg.batch_size)
+    except Exception:  # whatever keeps a model from running on one example: size unknown
+        return None
+    from ..xopt import BatchedUnit
+
+    return flops * len(jobs) if isinstance(unit, BatchedUnit) else flops
