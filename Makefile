@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow bench clean fashion-mnist
+.PHONY: demo test test-slow bench clean fashion-mnist chromium
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -17,8 +17,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest
+
+# Debian's headless browser for the dashboard's browser tests; apt only when it is missing (they skip without it).
+chromium:
+	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || (apt-get update -q && apt-get install -y -q chromium chromium-driver) || echo "chromium not installed: the dashboard's browser tests will skip"
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow

@@ -8,7 +8,7 @@ instantiates, trains, compares and stops the models.
 """
 
 from . import datasets, evaluators, graph, nn, space, store, strategy
-from . import oneshot, warmup
+from . import loggers, oneshot, warmup
 from . import hub
 from .engine import Experiment, load
 from .errors import GraphError, InvalidSample, InvalidSpace, StoreError, TridensError
@@ -24,5 +24,5 @@ __all__ = [
     "Experiment", "load", "report",
     "TridensError", "InvalidSpace", "InvalidSample", "GraphError", "StoreError",
     "Trial", "TrialGroup", "TrialStatus", "Objective", "Decision", "hub",
-    "nn", "space", "graph", "strategy", "evaluators", "datasets", "store", "warmup", "oneshot",
+    "nn", "space", "graph", "strategy", "evaluators", "datasets", "store", "warmup", "oneshot", "loggers",
 ]

@@ -1,4 +1,4 @@
-"""The ``tridens`` command: run, ls, show, top, export, resume.
+"""The ``tridens`` command: run, ls, show, top, export, resume, dashboard, plot, export-optuna.
 
     tridens run search.py            # run a script that builds and runs a td.Experiment
     tridens ls                       # experiments in the store
@@ -6,6 +6,11 @@
     tridens top NAME -k 10           # the best trials
     tridens export NAME --top 1 --to best/
     tridens resume NAME              # finish an interrupted experiment (re-runs its script)
+    tridens show NAME 3              # trial 3 in full (metrics per step, error, checkpoint)
+    tridens top NAME --json          # also --csv, for scripts (show too)
+    tridens dashboard                # a web dashboard on http://127.0.0.1:8765
+    tridens plot NAME --to curves.png
+    tridens export-optuna NAME --to sqlite:///optuna.db
 
 Every command takes ``--db PATH`` (default ``$TRIDENS_DB`` or ``tridens.db``).
 """
@@ -130,6 +135,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
+    if args.trial is not None or args.json or args.csv:
+        return _show_data(args)
     import json
 
     from rich.markup import escape
@@ -149,7 +156,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
             text = value.get("repr", value) if isinstance(value, dict) and "repr" in value else json.dumps(value)
             console.print(f"  {key}: {escape(str(text))}")  # stored text, not rich markup
     objective = Objective(**config.get("objective", {"metric": "val_acc", "mode": "max"}))
-    console.print(trials_table(trials, objective))
+    console.print(trials_table(trials, objective, full_samples=not sys.stdout.isatty()))
     return 0
 
 
@@ -158,7 +165,10 @@ def _cmd_top(args: argparse.Namespace) -> int:
     from .engine._progress import trials_table
 
     exp = Experiment.load(args.db, args.name)
-    _console().print(trials_table(exp.top(args.k), exp._objective(), title=f"top {args.k} of {args.name}"))
+    if args.json or args.csv:
+        return _print_trials(exp.top(args.k), exp.trials(), args)
+    _console().print(trials_table(exp.top(args.k), exp._objective(), title=f"top {args.k} of {args.name}",
+                                  full_samples=not sys.stdout.isatty()))
     return 0
 
 
@@ -171,6 +181,85 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show_data(args: argparse.Namespace) -> int:
+    """``show NAME TRIAL`` (one trial in full) and ``show NAME --json/--csv``."""
+    import json
+
+    from . import _views
+    from .trial import Objective
+
+    with _store(args.db) as db:
+        record = db.get_experiment(args.name)
+        trials = db.trials(args.name)
+    if args.trial is None:
+        return _print_trials(trials, trials, args)
+    if not 0 <= args.trial < len(trials):
+        raise TridensError(f"experiment {args.name!r} has no trial {args.trial} (its trials are numbered 0 to "
+                           f"{len(trials) - 1})" if trials else f"experiment {args.name!r} has no trials yet")
+    trial = sorted(trials, key=lambda t: t.id)[args.trial]
+    if args.json:
+        print(json.dumps(_views.trial_record(trial, args.trial), indent=2))
+    elif args.csv:
+        sys.stdout.write(_views.metrics_csv(trial))
+    else:
+        objective = Objective(**record.config.get("objective", {"metric": "val_acc", "mode": "max"}))
+        console = _console()
+        for part in _views.trial_details(trial, trials, objective):
+            console.print(part)
+    return 0
+
+
+def _print_trials(shown: Sequence[object], trials: Sequence[object], args: argparse.Namespace) -> int:
+    """Trials as JSON (a list of objects) or CSV (one row each), numbered as tables number them."""
+    import json
+
+    from . import _views
+
+    numbers = _views.number_trials(trials)  # type: ignore[arg-type]
+    if args.json:
+        print(json.dumps([_views.trial_record(t, numbers.get(t.id)) for t in shown], indent=2))  # type: ignore[attr-defined]
+    else:
+        sys.stdout.write(_views.trials_csv(shown, numbers))  # type: ignore[arg-type]
+    return 0
+
+
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    from .dashboard import serve
+
+    if not Path(args.db).exists():
+        raise TridensError(f"no store at {args.db} (run an experiment first, or pass --db PATH)")
+    serve(args.db, host=args.host, port=args.port)
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from . import _views
+    from .trial import Objective
+
+    with _store(args.db) as db:
+        record = db.get_experiment(args.name)
+        trials = db.trials(args.name)
+    objective = Objective(**record.config.get("objective", {"metric": "val_acc", "mode": "max"}))
+    print(_views.plot_experiment(trials, objective, args.to, metric=args.metric, title=args.name))
+    return 0
+
+
+def _cmd_export_optuna(args: argparse.Namespace) -> int:
+    from .loggers import export_optuna
+
+    if not Path(args.db).exists():
+        raise TridensError(f"no store at {args.db} (run an experiment first, or pass --db PATH)")
+    study = export_optuna(args.db, args.name, args.to, study_name=args.study)
+    print(f"study {study.study_name!r} in {args.to}: {len(study.trials)} trials")
+    return 0
+
+
+def _output_options(p: argparse.ArgumentParser) -> None:
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
+    group.add_argument("--csv", action="store_true", help="print CSV for scripts instead of a table")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tridens", description="Exploratory training for PyTorch.")
     default_db = os.environ.get("TRIDENS_DB", "tridens.db")
@@ -178,26 +267,46 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--db", default=default_db, help="the experiment store (default: %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", parents=[common], help="run a script that runs a td.Experiment")
-    p.add_argument("script")
+    p.add_argument("script", help="the Python script that builds and runs a td.Experiment")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(fn=_cmd_run)
     p = sub.add_parser("ls", parents=[common], help="list experiments")
     p.set_defaults(fn=_cmd_ls)
-    p = sub.add_parser("show", parents=[common], help="an experiment's configuration and trials")
-    p.add_argument("name")
+    p = sub.add_parser("show", parents=[common], help="an experiment's configuration and trials, or one trial in full")
+    p.add_argument("name", help="the experiment's name (see tridens ls)")
+    p.add_argument("trial", nargs="?", type=int, default=None,
+                   help="a trial's number as tables show it: print that trial in full")
+    _output_options(p)
     p.set_defaults(fn=_cmd_show)
     p = sub.add_parser("top", parents=[common], help="the best trials of an experiment")
-    p.add_argument("name")
-    p.add_argument("-k", type=int, default=10)
+    p.add_argument("name", help="the experiment's name (see tridens ls)")
+    p.add_argument("-k", type=int, default=10, help="how many trials to show, best first (default: %(default)s)")
+    _output_options(p)
     p.set_defaults(fn=_cmd_top)
     p = sub.add_parser("export", parents=[common], help="export the best models")
-    p.add_argument("name")
-    p.add_argument("--top", type=int, default=1)
-    p.add_argument("--to", required=True)
+    p.add_argument("name", help="the experiment's name (see tridens ls)")
+    p.add_argument("--top", type=int, default=1, help="how many of the best models to export (default: %(default)s)")
+    p.add_argument("--to", required=True, help="the directory to write them to (one sub-folder each when --top > 1)")
     p.set_defaults(fn=_cmd_export)
     p = sub.add_parser("resume", parents=[common], help="finish an interrupted experiment")
-    p.add_argument("name")
+    p.add_argument("name", help="the experiment's name (see tridens ls)")
     p.set_defaults(fn=_cmd_resume)
+    p = sub.add_parser("dashboard", parents=[common], help="a web dashboard over the store (live while a run writes it)")
+    p.add_argument("--port", type=int, default=8765, help="the port to listen on (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address to listen on (default: %(default)s, this machine only; another address "
+                        "lets others read the store and prints a warning)")
+    p.set_defaults(fn=_cmd_dashboard)
+    p = sub.add_parser("plot", parents=[common], help="learning curves and the objective vs each label, to an image file")
+    p.add_argument("name", help="the experiment's name (see tridens ls)")
+    p.add_argument("--to", required=True, help="the image file to write (.png, .pdf or .svg)")
+    p.add_argument("--metric", default=None, help="the metric of the learning curves (default: the objective's)")
+    p.set_defaults(fn=_cmd_plot)
+    p = sub.add_parser("export-optuna", parents=[common], help="write an experiment as an Optuna study")
+    p.add_argument("name", help="the experiment's name (see tridens ls)")
+    p.add_argument("--to", required=True, help="the Optuna storage URL, e.g. sqlite:///optuna.db")
+    p.add_argument("--study", default=None, help="the study's name (default: the experiment's)")
+    p.set_defaults(fn=_cmd_export_optuna)
     return parser
 
 

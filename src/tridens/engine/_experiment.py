@@ -35,6 +35,10 @@ _MAX_IDLE_GROUPS = 50  # groups in a row that bring nothing new: the space is ex
 RUN_COUNT = 0  # experiments started in this process (the `tridens run` command checks a script started one)
 
 
+# The hooks of a tridens.loggers.Callback, in the order a run calls them.
+_CALLBACK_HOOKS = ("on_experiment_start", "on_trial_step", "on_trial_end", "on_experiment_end", "close")
+
+
 class ExperimentFailed(TridensError):
     """Every trial of a run failed: nothing was learned (the trials and their errors are stored)."""
 
@@ -97,6 +101,7 @@ class Experiment:
                  workers: int = 2, trial_timeout: float | None = None, constraints: Sequence[Any] = (),
                  second_objective: tuple[str, str] | None = None, optimize: bool = True,
                  verbose: bool = True, warm_start: Any = False, max_unit_memory: int | str | None = None,
+                 callbacks: Sequence[Any] = (),
                  allocation: str | None = None, ray_address: str | None = None,
                  storage: str | os.PathLike[str] | None = None, max_retries: int = 0) -> None:
         self.space = space
@@ -121,6 +126,7 @@ class Experiment:
         self.ray_address = ray_address  # executor="ray": None starts a local Ray, an address joins a cluster
         self.storage = storage  # where workers write checkpoints (a directory every worker sees)
         self.max_retries = max_retries  # a unit whose worker died restarts from its last checkpoint
+        self.callbacks = list(callbacks)  # tridens.loggers.Callback objects, told what the run records
         self._loaded: list[Trial] | None = None
 
     # -- reading back -------------------------------------------------------------------------
@@ -225,6 +231,10 @@ class Experiment:
                 raise ValueError(f"The 'allocation' parameter of Experiment shares the workers of executor='process' "
                                  f"or 'ray'. Got allocation={self.allocation!r} with executor={self.executor!r} instead.")
         _parse_duration(self.max_duration)
+        for callback in self.callbacks:
+            if not all(callable(getattr(callback, h, None)) for h in _CALLBACK_HOOKS):
+                raise ValueError(f"The 'callbacks' parameter of Experiment must be a list of tridens.loggers.Callback "
+                                 f"objects (e.g. td.loggers.TensorBoard('tb')). Got {callback!r} instead.")
         parse_memory(self.max_unit_memory, "max_unit_memory", "Experiment")
         if self.warm_start is not None and self.warm_start is not False:
             self._zoo(self._store_path())  # a bad zoo path is an error before anything runs
@@ -422,6 +432,7 @@ class _Run:
         value = values.get(self.objective.metric, next(iter(values.values()), math.nan))
         self.strategy.report(trial, step, value)
         self.progress.step(trial, step, value)
+        self._notify("on_trial_step", trial, step, values)
 
     def decide(self, trial: Trial, step: int) -> Decision:
         decision = self.strategy.decide(trial, step)
@@ -451,6 +462,27 @@ class _Run:
         self.strategy.tell(trial)
         self.finished_here.append(trial)
         self.progress.trial_done(trial)
+        self._notify("on_trial_end", trial)
+
+    def _notify(self, hook: str, *args: Any) -> None:
+        """Call ``hook`` on every callback after the store has the data; one that raises is logged
+        and the run goes on (nothing is lost: the store holds it)."""
+        for callback in self.exp.callbacks:
+            try:
+                getattr(callback, hook)(*args)
+            except Exception as err:
+                log.warning("callback %s.%s failed: %s: %s", type(callback).__name__, hook, type(err).__name__, err)
+
+    def _end_callbacks(self, completed: bool) -> None:
+        """Tell the callbacks the run ended (with the experiment's best trial), then close them."""
+        if not self.exp.callbacks:
+            return
+        if completed:
+            done = [t for t in self.db.trials(self.name) if t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED)
+                    and t.metric is not None and not math.isnan(t.metric)]
+            best = max(done, key=lambda t: (self.objective.score(t.metric), -t.id), default=None)
+            self._notify("on_experiment_end", self.name, best, list(self.finished_here))
+        self._notify("close")
 
     # -- the loop ------------------------------------------------------------------------------
     def _dedup_key(self, trial: Trial) -> str:
@@ -458,6 +490,8 @@ class _Run:
         return f"{trial.fingerprint}|{json.dumps(hparams, sort_keys=True)}"
 
     def loop(self, resumed: bool) -> None:
+        for callback in self.exp.callbacks:  # a logger that cannot start (not installed) stops the run here
+            callback.on_experiment_start(self.name, self.db.get_experiment(self.name).config)
         trials = self.db.trials(self.name)
         finished = [t for t in trials if t.status.finished]
         interrupted = [t for t in trials if not t.status.finished]
@@ -517,6 +551,7 @@ class _Run:
                 idle = 0
         finally:
             executor.close()
+            self._end_callbacks(completed=sys.exc_info()[0] is None)
 
     def _waves(self, samples: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
         """Scheduling hook for warm start: the group's samples in the order and waves they are

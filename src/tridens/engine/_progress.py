@@ -13,14 +13,22 @@ from ..trial import Objective, Trial, TrialStatus
 __all__ = ["Progress", "trials_table", "warm_start_text"]
 
 
-def trials_table(trials: list[Trial], objective: Objective, title: str = "") -> Any:
-    """A rich Table of trials: id, status, objective, fingerprint, sample."""
+def trials_table(trials: list[Trial], objective: Objective, title: str = "", *, full_samples: bool = False,
+                 compact: bool = False) -> Any:
+    """A rich Table of trials: id, status, objective, fingerprint, sample.
+
+    A long sample is shortened with "..." unless ``full_samples`` (output that is not a terminal,
+    read by scripts, shows it whole); ``compact`` leaves out the epochs and fingerprint columns so
+    that samples keep room at 80 columns (they wrap between labels)."""
     from rich.table import Table
 
     table = Table(title=title or None, show_lines=False)
     warm = any("warm_start" in t.info for t in trials)  # the column only for warm-started experiments
-    for col in ("trial", "status", objective.metric, "epochs", "params", "fingerprint") + (("warm start",) if warm else ()) + ("sample",):
-        table.add_column(col, overflow="fold")
+    dropped = ("epochs", "fingerprint") if compact else ()
+    columns = ("trial", "status", objective.metric, "epochs", "params", "fingerprint") + (("warm start",) if warm else ()) + ("sample",)
+    for col in columns:
+        if col not in dropped:
+            table.add_column(col, overflow="fold")
     for t in trials:
         metric = "-" if t.metric is None or (isinstance(t.metric, float) and math.isnan(t.metric)) else f"{t.metric:.4f}"
         params = t.info.get("params")
@@ -28,7 +36,9 @@ def trials_table(trials: list[Trial], objective: Objective, title: str = "") -> 
                (t.fingerprint or "")[:10]]
         if warm:
             row.append(warm_start_text(t))
-        table.add_row(*row, _short_sample(t.sample))
+        if compact:
+            del row[5], row[3]  # fingerprint, epochs
+        table.add_row(*row, _short_sample(t.sample, None if full_samples else 90))
     return table
 
 
@@ -42,9 +52,21 @@ def warm_start_text(trial: Trial) -> str:
     return f"from {ws['parent']} ({ws.get('score', 0):.2f})"
 
 
-def _short_sample(sample: dict[str, Any]) -> str:
+def _short_sample(sample: dict[str, Any], limit: int | None = 90) -> str:
     text = ", ".join(f"{k}={v!r}" for k, v in sample.items())
-    return text if len(text) <= 90 else text[:87] + "..."
+    return text if limit is None or len(text) <= limit else text[:limit - 3] + "..."
+
+
+class _TrainingLine:
+    """The live view's training status, read from the bar's task at each refresh."""
+
+    def __init__(self, bar: Any, task: Any) -> None:
+        self.bar, self.task = bar, task
+
+    def __rich__(self) -> Any:
+        from rich.text import Text
+
+        return Text(str(self.bar.tasks[0].fields.get("training", "")) if self.bar.tasks else "", overflow="fold")
 
 
 class Progress:
@@ -74,8 +96,11 @@ class Progress:
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
             from rich.progress import Progress as Bar
 
-            self.bar = Bar(TextColumn(f"[bold]{name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                           TextColumn("{task.fields[training]}"))
+            from rich.table import Column
+
+            # The training status on a line of its own: at 80 columns the bar keeps its width.
+            self.bar = Bar(TextColumn(f"[bold]{name}", table_column=Column(overflow="fold", max_width=24)),
+                           BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn())
             self.task = self.bar.add_task(name, total=self.total, completed=done, training="")
             self._live = Live(self._render(), console=self.console, refresh_per_second=4)
             self._live.start()
@@ -83,7 +108,8 @@ class Progress:
     def _render(self) -> Any:
         from rich.console import Group
 
-        return Group(self.bar, trials_table(self.best, self.objective, title="best trials"))
+        return Group(self.bar, _TrainingLine(self.bar, self.task),
+                     trials_table(self.best, self.objective, title="best trials", compact=self.console.width < 100))
 
     def step(self, trial: Trial, step: int, value: float) -> None:
         """A trial reported ``value`` (the objective's metric) at ``step`` (an epoch, usually)."""

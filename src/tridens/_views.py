@@ -1,0 +1,243 @@
+"""What the ``tridens`` command shows of trials besides the live table: one trial in full, rows for
+``--json`` and ``--csv``, sparklines, and the matplotlib figure of ``tridens plot``."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+from .trial import Objective, Trial, TrialStatus
+
+__all__ = ["trial_record", "trials_csv", "metrics_csv", "sparkline", "trial_details", "plot_experiment",
+           "number_trials"]
+
+_BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: NaN and infinities become None, containers recursively."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def number_trials(trials: Sequence[Trial]) -> dict[int, int]:
+    """Store id -> the trial's number in its experiment (0, 1, ... in id order), as tables show it."""
+    return {t.id: i for i, t in enumerate(sorted(trials, key=lambda t: t.id))}
+
+
+def trial_record(trial: Trial, number: int | None = None) -> dict[str, Any]:
+    """Every stored field of a trial as plain JSON data (what ``--json`` prints).
+
+    >>> trial_record(Trial(3, {"lr": 0.1}, seed=7, metric=float("nan")), number=0)["metric"] is None
+    True
+    """
+    return _clean({
+        "number": number, "id": trial.id, "experiment": trial.experiment, "status": trial.status.value,
+        "metric": trial.metric, "sample": trial.sample, "seed": trial.seed, "fingerprint": trial.fingerprint,
+        "epochs": trial.steps, "metrics": trial.metrics, "params": trial.info.get("params"),
+        "flops": trial.info.get("flops"), "group": trial.group, "parent": trial.parent,
+        "started_at": trial.started_at, "finished_at": trial.finished_at, "duration": trial.duration,
+        "checkpoint": trial.checkpoint, "error": trial.error, "info": trial.info,
+    })
+
+
+def trials_csv(trials: Sequence[Trial], numbers: dict[int, int]) -> str:
+    """One CSV row per trial: number, id, status, metric, epochs, params, flops, seed, fingerprint,
+    duration, the last line of its error, then one column per label (values as JSON)."""
+    labels: list[str] = []
+    for t in trials:
+        labels += [k for k in t.sample if k not in labels]
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["number", "id", "status", "metric", "epochs", "params", "flops", "seed", "fingerprint",
+                     "duration", "error", *labels])
+    for t in trials:
+        metric = None if t.metric is None or math.isnan(t.metric) else t.metric
+        error = t.error.strip().splitlines()[-1] if t.error and t.error.strip() else ""
+        writer.writerow([numbers.get(t.id), t.id, t.status.value, "" if metric is None else repr(metric), t.steps,
+                         t.info.get("params", ""), t.info.get("flops", ""), t.seed, t.fingerprint or "",
+                         "" if t.duration is None else f"{t.duration:.3f}", error,
+                         *["" if k not in t.sample else json.dumps(t.sample[k]) for k in labels]])
+    return out.getvalue()
+
+
+def metrics_csv(trial: Trial) -> str:
+    """A trial's per-step metrics as CSV: ``step`` then one column per metric."""
+    names = sorted(trial.metrics)
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["step", *names])
+    for step in range(trial.steps):
+        values = [trial.metrics[n][step] if step < len(trial.metrics[n]) else "" for n in names]
+        writer.writerow([step, *["" if isinstance(v, float) and math.isnan(v) else v for v in values]])
+    return out.getvalue()
+
+
+def sparkline(values: Sequence[float]) -> str:
+    """Values as a line of block characters, lowest ``▁`` to highest ``█`` (NaN as a space).
+
+    >>> sparkline([0.1, 0.5, 0.9])
+    '▁▅█'
+    """
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return " " * len(values)
+    low, high = min(finite), max(finite)
+    span = high - low
+    chars = []
+    for v in values:
+        if v is None or not math.isfinite(v):
+            chars.append(" ")
+        else:
+            chars.append(_BLOCKS[0 if span == 0 else round((v - low) / span * (len(_BLOCKS) - 1))])
+    return "".join(chars)
+
+
+def trial_details(trial: Trial, trials: Sequence[Trial], objective: Objective) -> list[Any]:
+    """Rich renderables that show one trial in full: facts, sample, per-step metrics with
+    sparklines, what it trained with or started from, checkpoint and error traceback."""
+    from rich.markup import escape
+    from rich.table import Table
+    from rich.text import Text
+
+    numbers = number_trials(trials)
+    by_id = {t.id: t for t in trials}
+    number = numbers.get(trial.id)
+
+    def ref(tid: Any) -> str:
+        return f"#{numbers[tid]}" if isinstance(tid, int) and tid in numbers else f"id {tid}"
+
+    facts = Table(show_header=False, box=None, pad_edge=False)
+    facts.add_column(style="bold", no_wrap=True)
+    facts.add_column(overflow="fold")
+    metric = "-" if trial.metric is None or math.isnan(trial.metric) else f"{trial.metric:.6g}"
+    rows: list[tuple[str, str]] = [
+        ("status", trial.status.value), (objective.metric, metric), ("seed", str(trial.seed)),
+        ("fingerprint", trial.fingerprint or "-"), ("store id", str(trial.id)),
+        ("params", "-" if trial.info.get("params") is None else f"{trial.info['params']:,}"),
+        ("FLOPs", "-" if trial.info.get("flops") is None else f"{trial.info['flops']:,}"),
+        ("epochs", str(trial.steps)),
+        ("duration", "-" if trial.duration is None else f"{trial.duration:.2f} s"),
+    ]
+    if trial.info.get("train_seconds") is not None:
+        rows.append(("training seconds", f"{trial.info['train_seconds']:.2f}"))
+    if trial.group is not None:
+        mates = [ref(t.id) for t in trials if t.group == trial.group and t.id != trial.id]
+        rows.append(("group", f"{trial.group}" + (f", trained with {', '.join(mates[:30])}"
+                                                  + (" ..." if len(mates) > 30 else "") if mates else " (alone)")))
+    if trial.info.get("unit"):
+        rows.append(("execution unit", json.dumps(trial.info["unit"])))
+    warm = trial.info.get("warm_start")
+    if warm:
+        parent = warm.get("parent")
+        rows.append(("warm start", "cold (no zoo model matched)" if parent is None else
+                     f"from {ref(parent) if parent in by_id else parent} (match score {warm.get('score', 0):.2f})"))
+    if trial.parent is not None:
+        rows.append(("parent", ref(trial.parent)))
+    children = [ref(t.id) for t in trials if t.parent == trial.id]
+    if children:
+        rows.append(("children", ", ".join(children)))
+    if trial.info.get("duplicate_of") is not None:
+        rows.append(("duplicate of", ref(trial.info["duplicate_of"])))
+    rows.append(("checkpoint", trial.checkpoint or "-"))
+    for key, value in rows:
+        facts.add_row(key, escape(value))
+    sample = Table(title="sample", show_header=False, box=None, title_justify="left")
+    sample.add_column(style="bold", no_wrap=True)
+    sample.add_column(overflow="fold")
+    for key, value in trial.sample.items():
+        sample.add_row(escape(key), escape(json.dumps(value)))
+    out: list[Any] = [Text(f"trial #{number} of {trial.experiment}", style="bold"), facts, sample]
+    if trial.metrics:
+        names = sorted(trial.metrics, key=lambda n: (n != objective.metric, n))
+        curves = Table(title="metrics per step", title_justify="left")
+        curves.add_column("step", justify="right")
+        for name in names:
+            curves.add_column(escape(name), justify="right")
+        for step in range(trial.steps):
+            cells = []
+            for name in names:
+                values = trial.metrics[name]
+                cells.append("" if step >= len(values) else ("nan" if math.isnan(values[step]) else f"{values[step]:.4f}"))
+            curves.add_row(str(step), *cells)
+        out.append(curves)
+        spark = Table(show_header=False, box=None)
+        spark.add_column(style="bold", no_wrap=True)
+        spark.add_column(overflow="fold")
+        for name in names:
+            spark.add_row(escape(name), sparkline(trial.metrics[name]))
+        out.append(spark)
+    if trial.error:
+        out += [Text("error", style="bold red"), Text(trial.error.rstrip())]
+    return out
+
+
+def plot_experiment(trials: Sequence[Trial], objective: Objective, path: str | Path, *, metric: str | None = None,
+                    title: str = "") -> Path:
+    """Write a figure of an experiment to ``path`` (format from its suffix: png, pdf, svg): the
+    learning curves of ``metric`` (default: the objective's) of every trial, stopped trials
+    dashed and failed ones dotted, and the objective against each label."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    metric = metric or objective.metric
+    finished = [t for t in trials if t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED)
+                and t.metric is not None and not math.isnan(t.metric)]
+    labels: list[str] = []
+    for t in finished:
+        labels += [k for k in t.sample if k not in labels]
+    panels = 1 + len(labels)
+    cols = min(3, panels)
+    rows = math.ceil(panels / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.4 * rows), squeeze=False)
+    ax = axes[0][0]
+    numbers = number_trials(trials)
+    styles = {TrialStatus.COMPLETED: "-", TrialStatus.STOPPED: "--", TrialStatus.FAILED: ":"}
+    drawn = 0
+    for t in trials:
+        values = t.metrics.get(metric)
+        if not values:
+            continue
+        ax.plot(range(len(values)), values, styles.get(t.status, "-"), marker="." if len(values) < 30 else None,
+                linewidth=1, alpha=0.8, label=f"#{numbers[t.id]}" if drawn < 10 else None)
+        if t.status is TrialStatus.STOPPED:
+            ax.plot([len(values) - 1], [values[-1]], "x", color="black", markersize=5)
+        drawn += 1
+    ax.set_xlabel("step (epoch)")
+    ax.set_ylabel(metric)
+    ax.set_title("learning curves (dashed, x: stopped early)", fontsize=9)
+    if drawn:
+        ax.legend(fontsize=7, ncol=2)
+    for i, label in enumerate(labels, start=1):
+        ax = axes[i // cols][i % cols]
+        xs = [t.sample.get(label) for t in finished]
+        ys = [t.metric for t in finished]
+        kept = [(x, y) for x, y in zip(xs, ys) if x is not None]
+        if kept and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x, _ in kept):
+            ax.scatter([x for x, _ in kept], [y for _, y in kept], s=12, alpha=0.7)
+        else:
+            cats = sorted({json.dumps(x) for x, _ in kept})
+            ax.scatter([cats.index(json.dumps(x)) for x, _ in kept], [y for _, y in kept], s=12, alpha=0.7)
+            ax.set_xticks(range(len(cats)), cats, rotation=30, fontsize=7)
+        ax.set_xlabel(label)
+        ax.set_ylabel(objective.metric)
+    for j in range(panels, rows * cols):
+        axes[j // cols][j % cols].set_visible(False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    target = Path(path)
+    fig.savefig(target, dpi=110)
+    plt.close(fig)
+    return target

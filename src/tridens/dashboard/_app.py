@@ -1,0 +1,222 @@
+"""The dashboard's web application: a Starlette JSON API over the store and three pages that
+draw it with Plotly.js, served from the installed ``plotly`` package (nothing from a CDN)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import StoreError
+from ._reader import StoreReader
+from ._views import Importance, architecture, pareto
+
+__all__ = ["create_app", "serve", "Server"]
+
+STATIC = Path(__file__).with_name("static")
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _plotly_js() -> bytes:
+    """Plotly.js as the ``plotly`` Python package ships it."""
+    import plotly.offline
+
+    return plotly.offline.get_plotlyjs().encode()
+
+
+def create_app(db: str | os.PathLike[str]) -> Any:
+    """The ASGI application over the store at ``db`` (opened read-only; nothing is ever written).
+
+    >>> app = create_app("tridens.db")                 # doctest: +SKIP
+    >>> uvicorn.run(app, host="127.0.0.1", port=8765)  # doctest: +SKIP
+    """
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    reader = StoreReader(db)
+    importance = Importance(reader)
+    plotly_js: list[bytes] = []
+
+    def api(fn: Callable[..., Any]) -> Callable[[Request], Any]:
+        def endpoint(request: Request) -> Response:
+            try:
+                body = fn(request, **request.path_params)
+            except StoreError as err:
+                return JSONResponse({"error": " ".join(str(err).split())}, status_code=404)
+            except ValueError as err:
+                return JSONResponse({"error": " ".join(str(err).split())}, status_code=400)
+            return Response(json.dumps(body, allow_nan=False, default=str), media_type="application/json")
+        return endpoint
+
+    def _int(request: Request, key: str, default: int) -> int:
+        value = request.query_params.get(key)
+        if value is None or value == "":
+            return default
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"the query parameter {key!r} must be an integer, got {value!r}") from None
+
+    def experiments(request: Request) -> Any:
+        return {"store": str(reader.path), "experiments": reader.experiments()}
+
+    def experiment(request: Request, name: str) -> Any:
+        return reader.experiment(name)
+
+    def trials(request: Request, name: str) -> Any:
+        q = request.query_params
+        filters = {k[len("label."):]: v for k, v in q.items() if k.startswith("label.") and v != ""}
+        return reader.trials_page(name, offset=_int(request, "offset", 0), limit=_int(request, "limit", 50),
+                                  sort=q.get("sort", "number"), descending=q.get("desc", "") in ("1", "true"),
+                                  statuses=[s for s in q.get("status", "").split(",") if s], label_filters=filters)
+
+    def trial(request: Request, name: str, number: str) -> Any:
+        return reader.trial(name, _number(number))
+
+    def arch(request: Request, name: str, number: str) -> Any:
+        config = reader.experiment(name)["config"]
+        return architecture(config, reader.trial(name, _number(number)))
+
+    def curves(request: Request, name: str) -> Any:
+        reader.experiment(name)
+        ids = [s for s in request.query_params.get("ids", "").split(",") if s]
+        try:
+            numbers = [int(s) for s in ids]
+        except ValueError:
+            raise ValueError(f"ids must be trial ids separated by commas, got {request.query_params.get('ids')!r}") from None
+        return reader.curves(numbers, request.query_params.get("metric") or None)
+
+    def hparams(request: Request, name: str) -> Any:
+        return {"labels": reader.labels(name), **reader.finished_points(name)}
+
+    def importance_view(request: Request, name: str) -> Any:
+        return importance(name, request.query_params.get("evaluator", "ped-anova"))
+
+    def pareto_view(request: Request, name: str) -> Any:
+        return pareto(reader, name)
+
+    def plan(request: Request, name: str) -> Any:
+        return reader.plan(name)
+
+    def oneshot(request: Request, name: str) -> Any:
+        return reader.oneshot(name)
+
+    def page(request: Request) -> Response:
+        html = (STATIC / "index.html").read_text()
+        return Response(html, media_type="text/html")
+
+    def static(request: Request) -> Response:
+        file = request.path_params["file"]
+        if file == "plotly.min.js":
+            if not plotly_js:
+                plotly_js.append(_plotly_js())
+            return Response(plotly_js[0], media_type="text/javascript",
+                            headers={"Cache-Control": "max-age=86400"})
+        kinds = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+        if file not in kinds:
+            return Response("not found", status_code=404)
+        return Response((STATIC / file).read_bytes(), media_type=kinds[file])
+
+    prefix = "/api/experiments/{name}"
+    routes = [
+        Route("/", page), Route("/experiments/{name}", page), Route("/experiments/{name}/trials/{number}", page),
+        Route("/static/{file}", static),
+        Route("/api/experiments", api(experiments)),
+        Route(prefix, api(experiment)),
+        Route(prefix + "/trials", api(trials)),
+        Route(prefix + "/trials/{number}", api(trial)),
+        Route(prefix + "/trials/{number}/architecture", api(arch)),
+        Route(prefix + "/curves", api(curves)),
+        Route(prefix + "/hparams", api(hparams)),
+        Route(prefix + "/importance", api(importance_view)),
+        Route(prefix + "/pareto", api(pareto_view)),
+        Route(prefix + "/plan", api(plan)),
+        Route(prefix + "/oneshot", api(oneshot)),
+    ]
+    app = Starlette(routes=routes)
+    app.state.reader = reader
+    return app
+
+
+def _number(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"a trial number must be an integer, got {text!r}") from None
+
+
+def _check_host(host: str) -> None:
+    """Warn on stderr when the dashboard will listen beyond this machine."""
+    if host not in LOCAL_HOSTS:
+        print(f"tridens: warning: the dashboard listens on {host}: anyone who can reach this machine there can "
+              "read the store (samples, metrics, error text); it has no authentication", file=sys.stderr, flush=True)
+
+
+class Server:
+    """A dashboard served by uvicorn in a background thread (for scripts and tests).
+
+    >>> with Server("tridens.db", port=0) as server:     # doctest: +SKIP
+    ...     print(server.url)
+    http://127.0.0.1:54321
+    """
+
+    def __init__(self, db: str | os.PathLike[str], host: str = "127.0.0.1", port: int = 8765) -> None:
+        import uvicorn
+
+        _check_host(host)
+        self.app = create_app(db)
+        self.host = host
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning",
+                                                    lifespan="off"))
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        servers = getattr(self.server, "servers", None) or []
+        port = servers[0].sockets[0].getsockname()[1] if servers else self.server.config.port
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{port}"
+
+    def start(self) -> "Server":
+        """Start serving in a daemon thread; returns once the socket listens."""
+        import time
+
+        self._thread = threading.Thread(target=self.server.run, name="tridens-dashboard", daemon=True)
+        self._thread.start()
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise OSError(f"the dashboard could not listen on {self.host}:{self.server.config.port}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and wait for the thread."""
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(db: str | os.PathLike[str], host: str = "127.0.0.1", port: int = 8765) -> None:
+    """Serve the dashboard of the store ``db`` until Ctrl-C (binds 127.0.0.1 unless ``host`` says
+    otherwise, with a warning). Called from a search script, it can also draw the architectures of
+    that script's space (its code is imported there).
+
+    >>> serve("tridens.db", port=8765)   # doctest: +SKIP
+    """
+    import uvicorn
+
+    _check_host(host)
+    app = create_app(db)
+    print(f"tridens dashboard of {Path(db).absolute()} on http://{host}:{port} (Ctrl-C to stop)", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")

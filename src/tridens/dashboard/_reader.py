@@ -1,0 +1,388 @@
+"""Read-only queries over a tridens store for the dashboard: pages, filters and aggregates in SQL.
+
+The dashboard opens the database with SQLite's ``mode=ro`` URI, so it cannot write even by
+mistake, and reads a store while a run writes it (WAL: readers never wait for the writer). Every
+list the browser asks for is paginated or aggregated here, so a page stays small with 10,000 trials.
+
+>>> import tempfile, os
+>>> from tridens.store import Store
+>>> from tridens.trial import Trial
+>>> path = os.path.join(tempfile.mkdtemp(), "t.db")
+>>> with Store(path) as store:
+...     _ = store.create_experiment("demo", {"objective": {"metric": "val_acc", "mode": "max"}})
+...     _ = store.add_trial("demo", Trial(id=-1, sample={"width": 32}, seed=0))
+>>> reader = StoreReader(path)
+>>> page = reader.trials_page("demo", limit=10)
+>>> page["total"], page["rows"][0]["sample"]
+(1, {'width': 32})
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from ..store import CURRENT_VERSION, StoreError
+
+__all__ = ["StoreReader", "SORT_KEYS", "MAX_PAGE", "MAX_CURVES"]
+
+MAX_PAGE = 500  # rows in one page of the trial table
+MAX_CURVES = 50  # trials in one learning-curve request
+_COUNTED = ("completed", "stopped")
+
+# Sort keys of the trial table -> SQL expression over the numbered trials ``n``.
+SORT_KEYS = {
+    "number": "n.number", "id": "n.id", "status": "n.status", "metric": "n.metric", "seed": "n.seed",
+    "duration": "(n.finished_at - n.started_at)", "params": "json_extract(n.info, '$.params')",
+    "flops": "json_extract(n.info, '$.flops')", "epochs": "epochs", "group": "n.group_id",
+    "started": "n.started_at", "finished": "n.finished_at",
+}
+
+
+def _json_path(label: str) -> str:
+    """A JSON path selecting the key ``label`` of an object (quotes and backslashes escaped)."""
+    return '$."' + label.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or infinity: such a float becomes None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class StoreReader:
+    """Queries over the store at ``path``, opened read-only (``mode=ro``); one connection per thread.
+
+    Raises :class:`~tridens.errors.StoreError` naming the file when it is missing, not a tridens
+    store, or written by a newer tridens.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).absolute()
+        if not self.path.is_file():
+            raise StoreError(f"no store at {self.path} (run an experiment first, or pass --db PATH)")
+        self._uri = self.path.resolve().as_uri() + "?mode=ro"
+        self._local = threading.local()
+        version = self._version()
+        if version > CURRENT_VERSION:
+            raise StoreError(f"{self.path} was written by a newer tridens (store schema version {version}); this "
+                             f"tridens reads schema versions up to {CURRENT_VERSION}. Upgrade tridens to read it.")
+
+    # -- connections -------------------------------------------------------------------------------
+
+    def _conn(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self._uri, uri=True, timeout=5.0, isolation_level=None, check_same_thread=False)
+            self._local.conn = conn
+        return conn
+
+    def _rows(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        try:
+            return self._conn().execute(sql, args).fetchall()
+        except sqlite3.Error as err:
+            raise StoreError(f"cannot read the store {self.path}: {err}") from err
+
+    def _version(self) -> int:
+        tables = {r[0] for r in self._rows("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if "schema_version" not in tables:
+            raise StoreError(f"{self.path} is not a tridens store (no schema_version table)")
+        return int(self._rows("SELECT version FROM schema_version")[0][0])
+
+    # -- experiments --------------------------------------------------------------------------------
+
+    def _experiment_row(self, name: str) -> tuple[Any, ...]:
+        rows = self._rows("SELECT id, name, status, config, created_at, updated_at FROM experiments WHERE name = ?",
+                          (name,))
+        if not rows:
+            known = [r[0] for r in self._rows("SELECT name FROM experiments ORDER BY id LIMIT 20")]
+            raise StoreError(f"no experiment {name!r} in the store {self.path} (it holds: "
+                             f"{', '.join(map(repr, known)) or 'none'})")
+        return rows[0]
+
+    @staticmethod
+    def objective(config: Mapping[str, Any]) -> dict[str, str]:
+        """The experiment's objective as ``{"metric": ..., "mode": ...}`` (val_acc, max by default)."""
+        objective = config.get("objective") or {}
+        return {"metric": objective.get("metric", "val_acc"), "mode": objective.get("mode", "max")}
+
+    def experiments(self) -> list[dict[str, Any]]:
+        """Every experiment with its trial counts by status, progress and best value."""
+        rows = self._rows("SELECT id, name, status, config, created_at, updated_at FROM experiments ORDER BY id")
+        counts: dict[int, dict[str, int]] = {}
+        for eid, status, n in self._rows("SELECT experiment_id, status, COUNT(*) FROM trials "
+                                         "GROUP BY experiment_id, status"):
+            counts.setdefault(eid, {})[status] = n
+        best = {(eid, mode): value for eid, mode, value in self._rows(
+            "SELECT experiment_id, 'max', MAX(metric) FROM trials WHERE status IN ('completed', 'stopped') "
+            "GROUP BY experiment_id UNION ALL "
+            "SELECT experiment_id, 'min', MIN(metric) FROM trials WHERE status IN ('completed', 'stopped') "
+            "GROUP BY experiment_id")}
+        return [self._summary(row, counts.get(row[0], {}), best) for row in rows]
+
+    def _summary(self, row: tuple[Any, ...], counts: dict[str, int],
+                 best: Mapping[tuple[int, str], Any]) -> dict[str, Any]:
+        eid, name, status, config_text, created, updated = row
+        config = json.loads(config_text)
+        objective = self.objective(config)
+        finished = sum(counts.get(s, 0) for s in ("completed", "stopped", "failed"))
+        max_trials = config.get("max_trials")
+        return {
+            "name": name, "status": status, "created_at": created, "updated_at": updated,
+            "objective": objective, "second_objective": config.get("second_objective"),
+            "trials": sum(counts.values()), "by_status": counts, "finished": finished, "max_trials": max_trials,
+            "progress": None if not max_trials else min(1.0, finished / max_trials),
+            "best": _finite(best.get((eid, objective["mode"]))),
+            "strategy": (config.get("strategy") or {}).get("repr"),
+            "evaluator": (config.get("evaluator") or {}).get("repr"),
+            "script": config.get("script"),
+        }
+
+    def experiment(self, name: str) -> dict[str, Any]:
+        """One experiment: its summary, labels, metric names, and best-so-far over time."""
+        row = self._experiment_row(name)
+        eid = row[0]
+        counts = {s: n for s, n in self._rows("SELECT status, COUNT(*) FROM trials WHERE experiment_id = ? "
+                                              "GROUP BY status", (eid,))}
+        summary = self._summary(row, counts, {})
+        mode = summary["objective"]["mode"]
+        summary["best"] = _finite(self._rows(
+            f"SELECT {'MAX' if mode == 'max' else 'MIN'}(metric) FROM trials WHERE experiment_id = ? "
+            "AND status IN ('completed', 'stopped')", (eid,))[0][0])
+        summary["labels"] = self.labels(name)
+        summary["metrics"] = [r[0] for r in self._rows(
+            "SELECT DISTINCT m.name FROM metrics m JOIN trials t ON t.id = m.trial_id WHERE t.experiment_id = ? "
+            "ORDER BY m.name", (eid,))]
+        summary["best_over_time"] = self.best_over_time(eid, mode)
+        summary["config"] = json.loads(row[3])
+        return summary
+
+    def best_over_time(self, eid: int, mode: str) -> list[dict[str, Any]]:
+        """The best value so far at each improvement, by finishing time (a step function: only
+        improving trials are returned, so it stays short however many trials there are)."""
+        rows = self._rows("SELECT finished_at, metric, id FROM trials WHERE experiment_id = ? AND status IN "
+                          "('completed', 'stopped') AND metric IS NOT NULL AND finished_at IS NOT NULL "
+                          "ORDER BY finished_at, id", (eid,))
+        points: list[dict[str, Any]] = []
+        best = None
+        for finished, value, tid in rows:
+            if best is None or (value > best if mode == "max" else value < best):
+                best = value
+                points.append({"time": finished, "best": value, "trial": tid})
+        if rows and points and points[-1]["time"] != rows[-1][0]:
+            points.append({"time": rows[-1][0], "best": best, "trial": points[-1]["trial"]})
+        return points
+
+    def labels(self, name: str) -> list[str]:
+        """Every label of the experiment's samples: the first trial's in its order, then the others
+        (conditional labels) alphabetically."""
+        eid = self._experiment_row(name)[0]
+        first = self._rows("SELECT sample FROM trials WHERE experiment_id = ? ORDER BY id LIMIT 1", (eid,))
+        ordered = list(json.loads(first[0][0])) if first else []
+        others = [r[0] for r in self._rows("SELECT DISTINCT j.key FROM trials t, json_each(t.sample) j "
+                                           "WHERE t.experiment_id = ? ORDER BY j.key", (eid,))]
+        return ordered + [k for k in others if k not in ordered]
+
+    # -- trials -------------------------------------------------------------------------------------
+
+    def trials_page(self, name: str, *, offset: int = 0, limit: int = 50, sort: str = "number",
+                    descending: bool = False, statuses: Iterable[str] = (),
+                    label_filters: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """One page of the trial table: ``{"total", "offset", "limit", "rows"}``.
+
+        ``sort`` is a key of :data:`SORT_KEYS` or ``label:<label>``; ``statuses`` keeps those
+        statuses; ``label_filters`` keeps trials whose label equals the value (compared as the
+        value's text, ``32`` or ``conv``, or its JSON, ``"conv"``).
+        """
+        eid = self._experiment_row(name)[0]
+        limit = max(1, min(int(limit), MAX_PAGE))
+        offset = max(0, int(offset))
+        where, args = ["1"], []
+        statuses = [s for s in statuses if s]
+        if statuses:
+            where.append(f"n.status IN ({', '.join('?' * len(statuses))})")
+            args += statuses
+        for label, value in (label_filters or {}).items():
+            path = _json_path(label)
+            where.append(f"(CAST(json_extract(n.sample, ?) AS TEXT) = ? OR json_quote(json_extract(n.sample, ?)) = ?)")
+            args += [path, value, path, value]
+        if sort.startswith("label:"):
+            order = "json_extract(n.sample, ?)"
+            order_args = [_json_path(sort[len("label:"):])]
+        elif sort in SORT_KEYS:
+            order, order_args = SORT_KEYS[sort], []
+        else:
+            raise ValueError(f"unknown sort key {sort!r}; known: {', '.join(SORT_KEYS)} or label:<label>")
+        direction = "DESC" if descending else "ASC"
+        numbered = ("(SELECT t.*, ROW_NUMBER() OVER (ORDER BY t.id) - 1 AS number FROM trials t "
+                    "WHERE t.experiment_id = ?) n")
+        condition = " AND ".join(where)
+        total = self._rows(f"SELECT COUNT(*) FROM {numbered} WHERE {condition}", [eid, *args])[0][0]
+        rows = self._rows(
+            f"SELECT n.id, n.number, n.status, n.metric, n.metric_nan, n.seed, n.fingerprint, n.sample, n.info, "
+            f"n.group_id, n.parent, n.started_at, n.finished_at, n.error, "
+            f"(SELECT MAX(m.step) + 1 FROM metrics m WHERE m.trial_id = n.id) AS epochs "
+            f"FROM {numbered} WHERE {condition} "
+            f"ORDER BY ({order}) IS NULL, {order} {direction}, n.id {direction} LIMIT ? OFFSET ?",
+            [eid, *args, *order_args, *order_args, limit, offset])
+        return {"total": total, "offset": offset, "limit": limit, "rows": [self._trial_row(r) for r in rows]}
+
+    @staticmethod
+    def _trial_row(row: tuple[Any, ...]) -> dict[str, Any]:
+        (tid, number, status, metric, metric_nan, seed, fingerprint, sample, info_text, group, parent,
+         started, finished, error, epochs) = row
+        info = json.loads(info_text)
+        return {
+            "id": tid, "number": number, "status": status, "metric": None if metric_nan else _finite(metric),
+            "seed": seed, "fingerprint": fingerprint, "sample": json.loads(sample),
+            "params": info.get("params"), "flops": info.get("flops"), "group": group, "parent": parent,
+            "started_at": started, "finished_at": finished,
+            "duration": None if started is None or finished is None else finished - started,
+            "epochs": epochs or 0, "error": error, "info": info,
+        }
+
+    def trial(self, name: str, number: int) -> dict[str, Any]:
+        """One trial of experiment ``name`` by its number (0, 1, ... in id order), with every
+        metric, its checkpoint files and the trials it relates to."""
+        eid = self._experiment_row(name)[0]
+        rows = self._rows(
+            "SELECT n.id, n.number, n.status, n.metric, n.metric_nan, n.seed, n.fingerprint, n.sample, n.info, "
+            "n.group_id, n.parent, n.started_at, n.finished_at, n.error, "
+            "(SELECT MAX(m.step) + 1 FROM metrics m WHERE m.trial_id = n.id) "
+            "FROM (SELECT t.*, ROW_NUMBER() OVER (ORDER BY t.id) - 1 AS number FROM trials t "
+            "WHERE t.experiment_id = ?) n WHERE n.number = ?", (eid, int(number)))
+        if not rows:
+            count = self._rows("SELECT COUNT(*) FROM trials WHERE experiment_id = ?", (eid,))[0][0]
+            raise StoreError(f"experiment {name!r} has no trial {number} (its trials are 0..{count - 1})")
+        trial = self._trial_row(rows[0])
+        trial["metrics"] = self.curves([trial["id"]])[str(trial["id"])]["metrics"]
+        files = self.path.with_name(self.path.name + ".files")
+        trial["checkpoints"] = {kind: str(files / rel) for kind, rel in self._rows(
+            "SELECT kind, path FROM checkpoints WHERE trial_id = ? ORDER BY id", (trial["id"],))}
+        trial["children"] = [self.number_of(eid, r[0]) for r in self._rows(
+            "SELECT id FROM trials WHERE parent = ? AND experiment_id = ? ORDER BY id", (trial["id"], eid))]
+        trial["parent_number"] = None if trial["parent"] is None else self.number_of(eid, trial["parent"])
+        trial["group_members"] = [] if trial["group"] is None else [self.number_of(eid, r[0]) for r in self._rows(
+            "SELECT id FROM trials WHERE experiment_id = ? AND group_id = ? ORDER BY id LIMIT 200",
+            (eid, trial["group"]))]
+        return trial
+
+    def number_of(self, eid: int, trial_id: int) -> int | None:
+        """A trial's number in experiment ``eid`` (None for a trial of another experiment)."""
+        if not self._rows("SELECT 1 FROM trials WHERE id = ? AND experiment_id = ?", (trial_id, eid)):
+            return None
+        return int(self._rows("SELECT COUNT(*) FROM trials WHERE experiment_id = ? AND id < ?", (eid, trial_id))[0][0])
+
+    def curves(self, trial_ids: Sequence[int], metric: str | None = None) -> dict[str, Any]:
+        """Per-step values of the given trials (at most :data:`MAX_CURVES`): ``{id: {"status",
+        "metrics": {name: [value, ...]}}}``; NaN becomes None."""
+        ids = [int(i) for i in trial_ids][:MAX_CURVES]
+        if not ids:
+            return {}
+        marks = ", ".join("?" * len(ids))
+        out: dict[str, Any] = {}
+        for tid, status, parent in self._rows(f"SELECT id, status, parent FROM trials WHERE id IN ({marks})", ids):
+            out[str(tid)] = {"status": status, "parent": parent, "metrics": {}}
+        sql = f"SELECT trial_id, name, step, value FROM metrics WHERE trial_id IN ({marks})"
+        args: list[Any] = list(ids)
+        if metric:
+            sql += " AND name = ?"
+            args.append(metric)
+        for tid, mname, step, value in self._rows(sql + " ORDER BY trial_id, name, step", args):
+            series = out[str(tid)]["metrics"].setdefault(mname, {"steps": [], "values": []})
+            series["steps"].append(step)
+            series["values"].append(value)
+        return out
+
+    def finished_points(self, name: str, extra: str | None = None) -> dict[str, Any]:
+        """Samples and objective values of finished (completed or stopped) trials, as columns, for
+        the hyperparameter views; ``extra`` also reads a second objective (``info[extra]`` or the
+        last value of the metric ``extra``)."""
+        eid = self._experiment_row(name)[0]
+        rows = self._rows("SELECT id, sample, metric, info, status FROM trials WHERE experiment_id = ? AND status IN "
+                          "('completed', 'stopped') AND metric IS NOT NULL ORDER BY id", (eid,))
+        numbers = {tid: i for i, (tid,) in enumerate(self._rows(
+            "SELECT id FROM trials WHERE experiment_id = ? ORDER BY id", (eid,)))}
+        second: dict[int, Any] = {}
+        if extra:
+            last = self._rows(
+                "SELECT m.trial_id, m.value FROM metrics m JOIN trials t ON t.id = m.trial_id WHERE t.experiment_id = ? "
+                "AND m.name = ? AND m.step = (SELECT MAX(step) FROM metrics m2 WHERE m2.trial_id = m.trial_id "
+                "AND m2.name = m.name)", (eid, extra))
+            second = {tid: v for tid, v in last}
+        ids, numbers_out, samples, values, statuses, seconds = [], [], [], [], [], []
+        for tid, sample, metric, info_text, status in rows:
+            ids.append(tid)
+            numbers_out.append(numbers.get(tid))
+            samples.append(json.loads(sample))
+            values.append(_finite(metric))
+            statuses.append(status)
+            if extra:
+                info = json.loads(info_text)
+                key = "latency_ms" if extra == "latency" else extra
+                value = info.get(key, second.get(tid))
+                seconds.append(_finite(None if value is None else float(value)))
+        return {"ids": ids, "numbers": numbers_out, "samples": samples, "values": values, "statuses": statuses,
+                "second": seconds if extra else None}
+
+    def plan(self, name: str, limit: int = 200) -> dict[str, Any]:
+        """What the store records of how trials were trained together: per TrialGroup its members
+        and their training seconds, the recorded unit descriptions (``info["unit"]``, when the
+        engine records one), warm starts (parent, match score), duplicates and one-shot roles."""
+        eid = self._experiment_row(name)[0]
+        numbers = {tid: i for i, (tid,) in enumerate(self._rows(
+            "SELECT id FROM trials WHERE experiment_id = ? ORDER BY id", (eid,)))}
+        groups = []
+        for group, count, seconds in self._rows(
+                "SELECT group_id, COUNT(*), SUM(json_extract(info, '$.train_seconds')) FROM trials "
+                "WHERE experiment_id = ? GROUP BY group_id ORDER BY group_id DESC LIMIT ?", (eid, limit)):
+            groups.append({"group": group, "trials": count, "train_seconds": seconds})
+        groups.reverse()
+        relations = []
+        for tid, parent, info_text in self._rows(
+                "SELECT id, parent, info FROM trials WHERE experiment_id = ? AND (parent IS NOT NULL OR "
+                "json_extract(info, '$.warm_start') IS NOT NULL OR json_extract(info, '$.duplicate_of') IS NOT NULL "
+                "OR json_extract(info, '$.unit') IS NOT NULL OR json_extract(info, '$.inherit') IS NOT NULL "
+                "OR json_extract(info, '$.oneshot') IS NOT NULL) ORDER BY id DESC LIMIT ?", (eid, limit)):
+            info = json.loads(info_text)
+            relations.append({
+                "trial": numbers.get(tid), "id": tid, "parent": numbers.get(parent) if parent is not None else None,
+                "warm_start": info.get("warm_start"), "inherit": info.get("inherit"),
+                "duplicate_of": numbers.get(info["duplicate_of"]) if info.get("duplicate_of") is not None else None,
+                "unit": info.get("unit"), "oneshot": info.get("oneshot"),
+            })
+        relations.reverse()
+        units_recorded = bool(self._rows("SELECT 1 FROM trials WHERE experiment_id = ? AND "
+                                         "json_extract(info, '$.unit') IS NOT NULL LIMIT 1", (eid,)))
+        total_seconds = self._rows("SELECT SUM(json_extract(info, '$.train_seconds')) FROM trials WHERE "
+                                   "experiment_id = ?", (eid,))[0][0]
+        return {"groups": groups, "relations": relations, "units_recorded": units_recorded,
+                "train_seconds": total_seconds}
+
+    def oneshot(self, name: str) -> dict[str, Any]:
+        """One-shot runs: the supernet trials' curves and the scored subnets (``info["oneshot"]``)."""
+        eid = self._experiment_row(name)[0]
+        rows = self._rows("SELECT id, sample, metric, info, status FROM trials WHERE experiment_id = ? AND "
+                          "json_extract(info, '$.oneshot') IS NOT NULL ORDER BY id", (eid,))
+        supernets, subnets = [], []
+        for tid, sample, metric, info_text, status in rows:
+            one = json.loads(info_text)["oneshot"]
+            entry = {"id": tid, "status": status, "sample": json.loads(sample), "metric": _finite(metric),
+                     "oneshot": one}
+            (supernets if isinstance(one, dict) and one.get("role") == "supernet" else subnets).append(entry)
+        curves = self.curves([s["id"] for s in supernets])
+        for s in supernets:
+            s["metrics"] = curves.get(str(s["id"]), {}).get("metrics", {})
+        return {"supernets": supernets, "subnets": subnets}
+
+    def close(self) -> None:
+        """Close this thread's connection."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None

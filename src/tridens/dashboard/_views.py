@@ -1,0 +1,154 @@
+"""What the dashboard computes on top of the reader: hyperparameter importance and the Pareto front
+(both with Optuna, on the experiment's trials), and a trial's architecture when its space's code
+is already imported in this process."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import warnings
+from typing import Any, Mapping
+
+from ..trial import Trial, TrialStatus
+from ._reader import StoreReader
+
+__all__ = ["Importance", "pareto", "architecture", "IMPORTANCE_EVALUATORS"]
+
+IMPORTANCE_EVALUATORS = ("ped-anova", "fanova")
+
+
+def _study(reader: StoreReader, name: str, second: tuple[str, str] | None) -> tuple[Any, dict[str, Any]]:
+    """An in-memory Optuna study of the experiment's finished trials, and the points it came from."""
+    import optuna
+
+    from ..loggers import optuna_trials
+
+    record = reader.experiment(name)
+    objective = record["objective"]
+    points = reader.finished_points(name, second[0] if second else None)
+    trials = []
+    for i, (tid, sample, value, status) in enumerate(zip(points["ids"], points["samples"], points["values"],
+                                                         points["statuses"])):
+        info = {} if second is None else {second[0]: points["second"][i]}
+        trials.append(Trial(id=tid, sample=sample, seed=0, status=TrialStatus(status), metric=value, info=info))
+    frozen, directions = optuna_trials(trials, (objective["metric"], objective["mode"]), second)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(directions=directions)
+    study.add_trials(frozen)
+    return study, points
+
+
+class Importance:
+    """Hyperparameter importance with :mod:`optuna.importance` (PED-ANOVA or fANOVA), computed on
+    the completed trials and kept until the number of finished trials changes."""
+
+    def __init__(self, reader: StoreReader) -> None:
+        self.reader = reader
+        self._cache: dict[tuple[str, str], tuple[int, dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, name: str, evaluator: str = "ped-anova") -> dict[str, Any]:
+        """``{"evaluator", "trials", "importances": {label: value}}`` or ``{"message": why not}``."""
+        if evaluator not in IMPORTANCE_EVALUATORS:
+            raise ValueError(f"unknown importance evaluator {evaluator!r}; known: {', '.join(IMPORTANCE_EVALUATORS)}")
+        finished = self.reader.experiment(name)["by_status"].get("completed", 0)
+        key = (name, evaluator)
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None and cached[0] == finished:
+                return cached[1]
+            result = self._compute(name, evaluator)
+            self._cache[key] = (finished, result)
+            return result
+
+    def _compute(self, name: str, evaluator: str) -> dict[str, Any]:
+        import optuna
+        from optuna.importance import FanovaImportanceEvaluator, PedAnovaImportanceEvaluator
+
+        study, _ = _study(self.reader, name, None)
+        complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        varied = {p for p in study.trials[0].distributions} if study.trials else set()
+        varied = {p for p in varied if len({repr(t.params.get(p)) for t in complete}) > 1}
+        if len(complete) < 4 or not varied:
+            return {"evaluator": evaluator, "trials": len(complete), "importances": {},
+                    "message": f"importance needs at least 4 completed trials with a varied label "
+                               f"({len(complete)} completed)"}
+        chosen = (PedAnovaImportanceEvaluator() if evaluator == "ped-anova"
+                  else FanovaImportanceEvaluator(seed=0))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                values = optuna.importance.get_param_importances(study, evaluator=chosen, params=sorted(varied))
+        except (ValueError, RuntimeError) as err:
+            return {"evaluator": evaluator, "trials": len(complete), "importances": {},
+                    "message": f"optuna.importance could not rank these labels: {err}"}
+        return {"evaluator": evaluator, "trials": len(complete),
+                "importances": {k: float(v) for k, v in values.items()}}
+
+
+def pareto(reader: StoreReader, name: str) -> dict[str, Any]:
+    """The objective against the second objective for every finished trial, and the trials on the
+    Pareto front (Optuna's ``study.best_trials``); ``{"message"}`` without a second objective."""
+    record = reader.experiment(name)
+    second = record.get("second_objective")
+    if not second:
+        return {"message": "this experiment has no second objective (Experiment(second_objective=...))"}
+    study, points = _study(reader, name, (second[0], second[1]))
+    on_front = {t.user_attrs["tridens_trial_id"] for t in study.best_trials}
+    return {"objective": record["objective"], "second_objective": {"metric": second[0], "mode": second[1]},
+            "ids": points["ids"], "numbers": points["numbers"], "values": points["values"],
+            "second": points["second"], "front": [i in on_front for i in points["ids"]]}
+
+
+def _already_imported(ref: Mapping[str, Any]) -> bool:
+    """Whether the code a recipe reference names is already loaded in this process."""
+    module, _, _ = str(ref.get("path", "")).partition(":")
+    file = ref.get("file")
+    if file:
+        main = sys.modules.get("__main__")
+        if main is not None and os.path.abspath(getattr(main, "__file__", "") or "") == os.path.abspath(file):
+            return True
+        name = "tridens_script_" + "".join(c if c.isalnum() else "_" for c in os.path.abspath(file))
+        return name in sys.modules
+    return module in sys.modules
+
+
+def _references(recipe: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    refs = [recipe] if "path" in recipe else []
+    if isinstance(recipe.get("base"), Mapping):
+        refs += _references(recipe["base"])
+    for mutator in recipe.get("mutators") or []:
+        refs.append(mutator)
+    return refs
+
+
+def architecture(config: Mapping[str, Any], trial: Mapping[str, Any]) -> dict[str, Any]:
+    """The trial's model as readable text: its graph IR (``print(graph)``) when the space's code is
+    already imported in this process (the dashboard never imports code a store names), else
+    ``{"available": False, "reason"}`` and the fingerprint and sample only."""
+    base = {"fingerprint": trial.get("fingerprint"), "sample": trial.get("sample")}
+    recipe = config.get("space")
+    if not recipe:
+        return {**base, "available": False,
+                "reason": "the store records no importable space for this experiment; fingerprint and sample only"}
+    missing = [str(r.get("file") or r.get("path")) for r in _references(recipe) if not _already_imported(r)]
+    if missing:
+        return {**base, "available": False,
+                "reason": f"the space's code ({', '.join(missing)}) is not imported in this process, and the "
+                          "dashboard never imports code named in a store; fingerprint and sample only (start the "
+                          "dashboard from the search script with tridens.dashboard.serve(...) to see the graph)"}
+    try:
+        from ..graph import trace
+        from ..space import build_space
+
+        space = build_space(recipe)
+        labels = space.search_space()
+        sample = {k: v for k, v in (trial.get("sample") or {}).items() if k in labels}
+        model = space.freeze(sample, check=False)
+        inputs = getattr(space, "example_inputs", None) or getattr(model, "example_inputs", None)
+        text = str(trace(model, example_inputs=inputs)) if inputs is not None else repr(model)
+    except Exception as err:  # a space that no longer builds this sample: say why, show what is stored
+        return {**base, "available": False,
+                "reason": f"the model could not be rebuilt: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+    return {**base, "available": True, "text": text}

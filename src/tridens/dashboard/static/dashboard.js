@@ -1,0 +1,381 @@
+// The tridens dashboard: three pages drawn from the JSON API, polled every POLL_MS (no reload).
+"use strict";
+
+const POLL_MS = 2000;
+const main = document.getElementById("main");
+const enc = encodeURIComponent;
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === undefined || v === null) continue;
+    if (k === "text") node.textContent = v;
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v);
+  }
+  for (const c of children) if (c !== null && c !== undefined) node.append(c);
+  return node;
+}
+
+async function api(path) {
+  const res = await fetch(path, {cache: "no-store"});
+  const body = await res.json();
+  if (!res.ok) throw new Error(body.error || res.statusText);
+  return body;
+}
+
+function fmt(v) {
+  if (v === null || v === undefined) return "-";
+  if (typeof v === "number") return Number.isInteger(v) ? v.toLocaleString("en") : v.toPrecision(4);
+  return typeof v === "string" ? v : JSON.stringify(v);
+}
+function fmtSeconds(s) { return s === null || s === undefined ? "-" : s < 120 ? s.toFixed(1) + " s" : (s / 60).toFixed(1) + " min"; }
+function sampleText(sample) { return Object.entries(sample).map(([k, v]) => `${k}=${JSON.stringify(v)}`).join(", "); }
+function statusCell(s) { return el("td", {class: "status-" + s, text: s}); }
+function lastLine(text) { const lines = (text || "").trim().split("\n"); return lines[lines.length - 1]; }
+
+function section(id, title, ...children) {
+  return el("section", {id}, el("h2", {text: title}), ...children);
+}
+
+function setLive(ok, text) {
+  const live = document.getElementById("live");
+  live.textContent = ok ? "live · updated " + new Date().toLocaleTimeString() : "not updated: " + text;
+}
+
+function poll(fn) {
+  let stopped = false;
+  async function tick() {
+    try { await fn(); setLive(true); } catch (err) { setLive(false, err.message); }
+    if (!stopped) setTimeout(tick, POLL_MS);
+  }
+  tick();
+  return () => { stopped = true; };
+}
+
+const layoutBase = {margin: {l: 50, r: 10, t: 10, b: 40}, font: {size: 11}, legend: {orientation: "h"}};
+const config = {displaylogo: false, responsive: true};
+
+// ---------------------------------------------------------------- experiments list
+
+function experimentsPage() {
+  document.getElementById("where").textContent = "experiments";
+  const table = el("table", {id: "experiments-table"});
+  const plot = el("div", {id: "best-over-time", class: "plot"});
+  main.append(section("experiments", "Experiments", table), section("best", "Best so far over time", plot));
+  poll(async () => {
+    const data = await api("/api/experiments");
+    const head = el("tr", {}, ...["experiment", "status", "progress", "trials", "by status", "best", "objective", "strategy"]
+      .map(h => el("th", {text: h})));
+    const rows = data.experiments.map(e => {
+      const pct = e.progress === null ? null : Math.round(100 * e.progress);
+      return el("tr", {"data-name": e.name},
+        el("td", {}, el("a", {href: "/experiments/" + enc(e.name), text: e.name})),
+        statusCell(e.status),
+        el("td", {}, el("span", {class: "bar"}, el("span", {style: `width:${pct || 0}%`})),
+          ` ${e.finished}/${e.max_trials === null ? "?" : e.max_trials}`),
+        el("td", {class: "num", text: e.trials}),
+        el("td", {text: Object.entries(e.by_status).map(([k, v]) => `${k} ${v}`).join(", ")}),
+        el("td", {class: "num", text: fmt(e.best)}),
+        el("td", {text: `${e.objective.metric} (${e.objective.mode})`}),
+        el("td", {class: "sample", text: e.strategy || "-"}));
+    });
+    table.replaceChildren(el("thead", {}, head), el("tbody", {}, ...rows));
+    const traces = [];
+    for (const e of data.experiments.slice(0, 10)) {
+      const detail = await api("/api/experiments/" + enc(e.name));
+      const pts = detail.best_over_time;
+      traces.push({x: pts.map(p => new Date(p.time * 1000)), y: pts.map(p => p.best), name: e.name,
+                   mode: "lines+markers", line: {shape: "hv"}});
+    }
+    Plotly.react(plot, traces, {...layoutBase, yaxis: {title: "best"}}, config);
+  });
+}
+
+// ---------------------------------------------------------------- one experiment
+
+function experimentPage(name) {
+  document.getElementById("where").textContent = "/ " + name;
+  const state = {offset: 0, limit: 50, sort: "number", desc: false, statuses: new Set(), filters: {},
+                 selected: new Set(), metric: null, evaluator: "ped-anova", finished: -1, labels: []};
+  const summary = el("div", {id: "summary"});
+  const bestPlot = el("div", {id: "best-plot", class: "plot"});
+  const statusBoxes = el("span", {id: "status-filter"});
+  const labelSelect = el("select", {id: "label-filter-label"});
+  const labelValue = el("input", {id: "label-filter-value", placeholder: "value", size: 10});
+  const filterText = el("span", {id: "filters", class: "muted"});
+  const pager = el("span", {id: "pager"});
+  const table = el("table", {id: "trials-table"});
+  const metricSelect = el("select", {id: "metric-select"});
+  const curves = el("div", {id: "curves", class: "plot"});
+  const parcoords = el("div", {id: "parcoords", class: "plot"});
+  const scatters = el("div", {id: "scatters", class: "grid"});
+  const evaluatorSelect = el("select", {id: "importance-evaluator"},
+    el("option", {value: "ped-anova", text: "PED-ANOVA"}), el("option", {value: "fanova", text: "fANOVA"}));
+  const importance = el("div", {id: "importance", class: "plot"});
+  const importanceNote = el("div", {class: "muted", id: "importance-note"});
+  const paretoPlot = el("div", {id: "pareto", class: "plot"});
+  const paretoNote = el("div", {class: "muted", id: "pareto-note"});
+  const plan = el("div", {id: "plan"});
+  const oneshot = el("div", {id: "oneshot"});
+
+  function refreshTable() { tableTick().catch(err => setLive(false, err.message)); }
+  const applyFilter = el("button", {text: "add filter", onclick: () => {
+    if (labelSelect.value && labelValue.value !== "") { state.filters[labelSelect.value] = labelValue.value; state.offset = 0; refreshTable(); }
+  }});
+  const clearFilter = el("button", {text: "clear filters", onclick: () => { state.filters = {}; state.offset = 0; refreshTable(); }});
+  for (const s of ["completed", "stopped", "failed", "running", "pending", "duplicate"]) {
+    const box = el("input", {type: "checkbox", value: s, onchange: () => {
+      box.checked ? state.statuses.add(s) : state.statuses.delete(s); state.offset = 0; refreshTable(); }});
+    statusBoxes.append(el("label", {}, box, " " + s));
+  }
+  metricSelect.addEventListener("change", () => { state.metric = metricSelect.value; curvesTick(); });
+  evaluatorSelect.addEventListener("change", () => { state.evaluator = evaluatorSelect.value; state.finished = -1; state.slowAt = 0; slowTick(); });
+
+  main.append(
+    section("overview", "Overview", summary, bestPlot),
+    section("trials", "Trials", el("div", {class: "controls"}, "status: ", statusBoxes),
+      el("div", {class: "controls"}, "label ", labelSelect, " = ", labelValue, " ", applyFilter, " ", clearFilter, " ", filterText),
+      el("div", {class: "controls"}, pager), table),
+    section("learning-curves", "Learning curves", el("div", {class: "controls"}, "metric ", metricSelect,
+      el("span", {class: "muted", text: "  tick trials in the table (default: the 5 best); solid: completed, dashed + ×: stopped early, dotted: failed"})), curves),
+    section("hyperparameters", "Hyperparameters", el("h2", {text: "Parallel coordinates"}), parcoords,
+      el("h2", {text: "Objective vs each label"}), scatters),
+    section("importance-section", "Hyperparameter importance (optuna.importance)", el("div", {class: "controls"}, "evaluator ", evaluatorSelect), importanceNote, importance),
+    section("pareto-section", "Pareto front", paretoNote, paretoPlot),
+    section("plan-section", "Cross-model plan", plan),
+    section("oneshot-section", "One-shot", oneshot));
+
+  let info = null;
+
+  async function summaryTick() {
+    info = await api("/api/experiments/" + enc(name));
+    const pct = info.progress === null ? 0 : Math.round(100 * info.progress);
+    summary.replaceChildren(
+      el("div", {}, el("b", {text: name}), " ", el("span", {class: "status-" + info.status, text: info.status}),
+        " · ", el("span", {class: "bar"}, el("span", {style: `width:${pct}%`})),
+        ` ${info.finished}/${info.max_trials === null ? "?" : info.max_trials} finished · best ${info.objective.metric} `,
+        el("b", {id: "best-value", text: fmt(info.best)}), ` (${info.objective.mode})`),
+      el("div", {class: "muted", text: `strategy ${info.strategy || "-"} · evaluator ${info.evaluator || "-"}`}),
+      el("div", {class: "muted", text: "by status: " + Object.entries(info.by_status).map(([k, v]) => `${k} ${v}`).join(", ")}));
+    const pts = info.best_over_time;
+    Plotly.react(bestPlot, [{x: pts.map(p => new Date(p.time * 1000)), y: pts.map(p => p.best), mode: "lines+markers",
+      line: {shape: "hv"}, name: "best so far", text: pts.map(p => "trial id " + p.trial)}],
+      {...layoutBase, height: 220, yaxis: {title: "best " + info.objective.metric}}, config);
+    if (JSON.stringify(info.labels) !== JSON.stringify(state.labels)) {
+      state.labels = info.labels;
+      labelSelect.replaceChildren(...info.labels.map(l => el("option", {value: l, text: l})));
+    }
+    const metrics = info.metrics;
+    if (!state.metric || !metrics.includes(state.metric)) {
+      state.metric = metrics.includes(info.objective.metric) ? info.objective.metric : metrics[0] || null;
+    }
+    if (metricSelect.options.length !== metrics.length) {
+      metricSelect.replaceChildren(...metrics.map(m => el("option", {value: m, text: m})));
+    }
+    metricSelect.value = state.metric || "";
+  }
+
+  let lastRows = [];
+  async function tableTick() {
+    const params = new URLSearchParams({offset: state.offset, limit: state.limit, sort: state.sort, desc: state.desc ? "1" : "0"});
+    if (state.statuses.size) params.set("status", [...state.statuses].join(","));
+    for (const [k, v] of Object.entries(state.filters)) params.set("label." + k, v);
+    const page = await api(`/api/experiments/${enc(name)}/trials?${params}`);
+    lastRows = page.rows;
+    filterText.textContent = Object.entries(state.filters).map(([k, v]) => `${k} = ${v}`).join(", ");
+    const columns = [["", null], ["trial", "number"], ["status", "status"], [info ? info.objective.metric : "metric", "metric"],
+      ["epochs", "epochs"], ["params", "params"], ["FLOPs", "flops"], ["seed", "seed"], ["duration", "duration"],
+      ["group", "group"], ["sample", null], ["error", null]];
+    const head = el("tr", {}, ...columns.map(([title, key]) => {
+      if (!key) return el("th", {text: title});
+      const arrow = state.sort === key ? (state.desc ? " ▼" : " ▲") : "";
+      return el("th", {class: "sortable", "data-sort": key, text: title + arrow, onclick: () => {
+        state.desc = state.sort === key ? !state.desc : key === "metric" && info && info.objective.mode === "max";
+        state.sort = key; state.offset = 0; refreshTable(); }});
+    }));
+    const rows = page.rows.map(t => {
+      const box = el("input", {type: "checkbox", class: "select-trial", "data-id": t.id, onchange: () => {
+        box.checked ? state.selected.add(t.id) : state.selected.delete(t.id); curvesTick(); }});
+      box.checked = state.selected.has(t.id);
+      const error = t.error ? el("details", {}, el("summary", {text: lastLine(t.error)}), el("pre", {text: t.error})) : "";
+      return el("tr", {"data-trial-id": t.id, "data-number": t.number},
+        el("td", {}, box),
+        el("td", {}, el("a", {href: `/experiments/${enc(name)}/trials/${t.number}`, text: "#" + t.number})),
+        statusCell(t.status), el("td", {class: "num", text: fmt(t.metric)}), el("td", {class: "num", text: t.epochs}),
+        el("td", {class: "num", text: fmt(t.params)}), el("td", {class: "num", text: fmt(t.flops)}),
+        el("td", {class: "num", text: t.seed}), el("td", {class: "num", text: fmtSeconds(t.duration)}),
+        el("td", {class: "num", text: fmt(t.group)}), el("td", {class: "sample", text: sampleText(t.sample)}),
+        el("td", {class: "sample"}, error));
+    });
+    table.replaceChildren(el("thead", {}, head), el("tbody", {}, ...rows));
+    const last = Math.min(page.offset + page.limit, page.total);
+    pager.replaceChildren(
+      el("button", {text: "◀ previous", disabled: page.offset === 0 ? "" : null,
+        onclick: () => { state.offset = Math.max(0, state.offset - state.limit); refreshTable(); }}),
+      ` ${page.total ? page.offset + 1 : 0}-${last} of `, el("span", {id: "total", text: page.total}), " ",
+      el("button", {text: "next ▶", disabled: last >= page.total ? "" : null,
+        onclick: () => { state.offset += state.limit; refreshTable(); }}));
+  }
+
+  async function curvesTick() {
+    if (!state.metric) { Plotly.react(curves, [], {...layoutBase}, config); return; }
+    let ids = [...state.selected];
+    const numbers = Object.fromEntries(lastRows.map(r => [r.id, r.number]));
+    if (!ids.length) {
+      const best = await api(`/api/experiments/${enc(name)}/trials?limit=5&sort=metric&desc=${info && info.objective.mode === "max" ? 1 : 0}`);
+      ids = best.rows.map(r => r.id);
+      for (const r of best.rows) numbers[r.id] = r.number;
+    }
+    if (!ids.length) { Plotly.react(curves, [], {...layoutBase}, config); return; }
+    const data = await api(`/api/experiments/${enc(name)}/curves?ids=${ids.join(",")}&metric=${enc(state.metric)}`);
+    const traces = ids.filter(id => data[id] && data[id].metrics[state.metric]).map(id => {
+      const c = data[id], s = c.metrics[state.metric];
+      const dash = c.status === "stopped" ? "dash" : c.status === "failed" ? "dot" : "solid";
+      const symbols = s.steps.map((_, i) => c.status === "stopped" && i === s.steps.length - 1 ? "x" : "circle");
+      const label = numbers[id] !== undefined ? "#" + numbers[id] : "id " + id;
+      return {x: s.steps, y: s.values, mode: "lines+markers", name: `${label} (${c.status})`,
+              line: {dash}, marker: {symbol: symbols, size: symbols.map(m => m === "x" ? 11 : 5)}};
+    });
+    Plotly.react(curves, traces, {...layoutBase, xaxis: {title: "step (epoch)"}, yaxis: {title: state.metric}}, config);
+  }
+
+  // Hyperparameter views, importance, Pareto front and plan: when trials finished, at most every 10 s.
+  async function slowTick() {
+    if (!info || info.finished === state.finished || Date.now() - (state.slowAt || 0) < 10000) return;
+    state.finished = info.finished;
+    state.slowAt = Date.now();
+    const h = await api(`/api/experiments/${enc(name)}/hparams`);
+    const metric = info.objective.metric;
+    const dims = h.labels.map(label => {
+      const vals = h.samples.map(s => s[label]);
+      if (vals.every(v => typeof v === "number" || v === undefined)) return {label, values: vals.map(v => v === undefined ? NaN : v)};
+      const cats = [...new Set(vals.map(v => JSON.stringify(v)))];
+      return {label, values: vals.map(v => cats.indexOf(JSON.stringify(v))), tickvals: cats.map((_, i) => i), ticktext: cats};
+    });
+    dims.push({label: metric, values: h.values});
+    Plotly.react(parcoords, h.values.length ? [{type: "parcoords", line: {color: h.values, colorscale: "Viridis", showscale: true},
+      dimensions: dims}] : [], {...layoutBase, margin: {l: 60, r: 60, t: 40, b: 20}}, config);
+    scatters.replaceChildren();
+    for (const label of h.labels) {
+      const div = el("div", {class: "scatter", "data-label": label});
+      scatters.append(div);
+      const xs = h.samples.map(s => typeof s[label] === "number" || s[label] === undefined ? s[label] : JSON.stringify(s[label]));
+      Plotly.react(div, [{x: xs, y: h.values, mode: "markers", type: h.values.length > 2000 ? "scattergl" : "scatter",
+        text: h.numbers.map(n => "#" + n), marker: {size: 5, opacity: 0.7}}],
+        {...layoutBase, height: 240, xaxis: {title: label}, yaxis: {title: metric}}, config);
+    }
+    const imp = await api(`/api/experiments/${enc(name)}/importance?evaluator=${state.evaluator}`);
+    importanceNote.textContent = imp.message || `${imp.trials} completed trials, ${state.evaluator}`;
+    const entries = Object.entries(imp.importances).reverse();
+    Plotly.react(importance, entries.length ? [{type: "bar", orientation: "h", x: entries.map(e => e[1]), y: entries.map(e => e[0])}] : [],
+      {...layoutBase, height: 60 + 30 * Math.max(entries.length, 1), xaxis: {title: "importance"}}, config);
+    const p = await api(`/api/experiments/${enc(name)}/pareto`);
+    paretoNote.textContent = p.message || "";
+    if (!p.message) {
+      const idx = (on) => p.ids.map((_, i) => i).filter(i => p.front[i] === on);
+      const trace = (on, nm) => ({x: idx(on).map(i => p.second[i]), y: idx(on).map(i => p.values[i]), mode: "markers",
+        name: nm, text: idx(on).map(i => "#" + p.numbers[i]), marker: {size: on ? 9 : 5}});
+      Plotly.react(paretoPlot, [trace(false, "dominated"), trace(true, "Pareto front")],
+        {...layoutBase, xaxis: {title: `${p.second_objective.metric} (${p.second_objective.mode})`},
+         yaxis: {title: `${p.objective.metric} (${p.objective.mode})`}}, config);
+    } else {
+      paretoPlot.style.display = "none";
+    }
+    await planTick();
+  }
+
+  async function planTick() {
+    const p = await api(`/api/experiments/${enc(name)}/plan`);
+    const note = p.units_recorded ? "" :
+      "This store records no execution-unit plan (which trials trained fused or shared a pipeline, and the CPU-seconds saved); shown: the TrialGroups, their training seconds, and warm starts, parents and duplicates as recorded.";
+    const groups = el("table", {id: "plan-groups"}, el("tr", {}, ...["group", "trials", "training seconds"].map(h => el("th", {text: h}))),
+      ...p.groups.map(g => el("tr", {}, el("td", {text: fmt(g.group)}), el("td", {class: "num", text: g.trials}),
+        el("td", {class: "num", text: g.train_seconds === null ? "-" : g.train_seconds.toFixed(2)}))));
+    const rel = el("table", {id: "plan-relations"}, el("tr", {}, ...["trial", "parent", "warm start", "unit", "duplicate of", "one-shot"].map(h => el("th", {text: h}))),
+      ...p.relations.map(r => el("tr", {}, el("td", {text: "#" + r.trial}), el("td", {text: r.parent === null ? "-" : "#" + r.parent}),
+        el("td", {class: "sample", text: r.warm_start ? JSON.stringify(r.warm_start) : "-"}),
+        el("td", {class: "sample", text: r.unit ? JSON.stringify(r.unit) : "-"}),
+        el("td", {text: r.duplicate_of === null ? "-" : "#" + r.duplicate_of}),
+        el("td", {class: "sample", text: r.oneshot ? JSON.stringify(r.oneshot) : "-"}))));
+    plan.replaceChildren(el("div", {class: "muted", text: note}),
+      el("div", {class: "muted", text: `training seconds in all: ${p.train_seconds === null ? "-" : p.train_seconds.toFixed(2)}`}),
+      groups, p.relations.length ? rel : el("div", {class: "muted", text: "no warm starts, parents or duplicates recorded"}));
+    const o = await api(`/api/experiments/${enc(name)}/oneshot`);
+    if (!o.supernets.length && !o.subnets.length) {
+      oneshot.replaceChildren(el("div", {class: "muted", text: "not a one-shot experiment (no supernet recorded)"}));
+      return;
+    }
+    const plotDiv = el("div", {class: "plot", id: "supernet-curves"});
+    const traces = [];
+    for (const s of o.supernets) for (const [m, c] of Object.entries(s.metrics))
+      traces.push({x: c.steps, y: c.values, name: `supernet ${s.id}: ${m}`, mode: "lines+markers"});
+    const subs = el("table", {id: "subnets"}, el("tr", {}, ...["trial id", "status", "metric", "sample", "one-shot"].map(h => el("th", {text: h}))),
+      ...o.subnets.map(s => el("tr", {}, el("td", {text: s.id}), statusCell(s.status), el("td", {class: "num", text: fmt(s.metric)}),
+        el("td", {class: "sample", text: sampleText(s.sample)}), el("td", {class: "sample", text: JSON.stringify(s.oneshot)}))));
+    oneshot.replaceChildren(el("h2", {text: "Supernet training"}), plotDiv, el("h2", {text: "Scored subnets"}), subs);
+    Plotly.react(plotDiv, traces, {...layoutBase, xaxis: {title: "step"}}, config);
+  }
+
+  poll(async () => {
+    await summaryTick();
+    await tableTick();
+    await curvesTick();
+    await slowTick();
+  });
+}
+
+// ---------------------------------------------------------------- one trial
+
+function trialPage(name, number) {
+  document.getElementById("where").textContent = `/ ${name} / trial #${number}`;
+  const facts = el("table", {id: "trial-facts"});
+  const metricsTable = el("table", {id: "trial-metrics"});
+  const plot = el("div", {id: "trial-curves", class: "plot"});
+  const error = el("div", {id: "trial-error"});
+  const arch = el("div", {id: "architecture"});
+  main.append(el("p", {}, el("a", {href: "/experiments/" + enc(name), text: "← " + name})),
+    section("trial", `Trial #${number}`, facts), section("trial-metrics-section", "Per-epoch metrics", plot, metricsTable),
+    section("error-section", "Error", error), section("architecture-section", "Architecture", arch));
+  let archShown = false;
+  poll(async () => {
+    const t = await api(`/api/experiments/${enc(name)}/trials/${number}`);
+    const link = (n) => n === null || n === undefined ? "-" : el("a", {href: `/experiments/${enc(name)}/trials/${n}`, text: "#" + n});
+    const rows = [["status", el("span", {class: "status-" + t.status, text: t.status})], ["metric", fmt(t.metric)],
+      ["sample", el("pre", {text: JSON.stringify(t.sample, null, 2)})], ["seed", String(t.seed)],
+      ["fingerprint", t.fingerprint || "-"], ["params", fmt(t.params)], ["FLOPs", fmt(t.flops)],
+      ["epochs", String(t.epochs)], ["duration", fmtSeconds(t.duration)], ["store id", String(t.id)],
+      ["group", t.group === null ? "-" : `${t.group} (with ${t.group_members.filter(n => n !== t.number).map(n => "#" + n).join(", ") || "no other trial"})`],
+      ["parent (warm start / inherited from)", link(t.parent_number)],
+      ["children", t.children.length ? el("span", {}, ...t.children.flatMap(c => [link(c), " "])) : "-"],
+      ["warm start", t.info.warm_start ? JSON.stringify(t.info.warm_start) : "-"],
+      ["execution unit", t.info.unit ? JSON.stringify(t.info.unit) : "not recorded"],
+      ["checkpoints", Object.keys(t.checkpoints).length ? Object.entries(t.checkpoints).map(([k, p]) => `${k}: ${p}`).join("\n") : "-"],
+      ["info", el("pre", {text: JSON.stringify(t.info, null, 2)})]];
+    facts.replaceChildren(...rows.map(([k, v]) => el("tr", {}, el("th", {text: k}), el("td", {class: "sample"}, v))));
+    const names = Object.keys(t.metrics);
+    const steps = Math.max(0, ...names.map(n => t.metrics[n].steps.length));
+    metricsTable.replaceChildren(el("tr", {}, el("th", {text: "step"}), ...names.map(n => el("th", {text: n}))),
+      ...[...Array(steps).keys()].map(i => el("tr", {}, el("td", {class: "num", text: i}),
+        ...names.map(n => el("td", {class: "num", text: fmt(t.metrics[n].values[i])})))));
+    Plotly.react(plot, names.map(n => ({x: t.metrics[n].steps, y: t.metrics[n].values, name: n, mode: "lines+markers"})),
+      {...layoutBase, xaxis: {title: "step (epoch)"}}, config);
+    error.replaceChildren(t.error ? el("pre", {text: t.error}) : el("span", {class: "muted", text: "no error"}));
+    if (!archShown) {
+      archShown = true;
+      const a = await api(`/api/experiments/${enc(name)}/trials/${number}/architecture`);
+      arch.replaceChildren(a.available ? el("pre", {id: "graph-text", text: a.text}) :
+        el("div", {}, el("div", {class: "muted", id: "architecture-reason", text: a.reason}),
+          el("pre", {text: `fingerprint ${a.fingerprint}\nsample ${JSON.stringify(a.sample)}`})));
+    }
+  });
+}
+
+// ---------------------------------------------------------------- routing
+
+(function route() {
+  const parts = location.pathname.split("/").filter(Boolean).map(decodeURIComponent);
+  if (parts[0] === "experiments" && parts.length === 2) experimentPage(parts[1]);
+  else if (parts[0] === "experiments" && parts[2] === "trials" && parts.length === 4) trialPage(parts[1], parts[3]);
+  else experimentsPage();
+})();

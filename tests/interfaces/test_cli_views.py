@@ -1,0 +1,121 @@
+"""The terminal views on a real small experiment: one trial in full, --json and --csv, full samples
+when the output is not a terminal, a help line on every option, and `tridens plot`."""
+
+import csv
+import io
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tridens.cli import _parser, main
+from tridens.store import Store
+from tridens.trial import Trial, TrialStatus
+
+
+def _trials(db):
+    with Store(db, readonly=True) as store:
+        return sorted(store.trials("tiny"), key=lambda t: t.id)
+
+
+def test_show_one_trial_in_full(tiny_store, capsys):
+    trial = _trials(tiny_store)[1]
+    assert main(["show", "tiny", "1", "--db", str(tiny_store)]) == 0
+    out = capsys.readouterr().out
+    assert "trial #1 of tiny" in out and trial.fingerprint in out and str(trial.seed) in out
+    assert f"{trial.sample['hidden']}" in out and "metrics per step" in out
+    assert trial.checkpoint in "".join(out.split())  # folded over lines when long, never cut
+    assert any(c in out for c in "▁▂▃▄▅▆▇█")  # the sparkline of each metric
+    assert f"{trial.metrics['val_acc'][2]:.4f}" in out
+
+
+def test_show_and_top_as_json_and_csv(tiny_store, capsys):
+    trials = _trials(tiny_store)
+    assert main(["show", "tiny", "2", "--json", "--db", str(tiny_store)]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["number"] == 2 and record["id"] == trials[2].id and record["metrics"] == trials[2].metrics
+    assert record["sample"] == trials[2].sample and record["checkpoint"] == trials[2].checkpoint
+
+    assert main(["show", "tiny", "2", "--csv", "--db", str(tiny_store)]) == 0
+    rows = list(csv.reader(io.StringIO(capsys.readouterr().out)))
+    assert rows[0][0] == "step" and sorted(rows[0][1:]) == sorted(trials[2].metrics)
+    assert len(rows) == 4 and float(rows[3][rows[0].index("val_acc")]) == trials[2].metrics["val_acc"][2]
+
+    assert main(["top", "tiny", "-k", "2", "--json", "--db", str(tiny_store)]) == 0
+    top = json.loads(capsys.readouterr().out)
+    ranked = sorted(trials, key=lambda t: (-t.metric, t.id))
+    assert [t["id"] for t in top] == [t.id for t in ranked[:2]]
+
+    assert main(["show", "tiny", "--csv", "--db", str(tiny_store)]) == 0
+    table = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [int(r["number"]) for r in table] == [0, 1, 2, 3]
+    assert [json.loads(r["hidden"]) for r in table] == [t.sample["hidden"] for t in trials]
+
+    assert main(["show", "tiny", "9", "--db", str(tiny_store)]) == 1
+    assert "has no trial 9 (its trials are numbered 0 to 3)" in capsys.readouterr().err
+
+
+def test_failed_trial_shows_its_traceback_and_long_samples_are_not_cut(tiny_copy):
+    long_sample = {f"block{i}.op": "conv3x3_with_a_long_name" for i in range(8)}
+    error = "Traceback (most recent call last):\n  File \"train.py\", line 3, in step\nRuntimeError: shapes do not match"
+    with Store(tiny_copy) as store:
+        store.add_trial("tiny", Trial(id=-1, sample=long_sample, seed=1, status=TrialStatus.FAILED, error=error))
+    command = [sys.executable, "-m", "tridens.cli"]
+    shown = subprocess.run([*command, "show", "tiny", "4", "--db", str(tiny_copy)], capture_output=True, text=True)
+    assert shown.returncode == 0 and 'File "train.py", line 3' in shown.stdout and "RuntimeError" in shown.stdout
+    table = subprocess.run([*command, "show", "tiny", "--db", str(tiny_copy)], capture_output=True, text=True).stdout
+    flat = re.sub(r"[\s│┃]", "", table)  # a table wraps long cells over lines; nothing may be cut
+    assert "…" not in table and "block7.op=" in flat
+    assert all(f"block{i}.op='conv3x3_with_a_long_name'" in flat for i in range(8))
+
+
+def test_every_option_has_a_help_line():
+    parser = _parser()
+    subparsers = next(a for a in parser._actions if a.choices and isinstance(a.choices, dict))
+    for name, sub in subparsers.choices.items():
+        for action in sub._actions:
+            if action.dest != "help":
+                assert action.help, f"tridens {name}: {'/'.join(action.option_strings) or action.dest} has no help"
+
+
+def test_plot_writes_an_image(tiny_store, tmp_path, capsys):
+    import matplotlib.image
+
+    target = tmp_path / "curves.png"
+    assert main(["plot", "tiny", "--to", str(target), "--db", str(tiny_store)]) == 0
+    image = matplotlib.image.imread(target)
+    assert image.shape[0] > 200 and image.shape[1] > 600  # curves and one panel per label side by side
+    assert image.std() > 0.01  # not blank
+
+
+def test_live_view_at_80_columns(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from tridens.engine._progress import Progress
+    from tridens.trial import Objective
+
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich: a terminal
+    monkeypatch.setenv("COLUMNS", "80")
+    progress = Progress(16, Objective("val_acc", "max"))
+    progress.start("regularized-evolution-search", 0, False)
+    try:
+        sample = {"width": 32, "op": "conv3x3", "depth": 2, "lr": 0.0123, "block1.kernel": 5, "block2.kernel": 3}
+        for i in range(3):
+            trial = Trial(i, dict(sample), 0, TrialStatus.RUNNING, fingerprint="abcdef123456", info={"params": 12345})
+            progress.step(trial, 2, 0.5 + i / 10)
+            trial.status, trial.metric, trial.metrics = TrialStatus.COMPLETED, 0.5 + i / 10, {"val_acc": [0.5 + i / 10]}
+            progress.trial_done(trial)
+        out = io.StringIO()
+        Console(file=out, width=80, force_terminal=True, color_system=None).print(progress._render())
+    finally:
+        progress.close()
+    lines = out.getvalue().splitlines()
+    assert "━" in lines[0] and "3/16" in lines[0]  # the bar keeps its width beside the name
+    text = "\n".join(lines)
+    assert "…" not in text and all(len(line) <= 80 for line in lines)
+    for label in ("block1.kernel=5", "block2.kernel=3", "op='conv3x3'"):
+        assert label in text  # samples wrap between labels, not inside one
