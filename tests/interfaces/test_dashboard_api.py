@@ -162,3 +162,22 @@ def test_listens_on_localhost_unless_asked_and_warns(tiny_store, capsys):
     with Server(tiny_store, host="0.0.0.0", port=0):
         pass
     assert "tridens: warning: the dashboard listens on 0.0.0.0" in capsys.readouterr().err
+
+
+def test_one_shot_supernet_curves_and_scored_subnets(tmp_path):
+    """A store laid out as a one-shot run writes it (tridens.oneshot: a supernet trial, scored subnets)."""
+    db = tmp_path / "oneshot.db"
+    with Store(db) as store:
+        store.create_experiment("spos", {"objective": {"metric": "val_acc", "mode": "max"}})
+        supernet = store.add_trial("spos", Trial(id=-1, sample={}, seed=0, status=TrialStatus.COMPLETED,
+                                                 info={"oneshot": {"role": "supernet", "strategy": "RandomOneShot"}}))
+        for epoch, loss in enumerate([2.1, 1.4, 0.9]):
+            store.add_metrics(supernet.id, epoch, {"train_loss": loss})
+        for width, acc in ((16, 0.81), (32, 0.86)):
+            store.add_trial("spos", Trial(id=-1, sample={"width": width}, seed=0, status=TrialStatus.COMPLETED, metric=acc,
+                                          metrics={"val_acc": [acc]},
+                                          info={"oneshot": {"role": "subnet", "strategy": "RandomOneShot", "inherited": True}}))
+    view = starlette_testclient.TestClient(create_app(db)).get("/api/experiments/spos/oneshot").json()
+    assert [s["id"] for s in view["supernets"]] == [supernet.id]
+    assert view["supernets"][0]["metrics"]["train_loss"] == {"steps": [0, 1, 2], "values": [2.1, 1.4, 0.9]}
+    assert [(s["sample"], s["metric"]) for s in view["subnets"]] == [({"width": 16}, 0.81), ({"width": 32}, 0.86)]
