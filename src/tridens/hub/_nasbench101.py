@@ -40,6 +40,11 @@ NASBENCH101_OPS: dict[str, Callable[[int], nn.Module]] = {
 }
 
 
+def _projection(c_in: int, c_out: int) -> nn.Module:
+    """The benchmark's projection of the cell's input: 1x1 convolution, batch norm, ReLU."""
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=False))
+
+
 def nasbench101_edges(sample: Mapping[str, Any], label: str = "cell", num_nodes: int = 7) -> list[tuple[int, int]]:
     """The edges ``(from, to)`` of a cell's sample (before pruning)."""
     return [(int(src), dst) for dst in range(1, num_nodes) for src in sample[f"{label}/input{dst}"]]
@@ -63,6 +68,8 @@ def _prune(num_nodes: int, edges: list[tuple[int, int]]) -> set[int] | None:
 class NasBench101Cell(nn.Module):
     """A NAS-Bench-101 cell from ``in_channels`` to ``out_channels`` (see the module doc). Build it
     inside a ``ModelSpace``; every cell built with the same ``label`` is the same decision.
+    ``op_candidates`` map names to ``factory(channels)``; ``projection(c_in, c_out)`` makes the
+    input's projections (default: 1x1 convolution, batch norm, ReLU).
 
     The output concatenates the nodes that feed it (the channels split among them, as the
     benchmark does), plus a 1x1 projection of the input when the input feeds the output.
@@ -70,7 +77,7 @@ class NasBench101Cell(nn.Module):
 
     def __init__(self, in_channels: int, out_channels: int, num_nodes: int = 7,
                  op_candidates: Mapping[str, Callable[[int], nn.Module]] | None = None, max_num_edges: int = 9,
-                 *, label: str = "cell"):
+                 *, projection: Callable[[int, int], nn.Module] | None = None, label: str = "cell"):
         super().__init__()
         if num_nodes < 2:
             raise InvalidSpace(f"The 'num_nodes' parameter of NasBench101Cell must be an int >= 2. Got {num_nodes!r} instead.")
@@ -97,13 +104,11 @@ class NasBench101Cell(nn.Module):
         self.channels = self._vertex_channels(in_channels, out_channels, num_nodes, edges)
         self.ops = nn.ModuleDict({str(i): ops[chosen_ops[i]](self.channels[i]) for i in range(1, num_nodes - 1)
                                   if i in kept})
-        self.projections = nn.ModuleDict({
-            str(dst): nn.Sequential(nn.Conv2d(in_channels, self.channels[dst], 1, bias=False),
-                                    nn.BatchNorm2d(self.channels[dst]), nn.ReLU(inplace=False))
-            for src, dst in edges if src == 0})
+        project = projection or _projection
+        self.projections = nn.ModuleDict({str(dst): project(in_channels, self.channels[dst]) for src, dst in edges if src == 0})
         if not any(d == num_nodes - 1 for _, d in edges) and str(num_nodes - 1) not in self.projections:
-            self.projections[str(num_nodes - 1)] = nn.Sequential(  # no wiring: the output is the projected input
-                nn.Conv2d(in_channels, out_channels, 1, bias=False), nn.BatchNorm2d(out_channels), nn.ReLU(inplace=False))
+            # no wiring: the output is the projected input
+            self.projections[str(num_nodes - 1)] = project(in_channels, out_channels)
 
     @staticmethod
     def _vertex_channels(c_in: int, c_out: int, n: int, edges: list[tuple[int, int]]) -> list[int]:

@@ -16,6 +16,8 @@ from typing import Any, Sequence
 
 import tridens as _td
 
+from ._scope import scoped as _scoped
+
 __all__ = ["choice", "uniform", "loguniform", "randint", "quniform", "report_intermediate_result",
            "report_final_result", "trace"]
 
@@ -25,26 +27,26 @@ _FINAL: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("nni
 
 def choice(label: str, choices: Sequence[Any]) -> Any:
     """``nni.choice(label, choices)`` = ``td.choice``."""
-    return _td.choice(label, list(choices))
+    return _td.choice(_scoped(label), list(choices))
 
 
 def uniform(label: str, low: float, high: float) -> Any:
-    return _td.uniform(label, low, high)
+    return _td.uniform(_scoped(label), low, high)
 
 
 def loguniform(label: str, low: float, high: float) -> Any:
-    return _td.loguniform(label, low, high)
+    return _td.loguniform(_scoped(label), low, high)
 
 
 def randint(label: str, lower: int, upper: int) -> Any:
     """``nni.randint`` draws from ``[lower, upper)``; ``td.randint`` includes both ends."""
-    return _td.randint(label, lower, upper - 1)
+    return _td.randint(_scoped(label), lower, upper - 1)
 
 
 def quniform(label: str, low: float, high: float, quantize: float) -> Any:
     """A uniform value rounded to ``quantize``: a finite choice in tridens."""
     n = int(round((high - low) / quantize))
-    return _td.choice(label, [round(low + i * quantize, 10) for i in range(n + 1)])
+    return _td.choice(_scoped(label), [round(low + i * quantize, 10) for i in range(n + 1)])
 
 
 def report_intermediate_result(metric: Any) -> None:

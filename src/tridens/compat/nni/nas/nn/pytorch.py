@@ -1,11 +1,13 @@
 """``nni.nas.nn.pytorch``: the space primitives. ``MutableX`` modules are the plain torch modules:
-in tridens a choice resolves to a value inside a space's ``__init__``, so no wrappers are needed."""
+in tridens a choice resolves to a value inside a space's ``__init__``, so no wrappers are needed.
+``ModelSpace`` subclasses may be declared with ``label_prefix=``; ``NasBench101Cell`` and
+``NasBench201Cell`` are ``tridens.hub``'s cells."""
 
 from torch import nn as _nn
 
-from tridens.nn import Cell, InputChoice, LayerChoice, ModelSpace, Repeat
+from ..._spaces import Cell, InputChoice, LayerChoice, ModelSpace, NasBench101Cell, NasBench201Cell, Repeat
 
-__all__ = ["ModelSpace", "LayerChoice", "InputChoice", "Repeat", "Cell",
+__all__ = ["ModelSpace", "LayerChoice", "InputChoice", "Repeat", "Cell", "NasBench101Cell", "NasBench201Cell",
            "MutableLinear", "MutableConv1d", "MutableConv2d", "MutableConv3d", "MutableBatchNorm1d",
            "MutableBatchNorm2d", "MutableLayerNorm", "MutableDropout", "MutableMultiheadAttention",
            "ParametrizedModule"]

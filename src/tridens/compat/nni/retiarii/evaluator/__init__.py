@@ -1,5 +1,5 @@
-"""``nni.retiarii.evaluator``: ``FunctionalEvaluator`` (see ``tridens.compat.nni.nas.evaluator``)."""
+"""``nni.retiarii.evaluator``: NNI 2.x's ``FunctionalEvaluator`` (the function gets the model class)."""
 
-from ...nas.evaluator import FunctionalEvaluator
+from .functional import FunctionalEvaluator
 
 __all__ = ["FunctionalEvaluator"]

@@ -16,7 +16,7 @@ from tridens.trial import TrialStatus
 from ..._common import NotSupported
 from ...nas.experiment import NasExperiment, _Config
 
-__all__ = ["RetiariiExperiment", "RetiariiExeConfig"]
+__all__ = ["RetiariiExperiment", "RetiariiExeConfig", "debug_mutated_model"]
 
 
 class RetiariiExeConfig(_Config):
@@ -72,3 +72,13 @@ class RetiariiExperiment(NasExperiment):
                   and t.metric is not None and not math.isnan(t.metric)]
         trials.sort(key=lambda t: (t.metric, t.id))
         return self._formatted(trials[:top_k], formatter)
+
+
+def debug_mutated_model(base_model: Any, evaluator: Any, applied_mutators: Any = None) -> None:
+    """NNI 2.x's check of a space: one random model of ``base_model`` is built and evaluated
+    (a one-trial random search in this process)."""
+    from tridens import strategy as _strategy
+
+    config = RetiariiExeConfig("local")
+    config.max_trial_number = 1
+    RetiariiExperiment(base_model, evaluator, applied_mutators, _strategy.Random()).run(config)

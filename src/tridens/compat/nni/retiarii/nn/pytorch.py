@@ -14,10 +14,12 @@ from torch.nn import *  # noqa: F401,F403 -- NNI re-exports every torch.nn name 
 from torch.nn import Module  # noqa: F401
 
 import tridens as _td
-from tridens.nn import Cell, ChosenInputs, InputChoice, LayerChoice, Repeat  # noqa: F401
+from tridens.nn import ChosenInputs  # noqa: F401
 from tridens.space._context import active_resolver
 
 from ..._common import NotSupported, only_default
+from ..._scope import scoped
+from ..._spaces import Cell, InputChoice, LayerChoice, NasBench101Cell, NasBench201Cell, Repeat  # noqa: F401
 
 
 def ValueChoice(candidates: Sequence[Any], *, prior: Any = None, label: str | None = None) -> Any:
@@ -29,4 +31,4 @@ def ValueChoice(candidates: Sequence[Any], *, prior: Any = None, label: str | No
             raise NotSupported("A ValueChoice outside a model space's __init__ (an evaluator hyperparameter) needs "
                                "label=...; tridens resolves it from the trial's sample by that label.")
         label = resolver.auto_label("valuechoice")
-    return _td.choice(label, list(candidates))
+    return _td.choice(scoped(label) or label, list(candidates))

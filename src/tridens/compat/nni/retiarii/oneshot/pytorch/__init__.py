@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from tridens import oneshot as _os
 
 from ...._common import NotSupported, only_default, refuse
 from ...._oneshot import Proxyless
+from ....nas.experiment import unique_name
 
 __all__ = ["DartsTrainer", "EnasTrainer", "SinglePathTrainer", "RandomTrainer", "ProxylessTrainer"]
 
@@ -71,7 +71,7 @@ class _Trainer:
                                f"with @model_wrapper (tridens.compat.nni.retiarii) or derive it from tridens.nn.ModelSpace. "
                                f"Got {type(model).__name__} instead.")
         self.model = model
-        self.experiment = td.Experiment(model, evaluator, strategy, name=time.strftime(f"nni-{self._kind}-%Y%m%d-%H%M%S"))
+        self.experiment = td.Experiment(model, evaluator, strategy, name=unique_name(f"nni-{self._kind}"))
         self.experiment.run()
 
     def fit(self) -> None:  # pragma: no cover - every subclass defines it

@@ -1,0 +1,141 @@
+"""NNI's space primitives with NNI's label scoping, ``LayerChoice.label``, ``ModelSpace`` subclasses
+declared with ``label_prefix=``, and the NAS-Bench cells, on ``tridens.nn`` and ``tridens.hub``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from tridens import hub as _hub
+from tridens import nn as _tnn
+from tridens.space._context import active_resolver
+
+from ._scope import current_prefix, label_scope, scoped
+
+__all__ = ["ModelSpace", "LayerChoice", "InputChoice", "Repeat", "Cell", "NasBench101Cell", "NasBench201Cell"]
+
+
+def _label(label: str | None, kind: str) -> str | None:
+    """The label in the current scope; an automatic one gets the scope's prefix too."""
+    if label is not None:
+        return scoped(label)
+    prefix, resolver = current_prefix(), active_resolver()
+    if prefix and resolver is not None:
+        return f"{prefix}/{resolver.auto_label(kind)}"
+    return None
+
+
+def LayerChoice(candidates: Any, *, prior: Any = None, label: str | None = None, **_: Any) -> nn.Module:
+    """``tnn.LayerChoice``; the module built carries ``.label`` as NNI's does."""
+    from ._common import only_default
+
+    only_default("LayerChoice", "prior", prior, None, "tridens' strategies sample candidates uniformly.")
+    module = _tnn.LayerChoice(candidates, label=_label(label, "layerchoice"))
+    if "label" not in module.__dict__ and not hasattr(type(module), "label"):
+        module.label = label_of(module, label)
+    return module
+
+
+def label_of(module: nn.Module, given: str | None) -> str:
+    """The label a LayerChoice was decided under: its own (a one-shot ``MixedLayer``'s), the given one
+    in scope, or the last one the construction asked."""
+    own = getattr(module, "label", None)
+    if isinstance(own, str):
+        return own
+    if given is not None:
+        return scoped(given) or given
+    resolver = active_resolver()
+    return next(reversed(resolver.asked)) if resolver is not None and resolver.asked else "layerchoice"
+
+
+def InputChoice(n_candidates: int, n_chosen: int = 1, reduction: str = "sum", *, prior: Any = None,
+                label: str | None = None, **_: Any) -> nn.Module:
+    """``tnn.InputChoice`` in the current label scope."""
+    return _tnn.InputChoice(n_candidates, n_chosen, reduction, label=_label(label, "inputchoice"))
+
+
+def Repeat(blocks: Any, depth: Any, *, label: str | None = None) -> nn.Module:
+    """``tnn.Repeat`` in the current label scope."""
+    return _tnn.Repeat(blocks, depth, label=_label(label, "repeat"))
+
+
+def Cell(op_candidates: Any, num_nodes: int, num_ops_per_node: int = 1, num_predecessors: int = 1,
+         merge_op: str = "all", preprocessor: Any = None, postprocessor: Any = None, concat_dim: int = 1,
+         *, label: str | None = None) -> nn.Module:
+    """``tnn.Cell`` (NNI's labels ``{label}/op_{n}_{k}``, ``{label}/input_{n}_{k}``); ``preprocessor`` and
+    ``postprocessor`` wrap it as NNI's do."""
+    cell = _tnn.Cell(op_candidates, num_nodes, num_ops_per_node, num_predecessors, merge_op, concat_dim=concat_dim,
+                     label=_label(label, "cell"))
+    if preprocessor is None and postprocessor is None:
+        return cell
+    return _ProcessedCell(cell, preprocessor, postprocessor)
+
+
+class _ProcessedCell(nn.Module):
+    def __init__(self, cell: nn.Module, preprocessor: nn.Module | None, postprocessor: nn.Module | None):
+        super().__init__()
+        self.preprocessor, self.cell, self.postprocessor = preprocessor, cell, postprocessor
+        self.output_node_indices = getattr(cell, "output_nodes", None)
+
+    def forward(self, *inputs: Any) -> Any:
+        states = list(inputs[0]) if len(inputs) == 1 and isinstance(inputs[0], (list, tuple)) else list(inputs)
+        if self.preprocessor is not None:
+            states = list(self.preprocessor(states))
+        out = self.cell(*states)
+        return self.postprocessor(out, states) if self.postprocessor is not None else out
+
+
+class _PrefixedSpaceMeta(type(_tnn.ModelSpace)):  # type: ignore[misc]
+    """Builds a space declared with ``label_prefix=`` inside ``label_scope(prefix)``."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        with label_scope(getattr(cls, "_nni_label_prefix", None)):
+            return super().__call__(*args, **kwargs)
+
+
+class ModelSpace(_tnn.ModelSpace, metaclass=_PrefixedSpaceMeta):
+    """``nni.nas.nn.pytorch.ModelSpace``: ``class Backbone(ModelSpace, label_prefix="backbone")`` prefixes
+    the labels of the choices its ``__init__`` creates through the compat API."""
+
+    def __init_subclass__(cls, label_prefix: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if label_prefix is not None:
+            cls._nni_label_prefix = label_prefix
+
+
+def NasBench101Cell(num_nodes: int, in_features: int, out_features: int,
+                    op_candidates: Mapping[str, Callable[[int], nn.Module]], projection: Callable[[int, int], nn.Module],
+                    max_num_edges: int = 9, label: str | None = None) -> nn.Module:
+    """``NasBench101Cell`` = ``tridens.hub.NasBench101Cell`` (labels ``{label}/op{i}``, ``{label}/input{i}``)."""
+    return _hub.NasBench101Cell(in_features, out_features, num_nodes, op_candidates, max_num_edges,
+                                projection=projection, label=_label(label, "nasbench101cell") or "nasbench101cell")
+
+
+class NasBench201Cell(nn.Module):
+    """``NasBench201Cell(op_candidates, in_features, out_features, label=)``: four nodes, each edge
+    ``j <- i`` a ``LayerChoice`` labelled ``{label}/{j}_{i}`` over ``op(in, out)`` factories (the
+    input node has ``in_features``)."""
+
+    def __init__(self, op_candidates: Mapping[str, Callable[[int, int], nn.Module]] | Sequence[Callable[[int, int], nn.Module]],
+                 in_features: int, out_features: int, num_tries: Any = None, label: str | None = None):
+        super().__init__()
+        label = _label(label, "nasbench201cell") or "nasbench201cell"
+        named = dict(op_candidates) if isinstance(op_candidates, Mapping) else {str(i): f for i, f in enumerate(op_candidates)}
+        self.edges = nn.ModuleDict()
+        for j in range(1, 4):
+            for i in range(j):
+                c_in = in_features if i == 0 else out_features
+                self.edges[f"{j}_{i}"] = _tnn.LayerChoice(
+                    {name: (lambda f=f, c_in=c_in: f(c_in, out_features)) for name, f in named.items()},
+                    label=f"{label}/{j}_{i}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        nodes = [x]
+        for j in range(1, 4):
+            total = self.edges[f"{j}_0"](nodes[0])
+            for i in range(1, j):
+                total = total + self.edges[f"{j}_{i}"](nodes[i])
+            nodes.append(total)
+        return nodes[3]

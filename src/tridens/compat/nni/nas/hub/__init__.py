@@ -1,0 +1,1 @@
+"""``nni.nas.hub``: see ``tridens.compat.nni.nas.hub.pytorch``."""

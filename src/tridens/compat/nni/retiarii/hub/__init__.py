@@ -1,0 +1,1 @@
+"""``nni.retiarii.hub``: see ``tridens.compat.nni.retiarii.hub.pytorch``."""
