@@ -31,7 +31,7 @@ __all__ = ["NDS", "NASNet", "ENAS", "AmoebaNet", "PNAS", "DARTS", "DARTS_V2", "A
 
 
 class AuxiliaryHead(nn.Module):
-    """The auxiliary classifier attached after the second reduction (input 8x8 on CIFAR, 14x14 on ImageNet)."""
+    """The auxiliary classifier attached after the second reduction (input 8x8 on CIFAR, 7x7 on ImageNet)."""
 
     def __init__(self, channels: int, num_classes: int, dataset: str):
         super().__init__()
@@ -121,8 +121,8 @@ class NDS(tnn.ModelSpace):
                                reduction_prev)
                 cells.append(cell)
                 c_pprev, c_prev, reduction_prev = c_prev, cell.out_channels, reduction
-            if stage == 1:
-                self.aux_index, c_aux = len(cells) - 1, c_prev
+                if stage == 2 and i == 0:  # the auxiliary head reads the last stage's first (reduction) cell
+                    self.aux_index, c_aux = len(cells) - 1, c_prev
         self.cells = nn.ModuleList(cells)
         if auxiliary_loss:
             self.auxiliary_head = AuxiliaryHead(c_aux, num_classes, dataset)
