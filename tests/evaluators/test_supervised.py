@@ -90,7 +90,7 @@ def test_every_schedule_sets_its_lr_every_step(digits, schedule):
     assert T == 12
     expected = {
         "constant": lambda t: 0.2,
-        "step": lambda t: 0.2 if t < 6 else (0.2 * 0.1 if t < 9 else 0.2 * 0.01),
+        "step": lambda t: 0.2 * 0.1 ** (int(t >= 6) + int(t >= 9)),
         "cosine": lambda t: 0.2 * 0.5 * (1 + math.cos(math.pi * (t / T))),
         "linear": lambda t: 0.2 * (1 - t / T),
         "rex": lambda t: 0.2 * (1 - t / T) / (0.5 + 0.5 * (1 - t / T)),   # lr0 * (1 - z) / (0.5 + 0.5 * (1 - z))

@@ -77,8 +77,15 @@ def _parse_duration(value: float | str | None) -> float | None:
     return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2) or "s"]
 
 
-def _trial_seed(experiment_seed: int, position: int) -> int:
+def _trial_seed(experiment_seed: int, position: int | str) -> int:
     return random.Random(f"{experiment_seed}:{position}").getrandbits(31)
+
+
+SEED_POLICIES = ("per-trial", "per-architecture")
+"""How a trial's seed (its initial weights, dropout) is chosen: from its position in the
+experiment, or from its architecture (the model-space part of its sample) and the experiment's
+seed -- trials that differ only in training hyperparameters then start from the same weights,
+compare with common random numbers, and share training prefixes (stage trees)."""
 
 
 class Experiment:
@@ -97,7 +104,7 @@ class Experiment:
     def __init__(self, space: BaseSpace | None, evaluator: Evaluator | None, strategy: Strategy | None = None, *,
                  max_trials: int | None = None, max_duration: float | str | None = None,
                  store: str | os.PathLike[str] | None = None, name: str | None = None,
-                 objective: str | Objective | None = None, seed: int = 0, executor: str | Executor = "inline",
+                 objective: str | Objective | None = None, seed: int = 0, seeds: str = "per-trial", executor: str | Executor = "inline",
                  workers: int = 2, trial_timeout: float | None = None, constraints: Sequence[Any] = (),
                  second_objective: tuple[str, str] | None = None, optimize: bool = True,
                  verbose: bool = True, warm_start: Any = False, max_unit_memory: int | str | None = None,
@@ -113,6 +120,7 @@ class Experiment:
         self.name = name
         self.objective = objective
         self.seed = seed
+        self.seeds = seeds  # "per-trial" or "per-architecture" (SEED_POLICIES)
         self.executor = executor
         self.workers = workers
         self.trial_timeout = trial_timeout
@@ -143,7 +151,7 @@ class Experiment:
             record = db.get_experiment(name)
         config = record.config
         exp = cls(None, None, None, store=path, name=name, max_trials=config.get("max_trials"),
-                  seed=config.get("seed", 0), objective=Objective(**config["objective"]) if "objective" in config else None,
+                  seed=config.get("seed", 0), seeds=config.get("seeds", "per-trial"), objective=Objective(**config["objective"]) if "objective" in config else None,
                   second_objective=tuple(config["second_objective"]) if config.get("second_objective") else None)
         return exp
 
@@ -221,6 +229,8 @@ class Experiment:
             raise ValueError(f"The 'max_trials' parameter of Experiment must be an int in the range [1, inf). Got {self.max_trials!r} instead.")
         if self.trial_timeout is not None and not (isinstance(self.trial_timeout, (int, float)) and self.trial_timeout > 0):
             raise ValueError(f"The 'trial_timeout' parameter of Experiment must be a positive number of seconds. Got {self.trial_timeout!r} instead.")
+        if self.seeds not in SEED_POLICIES:
+            raise ValueError(f"The 'seeds' parameter of Experiment must be one of {list(SEED_POLICIES)!r}. Got {self.seeds!r} instead.")
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"The 'workers' parameter of Experiment must be an int in the range [1, inf). Got {self.workers!r} instead.")
         if self.allocation is not None:
@@ -310,6 +320,7 @@ class Experiment:
             "max_trials": self.max_trials,
             "max_duration": self.max_duration,
             "seed": self.seed,
+            "seeds": self.seeds,
             "objective": {"metric": objective.metric, "mode": objective.mode},
             "second_objective": list(self.second_objective) if self.second_objective else None,
         }
@@ -733,13 +744,21 @@ class _Run:
             return None
         return Job(trial, model, trial.max_steps)
 
+    def _seed_of(self, sample: Mapping[str, Any]) -> int:
+        """The new trial's seed: from its position in the experiment (ids are global to the
+        store), or with ``seeds="per-architecture"`` from the model-space part of its sample."""
+        if self.exp.seeds == "per-architecture":
+            labels = self.space.search_space() if self.space is not None else {}
+            architecture = {k: v for k, v in sample.items() if k in labels}
+            return _trial_seed(self.exp.seed, json.dumps(architecture, sort_keys=True, default=str))
+        return _trial_seed(self.exp.seed, self.position)
+
     def _new_job(self, sample: Mapping[str, Any], group: TrialGroup) -> Job | None:
         try:
             clean = self.search_space.validate(sample)
         except InvalidSample as err:
             raise TridensError(f"strategy {type(self.strategy).__name__} proposed an invalid sample: {err}") from err
-        # Seeds follow the trial's position in its experiment (ids are global to the store).
-        trial = Trial(id=-1, sample=clean, seed=_trial_seed(self.exp.seed, self.position), group=self.group_index,
+        trial = Trial(id=-1, sample=clean, seed=self._seed_of(clean), group=self.group_index,
                       max_steps=group.max_steps, experiment=self.name, parent=group.parent_of(sample))
         self.position += 1
         try:

@@ -67,6 +67,14 @@ def _is_device(value: Any) -> bool:
     return True
 
 
+def _is_milestones(value: Any) -> bool:
+    if value is None:
+        return True
+    if not isinstance(value, (list, tuple)) or not all(isinstance(m, int) and not isinstance(m, bool) for m in value):
+        return False
+    return all(m >= 1 for m in value) and all(a < b for a, b in zip(value, value[1:]))
+
+
 def _epoch_seed(seed: int, *path: int) -> int:
     return int(np.random.SeedSequence([seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF, *path]).generate_state(1)[0])
 
@@ -129,6 +137,9 @@ class TrainConfig:
     transforms: Callable[[torch.Tensor], torch.Tensor] | None
     task: str = "classification"
     data_seed: int | None = 0
+    milestones: tuple[int, ...] | None = None
+    gamma: float = 0.1
+    warmup_epochs: int = 0
 
     @property
     def steps_per_epoch(self) -> int:
@@ -140,7 +151,27 @@ class TrainConfig:
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (0-based, counted over the whole training)."""
-        return scheduled_lr(self.schedule, self.lr, step, self.total_steps)
+        spe = self.steps_per_epoch
+        milestones = None if self.milestones is None else [m * spe for m in self.milestones]
+        return scheduled_lr(self.schedule, self.lr, step, self.total_steps, milestones=milestones,
+                            gamma=self.gamma, warmup=self.warmup_epochs * spe)
+
+    def stage_key(self, epoch: int) -> tuple[Any, ...]:
+        """What training epoch ``epoch`` depends on besides the state it starts from: two trials
+        whose keys agree for epochs ``0..e`` (same model, seed and initial weights) train those
+        epochs identically, so a stage tree trains them once (:mod:`tridens.xopt`).
+
+        >>> import torch, tridens as td
+        >>> ds = torch.utils.data.TensorDataset(torch.zeros(8, 4), torch.zeros(8, dtype=torch.long))
+        >>> ev = td.evaluators.Classification(ds, ds, epochs=td.choice("epochs", [2, 4]), batch_size=4)
+        >>> ev.config({"epochs": 2}).stage_key(1) == ev.config({"epochs": 4}).stage_key(1)
+        True
+        """
+        spe = self.steps_per_epoch
+        lrs = tuple(self.lr_at(step) for step in range(epoch * spe, (epoch + 1) * spe))
+        return (self.optimizer, self.momentum, self.weight_decay, self.batch_size, self.data_seed, lrs,
+                id(self.train), id(self.val), self.loss, self.transforms, self.task, self.metrics, str(self.device))
+
 
     def data_seed_of(self, seed: int) -> int:
         """The seed of the data order and augmentation of a trial with ``seed``."""
@@ -193,7 +224,8 @@ class _Supervised(StepwiseEvaluator):
                  schedule: str = "constant", loss: str | LossFn | None = None,
                  metrics: Sequence[str] | None = None, metric: str | None = None,
                  device: str | torch.device = "auto",
-                 transforms: Callable[[torch.Tensor], torch.Tensor] | None = None, data_seed: int | None = 0):
+                 transforms: Callable[[torch.Tensor], torch.Tensor] | None = None, data_seed: int | None = 0,
+                 milestones: Sequence[int] | None = None, gamma: float = 0.1, warmup_epochs: int = 0):
         self.train = train
         self.val = val
         self.epochs = epochs
@@ -209,6 +241,9 @@ class _Supervised(StepwiseEvaluator):
         self.device = device
         self.transforms = transforms
         self.data_seed = data_seed
+        self.milestones = milestones
+        self.gamma = gamma
+        self.warmup_epochs = warmup_epochs
 
     # -- what is reported -------------------------------------------------------------------
     def _metric_names(self, metrics: Sequence[str] | None) -> tuple[str, ...]:
@@ -245,6 +280,9 @@ class _Supervised(StepwiseEvaluator):
             "device": [Satisfies(_is_device, "'auto' or a torch device ('cpu', 'cuda', 'cuda:1')")],
             "transforms": [Satisfies(lambda v: v is None or callable(v), "None or a callable batch -> batch")],
             "data_seed": [Interval("int", 0, None), Satisfies(lambda v: v is None, "None")],
+            "milestones": [Satisfies(_is_milestones, "None or an increasing list of epochs >= 1"),],
+            "gamma": [Interval("float", 0, None, closed="neither")],
+            "warmup_epochs": [Interval("int", 0, None)],
         }
 
     def config(self, sample: Mapping[str, Any] | None = None) -> TrainConfig:
@@ -285,7 +323,9 @@ class _Supervised(StepwiseEvaluator):
             momentum=None if values["momentum"] is None else float(values["momentum"]),
             weight_decay=float(values["weight_decay"]), schedule=values["schedule"], loss=loss_fn,
             metrics=names, device=torch.device(device), transforms=values["transforms"], task=self.task,
-            data_seed=values["data_seed"])
+            data_seed=values["data_seed"],
+            milestones=None if values["milestones"] is None else tuple(int(m) for m in values["milestones"]),
+            gamma=float(values["gamma"]), warmup_epochs=values["warmup_epochs"])
 
     # -- training ---------------------------------------------------------------------------
     def trainer(self, model: nn.Module | None, sample: Mapping[str, Any], seed: int) -> "SupervisedTrainer":
@@ -311,7 +351,9 @@ class Classification(_Supervised):
     ``TensorDataset``, or a ``Subset`` of one, is indexed directly, without a DataLoader).
     Every parameter may be a ``td.choice`` placeholder. ``optimizer`` is one of ``sgd, adam,
     adamw, rmsprop``; ``schedule`` one of ``constant, step, cosine, linear, rex``, set every
-    optimizer step; ``momentum`` is SGD/RMSprop momentum or Adam's first beta (``None``: the
+    optimizer step, after a linear warmup of ``warmup_epochs``; ``step`` multiplies the lr by
+    ``gamma`` at each of ``milestones`` (epochs; default: at 50% and 75% of training);
+    ``momentum`` is SGD/RMSprop momentum or Adam's first beta (``None``: the
     default, 0.9 for SGD); ``loss`` defaults to cross entropy (or a name, or any callable);
     ``metrics`` chooses among ``"acc"`` and ``"loss"``; ``metric`` the objective (default
     ``val_acc``); ``transforms`` is applied to each training input batch (augmentation).

@@ -6,6 +6,8 @@ fuse and leaving the rest to the next; whatever is left trains separately. :data
 rewrite the planned units.
 
 * super-graph (:mod:`._supergraph`): a child that inherits its parent's weights trains merged with it.
+* stage trees (:mod:`._stages`): trials that share a training prefix (same model, seed and weights,
+  same hyperparameters up to an epoch) train it once, then fork.
 * operator batching (:mod:`._batching`): same-shaped models as one vectorized model.
 * common sub-expression elimination (:mod:`._cse`): trials sharing a data pipeline read one
   loader (each batch augmented once), and a shared frozen prefix runs once per batch.
@@ -14,7 +16,7 @@ rewrite the planned units.
 
 >>> import tridens.xopt as xopt
 >>> [optimization.name for optimization in xopt.OPTIMIZATIONS]
-['supergraph', 'batching', 'cse']
+['supergraph', 'stage tree', 'batching', 'cse']
 """
 
 from ..units import Optimization, UnitPass
@@ -22,10 +24,12 @@ from . import _batching as batching
 from . import _cse as cse
 from ._batching import BatchedUnit, BatchingSettings, plan_batching
 from ._cse import PipelineMember, SharedPipelineUnit, SharedPrefix, TrainerMember, merge_pipelines, plan_cse
+from ._stages import StageTreeUnit, plan_stage_trees
 from ._supergraph import plan_supergraph
 
 OPTIMIZATIONS: tuple[Optimization, ...] = (
     Optimization("supergraph", plan_supergraph),  # first: a child merged with its parent stays with it
+    Optimization("stage tree", plan_stage_trees),  # before batching: a shared prefix is not trained at all
     Optimization("batching", plan_batching),
     Optimization("cse", plan_cse),
 )
@@ -36,6 +40,6 @@ PASSES: tuple[UnitPass, ...] = (
 )
 """The passes over the planned units, in order."""
 
-__all__ = ["OPTIMIZATIONS", "PASSES", "BatchedUnit", "BatchingSettings", "plan_batching", "batching",
+__all__ = ["OPTIMIZATIONS", "PASSES", "StageTreeUnit", "plan_stage_trees", "BatchedUnit", "BatchingSettings", "plan_batching", "batching",
            "SharedPipelineUnit", "PipelineMember", "TrainerMember", "SharedPrefix", "plan_cse", "merge_pipelines",
            "plan_supergraph", "cse"]
