@@ -22,7 +22,7 @@ import os
 import runpy
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from .errors import TridensError
 
@@ -209,17 +209,17 @@ def _show_data(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_trials(shown: Sequence[object], trials: Sequence[object], args: argparse.Namespace) -> int:
+def _print_trials(shown: Sequence[Any], trials: Sequence[Any], args: argparse.Namespace) -> int:
     """Trials as JSON (a list of objects) or CSV (one row each), numbered as tables number them."""
     import json
 
     from . import _views
 
-    numbers = _views.number_trials(trials)  # type: ignore[arg-type]
+    numbers = _views.number_trials(trials)
     if args.json:
-        print(json.dumps([_views.trial_record(t, numbers.get(t.id)) for t in shown], indent=2))  # type: ignore[attr-defined]
+        print(json.dumps([_views.trial_record(t, numbers.get(t.id)) for t in shown], indent=2))
     else:
-        sys.stdout.write(_views.trials_csv(shown, numbers))  # type: ignore[arg-type]
+        sys.stdout.write(_views.trials_csv(shown, numbers))
     return 0
 
 

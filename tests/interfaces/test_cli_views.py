@@ -119,3 +119,31 @@ def test_live_view_at_80_columns(monkeypatch):
     assert "…" not in text and all(len(line) <= 80 for line in lines)
     for label in ("block1.kernel=5", "block2.kernel=3", "op='conv3x3'"):
         assert label in text  # samples wrap between labels, not inside one
+
+
+def test_dashboard_command_serves_the_store_until_ctrl_c(tiny_store):
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tridens.cli", "dashboard", "--db", str(tiny_store), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/experiments", timeout=5) as response:
+                    body = json.load(response)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+                time.sleep(0.2)
+        assert [e["name"] for e in body["experiments"]] == ["tiny"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert f"on http://127.0.0.1:{port}" in out and "Traceback" not in err

@@ -8,6 +8,7 @@ import pytest
 
 import tridens as td
 from tridens.cli import main
+from tridens.loggers import trial_name
 from tridens.store import Store
 
 from . import tiny_search
@@ -31,9 +32,10 @@ def test_tensorboard_runs_with_hparams(logged):
     from tensorboard.plugins.hparams import plugin_data_pb2
 
     tb, _, trials, best = logged
-    assert sorted(p.name for p in (tb / "tiny").iterdir()) == ["trial-0", "trial-1", "trial-2"]
-    for number, trial in enumerate(sorted(trials, key=lambda t: t.id)):
-        events = EventAccumulator(str(tb / "tiny" / f"trial-{number}"))
+    names = {t.id: f"trial-{trial_name(t)}" for t in trials}  # trial-<number> (the store id where none)
+    assert sorted(p.name for p in (tb / "tiny").iterdir()) == sorted(names.values())
+    for trial in trials:
+        events = EventAccumulator(str(tb / "tiny" / names[trial.id]))
         events.Reload()
         acc = events.Scalars("val_acc")
         assert [e.step for e in acc] == [0, 1, 2]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sqlite3
 import threading
 from pathlib import Path
@@ -62,7 +63,7 @@ class StoreReader:
     store, or written by a newer tridens.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path).absolute()
         if not self.path.is_file():
             raise StoreError(f"no store at {self.path} (run an experiment first, or pass --db PATH)")
@@ -369,7 +370,8 @@ class StoreReader:
         eid = self._experiment_row(name)[0]
         rows = self._rows("SELECT id, sample, metric, info, status FROM trials WHERE experiment_id = ? AND "
                           "json_extract(info, '$.oneshot') IS NOT NULL ORDER BY id", (eid,))
-        supernets, subnets = [], []
+        supernets: list[dict[str, Any]] = []
+        subnets: list[dict[str, Any]] = []
         for tid, sample, metric, info_text, status in rows:
             one = json.loads(info_text)["oneshot"]
             entry = {"id": tid, "status": status, "sample": json.loads(sample), "metric": _finite(metric),

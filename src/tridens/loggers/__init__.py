@@ -10,9 +10,9 @@ extras (``pip install 'tridens[tensorboard]'``, ``'tridens[mlflow]'``), imported
 'runs/tb'
 """
 
-from ._base import Callback
+from ._base import Callback, trial_name
 from ._mlflow import MLflow
 from ._optuna import export_optuna, infer_distributions, optuna_trials
 from ._tensorboard import TensorBoard
 
-__all__ = ["Callback", "TensorBoard", "MLflow", "export_optuna", "optuna_trials", "infer_distributions"]
+__all__ = ["Callback", "trial_name", "TensorBoard", "MLflow", "export_optuna", "optuna_trials", "infer_distributions"]

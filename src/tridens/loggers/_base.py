@@ -6,7 +6,18 @@ from typing import Any, Mapping, Sequence
 
 from ..trial import Trial
 
-__all__ = ["Callback"]
+__all__ = ["Callback", "trial_name"]
+
+
+def trial_name(trial: Trial) -> str:
+    """How a logger names a trial: its number in the experiment (as tables show it) when the
+    record carries one, else its store id.
+
+    >>> trial_name(Trial(id=7, sample={}, seed=0))
+    '7'
+    """
+    number = getattr(trial, "number", None)
+    return str(trial.id if number is None else number)
 
 
 class Callback:

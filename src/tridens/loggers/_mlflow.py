@@ -9,7 +9,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 from ..trial import Trial, TrialStatus
-from ._base import Callback
+from ._base import Callback, trial_name
 
 __all__ = ["MLflow"]
 
@@ -66,9 +66,9 @@ class MLflow(Callback):
         run_id = self._runs.get(trial.id)
         if run_id is None:
             run = self._client.create_run(
-                self._experiment_id, run_name=f"trial-{trial.label}", start_time=int(
+                self._experiment_id, run_name=f"trial-{trial_name(trial)}", start_time=int(
                     (trial.started_at or time.time()) * 1000),
-                tags={"tridens.trial": str(trial.label), "tridens.trial_id": str(trial.id),
+                tags={"tridens.trial": trial_name(trial), "tridens.trial_id": str(trial.id),
                       "tridens.seed": str(trial.seed), "tridens.fingerprint": trial.fingerprint or ""})
             run_id = run.info.run_id
             self._runs[trial.id] = run_id

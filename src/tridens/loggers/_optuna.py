@@ -23,11 +23,13 @@ import datetime
 import json
 import math
 import warnings
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 from ..trial import Trial, TrialStatus
 
 __all__ = ["optuna_trials", "infer_distributions", "export_optuna"]
+
+Direction = Literal["maximize", "minimize"]
 
 
 def _param_value(value: Any) -> Any:
@@ -54,7 +56,7 @@ def infer_distributions(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         numbers = [v for v in seen if isinstance(v, (int, float)) and not isinstance(v, bool)]
         if len(numbers) == len(seen) and all(math.isfinite(v) for v in numbers):
             if all(isinstance(v, int) for v in numbers):
-                out[label] = IntDistribution(min(numbers), max(numbers))
+                out[label] = IntDistribution(int(min(numbers)), int(max(numbers)))
             else:
                 out[label] = FloatDistribution(float(min(numbers)), float(max(numbers)))
         else:
@@ -79,7 +81,7 @@ def _when(timestamp: float | None) -> datetime.datetime | None:
 
 
 def optuna_trials(trials: Sequence[Trial], objective: tuple[str, str],
-                  second_objective: tuple[str, str] | None = None) -> tuple[list[Any], list[str]]:
+                  second_objective: tuple[str, str] | None = None) -> tuple[list[Any], list[Direction]]:
     """``(frozen trials, directions)``: the finished ``trials`` as :class:`optuna.trial.FrozenTrial`
     objects numbered from 0, and ``"maximize"``/``"minimize"`` per objective."""
     import optuna
@@ -87,7 +89,7 @@ def optuna_trials(trials: Sequence[Trial], objective: tuple[str, str],
 
     metric, mode = objective
     objectives = [(metric, mode)] + ([tuple(second_objective)] if second_objective else [])
-    directions = ["maximize" if m == "max" else "minimize" for _, m in objectives]
+    directions: list[Direction] = ["maximize" if m == "max" else "minimize" for _, m in objectives]
     kept = [t for t in trials if t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED, TrialStatus.FAILED)]
     distributions = infer_distributions([t.sample for t in kept])
     frozen = []

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..trial import Trial
-from ._base import Callback
+from ._base import Callback, trial_name
 
 __all__ = ["TensorBoard"]
 
@@ -49,7 +49,7 @@ class TensorBoard(Callback):
             except ImportError as err:
                 raise ImportError("td.loggers.TensorBoard needs TensorBoard: pip install 'tridens[tensorboard]'") from err
             root = self._root if self._root is not None else Path(self.log_dir)
-            writer = SummaryWriter(log_dir=str(root / f"trial-{trial.label}"))
+            writer = SummaryWriter(log_dir=str(root / f"trial-{trial_name(trial)}"))
             self._writers[trial.id] = writer
         return writer
 

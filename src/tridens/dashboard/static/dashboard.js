@@ -88,7 +88,7 @@ function experimentsPage() {
       traces.push({x: pts.map(p => new Date(p.time * 1000)), y: pts.map(p => p.best), name: e.name,
                    mode: "lines+markers", line: {shape: "hv"}});
     }
-    Plotly.react(plot, traces, {...layoutBase, yaxis: {title: "best"}}, config);
+    Plotly.react(plot, traces, {...layoutBase, yaxis: {title: {text: "best"}}}, config);
   });
 }
 
@@ -99,7 +99,7 @@ function experimentPage(name) {
   const state = {offset: 0, limit: 50, sort: "number", desc: false, statuses: new Set(), filters: {},
                  selected: new Set(), metric: null, evaluator: "ped-anova", finished: -1, labels: []};
   const summary = el("div", {id: "summary"});
-  const bestPlot = el("div", {id: "best-plot", class: "plot"});
+  const bestPlot = el("div", {id: "best-plot", class: "plot", style: "height:220px"});
   const statusBoxes = el("span", {id: "status-filter"});
   const labelSelect = el("select", {id: "label-filter-label"});
   const labelValue = el("input", {id: "label-filter-value", placeholder: "value", size: 10});
@@ -112,7 +112,7 @@ function experimentPage(name) {
   const scatters = el("div", {id: "scatters", class: "grid"});
   const evaluatorSelect = el("select", {id: "importance-evaluator"},
     el("option", {value: "ped-anova", text: "PED-ANOVA"}), el("option", {value: "fanova", text: "fANOVA"}));
-  const importance = el("div", {id: "importance", class: "plot"});
+  const importance = el("div", {id: "importance"});
   const importanceNote = el("div", {class: "muted", id: "importance-note"});
   const paretoPlot = el("div", {id: "pareto", class: "plot"});
   const paretoNote = el("div", {class: "muted", id: "pareto-note"});
@@ -161,7 +161,7 @@ function experimentPage(name) {
     const pts = info.best_over_time;
     Plotly.react(bestPlot, [{x: pts.map(p => new Date(p.time * 1000)), y: pts.map(p => p.best), mode: "lines+markers",
       line: {shape: "hv"}, name: "best so far", text: pts.map(p => "trial id " + p.trial)}],
-      {...layoutBase, height: 220, yaxis: {title: "best " + info.objective.metric}}, config);
+      {...layoutBase, height: 220, yaxis: {title: {text: "best " + info.objective.metric}}}, config);
     if (JSON.stringify(info.labels) !== JSON.stringify(state.labels)) {
       state.labels = info.labels;
       labelSelect.replaceChildren(...info.labels.map(l => el("option", {value: l, text: l})));
@@ -237,7 +237,7 @@ function experimentPage(name) {
       return {x: s.steps, y: s.values, mode: "lines+markers", name: `${label} (${c.status})`,
               line: {dash}, marker: {symbol: symbols, size: symbols.map(m => m === "x" ? 11 : 5)}};
     });
-    Plotly.react(curves, traces, {...layoutBase, xaxis: {title: "step (epoch)"}, yaxis: {title: state.metric}}, config);
+    Plotly.react(curves, traces, {...layoutBase, xaxis: {title: {text: "step (epoch)"}}, yaxis: {title: {text: state.metric}}}, config);
   }
 
   // Hyperparameter views, importance, Pareto front and plan: when trials finished, at most every 10 s.
@@ -263,13 +263,13 @@ function experimentPage(name) {
       const xs = h.samples.map(s => typeof s[label] === "number" || s[label] === undefined ? s[label] : JSON.stringify(s[label]));
       Plotly.react(div, [{x: xs, y: h.values, mode: "markers", type: h.values.length > 2000 ? "scattergl" : "scatter",
         text: h.numbers.map(n => "#" + n), marker: {size: 5, opacity: 0.7}}],
-        {...layoutBase, height: 240, xaxis: {title: label}, yaxis: {title: metric}}, config);
+        {...layoutBase, height: 240, xaxis: {title: {text: label}}, yaxis: {title: {text: metric}}}, config);
     }
     const imp = await api(`/api/experiments/${enc(name)}/importance?evaluator=${state.evaluator}`);
     importanceNote.textContent = imp.message || `${imp.trials} completed trials, ${state.evaluator}`;
     const entries = Object.entries(imp.importances).reverse();
     Plotly.react(importance, entries.length ? [{type: "bar", orientation: "h", x: entries.map(e => e[1]), y: entries.map(e => e[0])}] : [],
-      {...layoutBase, height: 60 + 30 * Math.max(entries.length, 1), xaxis: {title: "importance"}}, config);
+      {...layoutBase, height: 60 + 30 * Math.max(entries.length, 1), xaxis: {title: {text: "importance"}}}, config);
     const p = await api(`/api/experiments/${enc(name)}/pareto`);
     paretoNote.textContent = p.message || "";
     if (!p.message) {
@@ -277,8 +277,8 @@ function experimentPage(name) {
       const trace = (on, nm) => ({x: idx(on).map(i => p.second[i]), y: idx(on).map(i => p.values[i]), mode: "markers",
         name: nm, text: idx(on).map(i => "#" + p.numbers[i]), marker: {size: on ? 9 : 5}});
       Plotly.react(paretoPlot, [trace(false, "dominated"), trace(true, "Pareto front")],
-        {...layoutBase, xaxis: {title: `${p.second_objective.metric} (${p.second_objective.mode})`},
-         yaxis: {title: `${p.objective.metric} (${p.objective.mode})`}}, config);
+        {...layoutBase, xaxis: {title: {text: `${p.second_objective.metric} (${p.second_objective.mode})`}},
+         yaxis: {title: {text: `${p.objective.metric} (${p.objective.mode})`}}}, config);
     } else {
       paretoPlot.style.display = "none";
     }
@@ -314,7 +314,7 @@ function experimentPage(name) {
       ...o.subnets.map(s => el("tr", {}, el("td", {text: s.id}), statusCell(s.status), el("td", {class: "num", text: fmt(s.metric)}),
         el("td", {class: "sample", text: sampleText(s.sample)}), el("td", {class: "sample", text: JSON.stringify(s.oneshot)}))));
     oneshot.replaceChildren(el("h2", {text: "Supernet training"}), plotDiv, el("h2", {text: "Scored subnets"}), subs);
-    Plotly.react(plotDiv, traces, {...layoutBase, xaxis: {title: "step"}}, config);
+    Plotly.react(plotDiv, traces, {...layoutBase, xaxis: {title: {text: "step"}}}, config);
   }
 
   poll(async () => {
@@ -359,7 +359,7 @@ function trialPage(name, number) {
       ...[...Array(steps).keys()].map(i => el("tr", {}, el("td", {class: "num", text: i}),
         ...names.map(n => el("td", {class: "num", text: fmt(t.metrics[n].values[i])})))));
     Plotly.react(plot, names.map(n => ({x: t.metrics[n].steps, y: t.metrics[n].values, name: n, mode: "lines+markers"})),
-      {...layoutBase, xaxis: {title: "step (epoch)"}}, config);
+      {...layoutBase, xaxis: {title: {text: "step (epoch)"}}}, config);
     error.replaceChildren(t.error ? el("pre", {text: t.error}) : el("span", {class: "muted", text: "no error"}));
     if (!archShown) {
       archShown = true;
