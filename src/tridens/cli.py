@@ -46,14 +46,14 @@ def _console():  # type: ignore[no-untyped-def]
 
 
 def _run_script(script: str, db: str, argv: Sequence[str]) -> int:
-    from .engine import _experiment
+    from .engine import runs_started
 
     path = Path(script)
     if not path.exists():
         raise TridensError(f"no script {script}")
     os.environ["TRIDENS_DB"] = os.path.abspath(db)
     os.environ["TRIDENS_SCRIPT"] = str(path.resolve())
-    before = _experiment.RUN_COUNT
+    before = runs_started()
     sys.argv = [str(path), *argv]
     sys.path.insert(0, str(path.resolve().parent))
     try:
@@ -68,7 +68,7 @@ def _run_script(script: str, db: str, argv: Sequence[str]) -> int:
             raise
         where = _user_frame(err)
         raise TridensError(f"{script} failed{where}: {type(err).__name__}: {err} (set TRIDENS_DEBUG=1 for the traceback)") from err
-    if _experiment.RUN_COUNT == before:
+    if runs_started() == before:
         raise TridensError(f"{script} ran but started no experiment (call td.Experiment(...).run() in it)")
     return 0
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import tridens as td
-from tridens.evaluators._supervised import _Source
+from tridens.evaluators._supervised import BatchSource
 
 from .test_supervised import PlainDataset
 
@@ -88,7 +88,7 @@ def test_a_datasets_own_randomness_follows_the_data_seed(digit_images):
 def test_a_random_dataset_is_augmented_alike_for_every_trial_and_anew_each_epoch(digit_images):
     train, _ = digit_images
     cfg = _config(digit_images)
-    source = _Source(RandomFlips(train), torch.device("cpu"))
+    source = BatchSource(RandomFlips(train), torch.device("cpu"))
     order = cfg.epoch_order(seed=1, epoch=0)
     first = [x for x, _ in source.batches(order, 32, cfg.loader_seed(seed=1, epoch=0))]
     again = [x for x, _ in source.batches(order, 32, cfg.loader_seed(seed=2, epoch=0))]
@@ -101,7 +101,7 @@ def test_a_random_dataset_is_augmented_alike_for_every_trial_and_anew_each_epoch
 def test_a_dataset_that_draws_nothing_is_read_without_seeding(digit_images):
     train, _ = digit_images
     cfg = _config(digit_images)
-    source = _Source(PlainDataset(train), torch.device("cpu"))
+    source = BatchSource(PlainDataset(train), torch.device("cpu"))
     assert source.random is None
     plain = [x for x, _ in source.batches(cfg.epoch_order(seed=1, epoch=0), 32, cfg.loader_seed(seed=1, epoch=0))]
     assert source.random is False   # found on its first batch: later batches skip the seeding

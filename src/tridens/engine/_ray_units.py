@@ -78,7 +78,7 @@ def _trainer_member_state(member: Any, job: Job, evaluator: StepwiseEvaluator) -
 
 
 def _batched_member_state(member: Any, job: Job, evaluator: StepwiseEvaluator) -> dict[str, Any] | None:
-    from ..evaluators._supervised import _CHECKPOINT_FORMAT
+    from ..evaluators import CHECKPOINT_FORMAT as _CHECKPOINT_FORMAT
 
     tid = job.trial.id
     if tid not in member.ids or member.device.type != "cpu":

@@ -19,12 +19,14 @@ from ._base import Evaluator, NullReporter, RecordingReporter, Reporter, Stepwis
 from ._errors import InvalidParameter, NonFiniteLoss, NothingReported, TrialFailed, TrialStopped
 from ._functional import FunctionalEvaluator, report
 from ._schedules import SCHEDULES, lr_factor, scheduled_lr
-from ._supervised import OPTIMIZERS, Classification, Regression, SupervisedTrainer, TrainConfig
+from ._supervised import (CHECKPOINT_FORMAT, OPTIMIZERS, BatchSource, Classification, Regression, SupervisedEvaluator,
+                          SupervisedTrainer, TrainConfig, align_output, correct_count)
 from ._tabular import CurveTable, MemoryTable, SimulatedClock, Table, TableTrainer, Tabular
 
 __all__ = [
     "Evaluator", "StepwiseEvaluator", "Reporter", "NullReporter", "RecordingReporter", "Trainer", "drive",
-    "Classification", "Regression", "TrainConfig", "SupervisedTrainer", "OPTIMIZERS", "SCHEDULES", "lr_factor", "scheduled_lr",
+    "Classification", "Regression", "SupervisedEvaluator", "TrainConfig", "SupervisedTrainer", "BatchSource",
+    "CHECKPOINT_FORMAT", "correct_count", "align_output", "OPTIMIZERS", "SCHEDULES", "lr_factor", "scheduled_lr",
     "FunctionalEvaluator", "report",
     "Tabular", "Table", "MemoryTable", "CurveTable", "SimulatedClock", "TableTrainer", "nasbench201",
     "InvalidParameter", "TrialFailed", "NonFiniteLoss", "NothingReported", "TrialStopped",

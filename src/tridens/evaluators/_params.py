@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Sequence
 
-from ..space._choice import _Placeholder
+from ..space._choice import Placeholder
 from ._errors import InvalidParameter
 
 __all__ = ["Constraint", "Options", "Interval", "Satisfies", "check", "labels_of"]
@@ -92,7 +92,7 @@ def labels_of(params: Mapping[str, Any]) -> dict[str, str]:
     """Parameter name -> the label of the placeholder it was given (for error messages)."""
     out: dict[str, str] = {}
     for name, value in params.items():
-        if isinstance(value, _Placeholder):
+        if isinstance(value, Placeholder):
             found = [c.label for c in value.labels()]
             if found:
                 out[name] = ", ".join(dict.fromkeys(found))

@@ -45,10 +45,12 @@ from ._errors import InvalidParameter, NonFiniteLoss
 from ._params import Constraint, Interval, Options, Satisfies, check, labels_of
 from ._schedules import SCHEDULES, scheduled_lr
 
-__all__ = ["Classification", "Regression", "TrainConfig", "SupervisedTrainer", "OPTIMIZERS"]
+__all__ = ["Classification", "Regression", "TrainConfig", "SupervisedTrainer", "OPTIMIZERS", "SupervisedEvaluator",
+           "BatchSource", "CHECKPOINT_FORMAT", "correct_count", "align_output"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")
-_CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 1
+"""Version of a trainer checkpoint's layout (``SupervisedTrainer.state_dict``), checked on load."""
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -184,7 +186,7 @@ class TrainConfig:
 
     def loader_seed(self, seed: int, epoch: int | None = None) -> int:
         """The seed of a map-style dataset's own randomness in training ``epoch`` (``None``:
-        validation) of a trial with ``seed``; :meth:`_Source.batches` derives each batch's from it."""
+        validation) of a trial with ``seed``; :meth:`BatchSource.batches` derives each batch's from it."""
         data_seed = self.data_seed_of(seed)
         return _epoch_seed(data_seed, 2) if epoch is None else _epoch_seed(data_seed, 1, epoch)
 
@@ -210,8 +212,9 @@ class TrainConfig:
         return cls(params, lr=self.lr, betas=betas, weight_decay=wd)
 
 
-class _Supervised(StepwiseEvaluator):
-    """Shared machinery of Classification and Regression."""
+class SupervisedEvaluator(StepwiseEvaluator):
+    """Shared machinery of Classification and Regression: their parameters, validation and trainer;
+    the evaluator type a fused unit can drive itself (operator batching, CSE, super-graph)."""
 
     task = "?"
     _LOSSES: dict[str, LossFn] = {}
@@ -340,11 +343,12 @@ class _Supervised(StepwiseEvaluator):
         return SupervisedTrainer(self.config(sample), model, seed, owner=type(self).__name__)
 
 
-def _accuracy_count(out: torch.Tensor, y: torch.Tensor) -> float:
+def correct_count(out: torch.Tensor, y: torch.Tensor) -> float:
+    """Correct predictions of a batch: ``out`` logits (N, classes) against class indices ``y``."""
     return float((out.argmax(dim=1) == y).sum().item())
 
 
-class Classification(_Supervised):
+class Classification(SupervisedEvaluator):
     """Train a classifier with a standard loop; report ``val_acc`` and ``val_loss`` per epoch.
 
     ``train`` and ``val`` are torch datasets of ``(input, class index)`` pairs (a
@@ -374,26 +378,27 @@ class Classification(_Supervised):
     _MODES = {"val_acc": "max"}
 
 
-def _match(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    # (N, 1) outputs against (N,) targets: compare element-wise, not by broadcasting to (N, N).
+def align_output(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``out`` shaped to compare with targets ``y``: (N, 1) outputs against (N,) targets are
+    compared element-wise, not by broadcasting to (N, N)."""
     if out.dim() == 2 and out.shape[1] == 1 and y.dim() == 1:
         return out.squeeze(1)
     return out
 
 
 def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(_match(out, y), y.to(out.dtype))
+    return F.mse_loss(align_output(out, y), y.to(out.dtype))
 
 
 def _l1(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.l1_loss(_match(out, y), y.to(out.dtype))
+    return F.l1_loss(align_output(out, y), y.to(out.dtype))
 
 
 def _huber(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.huber_loss(_match(out, y), y.to(out.dtype))
+    return F.huber_loss(align_output(out, y), y.to(out.dtype))
 
 
-class Regression(_Supervised):
+class Regression(SupervisedEvaluator):
     """Train a regressor; report ``val_mse`` and ``val_mae`` per epoch (``metrics`` may add ``"loss"``).
 
     Same parameters as :class:`Classification`; ``loss`` defaults to mean squared error
@@ -410,7 +415,7 @@ class Regression(_Supervised):
     _MODES: dict[str, str] = {}
 
 
-class _Source:
+class BatchSource:
     """Batches of ``(input, target)`` from a dataset, on a device, in a given order.
 
     A dataset exposing ``.tensors`` (``TensorDataset``), or a ``Subset`` of one, is indexed
@@ -492,9 +497,9 @@ class ValidationSums:
         if "val_loss" in sums:
             sums["val_loss"] += float(cfg.loss(out, y).item()) * size
         if "val_acc" in sums:
-            sums["val_acc"] += _accuracy_count(out, y)
+            sums["val_acc"] += correct_count(out, y)
         if "val_mse" in sums or "val_mae" in sums:
-            diff = _match(out, y) - y.to(out.dtype)
+            diff = align_output(out, y) - y.to(out.dtype)
             self.elements += diff.numel()
             if "val_mse" in sums:
                 sums["val_mse"] += float((diff * diff).sum().item())
@@ -519,8 +524,8 @@ class SupervisedTrainer:
         self.optimizer = config.make_optimizer(self.model.parameters())
         self.epoch = 0
         self.step = 0
-        self._train = _Source(config.train, config.device)
-        self._val = _Source(config.val, config.device)
+        self._train = BatchSource(config.train, config.device)
+        self._val = BatchSource(config.val, config.device)
         self._cuda = config.device.type == "cuda"
         g = torch.Generator().manual_seed(self.seed)   # the state torch.manual_seed(seed) gives
         self._rng: torch.Tensor = g.get_state()
@@ -635,7 +640,7 @@ class SupervisedTrainer:
         position), ``seed`` and the trainer's random state.
         """
         state: dict[str, Any] = {
-            "format": _CHECKPOINT_FORMAT,
+            "format": CHECKPOINT_FORMAT,
             "model": copy.deepcopy(self.model.state_dict()),
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "epoch": self.epoch,
@@ -649,9 +654,9 @@ class SupervisedTrainer:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a checkpoint made by a trainer of the same evaluator, sample and seed."""
-        if state.get("format") != _CHECKPOINT_FORMAT:
+        if state.get("format") != CHECKPOINT_FORMAT:
             raise InvalidParameter(f"not a {self.owner} trainer checkpoint (format {state.get('format')!r}, "
-                                   f"expected {_CHECKPOINT_FORMAT})")
+                                   f"expected {CHECKPOINT_FORMAT})")
         if int(state["seed"]) != self.seed:
             raise InvalidParameter(f"the checkpoint was made with seed {state['seed']}, but this trainer has "
                                    f"seed {self.seed}; resume with the trial's own seed")

@@ -2,7 +2,7 @@
 
 ``trace(model, example_inputs)`` captures a model; the :class:`Graph` has edit primitives for
 mutators, code generation back to an ``nn.Module`` (``to_module``), structural fingerprints (whole
-graph and per-node prefix), parameter and FLOP counts, and prints like code.
+graph and per-node prefix), parameter and FLOP counts, and prints like code. :mod:`.meta` names the ``node.meta`` keys passes write.
 
 >>> import torch, torch.nn as nn, tridens as td
 >>> g = td.graph.trace(nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU()), torch.randn(1, 1, 8, 8))
@@ -14,7 +14,8 @@ graph Sequential(%input_1):
     return %_1
 """
 
+from . import _meta as meta
 from ._graph import Graph, Node
 from ._trace import OpaqueModuleWarning, trace
 
-__all__ = ["trace", "Graph", "Node", "OpaqueModuleWarning"]
+__all__ = ["trace", "Graph", "Node", "OpaqueModuleWarning", "meta"]

@@ -18,7 +18,7 @@ from ..errors import InvalidSpace
 from ..space._context import active_resolver, resolve
 from ..space._domain import Categorical, RandInt
 
-__all__ = ["LayerChoice", "InputChoice", "Repeat", "ChosenInputs"]
+__all__ = ["LayerChoice", "InputChoice", "Repeat", "ChosenInputs", "instantiate_candidate"]
 
 ModuleOrFactory = nn.Module | Callable[[], nn.Module]
 
@@ -32,7 +32,9 @@ def _label(label: str | None, kind: str) -> str:
     return resolver.auto_label(kind)
 
 
-def _instantiate(candidate: Any, label: str) -> nn.Module:
+def instantiate_candidate(candidate: Any, label: str) -> nn.Module:
+    """A LayerChoice candidate as a module: a module itself, or what a factory returns; anything
+    else is an InvalidSpace error naming ``label``."""
     if isinstance(candidate, nn.Module):
         return candidate
     if callable(candidate):
@@ -54,7 +56,7 @@ def LayerChoice(candidates: Sequence[ModuleOrFactory] | Mapping[str, ModuleOrFac
         domain = Categorical(dict(candidates), label=label)
     else:
         domain = Categorical(list(candidates), label=label, indexed=True)
-    return _instantiate(resolve(label, domain, "layer_choice"), label)
+    return instantiate_candidate(resolve(label, domain, "layer_choice"), label)
 
 
 class ChosenInputs(nn.Module):

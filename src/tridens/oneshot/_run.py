@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import Subset
 
 from ..errors import InvalidSpace, TridensError
-from ..evaluators._supervised import _Supervised, _Source
+from ..evaluators._supervised import SupervisedEvaluator, BatchSource
 from ..store import Store, StoreError
 from ..trial import Objective, Trial, TrialStatus
 from ._search import evaluate_path, evolution, random_search, sample_key
@@ -40,7 +40,7 @@ from ._supernet import Supernet, build_supernet
 __all__ = ["run_oneshot"]
 
 log = logging.getLogger("tridens")
-_CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 1
 
 
 def _role(trial: Trial) -> str | None:
@@ -70,7 +70,7 @@ def _warn_ignored(exp: Any) -> None:
 
 def run_oneshot(exp: Any, strategy: OneShotStrategy) -> Any:
     """Run (or resume) ``exp`` with a one-shot ``strategy``; returns ``exp``."""
-    if not isinstance(exp.evaluator, _Supervised):
+    if not isinstance(exp.evaluator, SupervisedEvaluator):
         raise ValueError(f"The 'evaluator' parameter of Experiment must be a declarative evaluator "
                          f"(td.evaluators.Classification or Regression) for the one-shot strategy "
                          f"{type(strategy).__name__}: the supernet is trained by tridens' own loop. "
@@ -155,7 +155,7 @@ class _OneShotRun:
     def _arch_batcher(self, arch: Any) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
         """The held-out batch of optimizer step ``step``: a pure function of the step, so a resumed
         run reads the batches an uninterrupted one would."""
-        source = _Source(arch, self.cfg.device)
+        source = BatchSource(arch, self.cfg.device)
         bs = min(self.cfg.batch_size, len(source))
         per_round = len(source) // bs
         cache: dict[int, torch.Tensor] = {}
@@ -173,7 +173,7 @@ class _OneShotRun:
         cfg, strategy, net = self.cfg, self.strategy, self.net
         epochs = strategy.epochs or cfg.epochs
         weights_data, arch_data = self._split()
-        source = _Source(weights_data, cfg.device)
+        source = BatchSource(weights_data, cfg.device)
         # The lr schedule spans the supernet's own steps (its epochs over the weights' share of the data).
         cfg = dataclasses.replace(cfg, epochs=epochs, train=weights_data)
         total = cfg.total_steps
@@ -186,7 +186,7 @@ class _OneShotRun:
         ckpt = self._checkpoint_path(trial)
         if ckpt.is_file():
             state = self.db.load_checkpoint(ckpt)
-            if state.get("format") != _CHECKPOINT_FORMAT:
+            if state.get("format") != CHECKPOINT_FORMAT:
                 raise StoreError(f"{ckpt} is not a tridens supernet checkpoint")
             net.model.load_state_dict(state["model"])
             strategy.load_state_dict(state["strategy"])
@@ -231,7 +231,7 @@ class _OneShotRun:
                 torch_rng = torch.get_rng_state()
             metrics = {"train_loss": total_loss / max(count, 1)}
             self.db.add_metrics(trial.id, epoch, metrics)
-            state = {"format": _CHECKPOINT_FORMAT, "model": net.model.state_dict(), "strategy": strategy.state_dict(),
+            state = {"format": CHECKPOINT_FORMAT, "model": net.model.state_dict(), "strategy": strategy.state_dict(),
                      "epoch": epoch + 1, "step": step, "py_rng": _rng_state(rng), "torch_rng": torch_rng}
             trial.checkpoint = str(self.db.save_checkpoint(trial.id, state, kind="supernet"))
             self.say("supernet epoch %d/%d: train_loss %.4f", epoch + 1, epochs, metrics["train_loss"])
@@ -256,8 +256,8 @@ class _OneShotRun:
             if _role(t) == "subnet" and t.status is TrialStatus.COMPLETED:
                 known[sample_key(space.restrict(t.sample))] = t
         n = strategy.samples if self.exp.max_trials is None else min(strategy.samples, self.exp.max_trials)
-        val = _Source(cfg.val, cfg.device)
-        calib_source = _Source(cfg.train, cfg.device)
+        val = BatchSource(cfg.val, cfg.device)
+        calib_source = BatchSource(cfg.train, cfg.device)
         g = torch.Generator().manual_seed(self.seed)
         calibration = list(itertools.islice(calib_source.batches(torch.randperm(len(calib_source), generator=g),
                                                                  cfg.batch_size, cfg.loader_seed(self.seed, 0)),
@@ -303,7 +303,7 @@ class _OneShotRun:
         losses = trial.metrics.get("val_loss") if self.objective.metric != "val_loss" else None
         return self.objective.score(trial.metric), (-losses[-1] if losses else 0.0)
 
-    def _score_subnet(self, supernet: Trial, sample: dict[str, Any], val: _Source, calibration: list[Any]) -> Trial:
+    def _score_subnet(self, supernet: Trial, sample: dict[str, Any], val: BatchSource, calibration: list[Any]) -> Trial:
         cpu0 = time.process_time()
         metrics = evaluate_path(self.net, sample, self.cfg, val, calibration)
         cpu = time.process_time() - cpu0

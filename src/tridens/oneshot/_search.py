@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from ..evaluators._supervised import TrainConfig, ValidationSums, _Source
+from ..evaluators._supervised import TrainConfig, ValidationSums, BatchSource
 from ..space._domain import SearchSpace
 from ._supernet import Supernet
 
@@ -49,7 +49,7 @@ def recalibrate(net: Supernet, batches: Iterable[tuple[torch.Tensor, torch.Tenso
 
 
 @torch.no_grad()
-def evaluate_path(net: Supernet, sample: Mapping[str, Any], cfg: TrainConfig, val: _Source,
+def evaluate_path(net: Supernet, sample: Mapping[str, Any], cfg: TrainConfig, val: BatchSource,
                   calibration: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
     """The validation metrics of ``sample``'s path with the supernet's weights."""
     net.set_path(sample)

@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InvalidSample, InvalidSpace
-from ..nn._choices import ChosenInputs, _instantiate
+from ..nn._choices import ChosenInputs, instantiate_candidate
 from ..space._context import Resolver, using
-from ..space._domain import Categorical, Domain, RandInt, SearchSpace, _equal, _hashable
+from ..space._domain import Categorical, Domain, RandInt, SearchSpace, same_value, hashable_value
 from ..space._model_space import BaseSpace, ModelSpace
 from ._traced import TracedFloat, TracedInt, is_traced, plain, traced_labels, value_at
 
@@ -93,7 +93,7 @@ class ArchState:
             return 0
         value = self.sample[label]
         for i, v in enumerate(self.values[label]):
-            if _equal(v, value):
+            if same_value(v, value):
                 return i
         raise InvalidSample(f"value {value!r} of label {label!r} is outside its domain {self.values[label]!r}")
 
@@ -462,7 +462,7 @@ class SupernetResolver(Resolver):
         candidates = [domain.to_candidate(v) for v in values]
         if source == "layer_choice":
             self.claimed[label] = "LayerChoice"
-            return MixedLayer(label, values, [_instantiate(c, label) for c in candidates], self.state)
+            return MixedLayer(label, values, [instantiate_candidate(c, label) for c in candidates], self.state)
         if all(isinstance(c, int) and not isinstance(c, bool) for c in candidates):
             top = max(candidates)
             return TracedInt(top, _leaf(label, domain, top), {label})
@@ -500,7 +500,7 @@ class SupernetResolver(Resolver):
                 self.claimed[input_label] = "Cell input"
                 self.claimed[op_label] = "Cell op"
                 per_input = [MixedLayer(op_label, values, [_copy(c) if isinstance(c, nn.Module) else
-                                                           _instantiate(c(node, k, i), op_label) for c in candidates],
+                                                           instantiate_candidate(c(node, k, i), op_label) for c in candidates],
                                         self.state) for i in range(node)]
                 edges.append(MixedEdge(input_label, per_input, self.state))
         return MixedCell(edges, num_nodes, num_ops_per_node, num_predecessors, concat_dim)
@@ -614,7 +614,7 @@ def _index_in(values: list[Any], sample: Sample, label: str) -> int:
     if label not in sample:
         return 0
     for i, v in enumerate(values):
-        if _equal(v, sample[label]):
+        if same_value(v, sample[label]):
             return i
     raise InvalidSample(f"value {sample[label]!r} of label {label!r} is outside its domain {values!r}")
 

@@ -9,10 +9,10 @@ from ..errors import InvalidSample
 from ._context import active_resolver
 from ._domain import Categorical, Domain, LabelSpec, LogUniform, RandInt, SearchSpace, Uniform
 
-__all__ = ["choice", "uniform", "loguniform", "randint", "Choice", "Expr", "resolve_value", "labels_in"]
+__all__ = ["Placeholder", "choice", "uniform", "loguniform", "randint", "Choice", "Expr", "resolve_value", "labels_in"]
 
 
-class _Placeholder:
+class Placeholder:
     """A value decided later by a sample; supports arithmetic (``w * 2``, ``w // 4``)."""
 
     def resolve(self, sample: Mapping[str, Any]) -> Any:  # pragma: no cover - abstract
@@ -43,7 +43,7 @@ class _Placeholder:
     def __neg__(self) -> "Expr": return self._op(operator.neg)
 
 
-class Choice(_Placeholder):
+class Choice(Placeholder):
     """A labelled decision created outside a space's construction (e.g. an evaluator's ``lr``)."""
 
     def __init__(self, label: str, domain: Domain, source: str = "choice"):
@@ -64,7 +64,7 @@ class Choice(_Placeholder):
         return f"Choice({self.label!r}, {self.domain!r})"
 
 
-class Expr(_Placeholder):
+class Expr(Placeholder):
     """Arithmetic over placeholders, evaluated when the sample is known."""
 
     def __init__(self, fn: Callable[..., Any], operands: Sequence[Any]):
@@ -75,7 +75,7 @@ class Expr(_Placeholder):
 
     def labels(self) -> Iterator[Choice]:
         for o in self.operands:
-            if isinstance(o, _Placeholder):
+            if isinstance(o, Placeholder):
                 yield from o.labels()
 
     def __repr__(self) -> str:
@@ -119,7 +119,7 @@ def randint(label: str, low: int, high: int) -> Any:
 
 def resolve_value(obj: Any, sample: Mapping[str, Any]) -> Any:
     """Replace placeholders in ``obj`` (nested in lists, tuples, dicts) by their sampled values."""
-    if isinstance(obj, _Placeholder):
+    if isinstance(obj, Placeholder):
         return obj.resolve(sample)
     if isinstance(obj, dict):
         return {k: resolve_value(v, sample) for k, v in obj.items()}
@@ -133,7 +133,7 @@ def labels_in(obj: Any) -> SearchSpace:
     found: list[LabelSpec] = []
 
     def walk(o: Any) -> None:
-        if isinstance(o, _Placeholder):
+        if isinstance(o, Placeholder):
             for c in o.labels():
                 found.append(LabelSpec(c.label, c.domain, source=c.source))
         elif isinstance(o, dict):

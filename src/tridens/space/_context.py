@@ -20,7 +20,7 @@ import contextvars
 from typing import Any, Iterator, Mapping
 
 from ..errors import InvalidSample, InvalidSpace
-from ._domain import Domain, _equal
+from ._domain import Domain
 
 __all__ = ["Resolver", "FixedResolver", "RecordingResolver", "active_resolver", "using"]
 
@@ -114,6 +114,3 @@ def resolve(label: str, domain: Domain, source: str) -> Any:
             "create it while the space is being built")
     return resolver.resolve(label, domain, source)
 
-
-def same_value(a: Any, b: Any) -> bool:
-    return _equal(a, b)

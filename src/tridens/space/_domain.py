@@ -14,7 +14,8 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from ..errors import InvalidSample, InvalidSpace
 
-__all__ = ["Domain", "Categorical", "Uniform", "LogUniform", "RandInt", "Condition", "LabelSpec", "SearchSpace"]
+__all__ = ["Domain", "Categorical", "Uniform", "LogUniform", "RandInt", "Condition", "LabelSpec", "SearchSpace",
+           "hashable_value", "same_value"]
 
 _JSON_SCALARS = (bool, int, float, str, type(None))
 
@@ -85,11 +86,11 @@ class Categorical(Domain):
             self._values = list(range(len(self.candidates))) if indexed else list(self.candidates)
         if not self.candidates:
             raise InvalidSpace(f"label {label!r} has no candidates: a choice needs at least one")
-        if len(set(map(_hashable, self._values))) != len(self._values):
+        if len(set(map(hashable_value, self._values))) != len(self._values):
             raise InvalidSpace(f"label {label!r} has repeated candidates {self._values!r}")
 
     def contains(self, value: Any) -> bool:
-        return any(_equal(value, v) for v in self._values)
+        return any(same_value(value, v) for v in self._values)
 
     def values(self) -> list[Any]:
         return list(self._values)
@@ -102,7 +103,7 @@ class Categorical(Domain):
 
     def to_candidate(self, value: Any) -> Any:
         for v, c in zip(self._values, self.candidates):
-            if _equal(value, v):
+            if same_value(value, v):
                 return c
         raise KeyError(value)
 
@@ -195,7 +196,7 @@ class Condition:
     values: tuple[Any, ...]
 
     def holds(self, sample: Mapping[str, Any]) -> bool:
-        return self.parent in sample and any(_equal(sample[self.parent], v) for v in self.values)
+        return self.parent in sample and any(same_value(sample[self.parent], v) for v in self.values)
 
     def __str__(self) -> str:
         vals = list(self.values)
@@ -392,9 +393,11 @@ class SearchSpace(Mapping[str, LabelSpec]):
         return "SearchSpace(\n" + "\n".join(lines) + "\n)"
 
 
-def _hashable(v: Any) -> Any:
+def hashable_value(v: Any) -> Any:
+    """``v`` as a dict key that tells ``True`` from ``1``: lists become tuples (recursively), a
+    hashable value is paired with whether it is a bool, anything unhashable becomes its id."""
     if isinstance(v, list):
-        return tuple(_hashable(x) for x in v)
+        return tuple(hashable_value(x) for x in v)
     try:
         hash(v)
         return (type(v) is bool, v)
@@ -402,10 +405,11 @@ def _hashable(v: Any) -> Any:
         return id(v)
 
 
-def _equal(a: Any, b: Any) -> bool:
-    # True == 1 in Python; a sample of {"bn": 1} must not match the candidate True.
+def same_value(a: Any, b: Any) -> bool:
+    """Equal values of the same type (element-wise for lists and tuples): ``True == 1`` in Python,
+    but a sample of ``{"bn": 1}`` must not match the candidate ``True``."""
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and a == b or (
         isinstance(a, (int, float)) and isinstance(b, (int, float))
         and not isinstance(a, bool) and not isinstance(b, bool) and a == b)

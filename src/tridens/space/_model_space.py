@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from ..errors import InvalidSample, InvalidSpace
-from ._choice import _Placeholder
+from ._choice import Placeholder
 from ._context import FixedResolver, RecordingResolver, Resolver, active_resolver, using
-from ._domain import Condition, Domain, LabelSpec, SearchSpace, _equal
+from ._domain import Condition, Domain, LabelSpec, SearchSpace, same_value
 
 __all__ = ["BaseSpace", "ModelSpace", "Mutation", "discover"]
 
@@ -264,7 +264,7 @@ def discover(run: Callable[[Mapping[str, Any]], dict[str, tuple[Domain, Any, str
         spec = specs[label]
         for i, cond in enumerate(spec.conditions):
             if cond.parent == parent:
-                merged = list(cond.values) + [v for v in values if not any(_equal(v, w) for w in cond.values)]
+                merged = list(cond.values) + [v for v in values if not any(same_value(v, w) for w in cond.values)]
                 spec.conditions[i] = Condition(parent, tuple(merged))
                 return
         inherited = [c for c in specs[parent].conditions if all(c.parent != d.parent for d in spec.conditions)]
@@ -277,7 +277,7 @@ def discover(run: Callable[[Mapping[str, Any]], dict[str, tuple[Domain, Any, str
                 continue
             by_value: list[tuple[Any, dict[str, tuple[Domain, Any, str]]]] = []
             for value in domain.values():
-                same = _equal(value, current)
+                same = same_value(value, current)
                 by_value.append((value, trace if same else do_run({**assignment, label: value})))
             seen: dict[str, None] = {}
             for _, t in by_value:
@@ -332,12 +332,12 @@ def _meta_device() -> Iterator[None]:
 def _resolve_args(resolver: Resolver, obj: Any) -> Any:
     """Placeholders passed as constructor arguments (``Net(width=td.choice(...))``) are decided
     by the resolver of the construction."""
-    if isinstance(obj, _Placeholder):
+    if isinstance(obj, Placeholder):
         sample = {c.label: _value_via(resolver, c) for c in obj.labels()}
         return obj.resolve(sample)
     if isinstance(obj, dict):
         return {k: _resolve_args(resolver, v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and any(isinstance(v, _Placeholder) for v in obj):
+    if isinstance(obj, (list, tuple)) and any(isinstance(v, Placeholder) for v in obj):
         return type(obj)(_resolve_args(resolver, v) for v in obj)
     return obj
 

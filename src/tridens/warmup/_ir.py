@@ -44,7 +44,7 @@ def describe(model: nn.Module, example_inputs: Any = None, *, graph: Any = None)
     """Trace ``model`` (or use ``graph``) and describe it. ``opaque`` names the first opaque node's
     reason (such a model is neither matched nor added)."""
     from ..graph import trace
-    from ..graph import _meta
+    from ..graph import meta
 
     if graph is None:
         with warnings.catch_warnings():
@@ -56,7 +56,7 @@ def describe(model: nn.Module, example_inputs: Any = None, *, graph: Any = None)
     opaque = None
     for n in nodes:
         if n.opaque and opaque is None:
-            opaque = f"{n.name}: {n.meta.get(_meta.OPAQUE_REASON, 'opaque module')}"
+            opaque = f"{n.name}: {n.meta.get(meta.OPAQUE_REASON, 'opaque module')}"
         module = n.module
         entry: dict[str, Any] = {"t": _type_name(n), "i": [index[src.name] for src, _ in n.inputs if src.name in index]}
         if module is not None:

@@ -131,7 +131,7 @@ from torch.func import functional_call, vmap
 from ..units import ExecutionUnit, Job, SeparateUnit, UnitResult, resolve_max_unit_memory
 from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._errors import NonFiniteLoss
-from ..evaluators._supervised import TrainConfig, _Source, _Supervised, _accuracy_count, _match
+from ..evaluators._supervised import TrainConfig, BatchSource, SupervisedEvaluator, correct_count, align_output
 from ._kernels import BatchNormTrain, batch_norm_pays, batch_norm_supported
 
 __all__ = ["BatchedUnit", "BatchingSettings", "plan_batching", "settings", "group_key", "clear_cache"]
@@ -759,7 +759,7 @@ class BatchedMember:
     inputs: tuple[str, ...] = ("batch",)
 
     def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, shared_input: bool | None = None):
-        if not isinstance(evaluator, _Supervised):
+        if not isinstance(evaluator, SupervisedEvaluator):
             raise TypeError(f"operator batching trains Classification/Regression trials, not {type(evaluator).__name__}")
         models = [job.model for job in jobs]
         if len(jobs) == 0 or any(not isinstance(m, nn.Module) for m in models):
@@ -905,7 +905,7 @@ class BatchedMember:
             # the grouped program's (K, C, B) outputs 11x faster (argmax walks it per element)
             per["val_acc"] = [float(c) for c in (out.max(dim=2).indices == y).sum(dim=1).tolist()]
         if "val_mse" in names or "val_mae" in names:
-            diff = vmap(lambda o: _match(o, y) - y.to(o.dtype))(out)
+            diff = vmap(lambda o: align_output(o, y) - y.to(o.dtype))(out)
             self._val_elements += diff[0].numel()
             flat = diff.reshape(len(self.ids), -1)
             if "val_mse" in names:
@@ -1179,8 +1179,8 @@ class BatchedUnit(ExecutionUnit):
         self.member = BatchedMember(jobs, evaluator, shared_input=shared_input)
         cfg = self.member.cfg
         self._seed = jobs[0].trial.seed  # data order and augmentation: shared (the group key says so)
-        self._train = _Source(cfg.train, cfg.device)
-        self._val = _Source(cfg.val, cfg.device)
+        self._train = BatchSource(cfg.train, cfg.device)
+        self._val = BatchSource(cfg.val, cfg.device)
 
     def describe(self) -> str:
         m = self.member  # (the planner's probe already checked the grouped program on this structure)
@@ -1261,7 +1261,7 @@ def _per_model_bytes(unit: BatchedMember, x: torch.Tensor) -> int:
 
 
 def _first_batch(cfg: TrainConfig, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    source = _Source(cfg.train, cfg.device)
+    source = BatchSource(cfg.train, cfg.device)
     x, y = next(iter(source.epoch_batches(cfg, seed, 0)))
     return cfg.augment(x, seed, 0, 0), y
 
@@ -1290,7 +1290,7 @@ def peak_matmul_flops(device: torch.device) -> float:
     return _PEAKS[key]
 
 
-def _probe(jobs: Sequence[Job], evaluator: _Supervised, x: torch.Tensor, y: torch.Tensor) -> BatchedMember:
+def _probe(jobs: Sequence[Job], evaluator: SupervisedEvaluator, x: torch.Tensor, y: torch.Tensor) -> BatchedMember:
     """A throwaway member that ran one fused step and a validation batch (proves the models
     vectorize, and finds whether they can share their input). Forced fusion only: an adaptive
     unit finds the same on its first real steps."""
@@ -1448,7 +1448,7 @@ def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
     measured that it does not pay. Returns the units and the jobs left for other optimizations /
     separate training. Logs one line per group that is not fused, saying why (fused units log
     their own line through the planner)."""
-    if settings.mode == "off" or not isinstance(evaluator, _Supervised):
+    if settings.mode == "off" or not isinstance(evaluator, SupervisedEvaluator):
         return [], list(jobs)
     if len(jobs) < 2:  # nothing to fuse with: skip tracing
         for job in jobs:
@@ -1511,7 +1511,7 @@ def _chunks(group: list[Job], size: int) -> list[list[Job]]:
     return chunks
 
 
-def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: _Supervised,
+def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: SupervisedEvaluator,
                 budget: int) -> tuple[list[ExecutionUnit], list[Job]]:
     ids = [j.trial.id for j in group]
     cfg = evaluator.config(group[0].trial.sample)
@@ -1578,7 +1578,7 @@ def _unit_size(ids: list[int], per_model: int, budget: int) -> int:
     return size
 
 
-def _plan_forced(group: list[Job], evaluator: _Supervised, budget: int, x: torch.Tensor,
+def _plan_forced(group: list[Job], evaluator: SupervisedEvaluator, budget: int, x: torch.Tensor,
                  y: torch.Tensor) -> tuple[list[ExecutionUnit], list[Job]]:
     """``settings.mode == "force"``: fuse every compatible group (a throwaway step proves the
     models vectorize first)."""

@@ -84,9 +84,9 @@ import torch.nn.functional as F
 from ..units import ExecutionUnit, Job, UnitResult, default_max_unit_memory, resolve_max_unit_memory
 from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._errors import NonFiniteLoss
-from ..evaluators._supervised import SupervisedTrainer, TrainConfig, ValidationSums, _Source, _Supervised
+from ..evaluators._supervised import SupervisedTrainer, TrainConfig, ValidationSums, BatchSource, SupervisedEvaluator
 from ..graph import Graph, trace
-from ..graph import _meta
+from ..graph import meta
 
 __all__ = [
     "MIN_PREFIX_SHARE", "BATCH", "CSESettings", "settings",
@@ -696,16 +696,16 @@ class SharedPipelineUnit(ExecutionUnit):
         self._by_trial: dict[int, PipelineMember] = {t: m for m in self.members for t in m.trial_ids()}
         self.config: TrainConfig | None = None
         self._seed = jobs[0].trial.seed if jobs else 0
-        if jobs and isinstance(evaluator, _Supervised):
+        if jobs and isinstance(evaluator, SupervisedEvaluator):
             try:  # the pipeline every member shares (the planner checked they agree)
                 self.config = evaluator.config(jobs[0].trial.sample)
             except Exception:  # the trials' own trainers failed too: reported per trial
                 self.config = None
-        self._train: _Source | None = None
-        self._val: _Source | None = None
+        self._train: BatchSource | None = None
+        self._val: BatchSource | None = None
         if self.config is not None:
-            self._train = _Source(self.config.train, self.config.device)
-            self._val = _Source(self.config.val, self.config.device)
+            self._train = BatchSource(self.config.train, self.config.device)
+            self._val = BatchSource(self.config.val, self.config.device)
         self._copies: set[int] = set()  # ids of members that modify their inputs in place
 
     # -- the ExecutionUnit protocol -------------------------------------------------------------
@@ -999,7 +999,7 @@ def _analyse(job: Job, cfg: TrainConfig, example: torch.Tensor, hasher: _Hasher)
     nodes = list(graph.fx_graph.nodes)
     for n in nodes:
         if n.op in ("call_module", "call_function", "call_method"):
-            a.activations[n] = int(_bytes(n.meta.get(_meta.SHAPE), n.meta.get(_meta.DTYPE)) * scale)
+            a.activations[n] = int(_bytes(n.meta.get(meta.SHAPE), n.meta.get(meta.DTYPE)) * scale)
     if sum(1 for n in nodes if n.op == "placeholder") != 1:
         a.why_not = "the model takes several inputs"
     elif not any(not p.requires_grad for p in model.parameters()):
@@ -1039,7 +1039,7 @@ def _eligible_nodes(a: _Analysis, nodes: list[fx.Node], hasher: _Hasher) -> None
                 key = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
             a.key_of[n] = key
             a.eligible.setdefault(key, n)
-            a.cost[key] = float(n.meta.get(_meta.FLOPS, 0) or 0)
+            a.cost[key] = float(n.meta.get(meta.FLOPS, 0) or 0)
     finally:
         for m, flag in zip(model.modules(), flags):
             m.training = flag
@@ -1486,7 +1486,7 @@ def _fast_pool(root: nn.Module, n: fx.Node) -> bool:
         return False
     if not _is_max_pool_2x2(root, n):
         return False
-    shape, dtype = n.args[0].meta.get(_meta.SHAPE), n.args[0].meta.get(_meta.DTYPE)
+    shape, dtype = n.args[0].meta.get(meta.SHAPE), n.args[0].meta.get(meta.DTYPE)
     return (isinstance(shape, torch.Size) and len(shape) == 4 and shape[2] % 2 == 0 and shape[3] % 2 == 0
             and isinstance(dtype, torch.dtype) and dtype.is_floating_point)
 
@@ -1735,7 +1735,7 @@ def plan_cse(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
     e.g. ``"2GiB"``) defaults to the experiment's bound (:func:`tridens.units.
     resolve_max_unit_memory`).
     """
-    if not isinstance(evaluator, _Supervised):
+    if not isinstance(evaluator, SupervisedEvaluator):
         return [], list(jobs)
     groups: dict[tuple[Any, ...], list[tuple[Job, TrainConfig]]] = {}
     leftover: list[Job] = []
@@ -1938,7 +1938,7 @@ def merge_pipelines(units: Sequence[ExecutionUnit], rest: Sequence[Job], evaluat
     left: list[Job] = []
     for job in rest:  # a lone trial reading a batched group's pipeline joins it as a trainer
         key = None
-        if isinstance(evaluator, _Supervised) and isinstance(job.model, nn.Module):
+        if isinstance(evaluator, SupervisedEvaluator) and isinstance(job.model, nn.Module):
             try:
                 cfg = evaluator.config(job.trial.sample)
                 key = _pipeline_key(cfg, job.trial.seed)

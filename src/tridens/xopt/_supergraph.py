@@ -78,8 +78,8 @@ import torch.nn.functional as F
 from ..units import ExecutionUnit, Job, resolve_max_unit_memory
 from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._errors import NonFiniteLoss
-from ..evaluators._supervised import SupervisedTrainer, TrainConfig, ValidationSums, _Supervised
-from ..graph import _meta, trace
+from ..evaluators._supervised import SupervisedTrainer, TrainConfig, ValidationSums, SupervisedEvaluator
+from ..graph import meta, trace
 from ._cse import (BATCH, PipelineMember, SharedPipelineUnit, _RANDOM_FUNCTIONS, _RANDOM_METHODS, _RANDOM_MODULES,
                    _bytes, _example_batch, _mib, _optimizer_states, _pipeline_key)
 
@@ -360,7 +360,7 @@ def _analyse(job: Job, cfg: TrainConfig, example: torch.Tensor, ident: Mapping[s
                 key = hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
             child.keys[n] = key
             if n.op != "placeholder":
-                child.activations.setdefault(key, int(_bytes(n.meta.get(_meta.SHAPE), n.meta.get(_meta.DTYPE)) * scale))
+                child.activations.setdefault(key, int(_bytes(n.meta.get(meta.SHAPE), n.meta.get(meta.DTYPE)) * scale))
             if obj is not None:
                 child.targets[key] = str(n.target)
     finally:
@@ -824,7 +824,7 @@ class SuperGraphUnit(SharedPipelineUnit):
 
     def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, reason: str = "",
                  memory: int | None = None, _children: Sequence[_Child] | None = None):
-        assert isinstance(evaluator, _Supervised), "the super-graph trains the declarative supervised evaluators"
+        assert isinstance(evaluator, SupervisedEvaluator), "the super-graph trains the declarative supervised evaluators"
         trainers: dict[int, SupervisedTrainer] = {}
         errors: dict[int, BaseException] = {}
         for job in jobs:
@@ -887,7 +887,7 @@ def plan_supergraph(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
     inherited layers and hide the hyperparameter's effect, so the others train apart (each still
     from the parent's weights). Only the declarative supervised evaluators are merged (the engine
     owns their training loop)."""
-    if not ENABLED or not isinstance(evaluator, _Supervised):
+    if not ENABLED or not isinstance(evaluator, SupervisedEvaluator):
         return [], list(jobs)
     groups: dict[tuple[Any, ...], list[tuple[Job, TrainConfig]]] = {}
     for job in jobs:

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 import tridens as td
-from tridens.evaluators._supervised import _Supervised
+from tridens.evaluators._supervised import SupervisedEvaluator
 from tridens.store import Store
 
 from .._common import NotSupported
@@ -63,7 +63,7 @@ class NasExperiment:
         needs a ``Classification`` / ``Regression`` evaluator."""
         config = config if config is not None else self.config
         name = self.id or getattr(config, "experiment_name", None) or unique_name("nni")
-        if getattr(self.strategy, "one_shot", False) and not isinstance(self.evaluator, _Supervised):
+        if getattr(self.strategy, "one_shot", False) and not isinstance(self.evaluator, SupervisedEvaluator):
             raise NotSupported(f"The one-shot strategy {type(self.strategy).__name__} needs the evaluator "
                                "nni.nas.evaluator.pytorch.Classification or Regression (tridens.compat.nni.nas.evaluator"
                                f".pytorch), which tridens trains itself. Got {type(self.evaluator).__name__} instead.")
