@@ -68,7 +68,7 @@ def test_batch_norm_supported():
 def test_packed_pooling_without_gradients_matches_max_pool():
     """The grouped engine's 2x2 max-pool (validation path: no gradient masks) equals
     ``F.max_pool2d(F.relu(x), 2)`` bit for bit, ties and NaN included."""
-    from tridens.xopt._batching import _PackedProgram
+    from tridens.xopt._grouped import _PackedProgram
 
     x = torch.randn(3, 4, 6, 8)
     x[0, 0] = 1.0  # a constant plane: ties everywhere
@@ -88,12 +88,12 @@ def test_fused_with_the_batch_norm_kernel_everywhere_equals_separate(optimizer, 
     models do: per-epoch metrics within 1e-4 in float32, 1e-9 in float64."""
     import tridens as td
     from tridens.units import SeparateUnit
-    from tridens.xopt import _batching
+    from tridens.xopt import _batching, _grouped
 
     from .test_batching import ADAPTIVE, SAMPLES, TOL, assert_close_runs, cnn, evaluator, make_jobs, run
 
     used = []
-    monkeypatch.setattr(_batching, "batch_norm_pays", lambda v: used.append(v.shape) or True)
+    monkeypatch.setattr(_grouped, "batch_norm_pays", lambda v: used.append(v.shape) or True)
     data = td.datasets.digits()
     ev = evaluator(data, optimizer, epochs=2 if dtype == torch.float32 else 1)
     samples = SAMPLES if optimizer == "sgd" else ADAPTIVE

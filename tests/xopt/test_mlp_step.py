@@ -11,7 +11,7 @@ from torch import nn
 import tridens as td
 from tridens.units import Job
 from tridens.trial import Trial
-from tridens.xopt._batching import BatchedMember, _stacked_loss
+from tridens.xopt._batched import BatchedMember, _stacked_loss
 
 PS = [0.0, 0.3, 0.5, 1.0, 0.2]
 
