@@ -23,7 +23,7 @@ Resumable: each finished group is appended to ``--out``'s ``.parts.jsonl`` file 
 per group) and skipped on a rerun; ``--pack`` writes the compressed table (``.json.gz``) from it.
 Progress goes to stdout, one line per group.
 
-    /work/bin/cpuslot .venv/bin/python bench/record_curves.py --space digits-mlp    # ~10 CPU-minutes here
+    /work/bin/cpuslot .venv/bin/python bench/record_curves.py --space digits-mlp    # 4.2 CPU-minutes here
     .venv/bin/python bench/record_curves.py --space digits-mlp --pack
 
 The packed file holds ``{"space", "labels", "metrics", "epochs", "seeds", "rows": [{"sample",
