@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow bench clean fashion-mnist chromium
+.PHONY: demo test lint test-slow bench clean fashion-mnist chromium
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -17,8 +17,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP) chromium
+test: $(STAMP) chromium lint
 	$(BIN)/python -m pytest
+
+# pyflakes-level checks everywhere, types on the core packages (settings in pyproject.toml).
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/mypy
 
 # Debian's headless browser for the dashboard's browser tests; apt only when it is missing (they skip without it).
 chromium:

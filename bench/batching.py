@@ -118,8 +118,12 @@ def _rss_mib() -> float:
 
 def child(args: argparse.Namespace) -> None:
     import tridens as td
-    from tridens.units import Job, SeparateUnit
     from tridens.trial import Trial
+    try:
+        from tridens.units import Job, SeparateUnit
+    except ImportError:  # a --ref-src snapshot from before tridens.units
+        from tridens.engine._execution import Job
+        from tridens.engine._units import SeparateUnit
     from tridens.xopt import _batching
 
     if args.threads:

@@ -52,7 +52,6 @@ import copy
 import json
 import math
 import os
-import resource
 import sys
 import tempfile
 import threading

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from torch import nn
 from torch.utils.data import Dataset, Subset, TensorDataset
 
 import tridens as td

@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 
 from tridens.cli import _parser, main
 from tridens.store import Store

@@ -9,7 +9,6 @@ import torch
 import tridens as td
 from tridens.oneshot import Controller, build_supernet, gumbel_softmax
 from tridens.oneshot._strategies import fair_paths
-from tridens.store import Store
 from tridens.trial import TrialStatus
 
 from .spaces import DigitsCNN, ToyChoice

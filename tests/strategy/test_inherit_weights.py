@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 import tridens as td
-from tridens import nn as tnn
 from tridens.cli import main as cli_main
 from tridens.store import Store
 from tridens.strategy import RegularizedEvolution

@@ -1,6 +1,5 @@
 """DP alignment scores, parent choice, k-medoids on a synthetic zoo."""
 
-import time
 
 import numpy as np
 import pytest

@@ -1,7 +1,6 @@
 """A group of new trials starts in waves when warm start is on, so later members start warm."""
 
 import pytest
-import torch
 
 import tridens as td
 from tridens.warmup import Zoo

@@ -1,7 +1,6 @@
 """Zoo admission/eviction, bad input, and warm start inside td.Experiment."""
 
 import logging
-import os
 import sqlite3
 import warnings
 

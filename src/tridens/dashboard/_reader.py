@@ -210,7 +210,7 @@ class StoreReader:
             args += statuses
         for label, value in (label_filters or {}).items():
             path = _json_path(label)
-            where.append(f"(CAST(json_extract(n.sample, ?) AS TEXT) = ? OR json_quote(json_extract(n.sample, ?)) = ?)")
+            where.append("(CAST(json_extract(n.sample, ?) AS TEXT) = ? OR json_quote(json_extract(n.sample, ?)) = ?)")
             args += [path, value, path, value]
         if sort.startswith("label:"):
             order = "json_extract(n.sample, ?)"

@@ -13,13 +13,13 @@ import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from ..errors import InvalidSample, InvalidSpace, TridensError
 from ..evaluators._base import Evaluator
-from ..space import BaseSpace, RecipeError, SearchSpace, object_path, space_recipe
+from ..space import BaseSpace, RecipeError, space_recipe
 from ..store import Store, StoreError
 from ..strategy import Strategy
 from ..trial import Decision, Objective, Trial, TrialGroup, TrialStatus

@@ -29,7 +29,6 @@ the hub and the decisions back. The ranks are killed, never torn down, when the 
 
 from __future__ import annotations
 
-import copy
 import io
 import logging
 import os

@@ -140,8 +140,8 @@ def _module_flops(m: nn.Module, n: fx.Node, out_shape: Any) -> int:
     if isinstance(m, (nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd)):
         return _numel(first_in) if first_in is not None else out_elems
     if isinstance(m, (nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd)):
-        kernel = m.kernel_size
-        k = math.prod(kernel) if isinstance(kernel, tuple) else kernel ** max(1, len(_first(out_shape) or ()) - 2)
+        size: Any = m.kernel_size
+        k = math.prod(size) if isinstance(size, tuple) else size ** max(1, len(_first(out_shape) or ()) - 2)
         return k * out_elems
     if isinstance(m, _NORMS):
         return 4 * out_elems

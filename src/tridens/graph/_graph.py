@@ -38,7 +38,12 @@ def _snake(name: str) -> str:
 
 def _nodes_in(arg: Any) -> list[fx.Node]:
     found: list[fx.Node] = []
-    map_arg(arg, lambda n: found.append(n) or n)
+
+    def collect(n: fx.Node) -> fx.Node:
+        found.append(n)
+        return n
+
+    map_arg(arg, collect)
     return found
 
 
@@ -196,6 +201,16 @@ class Graph:
     32
     """
 
+    _root: nn.Module
+    _fx: fx.Graph
+    _example_inputs: tuple[Any, ...] | None
+    _name: str
+    _training: bool
+    _wrappers: dict[fx.Node, Node]
+    _version: int
+    _shapes_version: int
+    _shape_error: InvalidSample | None
+
     def __init__(self) -> None:  # use trace(); Graph._create builds one
         raise TypeError("build a Graph with tridens.graph.trace(model, example_inputs)")
 
@@ -205,14 +220,14 @@ class Graph:
         self = cls.__new__(cls)
         self._root = root
         self._fx = fx_graph
-        fx_graph.owning_module = root
+        fx_graph.owning_module = root  # type: ignore[assignment]  # fx accepts any root module here
         self._example_inputs = example_inputs
         self._name = name
         self._training = training
-        self._wrappers: dict[fx.Node, Node] = {}
+        self._wrappers = {}
         self._version = 0
         self._shapes_version = -1
-        self._shape_error: InvalidSample | None = None
+        self._shape_error = None
         return self
 
     # ---- access ------------------------------------------------------------------------------
@@ -576,7 +591,7 @@ class Graph:
         sources = [a for a in args if isinstance(a, fx.Node)]
         order = {n: i for i, n in enumerate(self._fx.nodes)}
         if sources:
-            anchor = max(sources, key=order.__getitem__)
+            anchor: fx.Node | None = max(sources, key=order.__getitem__)
         else:
             placeholders = [n for n in self._fx.nodes if n.op == "placeholder"]
             anchor = placeholders[-1] if placeholders else None

@@ -91,7 +91,7 @@ class _Tracer(fx.Tracer):
         if tables is None:
             super().__init__()
         else:  # math is patched around the trace by _math_wrapped (see _math_tables)
-            super().__init__(autowrap_modules=())
+            super().__init__(autowrap_modules=())  # type: ignore[arg-type]  # no module auto-wrapped
             self._autowrap_function_ids = tables[2]  # type: ignore[assignment]
         self.math_tables = tables
         self.opaque = opaque

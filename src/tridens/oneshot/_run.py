@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.data import Subset
 
-from ..errors import InvalidSpace, TridensError
+from ..errors import TridensError
 from ..evaluators._supervised import SupervisedEvaluator, BatchSource
 from ..store import Store, StoreError
 from ..trial import Objective, Trial, TrialStatus

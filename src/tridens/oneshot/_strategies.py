@@ -19,7 +19,6 @@ training step:
 
 from __future__ import annotations
 
-import math
 import random
 from typing import Any, Callable, Mapping
 

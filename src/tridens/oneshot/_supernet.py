@@ -29,9 +29,7 @@ inputs, compute the same output as the supernet on that path. A space that fails
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import math
 import random
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -42,7 +40,7 @@ from torch import nn
 from ..errors import InvalidSample, InvalidSpace
 from ..nn._choices import ChosenInputs, instantiate_candidate
 from ..space._context import Resolver, using
-from ..space._domain import Categorical, Domain, RandInt, SearchSpace, same_value, hashable_value
+from ..space._domain import Categorical, Domain, SearchSpace, same_value
 from ..space._model_space import BaseSpace, ModelSpace
 from ._traced import TracedFloat, TracedInt, is_traced, plain, traced_labels, value_at
 

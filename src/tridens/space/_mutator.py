@@ -7,9 +7,9 @@ from typing import Any, Mapping, Sequence
 
 from torch import nn
 
-from ..errors import InvalidSample, InvalidSpace
+from ..errors import InvalidSpace
 from ._context import Resolver, active_resolver, resolve
-from ._domain import Categorical, Domain
+from ._domain import Categorical
 from ._model_space import BaseSpace, ModelSpace, Mutation, _as_tuple
 
 __all__ = ["Mutator", "MutatorSpace"]

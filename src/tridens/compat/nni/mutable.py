@@ -24,7 +24,6 @@ import itertools
 import random as _random
 from typing import Any, Iterator, Mapping, Sequence
 
-import tridens as _td
 from tridens.errors import InvalidSample
 from tridens.space import Categorical as _CategoricalDomain
 from tridens.space import Choice, Domain, LogUniform, Uniform

@@ -1,0 +1,135 @@
+"""The layer contract of src/tridens: imports go one way, no cycle, no private name crosses a package.
+
+A package is a directory under src/tridens (or a top-level module such as ``trial.py``). The allowed
+direction is written below as data: each package lists the packages it may import. The order is the
+pipeline's: engine -> xopt / warmup -> units -> evaluators / graph / space -> trial.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "src" / "tridens"
+
+_CORE = {"errors", "trial"}
+_MODELS = _CORE | {"graph", "space", "nn", "datasets"}
+_TRAINING = _MODELS | {"evaluators"}
+_UNITS = _TRAINING | {"units"}
+
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "trial": {"errors"},
+    "graph": {"errors"},
+    "datasets": {"errors"},
+    "space": _CORE | {"graph"},
+    "nn": _CORE | {"graph", "space"},
+    "evaluators": _MODELS,
+    "store": _CORE,
+    "strategy": _CORE | {"space"},
+    "loggers": _CORE | {"store"},
+    "units": _TRAINING,
+    "warmup": _UNITS | {"store"},
+    "xopt": _UNITS | {"store", "warmup"},  # the super-graph inherits weights through warm start's alignment
+    "oneshot": _UNITS | {"store", "strategy"},
+    "engine": _UNITS | {"store", "strategy", "loggers", "warmup", "xopt", "oneshot"},
+    "executors": _UNITS | {"store", "engine"},  # the executor objects users pass to Experiment
+    "_views": _CORE | {"store"},  # what the tridens command prints of trials
+    "hub": _TRAINING,  # ready-made model spaces (NAS-Bench-201's lives beside its table in evaluators)
+    "dashboard": _MODELS | {"store", "loggers"},
+    "cli": _UNITS | {"store", "strategy", "loggers", "engine", "executors", "dashboard", "hub", "_views"},
+    "compat": _UNITS | {"store", "strategy", "loggers", "warmup", "xopt", "oneshot", "engine", "executors", "hub", "__init__"},
+    "__init__": set(),  # the top-level package re-exports anything; checked as "any"
+}
+
+
+def _package(path: Path) -> str:
+    parts = path.relative_to(ROOT).parts
+    return parts[0] if len(parts) > 1 else parts[0].removesuffix(".py")
+
+
+def _imports(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, imported module relative to tridens, imported names) of every tridens import in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                module = node.module or ""
+                if module != "tridens" and not module.startswith("tridens."):
+                    continue
+                parts = module.split(".")[1:]
+            else:
+                here = list(path.relative_to(ROOT).parent.parts)
+                parts = here[: len(here) - node.level + 1] + (node.module.split(".") if node.module else [])
+            if parts:
+                found.append((node.lineno, ".".join(parts), [alias.name for alias in node.names]))
+            else:  # ``from tridens import x`` / ``from .. import x`` at the top: x is the module imported
+                found.extend((node.lineno, alias.name, []) for alias in node.names)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "tridens":
+                    found.append((node.lineno, "__init__", []))
+                elif alias.name.startswith("tridens."):
+                    found.append((node.lineno, alias.name[len("tridens."):], []))
+    return found
+
+
+def _edges() -> tuple[dict[str, dict[str, list[str]]], list[str]]:
+    """package -> imported package -> where; and the private names imported across packages."""
+    edges: dict[str, dict[str, list[str]]] = {}
+    private = []
+    for path in sorted(ROOT.rglob("*.py")):
+        package = _package(path)
+        for line, target, names in _imports(path):
+            parts = target.split(".")
+            other = parts[0]
+            if not other or other == package:
+                continue
+            where = f"{path.relative_to(ROOT.parent)}:{line}"
+            edges.setdefault(package, {}).setdefault(other, []).append(where)
+            crossing = [n for n in names if n.startswith("_")]
+            if crossing and package != "__init__":
+                private.append(f"{where}: {', '.join(crossing)} from {target}")
+    return edges, private
+
+
+def test_every_package_has_a_place_in_the_layers():
+    packages = {_package(p) for p in ROOT.rglob("*.py")}
+    missing = sorted(packages - set(ALLOWED))
+    assert not missing, f"packages without a layer: {missing}; add them to ALLOWED in {__file__}"
+
+
+def test_imports_follow_the_layers():
+    edges, _ = _edges()
+    wrong = [f"{where}: {package} imports {other}"
+             for package, targets in edges.items() if package != "__init__"
+             for other, places in targets.items() if other not in ALLOWED.get(package, set())
+             for where in places[:1]]
+    assert not wrong, "imports against the layer direction:\n" + "\n".join(wrong)
+
+
+def test_no_cycle_between_packages():
+    edges, _ = _edges()
+    graph = {p: set(t) for p, t in edges.items() if p != "__init__"}
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt] if nxt in path else path + [nxt]
+            if nxt not in state and (cycle := visit(nxt, path + [nxt])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start, [start])):
+            pytest.fail("import cycle between packages: " + " -> ".join(cycle))
+
+
+def test_no_private_name_crosses_a_package():
+    _, private = _edges()
+    assert not private, "private names imported across packages:\n" + "\n".join(private)
