@@ -11,6 +11,8 @@ experiment is stored in runs/demo.db; inspect it afterwards with
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -68,6 +70,9 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=60)
     args = parser.parse_args()
     Path(args.store).parent.mkdir(parents=True, exist_ok=True)
+    # One thread per process: PyTorch's default (one per core) makes these small models wait on
+    # each other's threads, most of all on a busy machine. OMP_NUM_THREADS overrides it.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     space = DigitsCNN()
     print(f"search space: {len(space.search_space())} labels, {space.size():,.0f} samples")
@@ -81,11 +86,15 @@ def main() -> None:
     name = time.strftime("demo-%Y%m%d-%H%M%S")
     exp = td.Experiment(space, evaluator, td.strategy.RegularizedEvolution(population=8, sample_size=3),
                         max_trials=args.trials, max_duration=args.duration, store=args.store, name=name)
-    exp.run()
+    try:
+        exp.run()
+    except KeyboardInterrupt as stop:  # Ctrl-C: one line saying how to finish the experiment
+        sys.exit(f"\n{stop}")
 
-    print(f"\nbest trials of {name}:")
+    print(f"\n{exp.stop_reason}; best trials of {name}:")
     for t in exp.top(5):
-        print(f"  trial {t.id:3d}  val_acc={t.metric:.4f}  params={t.info['params']:>7,}  {t.sample}")
+        sample = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v!r}" for k, v in t.sample.items())
+        print(f"  trial {t.number:3d}  val_acc={t.metric:.4f}  params={t.info['params']:>7,}  {sample}")
     print(f"\n{len(exp.trials())} trials stored in {Path(args.store).resolve()}")
     print(f"try: .venv/bin/tridens top {name} --db {args.store}")
 

@@ -67,10 +67,17 @@ def _run_script(script: str, db: str, argv: Sequence[str]) -> int:
         if os.environ.get("TRIDENS_DEBUG"):
             raise
         where = _user_frame(err)
-        raise TridensError(f"{script} failed{where}: {type(err).__name__}: {err} (set TRIDENS_DEBUG=1 for the traceback)") from err
+        raise TridensError(f"{script} failed{where}: {_exception_line(err)} (set TRIDENS_DEBUG=1 for the traceback)") from err
     if runs_started() == before:
         raise TridensError(f"{script} ran but started no experiment (call td.Experiment(...).run() in it)")
     return 0
+
+
+def _exception_line(err: BaseException) -> str:
+    """``Type: message`` as Python prints it, with its hints ("Did you mean: 'Experiment'?")."""
+    import traceback
+
+    return " ".join("".join(traceback.format_exception_only(err)).split())
 
 
 def _user_frame(err: BaseException) -> str:
@@ -176,7 +183,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from .engine import Experiment
 
     exp = Experiment.load(args.db, args.name)
-    for path in exp.export(args.to, top=args.top):
+    for path in exp.export(args.to, top=args.top, force=args.force):
         print(path)
     return 0
 
@@ -286,7 +293,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", parents=[common], help="export the best models")
     p.add_argument("name", help="the experiment's name (see tridens ls)")
     p.add_argument("--top", type=int, default=1, help="how many of the best models to export (default: %(default)s)")
-    p.add_argument("--to", required=True, help="the directory to write them to (one sub-folder each when --top > 1)")
+    p.add_argument("--to", required=True, help="the directory to write them to (one rank{r}-trial{n} folder each)")
+    p.add_argument("--force", action="store_true", help="replace the tridens exports in a non-empty --to directory")
     p.set_defaults(fn=_cmd_export)
     p = sub.add_parser("resume", parents=[common], help="finish an interrupted experiment")
     p.add_argument("name", help="the experiment's name (see tridens ls)")
@@ -318,6 +326,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(err).split())
         print(f"tridens: error: {message}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as err:  # Ctrl-C: one line (the engine's names the command that resumes)
+        print(f"tridens: {err or 'interrupted'}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

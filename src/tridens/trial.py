@@ -66,6 +66,8 @@ class Trial:
 
     ``metrics`` maps a metric name to its per-step (per-epoch) values; ``metric`` is the final
     value of the objective. ``info`` holds measured facts used by constraints (``params``, ``flops``).
+    ``id`` is unique in its store; ``number`` counts the trials of its experiment from 0 (what a
+    user sees in tables, logs and exports, as Optuna's ``trial.number``).
     """
 
     id: int
@@ -84,6 +86,12 @@ class Trial:
     finished_at: float | None = None
     experiment: str | None = None
     parent: int | None = None
+    number: int | None = None
+
+    @property
+    def label(self) -> int:
+        """The trial's number in its experiment (its store id when the number is unknown)."""
+        return self.number if self.number is not None else self.id
 
     @property
     def duration(self) -> float | None:

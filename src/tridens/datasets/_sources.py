@@ -25,7 +25,7 @@ FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", 
 _DIGIT_CLASSES = tuple(str(i) for i in range(10))
 _FASHION_FILES = {  # split -> (images, labels), the names of the official release
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-    "val": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
 
 Pair = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -142,28 +142,32 @@ def _find(root: Path, stem: str) -> Path:
     raise DatasetNotFound(f"Fashion-MNIST file {stem}.gz (or {stem}) not found in {where}; {_install_hint(root)}")
 
 
-@functools.lru_cache(maxsize=2)
-def _fashion_raw(root: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    out = {}
-    for split, (image_stem, label_stem) in _FASHION_FILES.items():
-        image_path, label_path = _find(Path(root), image_stem), _find(Path(root), label_stem)
-        images, labels = read_idx(image_path), read_idx(label_path)
-        if images.ndim != 3 or labels.ndim != 1 or images.shape[0] != labels.shape[0]:
-            raise DatasetError(f"Fashion-MNIST files disagree: {image_path} holds shape {images.shape} and "
-                               f"{label_path} holds shape {labels.shape}; expected (N, 28, 28) and (N,)")
-        if labels.size and (labels.min() < 0 or labels.max() > 9):
-            raise DatasetError(f"{label_path} holds labels outside 0..9 (min {labels.min()}, max {labels.max()})")
-        out[split] = (images, labels.astype(np.int64))
-    return out
+@functools.lru_cache(maxsize=4)
+def _fashion_raw(root: str, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """The images and labels of one official file pair ("train" or "test")."""
+    image_stem, label_stem = _FASHION_FILES[split]
+    image_path, label_path = _find(Path(root), image_stem), _find(Path(root), label_stem)
+    images, labels = read_idx(image_path), read_idx(label_path)
+    if images.ndim != 3 or labels.ndim != 1 or images.shape[0] != labels.shape[0]:
+        raise DatasetError(f"Fashion-MNIST files disagree: {image_path} holds shape {images.shape} and "
+                           f"{label_path} holds shape {labels.shape}; expected (N, 28, 28) and (N,)")
+    if labels.size and (labels.min() < 0 or labels.max() > 9):
+        raise DatasetError(f"{label_path} holds labels outside 0..9 (min {labels.min()}, max {labels.max()})")
+    return images, labels.astype(np.int64)
 
 
 @functools.lru_cache(maxsize=4)
-def _fashion_split(root: str, limit: int | None, val_limit: int | None, seed: int, normalize: bool) -> Pair:
-    raw = _fashion_raw(root)
+def _fashion_split(root: str, limit: int | None, val_limit: int | None, seed: int, normalize: bool,
+                   val_fraction: float, test: bool) -> Pair:
+    images, labels = _fashion_raw(root, "train")
+    if test:  # the official files: all of train, and the test set
+        parts = [(images, labels), _fashion_raw(root, "test")]
+    else:  # validation carved from the training file, stratified; the test file is not read
+        tr, va = stratified_split(labels, val_fraction, seed)
+        parts = [(images[tr], labels[tr]), (images[va], labels[va])]
     picked = []
-    for split, lim, what in (("train", limit, "limit"), ("val", val_limit, "val_limit")):
-        images, labels = raw[split]
-        idx = seeded_subset(len(labels), lim, seed + (0 if split == "train" else 1), what)
+    for (images, labels), lim, what, offset in zip(parts, (limit, val_limit), ("limit", "val_limit"), (0, 1)):
+        idx = seeded_subset(len(labels), lim, seed + offset, what)
         picked.append((to_images(images[idx], 255.0), torch.from_numpy(labels[idx])))
     (train_x, train_y), (val_x, val_y) = picked
     if normalize:
@@ -172,12 +176,15 @@ def _fashion_split(root: str, limit: int | None, val_limit: int | None, seed: in
 
 
 def fashion_mnist(root: str | os.PathLike[str] = FASHION_MNIST_ROOT, *, limit: int | None = None,
-                  val_limit: int | None = None, seed: int = 0,
-                  normalize: bool = False) -> tuple[ImageDataset, ImageDataset]:
+                  val_limit: int | None = None, seed: int = 0, normalize: bool = False,
+                  val_fraction: float = 1 / 6, test: bool = False) -> tuple[ImageDataset, ImageDataset]:
     """Zalando's Fashion-MNIST read from its IDX files: 28x28 images of 10 kinds of clothing.
 
-    ``train`` is the official training file (60,000 images), ``val`` the official test file (10,000).
-    ``limit`` / ``val_limit`` keep a seeded random subset of that many images of each (in file order).
+    Returns ``(train, val)`` carved from the official training file (60,000 images): a stratified,
+    seeded ``val_fraction`` of it (10,000 by default) is the validation set, the rest (50,000) the
+    training set, so a search never tunes on the test set. ``test=True`` returns ``(train, test)``
+    instead: the whole training file and the official test file (10,000), for the final score.
+    ``limit`` / ``val_limit`` keep a seeded random subset of that many images of each (in order).
     Images ``(N, 1, 28, 28)`` float32 in [0, 1] (standardized with the training mean and std if
     ``normalize``), labels int64 in 0..9 (names in ``.classes``). The files are those of Debian's
     ``dataset-fashion-mnist`` (``train-images-idx3-ubyte.gz`` ... in ``root``), gzipped or not; a
@@ -188,9 +195,10 @@ def fashion_mnist(root: str | os.PathLike[str] = FASHION_MNIST_ROOT, *, limit: i
     (5000, 1000, 'Ankle boot')
     """
     resolved = str(Path(root).expanduser().resolve())
-    pair = _fashion_split(resolved, limit, val_limit, int(seed), bool(normalize))
-    subset = f",seed={int(seed)}" if limit is not None or val_limit is not None else ""
-    spec = f"root={resolved},limit={limit},val_limit={val_limit}{subset},normalize={int(bool(normalize))}"
+    pair = _fashion_split(resolved, limit, val_limit, int(seed), bool(normalize), float(val_fraction), bool(test))
+    split = "test" if test else f"val_fraction={float(val_fraction):g},seed={int(seed)}"
+    subset = f",seed={int(seed)}" if test and (limit is not None or val_limit is not None) else ""
+    spec = f"root={resolved},{split},limit={limit},val_limit={val_limit}{subset},normalize={int(bool(normalize))}"
     return make_pair("fashion-mnist", spec, FASHION_MNIST_CLASSES, *pair)
 
 

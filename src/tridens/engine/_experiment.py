@@ -26,7 +26,7 @@ from ..trial import Decision, Objective, Trial, TrialGroup, TrialStatus
 from ..units import Job, parse_memory, unit_memory_limit
 from ._execution import Executor, make_executor
 
-__all__ = ["Experiment", "ExperimentFailed", "default_store_path"]
+__all__ = ["Experiment", "ExperimentFailed", "ExperimentInterrupted", "default_store_path"]
 
 log = logging.getLogger("tridens")
 
@@ -41,6 +41,11 @@ _CALLBACK_HOOKS = ("on_experiment_start", "on_trial_step", "on_trial_end", "on_e
 
 class ExperimentFailed(TridensError):
     """Every trial of a run failed: nothing was learned (the trials and their errors are stored)."""
+
+
+class ExperimentInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a run; the message is one line naming the command that resumes it
+    (finished trials are kept)."""
 
 
 _STRATEGY_NAMES = {
@@ -110,7 +115,8 @@ class Experiment:
                  verbose: bool = True, warm_start: Any = False, max_unit_memory: int | str | None = None,
                  callbacks: Sequence[Any] = (),
                  allocation: str | None = None, ray_address: str | None = None,
-                 storage: str | os.PathLike[str] | None = None, max_retries: int = 0) -> None:
+                 storage: str | os.PathLike[str] | None = None, max_retries: int = 0,
+                 resume: str = "auto") -> None:
         self.space = space
         self.evaluator = evaluator
         self.strategy = strategy
@@ -134,6 +140,8 @@ class Experiment:
         self.ray_address = ray_address  # executor="ray": None starts a local Ray, an address joins a cluster
         self.storage = storage  # where workers write checkpoints (a directory every worker sees)
         self.max_retries = max_retries  # a unit whose worker died restarts from its last checkpoint
+        self.resume = resume  # "auto": resume an experiment of the same search space; "force": any
+        self.stop_reason: str | None = None  # why the last run() stopped
         self.callbacks = list(callbacks)  # tridens.loggers.Callback objects, told what the run records
         self._loaded: list[Trial] | None = None
 
@@ -164,6 +172,9 @@ class Experiment:
         if self.space is not None:
             cls_name = type(getattr(self.space, "base", self.space)).__name__
             return re.sub(r"(?<!^)(?=[A-Z])", "-", cls_name).lower()
+        fn = getattr(self.evaluator, "fn", None)
+        if getattr(fn, "__name__", "<lambda>") != "<lambda>":  # a hyperparameter search: its function's name
+            return fn.__name__.replace("_", "-").lower()  # type: ignore[union-attr]
         raise ValueError("The 'name' parameter of Experiment is required to read an experiment back.")
 
     def _objective(self) -> Objective:
@@ -201,25 +212,35 @@ class Experiment:
         top = self.top(1)
         return top[0] if top else None
 
-    def export(self, directory: str | os.PathLike[str], top: int = 1) -> list[Path]:
-        """Write the ``top`` best models to ``directory`` (one sub-folder each when top > 1), with
-        what :func:`tridens.load` needs to rebuild them: weights, sample, space recipe, metrics."""
+    def export(self, directory: str | os.PathLike[str], top: int = 1, *, force: bool = False) -> list[Path]:
+        """Write the ``top`` best models to ``directory``, one ``rank{r}-trial{n}/`` folder each, with
+        what :func:`tridens.load` needs to rebuild them: weights, sample, space recipe, metrics.
+        A non-empty ``directory`` is refused unless ``force`` (which replaces the exports in it)."""
         from ._export import export_trials
 
         with Store(self._store_path(), readonly=True) as db:
             record = db.get_experiment(self._name())
             trials = self.top(top)
-            return export_trials(db, record.config, trials, Path(directory))
+            return export_trials(db, record.config, trials, Path(directory), force=force)
 
     # -- running ------------------------------------------------------------------------------
     def _check(self) -> None:
+        from ..evaluators import FunctionalEvaluator
         from ..space import BaseSpace as _Base
 
-        if not isinstance(self.space, _Base):
-            raise InvalidSpace(f"The 'space' parameter of Experiment must be a tridens space (a ModelSpace or "
-                               f"ModelSpace.from_base(...)). Got {type(self.space).__name__} instead.")
         if not isinstance(self.evaluator, Evaluator):
             raise ValueError(f"The 'evaluator' parameter of Experiment must be a tridens evaluator. Got {self.evaluator!r} instead.")
+        if self.space is None:  # a hyperparameter-only search: the evaluator's function builds its own model
+            if getattr(self.evaluator, "needs_model", True) and not isinstance(self.evaluator, FunctionalEvaluator):
+                raise InvalidSpace(f"The 'space' parameter of Experiment may be None only with a FunctionalEvaluator "
+                                   f"(its function builds its own model); {type(self.evaluator).__name__} trains "
+                                   "the models of a space.")
+        elif not isinstance(self.space, _Base):
+            raise InvalidSpace(f"The 'space' parameter of Experiment must be a tridens space (a ModelSpace or "
+                               f"ModelSpace.from_base(...)), or None for a search over the evaluator's "
+                               f"hyperparameters only. Got {type(self.space).__name__} instead.")
+        if self.resume not in ("auto", "force"):
+            raise ValueError(f"The 'resume' parameter of Experiment must be one of ['auto', 'force']. Got {self.resume!r} instead.")
         if isinstance(self.strategy, str):
             _strategy_by_name(self.strategy)
         elif self.strategy is not None and not isinstance(self.strategy, Strategy) and not getattr(self.strategy, "one_shot", False):
@@ -305,7 +326,7 @@ class Experiment:
 
     def _config(self, objective: Objective) -> dict[str, Any]:
         try:
-            recipe: dict[str, Any] | None = space_recipe(self.space)
+            recipe: dict[str, Any] | None = space_recipe(self.space) if self.space is not None else None
         except RecipeError as err:
             log.warning("the space cannot be rebuilt from the store (%s); export will keep weights and an exported program only", err)
             recipe = None
@@ -336,32 +357,51 @@ class Experiment:
             from ..oneshot._run import run_oneshot
 
             return run_oneshot(self, strategy)
+        from ._no_model import NoModelSpace
+        from ._preflight import check_before_run, check_same_space, describe_space, fill_max_steps
+
         objective = self._objective()
         path = self._store_path()
         name = self._name()
+        space = self.space if self.space is not None else NoModelSpace()
+        fill_max_steps(strategy, self.evaluator)  # type: ignore[arg-type]
+        # The evaluator's and the strategy's settings, before anything is written or trained.
+        described = describe_space(check_before_run(space, self.evaluator, strategy, objective, self.seed))  # type: ignore[arg-type]
         with Store(path) as db:
             try:
-                db.get_experiment(name)
+                record = db.get_experiment(name)
                 resumed = True
             except StoreError:
-                db.create_experiment(name, self._config(objective))
-                resumed = False
+                record, resumed = None, False
+            if record is not None and self.resume != "force":
+                check_same_space(name, record.config.get("search_space"), described)
+            if record is None:
+                db.create_experiment(name, {**self._config(objective), "search_space": described})
             db.update_experiment(name, status="running")
-            run = _Run(self, db, name, strategy, objective)
+            run = _Run(self, db, name, strategy, objective, space)
+            self.stop_reason = None
             try:
                 with unit_memory_limit(self.max_unit_memory):  # every fused unit's bound (tridens.xopt)
                     run.loop(resumed)
-            except BaseException:
-                db.update_experiment(name, status="interrupted")
-                raise
-            finally:
+            except BaseException as err:
                 run.progress.close()
+                if not resumed and not db.trials(name):
+                    db.delete_experiment(name)  # a start that failed leaves nothing behind
+                else:
+                    db.update_experiment(name, status="interrupted")
+                if isinstance(err, KeyboardInterrupt) and not isinstance(err, ExperimentInterrupted):
+                    self.stop_reason = run.interrupted_text(path)
+                    raise ExperimentInterrupted(self.stop_reason) from None
+                raise
+            self.stop_reason = run.stop_reason
+            run.progress.close(run.stop_reason)
+            log.info("%s stopped: %s", name, run.stop_reason)
             db.update_experiment(name, status="done")
             failed = [t for t in run.finished_here if t.status is TrialStatus.FAILED]
             if run.finished_here and len(failed) == len(run.finished_here):
                 reason = (failed[0].error or "").strip().splitlines()[-1] if failed[0].error else "unknown"
                 raise ExperimentFailed(f"every trial of {name!r} failed ({len(failed)} in this run; "
-                                       f"trial {failed[0].id}: {reason}); their errors are in {path}")
+                                       f"trial {failed[0].label}: {reason}); their errors are in {path}")
         return self
 
     def __repr__(self) -> str:
@@ -403,13 +443,16 @@ def _structure_cached(space: BaseSpace) -> bool:
 class _Run:
     """The state of one ``run()``: the engine loop and the hooks executors call."""
 
-    def __init__(self, exp: Experiment, db: Store, name: str, strategy: Strategy, objective: Objective):
+    def __init__(self, exp: Experiment, db: Store, name: str, strategy: Strategy, objective: Objective,
+                 space: BaseSpace):
         from ._progress import Progress
 
         self.exp, self.db, self.name, self.strategy, self.objective = exp, db, name, strategy, objective
         self.trial_timeout = exp.trial_timeout
         self.evaluator: Evaluator = exp.evaluator  # type: ignore[assignment]
-        self.space: BaseSpace = exp.space  # type: ignore[assignment]
+        self.space = space
+        self.no_model = exp.space is None  # a hyperparameter-only search: the function builds its model
+        self.stop_reason = "the run ended"
         self.deadline = None
         duration = _parse_duration(exp.max_duration)
         if duration is not None:
@@ -428,7 +471,7 @@ class _Run:
         self.cpu_only = _cpu_only()
         # _instantiate: restricted sample (JSON) -> (fingerprint, params), and its counters.
         self.structures: OrderedDict[str, tuple[str, int]] | None = (
-            OrderedDict() if _structure_cached(exp.space) else None)  # type: ignore[arg-type]
+            OrderedDict() if _structure_cached(space) else None)
         self.unverified_hits = _VERIFIED_HITS
         self.builds = self.built_duplicates = 0
         # Constraints on parameters or FLOPs reject models before they train: build those on meta.
@@ -465,9 +508,13 @@ class _Run:
                 self._add_to_zoo(trial, weights)
         # The checkpoint file, then its row and the trial's in one transaction: written before it
         # counts as done (trial.checkpoint is set).
+        if status is TrialStatus.FAILED and not self.no_model:
+            from ._preflight import explain_failure
+
+            trial.error = error = explain_failure(self.space, trial.sample, error)  # the failing layer, as freeze() names it
         self.db.finish_trial(trial, state)
         if status is TrialStatus.FAILED:
-            log.warning("trial %d failed: %s", trial.id, (error or "").strip().splitlines()[-1] if error else "")
+            log.warning("trial %d failed: %s", trial.label, (error or "").strip().splitlines()[-1] if error else "")
         else:
             self.seen.setdefault(self._dedup_key(trial), trial)
         self.strategy.tell(trial)
@@ -519,7 +566,7 @@ class _Run:
         self.group_index = max((t.group or 0 for t in trials), default=-1) + 1
         self.position = len(trials)
         before = sum(t.status in _FINISHED_COUNTED for t in finished)
-        self.progress.start(self.name, before, resumed)
+        self.progress.start(self.name, before, resumed, finished)
         if interrupted:
             log.info("resuming %s: %d finished trials kept, %d interrupted trials run again",
                      self.name, len(finished), len(interrupted))
@@ -534,12 +581,16 @@ class _Run:
                 counted = before + sum(t.status in _FINISHED_COUNTED for t in self.finished_here)
                 remaining = None if self.exp.max_trials is None else self.exp.max_trials - counted
                 if remaining is not None and remaining <= 0:
+                    self.stop_reason = f"max_trials={self.exp.max_trials} reached"
                     break
                 if self.deadline is not None and time.monotonic() >= self.deadline:
-                    log.info("max_duration reached")
+                    self.stop_reason = (f"max_duration={self.exp.max_duration!r} reached after {counted}"
+                                        f"{'' if self.exp.max_trials is None else f'/{self.exp.max_trials}'} trials")
                     break
                 group = self.strategy.ask(remaining)
                 if group is None:
+                    self.stop_reason = (f"{type(self.strategy).__name__} has nothing more to propose (its search is "
+                                        f"complete or the space is exhausted) after {counted} trials")
                     break
                 samples = group.samples if remaining is None else group.samples[:remaining]
                 progress_mark = len(self.finished_here)
@@ -556,13 +607,20 @@ class _Run:
                 if not ran and len(self.finished_here) == progress_mark:
                     idle += 1
                     if idle >= _MAX_IDLE_GROUPS:
-                        log.info("the strategy proposed only known models %d times in a row: the space is exhausted", idle)
+                        self.stop_reason = (f"the space is exhausted: {type(self.strategy).__name__} proposed only known "
+                                            f"models {idle} times in a row")
                         break
                     continue
                 idle = 0
         finally:
             executor.close()
             self._end_callbacks(completed=sys.exc_info()[0] is None)
+
+    def interrupted_text(self, store: Path) -> str:
+        """The one line Ctrl-C prints: what was kept and the command that finishes the experiment."""
+        done = sum(t.status in _FINISHED_COUNTED for t in self.db.trials(self.name))
+        return (f"{self.name!r} interrupted with {done} finished trials kept in {store}; "
+                f"finish it with: tridens resume {self.name} --db {store}")
 
     def _waves(self, samples: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
         """Scheduling hook for warm start: the group's samples in the order and waves they are
@@ -611,6 +669,8 @@ class _Run:
         or FLOPs, or when more than 1 in 10 built samples turned out to be duplicates."""
         from ..graph import trace
 
+        if self.no_model:  # the function builds its own model: no fingerprint, no parameter count
+            return None
         restricted = self.space.restrict(trial.sample)
         if not getattr(self.evaluator, "needs_model", True):
             trial.fingerprint = "sample:" + json.dumps(restricted, sort_keys=True)
@@ -668,7 +728,7 @@ class _Run:
 
     def _materialize(self, trial: Trial, structure: Any) -> Any:
         """The trainable model: the structure itself if it has real weights, else a seeded freeze."""
-        if not getattr(self.evaluator, "needs_model", True):
+        if self.no_model or not getattr(self.evaluator, "needs_model", True):
             return None
         model = structure
         if model is None or any(p.is_meta for p in model.parameters()):  # a known sample, or built on meta
@@ -759,7 +819,8 @@ class _Run:
         except InvalidSample as err:
             raise TridensError(f"strategy {type(self.strategy).__name__} proposed an invalid sample: {err}") from err
         trial = Trial(id=-1, sample=clean, seed=self._seed_of(clean), group=self.group_index,
-                      max_steps=group.max_steps, experiment=self.name, parent=group.parent_of(sample))
+                      max_steps=group.max_steps, experiment=self.name, parent=group.parent_of(sample),
+                      number=self.position)
         self.position += 1
         try:
             model = self._instantiate(trial)

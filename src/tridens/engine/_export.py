@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -16,24 +17,49 @@ from ..store import Store
 from ..trial import Trial
 from ..space import RecipeError, build_space
 
-__all__ = ["export_trials", "load"]
+__all__ = ["ExportedProgram", "export_trials", "load"]
 
 _MANIFEST = "tridens.json"
 
 
-def export_trials(db: Store, config: dict[str, Any], trials: Sequence[Trial], directory: Path) -> list[Path]:
+# What an export writes: one folder per model, ``rank{r}-trial{n}/`` (r: 1 = best; n: the trial's
+# number in its experiment), holding these files.
+_EXPORT_FILES = (_MANIFEST, "weights.pt", "sample.json", "model.pt2")
+
+
+def _clear_for_export(directory: Path, force: bool) -> None:
+    """Refuse a non-empty ``directory`` (two exports in one folder mix their models); with
+    ``force``, remove the tridens exports in it (other files stay)."""
+    if directory.exists() and not directory.is_dir():
+        raise TridensError(f"cannot export to {directory}: it is a file, not a directory")
+    entries = sorted(directory.iterdir()) if directory.is_dir() else []
+    if entries and not force:
+        shown = ", ".join(e.name for e in entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise TridensError(f"cannot export to {directory}: it is not empty ({shown}); choose a new directory, or "
+                           "pass --force (export(..., force=True)) to replace the tridens exports in it")
+    for entry in entries:
+        if entry.is_dir() and (entry / _MANIFEST).exists():
+            shutil.rmtree(entry)
+        elif entry.is_file() and entry.name in _EXPORT_FILES:
+            entry.unlink()
+
+
+def export_trials(db: Store, config: dict[str, Any], trials: Sequence[Trial], directory: Path, *,
+                  force: bool = False) -> list[Path]:
+    """Write ``trials`` (best first) to ``directory/rank{r}-trial{n}/``, whatever their number."""
     if not trials:
         raise TridensError("no finished trial to export")
+    _clear_for_export(directory, force)
     out = []
     for rank, trial in enumerate(trials, 1):
-        target = directory if len(trials) == 1 else directory / f"rank{rank}-trial{trial.id}"
+        target = directory / f"rank{rank}-trial{trial.label}"
         target.mkdir(parents=True, exist_ok=True)
         if trial.checkpoint is None:
             raise TridensError(f"trial {trial.id} has no checkpoint to export")
         weights = db.load_checkpoint(trial.checkpoint)
         torch.save(weights, target / "weights.pt")
         manifest = {
-            "format": 1, "experiment": trial.experiment, "trial": trial.id, "sample": trial.sample,
+            "format": 1, "experiment": trial.experiment, "trial": trial.label, "sample": trial.sample,
             "seed": trial.seed, "fingerprint": trial.fingerprint, "metric": trial.metric, "metrics": trial.metrics,
             "objective": config.get("objective"), "space": config.get("space"), "program": None,
         }
@@ -59,19 +85,54 @@ def export_trials(db: Store, config: dict[str, Any], trials: Sequence[Trial], di
     return out
 
 
-def load(directory: str | os.PathLike[str], *, prefer: str = "module") -> nn.Module:
-    """Rebuild an exported model.
+class ExportedProgram(nn.Module):
+    """A model loaded from its ``torch.export`` program (its code was not importable): it
+    computes what the trained model computed in eval mode. ``eval()`` works; ``train()`` is
+    refused, since the program holds no training behaviour (dropout, BatchNorm updates)."""
+
+    def __init__(self, program: nn.Module, path: Path):
+        super().__init__()
+        self.program = program
+        self.path = path
+        self.training = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.program(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "ExportedProgram":
+        if mode:
+            raise TridensError(f"the model loaded from {self.path} is its exported program, which computes inference "
+                               "only; rebuild it from its space's code (importable again) to train it")
+        return self
+
+    def __repr__(self) -> str:
+        return f"ExportedProgram({str(self.path)!r})"
+
+
+def _model_folder(path: Path, rank: int) -> Path:
+    """The folder of one exported model: ``path`` itself, or its ``rank{rank}-*`` folder."""
+    if (path / _MANIFEST).exists():
+        return path
+    folders = sorted(p for p in path.glob(f"rank{rank}-trial*") if (p / _MANIFEST).exists()) if path.is_dir() else []
+    if not folders:
+        raise TridensError(f"{path} is not a tridens export (no {_MANIFEST}, no rank{rank}-trial* folder)")
+    return folders[0]
+
+
+def load(directory: str | os.PathLike[str], *, prefer: str = "module", rank: int = 1) -> nn.Module:
+    """Rebuild an exported model: the ``rank``-th best of an export directory, or the model of
+    one ``rank*-trial*`` folder.
 
     With ``prefer="module"`` the space is rebuilt from its recorded import path and the sample
     frozen (a trainable ``nn.Module``); when that code is not importable, the self-contained
-    ``torch.export`` program is loaded instead (``prefer="program"`` always takes it).
+    ``torch.export`` program is loaded instead as an :class:`ExportedProgram` (``prefer="program"``
+    always takes it).
 
-    >>> model = td.load("best-model")        # doctest: +SKIP
+    >>> model = td.load("best-model")             # doctest: +SKIP
+    >>> second = td.load("best-model", rank=2)    # doctest: +SKIP
     """
-    path = Path(directory)
+    path = _model_folder(Path(directory), rank)
     manifest_path = path / _MANIFEST
-    if not manifest_path.exists():
-        raise TridensError(f"{path} is not a tridens export (no {_MANIFEST})")
     manifest = json.loads(manifest_path.read_text())
     weights = torch.load(path / "weights.pt", weights_only=True)
     if prefer == "module" and manifest.get("space") is not None:
@@ -85,5 +146,5 @@ def load(directory: str | os.PathLike[str], *, prefer: str = "module") -> nn.Mod
                 raise
             warnings.warn(f"rebuilding from code failed ({err}); loading the exported program instead")
     if manifest.get("program"):
-        return torch.export.load(str(path / manifest["program"])).module()
+        return ExportedProgram(torch.export.load(str(path / manifest["program"])).module(), path)
     raise TridensError(f"{path} holds no rebuildable model: the space was not importable and no program was exported")

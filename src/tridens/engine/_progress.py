@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from ..trial import Objective, Trial, TrialStatus
 
-__all__ = ["Progress", "trials_table", "warm_start_text"]
+__all__ = ["Progress", "format_value", "trials_table", "warm_start_text"]
 
 
 def trials_table(trials: list[Trial], objective: Objective, title: str = "", *, full_samples: bool = False,
@@ -32,7 +32,7 @@ def trials_table(trials: list[Trial], objective: Objective, title: str = "", *, 
     for t in trials:
         metric = "-" if t.metric is None or (isinstance(t.metric, float) and math.isnan(t.metric)) else f"{t.metric:.4f}"
         params = t.info.get("params")
-        row = [str(t.id), t.status.value, metric, str(t.steps), "-" if params is None else f"{params:,}",
+        row = [str(t.label), t.status.value, metric, str(t.steps), "-" if params is None else f"{params:,}",
                (t.fingerprint or "")[:10]]
         if warm:
             row.append(warm_start_text(t))
@@ -52,8 +52,19 @@ def warm_start_text(trial: Trial) -> str:
     return f"from {ws['parent']} ({ws.get('score', 0):.2f})"
 
 
+def format_value(value: Any) -> str:
+    """A sample value as a table shows it: floats to 4 significant digits (``0.00835``), the rest as repr.
+
+    >>> format_value(0.008349655452891392), format_value(3), format_value("conv")
+    ('0.00835', '3', "'conv'")
+    """
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return repr(value)
+
+
 def _short_sample(sample: dict[str, Any], limit: int | None = 90) -> str:
-    text = ", ".join(f"{k}={v!r}" for k, v in sample.items())
+    text = ", ".join(f"{k}={format_value(v)}" for k, v in sample.items())
     return text if limit is None or len(text) <= limit else text[:limit - 3] + "..."
 
 
@@ -82,8 +93,11 @@ class Progress:
         self._training: dict[int, tuple[int, float]] = {}  # trial id -> (last step, its objective value)
         self._last_line = time.monotonic()
 
-    def start(self, name: str, done: int, resumed: bool) -> None:
+    def start(self, name: str, done: int, resumed: bool, finished: Sequence[Trial] = ()) -> None:
+        """Show the experiment ``name`` with ``done`` trials counted; ``finished`` (the trials of an
+        earlier run, on resume) fill the table of best trials, so the view is the experiment's."""
         self.name, self.done = name, done
+        self.best = _best(list(finished), self.objective)
         if not self.enabled:
             return
         from rich.console import Console
@@ -128,6 +142,7 @@ class Progress:
             return ""
         steps = [s for s, _ in self._training.values()]
         values = [v for _, v in self._training.values() if not math.isnan(v)]
+        values += [self.best[0].metric] if self.best else []
         best = f", best {self.objective.metric} so far {max(values, key=self.objective.score):.4f}" if values else ""
         return f"{len(self._training)} training, at step {min(steps)}-{max(steps)}{best}"
 
@@ -136,7 +151,7 @@ class Progress:
         if trial.status in _COUNTED:
             self.done += 1
         if trial.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED) and trial.metric is not None:
-            self.best = sorted(self.best + [trial], key=lambda t: -self.objective.score(t.metric))[:5]
+            self.best = _best(self.best + [trial], self.objective)
         if not self.enabled:
             return
         if self._live is not None:
@@ -147,14 +162,23 @@ class Progress:
             total = "?" if self.total is None else self.total
             best = self.best[0].metric if self.best else None
             warm = f" warm-start {warm_start_text(trial)}" if "warm_start" in trial.info else ""
-            print(f"[{self.name}] {self.done}/{total} trial {trial.id} {trial.status.value} "
+            print(f"[{self.name}] {self.done}/{total} trial {trial.label} {trial.status.value} "
                   f"{self.objective.metric}={metric} best={'-' if best is None else f'{best:.4f}'}{warm}",
                   file=sys.stderr, flush=True)
 
-    def close(self) -> None:
+    def close(self, reason: str | None = None) -> None:
+        """End the live view; ``reason`` (why the run stopped) is printed as the last line."""
         if self._live is not None:
             self._live.stop()
             self._live = None
+        if reason and self.enabled:
+            print(f"[{self.name}] stopped: {reason}", file=sys.stderr, flush=True)
+
+
+def _best(trials: list[Trial], objective: Objective, k: int = 5) -> list[Trial]:
+    scored = [t for t in trials if t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED)
+              and t.metric is not None and not math.isnan(t.metric)]
+    return sorted(scored, key=lambda t: (-objective.score(t.metric), t.id))[:k]
 
 
 _COUNTED = (TrialStatus.COMPLETED, TrialStatus.STOPPED, TrialStatus.FAILED)

@@ -120,7 +120,9 @@ def _seeded(seed: int) -> Iterator[None]:
 
 
 class FunctionalEvaluator(Evaluator):
-    """Evaluate with the user's own loop: ``fn(model, **hparams)``.
+    """Evaluate with the user's own loop: ``fn(model, **hparams)``, or ``fn(**hparams)`` when every
+    parameter of ``fn`` is a hyperparameter (a search with no model space, ``td.Experiment(None,
+    FunctionalEvaluator(fn, lr=td.loguniform("lr", 1e-4, 1e-1)))``, where ``fn`` builds its own model).
 
     ``hparams`` are ``params`` with every ``td.choice`` placeholder resolved from the trial's
     sample (plus ``seed=`` when ``fn`` has a ``seed`` parameter that ``params`` don't set).
@@ -180,7 +182,7 @@ class FunctionalEvaluator(Evaluator):
         token = _SINK.set(sink)
         try:
             with _seeded(seed):
-                result = self.fn(model, **hparams)
+                result = self.fn(model, **hparams) if _takes_model(self.fn, hparams) else self.fn(**hparams)
         except TrialStopped:
             if not sink.stopped:
                 raise
@@ -194,6 +196,22 @@ class FunctionalEvaluator(Evaluator):
         raise NothingReported(
             f"the evaluator reported nothing: {_name(self.fn)} returned None and never called tridens.report(); "
             "report with td.report(value) in the loop or return the final metric")
+
+
+def _takes_model(fn: Callable[..., Any], hparams: Mapping[str, Any]) -> bool:
+    """Whether ``fn`` takes the model as its first argument: it has a required positional
+    parameter the hyperparameters don't fill (or ``*args``, or a signature Python cannot read)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    for p in params:
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            return True
+        if (p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                and p.name not in hparams and p.default is inspect.Parameter.empty):
+            return True
+    return False
 
 
 def _accepts(fn: Callable[..., Any], name: str) -> bool:

@@ -80,8 +80,11 @@ def run_oneshot(exp: Any, strategy: OneShotStrategy) -> Any:
     objective = exp._objective()
     path, name = exp._store_path(), exp._name()
     hparams = exp.evaluator.search_space().default_sample()
-    if hparams:
-        log.info("one-shot: the supernet trains with the evaluator's first candidates %s", hparams)
+    for label, value in hparams.items():  # searched by nobody: the user is told, not left to find out
+        log.warning("one-shot: %s does not search the evaluator's hyperparameter %r (%r): the supernet, every "
+                    "subnet and the retrain use its first candidate %r; fix it in the evaluator, or search it "
+                    "with a multi-trial strategy", type(strategy).__name__, label,
+                    exp.evaluator.search_space()[label].domain, value)
     cfg = exp.evaluator.config(hparams)
     net = build_supernet(exp.space, seed=exp.seed)  # refuses a space that cannot be one-shot, before any write
     with Store(path) as db:

@@ -12,6 +12,7 @@ when depth >= 3).
 from __future__ import annotations
 
 import contextlib
+import copy
 import random
 import warnings
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -103,10 +104,11 @@ class BaseSpace:
         return {k: v for k, v in sample.items() if k in labels}
 
     def validate(self, sample: Mapping[str, Any], example_inputs: Any = None) -> dict[str, Any]:
-        """Check labels and values (and, given ``example_inputs``, that the model's forward runs);
-        return the sample restricted to its active labels. Raises :class:`InvalidSample`."""
+        """Check labels and values and, with example inputs (``example_inputs``, else the space's
+        own), that the model's forward runs on them, as :meth:`freeze` does; return the sample
+        restricted to its active labels. Raises :class:`InvalidSample`."""
         clean = self.search_space().validate(sample)
-        if example_inputs is not None:
+        if example_inputs is not None or self.example_inputs is not None:
             self.freeze(clean, example_inputs=example_inputs)
         return clean
 

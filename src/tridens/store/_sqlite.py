@@ -375,6 +375,14 @@ class Store:
             raise StoreError(f"no experiment {name!r} in the store {self.path} (it holds: {shown or 'none'})")
         return self._experiment_record(row)
 
+    def delete_experiment(self, name: str) -> None:
+        """Remove the experiment ``name`` with its trials, metrics and checkpoint rows (the engine
+        removes an experiment whose run failed before its first trial). Raises when it has none."""
+        eid = self._experiment_id(name)
+        with self._writing(f"deleting experiment {name!r}", single=True) as conn:
+            conn.execute("DELETE FROM experiments WHERE id = ?", (eid,))
+        self._experiment_ids.pop(name, None)
+
     def experiments(self) -> list[ExperimentRecord]:
         """Every experiment, oldest first."""
         with self._reading("listing experiments") as conn:
@@ -491,11 +499,15 @@ class Store:
                                f"WHERE t.id = ?", (trial_id,)).fetchone()
             if row is None:
                 raise StoreError(f"no trial with id {trial_id} in the store {self.path}")
+            number = conn.execute("SELECT COUNT(*) FROM trials WHERE experiment_id = (SELECT experiment_id FROM "
+                                  "trials WHERE id = ?) AND id < ?", (trial_id, trial_id)).fetchone()[0]
             metrics = conn.execute("SELECT trial_id, name, value FROM metrics WHERE trial_id = ? "
                                    "ORDER BY name, step", (trial_id,)).fetchall()
             checkpoints = conn.execute("SELECT trial_id, path FROM checkpoints WHERE trial_id = ? ORDER BY id",
                                        (trial_id,)).fetchall()
-        return self._assemble([row], metrics, checkpoints)[0]
+        trial = self._assemble([row], metrics, checkpoints)[0]
+        trial.number = number
+        return trial
 
     def trials(self, experiment: str, *, status: TrialStatus | str | None = None) -> list[Trial]:
         """Every trial of ``experiment`` in id order (optionally only one status), each with
@@ -513,7 +525,13 @@ class Store:
                                    f"m.trial_id WHERE {where} ORDER BY m.trial_id, m.name, m.step", args).fetchall()
             checkpoints = conn.execute(f"SELECT c.trial_id, c.path FROM checkpoints c JOIN trials t ON t.id = "
                                        f"c.trial_id WHERE {where} ORDER BY c.id", args).fetchall()
-        return self._assemble(rows, metrics, checkpoints)
+            ids = [r[0] for r in rows] if status is None else [r[0] for r in conn.execute(
+                "SELECT id FROM trials WHERE experiment_id = ? ORDER BY id", (eid,))]
+        numbers = {tid: n for n, tid in enumerate(ids)}  # per experiment, from 0, in id order
+        trials = self._assemble(rows, metrics, checkpoints)
+        for trial in trials:
+            trial.number = numbers.get(trial.id)
+        return trials
 
     def _assemble(self, rows: list[tuple[Any, ...]], metrics: list[tuple[Any, ...]],
                   checkpoints: list[tuple[Any, ...]]) -> list[Trial]:
