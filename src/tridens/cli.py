@@ -42,7 +42,15 @@ def _console():  # type: ignore[no-untyped-def]
     dataset's repr is not a train emoji)."""
     from rich.console import Console
 
-    return Console(emoji=False)
+    from .text import printable
+
+    class SafeConsole(Console):
+        """Shows control characters in stored text as escapes (:func:`tridens.text.printable`)."""
+
+        def render_str(self, text: str, **kwargs):  # type: ignore[no-untyped-def]
+            return super().render_str(printable(text), **kwargs)
+
+    return SafeConsole(emoji=False)
 
 
 def _run_script(script: str, db: str, argv: Sequence[str]) -> int:
@@ -112,19 +120,33 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_resume(args: argparse.Namespace) -> int:
     with _store(args.db) as db:
         record = db.get_experiment(args.name)
-    script = record.config.get("script")
+    import shlex
+
+    from .text import printable
+
+    script, argv = record.config.get("script"), record.config.get("argv") or []
     if not script:
         raise TridensError(f"experiment {args.name!r} records no script to resume from")
+    if not isinstance(script, str) or not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        raise TridensError(f"experiment {args.name!r} records a script or arguments that are not text")
+    command = "python " + " ".join(shlex.quote(printable(part)) for part in [script, *argv])
+    # A store may come from someone else: its script and arguments run only once the user names
+    # that script on the command line, having seen the whole command.
+    if args.script is None or Path(args.script).resolve() != Path(script).resolve():
+        raise TridensError(f"resuming {args.name!r} runs `{command}`, as the store {args.db} records it; if that "
+                           f"script is yours, confirm it: tridens resume {shlex.quote(args.name)} --script "
+                           f"{shlex.quote(printable(script))}")
     if not Path(script).exists():
         raise TridensError(f"the script {script} of experiment {args.name!r} no longer exists")
-    return _run_script(script, args.db, record.config.get("argv") or [])
+    print(f"tridens: resuming {args.name!r}: {command}", file=sys.stderr, flush=True)
+    return _run_script(script, args.db, argv)
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from .trial import Objective, TrialStatus
+    from .trial import TrialStatus
 
     with _store(args.db) as db:
         table = Table(title=f"experiments in {args.db}")
@@ -132,7 +154,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             table.add_column(col)
         for record in db.experiments():
             trials = db.trials(record.name)
-            objective = Objective(**record.config.get("objective", {"metric": "val_acc", "mode": "max"}))
+            objective = record.objective()
             scores = [t.metric for t in trials if t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED) and t.metric is not None]
             best = max(scores, key=objective.score) if scores else None
             table.add_row(escape(record.name), record.status, str(len(trials)), "-" if best is None else f"{best:.4f}",
@@ -149,7 +171,6 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
     from .engine._progress import trials_table
-    from .trial import Objective
 
     with _store(args.db) as db:
         record = db.get_experiment(args.name)
@@ -162,7 +183,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
             value = config[key]
             text = value.get("repr", value) if isinstance(value, dict) and "repr" in value else json.dumps(value)
             console.print(f"  {key}: {escape(str(text))}")  # stored text, not rich markup
-    objective = Objective(**config.get("objective", {"metric": "val_acc", "mode": "max"}))
+    objective = record.objective()
     console.print(trials_table(trials, objective, full_samples=not sys.stdout.isatty()))
     return 0
 
@@ -183,7 +204,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from .engine import Experiment
 
     exp = Experiment.load(args.db, args.name)
-    for path in exp.export(args.to, top=args.top, force=args.force):
+    for path in exp.export(args.to, top=args.top, trust_code=args.trust_code, force=args.force):
         print(path)
     return 0
 
@@ -193,7 +214,6 @@ def _show_data(args: argparse.Namespace) -> int:
     import json
 
     from . import _views
-    from .trial import Objective
 
     with _store(args.db) as db:
         record = db.get_experiment(args.name)
@@ -209,7 +229,7 @@ def _show_data(args: argparse.Namespace) -> int:
     elif args.csv:
         sys.stdout.write(_views.metrics_csv(trial))
     else:
-        objective = Objective(**record.config.get("objective", {"metric": "val_acc", "mode": "max"}))
+        objective = record.objective()
         console = _console()
         for part in _views.trial_details(trial, trials, objective):
             console.print(part)
@@ -241,12 +261,11 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
 
 def _cmd_plot(args: argparse.Namespace) -> int:
     from . import _views
-    from .trial import Objective
 
     with _store(args.db) as db:
         record = db.get_experiment(args.name)
         trials = db.trials(args.name)
-    objective = Objective(**record.config.get("objective", {"metric": "val_acc", "mode": "max"}))
+    objective = record.objective()
     print(_views.plot_experiment(trials, objective, args.to, metric=args.metric, title=args.name))
     return 0
 
@@ -295,9 +314,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=1, help="how many of the best models to export (default: %(default)s)")
     p.add_argument("--to", required=True, help="the directory to write them to (one rank{r}-trial{n} folder each)")
     p.add_argument("--force", action="store_true", help="replace the tridens exports in a non-empty --to directory")
+    p.add_argument("--trust-code", action="store_true",
+                   help="import the script the store names as the experiment's space (it runs that file) to "
+                        "export a self-contained program; only for a store whose code you trust")
     p.set_defaults(fn=_cmd_export)
     p = sub.add_parser("resume", parents=[common], help="finish an interrupted experiment")
     p.add_argument("name", help="the experiment's name (see tridens ls)")
+    p.add_argument("--script", default=None,
+                   help="the script the experiment records, confirming that it is yours and may run (tridens "
+                        "resume NAME without it shows the command it would run)")
     p.set_defaults(fn=_cmd_resume)
     p = sub.add_parser("dashboard", parents=[common], help="a web dashboard over the store (live while a run writes it)")
     p.add_argument("--port", type=int, default=8765, help="the port to listen on (default: %(default)s)")
@@ -319,16 +344,25 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from .text import printable
+
     args = _parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)
     except (TridensError, OSError) as err:
-        message = " ".join(str(err).split())
+        message = printable(" ".join(str(err).split()))
         print(f"tridens: error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:  # Ctrl-C: one line (the engine's names the command that resumes)
         print(f"tridens: {err or 'interrupted'}", file=sys.stderr)
         return 130
+    except Exception as err:  # a fault not foreseen above: one line too, the traceback on request
+        if os.environ.get("TRIDENS_DEBUG"):
+            raise
+        message = printable(" ".join(str(err).split()))
+        print(f"tridens: error: {type(err).__name__}: {message} (set TRIDENS_DEBUG=1 for the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

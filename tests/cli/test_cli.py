@@ -54,7 +54,7 @@ def test_run_ls_show_top_export(tmp_path, searched):
     top = tridens("top", "cli-search", "-k", "3", "--db", db).stdout
     assert "top 3" in top
     target = tmp_path / "export"
-    tridens("export", "cli-search", "--top", "2", "--to", target, "--db", db)
+    tridens("export", "cli-search", "--top", "2", "--to", target, "--db", db, "--trust-code")  # our own script
     exported = sorted(p.name for p in target.iterdir())
     assert len(exported) == 2 and all((target / p / "weights.pt").exists() for p in exported)
     # the exported model loads in a fresh interpreter that never saw the script
@@ -86,7 +86,7 @@ def test_kill_then_resume_completes_the_budget_without_retraining(tmp_path):
     assert len(before) >= 2, "the run never finished two trials"
     with Store(db, readonly=True) as store:
         snapshot = {t.id: (t.finished_at, t.metrics) for t in store.trials("cli-search") if t.status is TrialStatus.COMPLETED}
-    tridens("resume", "cli-search", "--db", db)
+    tridens("resume", "cli-search", "--db", db, "--script", SCRIPT)  # confirms the recorded script is ours
     with Store(db, readonly=True) as store:
         trials = store.trials("cli-search")
         record = store.get_experiment("cli-search")

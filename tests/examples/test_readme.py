@@ -95,7 +95,7 @@ def test_short_example_and_the_commands_after_it(tmp_path: Path) -> None:
     tridens = [sys.executable, "-m", "tridens.cli"]
     assert "my-search" in _run([*tridens, "ls"], tmp_path)
     assert "top 10 of my-search" in _run([*tridens, "top", "my-search", "-k", "10"], tmp_path)
-    export = _run([*tridens, "export", "my-search", "--top", "1", "--to", "best/"], tmp_path)
+    export = _run([*tridens, "export", "my-search", "--top", "1", "--to", "best/", "--trust-code"], tmp_path)
     assert "resuming" not in export  # the script's guarded main code did not run again
     loaded = _run([sys.executable, "-c", "import tridens as td, torch; m = td.load('best'); "
                    "print(tuple(m(torch.zeros(3, 1, 8, 8)).shape))"], tmp_path)

@@ -16,6 +16,7 @@ from ..errors import TridensError
 from ..store import Store
 from ..trial import Trial
 from ..space import RecipeError, build_space
+from ._program_check import check_program
 
 __all__ = ["ExportedProgram", "export_trials", "load"]
 
@@ -45,8 +46,10 @@ def _clear_for_export(directory: Path, force: bool) -> None:
 
 
 def export_trials(db: Store, config: dict[str, Any], trials: Sequence[Trial], directory: Path, *,
-                  force: bool = False) -> list[Path]:
-    """Write ``trials`` (best first) to ``directory/rank{r}-trial{n}/``, whatever their number."""
+                  force: bool = False, trust_code: bool = False) -> list[Path]:
+    """Write ``trials`` (best first) to ``directory/rank{r}-trial{n}/``, whatever their number.
+    The space is rebuilt (for the exported program) from already importable code only, unless
+    ``trust_code`` (see :func:`tridens.space.build_space`)."""
     if not trials:
         raise TridensError("no finished trial to export")
     _clear_for_export(directory, force)
@@ -65,7 +68,7 @@ def export_trials(db: Store, config: dict[str, Any], trials: Sequence[Trial], di
         }
         if config.get("space") is not None:
             try:
-                space = build_space(config["space"])
+                space = build_space(config["space"], trust_code=trust_code)
                 model = space.freeze(space.restrict(trial.sample), check=False)
                 model.load_state_dict(weights)
                 inputs = space.example_inputs
@@ -119,7 +122,8 @@ def _model_folder(path: Path, rank: int) -> Path:
     return folders[0]
 
 
-def load(directory: str | os.PathLike[str], *, prefer: str = "module", rank: int = 1) -> nn.Module:
+def load(directory: str | os.PathLike[str], *, prefer: str = "module", rank: int = 1,
+         trust_code: bool = False) -> nn.Module:
     """Rebuild an exported model: the ``rank``-th best of an export directory, or the model of
     one ``rank*-trial*`` folder.
 
@@ -128,16 +132,26 @@ def load(directory: str | os.PathLike[str], *, prefer: str = "module", rank: int
     ``torch.export`` program is loaded instead as an :class:`ExportedProgram` (``prefer="program"``
     always takes it).
 
+    An export may come from someone else, so loading it runs none of its code unless
+    ``trust_code=True``: the recipe resolves only to model-space / ``nn.Module`` classes already
+    importable (never a script, nor a module inside the export folder), and the program is loaded
+    only if it holds no pickled data and no guard code (:func:`check_program`).
+
     >>> model = td.load("best-model")             # doctest: +SKIP
     >>> second = td.load("best-model", rank=2)    # doctest: +SKIP
     """
     path = _model_folder(Path(directory), rank)
     manifest_path = path / _MANIFEST
-    manifest = json.loads(manifest_path.read_text())
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise TridensError(f"{manifest_path} is not a readable tridens manifest ({err})") from err
+    if not isinstance(manifest, dict):
+        raise TridensError(f"{manifest_path} is not a tridens manifest (a JSON {type(manifest).__name__})")
     weights = torch.load(path / "weights.pt", weights_only=True)
     if prefer == "module" and manifest.get("space") is not None:
         try:
-            space = build_space(manifest["space"])
+            space = build_space(manifest["space"], trust_code=trust_code, untrusted_dir=path)
             model = space.freeze(space.restrict(manifest["sample"]), check=False)
             model.load_state_dict(weights)
             return model
@@ -146,5 +160,10 @@ def load(directory: str | os.PathLike[str], *, prefer: str = "module", rank: int
                 raise
             warnings.warn(f"rebuilding from code failed ({err}); loading the exported program instead")
     if manifest.get("program"):
-        return ExportedProgram(torch.export.load(str(path / manifest["program"])).module(), path)
+        program = path / str(manifest["program"])
+        if program.parent.resolve() != path.resolve():
+            raise TridensError(f"{manifest_path} names the program {manifest['program']!r}, outside its folder")
+        if not trust_code:
+            check_program(program)
+        return ExportedProgram(torch.export.load(str(program)).module(), path)
     raise TridensError(f"{path} holds no rebuildable model: the space was not importable and no program was exported")

@@ -19,7 +19,7 @@ from torch import nn
 from ..errors import TridensError
 from ._choice import Choice, choice, loguniform, randint, uniform
 from ._model_space import ModelSpace
-from ._mutator import MutatorSpace
+from ._mutator import Mutator, MutatorSpace
 
 __all__ = ["object_path", "import_object", "space_recipe", "build_space", "RecipeError"]
 
@@ -46,13 +46,41 @@ def object_path(obj: Any) -> dict[str, Any]:
     return {"path": f"{module}:{qualname}", "file": file}
 
 
-def import_object(ref: dict[str, Any]) -> Any:
-    """The object a reference made by :func:`object_path` points to."""
+def import_object(ref: dict[str, Any], *, expect: type | None = None, trust_code: bool = False,
+                  untrusted_dir: str | os.PathLike[str] | None = None) -> Any:
+    """The object a reference made by :func:`object_path` points to.
+
+    A reference read from a store or an export may have been written by someone else, so by
+    default it resolves only to code this process could already import: a module found on
+    ``sys.path`` (never one inside ``untrusted_dir``, e.g. the export folder being loaded) or a
+    script this process already runs. A script file is imported (which runs it) only with
+    ``trust_code=True``. With ``expect``, the object must be a class deriving from it; this is
+    checked before anything is called, so ``"os:system"`` is refused, not run.
+
+    >>> import_object({"path": "torch.nn:Linear", "file": None}, expect=nn.Module).__name__
+    'Linear'
+    >>> import_object({"path": "os:system", "file": None}, expect=nn.Module)
+    Traceback (most recent call last):
+    ...
+    tridens.space._recipe.RecipeError: 'os:system' names a builtin_function_or_method, not a subclass of Module; ...
+    """
+    if not isinstance(ref, dict) or not isinstance(ref.get("path"), str) or ":" not in ref["path"]:
+        raise RecipeError(f"{_short(ref)} is not a reference to code (a dict with a 'path' like 'pkg.module:Name')")
     module_name, _, qualname = ref["path"].partition(":")
     file = ref.get("file")
+    if file is not None and not isinstance(file, str):
+        raise RecipeError(f"the 'file' of {ref['path']!r} is not a path: {_short(file)}")
     if file:
-        module = _import_script(file)
+        module = _running_script(file)
+        if module is None:
+            if not trust_code:
+                raise RecipeError(
+                    f"{ref['path']!r} is defined in the script {file!r}; importing it would run that file, so "
+                    f"tridens does so only when you trust it: pass trust_code=True (tridens --trust-code)")
+            module = _import_script(file)
     else:
+        if untrusted_dir is not None and not trust_code:
+            _refuse_module_inside(module_name, Path(untrusted_dir), ref["path"])
         try:
             module = importlib.import_module(module_name)
         except ImportError as err:
@@ -63,7 +91,48 @@ def import_object(ref: dict[str, Any]) -> Any:
             obj = getattr(obj, part)
         except AttributeError as err:
             raise RecipeError(f"{ref['path']!r} no longer exists ({file or module_name} has no {part!r})") from err
+    if expect is not None and not (isinstance(obj, type) and issubclass(obj, expect)):
+        raise RecipeError(f"{ref['path']!r} names a {type(obj).__name__}, not a subclass of {expect.__name__}; "
+                          f"a recipe only names model spaces, modules and mutators")
     return obj
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _running_script(file: str) -> Any:
+    """The module of ``file`` if this process already runs or imported it (its code already ran)."""
+    path = Path(file)
+    main = sys.modules.get("__main__")
+    if main is not None and getattr(main, "__file__", None) and Path(main.__file__).resolve() == path.resolve():
+        return main
+    return sys.modules.get(_script_module_name(path))
+
+
+def _script_module_name(path: Path) -> str:
+    return "tridens_script_" + "".join(c if c.isalnum() else "_" for c in str(path.resolve()))
+
+
+def _refuse_module_inside(module_name: str, folder: Path, path: str) -> None:
+    """Refuse a module that Python would find inside ``folder`` (a file shipped with an export)."""
+    top = module_name.split(".")[0]
+    if top in sys.modules:
+        return
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return  # import_module then names the failure
+    if spec is None:
+        return
+    places = [spec.origin] if spec.origin else []
+    places += list(spec.submodule_search_locations or [])
+    root = folder.resolve()
+    for place in places:
+        if place and Path(place).resolve().is_relative_to(root):
+            raise RecipeError(f"{path!r} would be imported from {place!r}, inside the folder being loaded; "
+                              f"tridens runs no code shipped with it unless you pass trust_code=True")
 
 
 def _import_script(file: str) -> Any:
@@ -71,12 +140,10 @@ def _import_script(file: str) -> Any:
     path = Path(file)
     if not path.exists():
         raise RecipeError(f"the script {file} that defines this experiment's space no longer exists")
-    main = sys.modules.get("__main__")
-    if main is not None and os.path.abspath(getattr(main, "__file__", "") or "") == str(path.resolve()):
-        return main
-    name = "tridens_script_" + "".join(c if c.isalnum() else "_" for c in str(path.resolve()))
-    if name in sys.modules:
-        return sys.modules[name]
+    running = _running_script(file)
+    if running is not None:
+        return running
+    name = _script_module_name(path)
     # An explicit source loader: spec_from_file_location finds none for a script not named *.py.
     loader = importlib.machinery.SourceFileLoader(name, str(path))
     spec = importlib.util.spec_from_file_location(name, path, loader=loader)
@@ -148,13 +215,47 @@ def _json_to_placeholders(obj: Any) -> Any:
     return obj
 
 
-def build_space(recipe: dict[str, Any]) -> Any:
-    """The space (or plain module) a recipe describes."""
-    kind = recipe["kind"]
+def build_space(recipe: dict[str, Any], *, trust_code: bool = False,
+                untrusted_dir: str | os.PathLike[str] | None = None) -> Any:
+    """The space (or plain module) a recipe describes.
+
+    Every class a recipe names is resolved as :func:`import_object` does (already importable code
+    only, unless ``trust_code=True``) and must be a :class:`ModelSpace`, an ``nn.Module`` (a
+    mutator space's base) or a :class:`Mutator`; a malformed recipe raises :class:`RecipeError`.
+
+    >>> build_space({"kind": "module", "path": "os:system", "file": None, "args": ["touch x"], "kwargs": {}})
+    Traceback (most recent call last):
+    ...
+    tridens.space._recipe.RecipeError: 'os:system' names a builtin_function_or_method, not a subclass of Module; ...
+    """
+    if not isinstance(recipe, dict):
+        raise RecipeError(f"a space recipe must be a JSON object, got {_short(recipe)}")
+    kind = recipe.get("kind")
+    opts: dict[str, Any] = {"trust_code": trust_code, "untrusted_dir": untrusted_dir}
     if kind == "mutators":
-        base = build_space(recipe["base"])
-        mutators = [import_object(m)(**m["args"]) if m["args"] else import_object(m)() for m in recipe["mutators"]]
-        inputs = tuple(torch.zeros(shape, dtype=getattr(torch, dtype)) for shape, dtype in recipe["example_inputs"])
-        return ModelSpace.from_base(base, mutators, example_inputs=inputs)
-    cls = import_object(recipe)
-    return cls(*_json_to_placeholders(recipe["args"]), **_json_to_placeholders(recipe["kwargs"]))
+        mutators, shapes = recipe.get("mutators"), recipe.get("example_inputs")
+        if not isinstance(mutators, list) or not all(isinstance(m, dict) and isinstance(m.get("args", {}), dict)
+                                                     for m in mutators):
+            raise RecipeError(f"the mutators of a space recipe must be a list of references, got {_short(mutators)}")
+        if not isinstance(shapes, list) or not all(
+                isinstance(s, list) and len(s) == 2 and isinstance(s[0], list)
+                and all(isinstance(d, int) and 0 <= d <= 1 << 20 for d in s[0])
+                and isinstance(getattr(torch, str(s[1]), None), torch.dtype) for s in shapes):
+            raise RecipeError(f"the example inputs of a space recipe must be [shape, dtype] pairs, got {_short(shapes)}")
+        base = build_space(recipe.get("base"), **opts)
+        classes = [import_object(m, expect=Mutator, **opts) for m in mutators]
+        built = [cls(**m["args"]) if m.get("args") else cls() for cls, m in zip(classes, mutators)]
+        inputs = tuple(torch.zeros(shape, dtype=getattr(torch, dtype)) for shape, dtype in shapes)
+        return ModelSpace.from_base(base, built, example_inputs=inputs)
+    if kind not in ("model_space", "module"):
+        raise RecipeError(f"unknown space recipe kind {_short(kind)} (known: 'model_space', 'module', 'mutators')")
+    args, kwargs = recipe.get("args", []), recipe.get("kwargs", {})
+    if not isinstance(args, list) or not isinstance(kwargs, dict):
+        raise RecipeError(f"the arguments of {recipe.get('path')!r} must be a list and a dict, got "
+                          f"{_short(args)} and {_short(kwargs)}")
+    cls = import_object(recipe, expect=ModelSpace if kind == "model_space" else nn.Module, **opts)
+    try:
+        args, kwargs = _json_to_placeholders(args), _json_to_placeholders(kwargs)
+    except (KeyError, TypeError, ValueError) as err:
+        raise RecipeError(f"a choice among the arguments of {recipe.get('path')!r} is malformed: {err!r}") from err
+    return cls(*args, **kwargs)

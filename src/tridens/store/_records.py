@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import StoreError
+from ..trial import Objective
+
 __all__ = ["ExperimentRecord"]
 
 
@@ -27,3 +30,19 @@ class ExperimentRecord:
     config: dict[str, Any] = field(default_factory=dict)
     created_at: float = 0.0
     updated_at: float = 0.0
+
+    def objective(self) -> Objective:
+        """The objective ``config`` records (``val_acc``, max when it records none); a stored value
+        that is not one raises :class:`~tridens.errors.StoreError` naming the experiment.
+
+        >>> ExperimentRecord(1, "a", "done", {"objective": {"metric": "loss", "mode": "min"}}).objective().mode
+        'min'
+        """
+        stored = self.config.get("objective")
+        if stored is None:
+            return Objective()
+        try:
+            return Objective(**stored)
+        except (TypeError, ValueError) as err:
+            raise StoreError(f"experiment {self.name!r} records the objective {stored!r}, which is not one: "
+                             f"{' '.join(str(err).split())}") from err

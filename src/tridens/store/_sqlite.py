@@ -112,6 +112,7 @@ class Store:
         self._experiment_ids: dict[str, int] = {}
         self._made_dirs: set[Path] = set()  # checkpoint folders known to exist (one mkdir each)
         self._orphans: list[sqlite3.Connection] = []
+        self._run_locks: dict[str, int] = {}  # experiment -> the descriptor of its held run lock
         self._conn: sqlite3.Connection | None = self._open()
         self._pid = os.getpid()
 
@@ -138,6 +139,10 @@ class Store:
                 conn = self._connect_readonly()
                 version = read_version(conn, str(path))
                 check_not_newer(str(path), version, CURRENT_VERSION)
+                if version == 0 and not conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+                    raise StoreError(
+                        f"the store {path} holds no experiments yet (an empty file, or one a run is creating "
+                        f"right now); retry once an experiment has started")
                 if version != CURRENT_VERSION:
                     raise StoreError(
                         f"cannot read the store {path} read-only: it has schema version {version} and this "
@@ -188,8 +193,11 @@ class Store:
         return self._conn
 
     def close(self) -> None:
-        """Close the database (SQLite then folds the write-ahead log back into the file)."""
+        """Close the database (SQLite then folds the write-ahead log back into the file) and
+        release the runs it holds (:meth:`lock_run`)."""
         with self._lock:
+            for name in list(self._run_locks):
+                self._release_run(name)
             if self._conn is not None and os.getpid() == self._pid:
                 self._conn.close()
             self._conn = None
@@ -331,6 +339,62 @@ class Store:
 
     # -- experiments ----------------------------------------------------------------------------
 
+    _runs_held: set[tuple[str, str]] = set()  # (store, experiment) locked by this process
+
+    def lock_run(self, experiment: str) -> None:
+        """Claim the right to run ``experiment`` until this store is closed. A second process (or a
+        second store object here) asking while it is held gets a one-line :class:`StoreError`
+        naming the holder (pid and host). The claim is a POSIX lock on
+        ``<db name>.files/<experiment>/.run.lock``: the system drops it when the holder's process
+        ends, however it ends, so a killed run never blocks the next one.
+
+        >>> import tempfile, os
+        >>> a = Store(os.path.join(tempfile.mkdtemp(), "t.db"))
+        >>> a.lock_run("search")
+        >>> b = Store(a.path)
+        >>> b.lock_run("search")
+        Traceback (most recent call last):
+        ...
+        tridens.errors.StoreError: experiment 'search' is already running ...
+        >>> a.close(); b.lock_run("search"); b.close()
+        """
+        import fcntl
+        import socket
+
+        if experiment in self._run_locks:
+            return
+        if not isinstance(experiment, str) or not _NAME_RE.fullmatch(experiment):
+            raise ValueError(f"An experiment name must be letters, digits, '_', '.', '-'. Got {experiment!r} instead.")
+        key = (str(self.path.resolve()), experiment)
+        if key in Store._runs_held:  # checked first: opening and closing the file here would drop the lock
+            raise StoreError(f"experiment {experiment!r} is already running in the store {self.path} (pid "
+                             f"{os.getpid()} on {socket.gethostname()}, this process); wait for it or use another name")
+        path = self.files_dir / experiment / ".run.lock"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise StoreError(f"cannot claim experiment {experiment!r} of the store {self.path}: {e}") from e
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise StoreError(f"experiment {experiment!r} is already running in the store {self.path} "
+                             f"({holder or 'by another process'}); wait for it, stop it, or use another name") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        self._run_locks[experiment] = fd
+        Store._runs_held.add(key)
+
+    def _release_run(self, experiment: str) -> None:
+        fd = self._run_locks.pop(experiment)
+        Store._runs_held.discard((str(self.path.resolve()), experiment))
+        if os.getpid() == self._pid:  # a forked copy holds no POSIX lock, and must not touch the file
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+        os.close(fd)
+
     def create_experiment(self, name: str, config: Mapping[str, Any] | None = None, *,
                           status: str = "created", exist_ok: bool = False) -> ExperimentRecord:
         """Add an experiment; ``name`` is unique in the store and names its checkpoint folder.
@@ -407,8 +471,19 @@ class Store:
         return self.get_experiment(name)
 
     def _experiment_record(self, row: tuple[Any, ...]) -> ExperimentRecord:
-        return ExperimentRecord(id=row[0], name=row[1], status=row[2], config=json.loads(row[3]),
+        config = self._json_object(row[3], f"the config of experiment {row[1]!r}")
+        return ExperimentRecord(id=row[0], name=row[1], status=row[2], config=config,
                                 created_at=row[4], updated_at=row[5])
+
+    def _json_object(self, text: Any, what: str) -> dict[str, Any]:
+        """A stored JSON object, or :class:`StoreError` naming ``what`` (a damaged or edited row)."""
+        try:
+            value = json.loads(text)
+        except (TypeError, ValueError) as e:
+            raise StoreError(f"{what} in the store {self.path} is not valid JSON ({e})") from e
+        if not isinstance(value, dict):
+            raise StoreError(f"{what} in the store {self.path} is a JSON {type(value).__name__}, not an object")
+        return value
 
     def _experiment_id(self, name: str) -> int:
         eid = self._experiment_ids.get(name)
@@ -539,10 +614,17 @@ class Store:
         nan = math.nan
         for (tid, exp, sample, fingerprint, seed, status, metric, metric_nan, group, max_steps, info, parent,
              started, finished, error) in rows:
+            try:
+                status = TrialStatus(status)
+            except ValueError as e:
+                known = ", ".join(s.value for s in TrialStatus)
+                raise StoreError(f"trial {tid} in the store {self.path} has the unknown status {status!r} "
+                                 f"(known: {known})") from e
             trials[tid] = Trial(
-                id=tid, sample=json.loads(sample), seed=seed, status=TrialStatus(status), fingerprint=fingerprint,
-                metric=nan if metric_nan else metric, error=error, group=group, max_steps=max_steps,
-                info=json.loads(info), started_at=started, finished_at=finished, experiment=exp, parent=parent)
+                id=tid, sample=self._json_object(sample, f"the sample of trial {tid}"), seed=seed, status=status,
+                fingerprint=fingerprint, metric=nan if metric_nan else metric, error=error, group=group,
+                max_steps=max_steps, info=self._json_object(info, f"the info of trial {tid}"), started_at=started,
+                finished_at=finished, experiment=exp, parent=parent)
         for tid, name, value in metrics:
             trials[tid].metrics.setdefault(name, []).append(nan if value is None else value)
         for tid, rel in checkpoints:
@@ -664,7 +746,8 @@ class Store:
 
     def load_checkpoint(self, path: str | os.PathLike[str], *, map_location: Any = "cpu") -> Any:
         """Load a checkpoint saved by :meth:`save_checkpoint` (``weights_only=True``: tensors and plain
-        containers, nothing executable). ``path`` is absolute or relative to ``<db name>.files/``."""
+        containers, nothing executable). ``path`` is absolute or relative to ``<db name>.files/``, and
+        must lie inside that folder (a row naming another file, a ``..`` or a link out, is refused)."""
         import pickle
 
         import torch
@@ -672,6 +755,8 @@ class Store:
         p = Path(path)
         if not p.is_absolute():
             p = self.files_dir / p
+        if not p.resolve().is_relative_to(self.files_dir.resolve()):
+            raise StoreError(f"refusing the checkpoint {str(p)!r}: it lies outside the store's folder {self.files_dir}")
         if not p.is_file():
             raise StoreError(f"no checkpoint file {p} (store {self.path})")
         try:

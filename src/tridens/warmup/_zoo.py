@@ -232,14 +232,17 @@ class Zoo:
                            f"so its layers cannot be matched (opaque node {desc['opaque']})")
         return self.add_description(desc, state, accuracy=accuracy, name=name or type(model).__name__, **meta)
 
-    def add_experiment(self, name: str, store: str | os.PathLike[str] | None = None) -> list[Entry]:
+    def add_experiment(self, name: str, store: str | os.PathLike[str] | None = None, *,
+                       trust_code: bool = False) -> list[Entry]:
         """Add every finished trial (with a checkpoint) of experiment ``name`` of ``store`` (default:
         this zoo's store) that is not in the zoo yet: the experiment's space is rebuilt from its
         stored recipe, frozen with the trial's sample, and described. Trials whose checkpoint no
-        longer loads are skipped with a :class:`ZooWarning`."""
+        longer loads are skipped with a :class:`ZooWarning`. The store may come from someone else:
+        its recipe resolves to already importable classes only, unless ``trust_code=True`` (see
+        :func:`tridens.space.build_space`)."""
         from ..space import build_space
         from ..store import Store
-        from ..trial import Objective, TrialStatus
+        from ..trial import TrialStatus
 
         path = Path(store) if store is not None else self.path
         with Store(path, readonly=True) as db:
@@ -247,8 +250,8 @@ class Zoo:
             trials = db.trials(name)
             if not record.config.get("space"):
                 raise ZooError(f"experiment {name!r} has no space recipe in {path}: its trials cannot be rebuilt")
-            space = build_space(record.config["space"])
-            objective = Objective(**record.config.get("objective", {"metric": "val_acc", "mode": "max"}))
+            space = build_space(record.config["space"], trust_code=trust_code)
+            objective = record.objective()
             have = {(e.meta.get("store"), e.meta.get("trial")) for e in self.entries.values()}
             added = []
             for t in trials:

@@ -1,0 +1,150 @@
+"""Opening, listing and exporting a store someone else wrote runs none of their code, reads no
+file outside the store's folder, prints their text inertly, and answers a damaged row with one
+line; ``tridens resume`` runs a recorded script only once the user confirms it."""
+
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tridens.errors import StoreError, TridensError
+from tridens.store import Store
+from tridens.trial import Trial, TrialStatus
+from tridens.warmup import Zoo
+
+from .payloads import touch_command
+
+TRIDENS = [sys.executable, "-m", "tridens.cli"]
+
+
+def tridens(*args, cwd=None):
+    return subprocess.run([*TRIDENS, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def make_store(db: Path, config: dict, sample=None) -> Store:
+    """A store with one completed trial and its checkpoint, as a run leaves it."""
+    store = Store(db)
+    store.create_experiment("e", {"objective": {"metric": "val_acc", "mode": "max"}, **config})
+    trial = store.add_trial("e", Trial(id=-1, sample=sample or {"w": 1}, seed=0))
+    trial.status, trial.metric = TrialStatus.COMPLETED, 0.5
+    store.finish_trial(trial, nn.Linear(4, 3).state_dict())
+    return store
+
+
+def test_export_and_zoo_of_a_store_whose_space_names_os_system(tmp_path):
+    marker = tmp_path / "pwned"
+    recipe = {"kind": "module", "path": "os:system", "file": None, "args": [touch_command(marker)], "kwargs": {}}
+    db = tmp_path / "runs.db"
+    make_store(db, {"space": recipe}).close()
+    res = tridens("export", "e", "--to", tmp_path / "out", "--db", db)
+    assert res.returncode == 0, res.stderr  # weights and manifest exported, no program built
+    assert (tmp_path / "out").exists()
+    with pytest.raises(TridensError, match="not a subclass"):
+        Zoo(tmp_path / "zoo.db").add_experiment("e", db)
+    assert not marker.exists()
+
+
+def test_a_script_space_is_imported_on_export_only_with_trust_code(tmp_path):
+    marker = tmp_path / "pwned"
+    script = tmp_path / "theirs.py"
+    script.write_text(f"import os\nos.system({touch_command(marker)!r})\n")
+    db = tmp_path / "runs.db"
+    make_store(db, {"space": {"kind": "model_space", "path": "__main__:Net", "file": str(script),
+                              "args": [], "kwargs": {}}}).close()
+    res = tridens("export", "e", "--to", tmp_path / "out", "--db", db)
+    assert res.returncode == 0 and "trust" in res.stderr, res.stderr
+    assert not marker.exists()
+    tridens("export", "e", "--to", tmp_path / "out2", "--db", db, "--trust-code")
+    assert marker.exists()  # the user opted in
+
+
+@pytest.mark.parametrize("where", ["absolute", "dotdot", "link"])
+def test_a_checkpoint_path_outside_the_store_folder_is_refused(tmp_path, where):
+    db = tmp_path / "store" / "runs.db"
+    db.parent.mkdir()
+    make_store(db, {}).close()
+    outside = tmp_path / "elsewhere.pt"
+    torch.save({"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}, outside)
+    rel = {"absolute": str(outside), "dotdot": "../../elsewhere.pt", "link": "e/link.pt"}[where]
+    if where == "link":
+        (Path(str(db) + ".files") / "e" / "link.pt").symlink_to(outside)
+    conn = sqlite3.connect(db)
+    conn.execute("UPDATE checkpoints SET path = ?", (rel,))
+    conn.commit()
+    conn.close()
+    with Store(db, readonly=True) as store:
+        trial = store.trials("e")[0]
+        with pytest.raises(StoreError, match="outside the store's folder"):
+            store.load_checkpoint(trial.checkpoint)
+    res = tridens("export", "e", "--to", tmp_path / "out", "--db", db)
+    assert res.returncode == 1 and "outside the store's folder" in res.stderr
+    assert res.stderr.count("\n") == 1
+
+
+def test_resume_shows_a_foreign_command_and_refuses_it(tmp_path):
+    import timeit
+
+    marker = tmp_path / "pwned"
+    db = tmp_path / "runs.db"
+    argv = ["-s", f"import os; os.system({touch_command(marker)!r})", "pass"]
+    make_store(db, {"script": timeit.__file__, "argv": argv}).close()
+    res = tridens("resume", "e", "--db", db)
+    assert res.returncode == 1 and res.stderr.count("\n") == 1
+    assert "timeit.py" in res.stderr and "os.system" in res.stderr and "--script" in res.stderr
+    res = tridens("resume", "e", "--db", db, "--script", tmp_path / "mine.py")  # not the recorded script
+    assert res.returncode == 1
+    assert not marker.exists()
+
+
+def test_control_characters_in_stored_text_are_printed_as_escapes(tmp_path):
+    db = tmp_path / "runs.db"
+    make_store(db, {"evaluator": {"type": "E", "repr": "E(\x1b]0;title\x07)"}},
+               sample={"w\x1b[2J": "\x1b[31mred\x9b", "\u202eevil": 1}).close()
+    conn = sqlite3.connect(db)
+    conn.execute("UPDATE experiments SET status = ?", ("done\x1bc",))
+    conn.commit()
+    conn.close()
+    for command in (["ls"], ["show", "e"], ["top", "e"]):
+        res = tridens(*command, "--db", db)
+        assert res.returncode == 0, res.stderr
+        for raw in ("\x1b", "\x07", "\x9b", "\u202e"):
+            assert raw not in res.stdout, (command, res.stdout)
+    show = tridens("show", "e", "--db", db).stdout
+    assert "\\x1b" in "".join(show.split())
+
+
+@pytest.mark.parametrize("damage,expected", [
+    ("UPDATE trials SET sample = '{bad'", "the sample of trial 1 .* is not valid JSON"),
+    ("UPDATE trials SET sample = '[1, 2]'", "the sample of trial 1 .* is a JSON list, not an object"),
+    ("UPDATE trials SET status = 'weird'", "unknown status 'weird'"),
+    ("UPDATE experiments SET config = '{\"objective\": {\"metric\": \"a\", \"mode\": \"sideways\"}}'",
+     "records the objective .* which is not one"),
+    ("UPDATE experiments SET config = 'nope'", "the config of experiment 'e' .* is not valid JSON"),
+])
+def test_a_damaged_row_is_one_line_from_every_command(tmp_path, damage, expected):
+    import re
+
+    db = tmp_path / "runs.db"
+    make_store(db, {}).close()
+    conn = sqlite3.connect(db)
+    conn.execute(damage)
+    conn.commit()
+    conn.close()
+    for command in (["ls"], ["show", "e"], ["top", "e"], ["export", "e", "--to", tmp_path / "out"]):
+        res = tridens(*command, "--db", db)
+        assert res.returncode == 1, (command, res.stdout, res.stderr)
+        assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, (command, res.stderr)
+        assert re.search(expected, res.stderr), (command, res.stderr)
+
+
+def test_a_store_being_created_is_not_called_an_old_schema(tmp_path):
+    db = tmp_path / "new.db"
+    sqlite3.connect(db).close()  # the file exists, its tables do not yet
+    res = tridens("ls", "--db", db)
+    assert res.returncode == 1 and "holds no experiments yet" in res.stderr
+    assert "schema version" not in res.stderr
