@@ -159,7 +159,7 @@ class Experiment:
             record = db.get_experiment(name)
         config = record.config
         exp = cls(None, None, None, store=path, name=name, max_trials=config.get("max_trials"),
-                  seed=config.get("seed", 0), seeds=config.get("seeds", "per-trial"), objective=Objective(**config["objective"]) if "objective" in config else None,
+                  seed=config.get("seed", 0), seeds=config.get("seeds", "per-trial"), objective=record.objective() if "objective" in config else None,
                   second_objective=tuple(config["second_objective"]) if config.get("second_objective") else None)
         return exp
 
@@ -212,7 +212,7 @@ class Experiment:
         top = self.top(1)
         return top[0] if top else None
 
-    def export(self, directory: str | os.PathLike[str], top: int = 1, *, force: bool = False) -> list[Path]:
+    def export(self, directory: str | os.PathLike[str], top: int = 1, trust_code: bool = False, *, force: bool = False) -> list[Path]:
         """Write the ``top`` best models to ``directory``, one ``rank{r}-trial{n}/`` folder each, with
         what :func:`tridens.load` needs to rebuild them: weights, sample, space recipe, metrics.
         A non-empty ``directory`` is refused unless ``force`` (which replaces the exports in it)."""
@@ -221,7 +221,8 @@ class Experiment:
         with Store(self._store_path(), readonly=True) as db:
             record = db.get_experiment(self._name())
             trials = self.top(top)
-            return export_trials(db, record.config, trials, Path(directory), force=force)
+            # trust_code: the recorded space may name a script; importing it runs it (tridens.space.build_space)
+            return export_trials(db, record.config, trials, Path(directory), trust_code=trust_code, force=force)
 
     # -- running ------------------------------------------------------------------------------
     def _check(self) -> None:
@@ -368,6 +369,7 @@ class Experiment:
         # The evaluator's and the strategy's settings, before anything is written or trained.
         described = describe_space(check_before_run(space, self.evaluator, strategy, objective, self.seed))  # type: ignore[arg-type]
         with Store(path) as db:
+            db.lock_run(name)  # a second process running this experiment is refused, naming this one
             try:
                 record = db.get_experiment(name)
                 resumed = True
