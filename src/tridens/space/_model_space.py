@@ -12,7 +12,6 @@ when depth >= 3).
 from __future__ import annotations
 
 import contextlib
-import copy
 import random
 import warnings
 from typing import Any, Callable, Iterator, Mapping, Sequence
