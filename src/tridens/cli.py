@@ -353,9 +353,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = printable(" ".join(str(err).split()))
         print(f"tridens: error: {message}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt as err:  # Ctrl-C: one line (the engine's names the command that resumes)
-        print(f"tridens: {err or 'interrupted'}", file=sys.stderr)
-        return 130
     except Exception as err:  # a fault not foreseen above: one line too, the traceback on request
         if os.environ.get("TRIDENS_DEBUG"):
             raise
@@ -363,6 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tridens: error: {type(err).__name__}: {message} (set TRIDENS_DEBUG=1 for the traceback)",
               file=sys.stderr)
         return 1
+    except KeyboardInterrupt as err:  # Ctrl-C: one line (the engine's names the command that resumes)
+        print(f"tridens: {err or 'interrupted'}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
