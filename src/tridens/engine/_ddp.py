@@ -41,9 +41,21 @@ def free_port() -> int:
 
 
 def init_group(rank: int, world: int, port: int, timeout: float = 120.0) -> None:
-    """Join a gloo process group of ``world`` ranks meeting at 127.0.0.1:``port``."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout))
+    """Join a gloo process group of ``world`` ranks meeting at 127.0.0.1:``port``.
+
+    Rank 0 serves the rendezvous (a ``TCPStore``) from a socket it binds to 127.0.0.1 itself:
+    given only the address, ``TCPStore`` listens on every interface, so other machines could
+    reach it."""
+    delta = datetime.timedelta(seconds=timeout)
+    listen_fd = None
+    if rank == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(max(world, 16))
+        listen_fd = listener.detach()  # the store owns the descriptor from here
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, delta, master_listen_fd=listen_fd)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=delta)
 
 
 def close_group() -> None:
