@@ -163,7 +163,9 @@ class SearchBase(Strategy):
         history = sorted(history, key=lambda t: t.id)
         for trial in history:
             self.tell(trial)
-        self._proposed = len(history)
+        # Proposal k draws from the k-th random stream: a resumed run continues at the count of
+        # trials the experiment holds, so it proposes what an uninterrupted run would have.
+        self._proposed = max([len(history)] + [t.number + 1 for t in history if t.number is not None])
         self._resumed(history)
 
     def report(self, trial: Trial, step: int, value: float) -> None:
@@ -174,6 +176,8 @@ class SearchBase(Strategy):
         curve[step] = float(value) if value is not None else math.nan
 
     def tell(self, trial: Trial) -> None:
+        if trial.number is not None and trial.number >= self._proposed:  # a trial of an earlier run, re-run
+            self._proposed = trial.number + 1
         key = self._key_of(trial)
         if key is not None:
             self._seen.add(key)
