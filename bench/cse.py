@@ -293,7 +293,7 @@ def run_cse(make_jobs, ev, variant="cse"):
         units, rest = plan_cse(jobs, ev)
         planned = time.perf_counter() - t0
         assert not rest, "every trial should share the pipeline"
-        describe = units[0].describe()
+        describe = units[0].summary()
         metrics = drive(units)
         return time.perf_counter() - t0, time.process_time() - c0, planned, metrics, describe
     finally:

@@ -11,6 +11,7 @@ from . import datasets, evaluators, graph, nn, space, store, strategy
 from . import loggers, oneshot, warmup
 from . import hub
 from .engine import Experiment, load
+from . import executors
 from .errors import GraphError, InvalidSample, InvalidSpace, StoreError, TridensError
 from .evaluators import report
 from .space import Mutator, choice, loguniform, randint, uniform
@@ -24,5 +25,5 @@ __all__ = [
     "Experiment", "load", "report",
     "TridensError", "InvalidSpace", "InvalidSample", "GraphError", "StoreError",
     "Trial", "TrialGroup", "TrialStatus", "Objective", "Decision", "hub",
-    "nn", "space", "graph", "strategy", "evaluators", "datasets", "store", "warmup", "oneshot", "loggers",
+    "nn", "space", "graph", "strategy", "evaluators", "datasets", "store", "warmup", "oneshot", "executors", "loggers",
 ]

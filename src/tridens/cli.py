@@ -34,7 +34,23 @@ def _store(db: str, readonly: bool = True):  # type: ignore[no-untyped-def]
 
     if not Path(db).exists():
         raise StoreError(f"no store at {db} (run an experiment first, or pass --db PATH)")
-    return Store(db, readonly=readonly)
+    store = Store(db, readonly=readonly)
+    _settle_abandoned(store)
+    return store
+
+
+def _settle_abandoned(store):  # type: ignore[no-untyped-def]
+    """Runs left ``running`` by a driver that is gone (killed, a full disk) are marked interrupted
+    before they are shown; a store that cannot be written is shown as it is."""
+    from .engine import find_abandoned, mark_abandoned
+    from .store import Store, StoreError
+
+    try:
+        if find_abandoned(store):
+            with Store(store.path) as writable:
+                mark_abandoned(writable)
+    except (StoreError, OSError):
+        pass
 
 
 def _console():  # type: ignore[no-untyped-def]

@@ -17,10 +17,11 @@ class TrialStatus(str, enum.Enum):
     STOPPED = "stopped"        # stopped early by the strategy; .metric is its last value
     FAILED = "failed"          # raised, went NaN or timed out; .error says why
     DUPLICATE = "duplicate"    # same fingerprint, hyperparameters and seed as an earlier trial
+    INTERRUPTED = "interrupted"  # was running when its run stopped (Ctrl-C, a killed driver); runs again on resume
 
     @property
     def finished(self) -> bool:
-        return self is not TrialStatus.PENDING and self is not TrialStatus.RUNNING
+        return self not in (TrialStatus.PENDING, TrialStatus.RUNNING, TrialStatus.INTERRUPTED)
 
 
 class Decision(str, enum.Enum):

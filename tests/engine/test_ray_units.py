@@ -240,7 +240,7 @@ def test_member_checkpoint_of_a_fused_unit_resumes_as_a_separate_trainer(digits_
         unit = BatchedUnit(jobs(), ev)
     else:
         (unit,), _ = plan_cse(jobs(), ev)
-        assert ("frozen prefix" in unit.describe()) == (kind == "prefix")
+        assert ("frozen prefix" in unit.summary()) == (kind == "prefix")
     unit.train_epoch()
     states = {tid: member_state(unit, tid, ev) for tid in unit.jobs}
     fused = [unit.train_epoch(), unit.train_epoch()]

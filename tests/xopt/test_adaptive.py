@@ -70,7 +70,7 @@ def test_fused_decision_equals_forced_fusion_and_separate(data, monkeypatch, cap
     jobs = make_jobs(SAMPLES, cnn)
     initial = {k: v.clone() for k, v in jobs[0].model.state_dict().items()}
     unit = adaptive(jobs, ev)
-    assert "fused or not as measured on their first real steps" in unit.describe()
+    assert "fused or not as measured on their first real steps" in unit.summary()
     with caplog.at_level(logging.INFO, logger="tridens"):
         decided = run(unit, stop={2: 1})
     member = unit.member
@@ -129,7 +129,7 @@ def test_measured_decision_is_cached(data, caplog):
     with caplog.at_level(logging.INFO, logger="tridens"):
         units, rest = plan_batching(make_jobs(SAMPLES, mlp), ev)
     if speedup >= _batching.settings.min_speedup:
-        assert [type(u) for u in units] == [BatchedUnit] and "earlier unit's first steps" in units[0].describe()
+        assert [type(u) for u in units] == [BatchedUnit] and "earlier unit's first steps" in units[0].summary()
     else:
         assert units == [] and "earlier unit's first steps" in caplog.text
 

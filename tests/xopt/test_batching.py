@@ -318,7 +318,7 @@ def test_planner_groups_by_structure_and_setup(data, force, caplog):
     text = caplog.text
     assert "trial 4 not fused: different optimizer" in text
     assert "trial 9 not fused: no other trial with the same model structure" in text
-    assert "fused: forced" in units[0].describe()
+    assert "fused: forced" in units[0].summary()
 
 
 def test_planner_respects_max_unit_memory(data, force, caplog):

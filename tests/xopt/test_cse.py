@@ -214,7 +214,7 @@ def test_pipeline_groups_and_the_log_line_says_what_is_not_shared(data, caplog):
         units, rest = plan_cse(jobs_for(ARCHS, samples), ev)
     assert [sorted(u.jobs) for u in units] == [[1, 2]]
     assert [j.trial.id for j in rest] == [3, 4]
-    line = units[0].describe()
+    line = units[0].summary()
     assert "one data pipeline" in line
     assert "trial 3 (different batch size (32, not 64))" in line
     assert "trial 4 (different data seed (7, not 0))" in line
@@ -286,7 +286,7 @@ def test_frozen_prefix_is_computed_once_and_equals_separate(data):
     units, rest = plan_cse(jobs_for(head_makers(), samples), ev)
     assert rest == [] and len(units) == 1
     unit = units[0]
-    assert "frozen prefix of" in unit.describe() and "computed once per batch for trials [1, 2, 3, 4]" in unit.describe()
+    assert "frozen prefix of" in unit.summary() and "computed once per batch for trials [1, 2, 3, 4]" in unit.summary()
     [prefix] = unit.prefixes.values()
     seen, handles = count_backbone_calls(units)
     try:
@@ -342,7 +342,7 @@ def test_a_split_that_does_not_reproduce_the_model_is_not_used(data):
     makers = [Branchy, Branchy, head_makers()[0]]
     separate = drive([SeparateUnit(jobs_for(makers, [{}] * 3), ev)])
     units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
-    line = units[0].describe()
+    line = units[0].summary()
     assert "does not reproduce the model" in line
     fused = drive(units)
     assert_same(separate[0], fused[0])
@@ -357,7 +357,7 @@ def test_different_backbone_weights_are_not_shared(data):
         jobs[1].model.backbone[3].weight.add_(0.01)   # same structure, other weights
     units, _ = plan_cse(jobs, ev)
     assert not units[0].prefixes
-    assert "frozen prefix" not in units[0].describe().split("whole models")[0]
+    assert "frozen prefix" not in units[0].summary().split("whole models")[0]
 
 
 # -- memory ------------------------------------------------------------------------------------------
@@ -371,7 +371,7 @@ def test_memory_bound_splits_units_and_training_is_unchanged(data):
     units, rest = plan_cse(jobs_for(head_makers(), samples), ev, max_unit_memory=limit)
     assert rest == [] and len(units) >= 2
     assert all(u.memory <= limit for u in units)
-    assert all("split into" in u.describe() for u in units)
+    assert all("split into" in u.summary() for u in units)
     # each unit runs its own copy of the prefix: BatchNorm statistics are not updated twice
     prefixes = [p for u in units for p in u.prefixes.values()]
     assert len({id(p.module) for p in prefixes}) == len(prefixes) >= 2
@@ -558,7 +558,7 @@ def test_joint_step_with_wide_first_layers_equals_separate(data, wide, optimizer
     member = joint_member(units[0])
     # Linear(64, .) after three kinds of flatten; Conv2d 3x3 with bias apart from 5x5 (BatchNorm after)
     assert sorted(sorted(g.layers) for g in member.wide) == [[1, 3, 5, 6], [2, 4], [7, 8]]
-    line = units[0].describe()
+    line = units[0].summary()
     assert "joint step (one backward) for trials [1, 2, 3, 4, 5, 6, 7, 8]" in line
     assert "trials [1, 3, 5, 6] share their first layer as one Linear(64 -> 92)" in line
     assert "trials [2, 4] share their first layer as one Conv2d(1 -> 20, kernel (3, 3)" in line
@@ -599,7 +599,7 @@ def test_joint_step_with_a_member_that_modifies_its_input(data, wide):
     makers = [lambda: mlp(16), InPlace, lambda: cnn(8), lambda: mlp(24)]
     separate = drive([SeparateUnit(jobs_for(makers, [{}] * 4), ev)])
     units, _ = plan_cse(jobs_for(makers, [{}] * 4), ev)
-    line = units[0].describe()
+    line = units[0].summary()
     assert "joint step (one backward) for trials [1, 3, 4]" in line
     assert "trials [2] (it modifies its input in place)" in line
     fused = drive(units)
@@ -622,15 +622,15 @@ def test_wide_layers_kept_only_where_measured_to_pay(data, monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="tridens"):
         units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
     assert joint_member(units[0]).wide == []
-    assert "first layers of trials [1, 2] kept apart (Linear(64 -> 52) as one op measured" in units[0].describe()
+    assert "first layers of trials [1, 2] kept apart (Linear(64 -> 52) as one op measured" in units[0].summary()
     monkeypatch.setattr(_cse.settings, "wide_min_speedup", 0.0)
     units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
     assert [sorted(g.layers) for g in joint_member(units[0]).wide] == [[1, 2]]
-    assert "trials [1, 2] share their first layer as one Linear(64 -> 52) (measured" in units[0].describe()
+    assert "trials [1, 2] share their first layer as one Linear(64 -> 52) (measured" in units[0].summary()
     # off: the joint step alone; no joint step: members one at a time
     monkeypatch.setattr(_cse.settings, "wide", "off")
     units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
-    assert joint_member(units[0]).wide == [] and "first layer" not in units[0].describe()
+    assert joint_member(units[0]).wide == [] and "first layer" not in units[0].summary()
     monkeypatch.setattr(_cse.settings, "joint", False)
     units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
     assert not any(isinstance(m, _cse.JointMember) for m in units[0].members)
@@ -648,7 +648,7 @@ def test_joint_step_respects_the_memory_bound(data, wide):
     assert apart.memory < joint_memory  # members one at a time hold one member's activations
     [unit], _ = plan_cse(jobs_for(makers, [{}] * 3), ev, max_unit_memory=joint_memory - 1)
     assert not any(isinstance(m, _cse.JointMember) for m in unit.members)
-    assert "members step one at a time (a joint step would need" in unit.describe()
+    assert "members step one at a time (a joint step would need" in unit.summary()
 
 
 def test_a_convolution_with_a_bias_keeps_its_own_op(data, wide):
@@ -661,7 +661,7 @@ def test_a_convolution_with_a_bias_keeps_its_own_op(data, wide):
     makers = [lambda: cnn(8), lambda: cnn(12)]   # Conv2d(bias=True) -> BatchNorm2d
     separate = drive([SeparateUnit(jobs_for(makers, [{}] * 2), ev)])
     units, _ = plan_cse(jobs_for(makers, [{}] * 2), ev)
-    assert joint_member(units[0]).wide == [] and "first layer" not in units[0].describe()
+    assert joint_member(units[0]).wide == [] and "first layer" not in units[0].summary()
     fused = drive(units)
     assert_same(separate[0], fused[0])
     assert_same_weights(separate[1], fused[1])
@@ -704,7 +704,7 @@ def test_joint_step_runs_max_pools_by_the_exact_kernel(data, optimizer):
     member = joint_member(units[0])
     # not: the 7x7 maps, the MLP (no pool)
     assert sorted(member.fast) == [1, 2, 3, 6]
-    assert "2x2 max-pools of trials [1, 2, 3, 6] run by an exact two-pass kernel" in units[0].describe()
+    assert "2x2 max-pools of trials [1, 2, 3, 6] run by an exact two-pass kernel" in units[0].summary()
     code = member.fast[1].code
     assert "_pool_2x2" in code and "max_pool2d" not in code and "relu" not in code  # the ReLU taken over
     fused = drive(units)
@@ -722,7 +722,7 @@ def test_max_pools_the_kernel_cannot_reproduce_keep_their_op(data, monkeypatch):
     assert sorted(joint_member(units[0]).fast) == [3]  # ceil mode and odd maps: their own op
     monkeypatch.setattr(_cse.settings, "fast_pools", False)
     units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
-    assert joint_member(units[0]).fast == {} and "max-pools" not in units[0].describe()
+    assert joint_member(units[0]).fast == {} and "max-pools" not in units[0].summary()
 
 
 class TrainingBranch(PoolNet):

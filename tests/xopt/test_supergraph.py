@@ -241,7 +241,7 @@ def test_planner_merges_children_and_they_share_one_tensor(setup):
     assert sum(p is a.stem.weight for p in held) == 1             # one optimizer state
     # the stem and its ReLU once for the three children: 3 x 8 nodes -> 20
     assert (member.nodes, member.child_nodes) == (20, 24)
-    assert "supergraph unit of 3 trial(s)" in unit.describe() and "20 nodes per batch" in unit.describe()
+    assert "supergraph unit of 3 trial(s)" in unit.summary() and "20 nodes per batch" in unit.summary()
     calls = []
     a.stem.register_forward_hook(lambda *_: calls.append(1))
     metrics, final = _drive(unit)
@@ -340,7 +340,7 @@ def test_memory_estimate_and_max_unit_memory(setup):
     # a bound that holds two children but not three: the group is split, the third trains apart
     units, rest = plan_supergraph(_children(setup), setup[1], max_unit_memory=three - 1)
     assert [sorted(u.jobs) for u in units] == [[1, 2]] and [j.trial.id for j in rest] == [3]
-    assert "split into 2 parts" in units[0].describe()
+    assert "split into 2 parts" in units[0].summary()
     units, rest = plan_supergraph(_children(setup), setup[1], max_unit_memory=two - 1)
     assert units == [] and len(rest) == 3
     # the engine's planner passes the experiment's bound: the third child goes to the other planners

@@ -1,55 +1,69 @@
-"""Running a group of trials: the in-process executor (lockstep epochs for step-wise evaluators)
-and the process-pool executor (long-lived worker processes that run trials one after another, for
-user loops that need isolation; with Fluid allocation, see :mod:`._fluid`).
+"""Executors: where a TrialGroup's trials train. Each is an object passed to
+``td.Experiment(executor=...)``:
 
-Executors never touch the store or the strategy: they call the hooks of :class:`GroupHooks`
-(implemented by the experiment), which alone write results and ask for decisions.
+* :class:`InlineExecutor` (``td.executors.Inline()``, the default): in this process; step-wise
+  evaluators train their planned units in lockstep epochs (:func:`run_lockstep`).
+* :class:`ProcessExecutor` (``td.executors.Process(workers=2)``): long-lived worker processes that
+  run trials one after another, for user loops that need isolation; with Fluid allocation, see
+  :mod:`._fluid`.
+* :class:`~tridens.engine._ray.RayExecutor` (``td.executors.Ray(...)``): Ray tasks.
+
+Executors never touch the store or the strategy: each trial's :class:`~._protocol.TrialProtocol`
+turns what happened into the trial's records and outcome.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
-import math
 import multiprocessing as mp
+import os
+import signal
+import threading
 import time
-import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from ..evaluators._base import Evaluator, StepwiseEvaluator
-from ..trial import Decision, Trial, TrialStatus
-from ..units import ExecutionUnit, Job
+from ..evaluators import Evaluator, StepwiseEvaluator, drive
+from ..trial import Decision
+from ..units import ExecutionUnit, Job, SeparateUnit
+from ._protocol import GroupHooks, TrialProtocol, TrialTimeout, Verdict, error_text
 from ._threads import ThreadPolicy
 
-__all__ = ["Job", "GroupHooks", "Executor", "InlineExecutor", "ProcessExecutor", "TrialTimeout", "make_executor"]
+__all__ = ["Executor", "RunContext", "InlineExecutor", "ProcessExecutor", "run_lockstep", "plan_units",
+           "model_bytes", "weights_bytes", "state_bytes", "make_executor"]
 
 
-class TrialTimeout(Exception):
-    """A trial ran longer than ``trial_timeout``."""
+@dataclass(frozen=True)
+class RunContext:
+    """What an experiment tells its executor before the first group: its name, where workers may
+    write checkpoints (a folder beside the store unless the executor has its own), whether to
+    fuse trials (``optimize``: True, False or a :class:`tridens.xopt.Settings`) and the Fluid
+    ``allocation`` policy (None: one trial per worker).
 
+    >>> RunContext(experiment="mnist").optimize
+    True
+    """
 
-class GroupHooks(Protocol):
-    """What executors call back into (implemented by the experiment)."""
-
-    trial_timeout: float | None
-
-    def record(self, trial: Trial, step: int, metrics: Mapping[str, float]) -> None:
-        """Store one step's metrics and tell the strategy the objective's value."""
-
-    def decide(self, trial: Trial, step: int) -> Decision:
-        """Ask the strategy whether ``trial`` continues after ``step``."""
-
-    def finish(self, trial: Trial, status: TrialStatus, *, error: str | None = None,
-               weights: Mapping[str, Any] | None = None, value: float | None = None) -> None:
-        """Store the outcome (and final weights) of ``trial``; tell the strategy."""
+    experiment: str = "experiment"
+    storage: str | None = None
+    optimize: Any = True
+    allocation: Any = None
 
 
 class Executor:
-    """Runs the jobs of one TrialGroup."""
+    """Runs the jobs of one TrialGroup. :meth:`start` is called once per run, before the first
+    group; :meth:`close` at its end. ``parallelism`` is how many trials run at once."""
+
+    parallelism = 1
+
+    def start(self, context: RunContext) -> None:
+        """Take the run's settings (see :class:`RunContext`)."""
+        self.context = context
 
     def run_group(self, jobs: Sequence[Job], evaluator: Evaluator, hooks: GroupHooks) -> None:  # pragma: no cover
         raise NotImplementedError
@@ -58,11 +72,12 @@ class Executor:
         """Release workers."""
 
 
-def _error_text(err: BaseException) -> str:
-    return "".join(traceback.format_exception(type(err), err, err.__traceback__)).strip()
+def _context(executor: Executor) -> RunContext:
+    return getattr(executor, "context", None) or RunContext()
 
 
-def _weights(model: nn.Module | None) -> dict[str, Any] | None:
+def weights(model: nn.Module | None) -> dict[str, Any] | None:
+    """A detached CPU copy of ``model``'s state_dict (None without a model)."""
     return None if model is None else {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
@@ -75,67 +90,198 @@ def model_bytes(model: nn.Module | None) -> bytes:
     return pickle.dumps(model)
 
 
-def _weights_bytes(model: nn.Module | None) -> bytes | None:
-    """Weights serialized for the pipe: tensors sent as-is would travel as shared-memory handles
-    that vanish when the worker exits right after sending."""
-    weights = _weights(model)
-    if weights is None:
+def state_bytes(state: Any) -> bytes | None:
+    """``torch.save`` of ``state`` for a pipe (None stays None): tensors sent as-is would travel as
+    shared-memory handles that vanish when the worker exits right after sending."""
+    if state is None:
         return None
     buffer = io.BytesIO()
-    torch.save(weights, buffer)
+    torch.save(state, buffer)
     return buffer.getvalue()
 
 
-class _HookReporter:
-    """The Reporter handed to a user loop: records, asks for a decision, enforces the timeout."""
+def weights_bytes(model: nn.Module | None) -> bytes | None:
+    """The final weights of ``model`` serialized for the pipe."""
+    return state_bytes(weights(model))
 
-    def __init__(self, job: Job, hooks: GroupHooks):
-        self.job, self.hooks = job, hooks
-        self.last: float | None = None
-        self.reported = False
+
+def load_bytes(payload: bytes | None) -> Any:
+    """What :func:`state_bytes` wrote (tensors only: nothing else is unpickled)."""
+    return None if payload is None else torch.load(io.BytesIO(payload), weights_only=True)
+
+
+def plan_units(jobs: Sequence[Job], evaluator: StepwiseEvaluator, optimize: Any, **kw: Any
+               ) -> tuple[list[ExecutionUnit], list[tuple[Job, BaseException]]]:
+    """The units that train ``jobs``: the planner's, and one separate unit for the jobs that start
+    from another member's state (``Job.start_from``: a fork), loaded into it. Returns the units and
+    the forked jobs whose state could not be loaded (with the error)."""
+    from ._planner import plan
+
+    fresh = [job for job in jobs if job.start_from is None]
+    forked = [job for job in jobs if job.start_from is not None]
+    units: list[ExecutionUnit] = plan(fresh, evaluator, optimize, **kw) if fresh else []
+    failed = []
+    if forked:
+        unit = SeparateUnit(forked, evaluator, reason="started from another member's state (a fork)")
+        for job in forked:
+            try:
+                unit.load_state_dict(job.trial.id, job.start_from)
+            except Exception as err:
+                failed.append((job, err))
+                unit.drop(job.trial.id)
+        units.append(unit)
+    return units, failed
+
+
+@dataclass
+class UnitReport:
+    """One member's epoch, as :func:`run_lockstep` hands it to its judge."""
+
+    unit: ExecutionUnit
+    trial_id: int
+    step: int
+    metrics: Mapping[str, float] | None  # None: it trained nothing (its budget was spent already)
+    last: bool                           # the last epoch of its budget
+    seconds: float
+
+
+class LockstepJudge:
+    """What :func:`run_lockstep` asks after each round of epochs (no-op hooks by default)."""
+
+    def judge(self, reports: Sequence[UnitReport]) -> list[Verdict]:  # pragma: no cover - abstract
+        """One verdict per report."""
+        raise NotImplementedError
+
+    def failed(self, unit: ExecutionUnit, trial_id: int, err: BaseException) -> None:
+        """The member's epoch raised: it leaves the unit."""
+
+    def finished(self, report: UnitReport, verdict: Verdict) -> None:
+        """The member ends (:attr:`Verdict.STOP`/``DONE``; its weights are in ``report.unit``),
+        or leaves without them (``DROP``, ``YIELD``)."""
+
+
+def run_lockstep(units: Sequence[ExecutionUnit], judge: LockstepJudge) -> None:
+    """Train ``units`` epoch by epoch: every member's epoch first, then the judge's verdict for
+    every member (so a synchronous rule sees the whole rung), then members that end leave their
+    unit while the others go on. The one epoch loop of the in-process executor and of a Ray unit task."""
+    while any(unit.active() for unit in units):
+        reports: list[UnitReport] = []
+        for unit in units:
+            before = {j.trial.id: j.trial.info.get("train_seconds", 0.0) for j in unit.active()}
+            results = unit.train_epoch()
+            for trial_id, result in results.items():
+                if isinstance(result, BaseException):
+                    judge.failed(unit, trial_id, result)
+                    unit.drop(trial_id)
+                    continue
+                epoch = unit.epoch(trial_id)
+                seconds = unit.jobs[trial_id].trial.info.get("train_seconds", 0.0) - before.get(trial_id, 0.0)
+                reports.append(UnitReport(unit, trial_id, epoch - 1, {k: float(v) for k, v in result.items()},
+                                          epoch >= unit.limit(trial_id), seconds))
+            for job in unit.active():  # trained nothing this round: its budget is spent
+                trial_id = job.trial.id
+                if trial_id not in results and unit.epoch(trial_id) >= unit.limit(trial_id):
+                    reports.append(UnitReport(unit, trial_id, unit.epoch(trial_id) - 1, None, True, 0.0))
+        for report, verdict in zip(reports, judge.judge(reports)):
+            if verdict is not Verdict.CONTINUE:
+                judge.finished(report, verdict)
+                report.unit.drop(report.trial_id)
+
+
+class _InlineJudge(LockstepJudge):
+    """The in-process judge: every report recorded, then each member's verdict."""
+
+    def __init__(self, lives: Mapping[int, TrialProtocol]):
+        self.lives = lives
+
+    def judge(self, reports: Sequence[UnitReport]) -> list[Verdict]:
+        for r in reports:
+            if r.metrics is not None:
+                self.lives[r.trial_id].record(r.step, r.metrics)
+        return [self.lives[r.trial_id].verdict(r.step, last=r.last) for r in reports]
+
+    def failed(self, unit: ExecutionUnit, trial_id: int, err: BaseException) -> None:
+        self.lives[trial_id].fail(err)
+
+    def finished(self, report: UnitReport, verdict: Verdict) -> None:
+        if verdict.finishes:
+            self.lives[report.trial_id].finish(weights=report.unit.weights(report.trial_id))
+
+
+class _Deadline:
+    """``trial_timeout`` for a user's loop in this process: SIGALRM raises :class:`TrialTimeout`
+    inside the loop, even one that never reports. Outside the main thread (no signals there) the
+    timeout is checked at each report only. Deferred while the trial's records are written."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self.quiet = 0
+        self.pending = False
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        usable = (self.seconds is not None and hasattr(signal, "setitimer")
+                  and threading.current_thread() is threading.main_thread())
+        if not usable:
+            yield
+            return
+        previous = signal.signal(signal.SIGALRM, self._expire)
+        signal.setitimer(signal.ITIMER_REAL, float(self.seconds))  # type: ignore[arg-type]
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+    def _expire(self, signum: int, frame: Any) -> None:
+        if self.quiet:
+            self.pending = True
+        else:
+            raise TrialTimeout()
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """No timeout raised inside the block (a store write); raised right after it instead."""
+        self.quiet += 1
+        try:
+            yield
+        finally:
+            self.quiet -= 1
+        if self.pending and not self.quiet:
+            self.pending = False
+            raise TrialTimeout()
+
+
+class _ProtocolReporter:
+    """The Reporter handed to a user's loop in this process."""
+
+    def __init__(self, life: TrialProtocol, deadline: _Deadline):
+        self.life, self.deadline = life, deadline
 
     def report(self, step: int, metrics: Mapping[str, float]) -> Decision:
-        self.reported = True
-        self.hooks.record(self.job.trial, step, metrics)
-        first = next(iter(metrics.values()), None)
-        self.last = None if first is None else float(first)
-        timeout = self.hooks.trial_timeout
-        if timeout is not None and time.monotonic() - self.job.started > timeout:
-            raise TrialTimeout(f"trial {self.job.trial.id} exceeded trial_timeout={timeout} s at step {step}")
-        return self.hooks.decide(self.job.trial, step)
-
-
-def _final_status(value: float | None) -> tuple[TrialStatus, str | None]:
-    if value is not None and isinstance(value, float) and math.isnan(value):
-        return TrialStatus.FAILED, "the final metric is NaN"
-    return TrialStatus.COMPLETED, None
-
-
-def _done_outcome(message: tuple[Any, ...], last: float | None,
-                  trial: Trial) -> tuple[TrialStatus, str | None, dict[str, Any] | None, float | None]:
-    """A worker's ``("done", trial id, value, weight bytes)`` message as the trial's outcome:
-    (status, error, weights, final value); a trial the strategy stopped stays STOPPED."""
-    _, _, value, payload = message
-    weights = None if payload is None else torch.load(io.BytesIO(payload), weights_only=True)
-    value = last if value is None else value
-    status, error = _final_status(value)
-    if status is TrialStatus.COMPLETED and trial.status is TrialStatus.STOPPED:
-        status = TrialStatus.STOPPED
-    return status, error, weights, value
+        with self.deadline.deferred():
+            verdict = self.life.report(step, metrics)
+        if verdict is Verdict.DROP:  # past its timeout: the protocol failed it
+            raise TrialTimeout()
+        return Decision.STOP if verdict is Verdict.STOP else Decision.CONTINUE
 
 
 class InlineExecutor(Executor):
-    """Runs trials in this process.
+    """Runs trials in this process (the default executor).
 
     With a step-wise evaluator the group's trials advance in lockstep, one epoch each in turn:
     every trial's result for an epoch is recorded before any decision for that epoch, so
     synchronous rules (Hyperband rungs) see the whole rung. The planner groups them into execution
-    units, fused where ``optimize`` allows (:mod:`tridens.xopt`). Otherwise trials run one by one.
+    units, fused where ``optimize`` allows (:mod:`tridens.xopt`). Otherwise trials run one by one,
+    and ``trial_timeout`` interrupts a loop even between its reports (SIGALRM, main thread).
+    ``optimize`` (None: the experiment's) overrides the experiment's ``optimize``.
     ``threads`` (a :class:`~tridens.engine.ThreadPolicy`, default ``ThreadPolicy()``) sets the torch
     threads each group's units train with.
+
+    >>> exp = td.Experiment(space, evaluator, executor=td.executors.Inline())  # doctest: +SKIP
     """
 
-    def __init__(self, optimize: bool = True, threads: ThreadPolicy | None = None):
+    def __init__(self, optimize: Any = None, threads: ThreadPolicy | None = None):
         self.optimize = optimize
         self.threads = ThreadPolicy() if threads is None else threads
 
@@ -147,72 +293,61 @@ class InlineExecutor(Executor):
                 self._one(job, evaluator, hooks)
 
     def _one(self, job: Job, evaluator: Evaluator, hooks: GroupHooks) -> None:
-        job.started = time.monotonic()
-        reporter = _HookReporter(job, hooks)
+        life = TrialProtocol(job, hooks, clock="wall")
+        life.start()
+        deadline = _Deadline(hooks.trial_timeout)
         try:
-            value = evaluator.evaluate(job.model, job.trial.sample, job.trial.seed, reporter, max_steps=job.max_steps)
-        except Exception as err:  # a user's loop may raise anything; the run continues
-            hooks.finish(job.trial, TrialStatus.FAILED, error=_error_text(err))
+            with deadline.armed():
+                value = evaluator.evaluate(job.model, job.trial.sample, job.trial.seed,
+                                           _ProtocolReporter(life, deadline), max_steps=job.max_steps)
+        except TrialTimeout:
+            life.time_out("and was interrupted")
             return
-        value = reporter.last if value is None else float(value)
-        status, error = _final_status(value)
-        stopped = job.trial.status is TrialStatus.STOPPED
-        hooks.finish(job.trial, TrialStatus.STOPPED if stopped and status is TrialStatus.COMPLETED else status,
-                     error=error, weights=_weights(job.model), value=value)
+        except Exception as err:  # a user's loop may raise anything; the run continues
+            life.fail(err)
+            return
+        life.finish(value, weights(job.model))
 
     def _lockstep(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, hooks: GroupHooks) -> None:
-        from ._planner import plan
-
-        units = plan(jobs, evaluator, self.optimize)
+        optimize = _context(self).optimize if self.optimize is None else self.optimize
+        lives = {job.trial.id: TrialProtocol(job, hooks, clock="train") for job in jobs}
+        for life in lives.values():
+            life.start()
+        units, failed = plan_units(jobs, evaluator, optimize)
+        for job, err in failed:
+            lives[job.trial.id].fail(err)
         with self.threads.decide_units(units).applied():
-            self._epochs(units, hooks)
-
-    def _epochs(self, units: Sequence[ExecutionUnit], hooks: GroupHooks) -> None:
-        step = 0
-        while any(unit.active() for unit in units):
-            for unit in units:
-                for trial_id, result in unit.train_epoch().items():
-                    job = unit.jobs[trial_id]
-                    if isinstance(result, BaseException):
-                        hooks.finish(job.trial, TrialStatus.FAILED, error=_error_text(result))
-                        unit.drop(trial_id)
-                    else:
-                        hooks.record(job.trial, step, result)
-            for unit in units:
-                for job in unit.active():
-                    trial_id = job.trial.id
-                    values = job.trial.metrics.get(unit.objective.metric)
-                    value = values[-1] if values else None
-                    timeout = hooks.trial_timeout
-                    if timeout is not None and job.trial.info.get("train_seconds", 0.0) > timeout:
-                        hooks.finish(job.trial, TrialStatus.FAILED, value=value,
-                                     error=f"trial {trial_id} exceeded trial_timeout={timeout} s after epoch {step}")
-                    elif unit.epoch(trial_id) >= unit.limit(trial_id):
-                        status, error = _final_status(value)
-                        hooks.finish(job.trial, status, error=error, weights=unit.weights(trial_id), value=value)
-                    elif hooks.decide(job.trial, step) is Decision.STOP:
-                        hooks.finish(job.trial, TrialStatus.STOPPED, weights=unit.weights(trial_id), value=value)
-                    else:
-                        continue
-                    unit.drop(trial_id)
-            step += 1
+            run_lockstep(units, _InlineJudge(lives))
 
 
 # -- process pool --------------------------------------------------------------------------------
 # Messages, driver -> worker:  ("evaluator", token, pickled evaluator)  sent once per worker and evaluator
-#                              ("run", trial id, token, model bytes, sample, seed, max_steps)  one whole trial
+#                              ("run", trial id, token, model bytes, sample, seed, max_steps, state bytes)
 #                              ("host", ...) / ("ddp", ...)  a Fluid placement (see tridens.engine._fluid)
-#                              ("decision", trial id, value)  the answer to a "report"
+#                              ("decision", trial id, verdict value)  the answer to a "report"
 #                              ("quit",)
 # worker -> driver:            ("started", trial id)  ("report", trial id, step, metrics[, seconds])
 #                              ("done", trial id, value, weights bytes)  ("error", trial id, traceback)
 #                              ("yielded", trial id, trainer state bytes)  (Fluid)
 
 
-def _worker_main(conn: Connection, index: int) -> None:
+def _exit_with_driver(driver: int) -> None:
+    """Watch the driver from a daemon thread: when it is gone (killed, even with SIGKILL) this
+    worker exits too, whatever its trial is doing (a hanging trial included)."""
+    def watch() -> None:
+        while os.getppid() == driver:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="tridens-driver-watch", daemon=True).start()
+
+
+def _worker_main(conn: Connection, index: int, driver: int | None = None) -> None:
     """Entry point of a pool worker: serve trials one after another until told to quit."""
     import pickle
 
+    if driver is not None:
+        _exit_with_driver(driver)
     torch.set_num_threads(1)
     evaluators: dict[int, Evaluator] = {}
     pending: list[tuple[Any, ...]] = []  # messages read while waiting for something else
@@ -227,8 +362,9 @@ def _worker_main(conn: Connection, index: int) -> None:
         if kind == "evaluator":
             evaluators[message[1]] = pickle.loads(message[2])
         elif kind == "run":
-            _, trial_id, token, model, sample, seed, max_steps = message
-            _serve_trial(conn, evaluators[token], trial_id, pickle.loads(model), sample, seed, max_steps)
+            _, trial_id, token, model, sample, seed, max_steps, state = message
+            _serve_trial(conn, evaluators[token], trial_id, pickle.loads(model), sample, seed, max_steps,
+                         load_bytes(state))
         elif kind in ("host", "ddp"):
             from ._fluid import serve_placement
 
@@ -236,33 +372,38 @@ def _worker_main(conn: Connection, index: int) -> None:
 
 
 def _serve_trial(conn: Connection, evaluator: Evaluator, trial_id: int, model: nn.Module | None,
-                 sample: dict[str, Any], seed: int, max_steps: int | None) -> None:
+                 sample: dict[str, Any], seed: int, max_steps: int | None, state: Any = None) -> None:
     """Run one whole trial in this worker, streaming its reports to the driver."""
 
     class PipeReporter:
         def report(self, step: int, metrics: Mapping[str, float]) -> Decision:
             conn.send(("report", trial_id, step, {k: float(v) for k, v in metrics.items()}))
             reply = conn.recv()
-            return Decision(reply[2])
+            return Decision.STOP if reply[2] == Verdict.STOP.value else Decision.CONTINUE
 
     torch.set_num_threads(1)  # a previous user loop may have changed it
     try:
         conn.send(("started", trial_id))  # the timeout counts from here, not from the worker's start-up
-        value = evaluator.evaluate(model, sample, seed, PipeReporter(), max_steps=max_steps)
-        conn.send(("done", trial_id, None if value is None else float(value), _weights_bytes(model)))
+        if state is not None and isinstance(evaluator, StepwiseEvaluator):  # a fork: from that state on
+            trainer = evaluator.trainer(model, sample, seed)
+            trainer.load_state_dict(state)
+            value = drive(trainer, evaluator.objective, PipeReporter(), max_steps=max_steps)
+        else:
+            value = evaluator.evaluate(model, sample, seed, PipeReporter(), max_steps=max_steps)
+        conn.send(("done", trial_id, None if value is None else float(value), weights_bytes(model)))
     except BaseException as err:  # report everything (SystemExit too); the worker serves the next trial
-        conn.send(("error", trial_id, _error_text(err)))
+        conn.send(("error", trial_id, error_text(err)))
         if isinstance(err, KeyboardInterrupt):
             raise
 
 
-class _Worker:
+class PoolWorker:
     """One long-lived worker process of the pool and the driver's end of its pipe."""
 
     def __init__(self, ctx: Any, index: int):
         self.index = index
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child, index), daemon=True,
+        self.process = ctx.Process(target=_worker_main, args=(child, index, os.getpid()), daemon=True,
                                    name=f"tridens-worker-{index}")
         self.process.start()
         child.close()
@@ -270,6 +411,11 @@ class _Worker:
 
     def alive(self) -> bool:
         return self.process.is_alive()
+
+    def exit_code(self, wait: float = 2.0) -> int | None:
+        """The worker's exit code once it ended (None if it still runs after ``wait`` seconds)."""
+        self.process.join(timeout=wait)
+        return self.process.exitcode
 
     def kill(self) -> None:
         self.process.kill()
@@ -279,9 +425,8 @@ class _Worker:
 
 @dataclass
 class _Running:
-    job: Job
-    worker: _Worker
-    last: float | None = None
+    life: TrialProtocol
+    worker: PoolWorker
 
 
 class ProcessExecutor(Executor):
@@ -290,38 +435,46 @@ class ProcessExecutor(Executor):
     Each trial runs in a worker, so a user loop that crashes its process, hangs or leaks memory
     cannot take the driver down: a trial past ``trial_timeout`` is killed with its worker, a worker
     that dies fails only its trial, and either way a fresh worker replaces it. The driver streams
-    reports back, records them and answers each with the strategy's decision; final weights come
-    back as bytes. Workers are started on first use and kept until :meth:`close` (the experiment's
-    end), so interpreter start-up and imports are paid once per worker, not once per trial. State a
-    user loop leaves at module level in a worker (globals, caches) is seen by the next trial that
-    worker runs; the random state is re-seeded for every trial by the evaluator.
+    reports back and gives each to the trial's protocol; final weights come back as bytes. Workers
+    are started on first use and kept until :meth:`close` (the experiment's end), so interpreter
+    start-up and imports are paid once per worker, not once per trial; a worker exits when its
+    driver dies. State a user loop leaves at module level in a worker (globals, caches) is seen by
+    the next trial that worker runs; the random state is re-seeded for every trial by the evaluator.
 
     The evaluator and the models are pickled to the workers, so they must be importable (define
     them at module level and guard the script's main code with ``if __name__ == "__main__":``).
-    With ``allocation`` (a :class:`~tridens.engine.StaticFluid` or
-    :class:`~tridens.engine.DynamicFluid` policy) a declarative evaluator's TrialGroups are
-    placed by Fluid: several trials packed on a worker, or one trial data-parallel over several.
+    With the experiment's ``allocation`` (a :class:`~tridens.engine.StaticFluid` or
+    :class:`~tridens.engine.DynamicFluid` policy) a declarative evaluator's TrialGroups are placed
+    by Fluid: several trials packed on a worker, or one trial data-parallel over several.
 
-    >>> exp = td.Experiment(space, evaluator, executor=td.engine.ProcessExecutor(workers=4))  # doctest: +SKIP
+    >>> exp = td.Experiment(space, evaluator, executor=td.executors.Process(workers=4))  # doctest: +SKIP
     """
 
     def __init__(self, workers: int = 2, allocation: Any = None):
         self.workers = workers
-        self.allocation = allocation
+        self.allocation = allocation  # (overrides the experiment's allocation)
         self._ctx = mp.get_context("spawn")
-        self._pool: dict[int, _Worker] = {}
+        self._pool: dict[int, PoolWorker] = {}
         self._payloads: dict[int, tuple[Evaluator, bytes]] = {}  # id(evaluator) -> (kept alive, pickle)
-        self._fluid_profiles: dict[Any, float] = {}  # Fluid: measured seconds per step by trial structure
+        self.fluid_profiles: dict[Any, float] = {}  # Fluid: measured seconds per step by trial structure
+
+    @property
+    def parallelism(self) -> int:  # type: ignore[override]
+        return self.workers
 
     # -- the pool ------------------------------------------------------------------------------
-    def worker(self, index: int) -> _Worker:
+    def worker(self, index: int) -> PoolWorker:
         """The live worker in slot ``index`` (started, or restarted after a death or a kill)."""
         current = self._pool.get(index)
         if current is None or not current.alive():
             if current is not None:
                 current.kill()
-            current = self._pool[index] = _Worker(self._ctx, index)
+            current = self._pool[index] = PoolWorker(self._ctx, index)
         return current
+
+    def running(self, index: int) -> PoolWorker | None:
+        """The worker in slot ``index`` as it is (alive or dead), None when the slot is empty."""
+        return self._pool.get(index)
 
     def replace(self, index: int) -> None:
         """Kill the worker in slot ``index``; the next :meth:`worker` call starts a fresh one."""
@@ -329,7 +482,7 @@ class ProcessExecutor(Executor):
         if current is not None:
             current.kill()
 
-    def ship(self, worker: _Worker, evaluator: Evaluator) -> int:
+    def ship(self, worker: PoolWorker, evaluator: Evaluator) -> int:
         """Send ``evaluator`` to ``worker`` unless it holds it already; returns its token."""
         import pickle
 
@@ -364,12 +517,12 @@ class ProcessExecutor(Executor):
         for index in range(min(self.workers, len(jobs))):
             # Start the interpreters together: a first send blocks until its worker has started.
             self.worker(index)
-        if self.allocation is not None:
-            from ._fluid import fluid_policy, run_fluid
+        allocation = self.allocation if self.allocation is not None else _context(self).allocation
+        if allocation is not None and isinstance(evaluator, StepwiseEvaluator):
+            from ._fluid import FluidRun, fluid_policy
 
-            if isinstance(evaluator, StepwiseEvaluator):
-                run_fluid(self, jobs, evaluator, hooks, fluid_policy(self.allocation))
-                return
+            FluidRun(self, jobs, evaluator, hooks, fluid_policy(allocation)).run()
+            return
         queue = list(jobs)
         running: dict[int, _Running] = {}  # slot -> its trial
         while queue or running:
@@ -377,60 +530,57 @@ class ProcessExecutor(Executor):
                 if queue and index not in running:
                     job = queue.pop(0)
                     worker = self.worker(index)
-                    job.started = math.inf  # set when the worker says it started
                     try:
                         token = self.ship(worker, evaluator)
                         worker.conn.send(("run", job.trial.id, token, model_bytes(job.model), job.trial.sample,
-                                          job.trial.seed, job.max_steps))
+                                          job.trial.seed, job.max_steps, state_bytes(job.start_from)))
                     except (OSError, BrokenPipeError):  # died between two trials: its message is read below
                         pass
-                    running[index] = _Running(job, worker)
+                    running[index] = _Running(TrialProtocol(job, hooks, clock="wall"), worker)
             ready = wait([run.worker.conn for run in running.values()], timeout=0.2)
             for index, run in list(running.items()):
-                if run.worker.conn in ready and not self._handle(index, run, hooks):
+                if run.worker.conn in ready and not self._handle(index, run):
                     del running[index]
-                    continue
-                timeout = hooks.trial_timeout
-                if timeout is not None and time.monotonic() - run.job.started > timeout:
+                elif run.life.over_time():  # hangs or runs too long: killed with its worker
                     self.replace(index)
-                    hooks.finish(run.job.trial, TrialStatus.FAILED, value=run.last,
-                                 error=f"trial {run.job.trial.id} exceeded trial_timeout={timeout} s and was killed")
+                    run.life.time_out("and was killed")
                     del running[index]
 
-    def _handle(self, index: int, run: _Running, hooks: GroupHooks) -> bool:
+    def _handle(self, index: int, run: _Running) -> bool:
         """Process one message of ``run``'s worker; False when the trial is over."""
-        trial = run.job.trial
+        life = run.life
         try:
             message = run.worker.conn.recv()
         except (EOFError, OSError):
-            run.worker.process.join()
-            code = run.worker.process.exitcode
+            code = run.worker.exit_code()
             self.replace(index)
-            hooks.finish(trial, TrialStatus.FAILED, value=run.last,
-                         error=f"the worker process of trial {trial.id} died (exit code {code})")
+            life.fail(f"the worker process of trial {life.trial.id} died (exit code {code})")
             return False
         kind = message[0]
         if kind == "started":
-            run.job.started = time.monotonic()
+            life.start()
             return True
         if kind == "report":
             _, _, step, metrics = message[:4]
-            hooks.record(trial, step, metrics)
-            run.last = next(iter(metrics.values()), None)
-            decision = hooks.decide(trial, step)
-            run.worker.conn.send(("decision", trial.id, decision.value))
+            verdict = life.report(step, metrics)
+            if verdict is Verdict.DROP:  # past its timeout: failed by the protocol
+                self.replace(index)
+                return False
+            run.worker.conn.send(("decision", life.trial.id, verdict.value))
             return True
         if kind == "error":
-            hooks.finish(trial, TrialStatus.FAILED, value=run.last, error=message[2])
+            life.fail(message[2])
             return False
-        status, error, weights, value = _done_outcome(message, run.last, trial)
-        hooks.finish(trial, status, error=error, weights=weights, value=value)
+        _, _, value, payload = message
+        life.finish(value, load_bytes(payload))
         return False
 
 
-def make_executor(kind: str | Executor, workers: int, optimize: bool = True, *, ray_address: str | None = None,
-                  storage: str | None = None, max_retries: int = 0, experiment: str = "experiment",
+def make_executor(kind: str | Executor, workers: int = 2, optimize: Any = None, *, ray_address: str | None = None,
+                  storage: str | None = None, max_retries: int = 0, experiment: str | None = None,
                   allocation: Any = None) -> Executor:
+    """An executor from today's ``executor=`` names (``"inline"``, ``"process"``, ``"ray"``) and
+    their keyword arguments; an :class:`Executor` is returned as it is."""
     if isinstance(kind, Executor):
         return kind
     if kind in ("inline", "in-process"):
@@ -442,4 +592,5 @@ def make_executor(kind: str | Executor, workers: int, optimize: bool = True, *, 
 
         return RayExecutor(workers, ray_address, storage, max_retries, experiment=experiment, optimize=optimize,
                            allocation=allocation)
-    raise ValueError(f"The 'executor' parameter of Experiment must be 'inline', 'process', 'ray' or an Executor. Got {kind!r} instead.")
+    raise ValueError(f"The 'executor' parameter of Experiment must be td.executors.Inline(), Process(...) or "
+                     f"Ray(...). Got {kind!r} instead.")

@@ -18,13 +18,15 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..errors import InvalidSample, InvalidSpace, TridensError
-from ..evaluators._base import Evaluator
+from ..evaluators import Evaluator, StepwiseEvaluator
 from ..space import BaseSpace, RecipeError, space_recipe
 from ..store import Store, StoreError
 from ..strategy import Strategy
 from ..trial import Decision, Objective, Trial, TrialGroup, TrialStatus
 from ..units import Job, parse_memory, unit_memory_limit
-from ._execution import Executor, make_executor
+from ._execution import Executor, InlineExecutor, RunContext, make_executor
+from ._leftovers import claim, fail_repeated_deaths, mark_interrupted
+from ._protocol import error_text
 
 __all__ = ["Experiment", "ExperimentFailed", "ExperimentInterrupted", "default_store_path"]
 
@@ -37,6 +39,29 @@ RUN_COUNT = 0  # experiments started in this process (the `tridens run` command 
 
 # The hooks of a tridens.loggers.Callback, in the order a run calls them.
 _CALLBACK_HOOKS = ("on_experiment_start", "on_trial_step", "on_trial_end", "on_experiment_end", "close")
+
+
+_EXECUTOR_OPTIONS = {"workers": "Process(workers=...) or Ray(workers=...)", "ray_address": "Ray(address=...)",
+                     "storage": "Ray(storage=...)", "max_retries": "Ray(max_retries=...)"}
+
+
+def _executor_options(executor: Any, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The executor settings given the old way (``executor="process", workers=2``), each with a
+    DeprecationWarning naming the executor object that takes it."""
+    import warnings
+
+    for key in options:
+        if key not in _EXECUTOR_OPTIONS:
+            raise TypeError(f"Experiment() got an unexpected keyword argument {key!r}")
+        if isinstance(executor, Executor):
+            raise ValueError(f"The '{key}' parameter of Experiment belongs to the executor: pass "
+                             f"td.executors.{_EXECUTOR_OPTIONS[key]} instead of both.")
+        warnings.warn(f"Experiment({key}=...) is deprecated: pass executor=td.executors.{_EXECUTOR_OPTIONS[key]}",
+                      DeprecationWarning, stacklevel=3)
+    if isinstance(executor, str):
+        warnings.warn(f"Experiment(executor={executor!r}) is deprecated: pass an executor object, e.g. "
+                      "td.executors.Inline(), Process(workers=2) or Ray(storage=...)", DeprecationWarning, stacklevel=3)
+    return dict(options)
 
 
 class ExperimentFailed(TridensError):
@@ -109,14 +134,12 @@ class Experiment:
     def __init__(self, space: BaseSpace | None, evaluator: Evaluator | None, strategy: Strategy | None = None, *,
                  max_trials: int | None = None, max_duration: float | str | None = None,
                  store: str | os.PathLike[str] | None = None, name: str | None = None,
-                 objective: str | Objective | None = None, seed: int = 0, seeds: str = "per-trial", executor: str | Executor = "inline",
-                 workers: int = 2, trial_timeout: float | None = None, constraints: Sequence[Any] = (),
+                 objective: str | Objective | None = None, seed: int = 0, seeds: str = "per-trial", executor: Executor | str | None = None,
+                 trial_timeout: float | None = None, constraints: Sequence[Any] = (),
                  second_objective: tuple[str, str] | None = None, optimize: bool = True,
                  verbose: bool = True, warm_start: Any = False, max_unit_memory: int | str | None = None,
                  callbacks: Sequence[Any] = (),
-                 allocation: str | None = None, ray_address: str | None = None,
-                 storage: str | os.PathLike[str] | None = None, max_retries: int = 0,
-                 resume: str = "auto") -> None:
+                 allocation: Any = None, resume: str = "auto", **executor_options: Any) -> None:
         self.space = space
         self.evaluator = evaluator
         self.strategy = strategy
@@ -127,8 +150,7 @@ class Experiment:
         self.objective = objective
         self.seed = seed
         self.seeds = seeds  # "per-trial" or "per-architecture" (SEED_POLICIES)
-        self.executor = executor
-        self.workers = workers
+        self.executor = executor  # td.executors.Inline() (None), Process(...) or Ray(...)
         self.trial_timeout = trial_timeout
         self.constraints = constraints
         self.second_objective = second_objective
@@ -136,10 +158,14 @@ class Experiment:
         self.verbose = verbose
         self.warm_start = warm_start  # False, True (a zoo beside the store), a store path or a td.warmup.Zoo
         self.max_unit_memory = max_unit_memory  # bound on a fused unit's estimated bytes (tridens.xopt)
-        self.allocation = allocation  # None, "static" or "dynamic" (Fluid: shares of the workers per trial)
-        self.ray_address = ray_address  # executor="ray": None starts a local Ray, an address joins a cluster
-        self.storage = storage  # where workers write checkpoints (a directory every worker sees)
-        self.max_retries = max_retries  # a unit whose worker died restarts from its last checkpoint
+        self.allocation = allocation  # None, "static", "dynamic" or a Fluid policy: shares of the workers per trial
+        # The executor's own settings given to the experiment (workers=, ray_address=, storage=,
+        # max_retries=): still accepted, with a DeprecationWarning; they belong to the executor object.
+        options = _executor_options(executor, executor_options)
+        self.workers = options.get("workers", 2)
+        self.ray_address = options.get("ray_address")  # executor="ray": None starts a local Ray
+        self.storage = options.get("storage")  # where Ray workers write checkpoints
+        self.max_retries = options.get("max_retries", 0)  # a Ray unit whose worker died restarts
         self.resume = resume  # "auto": resume an experiment of the same search space; "force": any
         self.stop_reason: str | None = None  # why the last run() stopped
         self.callbacks = list(callbacks)  # tridens.loggers.Callback objects, told what the run records
@@ -259,9 +285,9 @@ class Experiment:
             from ._fluid import fluid_policy
 
             fluid_policy(self.allocation)  # Fluid shares of the workers (tridens.engine._fluid)
-            if self.executor in ("inline", "in-process"):
-                raise ValueError(f"The 'allocation' parameter of Experiment shares the workers of executor='process' "
-                                 f"or 'ray'. Got allocation={self.allocation!r} with executor={self.executor!r} instead.")
+            if self.executor in (None, "inline", "in-process") or isinstance(self.executor, InlineExecutor):
+                raise ValueError(f"The 'allocation' parameter of Experiment shares the workers of td.executors.Process "
+                                 f"or Ray. Got allocation={self.allocation!r} with executor={self.executor!r} instead.")
         _parse_duration(self.max_duration)
         for callback in self.callbacks:
             if not all(callable(getattr(callback, h, None)) for h in _CALLBACK_HOOKS):
@@ -274,10 +300,10 @@ class Experiment:
 
     def _check_ray(self) -> None:
         """The executor and its Ray parameters (ray_address, storage, max_retries)."""
-        kinds = ("inline", "in-process", "process", "ray")
+        kinds = (None, "inline", "in-process", "process", "ray")
         if not isinstance(self.executor, Executor) and self.executor not in kinds:
-            raise ValueError(f"The 'executor' parameter of Experiment must be one of {kinds!r} or an Executor. "
-                             f"Got {self.executor!r} instead.")
+            raise ValueError(f"The 'executor' parameter of Experiment must be td.executors.Inline(), Process(...) or "
+                             f"Ray(...). Got {self.executor!r} instead.")
         if not isinstance(self.max_retries, int) or isinstance(self.max_retries, bool) or self.max_retries < 0:
             raise ValueError(f"The 'max_retries' parameter of Experiment must be an int in the range [0, inf). "
                              f"Got {self.max_retries!r} instead.")
@@ -306,6 +332,15 @@ class Experiment:
             except ImportError:
                 raise ValueError("The 'executor' parameter of Experiment is 'ray', but Ray is not installed "
                                  "(pip install 'ray==2.58.0').") from None
+
+    def _executor(self, store_path: Path, name: str) -> Executor:
+        """The executor object, started for this run (the old string names built here)."""
+        executor = self.executor if self.executor is not None else "inline"
+        executor = make_executor(executor, self.workers, ray_address=self.ray_address, max_retries=self.max_retries,
+                                 storage=self.storage)
+        executor.start(RunContext(experiment=name, storage=self._storage(store_path), optimize=self.optimize,
+                                  allocation=self.allocation))
+        return executor
 
     def _storage(self, store_path: Path) -> str:
         """Where workers write checkpoints: ``storage``, or a folder beside the store."""
@@ -379,7 +414,7 @@ class Experiment:
                 check_same_space(name, record.config.get("search_space"), described)
             if record is None:
                 db.create_experiment(name, {**self._config(objective), "search_space": described})
-            db.update_experiment(name, status="running")
+            claim(db, name)  # settles what a killed earlier driver left running
             run = _Run(self, db, name, strategy, objective, space)
             self.stop_reason = None
             try:
@@ -390,7 +425,7 @@ class Experiment:
                 if not resumed and not db.trials(name):
                     db.delete_experiment(name)  # a start that failed leaves nothing behind
                 else:
-                    db.update_experiment(name, status="interrupted")
+                    mark_interrupted(db, name)
                 if isinstance(err, KeyboardInterrupt) and not isinstance(err, ExperimentInterrupted):
                     self.stop_reason = run.interrupted_text(path)
                     raise ExperimentInterrupted(self.stop_reason) from None
@@ -479,7 +514,12 @@ class _Run:
         # Constraints on parameters or FLOPs reject models before they train: build those on meta.
         self.meta_first = any(getattr(c, "key", None) != "latency_ms" for c in exp.constraints)
 
-    # -- hooks for executors -----------------------------------------------------------------
+    # -- hooks for the trial protocol ----------------------------------------------------------
+    def started(self, trial: Trial) -> None:
+        if trial.status is not TrialStatus.RUNNING:  # (trials trained together are marked as a group)
+            trial.status, trial.started_at = TrialStatus.RUNNING, time.time()
+            self.db.update_trial(trial)
+
     def record(self, trial: Trial, step: int, metrics: Mapping[str, float]) -> None:
         values = {k: float(v) for k, v in metrics.items()}
         self.db.add_metrics(trial.id, step, values)
@@ -553,6 +593,7 @@ class _Run:
         for callback in self.exp.callbacks:  # a logger that cannot start (not installed) stops the run here
             callback.on_experiment_start(self.name, self.db.get_experiment(self.name).config)
         trials = self.db.trials(self.name)
+        fail_repeated_deaths(self.db, trials)  # a trial that kills its process is not run a third time
         finished = [t for t in trials if t.status.finished]
         interrupted = [t for t in trials if not t.status.finished]
         for t in finished:
@@ -561,10 +602,7 @@ class _Run:
         search_space = self.space.search_space().merged(self.evaluator.search_space())
         self.search_space = search_space
         self.strategy.start(search_space, self.objective, random.Random(self.exp.seed), finished)
-        executor = make_executor(self.exp.executor, self.exp.workers, self.exp.optimize,
-                                 ray_address=self.exp.ray_address, max_retries=self.exp.max_retries,
-                                 storage=self.exp._storage(self.db.path), experiment=self.name,
-                                 allocation=self.exp.allocation)
+        executor = self.executor = self.exp._executor(self.db.path, self.name)
         self.group_index = max((t.group or 0 for t in trials), default=-1) + 1
         self.position = len(trials)
         before = sum(t.status in _FINISHED_COUNTED for t in finished)
@@ -633,7 +671,7 @@ class _Run:
         from earlier ones, as in ModelKeeper where each job starts from the zoo when it arrives."""
         if self.zoo is None or len(samples) <= 1:
             return [list(samples)]
-        first = 1 if self.exp.executor in ("inline", "in-process") else max(1, int(self.exp.workers))
+        first = max(1, int(self.executor.parallelism))
         waves, start = [], 0
         for size in self.zoo.waves(len(samples), first):
             waves.append(list(samples[start:start + size]))
@@ -643,13 +681,14 @@ class _Run:
     def _run_jobs(self, jobs: list[Job], executor: Executor) -> None:
         if not jobs:
             return
-        now = time.time()
-        with self.db.transaction():  # one commit for the group
-            for job in jobs:
-                job.trial.status = TrialStatus.RUNNING
-                job.trial.started_at = now
-                self.db.update_trial(job.trial)
-        executor.run_group(jobs, self.evaluator, self)
+        if isinstance(self.evaluator, StepwiseEvaluator):  # trained together: running from now on, as a group
+            now = time.time()
+            with self.db.transaction():  # one commit for the group
+                for job in jobs:
+                    job.trial.status = TrialStatus.RUNNING
+                    job.trial.started_at = now
+                    self.db.update_trial(job.trial)
+        executor.run_group(jobs, self.evaluator, self)  # (one at a time: each running when it starts)
 
     def _seed(self, seed: int) -> None:
         """``torch.manual_seed(seed)``: the same state, minus its cost where only the CPU has a generator."""
@@ -800,9 +839,7 @@ class _Run:
         try:
             model = self._materialize(trial, self._instantiate(trial))
         except Exception as err:
-            from ._execution import _error_text
-
-            self.finish(trial, TrialStatus.FAILED, error=_error_text(err) if not isinstance(err, InvalidSample) else str(err))
+            self.finish(trial, TrialStatus.FAILED, error=error_text(err) if not isinstance(err, InvalidSample) else str(err))
             return None
         return Job(trial, model, trial.max_steps)
 
@@ -827,10 +864,8 @@ class _Run:
         try:
             model = self._instantiate(trial)
         except Exception as err:
-            from ._execution import _error_text
-
             self.db.add_trial(self.name, trial)
-            self.finish(trial, TrialStatus.FAILED, error=str(err) if isinstance(err, (InvalidSample, InvalidSpace)) else _error_text(err))
+            self.finish(trial, TrialStatus.FAILED, error=str(err) if isinstance(err, (InvalidSample, InvalidSpace)) else error_text(err))
             return None
         key = self._dedup_key(trial)
         original = self.seen.get(key)
@@ -853,9 +888,7 @@ class _Run:
             if not violation:
                 model = self._materialize(trial, model)
         except Exception as err:
-            from ._execution import _error_text
-
-            self.finish(trial, TrialStatus.FAILED, error=_error_text(err))
+            self.finish(trial, TrialStatus.FAILED, error=error_text(err))
             return None
         if violation:
             self.finish(trial, TrialStatus.FAILED, error=f"constraint violated: {violation}")

@@ -35,7 +35,6 @@ needs a declarative (step-wise) evaluator; other evaluators run one trial per wo
 from __future__ import annotations
 
 import copy
-import io
 import logging
 import math
 import time
@@ -45,14 +44,16 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, Sequence
 
 import torch
 
-from ..evaluators._base import Evaluator, StepwiseEvaluator
-from ..trial import Decision, TrialStatus
+from ..evaluators import Evaluator, StepwiseEvaluator
+from ..units import Job
+from ._execution import load_bytes, model_bytes, state_bytes, weights_bytes
+from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text, timeout_error
 
 if TYPE_CHECKING:
-    from ._execution import GroupHooks, Job, ProcessExecutor
+    from ._execution import ProcessExecutor
 
 __all__ = ["fluid_shares", "StaticFluid", "DynamicFluid", "FluidScheduler", "Placement", "fluid_policy",
-           "profile_step_time"]
+           "profile_step_time", "FluidRun", "serve_placement", "epoch_metrics", "budget"]
 
 log = logging.getLogger("tridens")
 
@@ -391,7 +392,7 @@ def _structure(token: int, job: Job, cfg: Any) -> Hashable:
 
 @dataclass
 class _FluidTrial:
-    job: Job
+    life: TrialProtocol
     structure: Hashable
     step_time: float
     steps_per_epoch: int
@@ -400,94 +401,108 @@ class _FluidTrial:
     epochs_done: int = 0
     state: bytes | None = None       # the trainer's checkpoint while it waits to move
     slots: tuple[int, ...] = ()
-    last: float | None = None
     last_message: float = field(default_factory=time.monotonic)
     history: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def job(self) -> Job:
+        return self.life.job
 
     def remaining(self) -> float:
         return self.step_time * self.steps_per_epoch * max(self.limit - self.epochs_done, 0)
 
 
-def run_fluid(executor: ProcessExecutor, jobs: Sequence[Job], evaluator: StepwiseEvaluator, hooks: GroupHooks,
-              policy: StaticFluid) -> None:
-    """Run one TrialGroup on ``executor``'s workers with Fluid shares (see the module docstring).
+class FluidRun:
+    """One TrialGroup on a :class:`~._execution.ProcessExecutor`'s workers with Fluid shares (see
+    the module docstring); :meth:`run` trains it. Each trial's outcome goes through its
+    :class:`~._protocol.TrialProtocol`; this class only places trials and relays messages.
 
     Profiles: a trial's seconds per step come from ``policy.profile`` when given, else from the
     step times measured on earlier trials of the same structure (cached on the executor across
     groups), else they are assumed (the median of those measured so far, or 1 s) until the worker
     running the trial reports its first real steps -- no step is trained twice to measure it.
     """
-    from ._execution import _done_outcome, _error_text, model_bytes
 
-    sched = policy.scheduler(executor.workers)
-    cache: dict[Hashable, float] = executor._fluid_profiles  # kept across groups
-    trials: dict[int, _FluidTrial] = {}
-    token = id(evaluator)
+    def __init__(self, executor: ProcessExecutor, jobs: Sequence[Job], evaluator: StepwiseEvaluator,
+                 hooks: GroupHooks, policy: StaticFluid):
+        self.executor, self.evaluator, self.hooks, self.policy = executor, evaluator, hooks, policy
+        self.sched = policy.scheduler(executor.workers)
+        self.cache: dict[Hashable, float] = executor.fluid_profiles  # kept across groups
+        self.trials: dict[int, _FluidTrial] = {}
+        self.token = id(evaluator)
+        self.hosts: dict[int, set[int]] = {i: set() for i in range(executor.workers)}  # slot -> trial ids on it
+        # DDP placements whose ranks are tearing their group down: trial id -> [slots yet to say
+        # "closed", deadline, what frees the devices in the schedule once all have]
+        self.closing: dict[int, list[Any]] = {}
+        for job in jobs:
+            self._submit(job)
 
-    def assumed(structure: Hashable) -> tuple[float, bool]:
-        if structure in cache:
-            return cache[structure], True
-        known = sorted(cache.values())
+    def _assumed(self, structure: Hashable) -> tuple[float, bool]:
+        if structure in self.cache:
+            return self.cache[structure], True
+        known = sorted(self.cache.values())
         return (known[len(known) // 2] if known else 1.0), False
 
-    for job in jobs:
-        per_epoch, epochs, cfg = _plan(evaluator, job.trial.sample)
-        structure = _structure(token, job, cfg)
+    def _submit(self, job: Job) -> None:
+        life = TrialProtocol(job, self.hooks, clock="train")
+        per_epoch, epochs, cfg = _plan(self.evaluator, job.trial.sample)
+        structure = _structure(self.token, job, cfg)
         try:
-            step_time, measured = (policy.step_time(job.trial.sample), True) if policy.profile is not None else assumed(structure)
+            step_time, measured = ((self.policy.step_time(job.trial.sample), True) if self.policy.profile is not None
+                                   else self._assumed(structure))
         except Exception as err:  # the user's profile function failed on this sample
-            hooks.finish(job.trial, TrialStatus.FAILED, error=_error_text(err))
-            continue
+            life.fail(err)
+            return
         epochs = 1 if epochs is None else epochs
         limit = epochs if job.max_steps is None else min(epochs, job.max_steps)
-        trials[job.trial.id] = _FluidTrial(job, structure, step_time, per_epoch, limit, measured=measured)
+        ft = self.trials[job.trial.id] = _FluidTrial(life, structure, step_time, per_epoch, limit, measured=measured)
+        ft.state = state_bytes(job.start_from)
         if measured:
             job.trial.info["fluid_step_seconds"] = step_time
-        sched.submit(job.trial.id, trials[job.trial.id].remaining())
-    hosts: dict[int, set[int]] = {i: set() for i in range(executor.workers)}  # slot -> trial ids on it
-    # DDP placements whose ranks are tearing their group down: trial id -> [slots yet to say
-    # "closed", deadline, what frees the devices in the schedule once all have]
-    closing: dict[int, list[Any]] = {}
+        self.sched.submit(job.trial.id, ft.remaining())
 
-    def vacate(tid: int, slots: Sequence[int], then: Callable[[], None], clean: bool = True) -> None:
+    # -- devices ---------------------------------------------------------------------------------
+    def _vacate(self, tid: int, slots: Sequence[int], then: Callable[[], None], clean: bool = True) -> None:
         """The trial leaves ``slots``; ``then()`` frees its devices in the schedule. A DDP
         placement that ended cleanly first tears its gloo group down (barrier, destroy) and each
         rank says "closed": the devices are free only then, so nothing is sent to a rank still
         inside the teardown. A DDP placement that failed may have ranks blocked in a collective
         and is replaced."""
         if len(slots) > 1 and clean:
-            closing[tid] = [set(slots), time.monotonic() + CLOSE_TIMEOUT, then]
+            self.closing[tid] = [set(slots), time.monotonic() + CLOSE_TIMEOUT, then]
             return
         for slot in slots:
-            hosts[slot].discard(tid)
+            self.hosts[slot].discard(tid)
             if len(slots) > 1:
-                executor.replace(slot)
+                self.executor.replace(slot)
         then()
 
-    def closed(tid: int, slot: int | None) -> None:
-        entry = closing[tid]
+    def _closed(self, tid: int, slot: int | None) -> None:
+        entry = self.closing[tid]
         for s in ([slot] if slot is not None else list(entry[0])):
             entry[0].discard(s)
-            hosts[s].discard(tid)
+            self.hosts[s].discard(tid)
             if slot is None:
-                executor.replace(s)
+                self.executor.replace(s)
         if not entry[0]:
-            del closing[tid]
+            del self.closing[tid]
             entry[2]()
 
-    def end(tid: int, status: TrialStatus, clean: bool = True, **kw: Any) -> None:
-        ft = trials.pop(tid)
+    def _end(self, tid: int, clean: bool = True) -> TrialProtocol:
+        """The trial leaves the run (its outcome is given to the returned protocol next)."""
+        ft = self.trials.pop(tid)
         slots, ft.slots = ft.slots, ()
-        vacate(tid, slots, lambda: sched.finish(tid), clean)
+        self._vacate(tid, slots, lambda: self.sched.finish(tid), clean)
         if ft.history:
             ft.job.trial.info["allocation"] = ft.history
-        hooks.finish(ft.job.trial, status, **kw)
+        return ft.life
 
-    def learn(ft: _FluidTrial, step_time: float, per_epoch: int | None, epochs: int | None, share: float) -> None:
+    def _learn(self, ft: _FluidTrial, step_time: float, per_epoch: int | None, epochs: int | None,
+               share: float) -> None:
         """A measured step time (of a share-``share`` placement) becomes the trial's profile and
         the structure's; trials still waiting on an assumed profile are re-estimated."""
         if share > 1:  # a data-parallel step: the one-device time by the policy's own model
-            step_time *= 1 + (share - 1) * policy.efficiency
+            step_time *= 1 + (share - 1) * self.policy.efficiency
         job = ft.job
         if per_epoch:
             ft.steps_per_epoch = int(per_epoch)
@@ -495,15 +510,15 @@ def run_fluid(executor: ProcessExecutor, jobs: Sequence[Job], evaluator: Stepwis
             ft.limit = epochs if job.max_steps is None else min(epochs, job.max_steps)
         ft.step_time, ft.measured = step_time, True
         job.trial.info["fluid_step_seconds"] = step_time
-        cache[ft.structure] = step_time
-        sched.progress(job.trial.id, ft.remaining())
-        for tid, other in trials.items():
+        self.cache[ft.structure] = step_time
+        self.sched.progress(job.trial.id, ft.remaining())
+        for tid, other in self.trials.items():
             if not other.measured and not other.slots:
-                other.step_time, other.measured = assumed(other.structure)
-                sched.progress(tid, other.remaining())
+                other.step_time, other.measured = self._assumed(other.structure)
+                self.sched.progress(tid, other.remaining())
 
-    def launch(p: Placement) -> None:
-        ft = trials[p.key]
+    def _launch(self, p: Placement) -> None:
+        ft = self.trials[p.key]
         ft.slots = p.devices
         ft.last_message = time.monotonic()
         ft.history.append({"share": p.share, "workers": list(p.devices), "from_epoch": ft.epochs_done})
@@ -516,9 +531,9 @@ def run_fluid(executor: ProcessExecutor, jobs: Sequence[Job], evaluator: Stepwis
         payload = model_bytes(job.model)
         measure = not ft.measured
         for rank, slot in enumerate(p.devices):
-            worker = executor.worker(slot)
-            hosts[slot].add(p.key)
-            token = executor.ship(worker, evaluator)
+            worker = self.executor.worker(slot)
+            self.hosts[slot].add(p.key)
+            token = self.executor.ship(worker, self.evaluator)
             common = (job.trial.id, token, payload, job.trial.sample, job.trial.seed, job.max_steps, ft.state, measure)
             if port is None:
                 worker.conn.send(("host", *common))
@@ -526,102 +541,101 @@ def run_fluid(executor: ProcessExecutor, jobs: Sequence[Job], evaluator: Stepwis
                 worker.conn.send(("ddp", *common, rank, len(p.devices), port))
         ft.state = None
 
-    def kill_slot(slot: int, reason: str) -> None:
+    def _kill_slot(self, slot: int, reason: str) -> None:
         """A worker died or hangs: kill it; every trial on it fails (with the other ranks of a DDP trial)."""
-        victims = sorted(hosts[slot])
+        victims = sorted(self.hosts[slot])
         slots = {slot}
         for tid in victims:
-            slots |= set(trials[tid].slots) if tid in trials else set(closing.get(tid, [()])[0])
+            slots |= set(self.trials[tid].slots) if tid in self.trials else set(self.closing.get(tid, [()])[0])
         for s in slots:
-            executor.replace(s)
+            self.executor.replace(s)
         for s in slots:
-            for tid in sorted(hosts[s]):
-                if tid in closing:  # its outcome is recorded already; only the devices are freed
-                    closed(tid, None)
-                elif tid in trials:
+            for tid in sorted(self.hosts[s]):
+                if tid in self.closing:  # its outcome is recorded already; only the devices are freed
+                    self._closed(tid, None)
+                elif tid in self.trials:
                     error = (reason.format(trial=tid) if tid in victims else
                              f"trial {tid} was lost with worker {s} (killed because of trial(s) {victims})")
-                    end(tid, TrialStatus.FAILED, clean=False, value=trials[tid].last, error=error)
+                    self._end(tid, clean=False).fail(error)
 
-    for slot in range(executor.workers):
-        # Every worker has started (and holds the evaluator) before anything is placed: the plan
-        # assumes all devices are there, and a worker still starting would hold its trials back.
-        executor.ship(executor.worker(slot), evaluator)
-    timeout = hooks.trial_timeout
-    while trials or closing:
-        for placement in sched.schedule():
-            launch(placement)
-        conns = {executor._pool[s].conn: s for s, tids in hosts.items() if tids and s in executor._pool}
-        ready = wait(list(conns), timeout=0.2)
-        for conn in ready:
-            slot = conns[conn]
-            if not hosts[slot]:
-                continue
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):
-                executor._pool[slot].process.join(timeout=2)
-                code = executor._pool[slot].process.exitcode
-                kill_slot(slot, "the worker process of trial {trial} died (exit code %s)" % code)
-                continue
-            kind, tid = message[0], message[1]
-            if kind == "closed":
-                if tid in closing and slot in closing[tid][0]:
-                    closed(tid, slot)
-                continue
-            ft = trials.get(tid)
-            if ft is None:
-                continue
-            ft.last_message = time.monotonic()
-            trial = ft.job.trial
-            if kind == "started":
-                continue
-            if kind == "profile":
-                _, _, step_time, per_epoch, epochs = message
-                if not ft.measured:
-                    learn(ft, step_time, per_epoch, epochs, float(len(ft.slots)) if len(ft.slots) > 1 else 1.0)
-                continue
-            if kind == "report":
-                _, _, step, metrics, seconds = message
-                trial.info["train_seconds"] = trial.info.get("train_seconds", 0.0) + seconds
-                hooks.record(trial, step, metrics)
-                ft.last = next(iter(metrics.values()), None)
-                ft.epochs_done = step + 1
-                sched.progress(tid, ft.remaining())
-                if timeout is not None and trial.info["train_seconds"] > timeout:
-                    conn.send(("decision", tid, "drop"))
-                    end(tid, TrialStatus.FAILED, value=ft.last,
-                        error=f"trial {tid} exceeded trial_timeout={timeout} s after epoch {step}")
-                    continue
-                if ft.epochs_done >= ft.limit:
-                    conn.send(("decision", tid, Decision.CONTINUE.value))  # the worker sends its weights
-                    continue
-                decision = hooks.decide(trial, step)
-                if decision is Decision.CONTINUE and tid in sched.rescales():
-                    conn.send(("decision", tid, "yield"))
-                else:
-                    conn.send(("decision", tid, decision.value))
-            elif kind == "yielded":
-                ft.state = message[2]
-                new = sched.rescales().get(tid)
-                log.info("fluid: trial %d moves from %s to share %s after epoch %d", tid, ft.slots, new, ft.epochs_done)
-                slots, ft.slots = ft.slots, ()
-                vacate(tid, slots, lambda tid=tid, ft=ft: sched.release(tid, ft.remaining()))
-            elif kind == "error":  # the other ranks of a DDP trial may wait in a collective forever: replaced
-                end(tid, TrialStatus.FAILED, clean=False, value=ft.last, error=message[2])
-            elif kind == "done":
-                status, error, weights, value = _done_outcome(message, ft.last, trial)
-                end(tid, status, error=error, weights=weights, value=value)
-        now = time.monotonic()
-        for tid in [t for t, entry in closing.items() if now > entry[1]]:
-            log.warning("fluid: the ranks %s of trial %d did not tear their gloo group down within %s s; replaced",
-                        sorted(closing[tid][0]), tid, CLOSE_TIMEOUT)
-            closed(tid, None)
-        if timeout is not None:
-            for tid, ft in list(trials.items()):
+    # -- the loop ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        executor = self.executor
+        for slot in range(executor.workers):
+            # Every worker has started (and holds the evaluator) before anything is placed: the plan
+            # assumes all devices are there, and a worker still starting would hold its trials back.
+            executor.ship(executor.worker(slot), self.evaluator)
+        while self.trials or self.closing:
+            for placement in self.sched.schedule():
+                self._launch(placement)
+            conns = {}
+            for s, tids in self.hosts.items():
+                worker = executor.running(s)
+                if tids and worker is not None:
+                    conns[worker.conn] = s
+            for conn in wait(list(conns), timeout=0.2):
+                slot = conns[conn]
+                if self.hosts[slot]:
+                    self._receive(slot, conn)
+            now = time.monotonic()
+            for tid in [t for t, entry in self.closing.items() if now > entry[1]]:
+                log.warning("fluid: the ranks %s of trial %d did not tear their gloo group down within %s s; replaced",
+                            sorted(self.closing[tid][0]), tid, CLOSE_TIMEOUT)
+                self._closed(tid, None)
+            for tid, ft in list(self.trials.items()):
                 # A trial silent for longer than the timeout hangs inside an epoch: kill its worker.
-                if ft.slots and now - ft.last_message > timeout + 5 and tid in trials:
-                    kill_slot(ft.slots[0], "trial {trial} exceeded trial_timeout=%s s inside an epoch and was killed" % timeout)
+                if ft.slots and tid in self.trials and ft.life.silent_too_long(ft.last_message):
+                    self._kill_slot(ft.slots[0], timeout_error("{trial}", self.hooks.trial_timeout or 0.0,
+                                                               "inside an epoch and was killed"))
+
+    def _receive(self, slot: int, conn: Connection) -> None:
+        """One message from the worker in ``slot``."""
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            worker = self.executor.running(slot)
+            code = None if worker is None else worker.exit_code()
+            self._kill_slot(slot, "the worker process of trial {trial} died (exit code %s)" % code)
+            return
+        kind, tid = message[0], message[1]
+        if kind == "closed":
+            if tid in self.closing and slot in self.closing[tid][0]:
+                self._closed(tid, slot)
+            return
+        ft = self.trials.get(tid)
+        if ft is None:
+            return
+        ft.last_message = time.monotonic()
+        life = ft.life
+        if kind == "started":
+            life.start()
+        elif kind == "profile":
+            _, _, step_time, per_epoch, epochs = message
+            if not ft.measured:
+                self._learn(ft, step_time, per_epoch, epochs, float(len(ft.slots)) if len(ft.slots) > 1 else 1.0)
+        elif kind == "report":
+            _, _, step, metrics, seconds = message
+            ft.epochs_done = step + 1
+            verdict = life.report(step, metrics, last=ft.epochs_done >= ft.limit, seconds=seconds)
+            self.sched.progress(tid, ft.remaining())
+            if verdict is Verdict.DROP:  # past its timeout: failed by the protocol
+                conn.send(("decision", tid, Verdict.DROP.value))
+                self._end(tid)
+            elif verdict is Verdict.CONTINUE and tid in self.sched.rescales():
+                conn.send(("decision", tid, Verdict.YIELD.value))
+            else:
+                conn.send(("decision", tid, verdict.value))
+        elif kind == "yielded":
+            ft.state = message[2]
+            new = self.sched.rescales().get(tid)
+            log.info("fluid: trial %d moves from %s to share %s after epoch %d", tid, ft.slots, new, ft.epochs_done)
+            slots, ft.slots = ft.slots, ()
+            self._vacate(tid, slots, lambda tid=tid, ft=ft: self.sched.release(tid, ft.remaining()))
+        elif kind == "error":  # the other ranks of a DDP trial may wait in a collective forever: replaced
+            self._end(tid, clean=False).fail(message[2])
+        elif kind == "done":
+            _, _, value, payload = message
+            self._end(tid).finish(value, load_bytes(payload))
 
 
 # -- the worker side ------------------------------------------------------------------------------
@@ -630,17 +644,12 @@ def _trainer(evaluator: StepwiseEvaluator, model: bytes, sample: Mapping[str, An
 
     trainer = evaluator.trainer(pickle.loads(model), sample, seed)
     if state is not None:
-        trainer.load_state_dict(torch.load(io.BytesIO(state), weights_only=True))
+        trainer.load_state_dict(load_bytes(state))
     return trainer
 
 
-def _state_bytes(trainer: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(trainer.state_dict(), buffer)
-    return buffer.getvalue()
-
-
-def _limit(trainer: Any, max_steps: int | None) -> int:
+def budget(trainer: Any, max_steps: int | None) -> int:
+    """How many epochs ``trainer`` trains in all: its epochs, capped by the group's ``max_steps``."""
     return trainer.epochs if max_steps is None else min(trainer.epochs, max_steps)
 
 
@@ -680,8 +689,9 @@ def _profiled_epoch(trainer: Any, conn: Connection, tid: int) -> dict[str, float
     return trainer.end_epoch(total / count)
 
 
-def _epoch_metrics(trainer: Any, evaluator: Evaluator, train: dict[str, float],
-                   validated: dict[str, float] | None = None) -> dict[str, float]:
+def epoch_metrics(trainer: Any, evaluator: Evaluator, train: dict[str, float],
+                  validated: dict[str, float] | None = None) -> dict[str, float]:
+    """An epoch's metrics as a unit reports them: the objective first, then validation, then training."""
     metric = evaluator.objective.metric
     metrics = {**(trainer.validate() if validated is None else validated), **train}
     if metric not in metrics:
@@ -710,15 +720,13 @@ def _await_decision(conn: Connection, tid: int, pending: list[tuple[Any, ...]], 
 
 
 def _host(conn: Connection, message: tuple[Any, ...], hosted: dict[int, Any], evaluators: Mapping[int, Evaluator]) -> None:
-    from ._execution import _error_text
-
     _, tid, token, model, sample, seed, max_steps, state, measure = message
     evaluator = evaluators[token]
     try:
         conn.send(("started", tid))
         hosted[tid] = [evaluator, _trainer(evaluator, model, sample, seed, state), max_steps, measure]
     except Exception as err:
-        conn.send(("error", tid, _error_text(err)))
+        conn.send(("error", tid, error_text(err)))
 
 
 def serve_placement(conn: Connection, message: tuple[Any, ...], evaluators: dict[int, Evaluator],
@@ -729,7 +737,6 @@ def serve_placement(conn: Connection, message: tuple[Any, ...], evaluators: dict
     if message[0] == "ddp":
         _serve_ddp(conn, message, evaluators, pending)
         return
-    from ._execution import _error_text, _weights_bytes
 
     hosted: dict[int, Any] = {}
     _host(conn, message, hosted, evaluators)
@@ -751,20 +758,20 @@ def serve_placement(conn: Connection, message: tuple[Any, ...], evaluators: dict
                 step = trainer.epoch
                 train = _profiled_epoch(trainer, conn, tid) if measure else trainer.train_epoch()
                 hosted[tid][3] = False
-                metrics = _epoch_metrics(trainer, evaluator, train)
+                metrics = epoch_metrics(trainer, evaluator, train)
                 conn.send(("report", tid, step, metrics, time.perf_counter() - t0))
             except Exception as err:
-                conn.send(("error", tid, _error_text(err)))
+                conn.send(("error", tid, error_text(err)))
                 del hosted[tid]
                 continue
             decision = _await_decision(conn, tid, pending, hosted, evaluators)
             if decision == "drop":
                 del hosted[tid]
             elif decision == "yield":
-                conn.send(("yielded", tid, _state_bytes(trainer)))
+                conn.send(("yielded", tid, state_bytes(trainer.state_dict())))
                 del hosted[tid]
-            elif decision == Decision.STOP.value or trainer.epoch >= _limit(trainer, max_steps):
-                conn.send(("done", tid, metrics[evaluator.objective.metric], _weights_bytes(trainer.model)))
+            elif decision in (Verdict.STOP.value, Verdict.DONE.value) or trainer.epoch >= budget(trainer, max_steps):
+                conn.send(("done", tid, metrics[evaluator.objective.metric], weights_bytes(trainer.model)))
                 del hosted[tid]
 
 
@@ -773,7 +780,6 @@ def _serve_ddp(conn: Connection, message: tuple[Any, ...], evaluators: dict[int,
     from torch.nn.parallel import DistributedDataParallel
 
     from . import _ddp
-    from ._execution import _error_text, _weights_bytes
 
     _, tid, token, model, sample, seed, max_steps, state, measure, rank, world, port = message
     evaluator = evaluators[token]
@@ -783,7 +789,7 @@ def _serve_ddp(conn: Connection, message: tuple[Any, ...], evaluators: dict[int,
         _ddp.init_group(rank, world, port)
         trainer = _trainer(evaluator, model, sample, seed, state)
         ddp = DistributedDataParallel(trainer.model)
-        limit = _limit(trainer, max_steps)
+        limit = budget(trainer, max_steps)
         while True:
             t0 = time.perf_counter()
             step = trainer.epoch
@@ -795,7 +801,7 @@ def _serve_ddp(conn: Connection, message: tuple[Any, ...], evaluators: dict[int,
                 if times:
                     conn.send(("profile", tid, min(times[1:] or times), _per_epoch(trainer), trainer.epochs))
                     measure = False
-                metrics = _epoch_metrics(trainer, evaluator, train, validated)
+                metrics = epoch_metrics(trainer, evaluator, train, validated)
                 conn.send(("report", tid, step, metrics, time.perf_counter() - t0))
                 decision = _await_decision(conn, tid, pending, None, evaluators)
             decision = _ddp.broadcast(decision, rank)
@@ -803,16 +809,16 @@ def _serve_ddp(conn: Connection, message: tuple[Any, ...], evaluators: dict[int,
                 break
             if decision == "yield":
                 if rank == 0:
-                    conn.send(("yielded", tid, _state_bytes(trainer)))
+                    conn.send(("yielded", tid, state_bytes(trainer.state_dict())))
                 break
-            if decision == Decision.STOP.value or trainer.epoch >= limit:
+            if decision in (Verdict.STOP.value, Verdict.DONE.value) or trainer.epoch >= limit:
                 if rank == 0:
-                    conn.send(("done", tid, metrics[evaluator.objective.metric], _weights_bytes(trainer.model)))
+                    conn.send(("done", tid, metrics[evaluator.objective.metric], weights_bytes(trainer.model)))
                 break
     except Exception as err:
         # A rank that failed alone may leave the others inside a collective: tearing the group
         # down could then wait for them (the hang seen before), so the driver replaces the ranks.
-        conn.send(("error", tid, f"rank {rank} of {world}: " + _error_text(err)))
+        conn.send(("error", tid, f"rank {rank} of {world}: " + error_text(err)))
         _KEEP.append(locals().get("ddp"))  # no destructor runs before the driver kills this worker
         return
     # Every rank got here after the same last collective (the decision's broadcast): drop the DDP

@@ -52,5 +52,5 @@ def plan(jobs: Sequence[Job], evaluator: StepwiseEvaluator, optimize: bool, *,
     if rest:
         units.append(SeparateUnit(rest, evaluator, reason="" if optimize else "optimize=False"))
     for unit in units:
-        log.info("%s", unit.describe())
+        log.info("%s", unit.summary())
     return units

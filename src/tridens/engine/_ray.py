@@ -51,9 +51,11 @@ from typing import Any, Mapping, Sequence
 import ray
 import torch
 
-from ..evaluators._base import Evaluator, StepwiseEvaluator
-from ..trial import Decision, TrialStatus
-from ._execution import Executor, GroupHooks, Job, _error_text, _final_status
+from ..evaluators import Evaluator, StepwiseEvaluator
+from ..trial import Decision
+from ..units import Job
+from ._execution import Executor, RunContext
+from ._protocol import GroupHooks, TrialProtocol, TrialTimeout, Verdict, error_text, timeout_error
 
 __all__ = ["RayExecutor"]
 
@@ -194,7 +196,9 @@ class _HubReporter:
         answer = ray.get(self.hub.ask.remote(self.spec["trial_id"], self.spec["attempt"], step, metrics, False, seconds,
                                              self.spec["worker"]))
         self.mark = time.monotonic()
-        return Decision(answer)
+        if answer == Verdict.DROP.value:  # past its timeout: the driver failed it
+            raise TrialTimeout()
+        return Decision.STOP if answer == Verdict.STOP.value else Decision.CONTINUE
 
 
 @ray.remote(max_retries=0)
@@ -219,8 +223,10 @@ def _run_trial(evaluator: Evaluator, model: Any, spec: dict[str, Any], hub: Any)
             final = storage.child(directory, "final.pt")
             storage.save(final, {k: v.detach().cpu() for k, v in model.state_dict().items()})
         return {"kind": "done", "value": None if value is None else float(value), "final": final}
+    except TrialTimeout:
+        return {"kind": "dropped"}
     except Exception as err:  # the user's loop or model may raise anything: the trial failed
-        return {"kind": "error", "error": _error_text(err)}
+        return {"kind": "error", "error": error_text(err)}
 
 
 # -- the driver side ---------------------------------------------------------------------------------
@@ -228,28 +234,33 @@ def _run_trial(evaluator: Evaluator, model: Any, spec: dict[str, Any], hub: Any)
 class _Track:
     """The driver's view of one trial of a user loop."""
 
-    job: Job
+    life: TrialProtocol
     attempt: int = 0
     ref: Any = None
-    last_step: int = -1                       # the last step recorded in the store
-    decisions: dict[int, Decision] = field(default_factory=dict)
-    last_value: float | None = None
-    started: float = math.inf                 # when the current attempt's worker started
     deaths: list[str] = field(default_factory=list)
+
+    @property
+    def job(self) -> Job:
+        return self.life.job
 
 
 @dataclass
 class _Member:
     """The driver's view of one trial of a unit."""
 
-    job: Job
+    life: TrialProtocol
     model: bytes                              # the model as it was before planning (what workers rebuild)
-    last_step: int = -1
-    decisions: dict[int, Decision] = field(default_factory=dict)
-    last_value: float | None = None
-    done: bool = False                        # finished in the store
     yielded: bool = False                     # left its task to move to a new Fluid share
     limit: int | None = None                  # (Fluid) epochs it trains in all
+
+    @property
+    def job(self) -> Job:
+        return self.life.job
+
+    @property
+    def done(self) -> bool:
+        """Finished in the store."""
+        return self.life.finished
 
 
 @dataclass
@@ -283,24 +294,21 @@ class _Fluid:
 
     def remaining(self, member: _Member) -> float:
         step_time, per_epoch = self.profiles[member.job.trial.id]
-        return step_time * per_epoch * max((member.limit or 0) - (member.last_step + 1), 0)
+        return step_time * per_epoch * max((member.limit or 0) - (member.life.last_step + 1), 0)
 
 
-def _record_outcome(trial: Any, outcome: Mapping[str, Any], last_value: float | None, storage: _Storage,
-                    hooks: GroupHooks) -> None:
-    """Finish ``trial`` from a worker's outcome (an error, or its final value and weights file)."""
-    if outcome["kind"] == "error":
-        hooks.finish(trial, TrialStatus.FAILED, value=last_value, error=outcome["error"])
+def _record_outcome(life: TrialProtocol, outcome: Mapping[str, Any], storage: _Storage) -> None:
+    """Finish the trial from a worker's outcome (an error, or its final value and weights file)."""
+    if outcome["kind"] == "dropped":  # failed by its timeout already
         return
-    value = last_value if outcome["value"] is None else outcome["value"]
+    if outcome["kind"] == "error":
+        life.fail(outcome["error"])
+        return
     weights = None
     if outcome["final"] is not None:
-        trial.info["final_weights"] = outcome["final"]
+        life.trial.info["final_weights"] = outcome["final"]
         weights = storage.load(outcome["final"])
-    status, error = _final_status(value)
-    if status is TrialStatus.COMPLETED and trial.status is TrialStatus.STOPPED:
-        status = TrialStatus.STOPPED
-    hooks.finish(trial, status, error=error, weights=weights, value=value)
+    life.finish(outcome["value"], weights)
 
 
 class RayExecutor(Executor):
@@ -331,19 +339,35 @@ class RayExecutor(Executor):
     """
 
     def __init__(self, workers: int = 2, address: str | None = None, storage: str | os.PathLike[str] | None = None,
-                 max_retries: int = 0, experiment: str = "experiment", cpus_per_trial: float = 1.0,
-                 optimize: bool = True, allocation: Any = None):
+                 max_retries: int = 0, experiment: str | None = None, cpus_per_trial: float = 1.0,
+                 optimize: Any = None, allocation: Any = None):
         self.workers = workers
         self.address = address
-        self.storage = storage
+        self.storage = storage  # None: the experiment's folder beside its store
         self.max_retries = max_retries
-        self.experiment = experiment
+        self.experiment = experiment  # None: the experiment's name
         self.cpus_per_trial = cpus_per_trial
-        self.optimize = optimize
-        self.allocation = allocation
+        self.optimize = optimize  # None: the experiment's
+        self.allocation = allocation  # None: the experiment's
         self._started_ray = False
         self._hub: Any = None
         self._evaluator: tuple[Any, Any] | None = None  # (evaluator, its object ref): one copy for all groups
+
+    @property
+    def parallelism(self) -> int:  # type: ignore[override]
+        return self.workers
+
+    def start(self, context: RunContext) -> None:
+        """Take the run's name, checkpoint folder, optimizations and allocation where none was given here."""
+        super().start(context)
+        if self.experiment is None:
+            self.experiment = context.experiment
+        if self.storage is None:
+            self.storage = context.storage
+        if self.optimize is None:
+            self.optimize = context.optimize
+        if self.allocation is None:
+            self.allocation = context.allocation
 
     # -- Ray ---------------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -351,6 +375,10 @@ class RayExecutor(Executor):
             return
         if self.storage is None:
             raise ValueError("The 'storage' parameter of RayExecutor must be a directory or an fsspec URI. Got None instead.")
+        if self.experiment is None:
+            self.experiment = "experiment"
+        if self.optimize is None:
+            self.optimize = True
         if self.allocation is not None:
             from ._fluid import fluid_policy
 
@@ -398,37 +426,37 @@ class RayExecutor(Executor):
             self._run_trials(jobs, evaluator_ref, storage, hooks)
 
     def _directory(self, storage: _Storage, trial_id: int) -> str:
-        return storage.join(self.experiment, f"trial-{trial_id}")
+        return storage.join(str(self.experiment), f"trial-{trial_id}")
 
     # -- units (declarative evaluators) --------------------------------------------------------
-    def _units(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator) -> list[_UnitTrack]:
-        """The group's unit tasks: the planner's fused units, one task each; separate trials one each."""
-        from ..units import SeparateUnit
-
+    def _units(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, lives: Mapping[int, TrialProtocol]
+               ) -> list[_UnitTrack]:
+        """The group's unit tasks: the planner's fused units, one task each; separate trials (and
+        trials forked from another member's state) one each."""
         # Pickled before planning may tie or move them; by value where defined in __main__ (a script).
         models = {job.trial.id: ray.cloudpickle.dumps(job.model) for job in jobs}
+
+        def alone(job: Job) -> _UnitTrack:
+            return _UnitTrack({job.trial.id: _Member(lives[job.trial.id], models[job.trial.id])}, optimize=False)
+
+        fresh = [job for job in jobs if job.start_from is None]
+        tracks = [alone(job) for job in jobs if job.start_from is not None]
         if not self.optimize or self.allocation is not None:
-            return [_UnitTrack({job.trial.id: _Member(job, models[job.trial.id])}, optimize=False) for job in jobs]
-        from ..xopt import batching as _batching
-        from ..xopt._adaptive import AdaptiveMember
+            return tracks + [alone(job) for job in fresh]
+        from ..xopt import batching
         from ._planner import plan
 
-        tracks = []
-        for unit in self._spread(plan(jobs, evaluator, True), evaluator):
-            if isinstance(unit, SeparateUnit):  # nothing shared: each trial its own task, in parallel
-                tracks.extend(_UnitTrack({t: _Member(j, models[t])}, optimize=False) for t, j in unit.jobs.items())
+        units = plan(fresh, evaluator, self.optimize) if fresh else []
+        for unit in self._spread(units, evaluator):
+            described = unit.describe()
+            if described["kind"] == "separate":  # nothing shared: each trial its own task, in parallel
+                tracks.extend(alone(job) for job in unit.jobs.values())
                 continue
             # The worker plans the unit's trials again: batching as decided here (a measured
             # speed-up could come out differently there), everything else as configured.
-            members = getattr(unit, "members", None) or [getattr(unit, "member", None)]
-            batched = isinstance(unit, _batching.BatchedUnit) or any(
-                isinstance(m, _batching.BatchedMember) for m in members)
-            # an adaptive unit decides on the worker, from its own first steps there
-            adaptive = any(isinstance(m, AdaptiveMember) and m.state == "deciding" for m in members)
-            settings = dataclasses.replace(_batching.settings,
-                                           mode="auto" if adaptive else "force" if batched else "off")
-            tracks.append(_UnitTrack({t: _Member(j, models[t]) for t, j in unit.jobs.items()},
-                                     planned=unit.kind, batching=settings))
+            settings = dataclasses.replace(batching.settings, mode=described["batching"])
+            tracks.append(_UnitTrack({t: _Member(lives[t], models[t]) for t in unit.jobs},
+                                     planned=described["kind"], batching=settings))
         return tracks
 
     def _spread(self, units: list[Any], evaluator: StepwiseEvaluator) -> list[Any]:
@@ -437,20 +465,17 @@ class RayExecutor(Executor):
         left to split.
         In-process one unit of the whole group costs nothing; on Ray it would leave workers idle.
         Super-graph units stay whole (their children are tied already)."""
-        from ..xopt._supergraph import SuperGraphUnit
         from ._planner import plan
-        from ..units import SeparateUnit
 
         def tasks() -> int:
-            return sum(len(u.jobs) if isinstance(u, SeparateUnit) else 1 for u in units)
+            return sum(len(u.jobs) if u.describe()["kind"] == "separate" else 1 for u in units)
 
         while tasks() < self.workers:
-            splittable = [u for u in units if not isinstance(u, (SeparateUnit, SuperGraphUnit)) and len(u.jobs) > 1]
+            splittable = [u for u in units if u.describe()["splittable"] and len(u.jobs) > 1]
             if not splittable:
                 break
             unit = max(splittable, key=lambda u: len(u.jobs))
-            members = getattr(unit, "members", None) or [getattr(unit, "member", None)]
-            groups = [m.trial_ids() for m in members if m is not None] or [list(unit.jobs)]
+            groups = unit.describe()["groups"] or [list(unit.jobs)]
             # Equal halves; the members' groups (a batched model, a joint step) in order of size, so
             # that at most one group is cut in two.
             order = [t for group in sorted(groups, key=len, reverse=True) for t in group]
@@ -459,15 +484,16 @@ class RayExecutor(Executor):
                      unit.kind, list(unit.jobs), self.workers)
             units.remove(unit)
             for half in halves:
-                units.extend(plan([j for t, j in unit.jobs.items() if t in half], evaluator, True))
+                units.extend(plan([j for t, j in unit.jobs.items() if t in half], evaluator, self.optimize))
         return units
 
     def _run_units(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, evaluator_ref: Any, storage: _Storage,
                    hooks: GroupHooks) -> None:
         fluid = None
-        tracks = self._units(jobs, evaluator)
+        lives = {job.trial.id: TrialProtocol(job, hooks, clock="train") for job in jobs}
+        tracks = self._units(jobs, evaluator, lives)
         if self.allocation is not None:
-            fluid, tracks = self._profile(tracks, evaluator, hooks)
+            fluid, tracks = self._profile(tracks, evaluator)
         queue = list(tracks) if fluid is None else []
         waiting = {next(iter(t.members)): t for t in tracks} if fluid is not None else {}
         running: list[_UnitTrack] = []
@@ -487,15 +513,15 @@ class RayExecutor(Executor):
                     running.append(track)
                     owner.update({m.job.trial.id: track for m in track.unfinished()})
                 for message in ray.get(self._hub.drain.remote(_POLL_S)):
-                    self._handle_unit(message, owner, storage, hooks, fluid)
+                    self._handle_unit(message, owner, storage, fluid)
                 refs = {t.ref: t for t in running}
                 done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
                 for ref in done:
                     track = refs[ref]
                     # messages posted before the task returned are in the hub: read them first
                     for message in ray.get(self._hub.drain.remote(0)):
-                        self._handle_unit(message, owner, storage, hooks, fluid)
-                    if self._unit_done(track, ref, storage, hooks, fluid):
+                        self._handle_unit(message, owner, storage, fluid)
+                    if self._unit_done(track, ref, storage, fluid):
                         running.remove(track)
                         for member in track.members.values():
                             owner.pop(member.job.trial.id, None)
@@ -507,13 +533,12 @@ class RayExecutor(Executor):
                                 waiting[member.job.trial.id] = track
                     else:  # its worker died: again, from the members' last checkpoints
                         self._launch_unit(track, evaluator_ref, storage)
-                self._unit_timeout(running, hooks, fluid)
+                self._unit_timeout(running, fluid)
         finally:
             for track in running:  # interrupted (Ctrl-C, driver error): free the workers
                 ray.cancel(track.ref, force=True)
 
-    def _profile(self, tracks: list[_UnitTrack], evaluator: StepwiseEvaluator,
-                 hooks: GroupHooks) -> tuple[_Fluid, list[_UnitTrack]]:
+    def _profile(self, tracks: list[_UnitTrack], evaluator: StepwiseEvaluator) -> tuple[_Fluid, list[_UnitTrack]]:
         """Every trial's Fluid profile: the policy's ``profile`` function, else its step time
         measured on the driver (:func:`~._fluid.profile_step_time`, one thread, as a worker runs)."""
         from ._fluid import fluid_policy, profile_step_time
@@ -543,8 +568,7 @@ class RayExecutor(Executor):
                         step_time, per_epoch, epochs = profile_step_time(evaluator, member.job.model, trial.sample,
                                                                          trial.seed)
                 except Exception as err:  # the trainer cannot be built or its first steps fail
-                    member.done = True
-                    hooks.finish(trial, TrialStatus.FAILED, error=_error_text(err))
+                    member.life.fail(err)
                     continue
                 member.limit = epochs if member.job.max_steps is None else min(epochs, member.job.max_steps)
                 fluid.profiles[trial.id] = (step_time, per_epoch)
@@ -565,28 +589,25 @@ class RayExecutor(Executor):
         track.world = int(share) if share > 1 else 1
         trial = member.job.trial
         trial.info.setdefault("allocation", []).append(
-            {"share": share, "from_epoch": member.last_step + 1, "resources": dict(track.resources)})
+            {"share": share, "from_epoch": member.life.last_step + 1, "resources": dict(track.resources)})
         log.info("fluid on Ray: trial %d gets share %g (%s)%s", trial.id, share,
                  ", ".join(f"{k}={v:g}" for k, v in track.resources.items()),
                  f": torch DDP over {track.world} local processes" if track.world > 1 else "")
 
     def _launch_unit(self, track: _UnitTrack, evaluator_ref: Any, storage: _Storage) -> None:
-        from ..units import ENV_MAX_UNIT_MEMORY, MAX_UNIT_MEMORY as _MAX_UNIT_MEMORY, parse_memory
+        from ..units import configured_max_unit_memory
         from ._ray_units import run_unit
 
-        bound = _MAX_UNIT_MEMORY.get()
-        if bound is None and os.environ.get(ENV_MAX_UNIT_MEMORY):
-            bound = parse_memory(os.environ[ENV_MAX_UNIT_MEMORY], ENV_MAX_UNIT_MEMORY, "the environment")
         members = []
         for member in track.unfinished():
             trial = member.job.trial
             trial.info["storage"] = self._directory(storage, trial.id)
             members.append({"trial": trial, "model": member.model, "max_steps": member.job.max_steps,
-                            "directory": trial.info["storage"]})
+                            "directory": trial.info["storage"], "start_from": member.job.start_from})
         spec = {"attempt": track.attempt, "root": storage.root, "cpus": track.resources.get("num_cpus", 1.0),
                 "optimize": track.optimize and not track.resume, "resume": track.resume, "members": members,
-                "max_unit_memory": bound, "world": track.world, "planned": track.planned, "batching": track.batching,
-                "cse": self._cse_settings(),
+                "max_unit_memory": configured_max_unit_memory(), "world": track.world, "planned": track.planned,
+                "batching": track.batching, "cse": self._cse_settings(),
                 "limit": next(iter(track.members.values())).limit}
         track.started = track.last_message = math.inf
         track.ref = run_unit.options(**track.resources).remote(evaluator_ref, spec, self._hub)
@@ -594,63 +615,48 @@ class RayExecutor(Executor):
     @staticmethod
     def _cse_settings() -> Any:
         """A copy of the driver's CSE settings, for the worker's planning."""
-        from ..xopt import cse as _cse
+        from ..xopt import cse
 
-        return dataclasses.replace(_cse.settings)
+        return dataclasses.replace(cse.settings)
 
     def _handle_unit(self, message: tuple[Any, ...], owner: Mapping[int, _UnitTrack], storage: _Storage,
-                     hooks: GroupHooks, fluid: _Fluid | None) -> None:
+                     fluid: _Fluid | None) -> None:
         kind, trial_id, attempt, (pid, node) = message[:4]
         track = owner.get(trial_id)
         if track is None or attempt != track.attempt or trial_id not in track.members:
             return  # a message of a task already given up on
         member = track.members[trial_id]
-        trial = member.job.trial
+        life = member.life
         track.last_message = time.monotonic()
         if track.started == math.inf:
             track.started = track.last_message
         if kind == "started":
-            trial.info["ray"] = {"pid": pid, "node": node, "attempt": attempt, "resources": dict(message[4])}
+            life.trial.info["ray"] = {"pid": pid, "node": node, "attempt": attempt, "resources": dict(message[4])}
+            life.start()
             return
         if kind == "left":
-            self._member_left(track, member, message[4], storage, hooks, fluid)
+            self._member_left(member, message[4], storage, fluid)
             return
         step, metrics, last, seconds = message[4:]
-        trial.info["train_seconds"] = trial.info.get("train_seconds", 0.0) + seconds
-        answer: str
-        if step > member.last_step and not member.done:
-            hooks.record(trial, step, metrics)
-            member.last_step = step
-            member.last_value = next(iter(metrics.values()), None)
-            timeout = hooks.trial_timeout
-            if fluid is not None:
-                fluid.sched.progress(trial_id, fluid.remaining(member))
-            if timeout is not None and trial.info["train_seconds"] > timeout:
-                member.done = True
-                self._fluid_finish(fluid, trial_id)
-                hooks.finish(trial, TrialStatus.FAILED, value=member.last_value,
-                             error=f"trial {trial_id} exceeded trial_timeout={timeout} s after epoch {step}")
-                self._hub.answer.remote(trial_id, attempt, step, "drop")
-                return
-            # The in-process executor asks no decision after a trial's last epoch.
-            member.decisions[step] = Decision.CONTINUE if last else hooks.decide(trial, step)
-            answer = member.decisions[step].value
-            if (fluid is not None and not last and member.decisions[step] is Decision.CONTINUE
-                    and trial_id in fluid.sched.rescales()):
-                answer = "yield"  # to its new share at this epoch boundary
-                log.info("fluid on Ray: trial %d moves to share %g after epoch %d", trial_id,
-                         fluid.sched.rescales()[trial_id], step + 1)
-        else:  # a step reported again after a restart: the answer it had
-            answer = member.decisions.get(step, Decision.CONTINUE).value
-        self._hub.answer.remote(trial_id, attempt, step, answer)
+        verdict = life.report(step, metrics, last=last, seconds=seconds)
+        if fluid is not None:
+            fluid.sched.progress(trial_id, fluid.remaining(member))
+        if verdict is Verdict.DROP:  # past its timeout: failed by the protocol
+            self._fluid_finish(fluid, trial_id)
+        elif (fluid is not None and verdict is Verdict.CONTINUE and step == life.last_step
+              and trial_id in fluid.sched.rescales()):
+            verdict = Verdict.YIELD  # to its new share at this epoch boundary
+            log.info("fluid on Ray: trial %d moves to share %g after epoch %d", trial_id,
+                     fluid.sched.rescales()[trial_id], step + 1)
+        self._hub.answer.remote(trial_id, attempt, step, verdict.value)
 
     @staticmethod
     def _fluid_finish(fluid: _Fluid | None, trial_id: int) -> None:
         if fluid is not None:
             fluid.sched.finish(trial_id)
 
-    def _member_left(self, track: _UnitTrack, member: _Member, outcome: Mapping[str, Any], storage: _Storage,
-                     hooks: GroupHooks, fluid: _Fluid | None) -> None:
+    def _member_left(self, member: _Member, outcome: Mapping[str, Any], storage: _Storage,
+                     fluid: _Fluid | None) -> None:
         """A member's outcome (from its ``left`` message or the task's result; the first counts)."""
         kind = outcome["kind"]
         if member.done or kind == "dropped":
@@ -658,27 +664,22 @@ class RayExecutor(Executor):
         if kind == "yielded":
             member.yielded = True
             return
-        trial = member.job.trial
-        member.done = True
-        self._fluid_finish(fluid, trial.id)
-        _record_outcome(trial, outcome, member.last_value, storage, hooks)
+        self._fluid_finish(fluid, member.job.trial.id)
+        _record_outcome(member.life, outcome, storage)
 
-    def _fail_unfinished(self, track: _UnitTrack, hooks: GroupHooks, fluid: _Fluid | None, error: str) -> None:
+    def _fail_unfinished(self, track: _UnitTrack, fluid: _Fluid | None, error: str) -> None:
         for member in track.unfinished():
-            member.done = True
             self._fluid_finish(fluid, member.job.trial.id)
-            hooks.finish(member.job.trial, TrialStatus.FAILED, value=member.last_value,
-                         error=error.format(trial=member.job.trial.id))
+            member.life.fail(error.format(trial=member.job.trial.id))
 
-    def _unit_done(self, track: _UnitTrack, ref: Any, storage: _Storage, hooks: GroupHooks,
-                   fluid: _Fluid | None) -> bool:
+    def _unit_done(self, track: _UnitTrack, ref: Any, storage: _Storage, fluid: _Fluid | None) -> bool:
         """Record the outcomes of a finished unit task; False when its worker died and it runs again."""
         try:
             outcomes = ray.get(ref)
         except ray.exceptions.TaskCancelledError:
             return True  # cancelled by the timeout, already recorded
         except ray.exceptions.RayTaskError as err:  # raised outside the training (e.g. unpickling a model)
-            self._fail_unfinished(track, hooks, fluid, str(err))
+            self._fail_unfinished(track, fluid, str(err).replace("{", "{{").replace("}", "}}"))
             return True
         except ray.exceptions.RayError as err:  # the worker process or its node died
             text = str(err).strip()
@@ -693,33 +694,27 @@ class RayExecutor(Executor):
                 track.attempt += 1
                 track.resume = True
                 return False
-            self._fail_unfinished(track, hooks, fluid,
-                                  f"the worker of trial {{trial}} died {len(track.deaths)} time(s) and max_retries="
-                                  f"{self.max_retries} allows no more restarts; last: {track.deaths[-1]}")
+            last = track.deaths[-1].replace("{", "{{").replace("}", "}}")
+            self._fail_unfinished(track, fluid, f"the worker of trial {{trial}} died {len(track.deaths)} time(s) and "
+                                                f"max_retries={self.max_retries} allows no more restarts; last: {last}")
             return True
         for trial_id, outcome in outcomes.items():
             if trial_id in track.members:
-                self._member_left(track, track.members[trial_id], outcome, storage, hooks, fluid)
-        lost = [m for m in track.unfinished() if not m.yielded]
-        for member in lost:
-            member.done = True
+                self._member_left(track.members[trial_id], outcome, storage, fluid)
+        for member in [m for m in track.unfinished() if not m.yielded]:
             self._fluid_finish(fluid, member.job.trial.id)
-            hooks.finish(member.job.trial, TrialStatus.FAILED, value=member.last_value,
-                         error=f"the unit task of trial {member.job.trial.id} ended without its outcome")
+            member.life.fail(f"the unit task of trial {member.job.trial.id} ended without its outcome")
         return True
 
-    def _unit_timeout(self, running: list[_UnitTrack], hooks: GroupHooks, fluid: _Fluid | None) -> None:
+    def _unit_timeout(self, running: list[_UnitTrack], fluid: _Fluid | None) -> None:
         """A task silent for longer than ``trial_timeout`` hangs inside an epoch: cancel it (its
-        members' epoch times are checked as they report, in :meth:`_handle_unit`)."""
-        timeout = hooks.trial_timeout
-        if timeout is None:
-            return
-        now = time.monotonic()
+        members' epoch times are checked as they report, by their protocols)."""
         for track in list(running):
-            if track.last_message != math.inf and now - track.last_message > timeout + 5:
+            members = track.unfinished()
+            if track.last_message != math.inf and members and members[0].life.silent_too_long(track.last_message):
                 ray.cancel(track.ref, force=True)
-                self._fail_unfinished(track, hooks, fluid, f"trial {{trial}} exceeded trial_timeout={timeout} s "
-                                                           "inside an epoch and was killed")
+                timeout = members[0].life.hooks.trial_timeout or 0.0
+                self._fail_unfinished(track, fluid, timeout_error("{trial}", timeout, "inside an epoch and was killed"))
 
     # -- trials of user loops ------------------------------------------------------------------
     def _run_trials(self, jobs: Sequence[Job], evaluator_ref: Any, storage: _Storage, hooks: GroupHooks) -> None:
@@ -727,7 +722,7 @@ class RayExecutor(Executor):
             log.warning("allocation=%r places the trials of declarative evaluators only; this evaluator's "
                         "trials run one per task with %s CPU(s)", self.allocation, self.cpus_per_trial)
         resources = self._resources()
-        queue = [_Track(job) for job in jobs]
+        queue = [_Track(TrialProtocol(job, hooks, clock="wall")) for job in jobs]
         running: dict[int, _Track] = {}   # trial id -> track
         try:
             while queue or running:
@@ -736,16 +731,18 @@ class RayExecutor(Executor):
                     self._launch(track, evaluator_ref, storage, resources)
                     running[track.job.trial.id] = track
                 for message in ray.get(self._hub.drain.remote(_POLL_S)):
-                    self._handle(message, running, hooks)
+                    self._handle(message, running)
                 refs = {t.ref: t for t in running.values()}
                 done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
                 for ref in done:
                     track = refs[ref]
-                    if self._finish(track, ref, storage, hooks):
+                    if track.job.trial.id not in running:
+                        continue  # dropped by its timeout meanwhile
+                    if self._finish(track, ref, storage):
                         del running[track.job.trial.id]
                     else:  # its worker died: again
                         self._launch(track, evaluator_ref, storage, resources)
-                self._enforce_timeout(running, hooks)
+                self._enforce_timeout(running)
         finally:
             for track in running.values():  # interrupted (Ctrl-C, driver error): free the workers
                 ray.cancel(track.ref, force=True)
@@ -756,63 +753,56 @@ class RayExecutor(Executor):
                 "max_steps": track.job.max_steps, "root": storage.root, "cpus": resources["num_cpus"],
                 "directory": self._directory(storage, trial.id)}
         trial.info["storage"] = spec["directory"]
-        track.started = math.inf
+        track.life.started_at = math.inf  # the timeout counts from the worker's first message
         track.ref = _run_trial.options(**resources).remote(evaluator_ref, track.job.model, spec, self._hub)
 
-    def _handle(self, message: tuple[Any, ...], running: Mapping[int, _Track], hooks: GroupHooks) -> None:
+    def _handle(self, message: tuple[Any, ...], running: dict[int, _Track]) -> None:
         kind, trial_id, attempt, (pid, node) = message[:4]
         track = running.get(trial_id)
         if track is None or attempt != track.attempt:
             return  # a message of a worker already given up on
-        trial = track.job.trial
-        if trial.info.get("ray", {}).get("attempt") != attempt or track.started == math.inf:
-            track.started = time.monotonic()
+        life = track.life
+        trial = life.trial
+        if trial.info.get("ray", {}).get("attempt") != attempt or life.started_at == math.inf:
             trial.info["ray"] = {"pid": pid, "node": node, "attempt": attempt}
+            life.start()
         if kind == "started":
             trial.info["ray"]["resources"] = dict(message[4])
             return
         step, metrics, last, seconds = message[4:]
-        trial.info["train_seconds"] = trial.info.get("train_seconds", 0.0) + seconds  # as the in-process units count it
-        if step > track.last_step:
-            hooks.record(trial, step, metrics)
-            track.last_step = step
-            track.last_value = next(iter(metrics.values()), None)
-            track.decisions[step] = hooks.decide(trial, step)  # a user loop is asked after every report
-        decision = track.decisions.get(step, Decision.CONTINUE)
-        self._hub.answer.remote(trial_id, attempt, step, decision.value)
+        verdict = life.report(step, metrics, seconds=seconds)  # a user loop is asked after every report
+        self._hub.answer.remote(trial_id, attempt, step, verdict.value)
+        if verdict is Verdict.DROP:  # past its timeout: failed by the protocol; its worker is freed
+            ray.cancel(track.ref, force=True)
+            del running[trial_id]
 
-    def _finish(self, track: _Track, ref: Any, storage: _Storage, hooks: GroupHooks) -> bool:
+    def _finish(self, track: _Track, ref: Any, storage: _Storage) -> bool:
         """Record the trial's outcome; False when its worker died and it runs again."""
-        trial = track.job.trial
+        life = track.life
         try:
             result = ray.get(ref)
         except ray.exceptions.TaskCancelledError:
             return True  # cancelled by the timeout, already recorded
         except ray.exceptions.RayTaskError as err:  # raised outside the training (e.g. unpickling the model)
-            hooks.finish(trial, TrialStatus.FAILED, value=track.last_value, error=str(err))
+            life.fail(str(err))
             return True
         except ray.exceptions.RayError as err:  # the worker process or its node died
             track.deaths.append(f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
-            trial.info["ray_restarts"] = len(track.deaths)
+            life.trial.info["ray_restarts"] = len(track.deaths)
             if len(track.deaths) <= self.max_retries:
                 log.warning("trial %d: its worker died (%s); restarting it from its last checkpoint (retry %d of %d)",
-                            trial.id, type(err).__name__, len(track.deaths), self.max_retries)
+                            life.trial.id, type(err).__name__, len(track.deaths), self.max_retries)
                 track.attempt += 1
                 return False
-            hooks.finish(trial, TrialStatus.FAILED, value=track.last_value,
-                         error=f"the worker of trial {trial.id} died {len(track.deaths)} time(s) and max_retries="
-                               f"{self.max_retries} allows no more restarts; last: {track.deaths[-1]}")
+            life.fail(f"the worker of trial {life.trial.id} died {len(track.deaths)} time(s) and max_retries="
+                      f"{self.max_retries} allows no more restarts; last: {track.deaths[-1]}")
             return True
-        _record_outcome(trial, result, track.last_value, storage, hooks)
+        _record_outcome(life, result, storage)
         return True
 
-    def _enforce_timeout(self, running: dict[int, _Track], hooks: GroupHooks) -> None:
-        timeout = hooks.trial_timeout
-        if timeout is None:
-            return
+    def _enforce_timeout(self, running: dict[int, _Track]) -> None:
         for trial_id, track in list(running.items()):
-            if time.monotonic() - track.started > timeout:
+            if track.life.over_time():
                 ray.cancel(track.ref, force=True)
-                hooks.finish(track.job.trial, TrialStatus.FAILED, value=track.last_value,
-                             error=f"trial {trial_id} exceeded trial_timeout={timeout} s and was killed")
+                track.life.time_out("and was killed")
                 del running[trial_id]

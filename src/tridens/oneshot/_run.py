@@ -54,7 +54,7 @@ _IGNORED = {
     "max_duration": (None, "its budget is the strategy's epochs and samples"),
     "constraints": ((), "subnets are not filtered by them"),
     "warm_start": (False, "the supernet starts from its own initialization"),
-    "executor": ("inline", "the supernet trains in this process"),
+    "executor": (None, "the supernet trains in this process"),
     "workers": (2, "the supernet trains in this process"),
     "allocation": (None, "the supernet trains in this process"),
     "trial_timeout": (None, "there are no separate trials to time out"),

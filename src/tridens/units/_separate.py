@@ -6,11 +6,11 @@ What every planner leaves over trains in one; it is also the A/B baseline (``opt
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..evaluators import StepwiseEvaluator, Trainer
 from ._job import Job
-from ._unit import ExecutionUnit, UnitResult
+from ._unit import ExecutionUnit, UnitResult, reseeded
 
 __all__ = ["SeparateUnit"]
 
@@ -64,6 +64,31 @@ class SeparateUnit(ExecutionUnit):
         if model is None:  # an evaluator that needs no model (Tabular): nothing to checkpoint
             return None
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+    def state_dict(self, trial_id: int) -> dict[str, Any] | None:
+        trainer = self.trainers.get(trial_id)
+        return None if trainer is None else trainer.state_dict()
+
+    def load_state_dict(self, trial_id: int, state: Mapping[str, Any]) -> None:
+        trainer = self.trainers.get(trial_id)
+        if trainer is None:  # its trainer could not be built: the error is its first epoch's result
+            raise self.errors.get(trial_id) or KeyError(f"trial {trial_id} is not a member of this unit")
+        trainer.load_state_dict(state)
+
+    def fork(self, source: int, job: Job) -> ExecutionUnit:
+        """The new member joins this unit, from ``source``'s current state."""
+        state = self.state_dict(source)
+        if state is None:
+            raise ValueError(f"trial {source} of a separate unit has no state to fork from")
+        trial_id = job.trial.id
+        self.jobs[trial_id] = job
+        try:
+            self.trainers[trial_id] = self.evaluator.trainer(job.model, job.trial.sample, job.trial.seed)
+            self.trainers[trial_id].load_state_dict(reseeded(state, job.trial.seed))
+        except Exception as err:  # reported as the trial's failure at its next epoch
+            self.trainers.pop(trial_id, None)
+            self.errors[trial_id] = err
+        return self
 
     def _leave(self, trial_id: int) -> None:
         self.trainers.pop(trial_id, None)

@@ -22,19 +22,33 @@ UnitResult = Mapping[str, float] | BaseException
 
 class ExecutionUnit:
     """Trials trained together. Subclasses implement :meth:`train_epoch`, :meth:`weights`,
-    :meth:`limit`, :meth:`epoch` and :meth:`_leave` (release a trial's state)."""
+    :meth:`limit`, :meth:`epoch` and :meth:`_leave` (release a trial's state), and where they can
+    :meth:`state_dict` / :meth:`load_state_dict` (a member's checkpoint), :meth:`shared`,
+    :meth:`groups` and :meth:`batching` (what :meth:`describe` reports). Executors use only this
+    protocol, never a unit's class.
+
+    ``splittable``: whether a planner may plan the unit's trials again as smaller units (the Ray
+    executor does, to give every worker a task). ``memory``: the bytes its planner estimated, when
+    it bounded the unit by ``max_unit_memory``.
+    """
 
     kind = "unit"
+    splittable = False
 
     def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator):
         self.jobs = {job.trial.id: job for job in jobs}
         self.evaluator = evaluator
         self.objective: Objective = evaluator.objective
         self.reason = ""
+        self.memory: int | None = None
 
     def active(self) -> list[Job]:
         """The trials still training, in their original order."""
         return list(self.jobs.values())
+
+    def trial_ids(self) -> list[int]:
+        """The members: the ids of the trials still training, in their original order."""
+        return list(self.jobs)
 
     def limit(self, trial_id: int) -> int:  # pragma: no cover - abstract
         """How many epochs the trial trains in all (its budget, capped by the group's max_steps)."""
@@ -53,6 +67,39 @@ class ExecutionUnit:
         when the trial has no model)."""
         raise NotImplementedError
 
+    def state_dict(self, trial_id: int) -> dict[str, Any] | None:
+        """The member's checkpoint, as its own trainer's ``state_dict()`` would hold it (weights,
+        optimizer state, epoch, step, random state), for restarts and forks; None where this unit
+        cannot take one (the member then restarts from its first epoch)."""
+        return None
+
+    def load_state_dict(self, trial_id: int, state: Mapping[str, Any]) -> None:
+        """Continue the member from ``state`` (what :meth:`state_dict` gave). A fused unit trains its
+        members from their initial models only: a restarted member trains in a separate unit."""
+        raise NotImplementedError(f"a {self.kind} unit cannot load the state of trial {trial_id}: its members "
+                                  "start from their initial models (restart it in a separate unit)")
+
+    def fork(self, source: int, job: Job) -> "ExecutionUnit":
+        """Start ``job``'s trial from member ``source``'s current state: the same weights,
+        optimizer state, step and random state, so it goes on as ``source`` would from here (its
+        data order from then on follows its own seed). Returns the unit that trains it: this one
+        where it can take a member, else a new separate unit. Stage trees and PBT fork this way.
+
+        >>> child = unit.fork(3, Job(Trial(id=9, sample=sample, seed=seed), model))  # doctest: +SKIP
+        """
+        from ._separate import SeparateUnit
+
+        state = self.state_dict(source)
+        if state is None:
+            raise ValueError(f"trial {source} of a {self.kind} unit has no state to fork from")
+        unit = SeparateUnit([job], self.evaluator, reason=f"forked from trial {source} of a {self.kind} unit")
+        unit.load_state_dict(job.trial.id, reseeded(state, job.trial.seed))
+        return unit
+
+    def remove(self, trial_id: int) -> None:
+        """The member leaves the unit (stopped, NaN, failed, finished); the others go on undisturbed."""
+        self.drop(trial_id)
+
     def drop(self, trial_id: int) -> None:
         """The trial leaves the unit (finished, stopped or failed); the others go on undisturbed."""
         if trial_id in self.jobs:
@@ -62,10 +109,53 @@ class ExecutionUnit:
     def _leave(self, trial_id: int) -> None:
         """Release the trial's state."""
 
-    def describe(self) -> str:
+    def memory_estimate(self) -> int:
+        """Estimated bytes the unit holds while it trains: its planner's estimate where it made one,
+        else its members' weights, gradients and two optimizer states per parameter, and buffers
+        (activations not counted)."""
+        if self.memory is not None:
+            return self.memory
+        total = 0
+        for job in self.jobs.values():
+            if job.model is not None:
+                total += 4 * sum(p.numel() * p.element_size() for p in job.model.parameters())
+                total += sum(b.numel() * b.element_size() for b in job.model.buffers())
+        return total
+
+    def groups(self) -> list[list[int]]:
+        """Members that train as one (one vectorized model, one joint step), by trial id."""
+        return [[trial_id] for trial_id in self.jobs]
+
+    def shared(self) -> list[str]:
+        """What the members share, one phrase each (a data pipeline, a frozen prefix, tensors)."""
+        return []
+
+    def batching(self) -> str:
+        """``"force"`` when members train as one vectorized model, ``"auto"`` while that is decided
+        on the first steps, ``"off"`` otherwise."""
+        return "off"
+
+    def describe(self) -> dict[str, Any]:
+        """The unit as plain data (JSON) for logs, the store and a dashboard: its ``kind``, its
+        ``trials`` and ``groups``, ``reason`` (why fused, or why not), ``shared`` parts,
+        ``memory`` (bytes), ``batching``, ``splittable`` and ``text`` (:meth:`summary`).
+
+        >>> unit.describe()["kind"], unit.describe()["trials"]  # doctest: +SKIP
+        ('batched', [3, 4, 5])
+        """
+        return {"kind": self.kind, "trials": self.trial_ids(), "groups": self.groups(), "reason": self.reason,
+                "shared": self.shared(), "memory": self.memory_estimate(), "batching": self.batching(),
+                "splittable": self.splittable, "text": self.summary()}
+
+    def summary(self) -> str:
         """One log line: what this unit trains and why (anything not fused says why not)."""
         ids = ", ".join(str(i) for i in self.jobs)
         return f"{self.kind} unit of {len(self.jobs)} trial(s) [{ids}]" + (f": {self.reason}" if self.reason else "")
 
     def _limit_of(self, job: Job, epochs: int) -> int:
         return epochs if job.max_steps is None else min(epochs, job.max_steps)
+
+
+def reseeded(state: Mapping[str, Any], seed: int) -> dict[str, Any]:
+    """A trainer checkpoint that a trainer with ``seed`` accepts (a fork to a trial with its own seed)."""
+    return {**state, "seed": seed} if "seed" in state else dict(state)

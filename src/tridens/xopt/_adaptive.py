@@ -217,6 +217,19 @@ class AdaptiveMember:
             return {k: v.detach().cpu().clone() for k, v in self._snapshot.items()}
         return {k: v.detach().cpu() for k, v in self.jobs[trial_id].model.state_dict().items()}
 
+    def batching(self) -> str:
+        """``"auto"`` while deciding; then what it decided trains its trials."""
+        return "auto" if self.state == "deciding" else "off"
+
+    def state_dict(self, trial_id: int, job: Job, evaluator: StepwiseEvaluator) -> dict[str, Any] | None:
+        """The trial's checkpoint from what trains it now (None while deciding)."""
+        member = self.member_of(trial_id)
+        if member is None:
+            return None
+        if member is self.fused:
+            return member.state_dict(trial_id, job, evaluator)
+        return member.state_dict()
+
     def leave(self, trial_id: int) -> None:
         self._left.add(trial_id)
         self._errors.pop(trial_id, None)
@@ -444,6 +457,6 @@ class AdaptiveUnit(BatchedUnit):
         self.member: AdaptiveMember = AdaptiveMember(fused, jobs, evaluator, skey=skey, setup=setup,  # type: ignore[assignment]
                                                      flops=flops)
 
-    def describe(self) -> str:
-        return ExecutionUnit.describe(self) + f" ({self.member.engine})"
+    def summary(self) -> str:
+        return ExecutionUnit.summary(self) + f" ({self.member.engine})"
 

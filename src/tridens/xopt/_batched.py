@@ -212,6 +212,37 @@ class BatchedMember:
             return dict(self._parked[trial_id])
         return self._row_state(self.ids.index(trial_id))
 
+    def batching(self) -> str:
+        """Always ``"force"``: one vectorized model."""
+        return "force"
+
+    def state_dict(self, trial_id: int, job: Job, evaluator: StepwiseEvaluator) -> dict[str, Any] | None:
+        """The trial's trainer checkpoint, from its row of the stacked weights, optimizer state and
+        random stream, as a SupervisedTrainer of its model would hold it (None on CUDA, whose
+        random streams are not a trainer's)."""
+        from ..evaluators import CHECKPOINT_FORMAT
+
+        if trial_id not in self.ids or self.device.type != "cpu":
+            return None
+        row = self.ids.index(trial_id)
+        opt = self.optimizer
+        adaptive = opt.kind in ("adam", "adamw", "rmsprop")  # torch keeps a step count per parameter
+        state: dict[int, dict[str, Any]] = {}
+        for i, (name, _) in enumerate(job.model.named_parameters()):
+            stacked = opt.state.get(name)
+            if not stacked:
+                continue
+            entry = {k: v[row].detach().clone().cpu() for k, v in stacked.items()}
+            if adaptive:
+                entry["step"] = torch.tensor(float(opt.steps[name]))
+            state[i] = entry
+        cfg = evaluator.config(job.trial.sample)  # type: ignore[attr-defined]
+        groups = cfg.make_optimizer(job.model.parameters()).state_dict()["param_groups"]
+        return {"format": CHECKPOINT_FORMAT, "model": self.weights(trial_id),
+                "optimizer": {"state": state, "param_groups": groups},
+                "epoch": self.epoch(trial_id), "step": self.step, "seed": job.trial.seed,
+                "rng": self._generators[trial_id].get_state().clone()}
+
     def leave(self, trial_id: int) -> None:
         if trial_id in self.ids:
             self._remove([self.ids.index(trial_id)], park=False)
@@ -455,6 +486,7 @@ class BatchedUnit(ExecutionUnit):
     """
 
     kind = "batched"
+    splittable = True
 
     def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, reason: str = "", *,
                  shared_input: bool | None = None):
@@ -467,9 +499,21 @@ class BatchedUnit(ExecutionUnit):
         self._train = BatchSource(cfg.train, cfg.device)
         self._val = BatchSource(cfg.val, cfg.device)
 
-    def describe(self) -> str:
+    def summary(self) -> str:
         m = self.member  # (the planner's probe already checked the grouped program on this structure)
-        return super().describe() + f" ({m.engine}" + (f": {m.why_vmap}" if m._program is None else "") + ")"
+        return super().summary() + f" ({m.engine}" + (f": {m.why_vmap}" if m._program is None else "") + ")"
+
+    def state_dict(self, trial_id: int) -> dict[str, Any] | None:
+        return self.member.state_dict(trial_id, self.jobs[trial_id], self.evaluator)
+
+    def groups(self) -> list[list[int]]:
+        return [list(self.member.trial_ids())]
+
+    def shared(self) -> list[str]:
+        return ["one data pipeline", f"one vectorized model ({self.member.engine})"]
+
+    def batching(self) -> str:
+        return "auto" if self.member.batching() == "auto" else "force"
 
     def limit(self, trial_id: int) -> int:
         return self.member.limit(trial_id)

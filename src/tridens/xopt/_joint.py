@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..units import Job
+from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._errors import NonFiniteLoss
 from ._pipeline import BATCH, PipelineMember, TrainerMember
 
@@ -213,6 +215,10 @@ class JointMember(PipelineMember):
 
     def weights(self, trial_id: int) -> dict[str, Any] | None:
         return self._by[trial_id].weights(trial_id)
+
+    def state_dict(self, trial_id: int, job: Job, evaluator: StepwiseEvaluator) -> dict[str, Any] | None:
+        member = self._by.get(trial_id)
+        return None if member is None else member.state_dict(trial_id, job, evaluator)
 
     def leave(self, trial_id: int) -> None:
         member = self._by.pop(trial_id, None)

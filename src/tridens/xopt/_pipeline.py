@@ -84,6 +84,14 @@ class PipelineMember:
         """Release the trial's state."""
         raise NotImplementedError
 
+    def state_dict(self, trial_id: int, job: Job, evaluator: StepwiseEvaluator) -> dict[str, Any] | None:
+        """The trial's trainer checkpoint (None where this member cannot take one)."""
+        return None
+
+    def batching(self) -> str:
+        """``"force"``: a vectorized model of several trials; ``"auto"``: deciding; ``"off"``."""
+        return "off"
+
 
 class TrainerMember(PipelineMember):
     """One trial: a :class:`SupervisedTrainer` of its model, or of its suffix after a shared prefix.
@@ -190,6 +198,23 @@ class TrainerMember(PipelineMember):
     def leave(self, trial_id: int) -> None:
         self._left = True
 
+    def state_dict(self, trial_id: int, job: Job, evaluator: StepwiseEvaluator) -> dict[str, Any] | None:
+        trainer = self.trainer
+        state = trainer.state_dict()
+        if trainer.model is job.model:
+            return state
+        # A suffix after a shared prefix: its modules are the model's own, so its parameters are
+        # found in the whole model by identity; the frozen prefix has no optimizer state.
+        index = {id(p): i for i, p in enumerate(job.model.parameters())}
+        params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+        inner = state["optimizer"]["state"]
+        cfg = evaluator.config(job.trial.sample)  # type: ignore[attr-defined]
+        state["optimizer"] = {"state": {index[id(params[i])]: s for i, s in inner.items()},
+                              "param_groups": cfg.make_optimizer(job.model.parameters()).state_dict()["param_groups"]}
+        # (weights() may hand out the live tensors: a checkpoint must not change as training goes on)
+        state["model"] = {k: v.clone() for k, v in self.weights(trial_id).items()}
+        return state
+
 
 # ------------------------------------------------------------------------------------------------
 # a shared frozen prefix
@@ -251,6 +276,7 @@ class SharedPipelineUnit(ExecutionUnit):
     """
 
     kind = "cse"
+    splittable = True
 
     def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
                  members: Sequence[PipelineMember] | None = None, prefixes: Sequence[SharedPrefix] = (),
@@ -317,10 +343,24 @@ class SharedPipelineUnit(ExecutionUnit):
             for key in [k for k, p in self.prefixes.items() if not used & set(p.outputs)]:
                 del self.prefixes[key]  # nobody reads it any more: stop computing it
 
-    def describe(self) -> str:
+    def summary(self) -> str:
         ids = ", ".join(str(i) for i in self.jobs)
         text = f"{self.kind} unit of {len(self.jobs)} trial(s) [{ids}]"
         return text + (f": {self.reason}" if self.reason else "")
+
+    def state_dict(self, trial_id: int) -> dict[str, Any] | None:
+        member = self._by_trial.get(trial_id)
+        return None if member is None else member.state_dict(trial_id, self.jobs[trial_id], self.evaluator)
+
+    def groups(self) -> list[list[int]]:
+        return [list(m.trial_ids()) for m in self.members]
+
+    def shared(self) -> list[str]:
+        return ["one data pipeline"] + [f"frozen prefix {key}" for key in self.prefixes]
+
+    def batching(self) -> str:
+        kinds = {m.batching() for m in self.members}
+        return "auto" if "auto" in kinds else "force" if "force" in kinds else "off"
 
     # -- training ---------------------------------------------------------------------------------
     def _shared(self, x: torch.Tensor, prefixes: Iterable[SharedPrefix]) -> dict[str, Any]:

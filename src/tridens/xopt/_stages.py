@@ -170,7 +170,12 @@ class StageTreeUnit(ExecutionUnit):
             if not node.members:
                 self.nodes.remove(node)
 
-    def describe(self) -> str:
+    def state_dict(self, trial_id: int) -> dict[str, Any] | None:
+        if trial_id in self.final:
+            return None
+        return self.node_of[trial_id].trainer.state_dict()
+
+    def summary(self) -> str:
         alone = sum(self.limit(t) for t in self.jobs)
         shared = tree_size([self.configs[t] for t in self.jobs], [self.limit(t) for t in self.jobs])
         return (f"stage tree unit of {len(self.jobs)} trial(s) [{', '.join(str(i) for i in self.jobs)}]: "

@@ -376,6 +376,7 @@ class SuperGraphUnit(SharedPipelineUnit):
     """
 
     kind = "supergraph"
+    splittable = False  # its children are tied already
 
     def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, reason: str = "",
                  memory: int | None = None, _children: Sequence[_Child] | None = None):

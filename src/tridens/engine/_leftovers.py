@@ -1,0 +1,154 @@
+"""What a run leaves behind when its driver stops abnormally, settled on the next open.
+
+A run records its driver (:func:`claim`: process id, host, process start time) in the
+experiment's config. A driver that stops cleanly -- done, or Ctrl-C -- marks its trials still
+running ``interrupted`` (:func:`mark_interrupted`). One that was killed, or could not write (a full
+disk), leaves the experiment and its trials ``running``: :func:`mark_abandoned` finds such an
+experiment whose driver is gone and marks it ``interrupted``, charging each trial that was running
+one death. A trial that was running when its process died :data:`MAX_DEATHS` times (it kills its
+process: ``os._exit``, a crash in native code, memory) is failed on the next resume
+(:func:`fail_repeated_deaths`) instead of being run again, so a resume always makes progress.
+
+>>> MAX_DEATHS
+2
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any, Sequence
+
+from ..store import Store, StoreError
+from ..trial import Trial, TrialStatus
+
+__all__ = ["MAX_DEATHS", "claim", "mark_interrupted", "find_abandoned", "mark_abandoned", "fail_repeated_deaths",
+           "driver_alive"]
+
+log = logging.getLogger("tridens")
+
+MAX_DEATHS = 2
+"""Deaths of its process while a trial ran after which the trial fails instead of running again."""
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` (Linux ``/proc``; None elsewhere or when it is gone): with
+    the pid it names a process, even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _driver() -> dict[str, Any]:
+    pid = os.getpid()
+    return {"pid": pid, "host": socket.gethostname(), "start": _start_time(pid)}
+
+
+def driver_alive(driver: Any) -> bool | None:
+    """Whether the recorded ``driver`` still runs: None when that cannot be known here (no record,
+    another host)."""
+    if not isinstance(driver, dict) or driver.get("host") != socket.gethostname():
+        return None
+    pid = driver.get("pid")
+    if not isinstance(pid, int):
+        return None
+    start = _start_time(pid)
+    if start is not None:
+        return driver.get("start") in (None, start)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not os.path.exists("/proc/self/stat")  # /proc exists but not this pid: gone
+
+
+def claim(db: Store, name: str) -> None:
+    """This process runs experiment ``name`` from now on: leftovers of an earlier driver are
+    settled (:func:`mark_abandoned`), then the experiment is ``running`` with this driver recorded."""
+    mark_abandoned(db, name, unknown_is_gone=True)
+    record = db.get_experiment(name)
+    db.update_experiment(name, status="running", config={**record.config, "driver": _driver()})
+
+
+def mark_interrupted(db: Store, name: str) -> None:
+    """A clean stop (Ctrl-C, an error): the experiment and its trials still running are
+    ``interrupted``, no death charged. Best effort: a store that cannot be written (full disk) is
+    settled on the next open instead."""
+    try:
+        with db.transaction():
+            for trial in db.trials(name, status=TrialStatus.RUNNING):
+                trial.status = TrialStatus.INTERRUPTED
+                db.update_trial(trial)
+            db.update_experiment(name, status="interrupted")
+    except StoreError as err:
+        log.warning("%s could not be marked interrupted (%s); the next open of the store does it", name, err)
+
+
+def find_abandoned(db: Store) -> list[str]:
+    """The experiments left ``running`` by a driver that is gone (checked on this host); reading
+    only, so a read-only store can say whether it needs :func:`mark_abandoned`."""
+    return [r.name for r in db.experiments()
+            if r.status == "running" and driver_alive(r.config.get("driver")) is False]
+
+
+def mark_abandoned(db: Store, name: str | None = None, *, unknown_is_gone: bool = False) -> list[str]:
+    """Experiments left ``running`` by a driver that is gone (``name`` only, or all): marked
+    ``interrupted``, and each trial still running is charged one death and marked ``interrupted``.
+    A driver that cannot be checked (another host, no record) counts as gone only with
+    ``unknown_is_gone`` (the caller is about to run the experiment itself). Returns the names marked.
+
+    >>> from tridens.store import Store
+    >>> with Store(":memory:") as db:
+    ...     mark_abandoned(db)
+    []
+    """
+    marked = []
+    records = db.experiments() if name is None else [db.get_experiment(name)]
+    for record in records:
+        running = db.trials(record.name, status=TrialStatus.RUNNING)
+        if record.status != "running":
+            if running:  # stopped, but its trials could not be marked: no death to charge
+                _settle(db, record.name, running, death=False, experiment=False)
+            continue
+        driver = record.config.get("driver")
+        known = driver_alive(driver)
+        if unknown_is_gone and known and driver.get("pid") == os.getpid():
+            known = False  # an earlier run of this very process that ended without settling
+        if known is True or (known is None and not unknown_is_gone):
+            continue
+        _settle(db, record.name, running, death=True, experiment=True)
+        log.info("%s: its driver is gone; marked interrupted (%d trial(s) were running)", record.name, len(running))
+        marked.append(record.name)
+    return marked
+
+
+def _settle(db: Store, name: str, running: Sequence[Trial], *, death: bool, experiment: bool) -> None:
+    with db.transaction():
+        for trial in running:
+            if death:
+                trial.info["deaths"] = int(trial.info.get("deaths", 0)) + 1
+            trial.status = TrialStatus.INTERRUPTED
+            db.update_trial(trial)
+        if experiment:
+            db.update_experiment(name, status="interrupted")
+
+
+def fail_repeated_deaths(db: Store, trials: Sequence[Trial]) -> None:
+    """Fail (in the store and in ``trials``) each unfinished trial whose process died while it ran
+    :data:`MAX_DEATHS` times: it would kill the run again."""
+    for trial in trials:
+        deaths = int(trial.info.get("deaths", 0))
+        if trial.status.finished or deaths < MAX_DEATHS:
+            continue
+        trial.status = TrialStatus.FAILED
+        trial.error = (f"trial {trial.id} was running each time its process died ({deaths} times: killed, out of "
+                       "memory, os._exit or a crash in native code); it is not run again")
+        trial.finished_at = time.time()
+        db.finish_trial(trial, None)
+        log.warning("%s", trial.error)

@@ -1,0 +1,75 @@
+"""A driver for the executor conformance suite's subprocess cases (a real process to kill):
+
+    python -m tests.engine.executor_script EXECUTOR STORE SCENARIO
+
+EXECUTOR is ``inline``, ``process`` or ``ray``; SCENARIO names the user loop (below). The loops are
+at module level so that pool workers and Ray workers import them.
+"""
+
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+import tridens as td
+from tridens import nn as tnn
+
+
+class OneMLP(tnn.ModelSpace):
+    """One architecture: the samples differ only in the loop's ``x``."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 4), nn.ReLU(), nn.Linear(4, 10))
+        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+TRIALS = {"crash": 4, "slow": 6, "hang": 2}
+
+
+def crash_on_x_2(model, x):
+    """x=2 kills the process that runs it (``os._exit``), whichever process that is."""
+    td.report({"value": float(x), "pid": os.getpid()}, step=0)
+    if x == 2:
+        os._exit(3)
+    return float(x)
+
+
+def slow_steps(model, x):
+    """Four steps of 0.3 s each: long enough to be killed in the middle of the run."""
+    for step in range(4):
+        time.sleep(0.3)
+        td.report({"value": x * (step + 1), "pid": os.getpid()}, step=step)
+
+
+def hang(model, x):
+    """Reports its process id, then hangs without reporting again."""
+    td.report({"value": float(x), "pid": os.getpid()}, step=0)
+    time.sleep(600)
+
+
+LOOPS = {"crash": crash_on_x_2, "slow": slow_steps, "hang": hang}
+
+
+def executor(kind: str, store: str):
+    if kind == "inline":
+        return td.executors.Inline()
+    if kind == "process":
+        return td.executors.Process(workers=2)
+    return td.executors.Ray(workers=2, storage=store + ".ray")
+
+
+def main() -> None:
+    kind, store, scenario = sys.argv[1:4]
+    evaluator = td.evaluators.FunctionalEvaluator(LOOPS[scenario], x=td.choice("x", list(range(TRIALS[scenario]))))
+    td.Experiment(OneMLP(), evaluator, td.strategy.GridSearch(), max_trials=TRIALS[scenario], store=store,
+                  name=scenario, executor=executor(kind, store), verbose=False).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,334 @@
+"""The executor conformance suite: every executor -- in-process, process pool, Ray (a real local
+Ray on 127.0.0.1) -- passes the same cases, on tiny models and the real digits data:
+
+same metrics for a seeded experiment, a stop decision, a member whose loss becomes NaN, a trial
+past its ``trial_timeout`` (a loop that never reports), a crash of the process training a trial,
+``kill -9`` of the driver and a resume (real subprocesses), and a fork of a member from its state.
+
+Ray cases start Ray once per module; all but the first are marked slow.
+"""
+
+import copy
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import tridens as td
+from tridens.trial import Trial, TrialStatus
+from tridens.units import Job, SeparateUnit
+
+from .spaces import TinyMLP
+
+ROOT = Path(__file__).resolve().parents[2]
+
+EXECUTORS = ["inline", "process", pytest.param("ray", marks=pytest.mark.slow)]
+FIRST_RAY = ["inline", "process", "ray"]  # the one case where Ray runs in `make test`
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture
+def executor_of(request, tmp_path):
+    """``executor_of(kind)``: a fresh executor object of that kind."""
+    def make(kind, **kw):
+        if kind == "inline":
+            return td.executors.Inline(**kw)
+        if kind == "process":
+            return td.executors.Process(workers=2, **kw)
+        request.getfixturevalue("local_ray")
+        return td.executors.Ray(workers=2, storage=tmp_path / "ray", **kw)
+    return make
+
+
+def classification(digits_data, epochs=2, **choices):
+    train, val = digits_data
+    return td.evaluators.Classification(train=train, val=val, epochs=epochs, batch_size=128, optimizer="sgd",
+                                        **choices)
+
+
+def run(tmp_path, executor, evaluator, strategy=None, name="conf", **kw):
+    exp = td.Experiment(TinyMLP(), evaluator, strategy or td.strategy.GridSearch(), store=tmp_path / "t.db",
+                        name=name, executor=executor, verbose=False, **kw)
+    return {tuple(sorted(t.sample.items())): t for t in exp.run().trials()}
+
+
+def same_curves(got, want):
+    assert got.keys() == want.keys()
+    for key, trial in got.items():
+        ref = want[key]
+        assert trial.seed == ref.seed and trial.status is ref.status, key
+        assert trial.metrics.keys() == ref.metrics.keys(), key
+        for metric, values in trial.metrics.items():
+            assert values == pytest.approx(ref.metrics[metric], rel=1e-5, abs=1e-7), (key, metric)
+
+
+_REFERENCES = {}
+
+
+@pytest.fixture
+def reference(tmp_path_factory, digits_data):
+    """``reference(name, evaluator, strategy)``: the trials trained one by one in this process
+    (``Inline(optimize=False)``), computed once per name."""
+    def get(name, evaluator, strategy=None):
+        if name not in _REFERENCES:
+            folder = tmp_path_factory.mktemp(f"reference-{name}")
+            _REFERENCES[name] = run(folder, td.executors.Inline(optimize=False), evaluator, strategy, name=name)
+        return _REFERENCES[name]
+    return get
+
+
+# -- in-process cases ------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", FIRST_RAY)
+def test_same_metrics_for_a_seeded_experiment(kind, tmp_path, executor_of, digits_data, reference):
+    ev = classification(digits_data, lr=td.choice("lr", [0.05, 0.2]))
+    got = run(tmp_path, executor_of(kind), ev)
+    assert len(got) == 4 and all(t.status is TrialStatus.COMPLETED for t in got.values())
+    same_curves(got, reference("seeded", ev))
+
+
+class StopLr02AfterStep0(td.strategy.GridSearch):
+    def decide(self, trial, step):
+        if step == 0 and trial.sample["lr"] == 0.2:
+            return td.Decision.STOP
+        return super().decide(trial, step)
+
+
+@pytest.mark.parametrize("kind", EXECUTORS)
+def test_a_stop_decision_ends_the_trial_after_that_step(kind, tmp_path, executor_of, digits_data, reference):
+    ev = classification(digits_data, epochs=3, lr=td.choice("lr", [0.05, 0.2]))
+    got = run(tmp_path, executor_of(kind), ev, StopLr02AfterStep0())
+    for key, trial in got.items():
+        if dict(key)["lr"] == 0.2:
+            assert trial.status is TrialStatus.STOPPED and trial.steps == 1 and trial.checkpoint
+            assert trial.metric == trial.metrics["val_acc"][-1]
+        else:
+            assert trial.status is TrialStatus.COMPLETED and trial.steps == 3
+    same_curves(got, reference("stop", ev, StopLr02AfterStep0()))
+
+
+@pytest.mark.parametrize("kind", EXECUTORS)
+def test_a_member_whose_loss_becomes_nan_fails_alone(kind, tmp_path, executor_of, digits_data, reference):
+    ev = classification(digits_data, lr=td.choice("lr", [0.05, 1e30]))
+    got = run(tmp_path, executor_of(kind), ev)
+    for key, trial in got.items():
+        if dict(key)["lr"] == 1e30:
+            assert trial.status is TrialStatus.FAILED and "the training loss of" in trial.error
+            assert trial.checkpoint is None
+        else:
+            assert trial.status is TrialStatus.COMPLETED and trial.steps == 2
+    same_curves(got, reference("nan", ev))
+
+
+def quick_or_silent(model, x):
+    """x=1 sleeps ten minutes without ever reporting; x=0 reports once and returns."""
+    if x == 1:
+        time.sleep(600)
+    td.report(0.5, step=0)
+    return 0.5
+
+
+@pytest.mark.parametrize("kind", EXECUTORS)
+def test_a_trial_past_its_timeout_fails_even_if_it_never_reports(kind, tmp_path, executor_of):
+    ev = td.evaluators.FunctionalEvaluator(quick_or_silent, x=td.choice("x", [0, 1]))
+    got = run(tmp_path, executor_of(kind), ev, trial_timeout=2)
+    for key, trial in got.items():
+        if dict(key)["x"] == 1:
+            assert trial.status is TrialStatus.FAILED and "exceeded trial_timeout=2 s" in trial.error
+        else:
+            assert trial.status is TrialStatus.COMPLETED and trial.metric == 0.5
+
+
+# -- fork ------------------------------------------------------------------------------------------
+class Recorder:
+    """The experiment's side of the trial protocol, kept in memory: what the executor reported."""
+
+    trial_timeout = None
+
+    def __init__(self):
+        self.steps, self.outcomes = {}, {}
+
+    def started(self, trial):
+        trial.status = TrialStatus.RUNNING
+
+    def record(self, trial, step, metrics):
+        self.steps.setdefault(trial.id, {})[step] = dict(metrics)
+
+    def decide(self, trial, step):
+        return td.Decision.CONTINUE
+
+    def finish(self, trial, status, *, error=None, weights=None, value=None):
+        trial.status = status
+        self.outcomes[trial.id] = (status, error, weights, value)
+
+
+@pytest.mark.parametrize("kind", EXECUTORS)
+def test_a_fork_continues_from_the_members_state(kind, tmp_path, executor_of, digits_data):
+    """A trial forked from another's state after epoch 1 trains epochs 1 and 2 as the other did."""
+    ev = classification(digits_data, epochs=3)
+    space, sample, seed = TinyMLP(), {"hidden": 8}, 12345
+    torch.manual_seed(seed)
+    model = space.freeze(sample)
+    executor = executor_of(kind)
+    executor.start(td.executors.RunContext(experiment="fork", storage=str(tmp_path / "fork")))
+    try:
+        whole = Recorder()
+        executor.run_group([Job(Trial(id=1, sample=sample, seed=seed), copy.deepcopy(model))], ev, whole)
+        # the source: one epoch in a unit of its own, then its state
+        unit = SeparateUnit([Job(Trial(id=2, sample=sample, seed=seed), copy.deepcopy(model))], ev)
+        unit.train_epoch()
+        state = unit.state_dict(2)
+        forked = Recorder()
+        job = Job(Trial(id=3, sample=sample, seed=seed), copy.deepcopy(model), start_from=state)
+        executor.run_group([job], ev, forked)
+    finally:
+        executor.close()
+    assert sorted(forked.steps[3]) == [1, 2]
+    for step in (1, 2):
+        assert forked.steps[3][step] == pytest.approx(whole.steps[1][step], rel=1e-6)
+    status, _, weights, _ = forked.outcomes[3]
+    assert status is TrialStatus.COMPLETED
+    for name, tensor in whole.outcomes[1][2].items():
+        assert torch.allclose(weights[name], tensor, atol=1e-6), name
+
+
+# -- real subprocesses: a crash, kill -9 of the driver ------------------------------------------------
+def start_script(kind, store, scenario):
+    return subprocess.Popen([sys.executable, "-m", "tests.engine.executor_script", kind, str(store), scenario],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+
+
+def rows(store, sql, args=()):
+    with sqlite3.connect(f"file:{store}?mode=ro", uri=True, timeout=30) as conn:
+        return conn.execute(sql, args).fetchall()
+
+
+def wait_for(predicate, seconds=120.0):
+    """Poll ``predicate`` until it holds (the test fails after ``seconds``)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            if predicate():
+                return
+        except sqlite3.OperationalError:  # the store is not created yet
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"still not true after {seconds} s: {predicate.__doc__}")
+
+
+def trials_of(store, name):
+    with td.store.Store(store, readonly=True) as db:
+        return db.trials(name)
+
+
+@pytest.mark.parametrize("kind", EXECUTORS)
+def test_a_trial_that_kills_its_process_fails_and_the_run_goes_on(kind, tmp_path):
+    """``os._exit(3)`` in a trial: a pool or Ray worker dies and the trial fails at once; in-process
+    the driver dies, and the trial is charged on resume: failed after two deaths."""
+    store = tmp_path / "crash.db"
+    codes = []
+    for _ in range(4):
+        proc = start_script(kind, store, "crash")
+        out = proc.communicate(timeout=300)[0]
+        codes.append(proc.returncode)
+        if proc.returncode == 0:
+            break
+    assert codes == ([3, 3, 0] if kind == "inline" else [0]), out
+    by_x = {t.sample["x"]: t for t in trials_of(store, "crash")}
+    assert sorted(by_x) == [0, 1, 2, 3]
+    assert by_x[2].status is TrialStatus.FAILED and "died" in by_x[2].error
+    assert all(by_x[x].status is TrialStatus.COMPLETED and by_x[x].metric == x for x in (0, 1, 3))
+
+
+@pytest.mark.parametrize("kind", EXECUTORS)
+def test_kill_9_of_the_driver_then_resume_loses_and_repeats_nothing(kind, tmp_path):
+    store = tmp_path / "slow.db"
+    proc = start_script(kind, store, "slow")
+
+    def two_done():
+        """two trials completed"""
+        return rows(store, "SELECT COUNT(*) FROM trials WHERE status = 'completed'")[0][0] >= 2
+
+    wait_for(two_done)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = {t.id: t for t in trials_of(store, "slow") if t.status is TrialStatus.COMPLETED}
+    resumed = start_script(kind, store, "slow")
+    out = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, out
+    trials = trials_of(store, "slow")
+    done = [t for t in trials if t.status is TrialStatus.COMPLETED]
+    assert sorted(t.sample["x"] for t in done) == list(range(6))
+    assert all(t.status is TrialStatus.COMPLETED for t in trials)  # nothing left running or interrupted
+    for t in done:
+        assert t.metrics["value"] == [t.sample["x"] * (s + 1) for s in range(4)]
+        if t.id in before:
+            assert t.metrics == before[t.id].metrics and t.checkpoint == before[t.id].checkpoint
+    assert rows(store, "SELECT status FROM experiments WHERE name = 'slow'") == [("done",)]
+
+
+# -- the driver's leftovers ------------------------------------------------------------------------
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_pool_workers_in_a_hanging_trial_exit_with_their_killed_driver(tmp_path):
+    store = tmp_path / "hang.db"
+    proc = start_script("process", store, "hang")
+
+    def both_hang():
+        """both trials reported their worker's pid"""
+        return len(rows(store, "SELECT value FROM metrics WHERE name = 'pid'")) == 2
+
+    wait_for(both_hang)
+    pids = [int(v) for (v,) in rows(store, "SELECT value FROM metrics WHERE name = 'pid'")]
+    assert all(alive(pid) for pid in pids)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+    def workers_gone():
+        """the workers exited"""
+        return not any(alive(pid) for pid in pids)
+
+    wait_for(workers_gone, seconds=30)
+
+
+def test_a_run_left_running_by_a_killed_driver_is_marked_interrupted_on_the_next_open(tmp_path):
+    store = tmp_path / "slow.db"
+    proc = start_script("inline", store, "slow")
+
+    def one_done():
+        """a trial completed"""
+        return rows(store, "SELECT COUNT(*) FROM trials WHERE status = 'completed'")[0][0] >= 1
+
+    wait_for(one_done)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert rows(store, "SELECT status FROM experiments") == [("running",)]
+    assert rows(store, "SELECT COUNT(*) FROM trials WHERE status = 'running'")[0][0] == 1
+    listed = subprocess.run([sys.executable, "-m", "tridens.cli", "ls", "--db", str(store)], cwd=ROOT,
+                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert listed.returncode == 0, listed.stderr
+    assert rows(store, "SELECT status FROM experiments") == [("interrupted",)]
+    assert rows(store, "SELECT COUNT(*) FROM trials WHERE status = 'running'")[0][0] == 0
+    assert rows(store, "SELECT COUNT(*) FROM trials WHERE status = 'interrupted'")[0][0] == 1
