@@ -2,7 +2,6 @@
 file outside the store's folder, prints their text inertly, and answers a damaged row with one
 line; ``tridens resume`` runs a recorded script only once the user confirms it."""
 
-import json
 import sqlite3
 import subprocess
 import sys
