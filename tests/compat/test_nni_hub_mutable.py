@@ -157,3 +157,35 @@ def test_nni2_functional_evaluator_hands_the_model_class(tmp_path, monkeypatch):
     assert exp.experiment.top(1)[0].metric > 0.5
     debug_mutated_model(Net(), FunctionalEvaluator(evaluate))
     assert len(received) == 3
+
+
+def test_lightning_module_and_trainer_become_a_declarative_evaluator():
+    from tridens.compat.nni.nas.evaluator.pytorch import (Classification, ClassificationModule, DataLoader, Lightning,
+                                                          LightningModule, Trainer)
+
+    train, val = td.datasets.digits()
+    evaluator = Lightning(ClassificationModule(learning_rate=0.01, optimizer=torch.optim.SGD),
+                          Trainer(max_epochs=2, gpus=0, enable_progress_bar=False),
+                          train_dataloaders=DataLoader(train, batch_size=32), val_dataloaders=DataLoader(val))
+    assert isinstance(evaluator, Classification)
+    assert (evaluator.epochs, evaluator.batch_size, evaluator.lr, evaluator.device) == (2, 32, 0.01, "cpu")
+    with pytest.raises(NotSupported, match="gpus"):
+        Classification(train_dataloaders=DataLoader(train, batch_size=32), val_dataloaders=DataLoader(val), gpus=2)
+
+    class Custom(LightningModule):
+        pass
+
+    with pytest.raises(NotSupported, match="custom LightningModule"):
+        Custom()
+
+
+def test_choices_in_a_plain_module_are_refused_naming_model_wrapper():
+    import tridens.compat.nni.retiarii.nn.pytorch as rnn
+
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.op = rnn.LayerChoice([nn.ReLU(), nn.Tanh()], label="op")
+
+    with pytest.raises(NotSupported, match="@model_wrapper"):
+        Plain()

@@ -270,9 +270,9 @@ def test_lightning_arguments_tridens_cannot_honour_are_refused(data, kwargs: dic
     with pytest.raises(NotSupported, match=name):
         Classification(**args)
     with pytest.raises(NotSupported, match="FunctionalEvaluator"):
-        Lightning(None, None)
-    with pytest.raises(NotSupported, match="max_epochs"):
-        Trainer(max_epochs=1)
+        Lightning(torch.nn.Linear(1, 1), Trainer(max_epochs=1))
+    with pytest.raises(NotSupported, match="Trainer.fit"):
+        Trainer(max_epochs=1).fit(None)
 
 
 class _Tiny(td.ModelSpace):

@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Subset, default_collate
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, Subset, SubsetRandomSampler, default_collate
 
 from tridens import evaluators as _ev
 
 from ._common import NotSupported, only_default, refuse
 
-__all__ = ["Classification", "Regression", "DataLoader", "Lightning", "LightningModule", "Trainer"]
+__all__ = ["Classification", "Regression", "DataLoader", "Lightning", "LightningModule", "Trainer",
+           "ClassificationModule", "RegressionModule"]
 
 _OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw", torch.optim.RMSprop: "rmsprop"}
 _LOSSES = {nn.CrossEntropyLoss: "cross_entropy", nn.NLLLoss: "nll", nn.MSELoss: "mse", nn.L1Loss: "l1",
@@ -40,7 +41,8 @@ _DEFAULTS: dict[str, Any] = {"max_steps": -1, "min_epochs": None, "min_steps": N
                              "gradient_clip_algorithm": None, "accumulate_grad_batches": 1, "callbacks": None,
                              "strategy": "auto", "plugins": None, "max_time": None, "val_check_interval": None,
                              "reload_dataloaders_every_n_epochs": 0, "sync_batchnorm": False}
-_HANDLED = {"max_epochs", "accelerator", "devices", "fast_dev_run", "limit_train_batches", "limit_val_batches", "precision"}
+_HANDLED = {"max_epochs", "accelerator", "devices", "gpus", "fast_dev_run", "limit_train_batches", "limit_val_batches",
+            "precision"}
 
 
 def _optimizer(owner: str, optimizer: Any) -> tuple[str, float | None]:
@@ -79,6 +81,12 @@ def _dataset(owner: str, name: str, loader: Any) -> tuple[Any, int | None]:
         if loader.collate_fn is not default_collate:
             raise NotSupported(f"The {name!r} parameter of {owner} has a custom collate_fn; tridens batches "
                                f"(input, target) pairs itself: collate in the dataset instead.")
+        sampler = loader.sampler
+        if isinstance(sampler, SubsetRandomSampler):  # a split of one dataset (NNI's DARTS tutorial)
+            return Subset(loader.dataset, [int(i) for i in sampler.indices]), loader.batch_size
+        if not isinstance(sampler, (SequentialSampler, RandomSampler)):
+            raise NotSupported(f"The {name!r} parameter of {owner} uses a {type(sampler).__name__}; tridens draws the "
+                               f"batches itself: give a Subset of the dataset, or a SubsetRandomSampler, instead.")
         return loader.dataset, loader.batch_size
     if hasattr(loader, "__getitem__") and hasattr(loader, "__len__"):
         return loader, None
@@ -134,8 +142,17 @@ def _training(owner: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     if fast:
         n = 1 if fast is True else int(fast)
         epochs, limits = 1, (n, n)
-    return {"epochs": epochs, "limits": limits,
-            "device": _device(owner, kwargs.get("accelerator", "auto"), kwargs.get("devices"))}
+    accelerator, devices = kwargs.get("accelerator", "auto"), kwargs.get("devices")
+    gpus = kwargs.get("gpus")
+    if gpus is not None:  # Lightning 1.x: gpus=0 is the CPU, gpus=1 (or [i]) one GPU
+        if gpus in (0, "0") or (isinstance(gpus, (list, tuple)) and not gpus):
+            accelerator = "cpu"
+        else:
+            accelerator, devices = "gpu", ([int(gpus[0])] if isinstance(gpus, (list, tuple)) and len(gpus) == 1 else gpus)
+            if devices not in (1, "1", -1) and not isinstance(devices, list):
+                raise refuse(owner, "gpus", gpus, "A tridens trial trains on one device; run trials in parallel with "
+                             "td.Experiment(executor='process' or 'ray', workers=N) instead.")
+    return {"epochs": epochs, "limits": limits, "device": _device(owner, accelerator, devices)}
 
 
 def _translate(owner: str, criterion: Any, learning_rate: Any, weight_decay: Any, optimizer: Any, train_dataloaders: Any,
@@ -203,17 +220,64 @@ class _Refused:
         raise NotSupported(self._message)
 
 
-class Lightning(_Refused):
-    _message = ("Lightning(module, trainer) runs a custom LightningModule, which tridens does not: write the training "
-                "loop as a function and use FunctionalEvaluator(fn) (nni.report_intermediate_result / "
-                "report_final_result work inside it) for a multi-trial search, or Classification / Regression "
-                "(needed by the one-shot strategies).")
+_CUSTOM = ("Lightning(module, trainer) with a custom LightningModule is not supported (tridens does not run PyTorch "
+           "Lightning): write the training loop as a function and use FunctionalEvaluator(fn) "
+           "(nni.report_intermediate_result / report_final_result work inside it) for a multi-trial search, or "
+           "ClassificationModule / RegressionModule (tridens' declarative trainer, needed by the one-shot strategies).")
 
 
 class LightningModule(_Refused):
-    _message = Lightning._message
+    """A custom LightningModule: refused when constructed (see ``Lightning``)."""
+
+    _message = _CUSTOM
 
 
-class Trainer(_Refused):
-    _message = ("A Lightning Trainer is not needed: pass its arguments (max_epochs=, accelerator=, "
-                "limit_train_batches=, ...) to Classification / Regression directly.")
+class ClassificationModule:
+    """``ClassificationModule(criterion, learning_rate, weight_decay, optimizer, ...)``: the training
+    settings of ``Lightning(module, trainer, ...)``, which becomes a :class:`Classification`."""
+
+    def __init__(self, criterion: Any = nn.CrossEntropyLoss, learning_rate: float = 0.001, weight_decay: float = 0.0,
+                 optimizer: Any = torch.optim.Adam, export_onnx: bool = True, num_classes: int | None = None) -> None:
+        self.settings = {"criterion": criterion, "learning_rate": learning_rate, "weight_decay": weight_decay,
+                         "optimizer": optimizer}
+
+
+class RegressionModule:
+    """``RegressionModule(criterion, learning_rate, weight_decay, optimizer, ...)``: see ``ClassificationModule``."""
+
+    def __init__(self, criterion: Any = nn.MSELoss, learning_rate: float = 0.001, weight_decay: float = 0.0,
+                 optimizer: Any = torch.optim.Adam, export_onnx: bool = True) -> None:
+        self.settings = {"criterion": criterion, "learning_rate": learning_rate, "weight_decay": weight_decay,
+                         "optimizer": optimizer}
+
+
+class Trainer:
+    """``Trainer(max_epochs=..., accelerator=..., ...)``: its arguments, for ``Lightning(module, trainer, ...)``
+    (they are checked there as ``Classification``'s are); tridens' evaluators run the loop themselves."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+
+    def fit(self, *args: Any, **kwargs: Any) -> None:
+        raise NotSupported("Trainer.fit is not run by tridens: pass the Trainer to Lightning(module, trainer, "
+                           "train_dataloaders=, val_dataloaders=) and the evaluator to an experiment.")
+
+
+def Lightning(lightning_module: Any, trainer: Any, train_dataloaders: Any = None, val_dataloaders: Any = None,
+              datamodule: Any = None, fit_kwargs: Any = None, train_dataloader: Any = None) -> Any:
+    """``Lightning(ClassificationModule(...) | RegressionModule(...), Trainer(...), train_dataloaders, val_dataloaders)``
+    = ``Classification`` / ``Regression`` with those settings; a custom LightningModule is refused.
+
+    >>> evaluator = Lightning(ClassificationModule(learning_rate=1e-3), Trainer(max_epochs=2),
+    ...                       train_dataloaders=DataLoader(train, batch_size=64), val_dataloaders=DataLoader(val))  # doctest: +SKIP
+    """
+    if not isinstance(trainer, Trainer):
+        raise NotSupported(f"The 'trainer' parameter of Lightning must be this module's Trainer(...). "
+                           f"Got {type(trainer).__name__} instead.")
+    kind = {ClassificationModule: Classification, RegressionModule: Regression}.get(type(lightning_module))
+    if kind is None:
+        raise NotSupported(_CUSTOM)
+    if fit_kwargs:
+        raise refuse("Lightning", "fit_kwargs", fit_kwargs, "Give the dataloaders as train_dataloaders= / val_dataloaders=.")
+    return kind(**lightning_module.settings, train_dataloaders=train_dataloaders, val_dataloaders=val_dataloaders,
+                train_dataloader=train_dataloader, datamodule=datamodule, **trainer.kwargs)

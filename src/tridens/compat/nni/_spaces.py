@@ -17,8 +17,18 @@ from ._scope import current_prefix, label_scope, scoped
 __all__ = ["ModelSpace", "LayerChoice", "InputChoice", "Repeat", "Cell", "NasBench101Cell", "NasBench201Cell"]
 
 
+_OUTSIDE = ("{kind} was created outside a model space: NNI 2.x's one-shot trainers accept choices in a plain "
+            "nn.Module, tridens builds a space by running its __init__ under its resolver. Decorate the class with "
+            "@model_wrapper (tridens.compat.nni.retiarii) or derive it from ModelSpace (tridens.compat.nni.nas.nn.pytorch).")
+
+
 def _label(label: str | None, kind: str) -> str | None:
-    """The label in the current scope; an automatic one gets the scope's prefix too."""
+    """The label in the current scope; an automatic one gets the scope's prefix too. Refuses a
+    choice built outside any space's construction."""
+    if active_resolver() is None:
+        from ._common import NotSupported
+
+        raise NotSupported(_OUTSIDE.format(kind=kind))
     if label is not None:
         return scoped(label)
     prefix, resolver = current_prefix(), active_resolver()

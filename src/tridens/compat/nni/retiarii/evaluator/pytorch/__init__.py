@@ -1,6 +1,9 @@
 """``nni.retiarii.evaluator.pytorch``: ``Classification``, ``Regression``, ``DataLoader`` on tridens'
-declarative evaluators (``tridens.compat.nni._lightning``); ``Lightning``/``Trainer`` raise."""
+declarative evaluators (``tridens.compat.nni._lightning``); ``Lightning(ClassificationModule(...),
+Trainer(...), ...)`` becomes one of them, a custom ``LightningModule`` is refused."""
 
-from ...._lightning import Classification, DataLoader, Lightning, LightningModule, Regression, Trainer
+from ...._lightning import (Classification, ClassificationModule, DataLoader, Lightning, LightningModule, Regression,
+                            RegressionModule, Trainer)
 
-__all__ = ["Classification", "Regression", "DataLoader", "Lightning", "LightningModule", "Trainer"]
+__all__ = ["Classification", "Regression", "DataLoader", "Lightning", "LightningModule", "Trainer",
+           "ClassificationModule", "RegressionModule"]

@@ -1,5 +1,7 @@
 """``nni.retiarii.evaluator.pytorch.lightning`` (the same names as ``nni.retiarii.evaluator.pytorch``)."""
 
-from ...._lightning import Classification, DataLoader, Lightning, LightningModule, Regression, Trainer
+from ...._lightning import (Classification, ClassificationModule, DataLoader, Lightning, LightningModule, Regression,
+                            RegressionModule, Trainer)
 
-__all__ = ["Classification", "Regression", "DataLoader", "Lightning", "LightningModule", "Trainer"]
+__all__ = ["Classification", "Regression", "DataLoader", "Lightning", "LightningModule", "Trainer",
+           "ClassificationModule", "RegressionModule"]
