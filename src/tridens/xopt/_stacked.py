@@ -28,7 +28,6 @@ class BatchingSettings:
     channels_last: bool = False
     min_speedup: float = 1.1
     measure_rounds: int = 3
-    max_separate_efficiency: float = 0.2
     override_speedup: float | None = None
     keep_freed_memory: bool = True
 
