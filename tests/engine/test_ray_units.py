@@ -221,7 +221,6 @@ def _two_mlps(seed):
                                              ("prefix", "adam"), ("pipeline", "sgd")])
 def test_member_checkpoint_of_a_fused_unit_resumes_as_a_separate_trainer(digits_data, kind, optimizer):
     from tridens.units import Job
-    from tridens.engine._ray_units import member_state
     from tridens.trial import Trial
     from tridens.xopt._batching import BatchedUnit
     from tridens.xopt._cse import plan_cse
@@ -242,7 +241,7 @@ def test_member_checkpoint_of_a_fused_unit_resumes_as_a_separate_trainer(digits_
         (unit,), _ = plan_cse(jobs(), ev)
         assert ("frozen prefix" in unit.summary()) == (kind == "prefix")
     unit.train_epoch()
-    states = {tid: member_state(unit, tid, ev) for tid in unit.jobs}
+    states = {tid: unit.state_dict(tid) for tid in unit.jobs}
     fused = [unit.train_epoch(), unit.train_epoch()]
     for job in jobs():
         tid = job.trial.id
