@@ -146,6 +146,14 @@ def trial_details(trial: Trial, trials: Sequence[Trial], objective: Objective) -
     children = [ref(t.id) for t in trials if t.parent == trial.id]
     if children:
         rows.append(("children", ", ".join(children)))
+    stages = trial.info.get("stages")
+    if stages:
+        mates = {node: [ref(t.id) for t in trials if t.id != trial.id
+                        and any(s[0] == node for s in t.info.get("stages") or ())] for node, _, _ in stages}
+        rows.append(("stages", "; ".join(
+            f"from epoch {epoch}: node {node}" + (f" shared with {', '.join(mates[node][:12])}"
+                                                  + (" ..." if len(mates[node]) > 12 else "") if mates[node] else "")
+            for node, _, epoch in stages)))
     if trial.info.get("duplicate_of") is not None:
         rows.append(("duplicate of", ref(trial.info["duplicate_of"])))
     rows.append(("checkpoint", trial.checkpoint or "-"))

@@ -10,9 +10,12 @@ import pytest
 import torch
 from torch import nn
 
+from rich.console import Console
+
 import tridens as td
+from tridens._views import trial_details
 from tridens.evaluators import NonFiniteLoss
-from tridens.trial import Trial, TrialStatus
+from tridens.trial import Objective, Trial, TrialStatus
 from tridens.units import Job, SeparateUnit
 from tridens.xopt import StageTreeUnit, plan_stage_trees
 
@@ -70,9 +73,9 @@ def test_stage_records_show_the_tree(data):
     run(units[0])
     paths = {job.trial.id: job.trial.info["stages"] for job in jobs}
     # every trial starts in the root; trials with different gammas at milestone 1 fork at epoch 1
-    assert all(path[0] == [0, None, 0] for path in paths.values())
+    assert all(path[0] == ["0.0", None, 0] for path in paths.values())
     first_forks = {tuple(path[1]) for path in paths.values() if len(path) > 1}
-    assert all(parent == 0 and epoch == 1 for _, parent, epoch in first_forks)
+    assert all(parent == "0.0" and epoch == 1 for _, parent, epoch in first_forks)
 
 
 def test_float32_within_tolerance_and_bigger_groups_need_sharing(data):
@@ -114,14 +117,14 @@ class Net(td.nn.ModelSpace):
         return self.body(x)
 
 
-def test_experiment_with_per_architecture_seeds_shares_prefixes(data, tmp_path):
+def test_experiment_with_per_architecture_seeds_shares_prefixes_across_groups(data, tmp_path):
     train, val = data
 
     ev = td.evaluators.Classification(train, val, batch_size=128, lr=0.05, schedule="step", epochs=td.choice("epochs", [2, 4]),
                                       milestones=td.choice("milestones", [[1], [2]]), gamma=td.choice("gamma", [0.1, 0.5]))
     runs = {}
     for optimize in (True, False):
-        exp = td.Experiment(Net(), ev, td.strategy.GridSearch(), store=tmp_path / f"{optimize}.db", name="grid",
+        exp = td.Experiment(Net(), ev, td.strategy.GridSearch(batch_size=4), store=tmp_path / f"{optimize}.db", name="grid",
                             seeds="per-architecture", optimize=optimize, verbose=False)
         exp.run()
         runs[optimize] = {json.dumps(t.sample, sort_keys=True): t for t in exp.trials()}
@@ -131,11 +134,21 @@ def test_experiment_with_per_architecture_seeds_shares_prefixes(data, tmp_path):
         assert trial.status is TrialStatus.COMPLETED and trial.seed == other.seed
         assert trial.metrics["val_acc"] == other.metrics["val_acc"]
     tree_paths = [t.info.get("stages") for t in runs[True].values()]
-    assert all(path and path[0] == [0, None, 0] for path in tree_paths)     # trained through a tree
+    assert all(path and path[0][1:] == [None, 0] for path in tree_paths)    # trained through a tree
     assert sum(len(path) > 1 for path in tree_paths) >= 8                    # and forked from it
+    by_id = {t.id: t for t in runs[True].values()}
+    reused = [t for t in by_id.values() if int(t.info["stages"][0][0].split(".")[0]) in by_id
+              and by_id[int(t.info["stages"][0][0].split(".")[0])].group != t.group]
+    assert reused                       # later groups started from prefixes trained by earlier ones
     assert not any("stages" in t.info for t in runs[False].values())
     seeds = {t.sample["width"]: t.seed for t in runs[True].values()}
     assert len(set(seeds.values())) == 2          # one seed per architecture
+    trials = list(runs[True].values())
+    console = Console(record=True, width=400)
+    for part in trial_details(trials[0], trials, Objective("val_acc", "max")):   # `tridens show NAME TRIAL`
+        console.print(part)
+    shown = console.export_text()
+    assert "from epoch 0: node" in shown and "shared with #" in shown
     with pytest.raises(ValueError, match="'seeds' parameter of Experiment"):
         td.Experiment(Net(), ev, seeds="shared", store=tmp_path / "bad.db").run()
     assert math.isfinite(max(t.metric for t in runs[True].values()))

@@ -14,7 +14,7 @@ trainer state (weights, optimizer state, step counter, random state), so a trial
 the tree reports the same per-epoch metrics as trained alone with the same seed. A trial stopped
 by the strategy leaves its node; a node with no trial left is freed with what it would have
 trained. The tree a trial took is in ``trial.info["stages"]``: ``[node, parent, first epoch]`` per
-stage.
+stage, node ids ``"<tree>.<n>"`` with ``<tree>`` the lowest trial id of the tree.
 
 >>> from tridens.xopt import plan_stage_trees
 >>> units, rest = plan_stage_trees(jobs, evaluator)      # doctest: +SKIP
@@ -25,6 +25,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import time
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
@@ -34,7 +36,7 @@ from torch import nn
 from ..evaluators import StepwiseEvaluator, SupervisedTrainer, TrainConfig
 from ..units import ExecutionUnit, Job, UnitResult
 
-__all__ = ["StageTreeUnit", "plan_stage_trees", "MIN_SAVED_FRACTION"]
+__all__ = ["StageTreeUnit", "PrefixCache", "plan_stage_trees", "prefix_cache", "MIN_SAVED_FRACTION"]
 
 MIN_SAVED_FRACTION = 0.2
 """A group trains as a stage tree when the tree skips at least this fraction of its trial-epochs."""
@@ -42,12 +44,82 @@ MIN_SAVED_FRACTION = 0.2
 
 @dataclass
 class _Node:
-    """One stage being trained: a trainer and the trials that are still identical to it."""
+    """One stage being trained: a trainer and the trials that are still identical to it.
 
-    id: int
-    parent: int | None
+    ``path`` holds the stage keys of the epochs its trainer has trained, ``history`` their
+    metrics; a node started from a cached prefix first reports that prefix's ``history`` (one epoch
+    per call, ``reported`` counting) before it trains."""
+
+    id: str
+    parent: str | None
     trainer: SupervisedTrainer
     members: list[int] = field(default_factory=list)
+    path: tuple[Hashable, ...] = ()
+    history: list[dict[str, float]] = field(default_factory=list)
+    reported: int = 0
+
+
+class PrefixCache:
+    """Trainer states at the end of trained epochs, by (initial state, stage keys so far): a later
+    TrialGroup of the same experiment starts a trial from the longest prefix trained before instead
+    of training it again. Least recently used entries go first beyond ``max_bytes``; it is not
+    pickled (a unit sent to another process starts with an empty one).
+
+    >>> PrefixCache(max_bytes=2**20).longest(("root",), [("k0",)], 1)
+    (0, None)
+    """
+
+    def __init__(self, max_bytes: int = 256 * 2**20):
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[tuple[Any, ...], tuple[dict[str, Any], list[dict[str, float]], str, int]] = OrderedDict()
+        self.size = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"max_bytes": self.max_bytes, "entries": OrderedDict(), "size": 0}
+
+    def put(self, root: tuple[Any, ...], path: tuple[Hashable, ...], state: dict[str, Any],
+            history: list[dict[str, float]], node: str) -> None:
+        size = sum(v.numel() * v.element_size() for v in _tensors(state))
+        if size > self.max_bytes // 8:
+            return
+        key = (root, path)
+        if key in self.entries:
+            self.size -= self.entries.pop(key)[3]
+        self.entries[key] = (state, [dict(h) for h in history], node, size)
+        self.size += size
+        while self.size > self.max_bytes and self.entries:
+            self.size -= self.entries.popitem(last=False)[1][3]
+
+    def longest(self, root: tuple[Any, ...], keys: Sequence[Hashable], limit: int
+                ) -> tuple[int, tuple[dict[str, Any], list[dict[str, float]], str] | None]:
+        """The most epochs (at most ``limit``) of ``keys`` trained before, and that entry."""
+        for epoch in range(min(limit, len(keys)), 0, -1):
+            entry = self.entries.get((root, tuple(keys[:epoch])))
+            if entry is not None:
+                self.entries.move_to_end((root, tuple(keys[:epoch])))
+                return epoch, entry[:3]
+        return 0, None
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+_CACHES: "weakref.WeakKeyDictionary[Any, PrefixCache]" = weakref.WeakKeyDictionary()
+
+
+def prefix_cache(evaluator: StepwiseEvaluator) -> PrefixCache | None:
+    """The prefix cache of an experiment's evaluator (one per evaluator object, freed with it)."""
+    try:
+        return _CACHES.setdefault(evaluator, PrefixCache())
+    except TypeError:  # an evaluator that cannot be weakly referenced: no reuse across groups
+        return None
 
 
 def _weights_digest(model: nn.Module) -> str:
@@ -79,25 +151,61 @@ def tree_size(configs: Sequence[TrainConfig], limits: Sequence[int]) -> int:
     return len(prefixes)
 
 
+def _keys(config: TrainConfig, limit: int) -> list[Hashable]:
+    return [config.stage_key(epoch) for epoch in range(limit)]
+
+
 class StageTreeUnit(ExecutionUnit):
-    """Trials of one model, seed and initial weights, trained as a tree of shared stages."""
+    """Trials of one model, seed and initial weights, trained as a tree of shared stages; with a
+    :class:`PrefixCache`, each trial starts from the longest prefix trained before."""
 
     kind = "stage tree"
 
-    def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, reason: str = ""):
+    def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, reason: str = "",
+                 cache: PrefixCache | None = None):
         super().__init__(jobs, evaluator)
         self.reason = reason
+        self.cache = cache
         self.configs: dict[int, TrainConfig] = {job.trial.id: evaluator.config(job.trial.sample)  # type: ignore[attr-defined]
                                                 for job in jobs}
-        first = jobs[0]
-        root = evaluator.trainer(first.model, first.trial.sample, first.trial.seed)  # type: ignore[arg-type]
-        self.nodes: list[_Node] = [_Node(0, None, root, [job.trial.id for job in jobs])]
-        self.node_of: dict[int, _Node] = {job.trial.id: self.nodes[0] for job in jobs}
-        self.final: dict[int, tuple[int, dict[str, Any]]] = {}  # a finished trial's epochs and weights
-        self.next_id = 1
+        self.root = _root_key(jobs[0])
+        self.tree_id = min(job.trial.id for job in jobs)   # node ids "tree.n" are unique in the store
+        self.nodes: list[_Node] = []
+        self.node_of: dict[int, _Node] = {}
+        self.final: dict[int, tuple[int, dict[str, Any] | None, dict[str, Any] | None]] = {}  # epochs, weights, state
+        self.next_id = 0
         self.trained_epochs = 0
+        self.reused_epochs = 0
+        starts: dict[tuple[Hashable, ...], list[Job]] = {}
+        found: dict[tuple[Hashable, ...], tuple[dict[str, Any], list[dict[str, float]], str] | None] = {}
         for job in jobs:
-            job.trial.info["stages"] = [[0, None, 0]]
+            limit = self.limit(job.trial.id)
+            epoch, entry = (0, None) if cache is None or self.root is None else \
+                cache.longest(self.root, _keys(self.configs[job.trial.id], limit), limit)
+            path = tuple(_keys(self.configs[job.trial.id], epoch))
+            starts.setdefault(path, []).append(job)
+            found[path] = entry
+        for path, members in starts.items():
+            entry = found[path]
+            first = members[0]
+            trainer = evaluator.trainer(first.model if entry is None else copy.deepcopy(first.model),  # type: ignore[attr-defined]
+                                        first.trial.sample, first.trial.seed)
+            node = self._new_node(None if entry is None else entry[2], trainer, [job.trial.id for job in members])
+            if entry is not None:
+                trainer.load_state_dict(entry[0])
+                node.path, node.history = path, [dict(h) for h in entry[1]]
+                self.reused_epochs += len(path)
+            for job in members:
+                job.trial.info["stages"] = ([[entry[2], None, 0]] if entry is not None else []) + \
+                    [[node.id, None if entry is None else entry[2], len(path)]]
+
+    def _new_node(self, parent: str | None, trainer: SupervisedTrainer, members: list[int]) -> _Node:
+        node = _Node(f"{self.tree_id}.{self.next_id}", parent, trainer, members)
+        self.next_id += 1
+        self.nodes.append(node)
+        for m in members:
+            self.node_of[m] = node
+        return node
 
     def limit(self, trial_id: int) -> int:
         return self._limit_of(self.jobs[trial_id], self.configs[trial_id].epochs)
@@ -105,7 +213,7 @@ class StageTreeUnit(ExecutionUnit):
     def epoch(self, trial_id: int) -> int:
         if trial_id in self.final:
             return self.final[trial_id][0]
-        return self.node_of[trial_id].trainer.epoch
+        return self.node_of[trial_id].reported
 
     def weights(self, trial_id: int) -> dict[str, Any] | None:
         if trial_id in self.final:
@@ -113,28 +221,45 @@ class StageTreeUnit(ExecutionUnit):
         model = self.node_of[trial_id].trainer.model
         return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
+    def state_dict(self, trial_id: int) -> dict[str, Any] | None:
+        """The trial's checkpoint: its node's trainer state (the trial's own, as trained alone)."""
+        if trial_id in self.final:
+            return self.final[trial_id][2]
+        node = self.node_of.get(trial_id)
+        return None if node is None else node.trainer.state_dict()
+
+    def groups(self) -> list[list[int]]:
+        """The members by the node (stage) they are in now."""
+        return [list(node.members) for node in self.nodes if node.members]
+
+    def shared(self) -> list[str]:
+        alone = sum(self.limit(t) for t in self.jobs)
+        shared = tree_size([self.configs[t] for t in self.jobs], [self.limit(t) for t in self.jobs])
+        return [f"training prefixes: {shared} epoch(s) for {alone} trial-epochs"] + (
+            [f"{self.reused_epochs} epoch(s) trained by earlier groups"] if self.reused_epochs else [])
+
     def _fork(self, node: _Node, members: list[int]) -> _Node:
         """A new branch of ``node`` for ``members``, continuing from a copy of its whole state."""
         job = self.jobs[members[0]]
         trainer = self.evaluator.trainer(copy.deepcopy(node.trainer.model), job.trial.sample,  # type: ignore[attr-defined]
                                          job.trial.seed)
         trainer.load_state_dict(node.trainer.state_dict())
-        child = _Node(self.next_id, node.id, trainer, members)
-        self.next_id += 1
         node.members = [m for m in node.members if m not in members]
+        child = self._new_node(node.id, trainer, members)
+        child.path, child.history, child.reported = node.path, list(node.history), node.reported
         for m in members:
-            self.node_of[m] = child
             self.jobs[m].trial.info["stages"].append([child.id, node.id, trainer.epoch])
-        self.nodes.append(child)
         return child
 
     def _split(self, node: _Node) -> list[tuple[_Node, list[int]]]:
         """The node's trials due an epoch, by the key of that epoch; new keys fork."""
-        epoch = node.trainer.epoch
+        epoch = node.reported
         due = [m for m in node.members if epoch < self.limit(m)]
         for m in node.members:
             if m not in due and m not in self.final:  # finished: keep what it ends with
-                self.final[m] = (epoch, self.weights(m))
+                self.final[m] = (epoch, self.weights(m), node.trainer.state_dict())
+        if epoch < node.trainer.epoch:   # replaying a cached prefix: the members agree on it
+            return [(node, due)] if due else []
         groups: dict[Hashable, list[int]] = {}
         for m in due:
             groups.setdefault(self.configs[m].stage_key(epoch), []).append(m)
@@ -143,21 +268,31 @@ class StageTreeUnit(ExecutionUnit):
         out += [(self._fork(node, members), members) for members in branches[1:]]
         return out
 
+    def _train(self, node: _Node, due: list[int]) -> UnitResult:
+        config = node.trainer.config = self.configs[due[0]]   # the keys agree: any of them trains this epoch
+        key = config.stage_key(node.trainer.epoch)
+        try:
+            metrics = dict(node.trainer.train_epoch())
+            metrics = {**node.trainer.validate(), **metrics}
+        except Exception as err:
+            return err
+        self.trained_epochs += 1
+        outcome = {self.objective.metric: metrics[self.objective.metric], **metrics}
+        node.path = node.path + (key,)
+        node.history.append(outcome)
+        if self.cache is not None and self.root is not None:
+            self.cache.put(self.root, node.path, node.trainer.state_dict(), node.history, node.id)
+        return outcome
+
     def train_epoch(self) -> dict[int, UnitResult]:
         results: dict[int, UnitResult] = {}
         for node, due in [pair for node in list(self.nodes) for pair in self._split(node)]:
-            node.trainer.config = self.configs[due[0]]   # the keys agree: any of them trains this epoch
             t0 = time.monotonic()
-            try:
-                metrics = dict(node.trainer.train_epoch())
-                metrics = {**node.trainer.validate(), **metrics}
-                outcome: UnitResult = {self.objective.metric: metrics[self.objective.metric], **metrics}
-            except Exception as err:
-                outcome = err
-            self.trained_epochs += 1
+            outcome = node.history[node.reported] if node.reported < node.trainer.epoch else self._train(node, due)
+            node.reported += 1
             share = (time.monotonic() - t0) / len(due)
             for m in due:
-                results[m] = outcome
+                results[m] = dict(outcome) if isinstance(outcome, dict) else outcome
                 info = self.jobs[m].trial.info
                 info["train_seconds"] = info.get("train_seconds", 0.0) + share
         return results
@@ -170,28 +305,26 @@ class StageTreeUnit(ExecutionUnit):
             if not node.members:
                 self.nodes.remove(node)
 
-    def state_dict(self, trial_id: int) -> dict[str, Any] | None:
-        if trial_id in self.final:
-            return None
-        return self.node_of[trial_id].trainer.state_dict()
-
     def summary(self) -> str:
         alone = sum(self.limit(t) for t in self.jobs)
         shared = tree_size([self.configs[t] for t in self.jobs], [self.limit(t) for t in self.jobs])
         return (f"stage tree unit of {len(self.jobs)} trial(s) [{', '.join(str(i) for i in self.jobs)}]: "
                 f"{shared} epoch(s) for {alone} trial-epochs ({alone / max(shared, 1):.2f}x fewer)"
+                + (f", {self.reused_epochs} reused from earlier groups" if self.reused_epochs else "")
                 + (f"; {self.reason}" if self.reason else ""))
 
 
 def plan_stage_trees(jobs: Sequence[Job], evaluator: StepwiseEvaluator,
                      min_saved: float = MIN_SAVED_FRACTION) -> tuple[list[ExecutionUnit], list[Job]]:
-    """Stage-tree units for the jobs that share training prefixes; the rest are left.
+    """Stage-tree units for the jobs that share training prefixes, among themselves or with trials
+    of earlier groups (the evaluator's :func:`prefix_cache`); the rest are left.
 
     Jobs group by seed, module structure and initial weights; a group becomes one
-    :class:`StageTreeUnit` when its tree skips at least ``min_saved`` of its trial-epochs.
+    :class:`StageTreeUnit` when it trains at least ``min_saved`` fewer epochs than its trials alone.
     """
     if not callable(getattr(evaluator, "config", None)):
         return [], list(jobs)
+    cache = prefix_cache(evaluator)
     groups: dict[tuple[Any, ...], list[Job]] = {}
     rest: list[Job] = []
     for job in jobs:
@@ -205,17 +338,18 @@ def plan_stage_trees(jobs: Sequence[Job], evaluator: StepwiseEvaluator,
         else:
             groups.setdefault(key, []).append(job)
     units: list[ExecutionUnit] = []
-    for members in groups.values():
-        if len(members) < 2:
-            rest.extend(members)
-            continue
+    for root, members in groups.items():
         configs = [evaluator.config(job.trial.sample) for job in members]  # type: ignore[attr-defined]
         limits = [cfg.epochs if job.max_steps is None else min(cfg.epochs, job.max_steps)
                   for cfg, job in zip(configs, members)]
-        alone, shared = sum(limits), tree_size(configs, limits)
-        if alone and 1 - shared / alone >= min_saved:
-            units.append(StageTreeUnit(members, evaluator,
-                                       reason=f"shared prefixes skip {1 - shared / alone:.0%} of the trial-epochs"))
+        alone = sum(limits)
+        prefixes = {tuple(keys[:e + 1]) for cfg, limit in zip(configs, limits)
+                    for keys in [_keys(cfg, limit)] for e in range(limit)}
+        cached = set() if cache is None else {p for p in prefixes if (root, p) in cache.entries}
+        needed = len(prefixes) - len(cached)
+        if alone and 1 - needed / alone >= min_saved:
+            units.append(StageTreeUnit(members, evaluator, cache=cache, reason=(
+                f"shared prefixes skip {1 - needed / alone:.0%} of the trial-epochs")))
         else:
             rest.extend(members)
     position = {job.trial.id: i for i, job in enumerate(jobs)}

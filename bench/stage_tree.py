@@ -1,0 +1,126 @@
+"""Benchmark: stage trees (shared training prefixes) against trial-based execution.
+
+One fixed small CNN (conv 3x3 -> ReLU -> conv 3x3 -> ReLU -> max-pool -> linear) on
+``td.datasets.digits()``; SGD with momentum 0.9, batch size 64. A Hippo-style grid over the
+learning-rate schedule: step-decay ``milestones`` (epochs), decay factor ``gamma`` and the epoch
+budget ``epochs`` (see GRID), every trial with the same initial weights (``seeds=
+"per-architecture"``). The same experiment runs
+
+* ``trial`` -- ``optimize=False``: every trial trains on its own, as Ray Tune or Optuna run it;
+* ``tree``  -- the default (``optimize=True``): the planner trains the grid as a stage tree.
+
+in interleaved rounds (trial, tree, trial, tree, ...); each run is its own process
+(``OMP_NUM_THREADS=1``) and reports its CPU-seconds (``time.process_time``), wall time and every
+trial's per-epoch validation accuracy, which must be identical between the two modes. The
+hyperband row runs ``td.strategy.Hyperband`` over the same space (milestones x gamma; the budget
+is the strategy's) with and without sharing.
+
+    .venv/bin/python bench/stage_tree.py                 # 3 rounds of the grid, then Hyperband
+    .venv/bin/python bench/stage_tree.py --quick         # 1 round, smaller grid
+    .venv/bin/python bench/stage_tree.py --one tree      # one measurement (JSON)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+import tridens as td
+
+GRID = {"epochs": [6, 9, 12, 15, 18], "milestones": [[3], [6], [3, 9], [6, 12]], "gamma": [0.1, 0.2, 0.5]}
+QUICK = {"epochs": [4, 8], "milestones": [[2], [4], [2, 6]], "gamma": [0.1, 0.5]}
+
+
+class SmallCNN(td.nn.ModelSpace):
+    """A fixed architecture: the search is over its training schedule only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1),
+                                      nn.ReLU(), nn.MaxPool2d(2))
+        self.head = nn.Linear(32 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+def evaluator(grid: dict[str, list[Any]]) -> td.evaluators.Classification:
+    train, val = td.datasets.digits()
+    return td.evaluators.Classification(
+        train, val, batch_size=64, optimizer="sgd", lr=0.05, momentum=0.9, schedule="step",
+        epochs=td.choice("epochs", grid["epochs"]), milestones=td.choice("milestones", grid["milestones"]),
+        gamma=td.choice("gamma", grid["gamma"]))
+
+
+def measure(mode: str, strategy: str, grid: dict[str, list[Any]]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    ev = evaluator(grid)
+    if strategy == "grid":
+        chosen: Any = td.strategy.GridSearch()
+    else:
+        ev.epochs = max(grid["epochs"])     # the strategy decides the budget, up to the longest
+        chosen = td.strategy.Hyperband(max_steps=max(grid["epochs"]), reduction_factor=3)
+    with tempfile.TemporaryDirectory() as tmp:
+        exp = td.Experiment(SmallCNN(), ev, chosen, store=os.path.join(tmp, "s.db"), name="schedules",
+                            seeds="per-architecture", optimize=(mode == "tree"), verbose=False)
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        exp.run()
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        trials = exp.trials()
+    curves = {json.dumps(t.sample, sort_keys=True): t.metrics.get("val_acc", []) for t in trials}
+    return {"mode": mode, "strategy": strategy, "cpu": cpu, "wall": wall, "trials": len(trials),
+            "trial_epochs": sum(len(c) for c in curves.values()), "best": max((max(c) for c in curves.values() if c), default=None),
+            "curves": curves}
+
+
+def run_one(mode: str, strategy: str, quick: bool) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, __file__, "--one", mode, "--strategy", strategy] + (["--quick"] if quick else [])
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--one", choices=["trial", "tree"], help="one measurement, printed as JSON")
+    parser.add_argument("--strategy", choices=["grid", "hyperband"], default="grid")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="1 round of a smaller grid")
+    parser.add_argument("--no-hyperband", action="store_true")
+    args = parser.parse_args()
+    grid = QUICK if args.quick else GRID
+    if args.one:
+        print(json.dumps(measure(args.one, args.strategy, grid)))
+        return
+    rounds = 1 if args.quick else args.rounds
+    strategies = ["grid"] + ([] if args.no_hyperband else ["hyperband"])
+    n = len(list(itertools.product(*grid.values())))
+    for strategy in strategies:
+        runs: dict[str, list[dict[str, Any]]] = {"trial": [], "tree": []}
+        for _ in range(rounds):
+            for mode in ("trial", "tree"):
+                runs[mode].append(run_one(mode, strategy, args.quick))
+        same = all(a["curves"] == b["curves"] for a, b in zip(runs["trial"], runs["tree"]))
+        med = {mode: {k: statistics.median(r[k] for r in rs) for k in ("cpu", "wall")} for mode, rs in runs.items()}
+        print(f"{strategy}: {runs['trial'][0]['trials']} trials ({n} configurations), "
+              f"{runs['trial'][0]['trial_epochs']} trial-epochs, {rounds} interleaved round(s)")
+        for mode in ("trial", "tree"):
+            print(f"  {mode:5s}  cpu {med[mode]['cpu']:7.1f} s   wall {med[mode]['wall']:7.1f} s   "
+                  f"best val_acc {runs[mode][0]['best']:.4f}")
+        print(f"  stage tree: {med['trial']['cpu'] / med['tree']['cpu']:.2f}x fewer CPU-seconds, "
+              f"{med['trial']['wall'] / med['tree']['wall']:.2f}x shorter; identical per-epoch curves: {same}")
+
+
+if __name__ == "__main__":
+    main()
