@@ -332,3 +332,26 @@ def test_a_run_left_running_by_a_killed_driver_is_marked_interrupted_on_the_next
     assert rows(store, "SELECT status FROM experiments") == [("interrupted",)]
     assert rows(store, "SELECT COUNT(*) FROM trials WHERE status = 'running'")[0][0] == 0
     assert rows(store, "SELECT COUNT(*) FROM trials WHERE status = 'interrupted'")[0][0] == 1
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_unit_forks_a_member_that_goes_on_as_its_source(fused, digits_data):
+    """``unit.fork(source, job)``: the new member continues from the source's state (a batched
+    unit hands it to a separate unit, a separate unit takes it in)."""
+    from tridens.xopt import BatchedUnit
+
+    ev = classification(digits_data, epochs=3, lr=td.choice("lr", [0.05, 0.2]))
+    space, seeds = TinyMLP(), (7, 8)
+
+    def job(tid, lr, seed):
+        torch.manual_seed(seed)
+        return Job(Trial(id=tid, sample={"hidden": 8, "lr": lr}, seed=seed), space.freeze({"hidden": 8}))
+
+    unit = (BatchedUnit if fused else SeparateUnit)([job(1, 0.05, seeds[0]), job(2, 0.2, seeds[1])], ev)
+    unit.train_epoch()
+    child = unit.fork(1, job(3, 0.05, seeds[0]))
+    assert (child is unit) is not fused and child.describe()["trials"][-1] == 3
+    later = [(unit.train_epoch(), child.train_epoch() if fused else None) for _ in range(2)]
+    for own, forked in later:
+        got = (forked if fused else own)[3]
+        assert got == pytest.approx(own[1], rel=1e-5, abs=1e-6)
