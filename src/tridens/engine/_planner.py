@@ -53,4 +53,7 @@ def plan(jobs: Sequence[Job], evaluator: StepwiseEvaluator, optimize: bool, *,
         units.append(SeparateUnit(rest, evaluator, reason="" if optimize else "optimize=False"))
     for unit in units:
         log.info("%s", unit.summary())
+        described = unit.describe()   # recorded with each trial: the store and dashboard show the plan
+        for job in unit.jobs.values():
+            job.trial.info["unit"] = described
     return units
