@@ -99,9 +99,26 @@ def _run_script(script: str, db: str, argv: Sequence[str]) -> int:
 
 def _exception_line(err: BaseException) -> str:
     """``Type: message`` as Python prints it, with its hints ("Did you mean: 'Experiment'?")."""
+    import builtins
+    import difflib
     import traceback
 
-    return " ".join("".join(traceback.format_exception_only(err)).split())
+    text = " ".join("".join(traceback.format_exception_only(err)).split())
+    name = getattr(err, "name", None)
+    if "Did you mean" in text or not isinstance(name, str):
+        return text
+    # Python 3.11's traceback module leaves out the hint its interpreter prints: the same rule here.
+    if isinstance(err, AttributeError):
+        known = dir(getattr(err, "obj", None))
+    elif isinstance(err, NameError) and err.__traceback__ is not None:
+        tb = err.__traceback__
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        known = [*tb.tb_frame.f_locals, *tb.tb_frame.f_globals, *dir(builtins)]
+    else:
+        return text
+    close = difflib.get_close_matches(name, [k for k in known if not k.startswith("_")], n=1)
+    return f"{text}. Did you mean: {close[0]!r}?" if close else text
 
 
 def _user_frame(err: BaseException) -> str:

@@ -14,12 +14,12 @@ import random
 from typing import Any, Iterator, Mapping
 
 from ..errors import InvalidSample, TridensError
-from ..evaluators._base import Evaluator
+from ..evaluators import Evaluator
 from ..space import BaseSpace, Categorical, SearchSpace
 from ..strategy import Strategy
 from ..trial import Objective
 
-__all__ = ["SpaceChanged", "check_before_run", "check_same_space", "explain_failure", "fill_max_steps"]
+__all__ = ["SpaceChanged", "check_before_run", "check_same_space", "describe_space", "explain_failure", "fill_max_steps"]
 
 # Candidates tried per label: every categorical candidate (up to this many), and both bounds of a range.
 _MAX_CANDIDATES = 64
