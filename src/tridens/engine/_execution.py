@@ -120,12 +120,12 @@ def plan_units(jobs: Sequence[Job], evaluator: StepwiseEvaluator, optimize: Any,
     fresh = [job for job in jobs if job.start_from is None]
     forked = [job for job in jobs if job.start_from is not None]
     units: list[ExecutionUnit] = plan(fresh, evaluator, optimize, **kw) if fresh else []
-    failed = []
+    failed: list[tuple[Job, BaseException]] = []
     if forked:
         unit = SeparateUnit(forked, evaluator, reason="started from another member's state (a fork)")
         for job in forked:
             try:
-                unit.load_state_dict(job.trial.id, job.start_from)
+                unit.load_state_dict(job.trial.id, job.start_from or {})
             except Exception as err:
                 failed.append((job, err))
                 unit.drop(job.trial.id)
