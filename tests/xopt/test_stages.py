@@ -18,6 +18,7 @@ from tridens.evaluators import NonFiniteLoss
 from tridens.trial import Objective, Trial, TrialStatus
 from tridens.units import Job, SeparateUnit
 from tridens.xopt import StageTreeUnit, plan_stage_trees
+from tridens.xopt._stages import PrefixCache
 
 from .test_batching import mlp, run
 
@@ -105,6 +106,21 @@ def test_nan_branch_fails_alone(data):
     assert isinstance(history[1][-1], NonFiniteLoss) and len(history[1]) == 2
     assert len(history[0]) == 3 and all(not isinstance(r, BaseException) for r in history[0])
     assert history[0][0] == history[1][0]  # the shared first epoch
+
+
+def test_prefix_cache_starts_later_trials_exactly_and_stays_intact(data):
+    ev = schedule_evaluator(data)
+    short = dict(lr=0.05, epochs=2, milestones=[2], gamma=0.5)
+    later = [dict(lr=0.05, epochs=4, milestones=[2], gamma=g) for g in (0.5, 0.1)]  # part after epoch 2
+    cache = PrefixCache()
+    run(StageTreeUnit(jobs_of([short]), ev, cache=cache))
+    for sample in later:            # both start from the same cached entry, which must stay intact
+        alone, _ = run(SeparateUnit(jobs_of([sample]), ev))
+        unit = StageTreeUnit(jobs_of([sample]), ev, cache=cache)
+        assert unit.reused_epochs == 2
+        history, _ = run(unit)
+        assert history[0] == alone[0]       # two replayed epochs, then two trained: as trained alone
+        assert unit.trained_epochs == 2
 
 
 class Net(td.nn.ModelSpace):

@@ -97,7 +97,8 @@ class PrefixCache:
             entry = self.entries.get((root, tuple(keys[:epoch])))
             if entry is not None:
                 self.entries.move_to_end((root, tuple(keys[:epoch])))
-                return epoch, entry[:3]
+                # a copy: loading a state shares its optimizer tensors, which training then changes in place
+                return epoch, (copy.deepcopy(entry[0]), entry[1], entry[2])
         return 0, None
 
 
