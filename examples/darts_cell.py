@@ -67,13 +67,14 @@ class DartsSpace(tnn.ModelSpace):
 
 
 def genotype(sample: dict[str, object]) -> list[str]:
-    """One line per node: ``node 2 = sep_conv_3x3(in) + skip_connect(node 0)``."""
+    """One line per node: ``node 2 = sep_conv_3x3(input) + skip_connect(node 1)``. Nodes are numbered
+    as NNI numbers them: after the cell's one predecessor (state 0, the input), from 1."""
     def state(i: int) -> str:
-        return "input" if i == 0 else f"node {i - 1}"
+        return "input" if i == 0 else f"node {i}"
 
     return [f"node {j} = " + " + ".join(f"{sample[f'normal/op_{j}_{k}']}({state(sample[f'normal/input_{j}_{k}'])})"
                                       for k in range(2))
-            for j in range(NUM_NODES)]
+            for j in range(1, NUM_NODES + 1)]
 
 
 def main() -> None:

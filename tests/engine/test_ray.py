@@ -239,7 +239,7 @@ def test_driver_killed_then_rerun_finishes_the_experiment(local_ray, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"executor": "spark"}, "The 'executor' parameter of Experiment must be one of"),
+    ({"executor": "spark"}, "The 'executor' parameter of Experiment must be td.executors.Inline(), Process(...) or Ray(...)"),
     ({"executor": "ray", "max_retries": -1}, "The 'max_retries' parameter of Experiment must be an int in the range [0, inf)"),
     ({"executor": "ray", "ray_address": ""}, "The 'ray_address' parameter of Experiment must be None"),
     ({"ray_address": "127.0.0.1:6379"}, "only used with executor='ray'. Got executor='inline' instead."),

@@ -122,7 +122,9 @@ def test_darts_cell(runs: dict[str, Future[Run]]) -> None:
     assert "4 trials, best first:" in out
     assert "best genotype (val_acc" in out
     nodes = re.findall(r"^  node (\d) = (\w+)\((input|node \d)\) \+ (\w+)\((input|node \d)\)$", out, re.M)
-    assert [n[0] for n in nodes] == ["0", "1", "2"]
+    assert [n[0] for n in nodes] == ["1", "2", "3"]          # numbered after the input, as NNI does
+    for node, _, left, _, right in nodes:                     # each reads the input or an earlier node
+        assert all(src == "input" or int(src.split()[1]) < int(node) for src in (left, right))
     assert len(run.trials("darts-cell")) == 4
     run.assert_left_nothing()
 

@@ -312,7 +312,7 @@ class Experiment:
                              f"like 'host:6379', 'auto' or 'ray://host:10001'. Got {self.ray_address!r} instead.")
         if self.ray_address is not None and self.executor != "ray":
             raise ValueError(f"The 'ray_address' parameter of Experiment is only used with executor='ray'. "
-                             f"Got executor={self.executor!r} instead.")
+                             f"Got executor={(self.executor if self.executor is not None else 'inline')!r} instead.")
         if self.storage is not None:
             if not isinstance(self.storage, (str, os.PathLike)) or not os.fspath(self.storage):
                 raise ValueError(f"The 'storage' parameter of Experiment must be None, a directory or an fsspec URI. "
