@@ -403,20 +403,20 @@ class SuperGraphUnit(SharedPipelineUnit):
             children.append(child)
         share = _sharing(children, ident)
         self.saved_elements = _tie(children, ident, share)
-        self.shared = {pk: list(ids) for pk, ids in {**share.buffers, **share.params}.items()}
+        self.inherited_tensors = {pk: list(ids) for pk, ids in {**share.buffers, **share.params}.items()}
         parents = {(job.trial.info.get("inherit") or {}).get("parent") for job in jobs}
         self.parent = next(iter(parents)) if len(parents) == 1 else None
         member = SuperGraphMember(children, trainers, ident, share)
         if children:
             member._merged(member.trial_ids())
         for job in ok:
-            mine = [pk for pk, ids in self.shared.items() if job.trial.id in ids]
+            mine = [pk for pk, ids in self.inherited_tensors.items() if job.trial.id in ids]
             job.trial.info.setdefault("inherit", {})["merged"] = {
                 "unit": [j.trial.id for j in jobs], "tensors": len(mine), "nodes": [member.nodes, member.child_nodes]}
         if memory is None and children:
             memory = supergraph_memory(children, ident, _batch_bytes(children[0].cfg, _example_batch(children[0].cfg)))
         if not reason:
-            reason = (f"children of trial {self.parent}: {len(self.shared)} inherited tensor(s) stored once "
+            reason = (f"children of trial {self.parent}: {len(self.inherited_tensors)} inherited tensor(s) stored once "
                       f"({self.saved_elements} elements not duplicated); {member.nodes} nodes per batch for the "
                       f"children's {member.child_nodes} (shared prefixes computed once); one backward, one step "
                       f"per shared tensor")
@@ -425,6 +425,9 @@ class SuperGraphUnit(SharedPipelineUnit):
         super().__init__(jobs, evaluator, members=[member] if children else [], reason=reason, memory=memory)
         self.errors.update(errors)
         self.member = member
+
+    def shared(self) -> list[str]:
+        return super().shared() + [f"{len(self.inherited_tensors)} inherited tensor(s) stored once"]
 
 
 # ------------------------------------------------------------------------------------------------
