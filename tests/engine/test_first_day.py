@@ -349,8 +349,10 @@ def test_ctrl_c_prints_one_line_with_the_resume_command(tmp_path):
     script = tmp_path / "slow.py"
     script.write_text(SLOW_SEARCH)
     db = tmp_path / "slow.db"
+    # a terminal's SIGINT: a suite run in the background (nohup, CI job) would pass SIGINT on ignored
     proc = subprocess.Popen([*TRIDENS, "run", str(script), "--db", str(db)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 240
     done = 0
     while done < 1 and time.monotonic() < deadline and proc.poll() is None:
