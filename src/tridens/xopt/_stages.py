@@ -340,6 +340,9 @@ def plan_stage_trees(jobs: Sequence[Job], evaluator: StepwiseEvaluator,
             groups.setdefault(key, []).append(job)
     units: list[ExecutionUnit] = []
     for root, members in groups.items():
+        if len(members) < 2 and (cache is None or not any(key[0] == root for key in cache.entries)):
+            rest.extend(members)   # nothing to share (the default per-trial seeds): skip the stage keys
+            continue
         configs = [evaluator.config(job.trial.sample) for job in members]  # type: ignore[attr-defined]
         limits = [cfg.epochs if job.max_steps is None else min(cfg.epochs, job.max_steps)
                   for cfg, job in zip(configs, members)]
