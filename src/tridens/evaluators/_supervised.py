@@ -415,6 +415,18 @@ class Regression(SupervisedEvaluator):
     _MODES: dict[str, str] = {}
 
 
+def _to_device(x: Any, device: torch.device) -> Any:
+    """A collated input on ``device``: a tensor, or the tuple/list/dict of tensors a model taking
+    several inputs receives."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_device(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _to_device(v, device) for k, v in x.items()}
+    return x
+
+
 class BatchSource:
     """Batches of ``(input, target)`` from a dataset, on a device, in a given order.
 
@@ -468,7 +480,7 @@ class BatchSource:
                     batch = next(loader)
                 self.random = drew[0] if drew else self.random
             x, y = batch[0], batch[1]
-            yield x.to(self.device), y.to(self.device)
+            yield _to_device(x, self.device), y.to(self.device)
 
     def epoch_batches(self, cfg: TrainConfig, seed: int, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The training batches of ``epoch`` for a trial with ``seed``: in the epoch's order, a
@@ -661,7 +673,12 @@ class SupervisedTrainer:
             raise InvalidParameter(f"the checkpoint was made with seed {state['seed']}, but this trainer has "
                                    f"seed {self.seed}; resume with the trial's own seed")
         self.model.load_state_dict(state["model"])
+        # The checkpoint brings the optimizer's moments; its hyperparameters (momentum, weight
+        # decay, betas) stay this trainer's config's, so a fork may train on with other ones (PBT).
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
+        for group, own in zip(self.optimizer.param_groups, settings):
+            group.update(own)
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
         self._rng = state["rng"].clone().cpu()
         if self._cuda and "cuda_rng" in state:

@@ -57,7 +57,7 @@ with the same ``in_features``; bias-free ``nn.Conv2d`` with the same ``in_channe
 stride, padding, dilation, groups 1) may run that layer as ONE wide op on ``torch.cat`` of their
 own weights (:class:`_WideLayer`), each member's model after its first layer split off with
 ``torch.fx`` and checked on real data like a prefix split; the planner keeps a wide op only
-where it measured it faster than the members' own layers (:data:`settings`). A joint step holds
+where it measured it faster than the members' own layers (:class:`~tridens.xopt.CSESettings`). A joint step holds
 every member's activations at once, so it is used only within ``max_unit_memory``. Members that
 modify their input in place step alone. Per-epoch metrics stay bit-identical to separate training
 (tested; see ``BENCHMARKS.md`` for what it gains).
@@ -73,13 +73,15 @@ import torch.nn as nn
 from ..units import ExecutionUnit, Job, default_max_unit_memory, resolve_max_unit_memory
 from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._supervised import TrainConfig, SupervisedEvaluator
-from ._joint import CSESettings, JointMember, settings
+from ._joint import JointMember
 from ._pipeline import BATCH, PipelineMember, SharedPipelineUnit, SharedPrefix, TrainerMember, _difference, _mib, _pipeline_key
-from ._prefix import MIN_PREFIX_SHARE, _Analysis, _Hasher, _PrefixPlan, _analyse, _example_batch, _find_prefixes
+from ._prefix import (MIN_PREFIX_SHARE, _Analysis, _Hasher, _PrefixPlan, _analyse, _example_batch, _find_prefixes,
+                      example_bytes)
+from ._settings import CSESettings, Settings
 from ._wide import _joint_member
 
 __all__ = [
-    "MIN_PREFIX_SHARE", "BATCH", "CSESettings", "settings",
+    "MIN_PREFIX_SHARE", "BATCH", "CSESettings",
     "PipelineMember", "TrainerMember", "JointMember", "SharedPrefix", "SharedPipelineUnit",
     "plan_cse", "default_max_unit_memory", "unit_memory",
 ]
@@ -121,7 +123,7 @@ def unit_memory(parts: Sequence[tuple[int, int]], shared: int = 0) -> int:
 # ------------------------------------------------------------------------------------------------
 # the planner
 # ------------------------------------------------------------------------------------------------
-def plan_cse(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
+def plan_cse(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings: Settings | None = None,
              max_unit_memory: int | str | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
     """Group ``jobs`` whose data pipelines agree into :class:`SharedPipelineUnit`\\ s, with shared
     frozen prefixes where found; return the units and the jobs left to train separately.
@@ -130,10 +132,12 @@ def plan_cse(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
     job alone in its pipeline is left over; the first unit's log line says why ("different batch
     size (32, not 64)", "different data seed (7, not 0)", ...). ``max_unit_memory`` (bytes or
     e.g. ``"2GiB"``) defaults to the experiment's bound (:func:`tridens.units.
-    resolve_max_unit_memory`).
+    resolve_max_unit_memory`). ``settings.cse`` (None: :meth:`Settings.from_env`) holds the joint
+    step's knobs.
     """
     if not isinstance(evaluator, SupervisedEvaluator):
         return [], list(jobs)
+    knobs = (settings if settings is not None else Settings.from_env()).cse
     groups: dict[tuple[Any, ...], list[tuple[Job, TrainConfig]]] = {}
     leftover: list[Job] = []
     for job in jobs:
@@ -164,14 +168,14 @@ def plan_cse(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
     units: list[ExecutionUnit] = []
     for index, (_key, group) in enumerate(shared):
         extra = ("not shared: " + ", ".join(notes)) if index == 0 and notes else ""
-        units.extend(_plan_group(group, evaluator, max_unit_memory, extra))
+        units.extend(_plan_group(group, evaluator, max_unit_memory, extra, knobs))
     order = {job.trial.id: i for i, job in enumerate(jobs)}
     leftover.sort(key=lambda j: order[j.trial.id])
     return units, leftover
 
 
 def _plan_group(group: list[tuple[Job, TrainConfig]], evaluator: StepwiseEvaluator,
-                max_unit_memory: int | str | None, extra: str) -> list[ExecutionUnit]:
+                max_unit_memory: int | str | None, extra: str, settings: CSESettings) -> list[ExecutionUnit]:
     cfg0 = group[0][1]
     example = _example_batch(cfg0)
     hasher = _Hasher()
@@ -197,7 +201,7 @@ def _plan_group(group: list[tuple[Job, TrainConfig]], evaluator: StepwiseEvaluat
         acts = a.activations.values() if plan is None else [
             b for n, b in a.activations.items() if a.key_of.get(n) not in plan.keys]
         parts.append((a, _resident(a.job.model, a.cfg), sum(acts)))
-    batch_bytes = example[:1].numel() * example.element_size() * max(cfg0.batch_size, 256)
+    batch_bytes = example_bytes(example) * max(cfg0.batch_size, 256)
     prefix_bytes: dict[str, int] = {}
     for plan in plans:
         rep = plan.rep
@@ -227,13 +231,14 @@ def _plan_group(group: list[tuple[Job, TrainConfig]], evaluator: StepwiseEvaluat
     used: set[str] = set()
     for i, chunk in enumerate(chunks):
         units.append(_make_unit(chunk, evaluator, split_of, notes, estimate(chunk), limit, len(chunks),
-                                over, extra if i == 0 else "", cfg0, used))
+                                over, extra if i == 0 else "", cfg0, used, settings))
     return units
 
 
 def _make_unit(chunk: list[tuple[_Analysis, int, int]], evaluator: StepwiseEvaluator,
                split_of: dict[int, _PrefixPlan], notes: dict[int, str], estimate: int, limit: int,
-               n_chunks: int, over: list[int], extra: str, cfg0: TrainConfig, used: set[str]) -> SharedPipelineUnit:
+               n_chunks: int, over: list[int], extra: str, cfg0: TrainConfig, used: set[str],
+               settings: CSESettings) -> SharedPipelineUnit:
     jobs = [a.job for a, _, _ in chunk]
     members: list[PipelineMember] = []
     errors: dict[int, BaseException] = {}
@@ -263,7 +268,7 @@ def _make_unit(chunk: list[tuple[_Analysis, int, int]], evaluator: StepwiseEvalu
             members.append(TrainerMember(job, trainer, inputs=split.inputs, prefix_buffers=buffers))
         except Exception as err:  # reported as the trial's failure at its first epoch
             errors[trial_id] = err
-    members, joint, estimate = _joint_member(members, chunk, estimate, limit, cfg0)
+    members, joint, estimate = _joint_member(members, chunk, estimate, limit, cfg0, settings)
     unit = SharedPipelineUnit(jobs, evaluator, members=members, prefixes=list(prefixes.values()), memory=estimate)
     unit.errors.update(errors)
     # the log line: what is shared, what is not and why
@@ -309,13 +314,15 @@ def _unit_pipeline(unit: ExecutionUnit) -> tuple[Any, ...] | None:
 
 
 def merge_pipelines(units: Sequence[ExecutionUnit], rest: Sequence[Job], evaluator: StepwiseEvaluator, *,
+                    settings: Settings | None = None,
                     max_unit_memory: int | str | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
     """Put batched units (:class:`~tridens.xopt._batching.BatchedUnit`) that read the same data
     pipeline as other batched or shared-pipeline units, or as leftover jobs, into ONE
     :class:`SharedPipelineUnit` (a mixed unit: each batch read and augmented once, fed to every
     fused group and trainer), as long as the sum of their memory estimates stays under
     ``max_unit_memory``. It always pays: the members do the same steps, and the pipeline's work is
-    done once instead of once per unit. Returns the units and the jobs still left."""
+    done once instead of once per unit. Returns the units and the jobs still left. (No knob of
+    ``settings`` changes this pass.)"""
     from ._batching import BatchedUnit
 
     lone = "no other trial to fuse with"

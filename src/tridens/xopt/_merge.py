@@ -21,7 +21,7 @@ from ..units import Job
 from ..evaluators._supervised import SupervisedTrainer, TrainConfig
 from ..graph import meta, trace
 from ._cse import _optimizer_states
-from ._prefix import _RANDOM_FUNCTIONS, _RANDOM_METHODS, _RANDOM_MODULES, _bytes
+from ._prefix import _RANDOM_FUNCTIONS, _RANDOM_METHODS, _RANDOM_MODULES, _bytes, example_bytes, example_tensor
 from ._inherit import _join
 
 # ------------------------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ class _Child:
     why: str = ""                                                # why the model is one node
 
 
-def _analyse(job: Job, cfg: TrainConfig, example: torch.Tensor, ident: Mapping[str, str]) -> _Child:
+def _analyse(job: Job, cfg: TrainConfig, example: Any, ident: Mapping[str, str]) -> _Child:
     """Trace the child (shapes on real examples) and key its nodes: a key hashes the node's
     structure (its prefix fingerprint), the identities of its tensors (the parent key of a shared
     one, the child's own otherwise) and its inputs' keys."""
@@ -134,6 +134,10 @@ def _analyse(job: Job, cfg: TrainConfig, example: torch.Tensor, ident: Mapping[s
     model = job.model
     assert isinstance(model, nn.Module)
     child = _Child(job, cfg)
+    if not example_tensor(example):  # the child still joins, as one node
+        child.why = "its input is a structure of tensors, not one tensor"
+        child.keys = {}
+        return child
     scale = cfg.batch_size / max(len(example), 1)
     try:
         with warnings.catch_warnings():
@@ -269,9 +273,9 @@ def supergraph_memory(children: Sequence[_Child], ident: Mapping[int, Mapping[st
     return total + sum(activations.values()) + batch_bytes
 
 
-def _batch_bytes(cfg: TrainConfig, example: torch.Tensor) -> int:
+def _batch_bytes(cfg: TrainConfig, example: Any) -> int:
     """The shared batches (training batch, its guard copy, a validation batch), as the CSE planner counts them."""
-    return 3 * example[:1].numel() * example.element_size() * max(cfg.batch_size, 256)
+    return 3 * example_bytes(example) * max(cfg.batch_size, 256)
 
 
 # ------------------------------------------------------------------------------------------------

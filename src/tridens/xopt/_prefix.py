@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.data import default_collate
 
 from ..units import Job
 from ..evaluators._supervised import TrainConfig
@@ -108,7 +109,7 @@ class _Analysis:
 
     job: Job
     cfg: TrainConfig
-    example: torch.Tensor
+    example: Any  # one tensor, or a collated structure (see example_tensor)
     graph: Graph | None = None
     eligible: dict[str, fx.Node] = field(default_factory=dict)   # value fingerprint -> first node
     key_of: dict[fx.Node, str] = field(default_factory=dict)     # eligible node -> value fingerprint
@@ -118,21 +119,60 @@ class _Analysis:
     why_not: str = ""
 
 
-def _example_batch(cfg: TrainConfig) -> torch.Tensor:
-    """The first few training examples (the planner traces and checks models on real data)."""
+def _example_batch(cfg: TrainConfig) -> Any:
+    """The first few training examples (the planner traces and checks models on real data): one
+    tensor, or the collated structure (tuple, list, dict of tensors) a model taking several inputs
+    receives -- :func:`example_tensor` tells which."""
     tensors = getattr(cfg.train, "tensors", None)
     n = min(_EXAMPLES, len(cfg.train))
     if isinstance(tensors, (tuple, list)) and tensors and isinstance(tensors[0], torch.Tensor):
         x = tensors[0][:n]
-    else:  # any map-style dataset of (input, target) pairs
-        x = torch.stack([torch.as_tensor(cfg.train[i][0]) for i in range(n)])
-    return x.detach().cpu().clone()  # a copy: a model may modify its input in place
+    else:  # any map-style dataset of (input, target) pairs, collated as the trainer's loader does
+        x = default_collate([cfg.train[i][0] for i in range(n)])
+    return _map_tensors(x, lambda t: t.detach().cpu().clone())  # a copy: a model may modify its input in place
 
 
-def _analyse(job: Job, cfg: TrainConfig, example: torch.Tensor, hasher: _Hasher) -> _Analysis:
+def _map_tensors(x: Any, fn: Any) -> Any:
+    """``fn`` applied to every tensor in a collated batch (a tensor, or tuples/lists/dicts of them)."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_map_tensors(v, fn) for v in x)
+    if isinstance(x, dict):
+        return {k: _map_tensors(v, fn) for k, v in x.items()}
+    return x
+
+
+def example_tensor(example: Any) -> bool:
+    """Whether a planner example is one tensor (the analyses that split or merge graphs need one input)."""
+    return isinstance(example, torch.Tensor)
+
+
+def example_bytes(example: Any) -> int:
+    """The bytes of one example of a collated batch (every tensor's first row)."""
+    total = 0
+
+    def add(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += (t[:1].numel() if t.dim() else 1) * t.element_size()
+        return t
+
+    _map_tensors(example, add)
+    return total
+
+
+def example_to(example: Any, device: Any) -> Any:
+    """A collated batch moved to ``device``."""
+    return _map_tensors(example, lambda t: t.to(device))
+
+
+def _analyse(job: Job, cfg: TrainConfig, example: Any, hasher: _Hasher) -> _Analysis:
     a = _Analysis(job, cfg, example)
     model = job.model
     assert model is not None
+    if not example_tensor(example):
+        a.why_not = "the model's input is a structure of tensors, not one tensor"
+        return a
     scale = cfg.batch_size / max(len(example), 1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the engine reported opaque modules when it traced the trial

@@ -74,18 +74,15 @@ from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._errors import NonFiniteLoss
 from ..evaluators._supervised import SupervisedTrainer, TrainConfig, ValidationSums, SupervisedEvaluator
 from ._pipeline import PipelineMember, SharedPipelineUnit, _mib, _pipeline_key
-from ._prefix import _example_batch
+from ._prefix import _example_batch, example_to
 from ._inherit import inherit, inherit_from_trial, shared_tensors
+from ._settings import Settings
 from ._merge import _Child, _Sharing, _analyse, _batch_bytes, _identities, _merge, _sharing, _slot, _tensor, supergraph_memory
 
-__all__ = ["ENABLED", "shared_tensors", "inherit", "inherit_from_trial", "SuperGraphUnit", "SuperGraphMember",
+__all__ = ["shared_tensors", "inherit", "inherit_from_trial", "SuperGraphUnit", "SuperGraphMember",
            "plan_supergraph", "supergraph_memory"]
 
 log = logging.getLogger("tridens")
-
-#: Whether the planner merges children of one parent into a super-graph (the benchmark turns it
-#: off to compare with children trained apart, each from the parent's checkpoint).
-ENABLED = True
 
 # ------------------------------------------------------------------------------------------------
 # the member and the unit
@@ -391,14 +388,14 @@ class SuperGraphUnit(SharedPipelineUnit):
         ok = [job for job in jobs if job.trial.id in trainers]
         ident = _identities(ok)
         known = {c.job.trial.id: c for c in (_children or ())}
-        example: torch.Tensor | None = None
+        example: Any = None
         children: list[_Child] = []
         for job in ok:
             child = known.get(job.trial.id)
             if child is None:
                 cfg = trainers[job.trial.id].config
                 if example is None:
-                    example = _example_batch(cfg).to(cfg.device)
+                    example = example_to(_example_batch(cfg), cfg.device)
                 child = _analyse(job, cfg, example, ident[job.trial.id])
             children.append(child)
         share = _sharing(children, ident)
@@ -433,7 +430,7 @@ class SuperGraphUnit(SharedPipelineUnit):
 # ------------------------------------------------------------------------------------------------
 # the planner
 # ------------------------------------------------------------------------------------------------
-def plan_supergraph(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
+def plan_supergraph(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings: Settings | None = None,
                     max_unit_memory: int | str | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
     """Merge the children of one parent (``trial.info["inherit"]``) that read the same data
     pipeline, use the same optimizer kind, momentum and weight decay (their shared tensors take
@@ -445,8 +442,8 @@ def plan_supergraph(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
     of the same architecture -- a mutation of the learning rate only -- would share all their
     inherited layers and hide the hyperparameter's effect, so the others train apart (each still
     from the parent's weights). Only the declarative supervised evaluators are merged (the engine
-    owns their training loop)."""
-    if not ENABLED or not isinstance(evaluator, SupervisedEvaluator):
+    owns their training loop). ``settings.supergraph=False`` merges none."""
+    if (settings is not None and not settings.supergraph) or not isinstance(evaluator, SupervisedEvaluator):
         return [], list(jobs)
     groups: dict[tuple[Any, ...], list[tuple[Job, TrainConfig]]] = {}
     for job in jobs:
