@@ -10,9 +10,10 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
+from .text import printable
 from .trial import Objective, Trial, TrialStatus
 
-__all__ = ["trial_record", "trials_csv", "metrics_csv", "sparkline", "trial_details", "plot_experiment",
+__all__ = ["trial_record", "csv_text", "trials_csv", "metrics_csv", "sparkline", "trial_details", "plot_experiment",
            "number_trials"]
 
 _BLOCKS = "▁▂▃▄▅▆▇█"
@@ -50,6 +51,27 @@ def trial_record(trial: Trial, number: int | None = None) -> dict[str, Any]:
     })
 
 
+# What a spreadsheet reads as the start of a formula (OWASP's list: = + - @, tab, carriage return).
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_text(text: str) -> str:
+    """A text cell of ``--csv`` output (a label, an error line, a JSON value) made safe to open:
+    control characters written as escapes (:func:`~tridens.text.printable`), and a cell a
+    spreadsheet would run as a formula prefixed with ``'`` (numbers such as ``-0.5`` stay as they are).
+
+    >>> csv_text("=1+2"), csv_text("-0.5"), csv_text("lr")
+    ("'=1+2", '-0.5', 'lr')
+    """
+    text = printable(text)
+    if text.startswith(_FORMULA_START):
+        try:
+            float(text)
+        except ValueError:
+            return "'" + text
+    return text
+
+
 def trials_csv(trials: Sequence[Trial], numbers: dict[int, int]) -> str:
     """One CSV row per trial: number, id, status, metric, epochs, params, flops, seed, fingerprint,
     duration, the last line of its error, then one column per label (values as JSON)."""
@@ -59,14 +81,15 @@ def trials_csv(trials: Sequence[Trial], numbers: dict[int, int]) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(["number", "id", "status", "metric", "epochs", "params", "flops", "seed", "fingerprint",
-                     "duration", "error", *labels])
+                     "duration", "error", *[csv_text(label) for label in labels]])
     for t in trials:
         metric = None if t.metric is None or math.isnan(t.metric) else t.metric
         error = t.error.strip().splitlines()[-1] if t.error and t.error.strip() else ""
         writer.writerow([numbers.get(t.id), t.id, t.status.value, "" if metric is None else repr(metric), t.steps,
-                         t.info.get("params", ""), t.info.get("flops", ""), t.seed, t.fingerprint or "",
-                         "" if t.duration is None else f"{t.duration:.3f}", error,
-                         *["" if k not in t.sample else json.dumps(t.sample[k]) for k in labels]])
+                         csv_text(str(t.info.get("params", ""))), csv_text(str(t.info.get("flops", ""))), t.seed,
+                         csv_text(t.fingerprint or ""), "" if t.duration is None else f"{t.duration:.3f}",
+                         csv_text(error), *["" if k not in t.sample else csv_text(json.dumps(t.sample[k]))
+                                            for k in labels]])
     return out.getvalue()
 
 
@@ -75,7 +98,7 @@ def metrics_csv(trial: Trial) -> str:
     names = sorted(trial.metrics)
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["step", *names])
+    writer.writerow(["step", *[csv_text(n) for n in names]])
     for step in range(trial.steps):
         values = [trial.metrics[n][step] if step < len(trial.metrics[n]) else "" for n in names]
         writer.writerow([step, *["" if isinstance(v, float) and math.isnan(v) else v for v in values]])

@@ -117,6 +117,38 @@ def test_control_characters_in_stored_text_are_printed_as_escapes(tmp_path):
     assert "\\x1b" in "".join(show.split())
 
 
+def test_csv_of_foreign_text_is_quoted_escaped_and_never_a_formula(tmp_path):
+    import csv
+    import io
+    import json
+
+    db = tmp_path / "runs.db"
+    formula = '=HYPERLINK("http://x","y")'
+    store = make_store(db, {}, sample={formula: 1, "@SUM(A1)": "a,b\n\"c\"", "+cmd": -0.5, "w\x1b[2J": 2})
+    store.add_metrics(1, 0, {"-val\x1b": 0.25, "loss": -1.5})
+    failed = store.add_trial("e", Trial(id=-1, sample={formula: 2}, seed=1))
+    failed.status, failed.error = TrialStatus.FAILED, "Traceback\n-2+3\x1b]0;t\x07"
+    store.finish_trial(failed)
+    store.close()
+    for command in (["show", "e", "--csv"], ["top", "e", "--csv"], ["show", "e", "0", "--csv"]):
+        res = tridens(*command, "--db", db)
+        assert res.returncode == 0, res.stderr
+        assert "\x1b" not in res.stdout and "\x07" not in res.stdout, res.stdout
+        rows = list(csv.reader(io.StringIO(res.stdout)))
+        assert all(not cell.startswith(("=", "+", "@")) for row in rows for cell in row), rows
+        if command[-2] == "0":  # one trial's metrics: guarded names, numbers as numbers
+            assert rows[0] == ["step", "'-val\\x1b", "loss"] and rows[1] == ["0", "0.25", "-1.5"], rows
+            continue
+        header, body = rows[0], rows[1:]
+        assert len(body) == (2 if command[0] == "show" else 1), rows
+        assert "'" + formula in header and "'@SUM(A1)" in header and "'+cmd" in header and "w\\x1b[2J" in header
+        first = dict(zip(header, body[0]))
+        assert json.loads(first["'@SUM(A1)"]) == "a,b\n\"c\""  # quoted by csv, read back whole
+        assert json.loads(first["'+cmd"]) == -0.5  # a number is not guarded
+        if command[0] == "show":
+            assert dict(zip(header, body[1]))["error"] == "'-2+3\\x1b]0;t\\x07"
+
+
 @pytest.mark.parametrize("damage,expected", [
     ("UPDATE trials SET sample = '{bad'", "the sample of trial 1 .* is not valid JSON"),
     ("UPDATE trials SET sample = '[1, 2]'", "the sample of trial 1 .* is a JSON list, not an object"),
