@@ -194,7 +194,7 @@ def test_warmup_epochs_freeze_alpha_for_that_many_epochs(tmp_path: Path, data) -
     (lambda: nni3.DARTS(penalty={"profiler": None}), "penalty", "Constraint"),
     (lambda: nni3.GumbelDARTS(mutation_hooks=[print]), "mutation_hooks", "LayerChoice"),
     (lambda: nni3.ENAS(policy_fn=print), "policy_fn", "controller_lr"),
-    (lambda: nni3.ENAS(reward_metric_name="val_loss"), "reward_metric_name", "accuracy"),
+    (lambda: nni3.ENAS(reward_metric_name="train_loss"), "reward_metric_name", "val_loss"),
     (lambda: nni3.RandomOneShot(filter=lambda s: True), "filter", "Constraint"),
     (lambda: nni3.DARTS(arc_lr=1e-3), "arc_lr", "arch_lr"),
     (lambda: nni3.GumbelDARTS(temperature="hot"), "temperature", "(init, min)"),
@@ -213,6 +213,31 @@ def test_proxyless_and_policy_rl_name_the_alternatives() -> None:
             make()
         message = str(err.value)
         assert "not provided by tridens" in message and ("GumbelDARTS" in message or "ENAS" in message)
+
+
+def test_enas_reward_metric_name(tmp_path: Path, data) -> None:
+    """reward_metric_name="val_loss": the controller is rewarded with minus the loss of the sampled
+    path on the held-out batch (its baseline is a negative loss); the default rewards accuracy."""
+    assert nni3.ENAS(reward_metric_name="val_loss").reward_metric == "val_loss"
+    assert nni3.ENAS(reward_metric_name="default").reward_metric is None
+    assert nni2.ENAS(reward_metric_name="acc").reward_metric == "val_acc"
+    train, val = data
+    ev = Classification(learning_rate=1e-2, train_dataloaders=DataLoader(Subset(train, range(320)), batch_size=64),
+                        val_dataloaders=DataLoader(Subset(val, range(64)), batch_size=64), max_epochs=1)
+    baselines = {}
+    for name in ("val_loss", None):
+        strategy = nni3.ENAS(reward_metric_name=name, batches_per_update=1, samples=1)
+        td.Experiment(_Tiny(), ev, strategy, store=tmp_path / "r.db", name=f"reward-{name}", verbose=False).run()
+        baselines[name] = strategy.baseline
+        x, y = val.tensors[0][:64], val.tensors[1][:64]
+        with torch.no_grad():
+            out = strategy.net.model(x)
+        expected = -float(torch.nn.functional.cross_entropy(out, y)) if name else float((out.argmax(1) == y).float().mean())
+        assert strategy.reward_of(out, y) == pytest.approx(expected, rel=1e-5)
+    assert baselines["val_loss"] < 0 <= baselines[None] <= 1
+    with pytest.raises(ValueError, match="reward_metric"):
+        td.Experiment(_Tiny(), ev, td.oneshot.ENAS(reward_metric="val_mse"), store=tmp_path / "r.db", name="mse",
+                      verbose=False).run()
 
 
 def test_nni2_strategies_map_their_arguments() -> None:

@@ -19,6 +19,7 @@ training step:
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any, Callable, Mapping
 
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..evaluators._supervised import TrainConfig
+from ..evaluators._supervised import TrainConfig, ValidationSums
 from ._search import complete
 from ._supernet import Supernet
 
@@ -465,18 +466,23 @@ class Controller(nn.Module):
 
 class ENAS(OneShotStrategy):
     """ENAS: an LSTM controller samples the path trained at each step; every ``controller_every``
-    steps it samples ``controller_samples`` paths, scores them on a held-out training batch (the
-    objective: accuracy, or minus the error for regression) and is updated by REINFORCE with a
-    moving-average baseline (``baseline_decay``) and an entropy bonus (``entropy_weight``).
+    steps it samples ``controller_samples`` paths, scores them on a held-out training batch and is
+    updated by REINFORCE with a moving-average baseline (``baseline_decay``) and an entropy bonus
+    (``entropy_weight``). The reward is ``reward_metric`` on that batch: ``"val_acc"``,
+    ``"val_loss"``, ``"val_mse"`` or ``"val_mae"`` (a loss or an error is negated: the controller
+    maximizes its reward); ``None``: accuracy for classification, minus the loss for regression.
     The controller's greedy architecture is evaluated first in the search.
 
-    >>> strategy = td.oneshot.ENAS(controller_lr=1e-3)   # doctest: +SKIP
+    >>> strategy = td.oneshot.ENAS(controller_lr=1e-3, reward_metric="val_loss")   # doctest: +SKIP
     """
+
+    REWARD_METRICS = {"classification": ("val_acc", "val_loss"), "regression": ("val_mse", "val_mae", "val_loss")}
 
     def __init__(self, *, controller_lr: float = 1e-3, controller_hidden: int = 32, controller_every: int = 1,
                  controller_samples: int = 1, baseline_decay: float = 0.95, entropy_weight: float = 1e-4,
-                 arch_fraction: float = 0.2, **kwargs: Any) -> None:
+                 arch_fraction: float = 0.2, reward_metric: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.reward_metric = reward_metric
         self.controller_lr = controller_lr
         self.controller_hidden = controller_hidden
         self.controller_every = controller_every
@@ -498,8 +504,15 @@ class ENAS(OneShotStrategy):
             raise _param_error(owner, "baseline_decay", "a float in the range [0, 1)", self.baseline_decay)
         if not isinstance(self.arch_fraction, (int, float)) or not 0 < self.arch_fraction < 1:
             raise _param_error(owner, "arch_fraction", "a float in the range (0, 1)", self.arch_fraction)
+        known = sorted({m for names in self.REWARD_METRICS.values() for m in names})
+        if self.reward_metric is not None and self.reward_metric not in known:
+            raise _param_error(owner, "reward_metric", f"None or one of {known}", self.reward_metric)
 
     def begin(self, net: Supernet, cfg: TrainConfig, total_steps: int, rng: random.Random) -> None:
+        allowed = self.REWARD_METRICS.get(cfg.task, ())
+        if self.reward_metric is not None and self.reward_metric not in allowed:
+            raise _param_error(type(self).__name__, "reward_metric", f"one of {list(allowed)} for {cfg.task}",
+                               self.reward_metric)
         super().begin(net, cfg, total_steps, rng)
         seed = rng.getrandbits(31)
         with torch.random.fork_rng(devices=[]):
@@ -538,11 +551,18 @@ class ENAS(OneShotStrategy):
                 self.net.set_path(s)
                 with torch.no_grad():
                     out = self.net.model(xa)
-                if self.cfg.task == "classification":
-                    return float((out.argmax(dim=1) == ya).float().mean())
-                return -float(self.cfg.loss(out, ya))
+                return self.reward_of(out, ya)
             self.reinforce(reward)
         return loss
+
+    def reward_of(self, out: torch.Tensor, y: torch.Tensor) -> float:
+        """The reward of a path whose output on the held-out batch is ``out``: ``reward_metric``
+        (negated unless it is accuracy)."""
+        metric = self.reward_metric or ("val_acc" if self.cfg.task == "classification" else "val_loss")
+        sums = ValidationSums(dataclasses.replace(self.cfg, metrics=(metric,)))
+        sums.add(out, y)
+        value = sums.result()[metric]
+        return value if metric == "val_acc" else -value
 
     def proposals(self) -> list[dict[str, Any]]:
         with torch.no_grad():

@@ -124,11 +124,20 @@ def _controller_every(owner: str, name: str, value: Any) -> int:
     return int(value)
 
 
-def _reward(owner: str, reward_metric_name: Any) -> None:
-    if reward_metric_name not in (None, "default", "acc", "val_acc", "accuracy"):
-        raise refuse(owner, "reward_metric_name", reward_metric_name,
-                     "tridens' ENAS rewards the sampled path's accuracy on a held-out training batch "
-                     "(minus its loss for Regression).")
+# NNI's metric names (as its Classification/Regression evaluators log them) -> tridens' reward_metric
+_REWARD_METRICS = {"default": None, "acc": "val_acc", "val_acc": "val_acc", "accuracy": "val_acc", "loss": "val_loss",
+                   "val_loss": "val_loss", "mse": "val_mse", "val_mse": "val_mse", "mae": "val_mae", "val_mae": "val_mae"}
+
+
+def _reward(owner: str, reward_metric_name: Any) -> str | None:
+    """``reward_metric_name`` as ``td.oneshot.ENAS(reward_metric=)``: the metric scored on the held-out
+    batch (a loss or an error negated); ``None`` / ``"default"``: the evaluator's objective."""
+    if reward_metric_name is None:
+        return None
+    if reward_metric_name not in _REWARD_METRICS:
+        raise NotSupported(f"The 'reward_metric_name' parameter of {owner} must name a validation metric of the "
+                           f"evaluator, one of {sorted(_REWARD_METRICS)}. Got {reward_metric_name!r} instead.")
+    return _REWARD_METRICS[reward_metric_name]
 
 
 def ENAS(*, batches_per_update: float = 20, log_prob_every_n_step: int = 10, replay_buffer_size: int | None = None,
@@ -140,7 +149,9 @@ def ENAS(*, batches_per_update: float = 20, log_prob_every_n_step: int = 10, rep
     ``controller_every = controller_samples = batches_per_update``. ``policy_fn``,
     ``update_kwargs`` and ``replay_buffer_size`` configure PPO and have no tridens meaning; the
     controller is tuned with ``controller_lr``, ``controller_hidden``, ``entropy_weight``,
-    ``baseline_decay`` instead.
+    ``baseline_decay`` instead. ``reward_metric_name`` (``"val_acc"``, ``"val_loss"``, ``"val_mse"``,
+    ``"val_mae"``; ``"default"``: the evaluator's objective) is ``reward_metric``, scored on a held-out
+    training batch; a loss or an error is negated, so the controller prefers low ones.
 
     >>> strategy = ENAS(batches_per_update=10)      # doctest: +SKIP
     """
@@ -154,13 +165,14 @@ def ENAS(*, batches_per_update: float = 20, log_prob_every_n_step: int = 10, rep
     only_default(owner, "penalty", penalty, None, _PENALTY)
     only_default(owner, "filter", filter, None, "NNI's ENAS refuses a filter too.")
     only_default(owner, "mutation_hooks", mutation_hooks, None, _HOOKS)
-    _reward(owner, reward_metric_name)
+    reward = _reward(owner, reward_metric_name)
     n = _controller_every(owner, "batches_per_update", batches_per_update)
     kw = tridens_kwargs(owner, _os.ENAS, kwargs, ("batches_per_update", "log_prob_every_n_step", "replay_buffer_size",
                         "reward_metric_name", "policy_fn", "update_kwargs", "warmup_epochs", "penalty", "filter",
                         "mutation_hooks"), "td.oneshot.ENAS")
     kw.setdefault("controller_every", n)
     kw.setdefault("controller_samples", n)
+    kw.setdefault("reward_metric", reward)
     return _os.ENAS(**kw)
 
 
@@ -220,7 +232,7 @@ def ENAS_v2(*, ctrl_kwargs: dict | None = None, entropy_weight: float = 1e-4, sk
     only_default(owner, "ctrl_grad_clip", ctrl_grad_clip, 0, _CLIP)
     only_default(owner, "warmup_epochs", warmup_epochs, 0, _WARMUP)
     only_default(owner, "mutation_hooks", mutation_hooks, None, _HOOKS)
-    _reward(owner, reward_metric_name)
+    reward = _reward(owner, reward_metric_name)
     n = _controller_every(owner, "ctrl_steps_aggregate", ctrl_steps_aggregate)
     kw = tridens_kwargs(owner, _os.ENAS, kwargs, ("ctrl_kwargs", "entropy_weight", "skip_weight", "baseline_decay",
                         "ctrl_steps_aggregate", "ctrl_grad_clip", "log_prob_every_n_step", "warmup_epochs",
@@ -235,6 +247,7 @@ def ENAS_v2(*, ctrl_kwargs: dict | None = None, entropy_weight: float = 1e-4, sk
     kw.setdefault("baseline_decay", baseline_decay)
     kw.setdefault("controller_every", n)
     kw.setdefault("controller_samples", n)
+    kw.setdefault("reward_metric", reward)
     return _os.ENAS(**kw)
 
 
