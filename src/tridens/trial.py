@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TrialStatus", "Trial", "TrialGroup", "Objective", "Decision"]
+__all__ = ["TrialStatus", "Trial", "TrialGroup", "Objective", "Decision", "Fork", "Stage", "Schedule"]
 
 
 class TrialStatus(str, enum.Enum):
@@ -29,6 +29,64 @@ class Decision(str, enum.Enum):
 
     CONTINUE = "continue"
     STOP = "stop"
+
+
+@dataclass(frozen=True)
+class Fork:
+    """A strategy's request that a running trial continue from another member's state: the
+    weights, optimizer state and step of trial ``source`` now, trained from here on with the
+    hyperparameters ``sample`` (a PBT exploit and explore). Plain data.
+
+    >>> Fork(source=3, sample={"lr": 0.08}).source
+    3
+    """
+
+    source: int
+    sample: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Epochs from ``epoch`` on trained with hyperparameters ``sample`` by trial ``trial`` (whose
+    ``seed`` its trainer had): one piece of a :class:`Schedule`."""
+
+    epoch: int
+    sample: dict[str, Any]
+    trial: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A trial's hyperparameters as a function of the epoch: the stages its weights went through,
+    across the forks that copied them from other trials. ``schedule(e)`` is the sample epoch ``e``
+    trained with; ``seed`` the initial seed of the first stage (its model's initialization).
+
+    >>> s = Schedule([Stage(0, {"lr": 0.1}, 4, 7), Stage(3, {"lr": 0.08}, 6, 9)])
+    >>> s(2), s(3), s.seed
+    ({'lr': 0.1}, {'lr': 0.08}, 7)
+    """
+
+    stages: list[Stage]
+
+    def __call__(self, epoch: int) -> dict[str, Any]:
+        current = self.stages[0]
+        for stage in self.stages:
+            if stage.epoch <= epoch:
+                current = stage
+        return current.sample
+
+    @property
+    def seed(self) -> int:
+        return self.stages[0].seed
+
+    def to_json(self) -> list[dict[str, Any]]:
+        """The stages as plain data (what ``trial.info["schedule"]`` holds)."""
+        return [{"epoch": s.epoch, "sample": dict(s.sample), "trial": s.trial, "seed": s.seed} for s in self.stages]
+
+    @classmethod
+    def from_json(cls, stages: list[dict[str, Any]]) -> "Schedule":
+        return cls([Stage(int(s["epoch"]), dict(s["sample"]), int(s["trial"]), int(s["seed"])) for s in stages])
 
 
 @dataclass(frozen=True)
@@ -103,6 +161,35 @@ class Trial:
     @property
     def steps(self) -> int:
         return max((len(v) for v in self.metrics.values()), default=0)
+
+    def schedule(self) -> Schedule:
+        """The hyperparameters this trial's weights were trained with, epoch by epoch: its own
+        ``sample`` from epoch 0, unless a strategy forked it from other trials (PBT), in which case
+        the lineage recorded in ``info["schedule"]`` (it survives a reload from the store).
+
+        >>> Trial(id=1, sample={"lr": 0.1}, seed=5).schedule()(0)
+        {'lr': 0.1}
+        """
+        stages = self.info.get("schedule")
+        if stages:
+            return Schedule.from_json(stages)
+        return Schedule([Stage(0, dict(self.sample), self.id, self.seed)])
+
+    def record_fork(self, source: "Trial", epoch: int, sample: dict[str, Any]) -> None:
+        """This trial continues from ``source``'s state at ``epoch`` with hyperparameters ``sample``:
+        its schedule becomes ``source``'s up to ``epoch``, then ``sample``; ``info["exploits"]`` lists
+        each fork (epoch, source id and number, the sample taken) for ``tridens show`` and the dashboard."""
+        stages = [s for s in source.schedule().to_json() if s["epoch"] < epoch]
+        stages.append({"epoch": epoch, "sample": dict(sample), "trial": self.id, "seed": self.seed})
+        self.info["schedule"] = stages
+        exploits = [e for e in self.info.get("exploits", []) if e["epoch"] < epoch]
+        exploits.append({"epoch": epoch, "from": source.id, "from_number": source.label, "sample": dict(sample)})
+        self.info["exploits"] = exploits
+
+    def forget_forks(self) -> None:
+        """Drop the recorded lineage (a trial trained again from its start)."""
+        self.info.pop("schedule", None)
+        self.info.pop("exploits", None)
 
 
 @dataclass

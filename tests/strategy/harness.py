@@ -5,7 +5,8 @@ start (with a history when resuming), ask with the remaining trial budget, make 
 sample (DUPLICATE when its model fingerprint was seen, FAILED without training when it violates
 a constraint), train the group in lockstep (every trial's value for a step reported before any
 decision for that step) or one trial at a time (a user training loop), stop trials on
-``Decision.STOP``, tell every finished trial. It checks the protocol on the way: non-empty groups
+``Decision.STOP``, carry out a strategy's forks (in lockstep: the trial goes on along its source's
+curve), tell every finished trial. It checks the protocol on the way: non-empty groups
 within the budget, valid samples holding exactly their active labels, no sample proposed twice.
 """
 
@@ -179,6 +180,14 @@ def run(strategy: Strategy, bench: Bench, *, seed: int = 0, max_trials: int | No
                         _finish(strategy, t, TrialStatus.STOPPED)
                     else:
                         running.append(t)
+                by_id = {t.id: t for t in running}
+                forks = [(t, strategy.fork(t, step)) for t in running]
+                for t, fork in forks:  # a fork: the trial goes on along its source's curve
+                    if fork is None or fork.source not in by_id or step + 1 >= steps:
+                        continue
+                    assert fork.source != t.id and space.validate(fork.sample) == fork.sample, fork
+                    t.record_fork(by_id[fork.source], step + 1, fork.sample)
+                    curves[t.id] = curves[t.id][:step + 1] + curves[fork.source][step + 1:]
             for t in running:
                 _finish(strategy, t, TrialStatus.COMPLETED)
         else:

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from tridens.errors import InvalidSpace
-from tridens.strategy import (ASHA, BOHB, BOSS, SS, TPE, AsyncSS, Constraint, GridSearch, Hyperband, MedianStopping,
-                              Random, RegularizedEvolution)
+from tridens.strategy import (ASHA, BOHB, BOSS, PBT, SS, TPE, AsyncSS, Constraint, GridSearch, Hyperband,
+                              MedianStopping, Random, RegularizedEvolution)
 from tridens.trial import Objective, Trial, TrialStatus
 
 from .harness import ACC, LOSS, Bench, finite_space, key, mixed_space, nasbench201, run
@@ -28,6 +28,7 @@ STRATEGIES = {
     "median(random)": lambda: MedianStopping(min_trials=2),
     "median(evolution)": lambda: MedianStopping(RegularizedEvolution(population=6, sample_size=2, batch_size=3),
                                                 grace_steps=2),
+    "pbt": lambda: PBT(population=6, interval=3, max_steps=9),
 }
 STOPPING = {"hyperband", "bohb", "asha", "ss", "async-ss", "boss", "median(random)", "median(evolution)"}
 

@@ -15,7 +15,9 @@ turns what happened into the trial's records and outcome.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -29,13 +31,15 @@ import torch
 from torch import nn
 
 from ..evaluators import Evaluator, StepwiseEvaluator, drive
-from ..trial import Decision
+from ..trial import Decision, Fork
 from ..units import ExecutionUnit, Job, SeparateUnit
 from ._protocol import GroupHooks, TrialProtocol, TrialTimeout, Verdict, error_text
 from ._threads import ThreadPolicy
 
 __all__ = ["Executor", "RunContext", "InlineExecutor", "ProcessExecutor", "run_lockstep", "plan_units",
-           "model_bytes", "weights_bytes", "state_bytes", "make_executor"]
+           "model_bytes", "weights_bytes", "state_bytes", "make_executor", "check_forks", "fork_members"]
+
+log = logging.getLogger("tridens")
 
 
 @dataclass(frozen=True)
@@ -57,9 +61,11 @@ class RunContext:
 
 class Executor:
     """Runs the jobs of one TrialGroup. :meth:`start` is called once per run, before the first
-    group; :meth:`close` at its end. ``parallelism`` is how many trials run at once."""
+    group; :meth:`close` at its end. ``parallelism`` is how many trials run at once;
+    ``forks_members``: whether it carries out a strategy's forks (:meth:`Strategy.fork`, PBT)."""
 
     parallelism = 1
+    forks_members = False
 
     def start(self, context: RunContext) -> None:
         """Take the run's settings (see :class:`RunContext`)."""
@@ -159,11 +165,46 @@ class LockstepJudge:
         """The member ends (:attr:`Verdict.STOP`/``DONE``; its weights are in ``report.unit``),
         or leaves without them (``DROP``, ``YIELD``)."""
 
+    def forks(self, reports: Sequence[UnitReport]) -> list[tuple[UnitReport, Fork]]:
+        """Of the members that continue (``reports``), those the strategy moves onto another
+        member's state. Default: none."""
+        return []
+
+    def forked(self, report: UnitReport, fork: Fork) -> None:
+        """The member now continues from ``fork.source``'s state (record the lineage)."""
+
+
+def fork_members(units: list[ExecutionUnit], forks: Sequence[tuple[UnitReport, Fork]], judge: LockstepJudge) -> None:
+    """Carry out forks between rounds: each member leaves its unit and continues from its source's
+    current state (weights, optimizer state, step, random state) with the fork's hyperparameters,
+    through the source unit's :meth:`~tridens.units.ExecutionUnit.fork`; a new unit that takes it
+    is added to ``units``. A fork whose source has left, or moves in the same round, is skipped."""
+    where = {trial_id: unit for unit in units for trial_id in unit.trial_ids()}
+    moving = {report.trial_id for report, _ in forks}
+    for report, fork in forks:
+        source = where.get(fork.source)
+        if source is None or fork.source in moving or report.trial_id not in where:
+            log.info("trial %d not forked from trial %d: the source is not training now", report.trial_id, fork.source)
+            continue
+        old = where[report.trial_id]
+        job = old.jobs[report.trial_id]
+        model = source.jobs[fork.source].model
+        moved = Job(job.trial, None if model is None else copy.deepcopy(model), job.max_steps, job.started,
+                    hparams=dict(fork.sample))
+        old.drop(report.trial_id)
+        unit = source.fork(fork.source, moved)
+        if not any(u is unit for u in units):
+            units.append(unit)
+        where[report.trial_id] = unit
+        judge.forked(report, fork)
+
 
 def run_lockstep(units: Sequence[ExecutionUnit], judge: LockstepJudge) -> None:
     """Train ``units`` epoch by epoch: every member's epoch first, then the judge's verdict for
     every member (so a synchronous rule sees the whole rung), then members that end leave their
-    unit while the others go on. The one epoch loop of the in-process executor and of a Ray unit task."""
+    unit while the others go on, and members the strategy forks move onto their source's state
+    (:func:`fork_members`). The one epoch loop of the in-process executor and of a Ray unit task."""
+    units = list(units)
     while any(unit.active() for unit in units):
         reports: list[UnitReport] = []
         for unit in units:
@@ -182,10 +223,16 @@ def run_lockstep(units: Sequence[ExecutionUnit], judge: LockstepJudge) -> None:
                 trial_id = job.trial.id
                 if trial_id not in results and unit.epoch(trial_id) >= unit.limit(trial_id):
                     reports.append(UnitReport(unit, trial_id, unit.epoch(trial_id) - 1, None, True, 0.0))
+        going = []
         for report, verdict in zip(reports, judge.judge(reports)):
             if verdict is not Verdict.CONTINUE:
                 judge.finished(report, verdict)
                 report.unit.drop(report.trial_id)
+            elif report.metrics is not None:
+                going.append(report)
+        forks = judge.forks(going)
+        if forks:
+            fork_members(units, forks, judge)
 
 
 class _InlineJudge(LockstepJudge):
@@ -206,6 +253,17 @@ class _InlineJudge(LockstepJudge):
     def finished(self, report: UnitReport, verdict: Verdict) -> None:
         if verdict.finishes:
             self.lives[report.trial_id].finish(weights=report.unit.weights(report.trial_id))
+
+    def forks(self, reports: Sequence[UnitReport]) -> list[tuple[UnitReport, Fork]]:
+        out = []
+        for r in reports:
+            fork = self.lives[r.trial_id].fork(r.step)
+            if fork is not None:
+                out.append((r, fork))
+        return out
+
+    def forked(self, report: UnitReport, fork: Fork) -> None:
+        self.lives[report.trial_id].forked(self.lives[fork.source].trial, report.step, fork)
 
 
 class _Deadline:
@@ -280,6 +338,8 @@ class InlineExecutor(Executor):
 
     >>> exp = td.Experiment(space, evaluator, executor=td.executors.Inline())  # doctest: +SKIP
     """
+
+    forks_members = True
 
     def __init__(self, optimize: Any = None, threads: ThreadPolicy | None = None):
         self.optimize = optimize
@@ -574,6 +634,25 @@ class ProcessExecutor(Executor):
         _, _, value, payload = message
         life.finish(value, load_bytes(payload))
         return False
+
+
+def check_forks(strategy: Any, executor: Any, evaluator: Any) -> None:
+    """A strategy that forks running trials (``strategy.forks``, PBT) needs an executor that carries
+    forks out and a declarative (step-wise) evaluator: one line naming what is missing otherwise.
+
+    >>> check_forks(object(), "process", None)  # a strategy that does not fork: anything goes
+    """
+    if not getattr(strategy, "forks", False):
+        return
+    name = type(strategy).__name__
+    able = executor in (None, "inline", "in-process") or getattr(executor, "forks_members", False)
+    if not able:
+        shown = executor if isinstance(executor, str) else type(executor).__name__
+        raise ValueError(f"{name} forks running trials onto each other's state, which the executor {shown!r} cannot "
+                         f"do (its trials train in separate processes); use td.executors.Inline()")
+    if evaluator is not None and not isinstance(evaluator, StepwiseEvaluator):
+        raise ValueError(f"{name} forks running trials onto each other's state, which needs a declarative evaluator "
+                         f"(td.evaluators.Classification or Regression). Got {type(evaluator).__name__} instead.")
 
 
 def make_executor(kind: str | Executor, workers: int = 2, optimize: Any = None, *, ray_address: str | None = None,

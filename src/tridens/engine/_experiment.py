@@ -22,9 +22,9 @@ from ..evaluators import Evaluator, StepwiseEvaluator
 from ..space import BaseSpace, RecipeError, space_recipe
 from ..store import Store, StoreError
 from ..strategy import Strategy
-from ..trial import Decision, Objective, Trial, TrialGroup, TrialStatus
+from ..trial import Decision, Fork, Objective, Trial, TrialGroup, TrialStatus
 from ..units import Job, parse_memory, unit_memory_limit
-from ._execution import Executor, InlineExecutor, RunContext, make_executor
+from ._execution import Executor, InlineExecutor, RunContext, check_forks, make_executor
 from ._leftovers import claim, fail_repeated_deaths, mark_interrupted
 from ._protocol import error_text
 
@@ -297,6 +297,7 @@ class Experiment:
         if self.warm_start is not None and self.warm_start is not False:
             self._zoo(self._store_path())  # a bad zoo path is an error before anything runs
         self._check_ray()
+        check_forks(self.strategy, self.executor, self.evaluator)  # PBT: an executor that forks members
 
     def _check_ray(self) -> None:
         """The executor and its Ray parameters (ray_address, storage, max_retries)."""
@@ -530,6 +531,12 @@ class _Run:
         self.progress.step(trial, step, value)
         self._notify("on_trial_step", trial, step, values)
 
+    def fork(self, trial: Trial, step: int) -> Fork | None:
+        return self.strategy.fork(trial, step)
+
+    def forked(self, trial: Trial) -> None:
+        self.db.update_trial(trial)  # its lineage (info["schedule"], info["exploits"])
+
     def decide(self, trial: Trial, step: int) -> Decision:
         decision = self.strategy.decide(trial, step)
         if decision is Decision.STOP:
@@ -612,6 +619,7 @@ class _Run:
                      self.name, len(finished), len(interrupted))
             for t in interrupted:
                 t.metrics = {}
+                t.forget_forks()  # trained again from its start
                 self.db.delete_metrics(t.id)  # the re-run writes its own steps
             self._run_jobs([j for j in (self._job(t) for t in interrupted) if j is not None], executor)
         idle = 0

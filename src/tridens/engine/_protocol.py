@@ -29,7 +29,7 @@ import time
 import traceback
 from typing import Any, Mapping, Protocol
 
-from ..trial import Decision, Trial, TrialStatus
+from ..trial import Decision, Fork, Trial, TrialStatus
 from ..units import Job
 
 __all__ = ["Verdict", "TrialProtocol", "GroupHooks", "TrialTimeout", "error_text", "timeout_error", "SILENCE_GRACE"]
@@ -57,6 +57,13 @@ class GroupHooks(Protocol):
     def finish(self, trial: Trial, status: TrialStatus, *, error: str | None = None,
                weights: Mapping[str, Any] | None = None, value: float | None = None) -> None:
         """Store the outcome (and final weights) of ``trial``; tell the strategy."""
+
+    def fork(self, trial: Trial, step: int) -> Fork | None:
+        """Ask the strategy whether ``trial``, continuing after ``step``, moves onto another
+        trial's state."""
+
+    def forked(self, trial: Trial) -> None:
+        """``trial`` moved onto another trial's state: store its lineage (``trial.info``)."""
 
 
 class Verdict(str, enum.Enum):
@@ -184,6 +191,21 @@ class TrialProtocol:
             verdict = Verdict.STOP if self.hooks.decide(self.trial, step) is Decision.STOP else Verdict.CONTINUE
         self.verdicts[step] = verdict
         return verdict
+
+    def fork(self, step: int) -> Fork | None:
+        """After a :attr:`Verdict.CONTINUE` for ``step``: the strategy's fork of this trial, if any."""
+        if self.finished or self.verdicts.get(step) is not Verdict.CONTINUE:
+            return None
+        ask = getattr(self.hooks, "fork", None)  # hooks written before forks existed answer none
+        return None if ask is None else ask(self.trial, step)
+
+    def forked(self, source: Trial, step: int, fork: Fork) -> None:
+        """The trial continues from ``source``'s state after ``step`` with ``fork.sample``: its
+        lineage (``trial.schedule()``, ``info["exploits"]``) is recorded and stored."""
+        self.trial.record_fork(source, step + 1, fork.sample)
+        store = getattr(self.hooks, "forked", None)
+        if store is not None:
+            store(self.trial)
 
     def report(self, step: int, metrics: Mapping[str, float], *, last: bool = False,
                seconds: float | None = None) -> Verdict:

@@ -18,6 +18,7 @@ from . import nasbench201
 from ._base import Evaluator, NullReporter, RecordingReporter, Reporter, StepwiseEvaluator, Trainer, drive
 from ._errors import InvalidParameter, NonFiniteLoss, NothingReported, TrialFailed, TrialStopped
 from ._functional import FunctionalEvaluator, report
+from ._replay import replay
 from ._schedules import SCHEDULES, lr_factor, scheduled_lr
 from ._supervised import (CHECKPOINT_FORMAT, OPTIMIZERS, BatchSource, Classification, Regression, SupervisedEvaluator,
                           SupervisedTrainer, TrainConfig, align_output, correct_count)
@@ -27,7 +28,7 @@ __all__ = [
     "Evaluator", "StepwiseEvaluator", "Reporter", "NullReporter", "RecordingReporter", "Trainer", "drive",
     "Classification", "Regression", "SupervisedEvaluator", "TrainConfig", "SupervisedTrainer", "BatchSource",
     "CHECKPOINT_FORMAT", "correct_count", "align_output", "OPTIMIZERS", "SCHEDULES", "lr_factor", "scheduled_lr",
-    "FunctionalEvaluator", "report",
+    "FunctionalEvaluator", "report", "replay",
     "Tabular", "Table", "MemoryTable", "CurveTable", "SimulatedClock", "TableTrainer", "nasbench201",
     "InvalidParameter", "TrialFailed", "NonFiniteLoss", "NothingReported", "TrialStopped",
 ]

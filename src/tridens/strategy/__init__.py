@@ -3,7 +3,8 @@
 Proposing strategies (what to train next): :class:`Random`, :class:`GridSearch`,
 :class:`RegularizedEvolution`, :class:`TPE`. Multi-fidelity strategies (what to train next and
 which running trial to stop): :class:`Hyperband`, :class:`BOHB`, :class:`ASHA`, and the
-sub-sampling bandit :class:`SS`, its asynchronous variant :class:`AsyncSS` and :class:`BOSS`. A stopping rule
+sub-sampling bandit :class:`SS`, its asynchronous variant :class:`AsyncSS` and :class:`BOSS`. Population
+Based Training, which forks running trials onto better ones' state: :class:`PBT`. A stopping rule
 that wraps any proposing strategy: :class:`MedianStopping`. Constraints on measured facts of a
 model and the Pareto front of several objectives: :class:`Constraint`, :func:`pareto_front`.
 """
@@ -17,6 +18,7 @@ from ._evolution import RegularizedEvolution
 from ._grid import GridSearch
 from ._hyperband import Hyperband
 from ._median import MedianStopping
+from ._pbt import PBT
 from ._random import Random
 from ._ss import SS, AsyncSS
 from ._tpe import TPE
@@ -24,6 +26,6 @@ from ._tpe import TPE
 __all__ = [
     "Strategy",
     "Random", "GridSearch", "RegularizedEvolution", "TPE",
-    "Hyperband", "BOHB", "ASHA", "SS", "AsyncSS", "BOSS", "MedianStopping",
+    "Hyperband", "BOHB", "ASHA", "SS", "AsyncSS", "BOSS", "MedianStopping", "PBT",
     "Constraint", "pareto_front",
 ]

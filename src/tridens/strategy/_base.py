@@ -6,7 +6,7 @@ import random
 from typing import Any, Sequence
 
 from ..space._domain import SearchSpace
-from ..trial import Decision, Objective, Trial, TrialGroup
+from ..trial import Decision, Fork, Objective, Trial, TrialGroup
 
 __all__ = ["Strategy"]
 
@@ -35,7 +35,14 @@ class Strategy:
     finds its brackets in a history that way); ``Trial.metrics[objective.metric]`` holds the
     values that were reported, one per step. Strategies identify trials by their sample: a
     strategy never proposes the same sample twice.
+
+    A strategy whose ``forks`` is True may also answer :meth:`fork` after a step a trial
+    continues: the engine then moves that trial onto another running trial's state with new
+    hyperparameters (Population Based Training); the engine refuses such a strategy on an
+    executor that cannot fork members.
     """
+
+    forks = False
 
     def start(self, space: SearchSpace, objective: Objective, rng: random.Random,
               history: Sequence[Trial] = ()) -> None:
@@ -55,6 +62,12 @@ class Strategy:
     def decide(self, trial: Trial, step: int) -> Decision:
         """Continue or stop ``trial`` after ``step``. Default: always continue."""
         return Decision.CONTINUE
+
+    def fork(self, trial: Trial, step: int) -> Fork | None:
+        """Asked after ``decide`` let ``trial`` continue past ``step``: a :class:`Fork` moves it onto
+        a running trial's state (weights, optimizer state) with new hyperparameters; ``None``
+        (the default) lets it go on as it is."""
+        return None
 
     def tell(self, trial: Trial) -> None:
         """``trial`` finished (completed, stopped, failed or duplicate)."""

@@ -27,7 +27,7 @@ class SeparateUnit(ExecutionUnit):
         self.errors: dict[int, BaseException] = {}
         for job in jobs:
             try:
-                self.trainers[job.trial.id] = evaluator.trainer(job.model, job.trial.sample, job.trial.seed)
+                self.trainers[job.trial.id] = evaluator.trainer(job.model, job.sample, job.trial.seed)
             except Exception as err:  # reported as the trial's failure at its first epoch
                 self.errors[job.trial.id] = err
 
@@ -83,7 +83,7 @@ class SeparateUnit(ExecutionUnit):
         trial_id = job.trial.id
         self.jobs[trial_id] = job
         try:
-            self.trainers[trial_id] = self.evaluator.trainer(job.model, job.trial.sample, job.trial.seed)
+            self.trainers[trial_id] = self.evaluator.trainer(job.model, job.sample, job.trial.seed)
             self.trainers[trial_id].load_state_dict(reseeded(state, job.trial.seed))
         except Exception as err:  # reported as the trial's failure at its next epoch
             self.trainers.pop(trial_id, None)
