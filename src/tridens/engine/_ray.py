@@ -327,10 +327,11 @@ class RayExecutor(Executor):
     DynamicFluid moves a trial to a new share at an epoch boundary: its task checkpoints and ends,
     and a new task at the new share resumes from the checkpoint. Under Fluid trials are not fused.
 
-    ``address=None`` starts a local Ray with ``workers`` CPUs (no dashboard, quiet logs) and stops
-    it on :meth:`close`; an address (``"host:port"``, ``"auto"``, ``"ray://host:10001"``) joins a
-    running cluster. A Ray already started in this process is used as it is. Checkpoints go to
-    ``storage`` (a directory every worker sees, or an fsspec URI such as ``s3://bucket/runs``).
+    ``address=None`` starts a local Ray with ``workers`` CPUs (no dashboard, quiet logs, every
+    process listening on 127.0.0.1 only: :mod:`._ray_local`) and stops it on :meth:`close`; an
+    address (``"host:port"``, ``"auto"``, ``"ray://host:10001"``) joins a running cluster as given.
+    A Ray already started in this process is used as it is. Checkpoints go to ``storage`` (a
+    directory every worker sees, or an fsspec URI such as ``s3://bucket/runs``).
     The space, evaluator and model are pickled to the workers: define them at module level.
 
     >>> exp = td.Experiment(space, evaluator, td.strategy.ASHA(max_steps=9), executor="ray",
@@ -384,13 +385,13 @@ class RayExecutor(Executor):
 
             fluid_policy(self.allocation).scheduler(max(self.workers, 1))  # checks the policy's parameters
         if not ray.is_initialized():
-            options: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.ERROR,
-                                       "configure_logging": True}
             if self.address is None:
-                options["num_cpus"] = self.workers
+                from ._ray_local import start_local_ray
+
+                start_local_ray(self.workers)  # every process listening on 127.0.0.1 only
             else:
-                options["address"] = self.address
-            ray.init(**options)
+                ray.init(address=self.address, include_dashboard=False, logging_level=logging.ERROR,
+                         configure_logging=True)
             self._started_ray = True  # ours to stop (a local Ray) or to disconnect from (a cluster)
         self._hub = _Hub.remote()
 
