@@ -88,6 +88,7 @@ def run_oneshot(exp: Any, strategy: OneShotStrategy) -> Any:
     cfg = exp.evaluator.config(hparams)
     net = build_supernet(exp.space, seed=exp.seed)  # refuses a space that cannot be one-shot, before any write
     with Store(path) as db:
+        db.lock_run(name)  # a second process running this experiment is refused, naming this one
         try:
             db.get_experiment(name)
         except StoreError:
