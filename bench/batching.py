@@ -124,7 +124,7 @@ def child(args: argparse.Namespace) -> None:
     except ImportError:  # a --ref-src snapshot from before tridens.units
         from tridens.engine._execution import Job
         from tridens.engine._units import SeparateUnit
-    from tridens.xopt import _batching
+    from tridens.xopt import Settings, _batching
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -218,8 +218,7 @@ def child(args: argparse.Namespace) -> None:
             units = [SeparateUnit(jobs, ev)]
             decision = "K=1: separate"
         else:
-            _batching.settings.mode = "auto"
-            units, rest = _batching.plan_batching(jobs, ev)
+            units, rest = _batching.plan_batching(jobs, ev, settings=Settings())  # the default: auto
             if rest:
                 units.append(SeparateUnit(rest, ev))
         sizes = [len(unit.jobs) for unit in units]  # (units drop their trials as they finish)

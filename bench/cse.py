@@ -59,7 +59,7 @@ import tridens as td  # noqa: E402
 from tridens import nn as tnn  # noqa: E402
 from tridens.units import Job, SeparateUnit  # noqa: E402
 from tridens.trial import Trial  # noqa: E402
-from tridens.xopt import _cse  # noqa: E402
+from tridens.xopt import Settings  # noqa: E402
 from tridens.xopt._cse import plan_cse  # noqa: E402
 
 from _common import print_machine  # noqa: E402
@@ -275,7 +275,7 @@ def run_separate(make_jobs, ev):
 
 
 #: cse variants: (joint step, wide first layers, multi-model foreach optimizer step, 2x2 max-pools by
-#: the exact two-pass kernel), see tridens.xopt._cse.settings; "auto" is the planner's default
+#: the exact two-pass kernel), see tridens.xopt.CSESettings; "auto" is the planner's default
 CSE_VARIANTS = {"cse": (False, "off", False, False), "joint": (True, "off", False, False),
                 "foreach": (True, "off", True, False), "pools": (True, "off", True, True),
                 "wide": (True, "force", True, True), "auto": (True, "auto", True, True),
@@ -284,20 +284,15 @@ CSE_VARIANTS = {"cse": (False, "off", False, False), "joint": (True, "off", Fals
 
 def run_cse(make_jobs, ev, variant="cse"):
     joint, wide, foreach, pools = CSE_VARIANTS[variant]
-    saved = (_cse.settings.joint, _cse.settings.wide, _cse.settings.foreach_step, _cse.settings.fast_pools)
-    _cse.settings.joint, _cse.settings.wide, _cse.settings.foreach_step, _cse.settings.fast_pools = (
-        joint, wide, foreach, pools)
-    try:
-        jobs = make_jobs()
-        t0, c0 = time.perf_counter(), time.process_time()
-        units, rest = plan_cse(jobs, ev)
-        planned = time.perf_counter() - t0
-        assert not rest, "every trial should share the pipeline"
-        describe = units[0].summary()
-        metrics = drive(units)
-        return time.perf_counter() - t0, time.process_time() - c0, planned, metrics, describe
-    finally:
-        _cse.settings.joint, _cse.settings.wide, _cse.settings.foreach_step, _cse.settings.fast_pools = saved
+    settings = Settings().with_cse(joint=joint, wide=wide, foreach_step=foreach, fast_pools=pools)
+    jobs = make_jobs()
+    t0, c0 = time.perf_counter(), time.process_time()
+    units, rest = plan_cse(jobs, ev, settings=settings)
+    planned = time.perf_counter() - t0
+    assert not rest, "every trial should share the pipeline"
+    describe = units[0].summary()
+    metrics = drive(units)
+    return time.perf_counter() - t0, time.process_time() - c0, planned, metrics, describe
 
 
 def max_diff(a, b) -> float:

@@ -31,6 +31,7 @@ validation and the children's checkpoints.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import resource
 import shutil
@@ -108,8 +109,12 @@ def _experiment(store: str, args: argparse.Namespace, variant: str, max_trials: 
     strategy = td.strategy.RegularizedEvolution(population=args.population, sample_size=args.population,
                                                 batch_size=args.children, mutation_prob=0.25,
                                                 inherit_weights=variant != "scratch")
+    from tridens.xopt import Settings
+
+    # ckpt-cse: the optimizations without super-graphs; ckpt-separate: none
+    optimize = False if variant == "ckpt-separate" else dataclasses.replace(Settings.from_env(), supergraph=variant != "ckpt-cse")
     return td.Experiment(SPACES[getattr(args, "space", "cnn")](), ev, strategy, max_trials=max_trials, store=store, name=NAME,
-                         seed=args.seed, optimize=variant != "ckpt-separate", verbose=False)
+                         seed=args.seed, optimize=optimize, verbose=False)
 
 
 def _cpu() -> float:
@@ -121,9 +126,6 @@ def _cpu() -> float:
 def one(args: argparse.Namespace) -> None:
     """Worker: one generation from a copy of the prepared store; prints one RESULT line."""
     torch.set_num_threads(1)
-    from tridens.xopt import _supergraph
-
-    _supergraph.ENABLED = args.one != "ckpt-cse"
     exp = _experiment(args.store, args, args.one, args.population + args.children)
     import tridens.xopt  # noqa: F401  (imported before timing, as in any run after the first group)
     cpu0, t0 = _cpu(), time.perf_counter()

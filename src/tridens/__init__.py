@@ -26,4 +26,15 @@ __all__ = [
     "TridensError", "InvalidSpace", "InvalidSample", "GraphError", "StoreError",
     "Trial", "TrialGroup", "TrialStatus", "Objective", "Decision", "hub",
     "nn", "space", "graph", "strategy", "evaluators", "datasets", "store", "warmup", "oneshot", "executors", "loggers",
+    "xopt",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``td.xopt`` (the cross-model optimizations, e.g. ``td.xopt.Settings``), imported on first
+    use: a run imports it when it plans its first group."""
+    if name == "xopt":
+        import importlib
+
+        return importlib.import_module(".xopt", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

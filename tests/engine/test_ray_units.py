@@ -15,7 +15,6 @@ from torch import nn
 import tridens as td
 from tridens.engine import DynamicFluid
 from tridens.trial import Decision, TrialStatus
-from tridens.xopt import _batching
 
 from .spaces import Groups, MLPSpace, TinyMLP
 
@@ -32,9 +31,9 @@ def local_ray():
 
 @pytest.fixture
 def force(monkeypatch):
-    """Batch same-shaped trials without measuring whether it pays (the driver's decision travels
-    to the worker, which plans the unit again)."""
-    monkeypatch.setattr(_batching.settings, "mode", "force")
+    """Batch same-shaped trials without measuring whether it pays ($TRIDENS_BATCHING, read into the
+    experiment's settings; the driver's decision travels to the worker, which plans the unit again)."""
+    monkeypatch.setenv("TRIDENS_BATCHING", "force")
 
 
 def assert_close(a, b):

@@ -16,7 +16,7 @@ from tridens.engine._planner import plan
 from tridens.units import SeparateUnit
 from tridens.evaluators import NonFiniteLoss
 from tridens.trial import TrialStatus
-from tridens.xopt import _batching
+from tridens.xopt import Settings, _batching
 from tridens.xopt._adaptive import AdaptiveMember, AdaptiveUnit
 from tridens.xopt._batching import BatchedUnit, plan_batching
 from tridens.xopt._cse import SharedPipelineUnit
@@ -31,13 +31,16 @@ def data():
 
 
 @pytest.fixture(autouse=True)
-def auto(monkeypatch):
-    """The default mode, a clean cache, and ``override_speedup`` unset unless a test sets it."""
-    monkeypatch.setattr(_batching.settings, "mode", "auto")
-    monkeypatch.setattr(_batching.settings, "override_speedup", None)
+def clean_cache():
+    """No speed-up measured by an earlier test."""
     _batching.clear_cache()
     yield
     _batching.clear_cache()
+
+
+def auto(speedup=None):
+    """The default batching mode; ``speedup`` replaces the measured one in the decision."""
+    return Settings().with_batching(mode="auto", override_speedup=speedup)
 
 
 def assert_equal_runs(a, b):
@@ -55,8 +58,8 @@ def assert_equal_runs(a, b):
             assert torch.equal(v, b[1][tid][k]), (tid, k)
 
 
-def adaptive(jobs, ev):
-    units, rest = plan_batching(jobs, ev)
+def adaptive(jobs, ev, settings=None):
+    units, rest = plan_batching(jobs, ev, settings=settings or auto())
     assert rest == [] and len(units) == 1 and isinstance(units[0], AdaptiveUnit)
     return units[0]
 
@@ -65,11 +68,11 @@ def test_fused_decision_equals_forced_fusion_and_separate(data, monkeypatch, cap
     """Decided fused (the measured ratio overridden) after real steps of both kinds: per-epoch
     metrics and weights exactly those of a BatchedUnit fused from the start, within 1e-4 of
     separate training; the timing trial's model is back at its initial weights."""
-    monkeypatch.setattr(_batching.settings, "override_speedup", 5.0)
+    settings = auto(5.0)
     ev = evaluator(data, "sgd")
     jobs = make_jobs(SAMPLES, cnn)
     initial = {k: v.clone() for k, v in jobs[0].model.state_dict().items()}
-    unit = adaptive(jobs, ev)
+    unit = adaptive(jobs, ev, settings)
     assert "fused or not as measured on their first real steps" in unit.summary()
     with caplog.at_level(logging.INFO, logger="tridens"):
         decided = run(unit, stop={2: 1})
@@ -83,10 +86,10 @@ def test_fused_decision_equals_forced_fusion_and_separate(data, monkeypatch, cap
 def test_separate_decision_after_fused_steps_equals_separate(data, monkeypatch, caplog):
     """Decided separate after the fused stack trained real batches: the trials' trainers replay
     the batches kept so far and go on: bit-identical to separate training; a stopped trial too."""
-    monkeypatch.setattr(_batching.settings, "override_speedup", 0.5)
+    settings = auto(0.5)
     ev = evaluator(data, "adam")
     samples = [dict(s, lr=s["lr"] / 10) for s in SAMPLES]
-    unit = adaptive(make_jobs(samples, cnn), ev)
+    unit = adaptive(make_jobs(samples, cnn), ev, settings)
     with caplog.at_level(logging.INFO, logger="tridens"):
         decided = run(unit, stop={1: 1})
     member = unit.member
@@ -100,9 +103,9 @@ def test_a_model_near_the_peak_still_decides_by_its_measurement(data, monkeypatc
     """One model's step rate against the peak matmul rate is recorded and logged, never decides:
     with an injected 5x the group fuses (after fused steps were taken) whatever that rate is, and
     the next group of the same key is planned fused from the cache."""
-    monkeypatch.setattr(_batching.settings, "override_speedup", 5.0)
+    settings = auto(5.0)
     ev = evaluator(data, "sgd", epochs=1)
-    unit = adaptive(make_jobs(SAMPLES, mlp), ev)
+    unit = adaptive(make_jobs(SAMPLES, mlp), ev, settings)
     with caplog.at_level(logging.INFO, logger="tridens"):
         decided = run(unit)
     assert unit.member.state == "fused" and unit.member._fused_calls > 0
@@ -110,7 +113,7 @@ def test_a_model_near_the_peak_still_decides_by_its_measurement(data, monkeypatc
     fraction, rate, seconds = next(iter(_batching._EFFICIENCY.values()))
     assert fraction > 0 and rate > 0 and seconds > 0
     assert_equal_runs(run(BatchedUnit(make_jobs(SAMPLES, mlp), ev)), decided)
-    units, rest = plan_batching(make_jobs(SAMPLES, mlp), ev)
+    units, rest = plan_batching(make_jobs(SAMPLES, mlp), ev, settings=settings)
     assert rest == [] and [type(u) for u in units] == [BatchedUnit]
 
 
@@ -124,10 +127,10 @@ def test_measured_decision_is_cached(data, caplog):
     assert len(_batching._SPEEDUPS) == 1
     speedup = next(iter(_batching._SPEEDUPS.values()))
     assert 0 < speedup < float("inf")
-    assert unit.member.state == ("fused" if speedup >= _batching.settings.min_speedup else "separate")
+    assert unit.member.state == ("fused" if speedup >= auto().batching.min_speedup else "separate")
     with caplog.at_level(logging.INFO, logger="tridens"):
-        units, rest = plan_batching(make_jobs(SAMPLES, mlp), ev)
-    if speedup >= _batching.settings.min_speedup:
+        units, rest = plan_batching(make_jobs(SAMPLES, mlp), ev, settings=auto())
+    if speedup >= auto().batching.min_speedup:
         assert [type(u) for u in units] == [BatchedUnit] and "earlier unit's first steps" in units[0].summary()
     else:
         assert units == [] and "earlier unit's first steps" in caplog.text
@@ -137,7 +140,7 @@ def test_measured_decision_is_cached(data, caplog):
 def test_nan_member_and_budgets(data, monkeypatch, speedup):
     """A diverging trial fails alone at the same epoch and batch, a trial with a smaller budget
     stops early, whichever way the group goes."""
-    monkeypatch.setattr(_batching.settings, "override_speedup", speedup)
+    settings = auto(speedup)
     samples = [*SAMPLES[:3], dict(lr=1e12, m=0.9, wd=0.0, s="constant", p=0.1)]
     ev = evaluator(data, "sgd")
 
@@ -146,7 +149,7 @@ def test_nan_member_and_budgets(data, monkeypatch, speedup):
         out[1].max_steps = 1
         return out
 
-    decided = run(adaptive(jobs(), ev))
+    decided = run(adaptive(jobs(), ev, settings))
     separate = run(SeparateUnit(jobs(), ev))
     assert isinstance(decided[0][3][-1], NonFiniteLoss) and len(decided[0][1]) == 1
     if speedup < 1:
@@ -159,11 +162,11 @@ def test_nan_member_and_budgets(data, monkeypatch, speedup):
 def test_epoch_too_short_to_decide_decides_at_its_end(data, monkeypatch, speedup):
     """Two batches per epoch: the decision is taken at the first epoch's end on what was timed
     (the fused stack trains the kept batches first)."""
-    monkeypatch.setattr(_batching.settings, "override_speedup", speedup)
+    settings = auto(speedup)
     train, val = data
     small = (torch.utils.data.Subset(train, range(100)), val)
     ev = evaluator(small, "sgd")
-    unit = adaptive(make_jobs(SAMPLES, mlp), ev)
+    unit = adaptive(make_jobs(SAMPLES, mlp), ev, settings)
     decided = run(unit)
     assert unit.member.state == ("fused" if speedup > 1 else "separate")
     separate = run(SeparateUnit(make_jobs(SAMPLES, mlp), ev))
@@ -174,13 +177,13 @@ def test_epoch_too_short_to_decide_decides_at_its_end(data, monkeypatch, speedup
 def test_adaptive_member_in_a_mixed_unit(data, monkeypatch, speedup):
     """plan(): an adaptive group and a lone trial on one augmented pipeline, in one mixed unit;
     equal to separate training, augmentation once per batch."""
-    monkeypatch.setattr(_batching.settings, "override_speedup", speedup)
+    settings = auto(speedup)
     aug = Counter()
     ev = evaluator(data, "sgd", transforms=aug)
     builders = [mlp, mlp, mlp, lambda p: nn.Sequential(nn.Flatten(), nn.Linear(64, 20), nn.ReLU(), nn.Linear(20, 10))]
 
     separate = run(SeparateUnit(make_jobs(SAMPLES, builders), ev), stop={0: 1})
-    units = plan(make_jobs(SAMPLES, builders), ev, optimize=True)
+    units = plan(make_jobs(SAMPLES, builders), ev, optimize=settings)
     assert len(units) == 1 and isinstance(units[0], SharedPipelineUnit)
     members = [m for m in units[0].members if isinstance(m, AdaptiveMember)]
     assert len(members) == 1 and members[0].trial_ids() == [0, 1, 2]
@@ -238,7 +241,7 @@ def test_adaptive_units_on_ray(monkeypatch, data, tmp_path, caplog):
     ray = pytest.importorskip("ray")
     from tests.engine.spaces import TinyMLP
 
-    monkeypatch.setattr(_batching.settings, "override_speedup", 0.5)
+    settings = auto(0.5)
     train, val = data
     ev = td.evaluators.Classification(train=train, val=val, epochs=2, batch_size=128, optimizer="adam",
                                       lr=td.choice("lr", [0.01, 0.003]))
@@ -248,7 +251,8 @@ def test_adaptive_units_on_ray(monkeypatch, data, tmp_path, caplog):
         for executor in ("inline", "ray"):
             kw = {"workers": 1} if executor == "ray" else {}
             exp = td.Experiment(TinyMLP(), ev, td.strategy.GridSearch(), max_trials=4, seed=5, verbose=False,
-                                store=tmp_path / f"{executor}.db", name="adaptive", executor=executor, **kw)
+                                store=tmp_path / f"{executor}.db", name="adaptive", executor=executor, optimize=settings,
+                                **kw)
             with caplog.at_level(logging.INFO, logger="tridens"):
                 runs.append(exp.run().trials())
     finally:

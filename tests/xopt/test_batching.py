@@ -15,6 +15,7 @@ from tridens.units import Job, SeparateUnit
 from tridens.evaluators import NonFiniteLoss
 from tridens.trial import Trial, TrialStatus
 from tridens.xopt import _batching
+from tridens.xopt import BatchingSettings, Settings
 from tridens.xopt._batching import BatchedMember, BatchedUnit, plan_batching
 
 from .test_cse import RandomCropFlip
@@ -28,8 +29,9 @@ def data():
 
 
 @pytest.fixture
-def force(monkeypatch):
-    monkeypatch.setattr(_batching.settings, "mode", "force")
+def force():
+    """Settings that fuse every compatible group, whatever fusion measures."""
+    return Settings().with_batching(mode="force")
 
 
 class Cast(nn.Module):
@@ -156,16 +158,14 @@ def test_fused_equals_separate_on_a_dataset_augmenting_per_example(data):
 
 
 @pytest.fixture(params=["grouped kernels", "vmap"])
-def engine(request, monkeypatch):
-    monkeypatch.setattr(_batching.settings, "packed", request.param == "grouped kernels")
+def engine(request):
     return request.param
 
 
 def test_fused_equals_separate_vmap_engine(data, monkeypatch):
     """The same with the vmap engine (the fallback for models the grouped program does not cover)."""
-    monkeypatch.setattr(_batching.settings, "packed", False)
     ev = evaluator(data, "adamw")
-    unit = BatchedUnit(make_jobs(ADAPTIVE, cnn), ev)
+    unit = BatchedUnit(make_jobs(ADAPTIVE, cnn), ev, settings=BatchingSettings(packed=False))
     assert_close_runs(run(SeparateUnit(make_jobs(ADAPTIVE, cnn), ev)), run(unit), TOL, weight_tol=2e-3)
     assert unit.member.engine == "vmap"
 
@@ -184,7 +184,7 @@ def test_fused_equals_separate_float64_to_rounding(data, optimizer, engine):
 
     ev = evaluator(data, optimizer, epochs=1)
     for b in (build, build_cnn) if optimizer in ("sgd", "adamw") else (build,):
-        unit = BatchedUnit(make_jobs(samples, b), ev)
+        unit = BatchedUnit(make_jobs(samples, b), ev, settings=BatchingSettings(packed=engine == "grouped kernels"))
         assert_close_runs(run(SeparateUnit(make_jobs(samples, b), ev)), run(unit), 1e-9, weight_tol=1e-9)
         assert unit.member.engine == engine
 
@@ -312,7 +312,7 @@ def test_planner_groups_by_structure_and_setup(data, force, caplog):
         jobs.append(Job(Trial(id=i, sample=sample, seed=i), HpSpace().freeze({"width": width, "p": p})))
     jobs.append(Job(Trial(id=9, sample={"width": 16, "p": 0.0, "lr": 0.1, "opt": "sgd"}, seed=9), RandomForward()))
     with caplog.at_level(logging.INFO, logger="tridens"):
-        units, rest = plan_batching(jobs, ev)
+        units, rest = plan_batching(jobs, ev, settings=force)
     assert sorted(sorted(u.jobs) for u in units) == [[0, 1], [2, 3, 5]]
     assert [j.trial.id for j in rest] == [4, 9]
     text = caplog.text
@@ -325,10 +325,10 @@ def test_planner_respects_max_unit_memory(data, force, caplog):
     ev = evaluator(data, "sgd", epochs=1)
     probe = BatchedMember(make_jobs(SAMPLES[:2], cnn), ev)
     one = _batching._per_model_bytes(probe, data[0].tensors[0][:64])
-    units, rest = plan_batching(make_jobs(SAMPLES * 2, cnn), ev, max_unit_memory=int(3.5 * one))
+    units, rest = plan_batching(make_jobs(SAMPLES * 2, cnn), ev, settings=force, max_unit_memory=int(3.5 * one))
     assert sorted(len(u.jobs) for u in units) == [2, 3, 3] and rest == []
     with caplog.at_level(logging.INFO, logger="tridens"):
-        units, rest = plan_batching(make_jobs(SAMPLES, cnn), ev, max_unit_memory=one)
+        units, rest = plan_batching(make_jobs(SAMPLES, cnn), ev, settings=force, max_unit_memory=one)
     assert units == [] and len(rest) == 4 and "max_unit_memory" in caplog.text
 
 
@@ -336,17 +336,17 @@ def test_random_ops_in_forward_are_not_fused(data, force, caplog):
     ev = evaluator(data, "sgd", epochs=1)
     jobs = [Job(Trial(id=i, sample=SAMPLES[i], seed=i), RandomForward()) for i in range(2)]
     with caplog.at_level(logging.INFO, logger="tridens"):
-        units, rest = plan_batching(jobs, ev)
+        units, rest = plan_batching(jobs, ev, settings=force)
     assert units == [] and len(rest) == 2 and "do not vectorize" in caplog.text
 
 
-def test_mode_off_and_user_loops(data, monkeypatch):
+def test_mode_off_and_user_loops(data, force, monkeypatch):
     ev = evaluator(data, "sgd", epochs=1)
-    monkeypatch.setattr(_batching.settings, "mode", "off")
+    assert plan_batching(make_jobs(SAMPLES, mlp), ev, settings=Settings().with_batching(mode="off"))[0] == []
+    monkeypatch.setenv("TRIDENS_BATCHING", "off")  # the environment's settings, when none are given
     assert plan_batching(make_jobs(SAMPLES, mlp), ev)[0] == []
-    monkeypatch.setattr(_batching.settings, "mode", "force")
     functional = td.evaluators.FunctionalEvaluator(lambda model: 0.5)
-    assert plan_batching(make_jobs(SAMPLES, mlp), functional)[0] == []
+    assert plan_batching(make_jobs(SAMPLES, mlp), functional, settings=force)[0] == []
 
 
 def test_experiment_optimize_true_equals_false(data, force, tmp_path, caplog):
@@ -357,7 +357,7 @@ def test_experiment_optimize_true_equals_false(data, force, tmp_path, caplog):
     results = {}
     for optimize in (False, True):
         exp = td.Experiment(HpSpace(), ev, td.strategy.GridSearch(), max_trials=12, store=tmp_path / f"{optimize}.db",
-                            name="hp", optimize=optimize, verbose=False, seed=3)
+                            name="hp", optimize=force if optimize else False, verbose=False, seed=3)
         with caplog.at_level(logging.INFO, logger="tridens"):
             exp.run()
         results[optimize] = {json_key(t.sample): t for t in exp.trials()}

@@ -15,7 +15,7 @@ import tridens as td
 from tridens import nn as tnn
 from tridens.units import Job, SeparateUnit
 from tridens.trial import Trial, TrialStatus
-from tridens.xopt import _cse
+from tridens.xopt import Settings, _cse
 from tridens.xopt._cse import SharedPipelineUnit, plan_cse
 
 
@@ -533,9 +533,9 @@ WIDE_ARCHS = [lambda: mlp(32), lambda: wide_cnn(8, bn=False), lambda: mlp(20), l
 
 
 @pytest.fixture
-def wide(monkeypatch):
-    monkeypatch.setattr(_cse.settings, "wide", "force")
-    monkeypatch.setattr(_cse.settings, "joint", True)
+def wide():
+    """Settings that always run compatible first layers as one op."""
+    return Settings().with_cse(wide="force", joint=True)
 
 
 def joint_member(unit):
@@ -553,7 +553,7 @@ def test_joint_step_with_wide_first_layers_equals_separate(data, wide, optimizer
     samples = [{"lr": 0.05 if optimizer == "sgd" else 0.01}] * 4 + [{"lr": 0.01}] * 4
     separate = drive([SeparateUnit(jobs_for(WIDE_ARCHS, samples), ev)])
     aug.calls = 0
-    units, rest = plan_cse(jobs_for(WIDE_ARCHS, samples), ev)
+    units, rest = plan_cse(jobs_for(WIDE_ARCHS, samples), ev, settings=wide)
     assert rest == [] and len(units) == 1
     member = joint_member(units[0])
     # Linear(64, .) after three kinds of flatten; Conv2d 3x3 with bias apart from 5x5 (BatchNorm after)
@@ -577,7 +577,7 @@ def test_joint_members_fail_and_stop_alone(data, wide):
     samples = [{"lr": 0.05}, {"lr": 1e38}, {"lr": 0.01}, {"lr": 0.05}, {"lr": 1e38}]
     stop = {3: 0, 4: 1}  # the strategy stops trial 3 after its first epoch, trial 4 after its second
     separate = drive([SeparateUnit(jobs_for(makers, samples), ev)], stop)
-    units, _ = plan_cse(jobs_for(makers, samples), ev)
+    units, _ = plan_cse(jobs_for(makers, samples), ev, settings=wide)
     member = joint_member(units[0])
     assert sorted(sorted(g.layers) for g in member.wide) == [[1, 2, 3], [4, 5]]
     fused = drive(units, stop)
@@ -598,7 +598,7 @@ def test_joint_step_with_a_member_that_modifies_its_input(data, wide):
     ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=128, optimizer="adam", lr=0.01)
     makers = [lambda: mlp(16), InPlace, lambda: cnn(8), lambda: mlp(24)]
     separate = drive([SeparateUnit(jobs_for(makers, [{}] * 4), ev)])
-    units, _ = plan_cse(jobs_for(makers, [{}] * 4), ev)
+    units, _ = plan_cse(jobs_for(makers, [{}] * 4), ev, settings=wide)
     line = units[0].summary()
     assert "joint step (one backward) for trials [1, 3, 4]" in line
     assert "trials [2] (it modifies its input in place)" in line
@@ -616,23 +616,18 @@ def test_wide_layers_kept_only_where_measured_to_pay(data, monkeypatch, caplog):
     train, val = data
     ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=64, optimizer="adam", lr=0.01)
     makers = [lambda: mlp(32), lambda: mlp(20), lambda: wide_cnn(8)]
-    monkeypatch.setattr(_cse.settings, "joint", True)
-    monkeypatch.setattr(_cse.settings, "wide", "auto")
-    monkeypatch.setattr(_cse.settings, "wide_min_speedup", float("inf"))
+    settings = Settings().with_cse(joint=True, wide="auto", wide_min_speedup=float("inf"))
     with caplog.at_level(logging.INFO, logger="tridens"):
-        units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
+        units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev, settings=settings)
     assert joint_member(units[0]).wide == []
     assert "first layers of trials [1, 2] kept apart (Linear(64 -> 52) as one op measured" in units[0].summary()
-    monkeypatch.setattr(_cse.settings, "wide_min_speedup", 0.0)
-    units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
+    units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev, settings=settings.with_cse(wide_min_speedup=0.0))
     assert [sorted(g.layers) for g in joint_member(units[0]).wide] == [[1, 2]]
     assert "trials [1, 2] share their first layer as one Linear(64 -> 52) (measured" in units[0].summary()
     # off: the joint step alone; no joint step: members one at a time
-    monkeypatch.setattr(_cse.settings, "wide", "off")
-    units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
+    units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev, settings=settings.with_cse(wide="off"))
     assert joint_member(units[0]).wide == [] and "first layer" not in units[0].summary()
-    monkeypatch.setattr(_cse.settings, "joint", False)
-    units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
+    units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev, settings=settings.with_cse(joint=False))
     assert not any(isinstance(m, _cse.JointMember) for m in units[0].members)
 
 
@@ -640,13 +635,11 @@ def test_joint_step_respects_the_memory_bound(data, wide):
     train, val = data
     ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=64, optimizer="adam", lr=0.01)
     makers = [lambda: mlp(32), lambda: mlp(20), lambda: wide_cnn(8)]
-    [unit], _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
+    [unit], _ = plan_cse(jobs_for(makers, [{}] * 3), ev, settings=wide)
     joint_memory = unit.memory
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_cse.settings, "joint", False)
-        [apart], _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
+    [apart], _ = plan_cse(jobs_for(makers, [{}] * 3), ev, settings=wide.with_cse(joint=False))
     assert apart.memory < joint_memory  # members one at a time hold one member's activations
-    [unit], _ = plan_cse(jobs_for(makers, [{}] * 3), ev, max_unit_memory=joint_memory - 1)
+    [unit], _ = plan_cse(jobs_for(makers, [{}] * 3), ev, settings=wide, max_unit_memory=joint_memory - 1)
     assert not any(isinstance(m, _cse.JointMember) for m in unit.members)
     assert "members step one at a time (a joint step would need" in unit.summary()
 
@@ -660,7 +653,7 @@ def test_a_convolution_with_a_bias_keeps_its_own_op(data, wide):
     ev = td.evaluators.Classification(train=train, val=val, epochs=2, batch_size=64, optimizer="adam", lr=0.01)
     makers = [lambda: cnn(8), lambda: cnn(12)]   # Conv2d(bias=True) -> BatchNorm2d
     separate = drive([SeparateUnit(jobs_for(makers, [{}] * 2), ev)])
-    units, _ = plan_cse(jobs_for(makers, [{}] * 2), ev)
+    units, _ = plan_cse(jobs_for(makers, [{}] * 2), ev, settings=wide)
     assert joint_member(units[0]).wide == [] and "first layer" not in units[0].summary()
     fused = drive(units)
     assert_same(separate[0], fused[0])
@@ -720,8 +713,7 @@ def test_max_pools_the_kernel_cannot_reproduce_keep_their_op(data, monkeypatch):
     makers = [lambda: PoolNet(6, ceil=True), lambda: odd_cnn(4), lambda: cnn(8)]
     units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
     assert sorted(joint_member(units[0]).fast) == [3]  # ceil mode and odd maps: their own op
-    monkeypatch.setattr(_cse.settings, "fast_pools", False)
-    units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev)
+    units, _ = plan_cse(jobs_for(makers, [{}] * 3), ev, settings=Settings().with_cse(fast_pools=False))
     assert joint_member(units[0]).fast == {} and "max-pools" not in units[0].summary()
 
 

@@ -14,7 +14,7 @@ from tridens import nn as tnn
 from tridens.engine._planner import plan
 from tridens.units import SeparateUnit, parse_memory, resolve_max_unit_memory, unit_memory_limit
 from tridens.trial import TrialStatus
-from tridens.xopt import _batching
+from tridens.xopt import Settings
 from tridens.xopt._batching import BatchedMember, BatchedUnit
 from tridens.xopt._cse import SharedPipelineUnit
 
@@ -27,8 +27,9 @@ def data():
 
 
 @pytest.fixture
-def force(monkeypatch):
-    monkeypatch.setattr(_batching.settings, "mode", "force")
+def force():
+    """Settings that fuse every compatible group, whatever fusion measures."""
+    return Settings().with_batching(mode="force")
 
 
 def test_parse_memory():
@@ -91,13 +92,13 @@ def _experiment(data, tmp_path, name, optimize, **kw):
 
 def test_experiment_max_unit_memory_reaches_the_planners(data, force, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="tridens"):
-        tiny = _experiment(data, tmp_path, "tiny", True, max_unit_memory="1KiB")
+        tiny = _experiment(data, tmp_path, "tiny", force, max_unit_memory="1KiB")
     # nothing fits in 1 KiB: batching says so, and CSE splits into one unit per trial
     assert "max_unit_memory is 0 MiB" in caplog.text and "batched unit of" not in caplog.text
     assert "max_unit_memory 0.0 MiB" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="tridens"):
-        roomy = _experiment(data, tmp_path, "roomy", True, max_unit_memory=2**30)
+        roomy = _experiment(data, tmp_path, "roomy", force, max_unit_memory=2**30)
     assert "mixed unit" in caplog.text and "max_unit_memory 1024.0 MiB" in caplog.text
     separate = _experiment(data, tmp_path, "separate", False)
     assert tiny.keys() == roomy.keys() == separate.keys() and len(separate) == 8
@@ -137,7 +138,7 @@ def test_planner_builds_mixed_units_equal_to_separate(data, force, optimizer, ca
 
     separate = run(SeparateUnit(make_jobs(samples, builders), ev), stop={3: 1})
     with caplog.at_level(logging.INFO, logger="tridens"):
-        units = plan(make_jobs(samples, builders), ev, optimize=True)
+        units = plan(make_jobs(samples, builders), ev, optimize=force)
     assert len(units) == 1 and isinstance(units[0], SharedPipelineUnit)
     unit = units[0]
     assert sum(isinstance(m, BatchedMember) for m in unit.members) == 2
@@ -151,12 +152,12 @@ def test_planner_builds_mixed_units_equal_to_separate(data, force, optimizer, ca
 def test_memory_bound_keeps_batched_units_apart(data, force):
     ev = evaluator(data, "sgd", transforms=Counter())
     units = plan(make_jobs([dict(lr=0.05, m=0.9, wd=0.0, s="constant", p=0.1)] * 2, mlp)
-                 + make_jobs([dict(lr=0.05, m=0.9, wd=0.0, s="constant", p=0.1)] * 2, cnn), ev, optimize=True)
+                 + make_jobs([dict(lr=0.05, m=0.9, wd=0.0, s="constant", p=0.1)] * 2, cnn), ev, optimize=force)
     assert sum(isinstance(u, SharedPipelineUnit) for u in units) == 1  # roomy default: merged
     first = [u for u in plan(make_jobs([dict(lr=0.05, m=0.9, wd=0.0, s="constant", p=0.1)] * 2, cnn), ev,
-                             optimize=True) if isinstance(u, BatchedUnit)][0]
+                             optimize=force) if isinstance(u, BatchedUnit)][0]
     assert first.memory and first.memory > 0
     units = plan(make_jobs([dict(lr=0.05, m=0.9, wd=0.0, s="constant", p=0.1)] * 2, mlp)
-                 + make_jobs([dict(lr=0.05, m=0.9, wd=0.0, s="constant", p=0.1)] * 2, cnn), ev, optimize=True,
+                 + make_jobs([dict(lr=0.05, m=0.9, wd=0.0, s="constant", p=0.1)] * 2, cnn), ev, optimize=force,
                  max_unit_memory=first.memory)
     assert [type(u).__name__ for u in units] == ["BatchedUnit", "BatchedUnit"]

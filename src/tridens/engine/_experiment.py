@@ -13,7 +13,7 @@ import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
@@ -27,6 +27,9 @@ from ..units import Job, parse_memory, unit_memory_limit
 from ._execution import Executor, InlineExecutor, RunContext, check_forks, make_executor
 from ._leftovers import claim, fail_repeated_deaths, mark_interrupted
 from ._protocol import error_text
+
+if TYPE_CHECKING:
+    from ..xopt import Settings
 
 __all__ = ["Experiment", "ExperimentFailed", "ExperimentInterrupted", "default_store_path"]
 
@@ -128,7 +131,10 @@ class Experiment:
 
     Running the same script against the same store and name resumes the experiment: finished
     trials are kept, interrupted ones are trained again, and the budget is completed.
-    Parameters are only stored here; they are checked when :meth:`run` starts.
+    Parameters are only stored here; they are checked when :meth:`run` starts. ``optimize``: True
+    fuses trials where it pays (cross-model optimizations, :mod:`tridens.xopt`, with the knobs of
+    the environment), a :class:`tridens.xopt.Settings` gives the knobs, False trains every trial
+    separately.
     """
 
     def __init__(self, space: BaseSpace | None, evaluator: Evaluator | None, strategy: Strategy | None = None, *,
@@ -136,7 +142,7 @@ class Experiment:
                  store: str | os.PathLike[str] | None = None, name: str | None = None,
                  objective: str | Objective | None = None, seed: int = 0, seeds: str = "per-trial", executor: Executor | str | None = None,
                  trial_timeout: float | None = None, constraints: Sequence[Any] = (),
-                 second_objective: tuple[str, str] | None = None, optimize: bool = True,
+                 second_objective: tuple[str, str] | None = None, optimize: bool | Settings = True,
                  verbose: bool = True, warm_start: Any = False, max_unit_memory: int | str | None = None,
                  callbacks: Sequence[Any] = (),
                  allocation: Any = None, resume: str = "auto", **executor_options: Any) -> None:
@@ -294,6 +300,7 @@ class Experiment:
                 raise ValueError(f"The 'callbacks' parameter of Experiment must be a list of tridens.loggers.Callback "
                                  f"objects (e.g. td.loggers.TensorBoard('tb')). Got {callback!r} instead.")
         parse_memory(self.max_unit_memory, "max_unit_memory", "Experiment")
+        self._settings()  # optimize: True, False or a td.xopt.Settings (the environment's values checked too)
         if self.warm_start is not None and self.warm_start is not False:
             self._zoo(self._store_path())  # a bad zoo path is an error before anything runs
         self._check_ray()
@@ -339,9 +346,18 @@ class Experiment:
         executor = self.executor if self.executor is not None else "inline"
         executor = make_executor(executor, self.workers, ray_address=self.ray_address, max_retries=self.max_retries,
                                  storage=self.storage)
-        executor.start(RunContext(experiment=name, storage=self._storage(store_path), optimize=self.optimize,
+        executor.start(RunContext(experiment=name, storage=self._storage(store_path), optimize=self._settings(),
                                   allocation=self.allocation))
         return executor
+
+    def _settings(self) -> Any:
+        """The run's cross-model optimization settings, made once: a :class:`tridens.xopt.Settings`
+        (``optimize`` itself, or with ``optimize=True`` the environment's), or False (no fusion)."""
+        if self.optimize is False:
+            return False
+        from ..xopt import resolve_settings
+
+        return resolve_settings(self.optimize) or False
 
     def _storage(self, store_path: Path) -> str:
         """Where workers write checkpoints: ``storage``, or a folder beside the store."""

@@ -38,7 +38,6 @@ Storage layout (``storage`` is a directory every worker sees, or an fsspec URI):
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import io
 import logging
 import math
@@ -270,7 +269,7 @@ class _UnitTrack:
     members: dict[int, _Member]
     optimize: bool = True
     planned: str = "separate"                 # the kind of unit the driver's planner made
-    batching: Any = None                      # the driver's batching settings, "force"/"off" as it decided
+    settings: Any = None                      # the run's xopt.Settings as plain data, batching as the driver decided
     attempt: int = 0
     ref: Any = None
     resume: bool = False
@@ -378,8 +377,10 @@ class RayExecutor(Executor):
             raise ValueError("The 'storage' parameter of RayExecutor must be a directory or an fsspec URI. Got None instead.")
         if self.experiment is None:
             self.experiment = "experiment"
-        if self.optimize is None:
-            self.optimize = True
+        if self.optimize is not False:  # one frozen tridens.xopt.Settings for the run (True: the environment's)
+            from ..xopt import resolve_settings
+
+            self.optimize = resolve_settings(True if self.optimize is None else self.optimize) or False
         if self.allocation is not None:
             from ._fluid import fluid_policy
 
@@ -444,7 +445,6 @@ class RayExecutor(Executor):
         tracks = [alone(job) for job in jobs if job.start_from is not None]
         if not self.optimize or self.allocation is not None:
             return tracks + [alone(job) for job in fresh]
-        from ..xopt import batching
         from ._planner import plan
 
         units = plan(fresh, evaluator, self.optimize) if fresh else []
@@ -455,9 +455,9 @@ class RayExecutor(Executor):
                 continue
             # The worker plans the unit's trials again: batching as decided here (a measured
             # speed-up could come out differently there), everything else as configured.
-            settings = dataclasses.replace(batching.settings, mode=described["batching"])
+            settings = self.optimize.with_batching(mode=described["batching"]).as_dict()
             tracks.append(_UnitTrack({t: _Member(lives[t], models[t]) for t in unit.jobs},
-                                     planned=described["kind"], batching=settings))
+                                     planned=described["kind"], settings=settings))
         return tracks
 
     def _spread(self, units: list[Any], evaluator: StepwiseEvaluator) -> list[Any]:
@@ -608,17 +608,10 @@ class RayExecutor(Executor):
         spec = {"attempt": track.attempt, "root": storage.root, "cpus": track.resources.get("num_cpus", 1.0),
                 "optimize": track.optimize and not track.resume, "resume": track.resume, "members": members,
                 "max_unit_memory": configured_max_unit_memory(), "world": track.world, "planned": track.planned,
-                "batching": track.batching, "cse": self._cse_settings(),
+                "settings": track.settings,
                 "limit": next(iter(track.members.values())).limit}
         track.started = track.last_message = math.inf
         track.ref = run_unit.options(**track.resources).remote(evaluator_ref, spec, self._hub)
-
-    @staticmethod
-    def _cse_settings() -> Any:
-        """A copy of the driver's CSE settings, for the worker's planning."""
-        from ..xopt import cse
-
-        return dataclasses.replace(cse.settings)
 
     def _handle_unit(self, message: tuple[Any, ...], owner: Mapping[int, _UnitTrack], storage: _Storage,
                      fluid: _Fluid | None) -> None:

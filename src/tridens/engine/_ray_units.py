@@ -149,30 +149,15 @@ def _resume(worker: _Worker, jobs: Sequence[Job], evaluator: StepwiseEvaluator, 
 
 
 def _plan(jobs: Sequence[Job], evaluator: StepwiseEvaluator, spec: Mapping[str, Any]) -> list[Any]:
-    """The unit the driver planned, planned again here with its batching decision."""
-    import dataclasses
-
+    """The unit the driver planned, planned again here with the driver's settings (its batching
+    decision included), sent as plain data in the spec."""
     if not spec["optimize"]:
         return plan_units(jobs, evaluator, False)[0]
-    from ..xopt import batching as _batching
+    from ..xopt import Settings
 
-    from ..xopt import cse as _cse
-
-    # the driver's settings, for this task only (a worker serves many tasks)
-    given = {"batching": (_batching.settings, spec["batching"]),
-             "cse": (_cse.settings, spec["cse"])}
-    saved = {name: dataclasses.replace(live) for name, (live, _) in given.items()}
-    try:
-        for name in saved:
-            live, new = given[name]
-            for f in dataclasses.fields(live):
-                setattr(live, f.name, getattr(new, f.name))
-        units, _ = plan_units(jobs, evaluator, True, max_unit_memory=spec["max_unit_memory"])
-    finally:
-        for name, old in saved.items():
-            for f in dataclasses.fields(old):
-                setattr(given[name][0], f.name, getattr(old, f.name))
-    if (len(units) != 1 or units[0].kind != spec["planned"]) and spec["batching"].mode != "auto":
+    settings = Settings.from_dict(spec["settings"])
+    units, _ = plan_units(jobs, evaluator, settings, max_unit_memory=spec["max_unit_memory"])
+    if (len(units) != 1 or units[0].kind != spec["planned"]) and settings.batching.mode != "auto":
         # (with "auto", an adaptive unit's decision cached in this worker may plan it otherwise)
         log.warning("trials %s: the driver planned one %s unit, this worker planned %s (trained as planned here)",
                     [j.trial.id for j in jobs], spec["planned"], [u.summary() for u in units])

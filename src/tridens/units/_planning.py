@@ -8,7 +8,7 @@ trains whatever is left in a :class:`~tridens.units.SeparateUnit`.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence
 
 from ..evaluators import StepwiseEvaluator
 from ._job import Job
@@ -18,23 +18,26 @@ __all__ = ["Planner", "Pass", "Optimization", "UnitPass"]
 
 
 class Planner(Protocol):
-    """``planner(jobs, evaluator) -> (units, leftover jobs)``; bounds its units by
-    :func:`~tridens.units.resolve_max_unit_memory`."""
+    """``planner(jobs, evaluator, settings=...) -> (units, leftover jobs)``; bounds its units by
+    :func:`~tridens.units.resolve_max_unit_memory`. ``settings`` is the run's frozen
+    :class:`tridens.xopt.Settings` (None: the planner's defaults); it reaches the units the
+    planner builds through their constructors."""
 
-    def __call__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, /) -> tuple[list[ExecutionUnit], list[Job]]: ...
+    def __call__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, /, *, settings: Any = None
+                 ) -> tuple[list[ExecutionUnit], list[Job]]: ...
 
 
 class Pass(Protocol):
-    """``fn(units, leftover jobs, evaluator) -> (units to run, jobs still left)``."""
+    """``fn(units, leftover jobs, evaluator, settings=...) -> (units to run, jobs still left)``."""
 
-    def __call__(self, units: list[ExecutionUnit], jobs: list[Job], evaluator: StepwiseEvaluator, /
-                 ) -> tuple[list[ExecutionUnit], list[Job]]: ...
+    def __call__(self, units: list[ExecutionUnit], jobs: list[Job], evaluator: StepwiseEvaluator, /, *,
+                 settings: Any = None) -> tuple[list[ExecutionUnit], list[Job]]: ...
 
 
 class Optimization(NamedTuple):
     """A named planner, as listed in :data:`tridens.xopt.OPTIMIZATIONS`.
 
-    >>> Optimization("nothing", lambda jobs, evaluator: ([], list(jobs))).name
+    >>> Optimization("nothing", lambda jobs, evaluator, settings=None: ([], list(jobs))).name
     'nothing'
     """
 

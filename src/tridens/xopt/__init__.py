@@ -14,6 +14,10 @@ rewrite the planned units.
 * mixed units (a pass, :func:`.cse.merge_pipelines`): batched groups that read the same data as
   other units join them in one shared pipeline.
 
+Their knobs are one frozen :class:`Settings` (``td.Experiment(optimize=Settings(...))``; with
+``optimize=True`` the defaults and the environment, :meth:`Settings.from_env`), given by the
+planner to every optimization and pass as ``settings=``.
+
 >>> import tridens.xopt as xopt
 >>> [optimization.name for optimization in xopt.OPTIMIZATIONS]
 ['supergraph', 'stage tree', 'batching', 'cse']
@@ -22,9 +26,10 @@ rewrite the planned units.
 from ..units import Optimization, UnitPass
 from . import _batching as batching
 from . import _cse as cse
-from ._batching import BatchedUnit, BatchingSettings, plan_batching
+from ._batching import BatchedUnit, plan_batching
 from ._cse import PipelineMember, SharedPipelineUnit, SharedPrefix, TrainerMember, merge_pipelines, plan_cse
 from ._stages import StageTreeUnit, plan_stage_trees
+from ._settings import BatchingSettings, CSESettings, Settings, resolve_settings
 from ._supergraph import plan_supergraph
 
 OPTIMIZATIONS: tuple[Optimization, ...] = (
@@ -40,6 +45,6 @@ PASSES: tuple[UnitPass, ...] = (
 )
 """The passes over the planned units, in order."""
 
-__all__ = ["OPTIMIZATIONS", "PASSES", "StageTreeUnit", "plan_stage_trees", "BatchedUnit", "BatchingSettings", "plan_batching", "batching",
+__all__ = ["OPTIMIZATIONS", "PASSES", "Settings", "BatchingSettings", "CSESettings", "resolve_settings", "StageTreeUnit", "plan_stage_trees", "BatchedUnit", "plan_batching", "batching",
            "SharedPipelineUnit", "PipelineMember", "TrainerMember", "SharedPrefix", "plan_cse", "merge_pipelines",
            "plan_supergraph", "cse"]

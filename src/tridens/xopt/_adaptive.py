@@ -1,6 +1,6 @@
 """Operator batching decided from a unit's own first real training steps.
 
-:func:`tridens.xopt._batching.plan_batching` (``settings.mode == "auto"``) builds an
+:func:`tridens.xopt._batching.plan_batching` (batching ``mode == "auto"``) builds an
 :class:`AdaptiveUnit` for a group of same-shaped trials whose fusion has not been measured yet. It
 is a :class:`~tridens.xopt._batching.BatchedUnit` (so the mixed-unit pass and the Ray executor see
 it as one) whose member, :class:`AdaptiveMember`, trains the group's first epoch *speculatively*
@@ -16,9 +16,9 @@ and decides on the way, with nothing thrown away that it does not have to:
    :class:`~tridens.xopt._batching.BatchedMember` stacks copies) trains the kept batches, then
    every further batch, each fused step followed by the timing trial's separate step, timed in
    CPU seconds (a loaded machine disturbs CPU time far less than wall time). After
-   ``settings.measure_rounds`` timed fused steps (past one warm-up; up to twice as many while the
+   ``measure_rounds`` timed fused steps (past one warm-up; up to twice as many while the
    ratio is within -20%/+25% of the bar) the speed-up is one model's least separate step time over
-   the least fused step time per model. At ``settings.min_speedup`` or more the group stays
+   the least fused step time per model. At ``min_speedup`` or more the group stays
    **fused**: the timing trial's model is put back to its initial state and its trainer dropped
    (the waste: a few separate steps of ONE model). Below, it goes **separate**: the other
    trials' trainers train the kept batches (the waste: those few fused steps).
@@ -34,7 +34,7 @@ batches if it has not yet). A fused stack that fails (a forward that does not ve
 evaluation forward that fails) goes separate, saying why. The outcome is logged ("batching: trials
 [...] fused: measured from 5 real steps: 2.31x") and cached per (structure, setup, K, device type,
 threads): later groups with the same key are planned fused or separate directly. Knobs are
-:data:`tridens.xopt._batching.settings` (``settings.override_speedup`` replaces the measured ratio
+:class:`tridens.xopt.BatchingSettings` given to the unit (``override_speedup`` replaces the measured ratio
 in the decision: tests use it to drive either path on real training).
 """
 
@@ -48,8 +48,9 @@ import torch
 
 from ..units import ExecutionUnit, Job
 from ..evaluators._base import StepwiseEvaluator
-from ._batching import BatchedMember, BatchedUnit, _EFFICIENCY, _SPEEDUPS, peak_matmul_flops, settings
+from ._batching import BatchedMember, BatchedUnit, _EFFICIENCY, _SPEEDUPS, peak_matmul_flops
 from ._cse import TrainerMember
+from ._settings import BatchingSettings
 
 __all__ = ["AdaptiveMember", "AdaptiveUnit", "decision_key"]
 
@@ -76,6 +77,7 @@ class AdaptiveMember:
     def __init__(self, fused: BatchedMember, jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
                  skey: str = "", setup: tuple[Any, ...] = (), flops: float = 0.0):
         self.fused: BatchedMember | None = fused
+        self.settings = fused.settings  # the knobs of the decision
         self.jobs = {job.trial.id: job for job in jobs}
         self.evaluator = evaluator
         self.cfg = fused.cfg
@@ -331,8 +333,8 @@ class AdaptiveMember:
         self._maybe_decide()
 
     def _ratio(self) -> float | None:
-        if settings.override_speedup is not None:
-            return float(settings.override_speedup)
+        if self.settings.override_speedup is not None:
+            return float(self.settings.override_speedup)
         if not self._separate or not self._fused_steps:
             return None
         per_model = min(seconds / k for seconds, k in self._fused_steps)
@@ -341,11 +343,11 @@ class AdaptiveMember:
     def _maybe_decide(self) -> None:
         rounds = len(self._fused_steps)
         timing_alive = self._timing is not None and self._timing._error is None
-        if rounds < settings.measure_rounds and timing_alive and self.fused is not None and self.fused.ids:
+        if rounds < self.settings.measure_rounds and timing_alive and self.fused is not None and self.fused.ids:
             return
         ratio = self._ratio()
-        if ratio is not None and rounds < 2 * settings.measure_rounds and timing_alive \
-                and 0.8 <= ratio / settings.min_speedup <= 1.25:
+        if ratio is not None and rounds < 2 * self.settings.measure_rounds and timing_alive \
+                and 0.8 <= ratio / self.settings.min_speedup <= 1.25:
             return  # close to the bar: a few more rounds
         self._decide(ratio)
 
@@ -370,13 +372,13 @@ class AdaptiveMember:
             return
         _SPEEDUPS[decision_key(self.skey, self.setup, k, self.device)] = ratio
         text = f"measured from {steps} real steps: {ratio:.2f}x"
-        if settings.override_speedup is not None:
+        if self.settings.override_speedup is not None:
             text = f"settings.override_speedup: {ratio:.2f}x"
         note = f"; {self._efficiency}" if self._efficiency else ""
-        if ratio >= settings.min_speedup:
+        if ratio >= self.settings.min_speedup:
             self._go_fused(text + note)
         else:
-            self._go_separate(f"{text} (below {settings.min_speedup:.2f}x){note}")
+            self._go_separate(f"{text} (below {self.settings.min_speedup:.2f}x){note}")
 
     def _go_fused(self, why: str) -> None:
         fused = self.fused
@@ -441,8 +443,8 @@ class AdaptiveUnit(BatchedUnit):
 
     def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, reason: str = "", *,
                  shared_input: bool | None = None, skey: str = "", setup: tuple[Any, ...] = (),
-                 flops: float = 0.0):
-        super().__init__(jobs, evaluator, reason, shared_input=shared_input)
+                 flops: float = 0.0, settings: BatchingSettings | None = None):
+        super().__init__(jobs, evaluator, reason, shared_input=shared_input, settings=settings)
         fused = self.member
         assert isinstance(fused, BatchedMember)
         self.member: AdaptiveMember = AdaptiveMember(fused, jobs, evaluator, skey=skey, setup=setup,  # type: ignore[assignment]

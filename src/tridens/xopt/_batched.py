@@ -3,7 +3,7 @@
 
 Parameters, buffers and optimizer state are stacked with ``torch.func``; dropout masks are drawn
 outside vmap from each trial's own random stream, so fused equals separate. The planner is
-:mod:`._batching`; the knobs are :data:`settings`.
+:mod:`._batching`; the knobs are a :class:`~._settings.BatchingSettings` given to each member.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._errors import NonFiniteLoss
 from ..evaluators._supervised import BatchSource, SupervisedEvaluator, align_output
 from ._grouped import _PackedProgram, _Unsupported
-from ._stacked import _DROPOUTS, _ForwardState, _MaskDropout, _dropout_names, _dropout_ps, _first_line, _forward_state, _keep_freed_memory, _skeleton, settings
+from ._stacked import _DROPOUTS, _ForwardState, _MaskDropout, _dropout_names, _dropout_ps, _first_line, _forward_state, _keep_freed_memory, _skeleton
+from ._settings import BatchingSettings, Settings
 from ._vector_optim import _VectorOptimizer, _resolved_momentum
 
 # -- the fused models ------------------------------------------------------------------------------------
@@ -43,13 +44,16 @@ class BatchedMember:
 
     inputs: tuple[str, ...] = ("batch",)
 
-    def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, shared_input: bool | None = None):
+    def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, shared_input: bool | None = None,
+                 settings: BatchingSettings | None = None):
         if not isinstance(evaluator, SupervisedEvaluator):
             raise TypeError(f"operator batching trains Classification/Regression trials, not {type(evaluator).__name__}")
         models = [job.model for job in jobs]
         if len(jobs) == 0 or any(not isinstance(m, nn.Module) for m in models):
             raise TypeError("operator batching needs a model per trial")
-        _keep_freed_memory()
+        self.settings = settings = settings if settings is not None else Settings.from_env().batching
+        if settings.keep_freed_memory:
+            _keep_freed_memory()
         self.jobs = {job.trial.id: job for job in jobs}
         self.configs = {job.trial.id: evaluator.config(job.trial.sample) for job in jobs}
         self.cfg = cfg = self.configs[jobs[0].trial.id]
@@ -77,7 +81,7 @@ class BatchedMember:
         self.why_vmap = "" if settings.packed else "settings.packed is False"
         if settings.packed:
             try:
-                self._program = _PackedProgram(copy.deepcopy(first).to("meta"))
+                self._program = _PackedProgram(copy.deepcopy(first).to("meta"), channels_last=settings.channels_last)
             except _Unsupported as err:
                 self.why_vmap = str(err)
         self._generators = {job.trial.id: self._generator(job.trial.seed) for job in jobs}
@@ -489,11 +493,11 @@ class BatchedUnit(ExecutionUnit):
     splittable = True
 
     def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, reason: str = "", *,
-                 shared_input: bool | None = None):
+                 shared_input: bool | None = None, settings: BatchingSettings | None = None):
         super().__init__(jobs, evaluator)
         self.reason = reason
         self.memory: int | None = None  # the planner's estimate (bytes), read by the mixed-unit pass
-        self.member = BatchedMember(jobs, evaluator, shared_input=shared_input)
+        self.member = BatchedMember(jobs, evaluator, shared_input=shared_input, settings=settings)
         cfg = self.member.cfg
         self._seed = jobs[0].trial.seed  # data order and augmentation: shared (the group key says so)
         self._train = BatchSource(cfg.train, cfg.device)

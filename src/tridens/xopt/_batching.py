@@ -57,10 +57,10 @@ the start. The speed-up is cached per (structure, setup, K, device type, threads
 with the same key are planned fused (a :class:`BatchedUnit`) or left to the next optimization and
 separate training directly. Grouping traces a model's graph only where another model shares its
 module tree and tensor shapes, and once per set of models whose modules agree in class and plain
-attributes (:func:`_attribute_key`). Knobs (module-level :data:`settings`, also read from the
-environment at import):
+attributes (:func:`_attribute_key`). Knobs (:class:`~tridens.xopt.BatchingSettings`, the ``batching`` part of
+the :class:`~tridens.xopt.Settings` the planner is given):
 
-* ``settings.mode`` (``TRIDENS_BATCHING``): ``"auto"`` (decide from real steps, default),
+* ``mode`` (``$TRIDENS_BATCHING``): ``"auto"`` (decide from real steps, default),
   ``"force"`` (fuse every compatible group whatever the measurement: used by tests to compare fused
   with separate), ``"off"``.
 * memory: a unit's estimated parameters + gradients + optimizer state + activations stay under
@@ -69,24 +69,24 @@ environment at import):
   ``$TRIDENS_MAX_UNIT_MEMORY``, else half the RAM / 80% of free GPU memory; or
   ``plan_batching(..., max_unit_memory=)``); larger groups are split. The estimate comes from one
   evaluation-mode forward of one model on 8 examples (:func:`_model_costs`).
-* ``settings.max_unit_size`` (default 64): the most models in one unit.
-* ``settings.min_speedup`` (default 1.1): the measured speed-up a group must reach to stay fused
+* ``max_unit_size`` (default 64): the most models in one unit.
+* ``min_speedup`` (default 1.1): the measured speed-up a group must reach to stay fused
   (measured on real, different batches in CPU time).
-* ``settings.measure_rounds`` (default 3): timed fused steps (after one warm-up) before deciding;
+* ``measure_rounds`` (default 3): timed fused steps (after one warm-up) before deciding;
   up to twice as many while the ratio is within -20%/+25% of ``min_speedup``.
 * No rule of thumb decides: one model's separate step rate against the peak fp32 matmul rate
   (:func:`peak_matmul_flops`) is recorded and logged beside the measured speed-up, but a group
   whose models already run near the peak still measures (a rule that skipped fusion at 20% of the
   peak turned down measured speed-ups of 1.2-2.9x on small CNNs).
-* ``settings.override_speedup`` (default None): replaces the measured speed-up in the decision
+* ``override_speedup`` (default None): replaces the measured speed-up in the decision
   (tests drive both paths with it on real training).
-* ``settings.packed`` (default True): use the grouped-kernel engine where it applies.
-* ``settings.keep_freed_memory`` (default True, Linux/glibc): a fused step allocates and frees
+* ``packed`` (default True): use the grouped-kernel engine where it applies.
+* ``keep_freed_memory`` (default True, Linux/glibc): a fused step allocates and frees
   activations of several MiB each; glibc returns such blocks to the system and takes them back at
   the next step, page fault by page fault (thousands per step measured here, up to a quarter of
   a step's CPU time). The first batched member sets ``mallopt`` so blocks up to 64 MiB come from
   the heap and up to 512 MiB of freed heap is kept for reuse (process-wide; numerics unchanged).
-* ``settings.channels_last`` (default False): run the grouped engine's 2-d feature maps
+* ``channels_last`` (default False): run the grouped engine's 2-d feature maps
   channels-last (convolution weights too, so outputs stay channels-last without copies). Pooling
   and BatchNorm over K*C channels are 3-5x faster so on 8x8 maps and whole fused steps of 16
   digits CNNs ~15% faster, but the native channels-last BatchNorm adds rows one after another in
@@ -119,9 +119,10 @@ from ..units import ExecutionUnit, Job, resolve_max_unit_memory
 from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._supervised import TrainConfig, BatchSource, SupervisedEvaluator
 from ._batched import BatchedMember, BatchedUnit
-from ._stacked import BatchingSettings, _DROPOUTS, _ForwardState, _first_line, _forward_state, settings
+from ._settings import BatchingSettings, Settings
+from ._stacked import _DROPOUTS, _ForwardState, _first_line, _forward_state
 
-__all__ = ["BatchedUnit", "BatchingSettings", "plan_batching", "settings", "group_key", "clear_cache"]
+__all__ = ["BatchedUnit", "BatchingSettings", "plan_batching", "group_key", "clear_cache"]
 
 log = logging.getLogger("tridens")
 
@@ -244,11 +245,12 @@ def peak_matmul_flops(device: torch.device) -> float:
     return _PEAKS[key]
 
 
-def _probe(jobs: Sequence[Job], evaluator: SupervisedEvaluator, x: torch.Tensor, y: torch.Tensor) -> BatchedMember:
+def _probe(jobs: Sequence[Job], evaluator: SupervisedEvaluator, x: torch.Tensor, y: torch.Tensor,
+           settings: BatchingSettings) -> BatchedMember:
     """A throwaway member that ran one fused step and a validation batch (proves the models
     vectorize, and finds whether they can share their input). Forced fusion only: an adaptive
     unit finds the same on its first real steps."""
-    probe = BatchedMember(jobs, evaluator)
+    probe = BatchedMember(jobs, evaluator, settings=settings)
     probe.begin_epoch()
     probe.train_batch(x, y, 0)
     probe.begin_validation()
@@ -386,18 +388,20 @@ def _differing(a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
     return "setup"
 
 
-def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
+def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings: Settings | None = None,
                   max_unit_memory: int | str | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
     """Group ``jobs`` by (structure, training setup) and fuse each group of two or more, within
     ``max_unit_memory`` (bytes or e.g. ``"2GiB"``; default: the experiment's bound, see
     :func:`tridens.units.resolve_max_unit_memory`): as a :class:`BatchedUnit` where
-    ``settings.mode == "force"`` or an earlier group with the same key measured that fusion pays;
+    ``settings.batching.mode == "force"`` or an earlier group with the same key measured that fusion pays;
     as an :class:`~tridens.xopt._adaptive.AdaptiveUnit` (fused or separate, decided from its own
     first real steps) where nothing was measured yet; not at all where a group with the same key
     measured that it does not pay. Returns the units and the jobs left for other optimizations /
     separate training. Logs one line per group that is not fused, saying why (fused units log
-    their own line through the planner)."""
-    if settings.mode == "off" or not isinstance(evaluator, SupervisedEvaluator):
+    their own line through the planner). ``settings`` (None: :meth:`Settings.from_env`) holds the
+    knobs (see the module docstring)."""
+    knobs = (settings if settings is not None else Settings.from_env()).batching
+    if knobs.mode == "off" or not isinstance(evaluator, SupervisedEvaluator):
         return [], list(jobs)
     if len(jobs) < 2:  # nothing to fuse with: skip tracing
         for job in jobs:
@@ -445,7 +449,7 @@ def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
                 leftover.extend(group)
                 continue
             budget = resolve_max_unit_memory(max_unit_memory, evaluator.config(group[0].trial.sample).device)
-            made, rest = _plan_group(skey, setup, group, evaluator, budget)
+            made, rest = _plan_group(skey, setup, group, evaluator, budget, knobs)
             units.extend(made)
             leftover.extend(rest)
     order = {id(job): i for i, job in enumerate(jobs)}
@@ -461,7 +465,7 @@ def _chunks(group: list[Job], size: int) -> list[list[Job]]:
 
 
 def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: SupervisedEvaluator,
-                budget: int) -> tuple[list[ExecutionUnit], list[Job]]:
+                budget: int, settings: BatchingSettings) -> tuple[list[ExecutionUnit], list[Job]]:
     ids = [j.trial.id for j in group]
     cfg = evaluator.config(group[0].trial.sample)
     try:
@@ -470,16 +474,16 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
         log.info("batching: trials %s not fused: %s", ids, _first_line(err))
         return [], list(group)
     if settings.mode == "force":
-        return _plan_forced(group, evaluator, budget, x, y)
+        return _plan_forced(group, evaluator, budget, x, y, settings)
     try:
         per_model, flops = _model_costs(group[0].model, x, cfg)
     except Exception:  # a forward the meta device cannot run: measure on a throwaway fused step
         try:
-            per_model, flops = _per_model_bytes(_probe(group[:2], evaluator, x, y), x), 0.0
+            per_model, flops = _per_model_bytes(_probe(group[:2], evaluator, x, y, settings), x), 0.0
         except Exception as err:
             log.info("batching: trials %s not fused: the models do not vectorize (%s)", ids, _first_line(err))
             return [], list(group)
-    size = _unit_size(ids, per_model, budget)
+    size = _unit_size(ids, per_model, budget, settings.max_unit_size)
     if size < 2:
         return [], list(group)
     from ._adaptive import AdaptiveUnit, decision_key
@@ -497,10 +501,10 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
         try:
             if speedup is not None:
                 unit: BatchedUnit = BatchedUnit(chunk, evaluator, reason=f"{k} trials, fused: measured {speedup:.2f}x "
-                                                "on an earlier unit's first steps")
+                                                "on an earlier unit's first steps", settings=settings)
             else:
                 unit = AdaptiveUnit(chunk, evaluator, reason=f"{k} trials, fused or not as measured on their first "
-                                    "real steps", skey=skey, setup=setup, flops=flops)
+                                    "real steps", skey=skey, setup=setup, flops=flops, settings=settings)
         except Exception as err:
             log.info("batching: trials %s not fused: the models do not vectorize (%s)", chunk_ids, _first_line(err))
             rest.extend(chunk)
@@ -510,9 +514,9 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
     return units, rest
 
 
-def _unit_size(ids: list[int], per_model: int, budget: int) -> int:
+def _unit_size(ids: list[int], per_model: int, budget: int, max_unit_size: int) -> int:
     """The most models per unit under ``budget`` bytes (logged when not even two fit)."""
-    size = min(settings.max_unit_size, max(1, budget // max(per_model, 1)))
+    size = min(max_unit_size, max(1, budget // max(per_model, 1)))
     if size < 2:
         log.info("batching: trials %s not fused: one model needs ~%.0f MiB, max_unit_memory is %.0f MiB",
                  ids, per_model / 2**20, budget / 2**20)
@@ -520,25 +524,25 @@ def _unit_size(ids: list[int], per_model: int, budget: int) -> int:
 
 
 def _plan_forced(group: list[Job], evaluator: SupervisedEvaluator, budget: int, x: torch.Tensor,
-                 y: torch.Tensor) -> tuple[list[ExecutionUnit], list[Job]]:
-    """``settings.mode == "force"``: fuse every compatible group (a throwaway step proves the
+                 y: torch.Tensor, settings: BatchingSettings) -> tuple[list[ExecutionUnit], list[Job]]:
+    """``mode == "force"``: fuse every compatible group (a throwaway step proves the
     models vectorize first)."""
     ids = [j.trial.id for j in group]
     try:
-        probe = _probe(group[:2], evaluator, x, y)
+        probe = _probe(group[:2], evaluator, x, y, settings)
         per_model = _per_model_bytes(probe, x)
         shared = probe.shared_input
         checked = probe._program is not None and probe._program_checked  # the structure's grouped program
     except Exception as err:
         log.info("batching: trials %s not fused: the models do not vectorize (%s)", ids, _first_line(err))
         return [], list(group)
-    size = _unit_size(ids, per_model, budget)
+    size = _unit_size(ids, per_model, budget, settings.max_unit_size)
     if size < 2:
         return [], list(group)
     units: list[ExecutionUnit] = []
     for chunk in _chunks(group, size):
-        unit = BatchedUnit(chunk, evaluator, reason=f"{len(chunk)} trials, fused: forced (settings.mode='force')",
-                           shared_input=shared)
+        unit = BatchedUnit(chunk, evaluator, reason=f"{len(chunk)} trials, fused: forced (batching mode 'force')",
+                           shared_input=shared, settings=settings)
         unit.memory = per_model * len(chunk)
         unit.member._program_checked = unit.member._program_checked or checked
         units.append(unit)

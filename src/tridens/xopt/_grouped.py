@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ._kernels import BatchNormTrain, batch_norm_pays, batch_norm_supported
-from ._stacked import _DROPOUTS, _first_line, settings
+from ._stacked import _DROPOUTS, _first_line
 
 if TYPE_CHECKING:  # the member runs this program; the program does not import it
     from ._batched import BatchedMember
@@ -124,9 +124,10 @@ class _PackedProgram:
     """The model's forward over the K stacked models without vmap, for chains (and adds) of common
     layers: Conv1d/2d, Linear, BatchNorm1d/2d, pooling, activations, Flatten, dropout (masks drawn
     per model in call order, as separate training draws them). Built from the model's fx graph;
-    anything else raises :class:`_Unsupported` and the unit uses vmap."""
+    anything else raises :class:`_Unsupported` and the unit uses vmap. ``channels_last``: run 2-d
+    maps channels-last (``BatchingSettings.channels_last``)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, *, channels_last: bool = False):
         import operator
 
         import torch.fx as fx
@@ -138,6 +139,7 @@ class _PackedProgram:
         except Exception as err:
             raise _Unsupported(f"fx: {_first_line(err)}") from err
         modules = dict(model.named_modules())
+        self.channels_last = channels_last
         self.conv2d = False
         self.steps: list[tuple[str, Any, list[Any], dict[str, Any]]] = []
         layout: dict[fx.Node, str] = {}
@@ -243,7 +245,7 @@ class _PackedProgram:
                 # channels-last: pooling, BatchNorm and grouped convolutions over K*C channels run
                 # several times faster on CPU than in NCHW
                 env[node] = x.contiguous(memory_format=torch.channels_last) if (
-                    self.conv2d and settings.channels_last and x.dim() == 4) else x
+                    self.conv2d and self.channels_last and x.dim() == 4) else x
                 continue
             if kind == "output":
                 return env[inputs[0]]
@@ -265,13 +267,13 @@ class _PackedProgram:
                 b = None if b is None else b.reshape(-1)
                 shared = v.shape[1] == m.in_channels and v.dim() == w.dim()
                 fn = F.conv1d if type(m) is nn.Conv1d else F.conv2d
-                if fn is F.conv2d and settings.channels_last:  # a channels-last weight gives a channels-last output
+                if fn is F.conv2d and self.channels_last:  # a channels-last weight gives a channels-last output
                     w = w.contiguous(memory_format=torch.channels_last)
                 groups = m.groups if shared else k * m.groups
                 if not shared and v.shape[1] != k * m.in_channels:
                     raise _Unsupported(f"{name}: {v.shape[1]} input channels")
                 out = fn(v, w, b, m.stride, m.padding, m.dilation, groups)
-                if fn is F.conv2d and settings.channels_last:  # (a 1-channel input does not say its format)
+                if fn is F.conv2d and self.channels_last:  # (a 1-channel input does not say its format)
                     out = out.contiguous(memory_format=torch.channels_last)
                 env[node] = out
             elif kind == "linear":

@@ -2,15 +2,14 @@
 multi-model optimizer step, and compatible first layers run as one wide op (:class:`JointMember`).
 
 The members' parameters are disjoint, so each gets exactly its own gradient; per-epoch metrics
-stay bit-identical to the members' own steps on CPU. :data:`settings` holds the knobs.
+stay bit-identical to the members' own steps on CPU. The knobs are a
+:class:`~tridens.xopt.CSESettings`, given to the planner that builds a joint member.
 """
 
 from __future__ import annotations
 
 
 import math
-import os
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -25,36 +24,6 @@ from ._pipeline import BATCH, PipelineMember, TrainerMember
 # ------------------------------------------------------------------------------------------------
 # several trainers stepped together: one backward, first layers as one wide op
 # ------------------------------------------------------------------------------------------------
-@dataclass
-class CSESettings:
-    """Knobs of the joint step (module-level :data:`settings`; ``TRIDENS_CSE_JOINT=0`` and
-    ``TRIDENS_CSE_WIDE=auto|force|off`` set them at import).
-
-    ``joint``: step the whole-model members of a unit together (:class:`JointMember`: their
-    forwards, then ONE backward over their losses, then each optimizer's step) where the memory
-    bound allows holding all their activations at once. ``wide``: run compatible first layers as
-    one op: ``"auto"`` times the wide layer against the members' own layers on the real batch
-    (forward and backward, interleaved, CPU time; cached per layer shapes, batch shape, device and
-    threads) and keeps it only at ``wide_min_speedup`` or more; ``"force"`` always (tests);
-    ``"off"``. ``foreach_step``: step the joint members' optimizers with one ``foreach`` call per
-    optimizer class and hyperparameters (:class:`_MultiStep`; bit-identical on CPU). ``fast_pools``:
-    run the joint members' 2x2 max-pools (and a ReLU right before one) by the exact two-pass kernel
-    of ``tridens.xopt._batching`` (:func:`_with_fast_pools`; used only where it reproduced the
-    model's values and gradients bit for bit on real data at planning).
-
-    >>> from tridens.xopt import _cse
-    >>> _cse.settings.wide in ("auto", "force", "off")
-    True
-    """
-
-    joint: bool = True
-    wide: str = "auto"
-    wide_min_speedup: float = 1.1
-    measure_rounds: int = 5
-    foreach_step: bool = True
-    fast_pools: bool = True
-
-
 class _RoutedState(dict):
     """The state of a multi-model optimizer: each parameter's entry lives in its own trainer's
     optimizer (so that optimizer stays complete), found by the parameter."""
@@ -111,10 +80,6 @@ class _MultiStep:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 self._owners.pop(id(p), None)
-
-
-settings = CSESettings(joint=os.environ.get("TRIDENS_CSE_JOINT", "1") != "0",
-                       wide=os.environ.get("TRIDENS_CSE_WIDE", "auto"))
 
 
 class _WideLayer:
@@ -188,8 +153,10 @@ class JointMember(PipelineMember):
 
     def __init__(self, members: Sequence[TrainerMember], *, wide: Sequence[_WideLayer] = (),
                  after_first: Mapping[int, nn.Module] | None = None, trusted: Iterable[int] = (),
-                 fast: Mapping[int, nn.Module] | None = None, fast_after: Mapping[int, nn.Module] | None = None):
+                 fast: Mapping[int, nn.Module] | None = None, fast_after: Mapping[int, nn.Module] | None = None,
+                 foreach_step: bool = True):
         self.members = list(members)
+        self.foreach_step = foreach_step  # CSESettings.foreach_step: one foreach optimizer call (_MultiStep)
         self.trusted = set(trusted)
         self.inputs = (BATCH,)
         self.wide = list(wide)
@@ -336,7 +303,7 @@ class JointMember(PipelineMember):
                 for m, _ in stepped:
                     m._error = err
                 stepped = []
-        if settings.foreach_step and len(stepped) > 1:
+        if self.foreach_step and len(stepped) > 1:
             self._multi.step([m.trainer.optimizer for m, _ in stepped])
         else:
             for m, _ in stepped:

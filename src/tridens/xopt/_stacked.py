@@ -1,4 +1,4 @@
-"""What every stacked forward of operator batching uses: the batching knobs (:data:`settings`) and
+"""What every stacked forward of operator batching uses: freed-memory tuning and
 dropout with masks drawn outside vmap, per model, from each trial's own random stream (the masks
 a separate trainer would draw, bit for bit).
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import sys
 import threading
 from dataclasses import dataclass
@@ -18,29 +17,13 @@ import torch
 import torch.nn as nn
 
 
-@dataclass
-class BatchingSettings:
-    """Module-level knobs of operator batching (see the module docstring)."""
-
-    mode: str = os.environ.get("TRIDENS_BATCHING", "auto")
-    max_unit_size: int = 64
-    packed: bool = True
-    channels_last: bool = False
-    min_speedup: float = 1.1
-    measure_rounds: int = 3
-    override_speedup: float | None = None
-    keep_freed_memory: bool = True
-
-
-settings = BatchingSettings()
-
 _MALLOC_TUNED = False
 
 
 def _keep_freed_memory() -> None:
-    """Keep freed blocks in glibc's heap for reuse (see ``settings.keep_freed_memory``); once."""
+    """Keep freed blocks in glibc's heap for reuse (``BatchingSettings.keep_freed_memory``); once."""
     global _MALLOC_TUNED
-    if _MALLOC_TUNED or not settings.keep_freed_memory or not sys.platform.startswith("linux"):
+    if _MALLOC_TUNED or not sys.platform.startswith("linux"):
         return
     _MALLOC_TUNED = True
     try:

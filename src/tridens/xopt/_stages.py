@@ -315,13 +315,14 @@ class StageTreeUnit(ExecutionUnit):
                 + (f"; {self.reason}" if self.reason else ""))
 
 
-def plan_stage_trees(jobs: Sequence[Job], evaluator: StepwiseEvaluator,
-                     min_saved: float = MIN_SAVED_FRACTION) -> tuple[list[ExecutionUnit], list[Job]]:
+def plan_stage_trees(jobs: Sequence[Job], evaluator: StepwiseEvaluator, min_saved: float = MIN_SAVED_FRACTION, *,
+                     settings: Any = None) -> tuple[list[ExecutionUnit], list[Job]]:
     """Stage-tree units for the jobs that share training prefixes, among themselves or with trials
     of earlier groups (the evaluator's :func:`prefix_cache`); the rest are left.
 
     Jobs group by seed, module structure and initial weights; a group becomes one
     :class:`StageTreeUnit` when it trains at least ``min_saved`` fewer epochs than its trials alone.
+    (No knob of ``settings``, the :class:`~tridens.xopt.Settings`, changes stage trees.)
     """
     if not callable(getattr(evaluator, "config", None)):
         return [], list(jobs)

@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from ..evaluators._supervised import TrainConfig
 from ..graph import Graph
 from ..graph import meta
-from ._joint import JointMember, _WideLayer, settings
+from ._joint import JointMember, _WideLayer
 from ._pipeline import BATCH, PipelineMember, TrainerMember, _mib
 from ._prefix import _Analysis, _same
+from ._settings import CSESettings
 
 # ------------------------------------------------------------------------------------------------
 # planning: joint steps and wide first layers
@@ -307,9 +308,10 @@ def _fast_after(a: _Analysis, first: _First) -> nn.Module | None:
 _WIDE_SPEEDUP: dict[tuple[Any, ...], float] = {}
 
 
-def _wide_speedup(firsts: Sequence[_First], x: torch.Tensor) -> float:
+def _wide_speedup(firsts: Sequence[_First], x: torch.Tensor, measure_rounds: int) -> float:
     """The wide op's speed-up over the members' own layers, forward and backward on the real batch
-    (copies of the layers, the same upstream gradients), interleaved, CPU time on a CPU; cached."""
+    (copies of the layers, the same upstream gradients), ``measure_rounds`` interleaved rounds after
+    one warm-up, CPU time on a CPU; cached."""
     f0 = firsts[0]
     widths = tuple(int(f.layer.weight.shape[0]) for f in firsts)
     cache_key = (f0.key, widths, tuple(x.shape), torch.get_num_threads(), x.device.type)
@@ -332,7 +334,7 @@ def _wide_speedup(firsts: Sequence[_First], x: torch.Tensor) -> float:
 
     clock = time.process_time if x.device.type == "cpu" else time.perf_counter
     times: dict[str, list[float]] = {"fused": [], "own": []}
-    for round_ in range(settings.measure_rounds + 1):
+    for round_ in range(measure_rounds + 1):
         for name, run in (("fused", fused), ("own", own)) if round_ % 2 else (("own", own), ("fused", fused)):
             if x.device.type == "cuda":
                 torch.cuda.synchronize(x.device)
@@ -348,10 +350,10 @@ def _wide_speedup(firsts: Sequence[_First], x: torch.Tensor) -> float:
 
 
 def _joint_member(members: list[PipelineMember], chunk: list[tuple[_Analysis, int, int]], estimate: int,
-                  limit: int, cfg0: TrainConfig) -> tuple[list[PipelineMember], str, int]:
+                  limit: int, cfg0: TrainConfig, settings: CSESettings) -> tuple[list[PipelineMember], str, int]:
     """Replace the unit's whole-model trainer members by one :class:`JointMember` (with wide first
-    layers where they pay), if the memory bound allows; returns the members, the log text and the
-    unit's memory estimate."""
+    layers where they pay), if the memory bound and ``settings`` allow; returns the members, the
+    log text and the unit's memory estimate."""
     if not settings.joint:
         return members, "", estimate
     by_id = {a.job.trial.id: (a, t) for a, _, t in chunk}
@@ -400,7 +402,7 @@ def _joint_member(members: list[PipelineMember], chunk: list[tuple[_Analysis, in
             continue
         batch = x[:1].expand(cfg0.batch_size, *x.shape[1:]).contiguous().to(cfg0.device)
         if settings.wide == "auto":  # measured first (cached): the models are split only if it pays
-            speedup = _wide_speedup([firsts[t] for t in trial_ids], batch)
+            speedup = _wide_speedup([firsts[t] for t in trial_ids], batch, settings.measure_rounds)
             if speedup < settings.wide_min_speedup:
                 group = _WideLayer(key[0], firsts[trial_ids[0]].flatten, {t: firsts[t].layer for t in trial_ids})
                 notes.append(f"first layers of trials [{', '.join(map(str, trial_ids))}] kept apart "
@@ -414,7 +416,7 @@ def _joint_member(members: list[PipelineMember], chunk: list[tuple[_Analysis, in
         ids_text = ", ".join(str(t) for t in kept)
         if settings.wide == "auto":
             if kept != trial_ids:
-                speedup = _wide_speedup([firsts[t] for t in kept], batch)
+                speedup = _wide_speedup([firsts[t] for t in kept], batch, settings.measure_rounds)
                 if speedup < settings.wide_min_speedup:
                     notes.append(f"first layers of trials [{ids_text}] kept apart ({group.describe()} as one op "
                                  f"measured {speedup:.2f}x)")
@@ -431,7 +433,7 @@ def _joint_member(members: list[PipelineMember], chunk: list[tuple[_Analysis, in
                 if after is not None:
                     fast_after[t] = after
     member = JointMember(joint, wide=wide, after_first=after_first, trusted=ids, fast=fast,
-                         fast_after=fast_after)
+                         fast_after=fast_after, foreach_step=settings.foreach_step)
     if fast:
         notes.append(f"2x2 max-pools of trials [{', '.join(str(t) for t in fast)}] run by an exact "
                      f"two-pass kernel")
