@@ -14,7 +14,7 @@ from .text import printable
 from .trial import Objective, Trial, TrialStatus
 
 __all__ = ["trial_record", "csv_text", "trials_csv", "metrics_csv", "sparkline", "trial_details", "plot_experiment",
-           "number_trials"]
+           "number_trials", "stage_tree_view"]
 
 _BLOCKS = "▁▂▃▄▅▆▇█"
 
@@ -28,6 +28,63 @@ def _clean(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_clean(v) for v in value]
     return value
+
+
+def _numbers_text(numbers: Sequence[int], most: int = 8) -> str:
+    shown = " ".join(f"#{n}" for n in numbers[:most])
+    return shown + (f" +{len(numbers) - most}" if len(numbers) > most else "")
+
+
+def stage_tree_view(stages: Sequence[Any], numbers: dict[int, int], experiment: str, *, most: int = 200) -> Any:
+    """The stage tree of an experiment (``tridens.store.stage_tree`` records) as a rich ``Tree``:
+    one line per stage with its epochs, learning rates, batch sizes, trials and checkpoint.
+
+    >>> stage_tree_view([], {}, "search").label
+    'stage tree: no stages'
+    """
+    from rich.markup import escape
+    from rich.tree import Tree
+
+    if not stages:
+        return Tree("stage tree: no stages")
+    ids = {s.id for s in stages}
+    children: dict[Any, list[Any]] = {}
+    for s in stages:
+        children.setdefault(s.parent if s.parent in ids else None, []).append(s)
+    trained_here = sum(s.epochs[1] - s.epochs[0] for s in stages if s.experiment == experiment)
+    reused = sum(s.epochs[1] - s.epochs[0] for s in stages if s.experiment != experiment)
+    tree = Tree(f"[bold]stage tree[/]: {len(stages)} stages, {trained_here} epoch(s) trained here"
+                + (f", {reused} reused from other experiments" if reused else ""))
+    count = 0
+
+    def line(s: Any) -> str:
+        hp = s.hyperparameters
+        lr = hp.get("lr") or []
+        lr_text = "" if not lr else (f"lr {lr[0]:.3g}" if lr[0] == lr[-1] else f"lr {lr[0]:.3g}→{lr[-1]:.3g}")
+        bs = hp.get("batch_size") or []
+        parts = [f"#{s.id} epochs {s.epochs[0]}–{s.epochs[1]}", lr_text,
+                 ("bs " + "/".join(str(b) for b in bs)) if bs else "",
+                 _numbers_text(sorted(numbers[t] for t in s.trials if t in numbers))]
+        if s.status == "failed":
+            parts.append(f"[red]failed[/]: {escape(str(s.error or ''))}")
+        elif s.checkpoint is None:
+            parts.append("[dim]checkpoint removed[/]")
+        if s.experiment != experiment:
+            parts.append(f"[cyan]from {escape(repr(s.experiment))}[/]")
+        return " · ".join(escape(p) if i < 4 else p for i, p in enumerate(parts) if p)
+
+    def add(branch: Any, parent: Any) -> None:
+        nonlocal count
+        for s in children.get(parent, []):
+            count += 1
+            if count > most:
+                return
+            add(branch.add(line(s)), s.id)
+
+    add(tree, None)
+    if count > most:
+        tree.add(f"... {len(stages) - most} more stages (tridens show NAME N lists a trial's)")
+    return tree
 
 
 def number_trials(trials: Sequence[Trial]) -> dict[int, int]:

@@ -218,6 +218,13 @@ def _cmd_show(args: argparse.Namespace) -> int:
             console.print(f"  {key}: {escape(str(text))}")  # stored text, not rich markup
     objective = record.objective()
     console.print(trials_table(trials, objective, full_samples=not sys.stdout.isatty()))
+    if any(t.info.get("stages") for t in trials):   # trained through stage trees: the tree, compactly
+        from . import _views
+        from .store import stage_tree
+
+        with _store(args.db) as db:
+            stages = stage_tree(db, args.name)
+        console.print(_views.stage_tree_view(stages, _views.number_trials(trials), args.name))
     return 0
 
 

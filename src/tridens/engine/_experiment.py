@@ -3,6 +3,7 @@ run each TrialGroup on an executor, stream metrics to the store and the strategy
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -12,6 +13,7 @@ import re
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -144,7 +146,7 @@ class Experiment:
                  trial_timeout: float | None = None, constraints: Sequence[Any] = (),
                  second_objective: tuple[str, str] | None = None, optimize: bool | Settings = True,
                  verbose: bool = True, warm_start: Any = False, max_unit_memory: int | str | None = None,
-                 callbacks: Sequence[Any] = (),
+                 callbacks: Sequence[Any] = (), stage_policy: Any = None,
                  allocation: Any = None, resume: str = "auto", **executor_options: Any) -> None:
         self.space = space
         self.evaluator = evaluator
@@ -175,6 +177,7 @@ class Experiment:
         self.resume = resume  # "auto": resume an experiment of the same search space; "force": any
         self.stop_reason: str | None = None  # why the last run() stopped
         self.callbacks = list(callbacks)  # tridens.loggers.Callback objects, told what the run records
+        self.stage_policy = stage_policy  # a td.store.StagePolicy: stage-tree checkpoints shared through the store
         self._loaded: list[Trial] | None = None
 
     # -- reading back -------------------------------------------------------------------------
@@ -300,6 +303,13 @@ class Experiment:
                 raise ValueError(f"The 'callbacks' parameter of Experiment must be a list of tridens.loggers.Callback "
                                  f"objects (e.g. td.loggers.TensorBoard('tb')). Got {callback!r} instead.")
         parse_memory(self.max_unit_memory, "max_unit_memory", "Experiment")
+        if self.stage_policy is not None:
+            from ..store import StagePolicy
+
+            if not isinstance(self.stage_policy, StagePolicy):
+                raise ValueError(f"The 'stage_policy' parameter of Experiment must be None or a td.store.StagePolicy. "
+                                 f"Got {self.stage_policy!r} instead.")
+            self.stage_policy.check()
         self._settings()  # optimize: True, False or a td.xopt.Settings (the environment's values checked too)
         if self.warm_start is not None and self.warm_start is not False:
             self._zoo(self._store_path())  # a bad zoo path is an error before anything runs
@@ -358,6 +368,24 @@ class Experiment:
         from ..xopt import resolve_settings
 
         return resolve_settings(self.optimize) or False
+
+    @contextlib.contextmanager
+    def _stage_archive(self, db: Store, name: str) -> Iterator[None]:
+        """Stage trees store their stages in ``db`` and start from stored ones (``stage_policy``),
+        while the block runs; then the checkpoints the policy does not keep are removed."""
+        if not self.optimize or not isinstance(self.evaluator, StepwiseEvaluator):
+            yield
+            return
+        from ..store import StageArchive
+        from ..xopt._stages import stage_archive
+
+        archive = StageArchive(db, name, self.stage_policy)
+        try:
+            with stage_archive(self.evaluator, archive):
+                yield
+        finally:
+            with contextlib.suppress(StoreError):
+                archive.collect()
 
     def _storage(self, store_path: Path) -> str:
         """Where workers write checkpoints: ``storage``, or a folder beside the store."""
@@ -435,8 +463,8 @@ class Experiment:
             run = _Run(self, db, name, strategy, objective, space)
             self.stop_reason = None
             try:
-                with unit_memory_limit(self.max_unit_memory):  # every fused unit's bound (tridens.xopt)
-                    run.loop(resumed)
+                with unit_memory_limit(self.max_unit_memory), self._stage_archive(db, name):
+                    run.loop(resumed)  # fused units bounded in memory; stage trees stored (tridens.xopt)
             except BaseException as err:
                 run.progress.close()
                 if not resumed and not db.trials(name):

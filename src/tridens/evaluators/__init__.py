@@ -20,6 +20,7 @@ from ._errors import InvalidParameter, NonFiniteLoss, NothingReported, TrialFail
 from ._functional import FunctionalEvaluator, report
 from ._replay import replay
 from ._schedules import SCHEDULES, lr_factor, scheduled_lr
+from ._stage_records import dataset_digest, record_digest, stage_record
 from ._supervised import (CHECKPOINT_FORMAT, OPTIMIZERS, BatchSource, Classification, Regression, SupervisedEvaluator,
                           SupervisedTrainer, TrainConfig, align_output, correct_count)
 from ._tabular import CurveTable, MemoryTable, SimulatedClock, Table, TableTrainer, Tabular
@@ -31,4 +32,5 @@ __all__ = [
     "FunctionalEvaluator", "report", "replay",
     "Tabular", "Table", "MemoryTable", "CurveTable", "SimulatedClock", "TableTrainer", "nasbench201",
     "InvalidParameter", "TrialFailed", "NonFiniteLoss", "NothingReported", "TrialStopped",
+    "stage_record", "record_digest", "dataset_digest",
 ]

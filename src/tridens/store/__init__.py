@@ -15,5 +15,7 @@ from ..errors import StoreError
 from ._records import ExperimentRecord
 from ._schema import CURRENT_VERSION
 from ._sqlite import Store
+from ._stages import StageArchive, StageHit, StagePolicy, StageRecord, stage_tree
 
-__all__ = ["Store", "ExperimentRecord", "StoreError", "CURRENT_VERSION"]
+__all__ = ["Store", "ExperimentRecord", "StoreError", "CURRENT_VERSION", "StageArchive", "StageHit", "StagePolicy",
+           "StageRecord", "stage_tree"]

@@ -8,7 +8,7 @@ a newer tridens and is refused, never modified. To change the schema, append a f
 >>> import sqlite3
 >>> conn = sqlite3.connect(":memory:", isolation_level=None)
 >>> upgrade(conn, ":memory:")
-1
+2
 """
 
 from __future__ import annotations
@@ -74,7 +74,43 @@ def _v0_to_v1(conn: sqlite3.Connection) -> None:
         conn.execute(sql)
 
 
-MIGRATIONS: list[Migration] = [_v0_to_v1]
+def _v1_to_v2(conn: sqlite3.Connection) -> None:
+    """Stage trees: the stages trained (a step range of one tree, its hyperparameters, a trainer
+    checkpoint at its end) and the trials that went through each."""
+    statements = [
+        """CREATE TABLE stages (
+            id            INTEGER PRIMARY KEY AUTOINCREMENT,
+            root          TEXT NOT NULL,        -- digest: model fingerprint, seed, initial weights
+            path          TEXT NOT NULL,        -- digest of the stage records of epochs 0 .. last_epoch - 1
+            parent        INTEGER REFERENCES stages(id) ON DELETE SET NULL,
+            experiment_id INTEGER REFERENCES experiments(id) ON DELETE SET NULL,  -- trained by
+            label         TEXT NOT NULL,        -- its node in the tree: "<tree>.<n>"
+            first_epoch   INTEGER NOT NULL,     -- epochs [first_epoch, last_epoch)
+            last_epoch    INTEGER NOT NULL,
+            first_step    INTEGER NOT NULL,     -- optimizer steps [first_step, last_step)
+            last_step     INTEGER NOT NULL,
+            hyperparameters TEXT NOT NULL,      -- JSON: the stage records, summarized
+            history       TEXT NOT NULL,        -- JSON list: metrics of epochs 0 .. last_epoch - 1
+            status        TEXT NOT NULL,        -- 'done' or 'failed'
+            checkpoint    TEXT,                 -- relative to <db name>.files/; NULL once cleaned up
+            bytes         INTEGER NOT NULL DEFAULT 0,
+            error         TEXT,
+            created_at    REAL NOT NULL,
+            used_at       REAL NOT NULL,
+            UNIQUE (root, path)
+        )""",
+        """CREATE TABLE stage_trials (
+            stage_id INTEGER NOT NULL REFERENCES stages(id) ON DELETE CASCADE,
+            trial_id INTEGER NOT NULL REFERENCES trials(id) ON DELETE CASCADE,
+            PRIMARY KEY (stage_id, trial_id)
+        ) WITHOUT ROWID""",
+        "CREATE INDEX stage_trials_by_trial ON stage_trials(trial_id)",
+    ]
+    for sql in statements:
+        conn.execute(sql)
+
+
+MIGRATIONS: list[Migration] = [_v0_to_v1, _v1_to_v2]
 CURRENT_VERSION = len(MIGRATIONS)
 
 

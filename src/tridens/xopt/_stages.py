@@ -16,27 +16,39 @@ by the strategy leaves its node; a node with no trial left is freed with what it
 trained. The tree a trial took is in ``trial.info["stages"]``: ``[node, parent, first epoch]`` per
 stage, node ids ``"<tree>.<n>"`` with ``<tree>`` the lowest trial id of the tree.
 
+With a stage store (:class:`tridens.store.StageArchive`, set on the evaluator's
+:class:`PrefixCache` by the engine for a run), each stage's end -- where the tree forks, or trials
+finish, stop or leave -- is stored: its range, hyperparameters, the trials that went through it and
+a checkpoint of the trainer there. A trial then starts from the longest stored prefix of its
+:func:`~tridens.evaluators.stage_record` path: a resumed run does not train its finished stages
+again, nor a later experiment of the same store those that an earlier one trained. A stage whose
+training raises (a NaN loss) is stored as failed; its siblings and parent are not touched.
+
 >>> from tridens.xopt import plan_stage_trees
 >>> units, rest = plan_stage_trees(jobs, evaluator)      # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
+import logging
 import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from ..evaluators import StepwiseEvaluator, SupervisedTrainer, TrainConfig
+from ..evaluators import StepwiseEvaluator, SupervisedTrainer, TrainConfig, record_digest, stage_record
 from ..units import ExecutionUnit, Job, UnitResult
 
-__all__ = ["StageTreeUnit", "PrefixCache", "plan_stage_trees", "prefix_cache", "MIN_SAVED_FRACTION"]
+log = logging.getLogger("tridens")
+
+__all__ = ["StageTreeUnit", "PrefixCache", "plan_stage_trees", "prefix_cache", "stage_archive", "MIN_SAVED_FRACTION"]
 
 MIN_SAVED_FRACTION = 0.2
 """A group trains as a stage tree when the tree skips at least this fraction of its trial-epochs."""
@@ -57,6 +69,10 @@ class _Node:
     path: tuple[Hashable, ...] = ()
     history: list[dict[str, float]] = field(default_factory=list)
     reported: int = 0
+    stage: int | None = None        # the stored stage it continues (its parent in the store)
+    stage_from: int = 0             # the epoch its current (not yet stored) stage began
+    users: set[int] = field(default_factory=set)   # trials that went through the current stage
+    failed: bool = False
 
 
 class PrefixCache:
@@ -71,34 +87,37 @@ class PrefixCache:
 
     def __init__(self, max_bytes: int = 256 * 2**20):
         self.max_bytes = max_bytes
-        self.entries: OrderedDict[tuple[Any, ...], tuple[dict[str, Any], list[dict[str, float]], str, int]] = OrderedDict()
+        self.entries: OrderedDict[tuple[Any, ...], tuple[dict[str, Any], list[dict[str, float]], str, int,
+                                                         tuple[int | None, int]]] = OrderedDict()
         self.size = 0
+        self.archive: Any = None   # a tridens.store.StageArchive while a run with a store uses it
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"max_bytes": self.max_bytes, "entries": OrderedDict(), "size": 0}
+        return {"max_bytes": self.max_bytes, "entries": OrderedDict(), "size": 0, "archive": None}
 
     def put(self, root: tuple[Any, ...], path: tuple[Hashable, ...], state: dict[str, Any],
-            history: list[dict[str, float]], node: str) -> None:
+            history: list[dict[str, float]], node: str, stage: tuple[int | None, int] = (None, 0)) -> None:
         size = sum(v.numel() * v.element_size() for v in _tensors(state))
         if size > self.max_bytes // 8:
             return
         key = (root, path)
         if key in self.entries:
             self.size -= self.entries.pop(key)[3]
-        self.entries[key] = (state, [dict(h) for h in history], node, size)
+        self.entries[key] = (state, [dict(h) for h in history], node, size, stage)
         self.size += size
         while self.size > self.max_bytes and self.entries:
             self.size -= self.entries.popitem(last=False)[1][3]
 
     def longest(self, root: tuple[Any, ...], keys: Sequence[Hashable], limit: int
-                ) -> tuple[int, tuple[dict[str, Any], list[dict[str, float]], str] | None]:
-        """The most epochs (at most ``limit``) of ``keys`` trained before, and that entry."""
+                ) -> tuple[int, tuple[dict[str, Any], list[dict[str, float]], str, tuple[int | None, int]] | None]:
+        """The most epochs (at most ``limit``) of ``keys`` trained before, and that entry: state,
+        history, node, and (stored stage it continues, epoch its stage began)."""
         for epoch in range(min(limit, len(keys)), 0, -1):
             entry = self.entries.get((root, tuple(keys[:epoch])))
             if entry is not None:
                 self.entries.move_to_end((root, tuple(keys[:epoch])))
                 # a copy: loading a state shares its optimizer tensors, which training then changes in place
-                return epoch, (copy.deepcopy(entry[0]), entry[1], entry[2])
+                return epoch, (copy.deepcopy(entry[0]), entry[1], entry[2], entry[4])
         return 0, None
 
 
@@ -123,6 +142,25 @@ def prefix_cache(evaluator: StepwiseEvaluator) -> PrefixCache | None:
         return None
 
 
+@contextlib.contextmanager
+def stage_archive(evaluator: StepwiseEvaluator, archive: Any) -> Iterator[None]:
+    """Stage trees of ``evaluator`` store and reuse stages through ``archive`` (a
+    :class:`tridens.store.StageArchive`, or None for none) inside the block.
+
+    >>> with stage_archive(evaluator, StageArchive(store, "search")):   # doctest: +SKIP
+    ...     ...   # the run's groups are planned and trained here
+    """
+    cache = prefix_cache(evaluator)
+    if cache is None:
+        yield
+        return
+    previous, cache.archive = cache.archive, archive
+    try:
+        yield
+    finally:
+        cache.archive = previous
+
+
 def _weights_digest(model: nn.Module) -> str:
     digest = hashlib.sha1()
     for name, value in model.state_dict().items():
@@ -138,6 +176,43 @@ def _root_key(job: Job) -> tuple[Any, ...] | None:
     if job.model is None or any(p.is_meta for p in job.model.parameters()):
         return None
     return (job.trial.seed, repr(job.model), _weights_digest(job.model))
+
+
+def _archive_root(job: Job, root: tuple[Any, ...] | None) -> str | None:
+    """The stored form of a root key: a digest of the model fingerprint, seed, structure and
+    initial weights (no fingerprint: the model is not shared across runs)."""
+    if root is None or not job.trial.fingerprint:
+        return None
+    return hashlib.sha1(repr((job.trial.fingerprint, *root)).encode()).hexdigest()
+
+
+def _record_paths(config: TrainConfig, limit: int) -> list[str] | None:
+    """``paths[e]``: the digest of the stage records of epochs ``0..e`` (None: not storable)."""
+    paths, previous = [], ""
+    for epoch in range(limit):
+        record = stage_record(config, epoch)
+        if record is None:
+            return None
+        previous = record_digest(previous, record)
+        paths.append(previous)
+    return paths
+
+
+def _summary(config: TrainConfig, first: int, last: int) -> dict[str, Any]:
+    """The hyperparameters of epochs ``[first, last)`` as plain data (what ``tridens show`` prints)."""
+    records = [stage_record(config, e) or {} for e in range(first, last)]
+    lrs = [lr for r in records for lr in r.get("lrs", [])]
+    head = records[0] if records else {}
+    out = {k: head.get(k) for k in ("optimizer", "momentum", "weight_decay", "data_seed")}
+    out["batch_size"] = sorted({r.get("batch_size") for r in records}, key=str)
+    out["lr"] = [lrs[0], lrs[-1]] if lrs else []
+    return out
+
+
+def _first_step(config: TrainConfig, epoch: int) -> int:
+    """The first optimizer step of ``epoch``."""
+    epoch_steps = getattr(config, "epoch_steps", None)
+    return epoch_steps(epoch)[0] if callable(epoch_steps) else epoch * config.steps_per_epoch
 
 
 def tree_size(configs: Sequence[TrainConfig], limits: Sequence[int]) -> int:
@@ -177,31 +252,63 @@ class StageTreeUnit(ExecutionUnit):
         self.next_id = 0
         self.trained_epochs = 0
         self.reused_epochs = 0
+        self.stored_epochs = 0   # of those, epochs loaded from the stage store (earlier runs)
+        self.archive = None if cache is None else cache.archive
+        self.archive_root = None if self.archive is None else _archive_root(jobs[0], self.root)
+        self.paths: dict[int, list[str] | None] = {}
         starts: dict[tuple[Hashable, ...], list[Job]] = {}
-        found: dict[tuple[Hashable, ...], tuple[dict[str, Any], list[dict[str, float]], str] | None] = {}
+        found: dict[tuple[Hashable, ...], Any] = {}
+        stored: dict[tuple[Hashable, ...], tuple[int, str]] = {}
         for job in jobs:
-            limit = self.limit(job.trial.id)
+            tid = job.trial.id
+            limit = self.limit(tid)
             epoch, entry = (0, None) if cache is None or self.root is None else \
-                cache.longest(self.root, _keys(self.configs[job.trial.id], limit), limit)
-            path = tuple(_keys(self.configs[job.trial.id], epoch))
+                cache.longest(self.root, _keys(self.configs[tid], limit), limit)
+            if self.archive_root is not None:
+                self.paths[tid] = paths = _record_paths(self.configs[tid], limit)
+                depth = 0 if paths is None else self.archive.deepest(self.archive_root, paths)
+                if depth > epoch:
+                    epoch, entry = depth, None
+                    stored[tuple(_keys(self.configs[tid], depth))] = (depth, paths[depth - 1])  # type: ignore[index]
+            path = tuple(_keys(self.configs[tid], epoch))
             starts.setdefault(path, []).append(job)
             found[path] = entry
         for path, members in starts.items():
             entry = found[path]
+            ids = [job.trial.id for job in members]
+            if path in stored:   # a stage stored by an earlier run: loaded once for its trials
+                hit = self.archive.load(self.archive_root, stored[path][1], stored[path][0])
+                if hit is None:
+                    path, entry = (), None
+                else:
+                    entry = (hit.state, hit.history, hit.label, (hit.stage, hit.epochs))
+                    self.archive.link(hit.stage, ids)
+                    self.stored_epochs += hit.epochs
+                    for job in members:
+                        job.trial.info["stage_store"] = {"stage": hit.stage, "epochs": hit.epochs,
+                                                         "experiment": hit.experiment}
+                    log.info("stage tree: trial(s) %s start from stored stage %d (node %s: their first %d epoch(s), "
+                             "trained by %s): not trained again", ", ".join(map(str, ids)), hit.stage, hit.label, hit.epochs,
+                             "this experiment before" if hit.experiment == self.archive.experiment
+                             else f"experiment {hit.experiment!r}")
             first = members[0]
             trainer = evaluator.trainer(first.model if entry is None else copy.deepcopy(first.model),  # type: ignore[attr-defined]
                                         first.trial.sample, first.trial.seed)
-            node = self._new_node(None if entry is None else entry[2], trainer, [job.trial.id for job in members])
+            node = self._new_node(None if entry is None else entry[2], trainer, ids)
             if entry is not None:
                 trainer.load_state_dict(entry[0])
                 node.path, node.history = path, [dict(h) for h in entry[1]]
+                node.stage, node.stage_from = entry[3]
+                node.reported = len(path)
+                self._store_stage(node, label=entry[2])   # started inside a stage: its part so far is one
+                node.reported = 0
                 self.reused_epochs += len(path)
             for job in members:
                 job.trial.info["stages"] = ([[entry[2], None, 0]] if entry is not None else []) + \
                     [[node.id, None if entry is None else entry[2], len(path)]]
 
     def _new_node(self, parent: str | None, trainer: SupervisedTrainer, members: list[int]) -> _Node:
-        node = _Node(f"{self.tree_id}.{self.next_id}", parent, trainer, members)
+        node = _Node(f"{self.tree_id}.{self.next_id}", parent, trainer, members, users=set(members))
         self.next_id += 1
         self.nodes.append(node)
         for m in members:
@@ -248,6 +355,7 @@ class StageTreeUnit(ExecutionUnit):
         node.members = [m for m in node.members if m not in members]
         child = self._new_node(node.id, trainer, members)
         child.path, child.history, child.reported = node.path, list(node.history), node.reported
+        child.stage, child.stage_from = node.stage, node.stage_from
         for m in members:
             self.jobs[m].trial.info["stages"].append([child.id, node.id, trainer.epoch])
         return child
@@ -265,6 +373,8 @@ class StageTreeUnit(ExecutionUnit):
         for m in due:
             groups.setdefault(self.configs[m].stage_key(epoch), []).append(m)
         branches = list(groups.values())
+        if len(branches) > 1 or len(due) < len(node.members):   # a branch point: the stage ends here
+            self._store_stage(node)
         out = [(node, branches[0])] if branches else []
         out += [(self._fork(node, members), members) for members in branches[1:]]
         return out
@@ -276,13 +386,16 @@ class StageTreeUnit(ExecutionUnit):
             metrics = dict(node.trainer.train_epoch())
             metrics = {**node.trainer.validate(), **metrics}
         except Exception as err:
+            node.failed = True
+            self._store_failure(node, due, err)
             return err
         self.trained_epochs += 1
         outcome = {self.objective.metric: metrics[self.objective.metric], **metrics}
         node.path = node.path + (key,)
         node.history.append(outcome)
         if self.cache is not None and self.root is not None:
-            self.cache.put(self.root, node.path, node.trainer.state_dict(), node.history, node.id)
+            self.cache.put(self.root, node.path, node.trainer.state_dict(), node.history, node.id,
+                           (node.stage, node.stage_from))
         return outcome
 
     def train_epoch(self) -> dict[int, UnitResult]:
@@ -302,9 +415,45 @@ class StageTreeUnit(ExecutionUnit):
         self.final.pop(trial_id, None)
         node = self.node_of.pop(trial_id, None)
         if node is not None:
+            if not node.failed:
+                self._store_stage(node)   # a trial leaves (finished or stopped): the stage ends where it got to
             node.members = [m for m in node.members if m != trial_id]
             if not node.members:
                 self.nodes.remove(node)
+
+    def _store_stage(self, node: _Node, label: str | None = None) -> None:
+        """Store the node's current stage (from ``stage_from`` to its trainer's epoch): the trials
+        that went through it, its hyperparameters, and a checkpoint of the trainer there."""
+        end = node.trainer.epoch
+        if self.archive is None or self.archive_root is None or end <= node.stage_from or node.reported < end:
+            return
+        member = next(iter(node.members), None)
+        paths = None if member is None else self.paths.get(member)
+        if member is None or paths is None or len(paths) < end:
+            return
+        config = self.configs[member]
+        sid = self.archive.save(
+            root=self.archive_root, path=paths[end - 1], parent=node.stage, label=label or node.id,
+            epochs=(node.stage_from, end), steps=(_first_step(config, node.stage_from), node.trainer.step),
+            hyperparameters=_summary(config, node.stage_from, end), history=node.history[:end],
+            state=node.trainer.state_dict(), trials=sorted(node.users))
+        node.stage, node.stage_from, node.users = sid, end, set(node.members)
+
+    def _store_failure(self, node: _Node, due: list[int], err: BaseException) -> None:
+        """Store the node's stage up to the epoch that raised, as failed (never reused)."""
+        if self.archive is None or self.archive_root is None:
+            return
+        paths = self.paths.get(due[0])
+        epoch = node.trainer.epoch
+        if paths is None or len(paths) <= epoch:
+            return
+        config = self.configs[due[0]]
+        first = err.args[0] if err.args else type(err).__name__
+        self.archive.fail(root=self.archive_root, path=paths[epoch], parent=node.stage, label=node.id,
+                          epochs=(node.stage_from, epoch + 1), steps=(_first_step(config, node.stage_from), node.trainer.step),
+                          hyperparameters=_summary(config, node.stage_from, epoch + 1),
+                          error=f"{type(err).__name__}: {str(first).splitlines()[0] if str(first) else ''}",
+                          trials=sorted(node.users | set(due)))
 
     def summary(self) -> str:
         alone = sum(self.limit(t) for t in self.jobs)
@@ -341,7 +490,11 @@ def plan_stage_trees(jobs: Sequence[Job], evaluator: StepwiseEvaluator, min_save
             groups.setdefault(key, []).append(job)
     units: list[ExecutionUnit] = []
     for root, members in groups.items():
-        if len(members) < 2 and (cache is None or not any(key[0] == root for key in cache.entries)):
+        archive = None if cache is None else cache.archive
+        stored_root = None if archive is None else _archive_root(members[0], root)
+        if stored_root is not None and not archive.has_root(stored_root):
+            stored_root = None
+        if len(members) < 2 and stored_root is None and (cache is None or not any(key[0] == root for key in cache.entries)):
             rest.extend(members)   # nothing to share (the default per-trial seeds): skip the stage keys
             continue
         configs = [evaluator.config(job.trial.sample) for job in members]  # type: ignore[attr-defined]
@@ -351,6 +504,11 @@ def plan_stage_trees(jobs: Sequence[Job], evaluator: StepwiseEvaluator, min_save
         prefixes = {tuple(keys[:e + 1]) for cfg, limit in zip(configs, limits)
                     for keys in [_keys(cfg, limit)] for e in range(limit)}
         cached = set() if cache is None else {p for p in prefixes if (root, p) in cache.entries}
+        if stored_root is not None:   # prefixes stored by earlier runs count as trained
+            for cfg, limit in zip(configs, limits):
+                paths = _record_paths(cfg, limit)
+                depth = 0 if paths is None else archive.deepest(stored_root, paths)
+                cached.update(tuple(_keys(cfg, e)) for e in range(1, depth + 1))
         needed = len(prefixes) - len(cached)
         if alone and 1 - needed / alone >= min_saved:
             units.append(StageTreeUnit(members, evaluator, cache=cache, reason=(
