@@ -377,7 +377,7 @@ class Experiment:
             yield
             return
         from ..store import StageArchive
-        from ..xopt._stages import stage_archive
+        from ..xopt import stage_archive
 
         archive = StageArchive(db, name, self.stage_policy)
         try:
