@@ -5,20 +5,34 @@ instantiates, trains, compares and stops the models.
 
 >>> import tridens as td
 >>> lr = td.choice("lr", [0.01, 0.1])
+
+Names are imported on first use: ``import tridens`` is cheap, and commands that only read a
+store (``tridens ls``, ``show``, ``top``) start without loading PyTorch.
 """
 
-from . import datasets, evaluators, graph, nn, space, store, strategy
-from . import loggers, oneshot, warmup
-from . import hub
-from .engine import Experiment, load
-from . import executors
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import GraphError, InvalidSample, InvalidSpace, StoreError, TridensError
-from .evaluators import report
-from .space import Mutator, choice, loguniform, randint, uniform
-from .space._model_space import ModelSpace
 from .trial import Decision, Objective, Trial, TrialGroup, TrialStatus
 
+if TYPE_CHECKING:
+    from . import datasets, evaluators, executors, graph, hub, loggers, nn, oneshot, space, store, strategy
+    from . import warmup, xopt
+    from .engine import Experiment, load
+    from .evaluators import report
+    from .space import ModelSpace, Mutator, choice, loguniform, randint, uniform
+
 __version__ = "0.1.0"
+
+_SUBMODULES = {"datasets", "evaluators", "executors", "graph", "hub", "loggers", "nn", "oneshot", "space",
+               "store", "strategy", "warmup", "xopt"}
+# public name -> the module that defines it
+_NAMES = {
+    "Experiment": ".engine", "load": ".engine", "report": ".evaluators",
+    "ModelSpace": ".space", "Mutator": ".space", "choice": ".space", "loguniform": ".space",
+    "randint": ".space", "uniform": ".space",
+}
 
 __all__ = [
     "ModelSpace", "Mutator", "choice", "uniform", "loguniform", "randint",
@@ -30,11 +44,16 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    """``td.xopt`` (the cross-model optimizations, e.g. ``td.xopt.Settings``), imported on first
-    use: a run imports it when it plans its first group."""
-    if name == "xopt":
-        import importlib
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    elif name in _NAMES:
+        value = getattr(importlib.import_module(_NAMES[name], __name__), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
-        return importlib.import_module(".xopt", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

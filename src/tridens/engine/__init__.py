@@ -1,14 +1,31 @@
-"""The engine: ``Experiment`` (ask, instantiate, dedup, run groups, store) and its executors."""
+"""The engine: ``Experiment`` (ask, instantiate, dedup, run groups, store) and its executors.
 
-from typing import Any
+Names are imported on first use, so that reading a store (``tridens ls``, the dashboard, the
+leftover checks) does not load PyTorch.
+"""
 
-from ._execution import Executor, InlineExecutor, ProcessExecutor, RunContext
-from ._experiment import Experiment
-from ._fluid import DynamicFluid, FluidScheduler, StaticFluid, fluid_shares
-from ._export import load
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._leftovers import find_abandoned, mark_abandoned
-from ._protocol import TrialProtocol, Verdict
-from ._threads import ThreadPlan, ThreadPolicy
+
+if TYPE_CHECKING:
+    from ._execution import Executor, InlineExecutor, ProcessExecutor, RunContext
+    from ._experiment import Experiment
+    from ._export import load
+    from ._fluid import DynamicFluid, FluidScheduler, StaticFluid, fluid_shares
+    from ._protocol import TrialProtocol, Verdict
+    from ._ray import RayExecutor
+    from ._threads import ThreadPlan, ThreadPolicy
+
+# public name -> the module that defines it
+_LAZY = {
+    "Executor": "_execution", "InlineExecutor": "_execution", "ProcessExecutor": "_execution",
+    "RunContext": "_execution", "Experiment": "_experiment", "load": "_export",
+    "DynamicFluid": "_fluid", "FluidScheduler": "_fluid", "StaticFluid": "_fluid", "fluid_shares": "_fluid",
+    "TrialProtocol": "_protocol", "Verdict": "_protocol", "ThreadPlan": "_threads", "ThreadPolicy": "_threads",
+    "RayExecutor": "_ray",  # Ray is optional: imported when asked for
+}
 
 __all__ = ["Experiment", "Executor", "InlineExecutor", "ProcessExecutor", "RayExecutor", "RunContext", "load",
            "TrialProtocol", "Verdict", "find_abandoned", "mark_abandoned",
@@ -17,11 +34,16 @@ __all__ = ["Experiment", "Executor", "InlineExecutor", "ProcessExecutor", "RayEx
 
 
 def __getattr__(name: str) -> Any:
-    if name == "RayExecutor":  # Ray is optional: imported when asked for
-        from ._ray import RayExecutor
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tridens.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
 
-        return RayExecutor
-    raise AttributeError(f"module 'tridens.engine' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 def runs_started() -> int:
