@@ -5,7 +5,7 @@
   evaluators train their planned units in lockstep epochs (:func:`run_lockstep`).
 * :class:`ProcessExecutor` (``td.executors.Process(workers=2)``): long-lived worker processes that
   run trials one after another, for user loops that need isolation; with Fluid allocation, see
-  :mod:`._fluid`.
+  :mod:`._fluid_pool`.
 * :class:`~tridens.engine._ray.RayExecutor` (``td.executors.Ray(...)``): Ray tasks.
 
 Executors never touch the store or the strategy: each trial's :class:`~._protocol.TrialProtocol`
@@ -383,7 +383,7 @@ class InlineExecutor(Executor):
 # -- process pool --------------------------------------------------------------------------------
 # Messages, driver -> worker:  ("evaluator", token, pickled evaluator)  sent once per worker and evaluator
 #                              ("run", trial id, token, model bytes, sample, seed, max_steps, state bytes)
-#                              ("host", ...) / ("ddp", ...)  a Fluid placement (see tridens.engine._fluid)
+#                              ("host", ...) / ("ddp", ...)  a Fluid placement (see tridens.engine._fluid_pool)
 #                              ("decision", trial id, verdict value)  the answer to a "report"
 #                              ("quit",)
 # worker -> driver:            ("started", trial id)  ("report", trial id, step, metrics[, seconds])
@@ -426,7 +426,7 @@ def _worker_main(conn: Connection, index: int, driver: int | None = None) -> Non
             _serve_trial(conn, evaluators[token], trial_id, pickle.loads(model), sample, seed, max_steps,
                          load_bytes(state))
         elif kind in ("host", "ddp"):
-            from ._fluid import serve_placement
+            from ._fluid_pool import serve_placement
 
             serve_placement(conn, message, evaluators, pending)
 
@@ -579,7 +579,8 @@ class ProcessExecutor(Executor):
             self.worker(index)
         allocation = self.allocation if self.allocation is not None else _context(self).allocation
         if allocation is not None and isinstance(evaluator, StepwiseEvaluator):
-            from ._fluid import FluidRun, fluid_policy
+            from ._fluid import fluid_policy
+            from ._fluid_pool import FluidRun
 
             FluidRun(self, jobs, evaluator, hooks, fluid_policy(allocation)).run()
             return

@@ -118,7 +118,7 @@ def mark_abandoned(db: Store, name: str | None = None, *, unknown_is_gone: bool 
             continue
         driver = record.config.get("driver")
         known = driver_alive(driver)
-        if unknown_is_gone and known and driver.get("pid") == os.getpid():
+        if unknown_is_gone and known and driver is not None and driver.get("pid") == os.getpid():
             known = False  # an earlier run of this very process that ended without settling
         if known is True or (known is None and not unknown_is_gone):
             continue

@@ -142,7 +142,7 @@ class Progress:
             return ""
         steps = [s for s, _ in self._training.values()]
         values = [v for _, v in self._training.values() if not math.isnan(v)]
-        values += [self.best[0].metric] if self.best else []
+        values += [self.best[0].metric] if self.best and self.best[0].metric is not None else []
         best = f", best {self.objective.metric} so far {max(values, key=self.objective.score):.4f}" if values else ""
         return f"{len(self._training)} training, at step {min(steps)}-{max(steps)}{best}"
 

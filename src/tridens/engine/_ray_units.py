@@ -22,7 +22,7 @@ checkpoint starts again from its first epoch (the driver does not record an epoc
 **Data parallel (Fluid share > 1).** One task reserving ``share`` CPUs (or GPUs) starts ``share``
 local processes, one DDP rank each (:mod:`._ddp`, gloo; one node), and relays rank 0's reports to
 the hub and the decisions back. The ranks are killed, never torn down, when the trial ends
-(tearing a gloo group down can hang, see :mod:`._fluid`).
+(tearing a gloo group down can hang, see :mod:`._fluid_pool`).
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def _rank_main(rank: int, world: int, port: int, payload: bytes, conn: Any) -> N
     from torch.nn.parallel import DistributedDataParallel
 
     from . import _ddp
-    from ._fluid import budget, epoch_metrics
+    from ._fluid_pool import budget, epoch_metrics
 
     torch.set_num_threads(1)
     evaluator, model, sample, seed, max_steps, state = pickle.loads(payload)

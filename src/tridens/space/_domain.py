@@ -74,9 +74,8 @@ class Categorical(Domain):
 
     def __init__(self, candidates: Sequence[Any] | Mapping[str, Any], *, label: str = "?", indexed: bool | None = None):
         if isinstance(candidates, Mapping):
-            keys = list(candidates.keys())
             self.candidates = list(candidates.values())
-            self._values = keys
+            self._values: list[Any] = list(candidates.keys())
         else:
             if isinstance(candidates, (str, bytes)) or not hasattr(candidates, "__len__"):
                 raise InvalidSpace(f"candidates of label {label!r} must be a list or dict, got {candidates!r}")
@@ -179,10 +178,10 @@ class RandInt(_Range):
         return isinstance(value, int) and not isinstance(value, bool) and self.low <= value <= self.high
 
     def values(self) -> list[int]:
-        return list(range(self.low, self.high + 1))
+        return list(range(int(self.low), int(self.high) + 1))  # (ints: checked in __init__)
 
     def sample(self, rng: random.Random) -> int:
-        return rng.randint(self.low, self.high)
+        return rng.randint(int(self.low), int(self.high))
 
     def size(self) -> float:
         return float(self.high - self.low + 1)

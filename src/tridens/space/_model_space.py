@@ -139,8 +139,9 @@ class BaseSpace:
         inputs = _as_tuple(example_inputs if example_inputs is not None else self.example_inputs)
         if inputs is not None and check is not False and not meta:
             check_forward(model, inputs, clean)
-        model.tridens_sample = dict(clean)
-        model.tridens_history = self._history(resolver, model)
+        # plain attributes of the built module (nn.Module's own attribute typing covers tensors/modules)
+        setattr(model, "tridens_sample", dict(clean))
+        setattr(model, "tridens_history", self._history(resolver, model))
         return model
 
     # -- discovery -------------------------------------------------------------------------------

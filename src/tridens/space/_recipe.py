@@ -106,7 +106,8 @@ def _running_script(file: str) -> Any:
     """The module of ``file`` if this process already runs or imported it (its code already ran)."""
     path = Path(file)
     main = sys.modules.get("__main__")
-    if main is not None and getattr(main, "__file__", None) and Path(main.__file__).resolve() == path.resolve():
+    main_file = getattr(main, "__file__", None)
+    if main_file and Path(main_file).resolve() == path.resolve():
         return main
     return sys.modules.get(_script_module_name(path))
 
@@ -175,7 +176,7 @@ def space_recipe(space: Any) -> dict[str, Any]:
             "base": space_recipe(space.base) if isinstance(space.base, ModelSpace) else _module_recipe(space.base),
             "mutators": [{**object_path(m), "args": _json_args(vars(m), f"the attributes of mutator {m.name}")}
                          for m in space.mutators],
-            "example_inputs": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in space.example_inputs],
+            "example_inputs": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in space.example_inputs or ()],
         }
     if isinstance(space, ModelSpace):
         args, kwargs = space.__dict__["_tridens_init"]
@@ -215,7 +216,7 @@ def _json_to_placeholders(obj: Any) -> Any:
     return obj
 
 
-def build_space(recipe: dict[str, Any], *, trust_code: bool = False,
+def build_space(recipe: Any, *, trust_code: bool = False,
                 untrusted_dir: str | os.PathLike[str] | None = None) -> Any:
     """The space (or plain module) a recipe describes.
 

@@ -457,7 +457,8 @@ class Store:
     def update_experiment(self, name: str, *, status: str | None = None,
                           config: Mapping[str, Any] | None = None) -> ExperimentRecord:
         """Set the status and/or replace the config of an experiment; returns the updated record."""
-        sets, args = ["updated_at = ?"], [time.time()]
+        sets: list[str] = ["updated_at = ?"]
+        args: list[float | str] = [time.time()]
         if status is not None:
             sets.append("status = ?")
             args.append(status)
@@ -589,7 +590,8 @@ class Store:
         ``.metrics`` (name -> values ordered by step) and ``.checkpoint`` (the absolute path of its
         latest checkpoint, or None)."""
         eid = self._experiment_id(experiment)
-        where, args = "t.experiment_id = ?", [eid]
+        where = "t.experiment_id = ?"
+        args: list[int | str] = [eid]
         if status is not None:
             where += " AND t.status = ?"
             args.append(TrialStatus(status).value)
