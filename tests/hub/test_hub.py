@@ -50,15 +50,9 @@ def test_random_samples_freeze_and_run_and_their_fingerprints_are_stable(name):
     space, x = SPACES[name]
     assert space.size() > 1
     seen, fingerprints = 0, {}
-    for seed in range(60 if name == "nasbench101" else 8):  # ~1 in 8 random NAS-Bench-101 wirings is valid
-        if seen == 4:
-            break
+    for seed in range(4):  # every random sample is valid (NAS-Bench-101 draws wirings within its edge budget)
         sample = space.random_sample(random.Random(seed))
-        try:
-            model = space.freeze(sample)
-        except td.InvalidSample as err:  # NAS-Bench-101: too many edges or no path
-            assert name == "nasbench101" and "NAS-Bench-101 cell" in str(err)
-            continue
+        model = space.freeze(sample)
         model.eval()
         with torch.no_grad():
             assert model(x).shape == (2, 10)

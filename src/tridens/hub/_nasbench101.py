@@ -3,9 +3,10 @@ each interior node a 3x3 convolution, a 1x1 convolution or a 3x3 max pool.
 
 Labels of a cell ``label``: ``{label}/op{i}`` (the operation of node ``i``, ``1..num_nodes-2``) and
 ``{label}/input{i}`` (the sorted list of earlier nodes node ``i`` reads, ``1..num_nodes-1``; node
-``num_nodes-1`` is the output) -- NNI's labels. A wiring with more than ``max_num_edges`` edges,
-or no path from the input to the output, is an invalid sample: freezing it raises
-``InvalidSample``. Nodes off every input-to-output path are dropped, as the benchmark does.
+``num_nodes-1`` is the output) -- NNI's labels. A wiring with more than ``max_num_edges`` edges
+is an invalid sample: freezing it raises ``InvalidSample``; the cell registers this budget as a
+:class:`~tridens.space.SampleRule`, so random samples and evolution's mutations draw valid wirings
+only. Nodes off every input-to-output path are dropped, as the benchmark does.
 
 >>> space = NasBench101(stem_out_channels=16, num_stacks=1, num_modules_per_stack=1)   # doctest: +SKIP
 """
@@ -13,18 +14,20 @@ or no path from the input to the output, is an invalid sample: freezing it raise
 from __future__ import annotations
 
 import itertools
+import math
+import random
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
-from ..space import choice
+from ..space import SampleRule, choice
 
 from .. import nn as tnn
 from ..errors import InvalidSample, InvalidSpace
 from ..space._context import FixedResolver, active_resolver
 
-__all__ = ["NasBench101Cell", "NasBench101", "NASBENCH101_OPS", "nasbench101_edges"]
+__all__ = ["NasBench101Cell", "NasBench101", "NasBench101EdgeBudget", "NASBENCH101_OPS", "nasbench101_edges"]
 
 
 def _conv_bn_relu(kernel: int) -> Callable[[int], nn.Module]:
@@ -48,6 +51,50 @@ def _projection(c_in: int, c_out: int) -> nn.Module:
 def nasbench101_edges(sample: Mapping[str, Any], label: str = "cell", num_nodes: int = 7) -> list[tuple[int, int]]:
     """The edges ``(from, to)`` of a cell's sample (before pruning)."""
     return [(int(src), dst) for dst in range(1, num_nodes) for src in sample[f"{label}/input{dst}"]]
+
+
+class NasBench101EdgeBudget(SampleRule):
+    """The rule tying a cell's input labels: at most ``max_num_edges`` edges in all. Random
+    samples draw the wiring uniformly among those within the budget (as drawing every label
+    and keeping the valid samples would, without the waste: with 7 nodes and 9 edges about 7 in
+    8 independent draws break the budget). Every node reads at least one earlier node, so every
+    such wiring reaches the output from the input.
+
+    >>> rule = NasBench101EdgeBudget("cell", 7, 9)
+    >>> sum(len(v) for v in rule.draw(random.Random(0), {}).values()) <= 9
+    True
+    """
+
+    def __init__(self, label: str, num_nodes: int, max_num_edges: int):
+        self.label, self.num_nodes, self.max_num_edges = label, num_nodes, max_num_edges
+        self.labels = tuple(f"{label}/input{dst}" for dst in range(1, num_nodes))
+        # ways[d][b]: wirings of nodes d..num_nodes-1 with at most b edges
+        n = num_nodes
+        self._ways = [[0] * (max_num_edges + 1) for _ in range(n + 1)]
+        self._ways[n] = [1] * (max_num_edges + 1)
+        for d in range(n - 1, 0, -1):
+            for b in range(max_num_edges + 1):
+                self._ways[d][b] = sum(math.comb(d, r) * self._ways[d + 1][b - r] for r in range(1, min(d, b) + 1))
+
+    def violation(self, sample: Mapping[str, Any]) -> str | None:
+        edges = sum(len(sample[label]) for label in self.labels)
+        if edges > self.max_num_edges:
+            return f"NAS-Bench-101 cell {self.label!r} has {edges} edges, more than max_num_edges={self.max_num_edges}"
+        return None
+
+    def draw(self, rng: random.Random, sample: Mapping[str, Any]) -> dict[str, Any]:
+        budget = self.max_num_edges
+        if self._ways[1][budget] == 0:
+            raise InvalidSpace(f"NAS-Bench-101 cell {self.label!r}: {self.num_nodes} nodes need at least "
+                               f"{self.num_nodes - 1} edges, more than max_num_edges={budget}")
+        out: dict[str, Any] = {}
+        for dst in range(1, self.num_nodes):
+            sizes = list(range(1, min(dst, budget) + 1))
+            weights = [math.comb(dst, r) * self._ways[dst + 1][budget - r] for r in sizes]
+            r = rng.choices(sizes, weights=weights)[0]
+            out[f"{self.label}/input{dst}"] = sorted(rng.sample(range(dst), r))
+            budget -= r
+        return out
 
 
 def _prune(num_nodes: int, edges: list[tuple[int, int]]) -> set[int] | None:
@@ -88,6 +135,9 @@ class NasBench101Cell(nn.Module):
         for dst in range(1, num_nodes):
             subsets = [list(c) for r in range(1, dst + 1) for c in itertools.combinations(range(dst), r)]
             inputs[dst] = list(choice(f"{label}/input{dst}", subsets))
+        resolver = active_resolver()
+        if resolver is not None:
+            resolver.add_rule(NasBench101EdgeBudget(label, num_nodes, max_num_edges))
         edges = [(src, dst) for dst, srcs in inputs.items() for src in srcs]
         kept = _prune(num_nodes, edges)
         problem = None

@@ -20,7 +20,7 @@ import contextvars
 from typing import Any, Iterator, Mapping
 
 from ..errors import InvalidSample, InvalidSpace
-from ._domain import Domain
+from ._domain import Domain, SampleRule
 
 __all__ = ["Resolver", "FixedResolver", "RecordingResolver", "active_resolver", "using"]
 
@@ -32,7 +32,14 @@ class Resolver:
 
     def __init__(self) -> None:
         self.asked: dict[str, tuple[Domain, Any, str]] = {}  # label -> (domain, value, source), in order
+        self.rules: list[SampleRule] = []  # joint conditions on labels, registered by the modules built
         self._auto: dict[str, int] = {}
+
+    def add_rule(self, rule: SampleRule) -> None:
+        """Register a :class:`~tridens.space.SampleRule` over labels asked in this construction
+        (the space's search space keeps the rules of its first construction)."""
+        if all(r.key() != rule.key() for r in self.rules):
+            self.rules.append(rule)
 
     def auto_label(self, kind: str) -> str:
         """A label for an unlabelled choice: ``kind_1``, ``kind_2``... in construction order, which

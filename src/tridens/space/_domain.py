@@ -14,8 +14,8 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from ..errors import InvalidSample, InvalidSpace
 
-__all__ = ["Domain", "Categorical", "Uniform", "LogUniform", "RandInt", "Condition", "LabelSpec", "SearchSpace",
-           "hashable_value", "same_value"]
+__all__ = ["Domain", "Categorical", "Uniform", "LogUniform", "RandInt", "Condition", "LabelSpec", "SampleRule",
+           "SearchSpace", "hashable_value", "same_value"]
 
 _JSON_SCALARS = (bool, int, float, str, type(None))
 
@@ -224,14 +224,43 @@ class LabelSpec:
         return out
 
 
+class SampleRule:
+    """A joint condition on several labels that their domains alone cannot state (e.g. a
+    NAS-Bench-101 cell's edge budget over its input labels), with a way to draw valid values
+    directly, so random sampling wastes no trial on a sample the space will refuse.
+
+    A module registers one while its space is built (``active_resolver().add_rule(rule)``);
+    :meth:`SearchSpace.random_sample` draws the rule's labels with :meth:`draw` once all of them
+    are active, :meth:`SearchSpace.violation` reports a sample that breaks it. Subclasses set
+    ``labels`` and implement :meth:`violation` and :meth:`draw`.
+    """
+
+    labels: tuple[str, ...] = ()
+
+    def violation(self, sample: Mapping[str, Any]) -> str | None:  # pragma: no cover - abstract
+        """Why ``sample`` (holding every label of the rule) breaks the rule, or None."""
+        raise NotImplementedError
+
+    def draw(self, rng: random.Random, sample: Mapping[str, Any]) -> dict[str, Any]:  # pragma: no cover - abstract
+        """Values for ``labels`` that satisfy the rule, drawn uniformly among those that do."""
+        raise NotImplementedError
+
+    def key(self) -> tuple[Any, ...]:
+        """Rules with equal keys are one rule (a cell built twice under one label registers twice)."""
+        return (type(self).__qualname__, self.labels)
+
+
 class SearchSpace(Mapping[str, LabelSpec]):
-    """Every label of a space in discovery order, with its domain and condition.
+    """Every label of a space in discovery order, with its domain and condition, and the
+    :class:`SampleRule` s that tie labels together.
 
     Behaves as a read-only ``dict[label, LabelSpec]``; ``describe()`` gives plain JSON.
     """
 
-    def __init__(self, specs: Sequence[LabelSpec]):
+    def __init__(self, specs: Sequence[LabelSpec], rules: Sequence[SampleRule] = ()):
         self._specs = {s.label: s for s in specs}
+        self.rules: tuple[SampleRule, ...] = tuple({r.key(): r for r in rules if all(l in self._specs for l in r.labels)}
+                                                   .values())
 
     def __getitem__(self, label: str) -> LabelSpec:
         return self._specs[label]
@@ -250,7 +279,7 @@ class SearchSpace(Mapping[str, LabelSpec]):
                 raise InvalidSpace(
                     f"label {label!r} has conflicting domains: {specs[label].domain!r} and {spec.domain!r}")
             specs.setdefault(label, spec)
-        return SearchSpace(list(specs.values()))
+        return SearchSpace(list(specs.values()), self.rules + other.rules)
 
     def describe(self) -> dict[str, dict[str, Any]]:
         return {label: spec.describe() for label, spec in self._specs.items()}
@@ -261,11 +290,27 @@ class SearchSpace(Mapping[str, LabelSpec]):
     def random_sample(self, rng: random.Random | int | None = None) -> dict[str, Any]:
         """Draw every active label; conditions are checked in discovery order, parents first."""
         rng = rng if isinstance(rng, random.Random) else random.Random(rng)
+        position = {label: i for i, label in enumerate(self._specs)}
+        # a rule draws its labels again, jointly, once the last of them is drawn
+        last = {max(r.labels, key=position.__getitem__): r for r in self.rules if r.labels}
         sample: dict[str, Any] = {}
         for label, spec in self._specs.items():
             if spec.active(sample):
                 sample[label] = spec.domain.sample(rng)
+                rule = last.get(label)
+                if rule is not None and all(l in sample for l in rule.labels):
+                    sample.update(rule.draw(rng, sample))
         return sample
+
+    def violation(self, sample: Mapping[str, Any]) -> str | None:
+        """Why ``sample`` breaks one of the space's :class:`SampleRule` s (rules whose labels are all
+        in the sample), or None."""
+        for rule in self.rules:
+            if all(l in sample for l in rule.labels):
+                why = rule.violation(sample)
+                if why is not None:
+                    return why
+        return None
 
     def default_sample(self) -> dict[str, Any]:
         sample: dict[str, Any] = {}
@@ -301,7 +346,8 @@ class SearchSpace(Mapping[str, LabelSpec]):
 
     def size(self) -> float:
         """Number of distinct samples, counting conditional labels only where active;
-        ``math.inf`` when an active label is continuous.
+        ``math.inf`` when an active label is continuous. :class:`SampleRule` s are not counted:
+        with rules this is an upper bound.
 
         One pass over the labels, keeping, for each assignment of the parents that labels not
         counted yet still depend on, how many partial samples lead to it. Each label is counted as
@@ -384,7 +430,9 @@ class SearchSpace(Mapping[str, LabelSpec]):
         if not all(s.domain.finite for s in specs):
             raise InvalidSpace("a grid needs finite domains; continuous labels: "
                                + ", ".join(s.label for s in specs if not s.domain.finite))
-        yield from walk(0, {})
+        for sample in walk(0, {}):
+            if not self.rules or self.violation(sample) is None:
+                yield sample
 
     def __repr__(self) -> str:
         lines = [f"  {label}: {spec.domain!r}" + (f"  if {' and '.join(map(str, spec.conditions))}" if spec.conditions else "")

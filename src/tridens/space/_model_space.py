@@ -81,6 +81,9 @@ class BaseSpace:
                 cached = SearchSpace([LabelSpec(label, domain, [], source) for label, (domain, _, source) in trace.items()])
             else:
                 cached = discover(self._discovery_run, base)
+            rules = self.__dict__.get("_tridens_rules")
+            if rules:
+                cached = SearchSpace(list(cached.values()), rules)
             self.__dict__["_tridens_search_space"] = cached
         return cached
 
@@ -169,6 +172,7 @@ class _SpaceMeta(type):
             obj = super().__call__(*_resolve_args(resolver, args), **_resolve_args(resolver, kwargs))
         obj.__dict__["_tridens_init"] = (args, kwargs)
         obj.__dict__["_tridens_first_trace"] = dict(resolver.asked)
+        obj.__dict__["_tridens_rules"] = list(resolver.rules)
         return obj
 
 

@@ -96,7 +96,8 @@ class RegularizedEvolution(SearchBase):
         parent = self.space.validate(self._trials[parent_id].sample)
         for _ in range(_MUTATION_ATTEMPTS):
             child = self._mutate(parent, rng)
-            if child is not None and self._is_new(child):
+            # a child breaking one of the space's sample rules (a cell's edge budget) is drawn again
+            if child is not None and self._is_new(child) and self.space.violation(child) is None:
                 self._parents[sample_key(child)] = parent_id
                 return child
         return self._random_unseen(rng)
