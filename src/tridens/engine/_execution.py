@@ -332,8 +332,8 @@ class InlineExecutor(Executor):
     synchronous rules (Hyperband rungs) see the whole rung. The planner groups them into execution
     units, fused where ``optimize`` allows (:mod:`tridens.xopt`). Otherwise trials run one by one,
     and ``trial_timeout`` interrupts a loop even between its reports (SIGALRM, main thread).
-    ``optimize`` (None: the experiment's) overrides the experiment's ``optimize``.
-    ``threads`` (a :class:`~tridens.engine.ThreadPolicy`, default ``ThreadPolicy()``) sets the torch
+    ``optimize`` (None: the experiment's; True, False or a :class:`tridens.xopt.Settings`) overrides
+    the experiment's ``optimize``, resolved once when the run starts. ``threads`` (a :class:`~tridens.engine.ThreadPolicy`, default ``ThreadPolicy()``) sets the torch
     threads each group's units train with.
 
     >>> exp = td.Experiment(space, evaluator, executor=td.executors.Inline())  # doctest: +SKIP
@@ -344,6 +344,15 @@ class InlineExecutor(Executor):
     def __init__(self, optimize: Any = None, threads: ThreadPolicy | None = None):
         self.optimize = optimize
         self.threads = ThreadPolicy() if threads is None else threads
+
+    def start(self, context: RunContext) -> None:
+        """Take the run's settings; an ``optimize`` of this executor is resolved to one frozen
+        :class:`tridens.xopt.Settings` for the run (True: the environment's)."""
+        super().start(context)
+        if self.optimize is not None and self.optimize is not False:
+            from ..xopt import resolve_settings
+
+            self.optimize = resolve_settings(self.optimize) or False
 
     def run_group(self, jobs: Sequence[Job], evaluator: Evaluator, hooks: GroupHooks) -> None:
         if isinstance(evaluator, StepwiseEvaluator):
