@@ -12,12 +12,20 @@ budget ``epochs`` (see GRID), every trial with the same initial weights (``seeds
 in interleaved rounds (trial, tree, trial, tree, ...); each run is its own process
 (``OMP_NUM_THREADS=1``) and reports its CPU-seconds (``time.process_time``), wall time and every
 trial's per-epoch validation accuracy, which must be identical between the two modes. The
-hyperband row runs ``td.strategy.Hyperband`` over the same space (milestones x gamma; the budget
-is the strategy's) with and without sharing.
+hyperband and asha rows run ``td.strategy.Hyperband`` / ``td.strategy.ASHA`` (60 trials) over the
+same space (milestones x gamma; the budget is the strategy's) with and without sharing.
+
+``--studies``: two studies in one store, the second (GRID, 60 trials) a superset of the first
+(STUDY1, 12 trials). The first runs untimed, then the second is timed three ways, interleaved:
+``trial`` (``optimize=False``), ``tree`` (stage tree, its own stages only:
+``StagePolicy(reuse="experiment")``) and ``reuse`` (stage tree starting from the first study's
+stored stages, the default). Each evaluator is a new object, so only the store carries stages over.
 
     .venv/bin/python bench/stage_tree.py                 # 3 rounds of the grid, then Hyperband
     .venv/bin/python bench/stage_tree.py --quick         # 1 round, smaller grid
     .venv/bin/python bench/stage_tree.py --one tree      # one measurement (JSON)
+    .venv/bin/python bench/stage_tree.py --strategy asha --rounds 2
+    .venv/bin/python bench/stage_tree.py --studies --rounds 2
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ import tridens as td
 
 GRID = {"epochs": [6, 9, 12, 15, 18], "milestones": [[3], [6], [3, 9], [6, 12]], "gamma": [0.1, 0.2, 0.5]}
 QUICK = {"epochs": [4, 8], "milestones": [[2], [4], [2, 6]], "gamma": [0.1, 0.5]}
+STUDY1 = {"epochs": [6, 12], "milestones": [[3], [3, 9]], "gamma": [0.1, 0.2, 0.5]}
+QUICK_STUDY1 = {"epochs": [4], "milestones": [[2], [2, 6]], "gamma": [0.1, 0.5]}
 
 
 class SmallCNN(td.nn.ModelSpace):
@@ -66,13 +76,17 @@ def evaluator(grid: dict[str, list[Any]]) -> td.evaluators.Classification:
 def measure(mode: str, strategy: str, grid: dict[str, list[Any]]) -> dict[str, Any]:
     torch.set_num_threads(1)
     ev = evaluator(grid)
+    max_trials = None
     if strategy == "grid":
         chosen: Any = td.strategy.GridSearch()
-    else:
+    elif strategy == "asha":
         ev.epochs = max(grid["epochs"])     # the strategy decides the budget, up to the longest
+        chosen, max_trials = td.strategy.ASHA(max_steps=max(grid["epochs"]), reduction_factor=3), 60
+    else:
+        ev.epochs = max(grid["epochs"])
         chosen = td.strategy.Hyperband(max_steps=max(grid["epochs"]), reduction_factor=3)
     with tempfile.TemporaryDirectory() as tmp:
-        exp = td.Experiment(SmallCNN(), ev, chosen, store=os.path.join(tmp, "s.db"), name="schedules",
+        exp = td.Experiment(SmallCNN(), ev, chosen, store=os.path.join(tmp, "s.db"), name="schedules", max_trials=max_trials,
                             seeds="per-architecture", optimize=(mode == "tree"), verbose=False)
         cpu0, wall0 = time.process_time(), time.perf_counter()
         exp.run()
@@ -84,6 +98,27 @@ def measure(mode: str, strategy: str, grid: dict[str, list[Any]]) -> dict[str, A
             "curves": curves}
 
 
+def measure_studies(mode: str, first: dict[str, list[Any]], second: dict[str, list[Any]]) -> dict[str, Any]:
+    """The second of two studies in one store, timed; ``mode``: trial, tree (no reuse) or reuse."""
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "s.db")
+        td.Experiment(SmallCNN(), evaluator(first), td.strategy.GridSearch(), store=store, name="first",
+                      seeds="per-architecture", verbose=False).run()
+        policy = td.store.StagePolicy(reuse="store" if mode == "reuse" else "experiment")
+        exp = td.Experiment(SmallCNN(), evaluator(second), td.strategy.GridSearch(), store=store, name="second",
+                            seeds="per-architecture", optimize=(mode != "trial"), stage_policy=policy, verbose=False)
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        exp.run()
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        trials = exp.trials()
+    curves = {json.dumps(t.sample, sort_keys=True): t.metrics.get("val_acc", []) for t in trials}
+    reused = sum(t.info.get("stage_store", {}).get("epochs", 0) for t in trials)
+    return {"mode": mode, "strategy": "studies", "cpu": cpu, "wall": wall, "trials": len(trials),
+            "trial_epochs": sum(len(c) for c in curves.values()), "best": max(max(c) for c in curves.values() if c),
+            "curves": curves, "started_from_stored_epochs": reused}
+
+
 def run_one(mode: str, strategy: str, quick: bool) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, __file__, "--one", mode, "--strategy", strategy] + (["--quick"] if quick else [])
@@ -93,18 +128,28 @@ def run_one(mode: str, strategy: str, quick: bool) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--one", choices=["trial", "tree"], help="one measurement, printed as JSON")
-    parser.add_argument("--strategy", choices=["grid", "hyperband"], default="grid")
+    parser.add_argument("--one", choices=["trial", "tree", "reuse"], help="one measurement, printed as JSON")
+    parser.add_argument("--strategy", choices=["grid", "hyperband", "asha", "studies"], default="grid")
+    parser.add_argument("--studies", action="store_true", help="two studies, the second a superset of the first")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="1 round of a smaller grid")
     parser.add_argument("--no-hyperband", action="store_true")
     args = parser.parse_args()
     grid = QUICK if args.quick else GRID
     if args.one:
-        print(json.dumps(measure(args.one, args.strategy, grid)))
+        if args.strategy == "studies":
+            print(json.dumps(measure_studies(args.one, QUICK_STUDY1 if args.quick else STUDY1, grid)))
+        else:
+            print(json.dumps(measure(args.one, args.strategy, grid)))
         return
     rounds = 1 if args.quick else args.rounds
-    strategies = ["grid"] + ([] if args.no_hyperband else ["hyperband"])
+    if args.studies:
+        studies(rounds, args.quick, grid)
+        return
+    if args.strategy != "grid":
+        strategies = [args.strategy]
+    else:
+        strategies = ["grid"] + ([] if args.no_hyperband else ["hyperband"])
     n = len(list(itertools.product(*grid.values())))
     for strategy in strategies:
         runs: dict[str, list[dict[str, Any]]] = {"trial": [], "tree": []}
@@ -120,6 +165,26 @@ def main() -> None:
                   f"best val_acc {runs[mode][0]['best']:.4f}")
         print(f"  stage tree: {med['trial']['cpu'] / med['tree']['cpu']:.2f}x fewer CPU-seconds, "
               f"{med['trial']['wall'] / med['tree']['wall']:.2f}x shorter; identical per-epoch curves: {same}")
+
+
+def studies(rounds: int, quick: bool, grid: dict[str, list[Any]]) -> None:
+    modes = ("trial", "tree", "reuse")
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    for _ in range(rounds):
+        for mode in modes:
+            runs[mode].append(run_one(mode, "studies", quick))
+    same = all(r["curves"] == runs["trial"][i]["curves"] for m in modes for i, r in enumerate(runs[m]))
+    med = {m: {k: statistics.median(r[k] for r in rs) for k in ("cpu", "wall")} for m, rs in runs.items()}
+    first = QUICK_STUDY1 if quick else STUDY1
+    print(f"two studies: the second ({runs['trial'][0]['trials']} trials, {runs['trial'][0]['trial_epochs']} trial-epochs) "
+          f"a superset of the first ({len(list(itertools.product(*first.values())))} trials); {rounds} interleaved round(s)")
+    for m in modes:
+        print(f"  {m:5s}  cpu {med[m]['cpu']:7.1f} s   wall {med[m]['wall']:7.1f} s   "
+              f"epochs started from the first study's stages: {runs[m][0]['started_from_stored_epochs']}")
+    print(f"  second study with reuse: {med['trial']['cpu'] / med['reuse']['cpu']:.2f}x fewer CPU-seconds than trial-based, "
+          f"{med['tree']['cpu'] / med['reuse']['cpu']:.2f}x fewer than a stage tree without reuse "
+          f"(wall {med['trial']['wall'] / med['reuse']['wall']:.2f}x, {med['tree']['wall'] / med['reuse']['wall']:.2f}x); "
+          f"identical per-epoch curves: {same}")
 
 
 if __name__ == "__main__":

@@ -168,3 +168,38 @@ def test_experiment_with_per_architecture_seeds_shares_prefixes_across_groups(da
     with pytest.raises(ValueError, match="'seeds' parameter of Experiment"):
         td.Experiment(Net(), ev, seeds="shared", store=tmp_path / "bad.db").run()
     assert math.isfinite(max(t.metric for t in runs[True].values()))
+
+
+BATCH_SCHEDULES = {"64": None, "128 from 1": [[1, 128]], "128 from 2": [[2, 128]], "128, 256": [[1, 128], [3, 256]]}
+BATCH_GRID = [dict(epochs=e, batch_schedule=b) for e in (2, 4) for b in BATCH_SCHEDULES]
+
+
+def test_batch_size_schedule_breaks_stages_and_each_trial_is_as_trained_alone_float64(data):
+    train, val = data
+    ev = td.evaluators.Classification(
+        train, val, batch_size=64, optimizer="sgd", lr=0.05, momentum=0.9, schedule="step", milestones=[2], gamma=0.5,
+        epochs=td.choice("epochs", [2, 4]),
+        batch_schedule=td.choice("batch_schedule", BATCH_SCHEDULES))
+    cfg = ev.config(BATCH_GRID[-1])
+    assert [cfg.batch_size_at(e) for e in range(4)] == [64, 128, 128, 256]
+    assert cfg.epoch_steps(1) == (23, 35) and cfg.total_steps == 23 + 12 + 12 + 6   # 1438 examples
+    assert cfg.lr_at(34) == 0.05 and cfg.lr_at(35) == 0.025                         # milestone 2: step 35
+    jobs = jobs_of(BATCH_GRID)
+    units, rest = plan_stage_trees(jobs, ev)
+    assert rest == [] and len(units) == 1
+    tree = units[0]
+    history, weights = run(tree)
+    alone = run(SeparateUnit(jobs_of(BATCH_GRID), ev))
+    for tid in history:
+        assert history[tid] == alone[0][tid]                  # bit-identical metrics, every epoch
+        for k, v in weights[tid].items():
+            assert torch.equal(v, alone[1][tid][k]), (tid, k)
+    # epoch 0 once (all at 64); epoch 1 at 64 or 128; epoch 2 (4-epoch trials): 64, 128 after 64, 128
+    # after 128; epoch 3: 64, 128 (two paths), 256
+    paths = [job.trial.info["stages"] for job in jobs]
+    assert all(p[0][2] == 0 for p in paths)
+    first_fork = {p[1][2] for p in paths if len(p) > 1}
+    assert min(first_fork) == 1                               # the tree parts where the batch size does
+    assert tree.trained_epochs == 1 + 2 + 3 + 4
+    with pytest.raises(td.evaluators.InvalidParameter, match="batch_schedule"):
+        td.evaluators.Classification(train, val, batch_schedule=[[0, 32]]).config({})

@@ -101,18 +101,6 @@ def callable_name(fn: Any) -> str | None:
     return f"{module}.{qualname}"
 
 
-def _epoch_steps(config: Any, epoch: int) -> tuple[int, int]:
-    """The optimizer steps ``[first, last)`` of ``epoch``."""
-    if hasattr(config, "epoch_steps"):
-        return config.epoch_steps(epoch)
-    spe = config.steps_per_epoch
-    return epoch * spe, (epoch + 1) * spe
-
-
-def _batch_size_at(config: Any, epoch: int) -> int:
-    return config.batch_size_at(epoch) if hasattr(config, "batch_size_at") else config.batch_size
-
-
 def stage_record(config: Any, epoch: int) -> dict[str, Any] | None:
     """``config.stage_key(epoch)`` as plain data (JSON), or ``None`` where a part has no stable
     name (then the stage is shared within a run only)."""
@@ -120,9 +108,9 @@ def stage_record(config: Any, epoch: int) -> dict[str, Any] | None:
              "loss": callable_name(config.loss), "transforms": callable_name(config.transforms)}
     if any(v is None for v in parts.values()):
         return None
-    first, last = _epoch_steps(config, epoch)
+    first, last = config.epoch_steps(epoch)
     return {"optimizer": config.optimizer, "momentum": config.momentum, "weight_decay": config.weight_decay,
-            "batch_size": _batch_size_at(config, epoch), "data_seed": config.data_seed,
+            "batch_size": config.batch_size_at(epoch), "data_seed": config.data_seed,
             "lrs": [config.lr_at(step) for step in range(first, last)], **parts, "task": config.task,
             "metrics": list(config.metrics), "device": config.device.type}
 

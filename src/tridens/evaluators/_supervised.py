@@ -77,6 +77,16 @@ def _is_milestones(value: Any) -> bool:
     return all(m >= 1 for m in value) and all(a < b for a, b in zip(value, value[1:]))
 
 
+def _is_batch_schedule(value: Any) -> bool:
+    if value is None:
+        return True
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in p)
+            for p in value):
+        return False
+    return all(e >= 1 and b >= 1 for e, b in value) and all(a[0] < b[0] for a, b in zip(value, value[1:]))
+
+
 def _epoch_seed(seed: int, *path: int) -> int:
     return int(np.random.SeedSequence([seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF, *path]).generate_state(1)[0])
 
@@ -142,21 +152,52 @@ class TrainConfig:
     milestones: tuple[int, ...] | None = None
     gamma: float = 0.1
     warmup_epochs: int = 0
+    batch_schedule: tuple[tuple[int, int], ...] = ()
 
     @property
     def steps_per_epoch(self) -> int:
+        """Optimizer steps of the first epoch (of every epoch without a ``batch_schedule``)."""
         return math.ceil(len(self.train) / self.batch_size)
+
+    def batch_size_at(self, epoch: int) -> int:
+        """The batch size of ``epoch``: ``batch_size``, then each ``(first epoch, size)`` of
+        ``batch_schedule`` from its epoch on."""
+        size = self.batch_size
+        for first, later in self.batch_schedule:
+            if epoch >= first:
+                size = later
+        return size
+
+    def _epoch_starts(self) -> list[int]:
+        starts = self.__dict__.get("_starts")
+        if starts is None or len(starts) != self.epochs + 1:
+            n, starts = len(self.train), [0]
+            for epoch in range(self.epochs):
+                starts.append(starts[-1] + math.ceil(n / self.batch_size_at(epoch)))
+            self.__dict__["_starts"] = starts
+        return starts
+
+    def epoch_steps(self, epoch: int) -> tuple[int, int]:
+        """The optimizer steps ``[first, last)`` of ``epoch``."""
+        if not self.batch_schedule:
+            spe = self.steps_per_epoch
+            return epoch * spe, (epoch + 1) * spe
+        starts = self._epoch_starts()
+        if epoch < self.epochs:
+            return starts[epoch], starts[epoch + 1]
+        extra = math.ceil(len(self.train) / self.batch_size_at(epoch))   # past the budget: as the last size
+        return starts[-1] + (epoch - self.epochs) * extra, starts[-1] + (epoch - self.epochs + 1) * extra
 
     @property
     def total_steps(self) -> int:
-        return self.epochs * self.steps_per_epoch
+        return self.epoch_steps(self.epochs)[0]
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (0-based, counted over the whole training)."""
-        spe = self.steps_per_epoch
-        milestones = None if self.milestones is None else [m * spe for m in self.milestones]
+        first = (lambda e: self.epoch_steps(e)[0]) if self.batch_schedule else (lambda e: e * self.steps_per_epoch)
+        milestones = None if self.milestones is None else [first(m) for m in self.milestones]
         return scheduled_lr(self.schedule, self.lr, step, self.total_steps, milestones=milestones,
-                            gamma=self.gamma, warmup=self.warmup_epochs * spe)
+                            gamma=self.gamma, warmup=first(self.warmup_epochs))
 
     def stage_key(self, epoch: int) -> tuple[Any, ...]:
         """What training epoch ``epoch`` depends on besides the state it starts from: two trials
@@ -169,9 +210,9 @@ class TrainConfig:
         >>> ev.config({"epochs": 2}).stage_key(1) == ev.config({"epochs": 4}).stage_key(1)
         True
         """
-        spe = self.steps_per_epoch
-        lrs = tuple(self.lr_at(step) for step in range(epoch * spe, (epoch + 1) * spe))
-        return (self.optimizer, self.momentum, self.weight_decay, self.batch_size, self.data_seed, lrs,
+        first, last = self.epoch_steps(epoch)
+        lrs = tuple(self.lr_at(step) for step in range(first, last))
+        return (self.optimizer, self.momentum, self.weight_decay, self.batch_size_at(epoch), self.data_seed, lrs,
                 id(self.train), id(self.val), self.loss, self.transforms, self.task, self.metrics, str(self.device))
 
 
@@ -228,7 +269,8 @@ class SupervisedEvaluator(StepwiseEvaluator):
                  metrics: Sequence[str] | None = None, metric: str | None = None,
                  device: str | torch.device = "auto",
                  transforms: Callable[[torch.Tensor], torch.Tensor] | None = None, data_seed: int | None = 0,
-                 milestones: Sequence[int] | None = None, gamma: float = 0.1, warmup_epochs: int = 0):
+                 milestones: Sequence[int] | None = None, gamma: float = 0.1, warmup_epochs: int = 0,
+                 batch_schedule: Sequence[Sequence[int]] | None = None):
         self.train = train
         self.val = val
         self.epochs = epochs
@@ -247,6 +289,7 @@ class SupervisedEvaluator(StepwiseEvaluator):
         self.milestones = milestones
         self.gamma = gamma
         self.warmup_epochs = warmup_epochs
+        self.batch_schedule = batch_schedule
 
     # -- what is reported -------------------------------------------------------------------
     def _metric_names(self, metrics: Sequence[str] | None) -> tuple[str, ...]:
@@ -286,6 +329,8 @@ class SupervisedEvaluator(StepwiseEvaluator):
             "milestones": [Satisfies(_is_milestones, "None or an increasing list of epochs >= 1"),],
             "gamma": [Interval("float", 0, None, closed="neither")],
             "warmup_epochs": [Interval("int", 0, None)],
+            "batch_schedule": [Satisfies(_is_batch_schedule, "None or a list of [first epoch >= 1, batch size >= 1] "
+                                                             "pairs in increasing epochs")],
         }
 
     def config(self, sample: Mapping[str, Any] | None = None) -> TrainConfig:
@@ -328,7 +373,8 @@ class SupervisedEvaluator(StepwiseEvaluator):
             metrics=names, device=torch.device(device), transforms=values["transforms"], task=self.task,
             data_seed=values["data_seed"],
             milestones=None if values["milestones"] is None else tuple(int(m) for m in values["milestones"]),
-            gamma=float(values["gamma"]), warmup_epochs=values["warmup_epochs"])
+            gamma=float(values["gamma"]), warmup_epochs=values["warmup_epochs"],
+            batch_schedule=tuple((int(e), int(b)) for e, b in values["batch_schedule"] or ()))
 
     # -- training ---------------------------------------------------------------------------
     def trainer(self, model: nn.Module | None, sample: Mapping[str, Any], seed: int) -> "SupervisedTrainer":
@@ -357,6 +403,8 @@ class Classification(SupervisedEvaluator):
     adamw, rmsprop``; ``schedule`` one of ``constant, step, cosine, linear, rex``, set every
     optimizer step, after a linear warmup of ``warmup_epochs``; ``step`` multiplies the lr by
     ``gamma`` at each of ``milestones`` (epochs; default: at 50% and 75% of training);
+    ``batch_schedule`` changes the batch size per stage: ``[[first epoch, size], ...]`` after
+    ``batch_size`` (e.g. ``batch_size=32, batch_schedule=[[4, 128]]``; may be a ``td.choice``);
     ``momentum`` is SGD/RMSprop momentum or Adam's first beta (``None``: the
     default, 0.9 for SGD); ``loss`` defaults to cross entropy (or a name, or any callable);
     ``metrics`` chooses among ``"acc"`` and ``"loss"``; ``metric`` the objective (default
@@ -485,7 +533,7 @@ class BatchSource:
     def epoch_batches(self, cfg: TrainConfig, seed: int, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The training batches of ``epoch`` for a trial with ``seed``: in the epoch's order, a
         map-style dataset's own randomness drawn from the data seed (before ``cfg.augment``)."""
-        return self.batches(cfg.epoch_order(seed, epoch), cfg.batch_size, cfg.loader_seed(seed, epoch))
+        return self.batches(cfg.epoch_order(seed, epoch), cfg.batch_size_at(epoch), cfg.loader_seed(seed, epoch))
 
     def validation_batches(self, cfg: TrainConfig, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The validation batches (as stored, at least 256 examples each) for a trial with ``seed``."""

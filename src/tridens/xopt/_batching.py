@@ -166,7 +166,7 @@ def _data_key(ds: Any) -> Any:
 # The parts of a TrainConfig that must agree within a unit, with the reason given when they don't.
 _SETUP_FIELDS: tuple[tuple[str, Callable[[TrainConfig, int], Any]], ...] = (
     ("optimizer", lambda c, s: c.optimizer),
-    ("batch size", lambda c, s: c.batch_size),
+    ("batch size", lambda c, s: (c.batch_size, c.batch_schedule)),
     ("epochs", lambda c, s: c.epochs),
     ("loss", lambda c, s: id(c.loss)),
     ("metrics", lambda c, s: c.metrics),

@@ -488,7 +488,8 @@ _KEY_PARTS = ("training data", "validation data", "batch size", "transforms", "d
 
 
 def _pipeline_key(cfg: TrainConfig, seed: int) -> tuple[Any, ...]:
-    return (_dataset_key(cfg.train), _dataset_key(cfg.val), cfg.batch_size,
+    batch = (cfg.batch_size, *cfg.batch_schedule) if cfg.batch_schedule else cfg.batch_size   # sizes per epoch
+    return (_dataset_key(cfg.train), _dataset_key(cfg.val), batch,
             None if cfg.transforms is None else id(cfg.transforms), cfg.data_seed_of(seed), str(cfg.device))
 
 

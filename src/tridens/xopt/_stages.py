@@ -211,8 +211,7 @@ def _summary(config: TrainConfig, first: int, last: int) -> dict[str, Any]:
 
 def _first_step(config: TrainConfig, epoch: int) -> int:
     """The first optimizer step of ``epoch``."""
-    epoch_steps = getattr(config, "epoch_steps", None)
-    return epoch_steps(epoch)[0] if callable(epoch_steps) else epoch * config.steps_per_epoch
+    return config.epoch_steps(epoch)[0]
 
 
 def tree_size(configs: Sequence[TrainConfig], limits: Sequence[int]) -> int:
