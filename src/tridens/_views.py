@@ -234,6 +234,12 @@ def trial_details(trial: Trial, trials: Sequence[Trial], objective: Objective) -
             f"from epoch {epoch}: node {node}" + (f" shared with {', '.join(mates[node][:12])}"
                                                   + (" ..." if len(mates[node]) > 12 else "") if mates[node] else "")
             for node, _, epoch in stages)))
+    exploits = trial.info.get("exploits")
+    if exploits:  # PBT: whose state it continued from, and the hyperparameters it took
+        rows.append(("exploits", "; ".join(
+            f"at epoch {e['epoch']} copied {ref(e['from'])}, then "
+            + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={json.dumps(v)}" for k, v in e["sample"].items())
+            for e in exploits)))
     if trial.info.get("duplicate_of") is not None:
         rows.append(("duplicate of", ref(trial.info["duplicate_of"])))
     rows.append(("checkpoint", trial.checkpoint or "-"))

@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from rich.console import Console
+
 import tridens as td
+from tridens._views import trial_details
 from tridens.store import Store
 from tridens.trial import Trial, TrialStatus
 from tridens.units import Job, SeparateUnit
@@ -58,6 +61,11 @@ def test_exploits_are_recorded_and_replay_alone(tmp_path, ev, optimize):
         last = t.info["exploits"][-1]
         assert t.schedule()(last["epoch"]) == last["sample"] != t.sample
         assert t.schedule().stages[-1].trial == t.id
+    shown = Console(width=200, record=True)  # tridens show NAME N
+    for renderable in trial_details(forked[0], list(trials.values()), ev.objective):
+        shown.print(renderable)
+    first = forked[0].info["exploits"][0]
+    assert f"at epoch {first['epoch']} copied #{trials[first['from']].number}" in shown.export_text()
     for t in forked[:2] + [max(trials.values(), key=lambda t: t.metric)]:
         curve = td.evaluators.replay(ev, MLP(), t)
         expected = lineage_metrics(trials, t)
