@@ -5,7 +5,9 @@ same metrics for a seeded experiment, a stop decision, a member whose loss becom
 past its ``trial_timeout`` (a loop that never reports), a crash of the process training a trial,
 ``kill -9`` of the driver and a resume (real subprocesses), and a fork of a member from its state.
 
-Ray cases start Ray once per module; all but the first are marked slow.
+The in-process Ray cases share one local Ray for the module (started on 127.0.0.1 as the executor
+starts it); the two subprocess cases on Ray (a worker that kills itself, kill -9 of the driver),
+which start a Ray of their own in each driver process, are marked slow.
 """
 
 import copy
@@ -28,16 +30,18 @@ from .spaces import TinyMLP
 
 ROOT = Path(__file__).resolve().parents[2]
 
-EXECUTORS = ["inline", "process", pytest.param("ray", marks=pytest.mark.slow)]
-FIRST_RAY = ["inline", "process", "ray"]  # the one case where Ray runs in `make test`
+EXECUTORS = ["inline", "process", "ray"]
+SLOW_RAY = ["inline", "process", pytest.param("ray", marks=pytest.mark.slow)]  # a Ray per driver process
 
 
 @pytest.fixture(scope="module")
 def local_ray():
     ray = pytest.importorskip("ray")
+    from tridens.engine._ray_local import start_local_ray
+
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+        start_local_ray(2)  # as td.executors.Ray(address=None) starts it: on 127.0.0.1
     yield ray
     if started:
         ray.shutdown()
@@ -94,7 +98,7 @@ def reference(tmp_path_factory, digits_data):
 
 
 # -- in-process cases ------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", FIRST_RAY)
+@pytest.mark.parametrize("kind", EXECUTORS)
 def test_same_metrics_for_a_seeded_experiment(kind, tmp_path, executor_of, digits_data, reference):
     ev = classification(digits_data, lr=td.choice("lr", [0.05, 0.2]))
     got = run(tmp_path, executor_of(kind), ev)
@@ -237,7 +241,7 @@ def trials_of(store, name):
         return db.trials(name)
 
 
-@pytest.mark.parametrize("kind", EXECUTORS)
+@pytest.mark.parametrize("kind", SLOW_RAY)
 def test_a_trial_that_kills_its_process_fails_and_the_run_goes_on(kind, tmp_path):
     """``os._exit(3)`` in a trial: a pool or Ray worker dies and the trial fails at once; in-process
     the driver dies, and the trial is charged on resume: failed after two deaths."""
@@ -256,7 +260,7 @@ def test_a_trial_that_kills_its_process_fails_and_the_run_goes_on(kind, tmp_path
     assert all(by_x[x].status is TrialStatus.COMPLETED and by_x[x].metric == x for x in (0, 1, 3))
 
 
-@pytest.mark.parametrize("kind", EXECUTORS)
+@pytest.mark.parametrize("kind", SLOW_RAY)
 def test_kill_9_of_the_driver_then_resume_loses_and_repeats_nothing(kind, tmp_path):
     store = tmp_path / "slow.db"
     proc = start_script(kind, store, "slow")

@@ -170,9 +170,9 @@ def test_errors_and_timeouts_fail_only_their_trial_on_ray(local_ray, tmp_path, f
 
 
 def test_storage_through_fsspec():
-    from tridens.engine._ray import _Storage
+    from tridens.engine._ray_storage import CheckpointStorage
 
-    storage = _Storage("memory://tridens-test/ckpt")
+    storage = CheckpointStorage("memory://tridens-test/ckpt")
     assert storage.remote
     directory = storage.join("exp", "trial-1")
     for epoch in (1, 2):

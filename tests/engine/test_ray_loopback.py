@@ -48,7 +48,7 @@ def test_a_run_on_the_local_ray_listens_on_loopback_only(tmp_path):
         tree = [root, *root.children(recursive=True)]
         sockets = {f"{p.pid} {p.name()} {' '.join(p.cmdline())[:200]}": listening(p) for p in tree}
         names = " ".join(sockets)
-        for part in ("gcs_server", "raylet", "RuntimeEnvAgent", "_Hub", "_run_trial"):  # the processes a run has
+        for part in ("gcs_server", "raylet", "RuntimeEnvAgent", "HubActor", "run_trial"):  # the processes a run has
             assert part in names, names
         assert sum(len(s) for s in sockets.values()) >= 6, sockets
         outside = {p: [a for a in s if a[0] not in LOOPBACK] for p, s in sockets.items()}

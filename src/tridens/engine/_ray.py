@@ -29,218 +29,35 @@ early-stopping strategy stops may differ. A trial's metrics for the steps it tra
 the in-process run with the same seed (bit for bit for separate trials; fused units and DDP as the
 in-process fused units and DDP are, to float summation order).
 
-Storage layout (``storage`` is a directory every worker sees, or an fsspec URI)::
-
-    <storage>/<experiment>/trial-<id>/epoch-<n>.pt   the latest per-epoch trainer checkpoint (step-wise evaluators)
-    <storage>/<experiment>/trial-<id>/final.pt       the final (or stopped) weights
+The parts: checkpoints under ``storage`` (:mod:`._ray_storage`), the messages between workers and
+the driver (:mod:`._ray_hub`), unit tasks (:mod:`._ray_units`), user loops (:mod:`._ray_trials`),
+Fluid shares (:mod:`._ray_fluid`) and the local Ray started on 127.0.0.1 (:mod:`._ray_local`);
+this module holds the executor and its driver loop over unit tasks.
 """
 
 from __future__ import annotations
 
-import asyncio
-import io
 import logging
 import math
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import ray
-import torch
 
 from ..evaluators import Evaluator, StepwiseEvaluator
-from ..trial import Decision
 from ..units import Job
 from ._execution import Executor, RunContext
-from ._protocol import GroupHooks, TrialProtocol, TrialTimeout, Verdict, error_text, timeout_error
+from ._protocol import GroupHooks, TrialProtocol, Verdict, timeout_error
+from ._ray_fluid import FluidOnRay
+from ._ray_hub import POLL_S, Hub, record_outcome
+from ._ray_storage import CheckpointStorage
+from ._ray_trials import UserLoopGroup
 
 __all__ = ["RayExecutor"]
 
 log = logging.getLogger("tridens")
-
-_POLL_S = 0.05  # how long one drain of the hub waits for messages (the driver's reaction time)
-
-
-def is_uri(location: str) -> bool:
-    """``s3://...``, ``gs://...``, ``memory://...``: a location for fsspec, not a local path."""
-    return re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", location) is not None and not location.startswith("file://")
-
-
-class _Storage:
-    """Checkpoint files under one root, local or (with fsspec) remote. Writes are atomic: a file
-    is written under a temporary name and renamed, so a worker killed mid-write leaves no torn file."""
-
-    def __init__(self, root: str):
-        self.root = root[len("file://"):] if root.startswith("file://") else root
-        self.remote = is_uri(self.root)
-
-    def _fs(self) -> Any:
-        import fsspec
-
-        return fsspec.core.url_to_fs(self.root)[0]
-
-    def join(self, *parts: str) -> str:
-        """A location under ``root``."""
-        return "/".join([self.root.rstrip("/"), *parts]) if self.remote else os.path.join(self.root, *parts)
-
-    def child(self, directory: str, name: str) -> str:
-        return f"{directory.rstrip('/')}/{name}" if self.remote else os.path.join(directory, name)
-
-    def save(self, path: str, obj: Any) -> None:
-        buffer = io.BytesIO()
-        torch.save(obj, buffer)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        if self.remote:
-            fs = self._fs()
-            fs.pipe(tmp, buffer.getvalue())
-            fs.mv(tmp, path)
-            return
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(buffer.getvalue())
-        os.replace(tmp, path)
-
-    def load(self, path: str) -> Any:
-        if self.remote:
-            data = self._fs().cat_file(path)
-        else:
-            with open(path, "rb") as f:
-                data = f.read()
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-
-    def listdir(self, directory: str) -> list[str]:
-        if self.remote:
-            fs = self._fs()
-            return [p.rsplit("/", 1)[-1] for p in fs.ls(directory, detail=False)] if fs.exists(directory) else []
-        return os.listdir(directory) if os.path.isdir(directory) else []
-
-    def remove(self, path: str) -> None:
-        try:
-            if self.remote:
-                self._fs().rm(path)
-            else:
-                os.remove(path)
-        except FileNotFoundError:
-            pass
-
-    def latest_epoch(self, directory: str) -> int | None:
-        epochs = [int(m.group(1)) for name in self.listdir(directory) if (m := re.fullmatch(r"epoch-(\d+)\.pt", name))]
-        return max(epochs) if epochs else None
-
-    def clear(self, directory: str) -> None:
-        for name in self.listdir(directory):
-            self.remove(self.child(directory, name))
-
-
-# -- the hub: messages from workers, answers from the driver ----------------------------------------
-@ray.remote(num_cpus=0)
-class _Hub:
-    """Workers post messages and wait for answers; the driver drains messages and answers.
-
-    An async actor: a worker waiting for its decision holds no thread, and a drain returns as
-    soon as a message arrives (or after ``timeout`` seconds)."""
-
-    def __init__(self) -> None:
-        self.messages: list[tuple[Any, ...]] = []
-        self.arrived = asyncio.Event()
-        self.answers: dict[tuple[int, int, int], asyncio.Future] = {}
-
-    def _future(self, key: tuple[int, int, int]) -> asyncio.Future:
-        if key not in self.answers:
-            self.answers[key] = asyncio.get_running_loop().create_future()
-        return self.answers[key]
-
-    async def post(self, message: tuple[Any, ...]) -> None:
-        self.messages.append(message)
-        self.arrived.set()
-
-    async def ask(self, trial_id: int, attempt: int, step: int, metrics: dict[str, float], last: bool,
-                  seconds: float, worker: tuple[int, str]) -> str:
-        future = self._future((trial_id, attempt, step))
-        await self.post(("report", trial_id, attempt, worker, step, metrics, last, seconds))
-        try:
-            return await future
-        finally:
-            self.answers.pop((trial_id, attempt, step), None)
-
-    async def answer(self, trial_id: int, attempt: int, step: int, decision: str) -> None:
-        future = self._future((trial_id, attempt, step))
-        if not future.done():
-            future.set_result(decision)
-
-    async def drain(self, timeout: float) -> list[tuple[Any, ...]]:
-        if not self.messages:
-            try:
-                await asyncio.wait_for(self.arrived.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
-        out, self.messages = self.messages, []
-        self.arrived.clear()
-        return out
-
-
-# -- the worker side ---------------------------------------------------------------------------------
-class _HubReporter:
-    """The Reporter of a user loop on a worker: post the metrics, wait for the decision."""
-
-    def __init__(self, hub: Any, spec: Mapping[str, Any], storage: _Storage):
-        self.hub, self.spec, self.storage = hub, spec, storage
-        self.mark = time.monotonic()  # training time is counted from here to the next report
-
-    def report(self, step: int, metrics: Mapping[str, float]) -> Decision:
-        metrics = {k: float(v) for k, v in metrics.items()}
-        seconds = time.monotonic() - self.mark
-        answer = ray.get(self.hub.ask.remote(self.spec["trial_id"], self.spec["attempt"], step, metrics, False, seconds,
-                                             self.spec["worker"]))
-        self.mark = time.monotonic()
-        if answer == Verdict.DROP.value:  # past its timeout: the driver failed it
-            raise TrialTimeout()
-        return Decision.STOP if answer == Verdict.STOP.value else Decision.CONTINUE
-
-
-@ray.remote(max_retries=0)
-def _run_trial(evaluator: Evaluator, model: Any, spec: dict[str, Any], hub: Any) -> dict[str, Any]:
-    """Run one trial of a user loop (a non-step-wise evaluator) on a worker. Errors of the
-    training itself are returned (the trial failed); only the worker's death raises on the driver
-    (and restarts the trial). Step-wise evaluators run as units (:mod:`._ray_units`)."""
-    torch.set_num_threads(max(1, int(spec["cpus"])))
-    # Every message names its worker: an async actor may run a worker's calls out of order.
-    spec["worker"] = (os.getpid(), ray.util.get_node_ip_address())
-    hub.post.remote(("started", spec["trial_id"], spec["attempt"], spec["worker"],
-                     ray.get_runtime_context().get_assigned_resources()))
-    storage = _Storage(spec["root"])
-    directory = spec["directory"]
-    try:
-        if spec["attempt"] == 0:
-            storage.clear(directory)  # a new run of this trial (after a driver crash too) starts afresh
-        value = evaluator.evaluate(model, spec["sample"], spec["seed"], _HubReporter(hub, spec, storage),
-                                   max_steps=spec["max_steps"])
-        final = None
-        if model is not None:
-            final = storage.child(directory, "final.pt")
-            storage.save(final, {k: v.detach().cpu() for k, v in model.state_dict().items()})
-        return {"kind": "done", "value": None if value is None else float(value), "final": final}
-    except TrialTimeout:
-        return {"kind": "dropped"}
-    except Exception as err:  # the user's loop or model may raise anything: the trial failed
-        return {"kind": "error", "error": error_text(err)}
-
-
-# -- the driver side ---------------------------------------------------------------------------------
-@dataclass
-class _Track:
-    """The driver's view of one trial of a user loop."""
-
-    life: TrialProtocol
-    attempt: int = 0
-    ref: Any = None
-    deaths: list[str] = field(default_factory=list)
-
-    @property
-    def job(self) -> Job:
-        return self.life.job
 
 
 @dataclass
@@ -281,33 +98,6 @@ class _UnitTrack:
 
     def unfinished(self) -> list[_Member]:
         return [m for m in self.members.values() if not m.done]
-
-
-@dataclass
-class _Fluid:
-    """Fluid's bookkeeping for one group on Ray."""
-
-    sched: Any
-    gpu: bool
-    profiles: dict[int, tuple[float, int]] = field(default_factory=dict)  # trial id -> (step s, steps/epoch)
-
-    def remaining(self, member: _Member) -> float:
-        step_time, per_epoch = self.profiles[member.job.trial.id]
-        return step_time * per_epoch * max((member.limit or 0) - (member.life.last_step + 1), 0)
-
-
-def _record_outcome(life: TrialProtocol, outcome: Mapping[str, Any], storage: _Storage) -> None:
-    """Finish the trial from a worker's outcome (an error, or its final value and weights file)."""
-    if outcome["kind"] == "dropped":  # failed by its timeout already
-        return
-    if outcome["kind"] == "error":
-        life.fail(outcome["error"])
-        return
-    weights = None
-    if outcome["final"] is not None:
-        life.trial.info["final_weights"] = outcome["final"]
-        weights = storage.load(outcome["final"])
-    life.finish(outcome["value"], weights)
 
 
 class RayExecutor(Executor):
@@ -394,7 +184,7 @@ class RayExecutor(Executor):
                 ray.init(address=self.address, include_dashboard=False, logging_level=logging.ERROR,
                          configure_logging=True)
             self._started_ray = True  # ours to stop (a local Ray) or to disconnect from (a cluster)
-        self._hub = _Hub.remote()
+        self._hub = Hub.remote()
 
     def _resources(self) -> dict[str, float]:
         gpus = float(ray.cluster_resources().get("GPU", 0.0))
@@ -418,17 +208,18 @@ class RayExecutor(Executor):
     # -- running a group ---------------------------------------------------------------------
     def run_group(self, jobs: Sequence[Job], evaluator: Evaluator, hooks: GroupHooks) -> None:
         self._connect()
-        storage = _Storage(os.fspath(self.storage))  # type: ignore[arg-type]
+        storage = CheckpointStorage(os.fspath(self.storage))  # type: ignore[arg-type]
         if self._evaluator is None or self._evaluator[0] is not evaluator:
             self._evaluator = (evaluator, ray.put(evaluator))  # its datasets travel to the object store once
         evaluator_ref = self._evaluator[1]
         if isinstance(evaluator, StepwiseEvaluator):
             self._run_units(jobs, evaluator, evaluator_ref, storage, hooks)
         else:
-            self._run_trials(jobs, evaluator_ref, storage, hooks)
-
-    def _directory(self, storage: _Storage, trial_id: int) -> str:
-        return storage.join(str(self.experiment), f"trial-{trial_id}")
+            if self.allocation is not None and jobs:
+                log.warning("allocation=%r places the trials of declarative evaluators only; this evaluator's "
+                            "trials run one per task with %s CPU(s)", self.allocation, self.cpus_per_trial)
+            UserLoopGroup(self._hub, evaluator_ref, storage, str(self.experiment), workers=self.workers,
+                          max_retries=self.max_retries, resources=self._resources()).run(jobs, hooks)
 
     # -- units (declarative evaluators) --------------------------------------------------------
     def _units(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, lives: Mapping[int, TrialProtocol]
@@ -488,13 +279,13 @@ class RayExecutor(Executor):
                 units.extend(plan([j for t, j in unit.jobs.items() if t in half], evaluator, self.optimize))
         return units
 
-    def _run_units(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, evaluator_ref: Any, storage: _Storage,
+    def _run_units(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, evaluator_ref: Any, storage: CheckpointStorage,
                    hooks: GroupHooks) -> None:
         fluid = None
         lives = {job.trial.id: TrialProtocol(job, hooks, clock="train") for job in jobs}
         tracks = self._units(jobs, evaluator, lives)
         if self.allocation is not None:
-            fluid, tracks = self._profile(tracks, evaluator)
+            fluid, tracks = FluidOnRay.profile(self.allocation, self.workers, tracks, evaluator)
         queue = list(tracks) if fluid is None else []
         waiting = {next(iter(t.members)): t for t in tracks} if fluid is not None else {}
         running: list[_UnitTrack] = []
@@ -504,7 +295,7 @@ class RayExecutor(Executor):
                 if fluid is not None:
                     for placement in fluid.sched.schedule():
                         track = waiting.pop(placement.key)
-                        self._place(track, placement.share, fluid)
+                        fluid.place(track, placement.share, self.cpus_per_trial)
                         queue.append(track)
                 while queue and (fluid is not None or len(running) < self.workers):
                     track = queue.pop(0)
@@ -513,7 +304,7 @@ class RayExecutor(Executor):
                     self._launch_unit(track, evaluator_ref, storage)
                     running.append(track)
                     owner.update({m.job.trial.id: track for m in track.unfinished()})
-                for message in ray.get(self._hub.drain.remote(_POLL_S)):
+                for message in ray.get(self._hub.drain.remote(POLL_S)):
                     self._handle_unit(message, owner, storage, fluid)
                 refs = {t.ref: t for t in running}
                 done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
@@ -539,70 +330,14 @@ class RayExecutor(Executor):
             for track in running:  # interrupted (Ctrl-C, driver error): free the workers
                 ray.cancel(track.ref, force=True)
 
-    def _profile(self, tracks: list[_UnitTrack], evaluator: StepwiseEvaluator) -> tuple[_Fluid, list[_UnitTrack]]:
-        """Every trial's Fluid profile: the policy's ``profile`` function, else its step time
-        measured on the driver (:func:`~._fluid.profile_step_time`, one thread, as a worker runs)."""
-        from ._fluid import fluid_policy, profile_step_time
-
-        gpu = False
-        if tracks:
-            try:
-                job = next(iter(tracks[0].members.values())).job
-                gpu = evaluator.config(job.trial.sample).device.type == "cuda"  # type: ignore[attr-defined]
-            except Exception:  # not a supervised evaluator (Tabular): CPUs
-                gpu = False
-        devices = int(ray.cluster_resources().get("GPU", 0)) if gpu else self.workers
-        policy = fluid_policy(self.allocation)
-        fluid = _Fluid(policy.scheduler(max(devices, 1)), gpu)
-        kept = []
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            for track in tracks:
-                member = next(iter(track.members.values()))
-                trial = member.job.trial
-                try:
-                    if policy.profile is not None:  # the user's step times: nothing to measure
-                        cfg = evaluator.config(trial.sample)  # type: ignore[attr-defined]
-                        step_time, per_epoch, epochs = policy.step_time(trial.sample), cfg.steps_per_epoch, cfg.epochs
-                    else:
-                        step_time, per_epoch, epochs = profile_step_time(evaluator, member.job.model, trial.sample,
-                                                                         trial.seed)
-                except Exception as err:  # the trainer cannot be built or its first steps fail
-                    member.life.fail(err)
-                    continue
-                member.limit = epochs if member.job.max_steps is None else min(epochs, member.job.max_steps)
-                fluid.profiles[trial.id] = (step_time, per_epoch)
-                trial.info["fluid_step_seconds"] = step_time
-                fluid.sched.submit(trial.id, fluid.remaining(member))
-                kept.append(track)
-        finally:
-            torch.set_num_threads(threads)
-        return fluid, kept
-
-    def _place(self, track: _UnitTrack, share: float, fluid: _Fluid) -> None:
-        """A Fluid share as the task's resource request."""
-        member = next(iter(track.members.values()))
-        cpus = self.cpus_per_trial * share
-        track.resources = {"num_cpus": cpus}
-        if fluid.gpu:
-            track.resources = {"num_cpus": min(cpus, self.cpus_per_trial), "num_gpus": share}
-        track.world = int(share) if share > 1 else 1
-        trial = member.job.trial
-        trial.info.setdefault("allocation", []).append(
-            {"share": share, "from_epoch": member.life.last_step + 1, "resources": dict(track.resources)})
-        log.info("fluid on Ray: trial %d gets share %g (%s)%s", trial.id, share,
-                 ", ".join(f"{k}={v:g}" for k, v in track.resources.items()),
-                 f": torch DDP over {track.world} local processes" if track.world > 1 else "")
-
-    def _launch_unit(self, track: _UnitTrack, evaluator_ref: Any, storage: _Storage) -> None:
+    def _launch_unit(self, track: _UnitTrack, evaluator_ref: Any, storage: CheckpointStorage) -> None:
         from ..units import configured_max_unit_memory
         from ._ray_units import run_unit
 
         members = []
         for member in track.unfinished():
             trial = member.job.trial
-            trial.info["storage"] = self._directory(storage, trial.id)
+            trial.info["storage"] = storage.trial_directory(str(self.experiment), trial.id)
             members.append({"trial": trial, "model": member.model, "max_steps": member.job.max_steps,
                             "directory": trial.info["storage"], "start_from": member.job.start_from})
         spec = {"attempt": track.attempt, "root": storage.root, "cpus": track.resources.get("num_cpus", 1.0),
@@ -613,8 +348,8 @@ class RayExecutor(Executor):
         track.started = track.last_message = math.inf
         track.ref = run_unit.options(**track.resources).remote(evaluator_ref, spec, self._hub)
 
-    def _handle_unit(self, message: tuple[Any, ...], owner: Mapping[int, _UnitTrack], storage: _Storage,
-                     fluid: _Fluid | None) -> None:
+    def _handle_unit(self, message: tuple[Any, ...], owner: Mapping[int, _UnitTrack], storage: CheckpointStorage,
+                     fluid: FluidOnRay | None) -> None:
         kind, trial_id, attempt, (pid, node) = message[:4]
         track = owner.get(trial_id)
         if track is None or attempt != track.attempt or trial_id not in track.members:
@@ -645,12 +380,12 @@ class RayExecutor(Executor):
         self._hub.answer.remote(trial_id, attempt, step, verdict.value)
 
     @staticmethod
-    def _fluid_finish(fluid: _Fluid | None, trial_id: int) -> None:
+    def _fluid_finish(fluid: FluidOnRay | None, trial_id: int) -> None:
         if fluid is not None:
             fluid.sched.finish(trial_id)
 
-    def _member_left(self, member: _Member, outcome: Mapping[str, Any], storage: _Storage,
-                     fluid: _Fluid | None) -> None:
+    def _member_left(self, member: _Member, outcome: Mapping[str, Any], storage: CheckpointStorage,
+                     fluid: FluidOnRay | None) -> None:
         """A member's outcome (from its ``left`` message or the task's result; the first counts)."""
         kind = outcome["kind"]
         if member.done or kind == "dropped":
@@ -659,14 +394,14 @@ class RayExecutor(Executor):
             member.yielded = True
             return
         self._fluid_finish(fluid, member.job.trial.id)
-        _record_outcome(member.life, outcome, storage)
+        record_outcome(member.life, outcome, storage)
 
-    def _fail_unfinished(self, track: _UnitTrack, fluid: _Fluid | None, error: str) -> None:
+    def _fail_unfinished(self, track: _UnitTrack, fluid: FluidOnRay | None, error: str) -> None:
         for member in track.unfinished():
             self._fluid_finish(fluid, member.job.trial.id)
             member.life.fail(error.format(trial=member.job.trial.id))
 
-    def _unit_done(self, track: _UnitTrack, ref: Any, storage: _Storage, fluid: _Fluid | None) -> bool:
+    def _unit_done(self, track: _UnitTrack, ref: Any, storage: CheckpointStorage, fluid: FluidOnRay | None) -> bool:
         """Record the outcomes of a finished unit task; False when its worker died and it runs again."""
         try:
             outcomes = ray.get(ref)
@@ -700,7 +435,7 @@ class RayExecutor(Executor):
             member.life.fail(f"the unit task of trial {member.job.trial.id} ended without its outcome")
         return True
 
-    def _unit_timeout(self, running: list[_UnitTrack], fluid: _Fluid | None) -> None:
+    def _unit_timeout(self, running: list[_UnitTrack], fluid: FluidOnRay | None) -> None:
         """A task silent for longer than ``trial_timeout`` hangs inside an epoch: cancel it (its
         members' epoch times are checked as they report, by their protocols)."""
         for track in list(running):
@@ -709,94 +444,3 @@ class RayExecutor(Executor):
                 ray.cancel(track.ref, force=True)
                 timeout = members[0].life.hooks.trial_timeout or 0.0
                 self._fail_unfinished(track, fluid, timeout_error("{trial}", timeout, "inside an epoch and was killed"))
-
-    # -- trials of user loops ------------------------------------------------------------------
-    def _run_trials(self, jobs: Sequence[Job], evaluator_ref: Any, storage: _Storage, hooks: GroupHooks) -> None:
-        if self.allocation is not None and jobs:
-            log.warning("allocation=%r places the trials of declarative evaluators only; this evaluator's "
-                        "trials run one per task with %s CPU(s)", self.allocation, self.cpus_per_trial)
-        resources = self._resources()
-        queue = [_Track(TrialProtocol(job, hooks, clock="wall")) for job in jobs]
-        running: dict[int, _Track] = {}   # trial id -> track
-        try:
-            while queue or running:
-                while queue and len(running) < self.workers:
-                    track = queue.pop(0)
-                    self._launch(track, evaluator_ref, storage, resources)
-                    running[track.job.trial.id] = track
-                for message in ray.get(self._hub.drain.remote(_POLL_S)):
-                    self._handle(message, running)
-                refs = {t.ref: t for t in running.values()}
-                done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
-                for ref in done:
-                    track = refs[ref]
-                    if track.job.trial.id not in running:
-                        continue  # dropped by its timeout meanwhile
-                    if self._finish(track, ref, storage):
-                        del running[track.job.trial.id]
-                    else:  # its worker died: again
-                        self._launch(track, evaluator_ref, storage, resources)
-                self._enforce_timeout(running)
-        finally:
-            for track in running.values():  # interrupted (Ctrl-C, driver error): free the workers
-                ray.cancel(track.ref, force=True)
-
-    def _launch(self, track: _Track, evaluator_ref: Any, storage: _Storage, resources: Mapping[str, float]) -> None:
-        trial = track.job.trial
-        spec = {"trial_id": trial.id, "attempt": track.attempt, "sample": trial.sample, "seed": trial.seed,
-                "max_steps": track.job.max_steps, "root": storage.root, "cpus": resources["num_cpus"],
-                "directory": self._directory(storage, trial.id)}
-        trial.info["storage"] = spec["directory"]
-        track.life.started_at = math.inf  # the timeout counts from the worker's first message
-        track.ref = _run_trial.options(**resources).remote(evaluator_ref, track.job.model, spec, self._hub)
-
-    def _handle(self, message: tuple[Any, ...], running: dict[int, _Track]) -> None:
-        kind, trial_id, attempt, (pid, node) = message[:4]
-        track = running.get(trial_id)
-        if track is None or attempt != track.attempt:
-            return  # a message of a worker already given up on
-        life = track.life
-        trial = life.trial
-        if trial.info.get("ray", {}).get("attempt") != attempt or life.started_at == math.inf:
-            trial.info["ray"] = {"pid": pid, "node": node, "attempt": attempt}
-            life.start()
-        if kind == "started":
-            trial.info["ray"]["resources"] = dict(message[4])
-            return
-        step, metrics, last, seconds = message[4:]
-        verdict = life.report(step, metrics, seconds=seconds)  # a user loop is asked after every report
-        self._hub.answer.remote(trial_id, attempt, step, verdict.value)
-        if verdict is Verdict.DROP:  # past its timeout: failed by the protocol; its worker is freed
-            ray.cancel(track.ref, force=True)
-            del running[trial_id]
-
-    def _finish(self, track: _Track, ref: Any, storage: _Storage) -> bool:
-        """Record the trial's outcome; False when its worker died and it runs again."""
-        life = track.life
-        try:
-            result = ray.get(ref)
-        except ray.exceptions.TaskCancelledError:
-            return True  # cancelled by the timeout, already recorded
-        except ray.exceptions.RayTaskError as err:  # raised outside the training (e.g. unpickling the model)
-            life.fail(str(err))
-            return True
-        except ray.exceptions.RayError as err:  # the worker process or its node died
-            track.deaths.append(f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
-            life.trial.info["ray_restarts"] = len(track.deaths)
-            if len(track.deaths) <= self.max_retries:
-                log.warning("trial %d: its worker died (%s); restarting it from its last checkpoint (retry %d of %d)",
-                            life.trial.id, type(err).__name__, len(track.deaths), self.max_retries)
-                track.attempt += 1
-                return False
-            life.fail(f"the worker of trial {life.trial.id} died {len(track.deaths)} time(s) and max_retries="
-                      f"{self.max_retries} allows no more restarts; last: {track.deaths[-1]}")
-            return True
-        _record_outcome(life, result, storage)
-        return True
-
-    def _enforce_timeout(self, running: dict[int, _Track]) -> None:
-        for trial_id, track in list(running.items()):
-            if track.life.over_time():
-                ray.cancel(track.ref, force=True)
-                track.life.time_out("and was killed")
-                del running[trial_id]

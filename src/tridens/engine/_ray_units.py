@@ -41,6 +41,7 @@ from ..evaluators import StepwiseEvaluator
 from ..units import ExecutionUnit, Job, SeparateUnit
 from ._execution import LockstepJudge, UnitReport, plan_units, run_lockstep
 from ._protocol import Verdict, error_text
+from ._ray_storage import CheckpointStorage
 
 __all__ = ["run_unit"]
 
@@ -53,11 +54,9 @@ class _Worker:
     """The task's side of the hub conversation and of storage, for all members of one unit."""
 
     def __init__(self, hub: Any, spec: Mapping[str, Any]):
-        from ._ray import _Storage
-
         self.hub, self.spec = hub, spec
         self.attempt = spec["attempt"]
-        self.storage = _Storage(spec["root"])
+        self.storage = CheckpointStorage(spec["root"])
         self.worker = (os.getpid(), ray.util.get_node_ip_address())
         self.directories = {m["trial"].id: m["directory"] for m in spec["members"]}
         self.outcomes: dict[int, dict[str, Any]] = {}

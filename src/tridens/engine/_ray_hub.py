@@ -1,0 +1,92 @@
+"""The conversation between Ray workers and the driver of the Ray executor.
+
+Workers post messages to one :class:`Hub` actor and wait there for the driver's answers; the
+driver drains the hub (every ``POLL_S`` seconds at most), records what it reads through each
+trial's :class:`~._protocol.TrialProtocol` and answers with the verdict. Every message names its
+trial, the attempt (a task restarted after its worker died counts up) and its worker (pid, node):
+
+* ``("started", trial, attempt, worker, resources)``: the task began training the trial;
+* ``("report", trial, attempt, worker, step, metrics, last, seconds)``: a step's metrics, answered
+  with a :class:`~._protocol.Verdict` value (posted by :meth:`Hub.ask`, which waits for it);
+* ``("left", trial, attempt, worker, outcome)``: a member of a unit left its task.
+
+An *outcome* is ``{"kind": "done" | "stopped" | "error" | "dropped" | "yielded", "value": float | None,
+"final": <final weights file> | None, "error": str | None}`` (:func:`record_outcome` reads it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Mapping
+
+import ray
+
+from ._protocol import TrialProtocol
+from ._ray_storage import CheckpointStorage
+
+__all__ = ["Hub", "HubActor", "POLL_S", "record_outcome"]
+
+POLL_S = 0.05  # how long one drain of the hub waits for messages (the driver's reaction time)
+
+
+class HubActor:
+    """Workers post messages and wait for answers; the driver drains messages and answers (one
+    actor per executor, :data:`Hub`).
+
+    An async actor: a worker waiting for its decision holds no thread, and a drain returns as
+    soon as a message arrives (or after ``timeout`` seconds)."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[Any, ...]] = []
+        self.arrived = asyncio.Event()
+        self.answers: dict[tuple[int, int, int], asyncio.Future] = {}
+
+    def _future(self, key: tuple[int, int, int]) -> asyncio.Future:
+        if key not in self.answers:
+            self.answers[key] = asyncio.get_running_loop().create_future()
+        return self.answers[key]
+
+    async def post(self, message: tuple[Any, ...]) -> None:
+        self.messages.append(message)
+        self.arrived.set()
+
+    async def ask(self, trial_id: int, attempt: int, step: int, metrics: dict[str, float], last: bool,
+                  seconds: float, worker: tuple[int, str]) -> str:
+        future = self._future((trial_id, attempt, step))
+        await self.post(("report", trial_id, attempt, worker, step, metrics, last, seconds))
+        try:
+            return await future
+        finally:
+            self.answers.pop((trial_id, attempt, step), None)
+
+    async def answer(self, trial_id: int, attempt: int, step: int, decision: str) -> None:
+        future = self._future((trial_id, attempt, step))
+        if not future.done():
+            future.set_result(decision)
+
+    async def drain(self, timeout: float) -> list[tuple[Any, ...]]:
+        if not self.messages:
+            try:
+                await asyncio.wait_for(self.arrived.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        out, self.messages = self.messages, []
+        self.arrived.clear()
+        return out
+
+
+Hub = ray.remote(num_cpus=0)(HubActor)  # the actor class: ``Hub.remote()`` starts one (it uses no CPU)
+
+
+def record_outcome(life: TrialProtocol, outcome: Mapping[str, Any], storage: CheckpointStorage) -> None:
+    """Finish the trial from a worker's outcome (an error, or its final value and weights file)."""
+    if outcome["kind"] == "dropped":  # failed by its timeout already
+        return
+    if outcome["kind"] == "error":
+        life.fail(outcome["error"])
+        return
+    weights = None
+    if outcome["final"] is not None:
+        life.trial.info["final_weights"] = outcome["final"]
+        weights = storage.load(outcome["final"])
+    life.finish(outcome["value"], weights)

@@ -1,0 +1,101 @@
+"""Where the Ray executor keeps checkpoints: files under one root that every worker sees, a local
+directory or (with fsspec) a remote location such as ``s3://bucket/runs``.
+
+Layout (``<root>`` is the executor's ``storage``)::
+
+    <root>/<experiment>/trial-<id>/epoch-<n>.pt   the latest per-epoch trainer checkpoint (step-wise evaluators)
+    <root>/<experiment>/trial-<id>/final.pt       the final (or stopped) weights
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from typing import Any
+
+import torch
+
+__all__ = ["CheckpointStorage", "is_uri"]
+
+
+def is_uri(location: str) -> bool:
+    """``s3://...``, ``gs://...``, ``memory://...``: a location for fsspec, not a local path."""
+    return re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", location) is not None and not location.startswith("file://")
+
+
+class CheckpointStorage:
+    """Checkpoint files under one root, local or (with fsspec) remote. Writes are atomic: a file
+    is written under a temporary name and renamed, so a worker killed mid-write leaves no torn file.
+
+    >>> import tempfile
+    >>> storage = CheckpointStorage(tempfile.mkdtemp())
+    >>> storage.save(storage.join("exp", "trial-1", "epoch-1.pt"), {"step": 0})
+    >>> storage.latest_epoch(storage.join("exp", "trial-1"))
+    1
+    """
+
+    def __init__(self, root: str):
+        self.root = root[len("file://"):] if root.startswith("file://") else root
+        self.remote = is_uri(self.root)
+
+    def _fs(self) -> Any:
+        import fsspec
+
+        return fsspec.core.url_to_fs(self.root)[0]
+
+    def join(self, *parts: str) -> str:
+        """A location under ``root``."""
+        return "/".join([self.root.rstrip("/"), *parts]) if self.remote else os.path.join(self.root, *parts)
+
+    def trial_directory(self, experiment: str, trial_id: int) -> str:
+        """Where one trial's checkpoints go: ``<root>/<experiment>/trial-<id>``."""
+        return self.join(experiment, f"trial-{trial_id}")
+
+    def child(self, directory: str, name: str) -> str:
+        return f"{directory.rstrip('/')}/{name}" if self.remote else os.path.join(directory, name)
+
+    def save(self, path: str, obj: Any) -> None:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        if self.remote:
+            fs = self._fs()
+            fs.pipe(tmp, buffer.getvalue())
+            fs.mv(tmp, path)
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(buffer.getvalue())
+        os.replace(tmp, path)
+
+    def load(self, path: str) -> Any:
+        if self.remote:
+            data = self._fs().cat_file(path)
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+    def listdir(self, directory: str) -> list[str]:
+        if self.remote:
+            fs = self._fs()
+            return [p.rsplit("/", 1)[-1] for p in fs.ls(directory, detail=False)] if fs.exists(directory) else []
+        return os.listdir(directory) if os.path.isdir(directory) else []
+
+    def remove(self, path: str) -> None:
+        try:
+            if self.remote:
+                self._fs().rm(path)
+            else:
+                os.remove(path)
+        except FileNotFoundError:
+            pass
+
+    def latest_epoch(self, directory: str) -> int | None:
+        epochs = [int(m.group(1)) for name in self.listdir(directory) if (m := re.fullmatch(r"epoch-(\d+)\.pt", name))]
+        return max(epochs) if epochs else None
+
+    def clear(self, directory: str) -> None:
+        for name in self.listdir(directory):
+            self.remove(self.child(directory, name))
