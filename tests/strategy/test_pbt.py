@@ -110,7 +110,7 @@ def test_a_killed_pbt_run_resumes_to_the_uninterrupted_result(tmp_path):
     killed = tmp_path / "killed.db"
     proc = subprocess.Popen([sys.executable, str(SCRIPT), str(killed), "0.05"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline, state = time.time() + 240, ([], 0)
+    deadline = time.time() + 240
     while time.time() < deadline:  # inside the second population, after its first exploit
         time.sleep(0.05)
         try:

@@ -34,7 +34,7 @@ import math
 import random
 from typing import Any, Sequence
 
-from ..space._domain import Categorical, RandInt, SearchSpace
+from ..space import Categorical, RandInt, SearchSpace
 from ..trial import Fork, Trial, TrialGroup
 from ._common import SearchBase, cap, check_float, check_int, derive_rng
 
