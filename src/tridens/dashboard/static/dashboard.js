@@ -349,6 +349,8 @@ function trialPage(name, number) {
       ["parent (warm start / inherited from)", link(t.parent_number)],
       ["children", t.children.length ? el("span", {}, ...t.children.flatMap(c => [link(c), " "])) : "-"],
       ["warm start", t.info.warm_start ? JSON.stringify(t.info.warm_start) : "-"],
+      ["exploits (PBT)", t.info.exploits ? el("span", {}, ...t.info.exploits.flatMap(e => [`epoch ${e.epoch}: copied `,
+        link(e.from_number), `, then ${JSON.stringify(e.sample)}`, el("br")])) : "-"],
       ["execution unit", t.info.unit ? JSON.stringify(t.info.unit) : "not recorded"],
       ["checkpoints", Object.keys(t.checkpoints).length ? Object.entries(t.checkpoints).map(([k, p]) => `${k}: ${p}`).join("\n") : "-"],
       ["info", el("pre", {text: JSON.stringify(t.info, null, 2)})]];
