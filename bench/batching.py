@@ -124,7 +124,12 @@ def child(args: argparse.Namespace) -> None:
     except ImportError:  # a --ref-src snapshot from before tridens.units
         from tridens.engine._execution import Job
         from tridens.engine._units import SeparateUnit
-    from tridens.xopt import Settings, _batching
+    from tridens.xopt import _batching
+    try:
+        from tridens.xopt import Settings
+        planner_options = {"settings": Settings()}  # the defaults: batching decided by measurement ("auto")
+    except ImportError:  # a --ref-src snapshot from before td.xopt.Settings: module-level knobs, "auto" too
+        planner_options = {}
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -218,7 +223,7 @@ def child(args: argparse.Namespace) -> None:
             units = [SeparateUnit(jobs, ev)]
             decision = "K=1: separate"
         else:
-            units, rest = _batching.plan_batching(jobs, ev, settings=Settings())  # the default: auto
+            units, rest = _batching.plan_batching(jobs, ev, **planner_options)
             if rest:
                 units.append(SeparateUnit(rest, ev))
         sizes = [len(unit.jobs) for unit in units]  # (units drop their trials as they finish)
