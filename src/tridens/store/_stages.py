@@ -246,7 +246,8 @@ class StageArchive:
         if not trials:
             return
         with self.store._writing("recording the trials of a stage") as conn:
-            chain, current = [], stage
+            chain: list[int] = []
+            current: int | None = stage
             while current is not None and current not in chain:
                 chain.append(current)
                 row = conn.execute("SELECT parent FROM stages WHERE id = ?", (current,)).fetchone()
