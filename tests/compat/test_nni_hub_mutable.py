@@ -187,5 +187,6 @@ def test_choices_in_a_plain_module_are_refused_naming_model_wrapper():
             super().__init__()
             self.op = rnn.LayerChoice([nn.ReLU(), nn.Tanh()], label="op")
 
-    with pytest.raises(NotSupported, match="@model_wrapper"):
+    with pytest.raises(NotSupported, match="@model_wrapper") as err:
         Plain()
+    assert "retiarii.nn.pytorch's nn.Module" in str(err.value)

@@ -47,7 +47,8 @@ def _script(script: str, arg: str, tmp_path: Path) -> tuple[str, Path]:
 
 
 _DEFAULT_RUNS = {"nni3-darts": ("oneshot_nni3.py", "darts"), "nni2-strategy": ("retiarii_nni2.py", "strategy"),
-                 "nni2-darts-trainer": ("retiarii_nni2.py", "darts-trainer")}
+                 "nni2-darts-trainer": ("retiarii_nni2.py", "darts-trainer"),
+                 "nni2-plain-darts": ("plain_module_nni2.py", "darts")}
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +152,71 @@ def test_nni2_darts_trainer_script(runs) -> None:
 def test_nni2_other_trainers(tmp_path: Path, mode: str) -> None:
     stdout, db = _script("retiarii_nni2.py", mode, tmp_path)
     _check_nni2(stdout, db)
+
+
+def _check_plain(stdout: str, db: Path) -> dict:
+    """A plain nn.Module (no @model_wrapper) with LayerChoice, InputChoice and a ValueChoice width:
+    every label is searched and fixed_arch builds the exported architecture."""
+    arch = json.loads(re.search(r"^Final architecture: (.*)$", stdout, re.M).group(1).replace("'", '"'))
+    assert set(arch) == {"width", "node0_op0", "node0_switch", "node1_op0", "node1_op1", "node1_switch"}
+    assert arch["width"] in (8, 16) and arch["node1_switch"] in (0, 1)
+    params, out = re.search(r"final model: (\d+) parameters, output \((\d+), (\d+)\)", stdout).group(1, 2)
+    assert int(out) == 4 and int(params) > 0
+    [supernet] = [t for t in _trials(db) if _role(t) == "supernet"]
+    assert supernet.status is TrialStatus.COMPLETED and len(supernet.metrics["train_loss"]) == 2
+    assert set(supernet.info["oneshot"].get("argmax", arch)) == set(arch)
+    return arch
+
+
+def test_nni2_plain_module_darts_trainer(runs) -> None:
+    stdout, db = runs["nni2-plain-darts"].result()
+    arch = _check_plain(stdout, db)
+    [supernet] = [t for t in _trials(db) if _role(t) == "supernet"]
+    assert arch == supernet.info["oneshot"]["argmax"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["enas", "spos"])
+def test_nni2_plain_module_other_trainers(tmp_path: Path, mode: str) -> None:
+    stdout, db = _script("plain_module_nni2.py", mode, tmp_path)
+    _check_plain(stdout, db)
+
+
+def test_plain_module_is_rebuilt_as_a_space_from_its_arguments() -> None:
+    """A plain nn.Module of nni.retiarii.nn.pytorch keeps its arguments; as_space builds it again
+    as @model_wrapper would; RetiariiExperiment takes it too; a torch.nn.Module with choices is
+    refused naming the compat nn.Module."""
+    from tridens.compat.nni.retiarii import as_space
+
+    class Plain(rnn.Module):
+        def __init__(self, width: int, classes: int = 10) -> None:
+            super().__init__()
+            w = rnn.ValueChoice([width, 2 * width], label="w")
+            self.op = rnn.LayerChoice([rnn.Conv2d(1, w, 3, padding=1), rnn.Conv2d(1, w, 5, padding=2)], label="k")
+            self.fc = rnn.Linear(w, classes)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.op(x).mean((2, 3)))
+
+    model = Plain(4, classes=3)
+    assert not isinstance(model, td.ModelSpace) and model.fc.in_features == 4  # first candidates
+    space = as_space("DartsTrainer", model)
+    assert isinstance(space, td.ModelSpace) and set(space.search_space()) == {"w", "k"} and space.size() == 4
+    assert space.freeze({"w": 8, "k": 1}).fc.out_features == 3
+    with fixed_arch({"w": 8, "k": 1}):
+        fixed = Plain(4, classes=3)
+    assert fixed.op.kernel_size == (5, 5) and fixed.fc.in_features == 8
+    assert isinstance(RetiariiExperiment(model, None, [], nni2.DARTS()).model_space, td.ModelSpace)
+
+    class Torch(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.op = rnn.LayerChoice([torch.nn.ReLU(), torch.nn.Tanh()], label="op")
+
+    with pytest.raises(NotSupported, match="retiarii.nn.pytorch's nn.Module"):
+        Torch()
+    with pytest.raises(NotSupported, match="must be a model space"):
+        as_space("DartsTrainer", torch.nn.Linear(1, 1))
 
 
 # -- argument mapping (no training) ------------------------------------------------------------------

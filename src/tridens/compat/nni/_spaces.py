@@ -17,9 +17,10 @@ from ._scope import current_prefix, label_scope, scoped
 __all__ = ["ModelSpace", "LayerChoice", "InputChoice", "Repeat", "Cell", "NasBench101Cell", "NasBench201Cell"]
 
 
-_OUTSIDE = ("{kind} was created outside a model space: NNI 2.x's one-shot trainers accept choices in a plain "
-            "nn.Module, tridens builds a space by running its __init__ under its resolver. Decorate the class with "
-            "@model_wrapper (tridens.compat.nni.retiarii) or derive it from ModelSpace (tridens.compat.nni.nas.nn.pytorch).")
+_OUTSIDE = ("{kind} was created outside a model space: tridens builds a space by running its __init__ under its "
+            "resolver. Derive the class from tridens.compat.nni.retiarii.nn.pytorch's nn.Module (NNI 2.x's one-shot "
+            "trainers then take it as it is), decorate it with @model_wrapper (tridens.compat.nni.retiarii), or derive "
+            "it from ModelSpace (tridens.compat.nni.nas.nn.pytorch).")
 
 
 def _label(label: str | None, kind: str) -> str | None:

@@ -50,7 +50,9 @@ class RetiariiExperiment(NasExperiment):
             raise NotSupported("The 'trainer' parameter of RetiariiExperiment (NNI < 2.0) is not supported: pass the "
                                "evaluator (Classification / FunctionalEvaluator) instead, or call a one-shot trainer's "
                                "fit() directly.")
-        super().__init__(base_model, evaluator, strategy, config=RetiariiExeConfig())
+        from .. import as_space
+
+        super().__init__(as_space("RetiariiExperiment", base_model), evaluator, strategy, config=RetiariiExeConfig())
 
     def run(self, config: Any = None, port: int = 8080, debug: bool = False) -> bool:  # type: ignore[override]
         return super().run(config, port=port, debug=debug)

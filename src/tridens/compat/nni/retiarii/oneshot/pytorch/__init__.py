@@ -6,8 +6,9 @@
 ``td.evaluators.Classification`` built from the arguments (stored in ``$TRIDENS_DB`` or
 ``tridens.db``, so ``tridens ls / top / export`` show it). What changes:
 
-* ``model`` is a space (``@model_wrapper``, or a ``tridens.nn.ModelSpace``); tridens builds the
-  supernet from it. ``optimizer`` gives the optimizer's kind and settings (lr, momentum, weight
+* ``model`` is a space (``@model_wrapper``, a ``tridens.nn.ModelSpace``, or a plain module built
+  from ``nni.retiarii.nn.pytorch``'s ``nn.Module``, rebuilt as a space from its arguments); tridens
+  builds the supernet from it. ``optimizer`` gives the optimizer's kind and settings (lr, momentum, weight
   decay); tridens makes its own for the supernet's parameters.
 * ``metrics`` is not called: tridens reports ``val_acc`` and ``val_loss`` (classification).
 * ``export()`` is DARTS' argmax / ENAS' greedy controller choice (as NNI), and for SPOS the best of
@@ -30,6 +31,7 @@ from tridens import oneshot as _os
 from ...._common import NotSupported, only_default, refuse
 from ...._oneshot import Proxyless
 from ....nas.experiment import unique_name
+from ... import as_space
 
 __all__ = ["DartsTrainer", "EnasTrainer", "SinglePathTrainer", "RandomTrainer", "ProxylessTrainer"]
 
@@ -66,10 +68,7 @@ class _Trainer:
     _kind = "?"
 
     def _run(self, model: Any, evaluator: td.evaluators.Classification, strategy: Any) -> None:
-        if not isinstance(model, td.ModelSpace):
-            raise NotSupported(f"The 'model' parameter of {type(self).__name__} must be a model space: decorate its class "
-                               f"with @model_wrapper (tridens.compat.nni.retiarii) or derive it from tridens.nn.ModelSpace. "
-                               f"Got {type(model).__name__} instead.")
+        model = as_space(type(self).__name__, model)
         self.model = model
         self.experiment = td.Experiment(model, evaluator, strategy, name=unique_name(f"nni-{self._kind}"))
         self.experiment.run()
