@@ -157,7 +157,29 @@ def test_cleanup_keeps_what_live_trials_need_then_the_most_recent_within_the_bud
         db.update_trial(live)
         archive.collect()
         assert not any(s.checkpoint for s in stage_tree(db, "a")) and stage_files(budget) == []
-        db.delete_experiment("b")   # stages only deleted experiments used: no trial left, removed
+
+
+def test_stage_checkpoints_of_a_deleted_experiment_go_and_rows_naming_outside_files_are_refused(data, tmp_path):
+    store = tmp_path / "gone.db"
+    run(data, store, "gone", [2], [0.1, 0.5])
+    run(data, store, "kept", [3], [0.1])
+    assert stage_files(store)
+    with Store(store) as db:
+        kept = {s.checkpoint for s in stage_tree(db, "kept") if s.checkpoint}
+        db.delete_experiment("gone")
+        td.store.StageArchive(db, "kept").collect()
+        left = {str(p.relative_to(tmp_path / "gone.db.files")) for p in stage_files(store)}
+        assert left == kept                      # only the stages the remaining experiment's trials used
+        outside = tmp_path / "precious.pt"
+        outside.write_bytes(b"not a checkpoint")
+        conn = db._connection()
+        conn.execute("UPDATE stages SET checkpoint = ? WHERE checkpoint IS NOT NULL", ("../precious.pt",))
+        archive = td.store.StageArchive(db, "kept")
+        root, path = conn.execute("SELECT root, path FROM stages ORDER BY last_epoch DESC LIMIT 1").fetchone()
+        assert archive.load(root, path, 1) is None            # refused: outside <db>.files
+        conn.execute("DELETE FROM stage_trials")
+        archive.collect()
+        assert outside.read_bytes() == b"not a checkpoint"    # never deleted either
 
 
 def test_a_nan_branch_is_recorded_failed_and_its_parent_and_siblings_are_untouched(data, tmp_path):

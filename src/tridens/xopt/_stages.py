@@ -199,11 +199,11 @@ def _record_paths(config: TrainConfig, limit: int) -> list[str] | None:
 
 
 def _summary(config: TrainConfig, first: int, last: int) -> dict[str, Any]:
-    """The hyperparameters of epochs ``[first, last)`` as plain data (what ``tridens show`` prints)."""
+    """The hyperparameters of epochs ``[first, last)`` as plain data: their stage records with the
+    learning rates as [first, last] and the batch sizes they use (what ``tridens show`` prints)."""
     records = [stage_record(config, e) or {} for e in range(first, last)]
     lrs = [lr for r in records for lr in r.get("lrs", [])]
-    head = records[0] if records else {}
-    out = {k: head.get(k) for k in ("optimizer", "momentum", "weight_decay", "data_seed")}
+    out = {k: v for k, v in (records[0] if records else {}).items() if k not in ("lrs", "batch_size")}
     out["batch_size"] = sorted({r.get("batch_size") for r in records}, key=str)
     out["lr"] = [lrs[0], lrs[-1]] if lrs else []
     return out
