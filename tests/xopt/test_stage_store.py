@@ -271,3 +271,15 @@ def test_kill_9_during_a_tree_run_then_resume_retrains_no_finished_stage(tmp_pat
         want = {json.dumps(t.sample, sort_keys=True): t.metrics for t in b.trials("tree")}
     assert got == want
     assert sum(r[3] for r in after) == sum(r[0] for r in rows(reference, "SELECT last_epoch - first_epoch FROM stages"))
+
+
+def test_a_store_that_cannot_take_stages_does_not_fail_the_trials(data, tmp_path, caplog):
+    store = tmp_path / "full.db"
+    (tmp_path / "full.db.files").mkdir()
+    (tmp_path / "full.db.files" / ".stages").write_text("a file where the stage folder goes")
+    with caplog.at_level(logging.WARNING, logger="tridens"):
+        trials = run(data, store, "full", [2, 3], [0.1])
+    assert all(t.status is TrialStatus.COMPLETED for t in trials.values())
+    assert "stage store: save failed" in caplog.text
+    alone = run(data, tmp_path / "alone.db", "full", [2, 3], [0.1], optimize=False)
+    assert {k: t.metrics for k, t in trials.items()} == {k: t.metrics for k, t in alone.items()}

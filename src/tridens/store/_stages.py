@@ -30,12 +30,13 @@ A checkpoint of a stage that no trial uses any more (its experiment deleted) goe
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import StoreError
 from ..trial import TrialStatus
@@ -104,6 +105,22 @@ class StageRecord:
     error: str | None = None
 
 
+def _best_effort(default: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Stage storage is an optimization: a store error (a full disk, a locked file) is logged and
+    the method returns ``default`` -- the stage is trained again if needed -- instead of failing
+    the trials being trained."""
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def run(self: "StageArchive", *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except StoreError as err:
+                log.warning("stage store: %s failed (%s); training goes on without it", method.__name__, err)
+                return default
+        return run
+    return wrap
+
+
 def _json_number(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)   # JSON has no NaN/inf: kept as "nan", "inf"
@@ -139,6 +156,7 @@ class StageArchive:
         return self.store._experiment_id(self.experiment)
 
     # -- finding ------------------------------------------------------------------------------------
+    @_best_effort(False)
     def has_root(self, root: str) -> bool:
         """Whether any stage with a checkpoint starts from ``root`` (reusable under the policy)."""
         mine = "" if self.policy.reuse == "store" else " AND experiment_id = ?"
@@ -147,6 +165,7 @@ class StageArchive:
             return conn.execute(f"SELECT 1 FROM stages WHERE root = ? AND status = 'done' AND checkpoint IS NOT NULL"
                                 f"{mine} LIMIT 1", args).fetchone() is not None
 
+    @_best_effort(0)
     def deepest(self, root: str, paths: Sequence[str]) -> int:
         """How many epochs of ``paths`` (``paths[e]``: the digest of epochs ``0..e``) a stored
         stage with a checkpoint covers (0: none); reads rows only."""
@@ -161,6 +180,7 @@ class StageArchive:
                                 f"AND checkpoint IS NOT NULL{mine}", args).fetchall()
         return max((index[r[0]] + 1 for r in rows), default=0)
 
+    @_best_effort(None)
     def load(self, root: str, path: str, epochs: int) -> StageHit | None:
         """The stored stage ending at ``path`` (``epochs`` long) with its checkpoint loaded; ``None``
         when its file is gone or damaged (then it is trained again)."""
@@ -193,12 +213,13 @@ class StageArchive:
         return None
 
     # -- writing ------------------------------------------------------------------------------------
+    @_best_effort(None)
     def save(self, *, root: str, path: str, parent: int | None, label: str, epochs: tuple[int, int],
              steps: tuple[int, int], hyperparameters: Mapping[str, Any], history: Sequence[Mapping[str, float]],
-             state: Any, trials: Sequence[int] = ()) -> int:
+             state: Any, trials: Sequence[int] = ()) -> int | None:
         """Record a finished stage with its end-of-stage trainer ``state`` (the file first, then the
-        row); returns its id. A stage stored already (a resumed run, another unit) keeps its row
-        and file, and gains ``trials``."""
+        row); returns its id (None when the store could not take it). A stage stored already (a
+        resumed run, another unit or process) keeps its row and file, and gains ``trials``."""
         existing = self._find(root, path)
         if existing is not None and existing[1] is not None:
             self.link(existing[0], trials)
@@ -209,14 +230,14 @@ class StageArchive:
         now, eid = time.time(), self._experiment_id()
         with self.store._writing(f"recording stage {label}") as conn:
             if existing is None:
-                cur = conn.execute(
-                    "INSERT INTO stages (root, path, parent, experiment_id, label, first_epoch, last_epoch, first_step, "
+                conn.execute(   # OR IGNORE: another process may have stored it meanwhile
+                    "INSERT OR IGNORE INTO stages (root, path, parent, experiment_id, label, first_epoch, last_epoch, first_step, "
                     "last_step, hyperparameters, history, status, checkpoint, bytes, created_at, used_at) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'done', ?, ?, ?, ?)",
                     (root, path, parent, eid, label, epochs[0], epochs[1], steps[0], steps[1],
                      self.store._json(dict(hyperparameters), f"the hyperparameters of stage {label}"),
                      _history_json(history), rel, size, now, now))
-                sid = int(cur.lastrowid)  # type: ignore[arg-type]
+                sid = int(conn.execute("SELECT id FROM stages WHERE root = ? AND path = ?", (root, path)).fetchone()[0])
             else:   # its checkpoint was cleaned up: stored again
                 sid = existing[0]
                 conn.execute("UPDATE stages SET checkpoint = ?, bytes = ?, status = 'done', used_at = ? WHERE id = ?",
@@ -225,8 +246,9 @@ class StageArchive:
                              [(sid, t) for t in trials])
         return sid
 
+    @_best_effort(None)
     def fail(self, *, root: str, path: str, parent: int | None, label: str, epochs: tuple[int, int],
-             steps: tuple[int, int], hyperparameters: Mapping[str, Any], error: str, trials: Sequence[int] = ()) -> int:
+             steps: tuple[int, int], hyperparameters: Mapping[str, Any], error: str, trials: Sequence[int] = ()) -> int | None:
         """Record a stage whose training raised (a NaN loss, an error): no checkpoint, never reused."""
         now, eid = time.time(), self._experiment_id()
         with self.store._writing(f"recording failed stage {label}") as conn:
@@ -241,6 +263,7 @@ class StageArchive:
                              [(sid, t) for t in trials])
         return int(sid)
 
+    @_best_effort(None)
     def link(self, stage: int, trials: Sequence[int]) -> None:
         """Record that ``trials`` went through ``stage`` and every stage above it."""
         if not trials:
@@ -261,6 +284,7 @@ class StageArchive:
         return None if row is None else (int(row[0]), row[1])
 
     # -- cleanup ------------------------------------------------------------------------------------
+    @_best_effort(0)
     def collect(self) -> int:
         """Remove the stage checkpoints the policy does not keep (see the module docstring);
         returns the bytes freed."""
