@@ -26,7 +26,7 @@ def test_docstring_examples(module: str) -> None:
 def test_public_names() -> None:
     assert sorted(tridens.strategy.__all__) == sorted(
         ["Strategy", "Random", "GridSearch", "RegularizedEvolution", "TPE", "Hyperband", "BOHB", "ASHA",
-         "SS", "AsyncSS", "BOSS", "MedianStopping", "Constraint", "pareto_front"])
+         "SS", "AsyncSS", "BOSS", "MedianStopping", "PBT", "Constraint", "pareto_front"])
 
 
 SCRIPT = """
@@ -40,7 +40,7 @@ for name in sys.argv[1:]:
 
 def test_same_search_in_another_process() -> None:
     """A resumed experiment runs in a new process (another hash seed): the search must not change."""
-    names = ["evolution", "tpe", "bohb", "asha", "boss", "async-ss"]
+    names = ["evolution", "tpe", "bohb", "asha", "boss", "async-ss", "pbt"]
     root = pathlib.Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", SCRIPT, *names], cwd=root, env=env, capture_output=True,
