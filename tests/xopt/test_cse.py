@@ -305,6 +305,34 @@ def test_frozen_prefix_is_computed_once_and_equals_separate(data):
     assert not torch.equal(fused[1][1]["backbone.1.running_mean"], reference["backbone.1.running_mean"])
 
 
+@pytest.mark.parametrize("batching", ["auto", "force"])
+def test_planner_shares_a_frozen_prefix_before_batching_same_shaped_models(data, batching):
+    """Two pairs of trials with the same head (operator batching could fuse each pair, each running
+    the backbone): the planner puts all four in one unit that runs the backbone once per batch, and a
+    model without a frozen prefix is left to the other optimizations; metrics equal separate."""
+    from tridens.engine._planner import plan
+
+    train, val = data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=64, optimizer="adam",
+                                      lr=td.choice("lr", [0.01, 0.003]))
+    heads = head_makers()
+    makers = [heads[0], heads[0], heads[1], heads[1], lambda: mlp(32)]
+    samples = [{"lr": 0.01}, {"lr": 0.003}] * 2 + [{"lr": 0.01}]
+    separate = drive([SeparateUnit(jobs_for(makers, samples), ev)])
+    units = plan(jobs_for(makers, samples), ev, optimize=Settings().with_batching(mode=batching))
+    prefixed = [u for u in units if isinstance(u, SharedPipelineUnit) and u.prefixes]
+    assert len(prefixed) == 1 and sorted(prefixed[0].jobs) == [1, 2, 3, 4]
+    assert "computed once per batch for trials [1, 2, 3, 4]" in prefixed[0].summary()
+    seen, handles = count_backbone_calls(prefixed)
+    try:
+        fused = drive(units)
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen["train"] == -(-len(train) // 64)  # once per batch for the four trials
+    assert_same(separate[0], fused[0])
+
+
 def test_prefix_members_fail_and_stop_alone(data):
     train, val = data
     ev = td.evaluators.Classification(train=train, val=val, epochs=2, batch_size=128, optimizer="sgd",

@@ -8,6 +8,9 @@ rewrite the planned units.
 * super-graph (:mod:`._supergraph`): a child that inherits its parent's weights trains merged with it.
 * stage trees (:mod:`._stages`): trials that share a training prefix (same model, seed and weights,
   same hyperparameters up to an epoch) train it once, then fork.
+* frozen prefixes (:func:`.cse.plan_frozen_prefixes`): trials whose models start with the same
+  frozen subgraph (a pretrained backbone) compute it once per batch; before batching, which would
+  run it once per fused model.
 * operator batching (:mod:`._batching`): same-shaped models as one vectorized model.
 * common sub-expression elimination (:mod:`._cse`): trials sharing a data pipeline read one
   loader (each batch augmented once), and a shared frozen prefix runs once per batch.
@@ -20,14 +23,15 @@ planner to every optimization and pass as ``settings=``.
 
 >>> import tridens.xopt as xopt
 >>> [optimization.name for optimization in xopt.OPTIMIZATIONS]
-['supergraph', 'stage tree', 'batching', 'cse']
+['supergraph', 'stage tree', 'frozen prefix', 'batching', 'cse']
 """
 
 from ..units import Optimization, UnitPass
 from . import _batching as batching
 from . import _cse as cse
 from ._batching import BatchedUnit, plan_batching
-from ._cse import PipelineMember, SharedPipelineUnit, SharedPrefix, TrainerMember, merge_pipelines, plan_cse
+from ._cse import (PipelineMember, SharedPipelineUnit, SharedPrefix, TrainerMember, merge_pipelines, plan_cse,
+                   plan_frozen_prefixes)
 from ._stages import StageTreeUnit, plan_stage_trees, stage_archive
 from ._settings import BatchingSettings, CSESettings, Settings, resolve_settings
 from ._supergraph import plan_supergraph
@@ -35,6 +39,7 @@ from ._supergraph import plan_supergraph
 OPTIMIZATIONS: tuple[Optimization, ...] = (
     Optimization("supergraph", plan_supergraph),  # first: a child merged with its parent stays with it
     Optimization("stage tree", plan_stage_trees),  # before batching: a shared prefix is not trained at all
+    Optimization("frozen prefix", plan_frozen_prefixes),  # before batching: a shared backbone runs once per batch
     Optimization("batching", plan_batching),
     Optimization("cse", plan_cse),
 )
@@ -46,5 +51,5 @@ PASSES: tuple[UnitPass, ...] = (
 """The passes over the planned units, in order."""
 
 __all__ = ["OPTIMIZATIONS", "PASSES", "Settings", "BatchingSettings", "CSESettings", "resolve_settings", "StageTreeUnit", "plan_stage_trees", "stage_archive", "BatchedUnit", "plan_batching", "batching",
-           "SharedPipelineUnit", "PipelineMember", "TrainerMember", "SharedPrefix", "plan_cse", "merge_pipelines",
+           "SharedPipelineUnit", "PipelineMember", "TrainerMember", "SharedPrefix", "plan_cse", "plan_frozen_prefixes", "merge_pipelines",
            "plan_supergraph", "cse"]

@@ -83,7 +83,7 @@ from ._wide import _joint_member
 __all__ = [
     "MIN_PREFIX_SHARE", "BATCH", "CSESettings",
     "PipelineMember", "TrainerMember", "JointMember", "SharedPrefix", "SharedPipelineUnit",
-    "plan_cse", "default_max_unit_memory", "unit_memory",
+    "plan_cse", "plan_frozen_prefixes", "default_max_unit_memory", "unit_memory",
 ]
 
 log = logging.getLogger("tridens")
@@ -124,7 +124,8 @@ def unit_memory(parts: Sequence[tuple[int, int]], shared: int = 0) -> int:
 # the planner
 # ------------------------------------------------------------------------------------------------
 def plan_cse(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings: Settings | None = None,
-             max_unit_memory: int | str | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
+             max_unit_memory: int | str | None = None,
+             prefix_only: bool = False) -> tuple[list[ExecutionUnit], list[Job]]:
     """Group ``jobs`` whose data pipelines agree into :class:`SharedPipelineUnit`\\ s, with shared
     frozen prefixes where found; return the units and the jobs left to train separately.
 
@@ -133,7 +134,8 @@ def plan_cse(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings: Set
     size (32, not 64)", "different data seed (7, not 0)", ...). ``max_unit_memory`` (bytes or
     e.g. ``"2GiB"``) defaults to the experiment's bound (:func:`tridens.units.
     resolve_max_unit_memory`). ``settings.cse`` (None: :meth:`Settings.from_env`) holds the joint
-    step's knobs.
+    step's knobs. ``prefix_only``: only the trials that share a frozen prefix are fused, the others
+    are left over (:func:`plan_frozen_prefixes`).
     """
     if not isinstance(evaluator, SupervisedEvaluator):
         return [], list(jobs)
@@ -162,20 +164,44 @@ def plan_cse(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings: Set
             else:
                 notes.append(f"trial {job.trial.id}")
     if not shared:
-        if len(jobs) > 1:
+        if len(jobs) > 1 and not prefix_only:
             log.info("cse: no two trials share a data pipeline (%s); they train separately", ", ".join(notes))
         return [], leftover
     units: list[ExecutionUnit] = []
     for index, (_key, group) in enumerate(shared):
-        extra = ("not shared: " + ", ".join(notes)) if index == 0 and notes else ""
-        units.extend(_plan_group(group, evaluator, max_unit_memory, extra, knobs))
+        extra = ("not shared: " + ", ".join(notes)) if index == 0 and notes and not prefix_only else ""
+        made, rest = _plan_group(group, evaluator, max_unit_memory, extra, knobs, prefix_only=prefix_only)
+        units.extend(made)
+        leftover.extend(rest)
     order = {job.trial.id: i for i, job in enumerate(jobs)}
     leftover.sort(key=lambda j: order[j.trial.id])
     return units, leftover
 
 
+def plan_frozen_prefixes(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings: Settings | None = None,
+                         max_unit_memory: int | str | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
+    """The trials of ``jobs`` whose models start with a frozen prefix shared with another trial
+    (a pretrained backbone in a fine-tuning space), in :class:`SharedPipelineUnit`\ s that compute
+    each prefix once per batch; the other jobs are returned untouched for the next optimization.
+
+    Asked before operator batching: fused same-shaped models would each run the prefix (K times
+    per batch), where here it runs once for every trial of the group. Models without a frozen
+    parameter are passed on without tracing.
+
+    >>> units, rest = plan_frozen_prefixes(jobs, evaluator)   # doctest: +SKIP
+    """
+    frozen = [j for j in jobs if isinstance(j.model, nn.Module)
+              and any(not p.requires_grad for p in j.model.parameters())]
+    if len(frozen) < 2:
+        return [], list(jobs)
+    units, rest = plan_cse(frozen, evaluator, settings=settings, max_unit_memory=max_unit_memory, prefix_only=True)
+    taken = {job.trial.id for unit in units for job in unit.jobs.values()}
+    return units, [j for j in jobs if j.trial.id not in taken]
+
+
 def _plan_group(group: list[tuple[Job, TrainConfig]], evaluator: StepwiseEvaluator,
-                max_unit_memory: int | str | None, extra: str, settings: CSESettings) -> list[ExecutionUnit]:
+                max_unit_memory: int | str | None, extra: str, settings: CSESettings,
+                prefix_only: bool = False) -> tuple[list[ExecutionUnit], list[Job]]:
     cfg0 = group[0][1]
     example = _example_batch(cfg0)
     hasher = _Hasher()
@@ -190,6 +216,12 @@ def _plan_group(group: list[tuple[Job, TrainConfig]], evaluator: StepwiseEvaluat
     notes: dict[int, str] = {}
     plans = _find_prefixes(analyses, notes) if any(a.eligible for a in analyses) else []
     split_of: dict[int, _PrefixPlan] = {t: plan for plan in plans for t in plan.members}
+    rest: list[Job] = []
+    if prefix_only:
+        rest = [a.job for a in analyses if a.job.trial.id not in split_of]
+        analyses = [a for a in analyses if a.job.trial.id in split_of]
+        if not analyses:
+            return [], rest
     for a in analyses:
         if a.why_not and any(b.eligible for b in analyses):
             notes.setdefault(a.job.trial.id, a.why_not)
@@ -232,7 +264,7 @@ def _plan_group(group: list[tuple[Job, TrainConfig]], evaluator: StepwiseEvaluat
     for i, chunk in enumerate(chunks):
         units.append(_make_unit(chunk, evaluator, split_of, notes, estimate(chunk), limit, len(chunks),
                                 over, extra if i == 0 else "", cfg0, used, settings))
-    return units
+    return units, rest
 
 
 def _make_unit(chunk: list[tuple[_Analysis, int, int]], evaluator: StepwiseEvaluator,
