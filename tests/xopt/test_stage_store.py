@@ -283,3 +283,17 @@ def test_a_store_that_cannot_take_stages_does_not_fail_the_trials(data, tmp_path
     assert "stage store: save failed" in caplog.text
     alone = run(data, tmp_path / "alone.db", "full", [2, 3], [0.1], optimize=False)
     assert {k: t.metrics for k, t in trials.items()} == {k: t.metrics for k, t in alone.items()}
+
+
+def test_a_stored_checkpoint_the_trainer_cannot_continue_from_is_trained_again(data, tmp_path, caplog):
+    import torch
+
+    store = tmp_path / "odd.db"
+    first = run(data, store, "first", [2], [0.1])
+    for path in stage_files(store):   # e.g. written by another checkpoint format
+        torch.save({"format": 999}, path)
+    with caplog.at_level(logging.WARNING, logger="tridens"):
+        second = run(data, store, "second", [2], [0.1])
+    assert "not used (InvalidParameter" in caplog.text
+    assert not any("stage_store" in t.info for t in second.values())
+    assert {k: t.metrics for k, t in second.items()} == {k: t.metrics for k, t in first.items()}

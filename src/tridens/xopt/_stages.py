@@ -43,7 +43,8 @@ from typing import Any, Hashable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ..evaluators import StepwiseEvaluator, SupervisedTrainer, TrainConfig, record_digest, stage_record
+from ..evaluators import (CHECKPOINT_FORMAT, StepwiseEvaluator, SupervisedTrainer, TrainConfig, record_digest,
+                          stage_record)
 from ..units import ExecutionUnit, Job, UnitResult
 
 log = logging.getLogger("tridens")
@@ -179,11 +180,11 @@ def _root_key(job: Job) -> tuple[Any, ...] | None:
 
 
 def _archive_root(job: Job, root: tuple[Any, ...] | None) -> str | None:
-    """The stored form of a root key: a digest of the model fingerprint, seed, structure and
-    initial weights (no fingerprint: the model is not shared across runs)."""
+    """The stored form of a root key: a digest of the model fingerprint, seed, structure, initial
+    weights, torch version and checkpoint format (no fingerprint: not shared across runs)."""
     if root is None or not job.trial.fingerprint:
         return None
-    return hashlib.sha1(repr((job.trial.fingerprint, *root)).encode()).hexdigest()
+    return hashlib.sha1(repr((job.trial.fingerprint, *root, torch.__version__, CHECKPOINT_FORMAT)).encode()).hexdigest()
 
 
 def _record_paths(config: TrainConfig, limit: int) -> list[str] | None:
@@ -275,10 +276,20 @@ class StageTreeUnit(ExecutionUnit):
         for path, members in starts.items():
             entry = found[path]
             ids = [job.trial.id for job in members]
+            first = members[0]
+            trainer = evaluator.trainer(first.model if entry is None and path not in stored  # type: ignore[attr-defined]
+                                        else copy.deepcopy(first.model), first.trial.sample, first.trial.seed)
             if path in stored:   # a stage stored by an earlier run: loaded once for its trials
                 hit = self.archive.load(self.archive_root, stored[path][1], stored[path][0])
+                try:
+                    if hit is not None:
+                        trainer.load_state_dict(hit.state)
+                except Exception as err:   # a checkpoint this trainer cannot continue from: train it again
+                    log.warning("stage tree: stored stage %d not used (%s: %s)", hit.stage, type(err).__name__, err)
+                    hit = None
                 if hit is None:
                     path, entry = (), None
+                    trainer = evaluator.trainer(first.model, first.trial.sample, first.trial.seed)  # type: ignore[attr-defined]
                 else:
                     entry = (hit.state, hit.history, hit.label, (hit.stage, hit.epochs))
                     self.archive.link(hit.stage, ids)
@@ -290,12 +301,10 @@ class StageTreeUnit(ExecutionUnit):
                              "trained by %s): not trained again", ", ".join(map(str, ids)), hit.stage, hit.label, hit.epochs,
                              "this experiment before" if hit.experiment == self.archive.experiment
                              else f"experiment {hit.experiment!r}")
-            first = members[0]
-            trainer = evaluator.trainer(first.model if entry is None else copy.deepcopy(first.model),  # type: ignore[attr-defined]
-                                        first.trial.sample, first.trial.seed)
+            elif entry is not None:
+                trainer.load_state_dict(entry[0])
             node = self._new_node(None if entry is None else entry[2], trainer, ids)
             if entry is not None:
-                trainer.load_state_dict(entry[0])
                 node.path, node.history = path, [dict(h) for h in entry[1]]
                 node.stage, node.stage_from = entry[3]
                 node.reported = len(path)
