@@ -186,13 +186,22 @@ def fork_members(units: list[ExecutionUnit], forks: Sequence[tuple[UnitReport, F
         if source is None or fork.source in moving or report.trial_id not in where:
             log.info("trial %d not forked from trial %d: the source is not training now", report.trial_id, fork.source)
             continue
+        if source.state_dict(fork.source) is None:
+            log.info("trial %d not forked from trial %d: its %s unit takes no member state", report.trial_id,
+                     fork.source, source.kind)
+            continue
         old = where[report.trial_id]
         job = old.jobs[report.trial_id]
         model = source.jobs[fork.source].model
         moved = Job(job.trial, None if model is None else copy.deepcopy(model), job.max_steps, job.started,
                     hparams=dict(fork.sample))
         old.drop(report.trial_id)
-        unit = source.fork(fork.source, moved)
+        try:
+            unit = source.fork(fork.source, moved)
+        except Exception as err:  # the member left its unit: it fails, the others go on
+            judge.failed(old, report.trial_id, err)
+            where.pop(report.trial_id, None)
+            continue
         if not any(u is unit for u in units):
             units.append(unit)
         where[report.trial_id] = unit

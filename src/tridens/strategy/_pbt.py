@@ -84,7 +84,7 @@ class PBT(SearchBase):
             raise ValueError(f"The 'hyperparams' parameter of PBT names {unknown[0]!r}, which is not a label of the "
                              f"searched space {sorted(self.space)!r}")
         self._scores: dict[tuple[Any, int], dict[int, float]] = {}   # (group, step) -> trial id -> score
-        self._current: dict[int, dict[str, Any]] = {}                 # trial id -> hyperparameters now
+        self._members: dict[int, Trial] = {}                          # running trials, by id
         self._answers: dict[tuple[int, int], Fork | None] = {}        # (trial id, step) -> the fork given
 
     # -- protocol ------------------------------------------------------------------------------
@@ -94,7 +94,7 @@ class PBT(SearchBase):
 
     def report(self, trial: Trial, step: int, value: float) -> None:
         super().report(trial, step, value)
-        self._current.setdefault(trial.id, dict(trial.sample))
+        self._members[trial.id] = trial
         self._scores.setdefault((trial.group, step), {})[trial.id] = self.objective.score(value)
 
     def fork(self, trial: Trial, step: int) -> Fork | None:
@@ -108,7 +108,7 @@ class PBT(SearchBase):
         return answer
 
     def _observe(self, trial: Trial, key: str | None) -> None:
-        self._current.pop(trial.id, None)
+        self._members.pop(trial.id, None)
 
     # -- exploit and explore ------------------------------------------------------------------------
     def _exploit(self, trial: Trial, step: int) -> Fork | None:
@@ -122,9 +122,9 @@ class PBT(SearchBase):
             return None
         rng = derive_rng(self._seed, "exploit", trial.label, step)
         source = rng.choice(ranked[:k])
-        sample = self._explore(self._current.get(source, self._samples.get(source, {})), rng)
-        self._current[trial.id] = sample
-        return Fork(source, sample)
+        # what the source trains with now: its sample, or the last stage of its recorded lineage
+        current = self._members[source].schedule().stages[-1].sample if source in self._members else self._samples[source]
+        return Fork(source, self._explore(current, rng))
 
     def _explore(self, sample: dict[str, Any], rng: random.Random) -> dict[str, Any]:
         """``sample`` with each explored label resampled or moved (see the module docstring)."""
