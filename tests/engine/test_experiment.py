@@ -214,3 +214,12 @@ def test_epochs_are_shown_while_trials_train(tmp_path, classification, capsys, m
     assert training and all(line.startswith("[shown]") for line in training)
     assert any("best val_acc so far" in line for line in training)
     assert any("2/2 trial" in line for line in lines)
+
+
+def test_a_resumed_run_records_its_own_budget(tmp_path):
+    ev = td.evaluators.FunctionalEvaluator(score_by_width, scale=td.choice("scale", [1.0, 2.0, 3.0]))
+    _run(tmp_path, TinyMLP(), ev, td.strategy.GridSearch(), name="grow", max_trials=2)
+    exp = _run(tmp_path, TinyMLP(), ev, td.strategy.GridSearch(), name="grow", max_trials=4)
+    assert len([t for t in exp.trials() if t.status is TrialStatus.COMPLETED]) == 4
+    with Store(tmp_path / "t.db") as db:
+        assert db.get_experiment("grow").config["max_trials"] == 4  # what `tridens ls` and `resume` count against

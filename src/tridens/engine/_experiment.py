@@ -409,6 +409,15 @@ class Experiment:
             "second_objective": list(self.second_objective) if self.second_objective else None,
         }
 
+    def _record_new_limits(self, db: Store, name: str, config: Mapping[str, Any]) -> None:
+        """A resumed run's own ``max_trials`` / ``max_duration`` replace the stored ones, so that the
+        store, ``tridens ls`` and ``tridens resume`` count against the budget this run was given."""
+        changed = {key: value for key, value in (("max_trials", self.max_trials), ("max_duration", self.max_duration))
+                   if config.get(key) != value}
+        if changed:
+            log.info("%s: %s", name, ", ".join(f"{k} {config.get(k)!r} -> {v!r}" for k, v in changed.items()))
+            db.update_experiment(name, config={**config, **changed})
+
     def run(self) -> "Experiment":
         """Run (or resume) the exploration until ``max_trials`` trials finished, ``max_duration``
         passed, or the strategy is done. Returns the experiment."""
@@ -443,6 +452,8 @@ class Experiment:
                 check_same_space(name, record.config.get("search_space"), described)
             if record is None:
                 db.create_experiment(name, {**self._config(objective), "search_space": described})
+            else:
+                self._record_new_limits(db, name, record.config)
             claim(db, name)  # settles what a killed earlier driver left running
             run = _Run(self, db, name, strategy, objective, space)
             self.stop_reason = None
