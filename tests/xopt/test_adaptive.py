@@ -117,6 +117,18 @@ def test_a_model_near_the_peak_still_decides_by_its_measurement(data, monkeypatc
     assert rest == [] and [type(u) for u in units] == [BatchedUnit]
 
 
+@pytest.mark.parametrize("speedup", [5.0, 0.5])
+def test_a_members_checkpoint_whichever_way_the_group_decided(data, speedup):
+    """``unit.state_dict(trial)`` (what a Ray unit task saves after every epoch) from the fused
+    stack or from the trial's own trainer once the group went separate."""
+    unit = adaptive(make_jobs(SAMPLES, mlp), evaluator(data, "sgd"), auto(speedup))
+    unit.train_epoch()
+    assert unit.member.state == ("fused" if speedup > 1 else "separate")
+    for tid in unit.trial_ids():
+        state = unit.state_dict(tid)
+        assert state is not None and state["epoch"] == 1, tid
+
+
 def test_measured_decision_is_cached(data, caplog):
     """A real measurement (no override): the speed-up is finite, cached per key, and the next
     group of that key is planned by it (fused as a BatchedUnit, or left unfused)."""

@@ -225,11 +225,7 @@ class AdaptiveMember:
     def state_dict(self, trial_id: int, job: Job, evaluator: StepwiseEvaluator) -> dict[str, Any] | None:
         """The trial's checkpoint from what trains it now (None while deciding)."""
         member = self.member_of(trial_id)
-        if member is None:
-            return None
-        if member is self.fused:
-            return member.state_dict(trial_id, job, evaluator)
-        return member.state_dict()
+        return None if member is None else member.state_dict(trial_id, job, evaluator)
 
     def leave(self, trial_id: int) -> None:
         self._left.add(trial_id)
