@@ -7,6 +7,7 @@ process only make them slower and less steady.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import os
 import re
@@ -61,6 +62,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[
     Each runs in an empty working directory with its own TMPDIR."""
     jobs = {script: ([], True) for script in SCRIPTS}
     jobs["default_store"] = (["--trials", "2"], False)
+    jobs["hub_search.py"] = (["--trials", "3", "--epochs", "1"], True)
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {key: pool.submit(_run, "mutator_batchnorm.py" if key == "default_store" else key, args,
                                     tmp_path_factory.mktemp(key.removesuffix(".py")), store)
@@ -133,4 +135,23 @@ def test_default_store_is_temporary(runs: dict[str, Future[Run]]) -> None:
     """Without --store an example keeps its store in a temporary directory and removes it."""
     run = runs["default_store"].result()
     assert "2 trials, best first:" in run.stdout
+    run.assert_left_nothing()
+
+
+def test_hub_search(runs: dict[str, Future[Run]]) -> None:
+    """examples/hub_search.py on a small budget: the hub's DARTS space searched by evolution, the
+    three best cells printed as genotypes (two (op, input) pairs per node, inputs earlier states)."""
+    run = runs["hub_search.py"].result()
+    out = run.stdout
+    assert "td.hub.DARTS: 32 labels, " in out
+    accs = [float(a) for a in re.findall(r"^  [123]\. val_acc (0\.\d{3}|1\.000)$", out, re.M)]
+    assert len(accs) == 3 and accs == sorted(accs, reverse=True) and accs[0] > 0.3  # 10 classes, one epoch
+    for kind in ("normal", "reduce"):
+        cells = re.findall(rf"^     {kind}: (\[.*\])$", out, re.M)
+        assert len(cells) == 3
+        for cell in cells:
+            pairs = ast.literal_eval(cell)  # node n = 2 + i // 2 reads one of the states 0 .. n - 1
+            assert len(pairs) == 8 and all(op in td.hub.OPS and 0 <= src < 2 + i // 2 for i, (op, src) in enumerate(pairs))
+    trials = run.trials("hub-evolution")
+    assert len(trials) == 3 and all(t.status.finished for t in trials)
     run.assert_left_nothing()
