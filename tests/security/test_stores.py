@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from tridens.cli import main
 from tridens.errors import StoreError, TridensError
 from tridens.store import Store
 from tridens.trial import Trial, TrialStatus
@@ -23,6 +24,18 @@ TRIDENS = [sys.executable, "-m", "tridens.cli"]
 
 def tridens(*args, cwd=None):
     return subprocess.run([*TRIDENS, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+@pytest.fixture
+def tridens_here(capsys):
+    """``tridens_here(*args)``: a ``tridens`` command run in this process, for tests about what it
+    prints; its exit code, stdout and stderr as a CompletedProcess."""
+    def run(*args):
+        argv = [*map(str, args)]
+        code = main(argv)
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(argv, code, out.out, out.err)
+    return run
 
 
 def make_store(db: Path, config: dict, sample=None) -> Store:
@@ -63,7 +76,7 @@ def test_a_script_space_is_imported_on_export_only_with_trust_code(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["absolute", "dotdot", "link"])
-def test_a_checkpoint_path_outside_the_store_folder_is_refused(tmp_path, where):
+def test_a_checkpoint_path_outside_the_store_folder_is_refused(tmp_path, where, tridens_here):
     db = tmp_path / "store" / "runs.db"
     db.parent.mkdir()
     make_store(db, {}).close()
@@ -80,7 +93,7 @@ def test_a_checkpoint_path_outside_the_store_folder_is_refused(tmp_path, where):
         trial = store.trials("e")[0]
         with pytest.raises(StoreError, match="outside the store's folder"):
             store.load_checkpoint(trial.checkpoint)
-    res = tridens("export", "e", "--to", tmp_path / "out", "--db", db)
+    res = tridens_here("export", "e", "--to", tmp_path / "out", "--db", db)
     assert res.returncode == 1 and "outside the store's folder" in res.stderr
     assert res.stderr.count("\n") == 1
 
@@ -100,7 +113,7 @@ def test_resume_shows_a_foreign_command_and_refuses_it(tmp_path):
     assert not marker.exists()
 
 
-def test_control_characters_in_stored_text_are_printed_as_escapes(tmp_path):
+def test_control_characters_in_stored_text_are_printed_as_escapes(tmp_path, tridens_here):
     db = tmp_path / "runs.db"
     make_store(db, {"evaluator": {"type": "E", "repr": "E(\x1b]0;title\x07)"}},
                sample={"w\x1b[2J": "\x1b[31mred\x9b", "\u202eevil": 1}).close()
@@ -109,15 +122,15 @@ def test_control_characters_in_stored_text_are_printed_as_escapes(tmp_path):
     conn.commit()
     conn.close()
     for command in (["ls"], ["show", "e"], ["top", "e"]):
-        res = tridens(*command, "--db", db)
+        res = tridens_here(*command, "--db", db)
         assert res.returncode == 0, res.stderr
         for raw in ("\x1b", "\x07", "\x9b", "\u202e"):
             assert raw not in res.stdout, (command, res.stdout)
-    show = tridens("show", "e", "--db", db).stdout
+    show = tridens_here("show", "e", "--db", db).stdout
     assert "\\x1b" in "".join(show.split())
 
 
-def test_csv_of_foreign_text_is_quoted_escaped_and_never_a_formula(tmp_path):
+def test_csv_of_foreign_text_is_quoted_escaped_and_never_a_formula(tmp_path, tridens_here):
     import csv
     import io
     import json
@@ -131,7 +144,7 @@ def test_csv_of_foreign_text_is_quoted_escaped_and_never_a_formula(tmp_path):
     store.finish_trial(failed)
     store.close()
     for command in (["show", "e", "--csv"], ["top", "e", "--csv"], ["show", "e", "0", "--csv"]):
-        res = tridens(*command, "--db", db)
+        res = tridens_here(*command, "--db", db)
         assert res.returncode == 0, res.stderr
         assert "\x1b" not in res.stdout and "\x07" not in res.stdout, res.stdout
         rows = list(csv.reader(io.StringIO(res.stdout)))
@@ -157,7 +170,7 @@ def test_csv_of_foreign_text_is_quoted_escaped_and_never_a_formula(tmp_path):
      "records the objective .* which is not one"),
     ("UPDATE experiments SET config = 'nope'", "the config of experiment 'e' .* is not valid JSON"),
 ])
-def test_a_damaged_row_is_one_line_from_every_command(tmp_path, damage, expected):
+def test_a_damaged_row_is_one_line_from_every_command(tmp_path, damage, expected, tridens_here):
     import re
 
     db = tmp_path / "runs.db"
@@ -167,7 +180,7 @@ def test_a_damaged_row_is_one_line_from_every_command(tmp_path, damage, expected
     conn.commit()
     conn.close()
     for command in (["ls"], ["show", "e"], ["top", "e"], ["export", "e", "--to", tmp_path / "out"]):
-        res = tridens(*command, "--db", db)
+        res = tridens_here(*command, "--db", db)
         assert res.returncode == 1, (command, res.stdout, res.stderr)
         assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, (command, res.stderr)
         assert re.search(expected, res.stderr), (command, res.stderr)
