@@ -10,9 +10,9 @@ Each system draws its own 32 random configurations (seeded), so the epochs train
 little: the table shows them, and the wall time per trained epoch.
 
 * ``tridens-inline``  -- ``td.Experiment(..., td.strategy.ASHA(min_steps=1, max_steps=9,
-  reduction_factor=3, batch_size=32), executor="inline")``: the 32 trials of the group train in
+  reduction_factor=3, batch_size=32), executor=td.executors.Inline())``: the 32 trials of the group train in
   lockstep in the driver (fused where the planner measures a gain).
-* ``tridens-ray``     -- the same with ``executor="ray", workers=2`` (``optimize=True``, the
+* ``tridens-ray``     -- the same with ``executor=td.executors.Ray(workers=2)`` (``optimize=True``, the
   default): the planner's units as Ray tasks with one CPU each (a fused unit is one task; with
   fewer tasks than workers the biggest unit is planned again in halves), metrics streamed to the
   driver, ASHA's decisions made as results arrive.
@@ -145,7 +145,8 @@ def one_tridens(executor: str, optimize: bool = True) -> dict[str, Any]:
     logger.setLevel(logging.INFO)
     with tempfile.TemporaryDirectory() as d:
         exp = td.Experiment(CNNSpace(), ev, strategy, max_trials=TRIALS, store=os.path.join(d, "asha.db"),
-                            name="asha", verbose=False, executor=executor, workers=2, seed=0, optimize=optimize)
+                            name="asha", verbose=False, seed=0, optimize=optimize,
+                            executor=td.executors.Ray(workers=2) if executor == "ray" else td.executors.Inline())
         t0 = time.perf_counter()
         exp.run()
         seconds = time.perf_counter() - t0

@@ -17,7 +17,7 @@ Three parts:
          first-come first-served, one per device. The same scheduler code (``FluidScheduler``) drives
          the real executor. A ``cpu`` variant sets u = 1 for every trial (packing only time-shares, as
          on a CPU core) to show what is left of Fluid's gain without intra-device sharing.
-``real`` For real on CPU worker processes here: ``td.Experiment(..., executor="process", workers=2)``
+``real`` For real on CPU worker processes here: ``td.Experiment(..., executor=td.executors.Process(workers=2))``
          with ``allocation=None`` (one trial per worker), ``"static"`` and ``"dynamic"``, on digits,
          a successive-halving-shaped sequence of TrialGroups of heterogeneous CNNs (see ``REAL_GROUPS``);
          each run in a fresh process, interleaved, wall time and CPU-seconds (children included).
@@ -240,7 +240,7 @@ def one_real(allocation: str, workload: str = "digits") -> dict[str, Any]:
                                       optimizer="adam", lr=lr)
     with tempfile.TemporaryDirectory() as d:
         exp = td.Experiment(space, ev, FixedGroups(), store=os.path.join(d, "f.db"), name="fluid", verbose=False,
-                            executor="process", workers=2, allocation=None if allocation == "none" else allocation)
+                            executor=td.executors.Process(workers=2), allocation=None if allocation == "none" else allocation)
         t0 = time.perf_counter()
         exp.run()
         seconds = time.perf_counter() - t0

@@ -12,7 +12,7 @@ Adam, and scores validation accuracy. The space: ``width`` {8, 16, 24, 32}, ``ke
   TrialGroup one shared data pipeline, issue 4).
 * ``tridens-functional``     -- the same experiment with ``FunctionalEvaluator(train_epoch,
   lr=td.choice(...))``: the exact training function the other systems run.
-* ``tridens-process``        -- ``tridens-functional`` with ``executor="process", workers=2``:
+* ``tridens-process``        -- ``tridens-functional`` with ``executor=td.executors.Process(workers=2)``:
   each trial in its own spawned process, two at a time (the counterpart of Ray's two workers).
 * ``optuna``                 -- ``study.optimize`` (RandomSampler, in-memory storage) of an
   objective that builds the model and calls ``train_epoch``.
@@ -163,7 +163,8 @@ def one_tridens(n: int, *, declarative: bool, executor: str = "inline", optimize
     with tempfile.TemporaryDirectory() as d:
         exp = td.Experiment(CNNSpace(), evaluator, td.strategy.Random(), max_trials=n,
                             store=os.path.join(d, "rs.db"), name="random-search", verbose=False,
-                            executor=executor, workers=2, optimize=optimize)
+                            executor=td.executors.Process(workers=2) if executor == "process" else td.executors.Inline(),
+                            optimize=optimize)
         t0 = time.perf_counter()
         exp.run()
         seconds = time.perf_counter() - t0
