@@ -14,12 +14,16 @@ __all__ = ["GridSearch"]
 class GridSearch(SearchBase):
     """Every sample of ``space.grid()``, in that order, ``batch_size`` per group; then done.
 
+    The grid does not adapt to results, so groups are larger than the adaptive strategies' (16):
+    the planner shares work within a group (a frozen backbone computed once per batch for all of
+    its trials, one data pipeline), and splits a group into units within ``max_unit_memory``.
+
     Needs a finite space (categorical and randint labels); a continuous label is an error in
     :meth:`start`. Samples already in the history (a resumed search) are skipped, so the grid
     continues where it stopped. No randomness.
     """
 
-    def __init__(self, batch_size: int = 8):
+    def __init__(self, batch_size: int = 16):
         self.batch_size = batch_size
 
     def _check(self) -> None:
