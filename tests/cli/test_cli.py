@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tridens.cli import main
 from tridens.store import Store
 from tridens.trial import TrialStatus
 
@@ -21,6 +22,20 @@ def tridens(*args, cwd=None, check=True, timeout=300):
     if check and proc.returncode != 0:
         raise AssertionError(f"tridens {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+@pytest.fixture
+def tridens_here(capsys):
+    """``tridens_here(*args)``: a ``tridens`` command run in this process, for tests about what it
+    prints; its exit code, stdout and stderr as a CompletedProcess."""
+    def run(*args, check=True):
+        argv = [*map(str, args)]
+        code = main(argv)
+        out = capsys.readouterr()
+        if check and code != 0:
+            raise AssertionError(f"tridens {' '.join(argv)} exited {code}:\n{out.out}\n{out.err}")
+        return subprocess.CompletedProcess(argv, code, out.out, out.err)
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +61,15 @@ def _counted(trials):
     return [t for t in trials if t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED, TrialStatus.FAILED)]
 
 
-def test_run_ls_show_top_export(tmp_path, searched):
+def test_run_ls_show_top_export(tmp_path, searched, tridens_here):
     db = searched
-    assert "cli-search" in tridens("ls", "--db", db).stdout
-    show = tridens("show", "cli-search", "--db", db).stdout
+    assert "cli-search" in tridens_here("ls", "--db", db).stdout
+    show = tridens_here("show", "cli-search", "--db", db).stdout
     assert "completed" in show and "hidden" in show
-    top = tridens("top", "cli-search", "-k", "3", "--db", db).stdout
+    top = tridens_here("top", "cli-search", "-k", "3", "--db", db).stdout
     assert "top 3" in top
     target = tmp_path / "export"
-    tridens("export", "cli-search", "--top", "2", "--to", target, "--db", db, "--trust-code")  # our own script
+    tridens_here("export", "cli-search", "--top", "2", "--to", target, "--db", db, "--trust-code")  # our own script
     exported = sorted(p.name for p in target.iterdir())
     assert len(exported) == 2 and all((target / p / "weights.pt").exists() for p in exported)
     # the exported model loads in a fresh interpreter that never saw the script
@@ -120,22 +135,23 @@ def test_unknown_strategy(tmp_path):
 
 def test_evaluator_that_reports_nothing(tmp_path):
     script = tmp_path / "silent.py"
-    script.write_text(SCRIPT.read_text().replace("td.report(acc, step=epoch)", "pass"))
+    source = SCRIPT.read_text().replace("td.report(acc, step=epoch)", "pass").replace("max_trials=6", "max_trials=2")
+    script.write_text(source)
     res = tridens("run", script, "--db", tmp_path / "x.db", check=False)
     assert res.returncode != 0 and "reported nothing" in res.stderr
     with Store(tmp_path / "x.db", readonly=True) as store:  # the failures themselves are stored
         assert all(t.status is TrialStatus.FAILED for t in store.trials("cli-search"))
 
 
-def test_unknown_experiment_and_missing_store(tmp_path, searched):
+def test_unknown_experiment_and_missing_store(tmp_path, searched, tridens_here):
     db = searched
-    res = tridens("show", "nope", "--db", db, check=False)
+    res = tridens_here("show", "nope", "--db", db, check=False)
     assert res.returncode != 0 and "'nope'" in res.stderr and "cli-search" in res.stderr
-    res = tridens("ls", "--db", tmp_path / "absent.db", check=False)
+    res = tridens_here("ls", "--db", tmp_path / "absent.db", check=False)
     assert res.returncode != 0 and "absent.db" in res.stderr
 
 
-def test_newer_schema_and_locked_database_keep_data(tmp_path, searched):
+def test_newer_schema_and_locked_database_keep_data(tmp_path, searched, tridens_here):
     db = _copy_store(searched, tmp_path)
     with Store(db, readonly=True) as store:
         n = len(store.trials("cli-search"))
@@ -151,7 +167,7 @@ def test_newer_schema_and_locked_database_keep_data(tmp_path, searched):
     conn.execute("UPDATE schema_version SET version = version + 10") if _has_table(conn, "schema_version") else None
     conn.commit()
     conn.close()
-    res = tridens("ls", "--db", db, check=False)
+    res = tridens_here("ls", "--db", db, check=False)
     assert res.returncode != 0 and "runs.db" in res.stderr and "newer" in res.stderr.lower()
     conn = sqlite3.connect(db)
     conn.execute("UPDATE schema_version SET version = version - 10")
@@ -181,7 +197,7 @@ def _has_table(conn, name):
     return conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (name,)).fetchone() is not None
 
 
-def test_show_and_ls_print_stored_text_verbatim(tmp_path):
+def test_show_and_ls_print_stored_text_verbatim(tmp_path, tridens_here):
     """Stored reprs are not rich markup: ``digits:train:`` stays text (not a train emoji), ``[/x]``
     is printed, not rejected as a closing tag."""
     db = tmp_path / "runs.db"
@@ -190,7 +206,7 @@ def test_show_and_ls_print_stored_text_verbatim(tmp_path):
         store.create_experiment("odd-name", {"evaluator": {"type": "Classification", "repr": evaluator},
                                                   "strategy": {"type": "Random", "repr": "Random([/x] :smile:)"},
                                                   "objective": {"metric": "val_acc", "mode": "max"}})
-    show = tridens("show", "odd-name", "--db", db).stdout
+    show = tridens_here("show", "odd-name", "--db", db).stdout
     flat = "".join(show.split())  # rich wraps long lines
     assert "digits:train:val_fraction" in flat and "\U0001f68b" not in show
-    assert "Random([/x]:smile:)" in flat and "odd-name" in tridens("ls", "--db", db).stdout
+    assert "Random([/x]:smile:)" in flat and "odd-name" in tridens_here("ls", "--db", db).stdout
