@@ -4,6 +4,7 @@ named."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -182,6 +183,28 @@ def test_nni2_plain_module_other_trainers(tmp_path: Path, mode: str) -> None:
     _check_plain(stdout, db)
 
 
+@pytest.mark.slow
+def test_nni3_darts_tutorial(tmp_path: Path) -> None:
+    """NNI 3.0's DARTS tutorial (condensed, see darts_tutorial_nni3.py) with its own fast_dev_run:
+    the pre-searched DARTS-V2 evaluated, DartsSpace(16, 8) searched by DARTS, the exported cells
+    in the form the tutorial draws, the final model retrained by evaluator.fit; its last part is
+    refused with the alternatives named."""
+    stdout, db = _script("darts_tutorial_nni3.py", "run", tmp_path)
+    assert re.search(r"^Accuracy: [\d.]+$", stdout, re.M)
+    arch = ast.literal_eval(re.search(r"^exported_arch: (.*)$", stdout, re.M).group(1))
+    assert set(arch) == {f"{cell}/{kind}_{i}_{j}" for cell in ("normal", "reduce") for kind in ("op", "input")
+                         for i in range(2, 6) for j in range(2)}
+    assert all(arch[f"{c}/input_{i}_{j}"] < i for c in ("normal", "reduce") for i in range(2, 6) for j in range(2))
+    trials = _trials(db)
+    [supernet] = [t for t in trials if _role(t) == "supernet"]
+    assert len(supernet.metrics["train_loss"]) == 1  # fast_dev_run: one epoch of one batch
+    assert arch in [t.sample for t in trials if _role(t) == "subnet"]
+    retrained = ast.literal_eval(re.search(r"^retrained: (.*)$", stdout, re.M).group(1))
+    assert set(retrained) == {"train_loss", "val_acc", "val_loss"} and 0 <= retrained["val_acc"] <= 1
+    assert "Trainer(...)): refused: NotSupported: " in stdout and "FunctionalEvaluator(fn)" in stdout
+    assert re.search(r"gradient_clip_val=5\.\): refused: NotSupported: The 'gradient_clip_val' parameter", stdout)
+
+
 def test_plain_module_is_rebuilt_as_a_space_from_its_arguments() -> None:
     """A plain nn.Module of nni.retiarii.nn.pytorch keeps its arguments; as_space builds it again
     as @model_wrapper would; RetiariiExperiment takes it too; a torch.nn.Module with choices is
@@ -336,6 +359,23 @@ def test_lightning_classification_becomes_declarative(data) -> None:
                           fast_dev_run=True).config()
     assert fast.epochs == 1 and len(fast.train) == 16 and len(fast.val) == 1
     assert Classification(train_dataloaders=DataLoader(train), val_dataloaders=DataLoader(val)).epochs == 1000  # Lightning's
+
+
+def test_evaluator_fit_trains_the_model_in_place(data) -> None:
+    """NNI's evaluator.fit(model): max_epochs epochs of the evaluator's training on the model itself."""
+    train, val = data
+    ev = Classification(learning_rate=1e-2, train_dataloaders=DataLoader(train, batch_size=64),
+                        val_dataloaders=DataLoader(val, batch_size=128), max_epochs=3)
+    torch.manual_seed(0)
+    model = _Tiny().freeze({"width": 16})
+    before = [p.detach().clone() for p in model.parameters()]
+    metrics = ev.fit(model)
+    assert set(metrics) == {"train_loss", "val_acc", "val_loss"} and metrics["val_acc"] > 0.12  # chance: 0.1
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    model.eval()
+    with torch.no_grad():
+        x, y = val.tensors
+        assert float((model(x).argmax(1) == y).float().mean()) == pytest.approx(metrics["val_acc"], abs=1e-6)
 
 
 def test_lightning_regression_becomes_declarative() -> None:

@@ -177,7 +177,24 @@ def _translate(owner: str, criterion: Any, learning_rate: Any, weight_decay: Any
             "device": training["device"]}
 
 
-class Classification(_ev.Classification):
+class _Fit:
+    """NNI's ``evaluator.fit(model)``: train ``model`` in place with the evaluator's settings (the
+    trainer tridens runs in a trial, seed 0), validating after every epoch."""
+
+    def fit(self, model: nn.Module) -> dict[str, float]:
+        """Train ``model`` for ``max_epochs``; returns the last epoch's training and validation metrics.
+
+        >>> evaluator.fit(final_model)               # doctest: +SKIP
+        {'train_loss': 0.41, 'val_acc': 0.87, 'val_loss': 0.39}
+        """
+        trainer = self.trainer(model, {}, seed=0)  # type: ignore[attr-defined]
+        metrics: dict[str, float] = {}
+        while not trainer.done:
+            metrics = {**trainer.train_epoch(), **trainer.validate()}
+        return metrics
+
+
+class Classification(_Fit, _ev.Classification):
     """``nni.nas.evaluator.pytorch.Classification`` -> ``td.evaluators.Classification``; reports
     ``val_acc`` (the objective) and ``val_loss``. ``learning_rate`` may be a ``nni.choice``.
 
@@ -195,7 +212,7 @@ class Classification(_ev.Classification):
                                       train_dataloaders, val_dataloaders, train_dataloader, datamodule, trainer_kwargs))
 
 
-class Regression(_ev.Regression):
+class Regression(_Fit, _ev.Regression):
     """``nni.nas.evaluator.pytorch.Regression`` -> ``td.evaluators.Regression``; reports ``val_mse``
     (the objective, minimized) and ``val_mae``.
 
