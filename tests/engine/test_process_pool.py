@@ -1,4 +1,4 @@
-"""The process pool (``executor="process"``): long-lived workers, real subprocesses, real kills.
+"""The process pool (``executor=td.executors.Process(workers=2)``): long-lived workers, real subprocesses, real kills.
 
 Each user loop reports ``os.getpid()`` so the tests see which worker ran which trial.
 """
@@ -62,7 +62,7 @@ class StopOddLrAtStep1(td.strategy.GridSearch):
 
 def _run(tmp_path, evaluator, name, strategy=None, **kw):
     exp = Experiment(TinyMLP(), evaluator, strategy or td.strategy.GridSearch(), store=tmp_path / "t.db",
-                     name=name, verbose=False, executor="process", **kw)
+                     name=name, verbose=False, executor=td.executors.Process(workers=2), **kw)
     return exp.run()
 
 
@@ -72,7 +72,7 @@ def _pids(trial):
 
 def test_many_quick_trials_reuse_the_workers(tmp_path):
     ev = td.evaluators.FunctionalEvaluator(report_pid, x=td.choice("x", list(range(6))))
-    exp = _run(tmp_path, ev, "reuse", max_trials=12, workers=2)
+    exp = _run(tmp_path, ev, "reuse", max_trials=12)
     trials = exp.trials()
     assert len(trials) == 12 and all(t.status is TrialStatus.COMPLETED for t in trials)
     pids = set().union(*(_pids(t) for t in trials))
@@ -82,7 +82,7 @@ def test_many_quick_trials_reuse_the_workers(tmp_path):
 
 def test_a_misbehaving_trial_fails_alone_and_its_worker_is_replaced(tmp_path):
     ev = td.evaluators.FunctionalEvaluator(misbehave, x=td.choice("x", [0, 1, 2, 3, 4, 5, 6, 7]))
-    exp = _run(tmp_path, ev, "misbehave", max_trials=16, workers=2, trial_timeout=4)
+    exp = _run(tmp_path, ev, "misbehave", max_trials=16, trial_timeout=4)
     by_x = {}
     for t in exp.trials():
         by_x.setdefault(t.sample["x"], t)
@@ -103,7 +103,7 @@ def test_a_misbehaving_trial_fails_alone_and_its_worker_is_replaced(tmp_path):
 
 def test_weights_come_back_and_stop_decisions_reach_the_loop(tmp_path):
     ev = td.evaluators.FunctionalEvaluator(set_weights, x=td.choice("x", [1, 2, 3]))
-    exp = _run(tmp_path, ev, "weights", max_trials=3, workers=2)
+    exp = _run(tmp_path, ev, "weights", max_trials=3)
     store = Store(tmp_path / "t.db", readonly=True)
     for t in exp.trials():
         weights = store.load_checkpoint(t.checkpoint)
@@ -111,7 +111,7 @@ def test_weights_come_back_and_stop_decisions_reach_the_loop(tmp_path):
 
     ev = td.evaluators.FunctionalEvaluator(report_until_stopped,
                                            lr=td.choice("lr", [0.1, 0.2, 0.3, 0.4]))
-    exp = _run(tmp_path, ev, "stops", StopOddLrAtStep1(), max_trials=4, workers=2)
+    exp = _run(tmp_path, ev, "stops", StopOddLrAtStep1(), max_trials=4)
     for t in exp.trials():
         if t.sample["lr"] in (0.1, 0.3):  # the loop saw STOP at its next report and ended
             assert t.status is TrialStatus.STOPPED and t.steps == 2 and t.metric == 2 * t.sample["lr"]
