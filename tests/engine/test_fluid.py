@@ -69,7 +69,7 @@ def test_allocation_parameter_is_checked(tmp_path, digits_data):
     train, val = digits_data
     ev = td.evaluators.Classification(train=train, val=val, epochs=1)
     with pytest.raises(ValueError, match="The 'allocation' parameter of Experiment must be None, 'static', 'dynamic'"):
-        Experiment(MLPSpace(), ev, store=tmp_path / "t.db", allocation="fluid", executor="process").run()
+        Experiment(MLPSpace(), ev, store=tmp_path / "t.db", allocation="fluid", executor=td.executors.Process()).run()
     with pytest.raises(ValueError, match="'allocation' parameter of Experiment shares the workers"):
         Experiment(MLPSpace(), ev, store=tmp_path / "t.db", allocation="static").run()
 
@@ -85,10 +85,10 @@ def _pair(tmp_path, digits_data, groups, name, **kw):
     ev = td.evaluators.Classification(train=train, val=val, epochs=td.choice("epochs", [1, 2, 12, 40]),
                                       batch_size=96, optimizer="sgd", lr=0.05, momentum=0.9)
     out = []
-    for executor in ("inline", "process"):
-        extra = kw if executor == "process" else {}
-        exp = Experiment(MLPSpace(), ev, Groups(groups), store=tmp_path / "t.db", name=f"{name}-{executor}",
-                         verbose=False, executor=executor, workers=2, **extra)
+    for kind, executor in (("inline", td.executors.Inline()), ("process", td.executors.Process(workers=2))):
+        extra = kw if kind == "process" else {}
+        exp = Experiment(MLPSpace(), ev, Groups(groups), store=tmp_path / "t.db", name=f"{name}-{kind}",
+                         verbose=False, executor=executor, **extra)
         out.append(exp.run().trials())
     return out
 
