@@ -51,13 +51,14 @@ def evaluator(digits_data, epochs=3):
                                         lr=td.choice("lr", [0.01, 0.003]))
 
 
-def both(tmp_path, space, ev, strategy_factory, name, max_trials, **ray_kw):
-    """The same search in-process (optimize=True) and on Ray; returns the two trial lists."""
+def both(tmp_path, space, ev, strategy_factory, name, max_trials, on_ray, **ray_kw):
+    """The same search in-process (optimize=True) and on ``on_ray`` (a ``td.executors.Ray``, with the
+    experiment options ``ray_kw``); returns the two trial lists."""
     out = []
-    for executor in ("inline", "ray"):
-        kw = ray_kw if executor == "ray" else {}
+    for kind, executor in (("inline", td.executors.Inline()), ("ray", on_ray)):
+        kw = ray_kw if kind == "ray" else {}
         exp = td.Experiment(space, ev, strategy_factory(), max_trials=max_trials, seed=5, verbose=False,
-                            store=tmp_path / f"{executor}.db", name=name, executor=executor, **kw)
+                            store=tmp_path / f"{kind}.db", name=name, executor=executor, **kw)
         out.append(exp.run().trials())
     return out
 
@@ -66,7 +67,7 @@ def both(tmp_path, space, ev, strategy_factory, name, max_trials, **ray_kw):
 def test_fused_unit_is_one_ray_task_with_the_in_process_metrics(local_ray, force, digits_data, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="tridens"):
         inline, on_ray = both(tmp_path, TinyMLP(), evaluator(digits_data), td.strategy.GridSearch, "fused", 4,
-                              workers=1)
+                              td.executors.Ray(workers=1))
     assert caplog.text.count("mixed unit, one data pipeline for 2 planned units") == 2  # in-process, then on Ray
     assert_close(inline, on_ray)
     assert all(t.status is TrialStatus.COMPLETED for t in on_ray)
@@ -87,7 +88,8 @@ class StopTrial2(td.strategy.GridSearch):
 def test_stop_reaches_one_member_of_a_fused_unit(local_ray, force, digits_data, tmp_path, caplog):
     # two workers: the mixed unit is planned again as two batched units, one task each
     with caplog.at_level(logging.INFO, logger="tridens"):
-        inline, on_ray = both(tmp_path, TinyMLP(), evaluator(digits_data), StopTrial2, "stop", 4, workers=2)
+        inline, on_ray = both(tmp_path, TinyMLP(), evaluator(digits_data), StopTrial2, "stop", 4,
+                              td.executors.Ray(workers=2))
     assert "is planned again as two units for the 2 workers" in caplog.text
     assert caplog.text.count("batched unit of 2 trial(s)") == 2
     assert_close(inline, on_ray)
@@ -129,8 +131,8 @@ def test_killed_unit_worker_restarts_its_members_from_their_checkpoints(local_ra
         return strategies[-1]
 
     with caplog.at_level(logging.WARNING, logger="tridens"):
-        inline, on_ray = both(tmp_path, TinyMLP(), evaluator(digits_data), factory, "kill", 4, max_retries=1,
-                              workers=1)
+        inline, on_ray = both(tmp_path, TinyMLP(), evaluator(digits_data), factory, "kill", 4,
+                              td.executors.Ray(workers=1, max_retries=1))
     assert len(strategies[1].killed) == 1 and len(strategies[0].killed) == 0  # in-process: no worker to kill
     assert "restarting them from their last checkpoints, as separate trials" in caplog.text
     assert_close(inline, on_ray)  # batched members resumed as separate trainers: the same curves
@@ -147,7 +149,8 @@ def fluid_pair(tmp_path, digits_data, group, name, allocation):
     train, val = digits_data
     ev = td.evaluators.Classification(train=train, val=val, epochs=td.choice("epochs", [1, 2, 12]),
                                       batch_size=96, optimizer="adam", lr=0.01)
-    return both(tmp_path, MLPSpace(), ev, lambda: Groups([group]), name, None, workers=2, allocation=allocation)
+    return both(tmp_path, MLPSpace(), ev, lambda: Groups([group]), name, None, td.executors.Ray(workers=2),
+                allocation=allocation)
 
 
 def test_static_fluid_shares_are_the_ray_tasks_resource_requests(local_ray, digits_data, tmp_path, caplog):
