@@ -260,11 +260,9 @@ def test_adaptive_units_on_ray(monkeypatch, data, tmp_path, caplog):
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
         runs = []
-        for executor in ("inline", "ray"):
-            kw = {"workers": 1} if executor == "ray" else {}
+        for kind, executor in (("inline", td.executors.Inline()), ("ray", td.executors.Ray(workers=1))):
             exp = td.Experiment(TinyMLP(), ev, td.strategy.GridSearch(), max_trials=4, seed=5, verbose=False,
-                                store=tmp_path / f"{executor}.db", name="adaptive", executor=executor, optimize=settings,
-                                **kw)
+                                store=tmp_path / f"{kind}.db", name="adaptive", executor=executor, optimize=settings)
             with caplog.at_level(logging.INFO, logger="tridens"):
                 runs.append(exp.run().trials())
     finally:
