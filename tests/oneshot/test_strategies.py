@@ -229,7 +229,7 @@ def test_a_user_loop_evaluator_is_refused(tmp_path):
 def test_experiment_options_a_one_shot_search_does_not_apply_are_named(tmp_path, evaluator, caplog):
     caplog.set_level("WARNING", logger="tridens")
     td.Experiment(DigitsCNN(), evaluator, td.oneshot.RandomOneShot(samples=2, population=2),
-                  store=tmp_path / "t.db", verbose=False, max_duration=600, executor="process",
+                  store=tmp_path / "t.db", verbose=False, max_duration=600, executor=td.executors.Process(),
                   trial_timeout=60).run()
     ignored = [r.getMessage() for r in caplog.records if "is not applied to a one-shot search" in r.getMessage()]
     assert [m.split("=")[0] for m in ignored] == ["one-shot: max_duration", "one-shot: executor", "one-shot: trial_timeout"]
