@@ -91,14 +91,15 @@ def test_nan_loss_fails_the_trial(tmp_path, digits_data):
     assert all("loss" in t.error.lower() for t in failed)
 
 
+@pytest.mark.slow
 def test_process_executor_matches_inline_and_enforces_timeout(tmp_path):
     ev = td.evaluators.FunctionalEvaluator(score_by_width, scale=td.choice("scale", [1.0]))
     inline = _run(tmp_path, TinyMLP(), ev, td.strategy.GridSearch(), name="inline", max_trials=2)
     proc = _run(tmp_path, TinyMLP(), ev, td.strategy.GridSearch(), name="proc", max_trials=2,
-                executor="process", workers=2)
+                executor=td.executors.Process(workers=2))
     assert [(t.sample, t.metrics, t.metric) for t in inline.trials()] == [(t.sample, t.metrics, t.metric) for t in proc.trials()]
     slow = _run(tmp_path, TinyMLP(), td.evaluators.FunctionalEvaluator(sleep_on_hidden_8), td.strategy.GridSearch(),
-                name="slow", max_trials=2, executor="process", workers=2, trial_timeout=5)
+                name="slow", max_trials=2, executor=td.executors.Process(workers=2), trial_timeout=5)
     by_hidden = {t.sample["hidden"]: t for t in slow.trials()}
     assert by_hidden[8].status is TrialStatus.FAILED and "trial_timeout" in by_hidden[8].error
     assert by_hidden[4].status is TrialStatus.COMPLETED
