@@ -28,6 +28,9 @@ class _FlatLayout:
         self.sizes = [p.numel() for p in params]
         self.rows = params[0].shape[0]
         self.like = params[0]
+        # each element's model (row): per-model values become a vector with one gather
+        self.model_index = torch.cat([torch.arange(self.rows, device=self.like.device).repeat_interleave(size // self.rows)
+                                      for size in self.sizes])
         # an update is written here and added to the parameters through these views (made once)
         self.update = torch.empty(sum(self.sizes), dtype=self.like.dtype, device=self.like.device)
         self.update_views = self.views(self.update)
@@ -42,8 +45,7 @@ class _FlatLayout:
 
     def per_model(self, values: Sequence[float]) -> torch.Tensor:
         """Per-model scalars repeated over each model's elements of every parameter."""
-        row = torch.tensor(values, dtype=self.like.dtype, device=self.like.device)
-        return torch.cat([row.repeat_interleave(size // self.rows) for size in self.sizes])
+        return torch.tensor(values, dtype=self.like.dtype, device=self.like.device).index_select(0, self.model_index)
 
     def per_parameter(self, values: Sequence[float]) -> torch.Tensor:
         """Per-parameter scalars repeated over each parameter's elements."""
