@@ -260,7 +260,10 @@ def test_a_trial_that_kills_its_process_fails_and_the_run_goes_on(kind, tmp_path
     assert all(by_x[x].status is TrialStatus.COMPLETED and by_x[x].metric == x for x in (0, 1, 3))
 
 
-@pytest.mark.parametrize("kind", SLOW_RAY)
+# inline: tests/cli/test_cli.py::test_kill_then_resume_completes_the_budget_without_retraining kills an
+# inline driver and resumes it in the default run
+@pytest.mark.parametrize("kind", [pytest.param("inline", marks=pytest.mark.slow), "process",
+                                  pytest.param("ray", marks=pytest.mark.slow)])
 def test_kill_9_of_the_driver_then_resume_loses_and_repeats_nothing(kind, tmp_path):
     store = tmp_path / "slow.db"
     proc = start_script(kind, store, "slow")

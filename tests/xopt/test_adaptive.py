@@ -247,6 +247,7 @@ def test_cheap_structure_keys(data):
     assert bytes_ > 0 and flops == 3 * 2 * 64 * (64 * 16 + 16 * 10)
 
 
+@pytest.mark.slow  # the default run has adaptive units on Ray in test_executor_conformance's Ray cases
 def test_adaptive_units_on_ray(monkeypatch, data, tmp_path, caplog):
     """On Ray the worker decides (the driver sends mode "auto"); checkpoints are taken from what
     the groups became (separate trainers after fused steps here); metrics as in-process."""
