@@ -14,6 +14,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from importlib import metadata
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -146,3 +147,70 @@ def _fmt(v: Any) -> str:
             return "-"
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
     return str(v)
+
+
+class ProcessTreeClock:
+    """CPU-seconds of this process and of every descendant seen, sampled every ``interval`` s by a
+    daemon thread: each descendant counts with the CPU it had when last seen, so a worker that exits
+    before the end (a Ray worker whose trial is done) keeps what it spent -- a sum over the live tree
+    alone would drop it; at most ``interval`` s of CPU per exiting process is missed. The samples
+    (wall, CPU) place events known only by their wall time on the CPU axis (:meth:`cpu_at`).
+    """
+
+    def __init__(self, interval: float = 0.1):
+        import threading
+
+        import psutil
+
+        self._psutil = psutil
+        self.proc = psutil.Process()
+        self.interval = interval
+        self.last: dict[int, float] = {}
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def cpu(self) -> float:
+        """CPU-seconds so far: this process plus every descendant as last seen."""
+        for child in self.proc.children(recursive=True):
+            try:
+                t = child.cpu_times()
+                self.last[child.pid] = t.user + t.system
+            except self._psutil.Error:
+                pass
+        own = self.proc.cpu_times()
+        return own.user + own.system + sum(self.last.values())
+
+    def mark(self) -> tuple[float, float]:
+        sample = (time.time(), self.cpu())
+        self.samples.append(sample)
+        return sample
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.mark()
+
+    def start(self) -> "ProcessTreeClock":
+        self.mark()
+        self._thread.start()
+        return self
+
+    def stop(self) -> tuple[float, float]:
+        """Stop sampling; the last sample (wall, CPU)."""
+        self._stop.set()
+        self._thread.join()
+        return self.mark()
+
+    def elapsed_cpu(self) -> float:
+        """CPU-seconds between the first and the last sample."""
+        return self.samples[-1][1] - self.samples[0][1]
+
+    def cpu_at(self, wall: float) -> float:
+        """CPU-seconds at wall time ``wall`` (linear between the samples around it)."""
+        s = self.samples
+        if wall <= s[0][0]:
+            return s[0][1]
+        for (w0, c0), (w1, c1) in zip(s, s[1:]):
+            if w0 <= wall <= w1:
+                return c0 + (c1 - c0) * (wall - w0) / max(w1 - w0, 1e-9)
+        return s[-1][1]

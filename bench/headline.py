@@ -25,7 +25,8 @@ trials at once as cores). tridens decides its threads itself (today: torch's def
 
 Measured per run, every system in a fresh process: wall and **CPU-seconds of the whole process
 tree** (the driver, and Ray's raylet, GCS and workers, sampled with psutil every 0.25 s and read
-exactly at the end), from the start of the search (after imports, data loading and, for Ray,
+exactly at the end; each process counts with what it had spent when last seen, so a worker that
+exits before the end still counts: ``_common.ProcessTreeClock``), from the start of the search (after imports, data loading and, for Ray,
 ``ray.init``: reported apart) to its end; each trial's end (wall clock) and final validation
 accuracy, from which the **CPU-seconds until the best-so-far is within 0.5 points of the best
 accuracy any system reached in that round**; the best accuracy; the trials' training FLOPs
@@ -54,7 +55,6 @@ import math
 import os
 import sys
 import tempfile
-import threading
 import time
 from typing import Any, Callable
 
@@ -249,62 +249,6 @@ def load_backbone(path: str) -> None:
 
 
 # -- measuring -----------------------------------------------------------------------------------------
-class TreeClock:
-    """CPU-seconds of this process and every descendant (live ones through psutil, reaped ones
-    through RUSAGE_CHILDREN of their parents), sampled every ``interval`` s by a daemon thread so
-    that events known only by their wall time can be placed on the CPU axis."""
-
-    def __init__(self, interval: float = 0.25):
-        import psutil
-
-        self._psutil = psutil
-        self.proc = psutil.Process()
-        self.interval = interval
-        self.samples: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def cpu(self) -> float:
-        t = self.proc.cpu_times()
-        total = t.user + t.system + t.children_user + t.children_system
-        for child in self.proc.children(recursive=True):
-            try:
-                c = child.cpu_times()
-                total += c.user + c.system + c.children_user + c.children_system
-            except self._psutil.Error:
-                pass
-        return total
-
-    def mark(self) -> tuple[float, float]:
-        sample = (time.time(), self.cpu())
-        self.samples.append(sample)
-        return sample
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.mark()
-
-    def start(self) -> "TreeClock":
-        self.mark()
-        self._thread.start()
-        return self
-
-    def stop(self) -> tuple[float, float]:
-        self._stop.set()
-        self._thread.join()
-        return self.mark()
-
-    def cpu_at(self, wall: float) -> float:
-        """CPU-seconds at wall time ``wall`` (linear between the samples around it)."""
-        s = self.samples
-        if wall <= s[0][0]:
-            return s[0][1]
-        for (w0, c0), (w1, c1) in zip(s, s[1:]):
-            if w0 <= wall <= w1:
-                return c0 + (c1 - c0) * (wall - w0) / max(w1 - w0, 1e-9)
-        return s[-1][1]
-
-
 def peak_matmul_rate() -> float:
     """FLOPs per CPU-second of a 1024x1024 fp32 matmul on ONE thread (best of 10)."""
     threads = torch.get_num_threads()
@@ -406,7 +350,7 @@ class Events:
 EVENTS: dict[str, Events] = {}  # "ray": where Tune's callback (pickled with the run, so holding no state) records
 
 
-def run_tridens(workload: str, data: tuple[Any, Any], epochs: int, trials: int, seed: int, clock: TreeClock,
+def run_tridens(workload: str, data: tuple[Any, Any], epochs: int, trials: int, seed: int, clock: C.ProcessTreeClock,
                 events: Events, *, optimize: bool) -> dict[str, Any]:
     train, val = data
     bs = BATCH[workload]
@@ -447,7 +391,7 @@ def run_tridens(workload: str, data: tuple[Any, Any], epochs: int, trials: int, 
     return {"wall": wall, "end": end}
 
 
-def run_optuna(workload: str, data: tuple[Any, Any], epochs: int, trials: int, seed: int, clock: TreeClock,
+def run_optuna(workload: str, data: tuple[Any, Any], epochs: int, trials: int, seed: int, clock: C.ProcessTreeClock,
                events: Events) -> dict[str, Any]:
     import optuna
 
@@ -514,7 +458,7 @@ def _ray_trainable(config: dict[str, Any], workload: str = "", tensors: Any = No
     fit(workload, config, tensors, epochs, report, seed=seed)
 
 
-def run_ray(workload: str, data: tuple[Any, Any], epochs: int, trials: int, seed: int, clock: TreeClock,
+def run_ray(workload: str, data: tuple[Any, Any], epochs: int, trials: int, seed: int, clock: C.ProcessTreeClock,
             events: Events) -> dict[str, Any]:
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     import ray
@@ -597,7 +541,7 @@ def one(system: str, workload: str, size: str, overrides: dict[str, int], seed: 
         load_backbone(backbone)
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # the first optimizer imports torch._dynamo: not timed
     peak = peak_matmul_rate()
-    clock, events = TreeClock(), Events()
+    clock, events = C.ProcessTreeClock(interval=0.25), Events()
     if system.startswith("tridens"):
         out = run_tridens(workload, data, epochs, trials, seed, clock, events, optimize=system != "tridens-noopt")
     elif system == "optuna":

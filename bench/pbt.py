@@ -19,7 +19,7 @@ resampled with probability 0.25, else multiplied by 0.8 or 1.2.
 Each run is its own process (``OMP_NUM_THREADS=1``), rounds interleaved (tridens, ray, ray,
 tridens, ...). Measured from the start of the search (after imports, data loading and
 ``ray.init``) to its end: wall time and CPU-seconds -- tridens: ``time.process_time()`` of its one
-process; Ray: the whole process tree (driver, raylet, GCS, agents, workers) by :class:`PidClock`
+process; Ray: the whole process tree (driver, raylet, GCS, agents, workers) by :class:`_common.ProcessTreeClock`
 (psutil every 0.1 s, each process counted with what it had spent when last seen, so workers that
 exit before the end still count) -- and the best final validation accuracy of the population.
 
@@ -46,68 +46,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
 
 import tridens as td  # noqa: E402
+from _models import SmallCNN  # noqa: E402
+from _common import ProcessTreeClock  # noqa: E402
 
 LR, MOMENTUM = (1e-3, 0.5), (0.0, 0.95)
 BATCH = 64
-
-
-class PidClock:
-    """CPU-seconds of this process and of every descendant seen, sampled every ``interval`` s: each
-    process counts with the CPU it had when last seen, so a Ray worker that exits before the end
-    (its trial done) keeps what it spent (a sum over the live tree alone would drop it; at most
-    ``interval`` s of CPU per exiting process is missed)."""
-
-    def __init__(self, interval: float = 0.1):
-        import psutil
-        import threading
-
-        self._psutil = psutil
-        self.proc = psutil.Process()
-        self.interval = interval
-        self.last: dict[int, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _sample(self) -> float:
-        for child in self.proc.children(recursive=True):
-            try:
-                t = child.cpu_times()
-                self.last[child.pid] = t.user + t.system
-            except self._psutil.Error:
-                pass
-        own = self.proc.cpu_times()
-        return own.user + own.system + sum(self.last.values())
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._sample()
-
-    def start(self) -> float:
-        self.begin = self._sample()
-        self._thread.start()
-        return self.begin
-
-    def stop(self) -> float:
-        """CPU-seconds since :meth:`start`."""
-        self._stop.set()
-        self._thread.join()
-        return self._sample() - self.begin
-
-
-class SmallCNN(td.nn.ModelSpace):
-    """A fixed architecture: the search is over lr and momentum only."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1),
-                                      nn.ReLU(), nn.MaxPool2d(2))
-        self.head = nn.Linear(32 * 4 * 4, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x).flatten(1))
 
 
 def run_tridens(population: int, epochs: int, interval: int, seed: int) -> dict[str, Any]:
@@ -171,6 +116,9 @@ def run_ray(population: int, epochs: int, interval: int, seed: int) -> dict[str,
 
     train, val = td.datasets.digits()
     tensors = (*train.tensors, *val.tensors)
+    import _models
+
+    ray.cloudpickle.register_pickle_by_value(_models)  # the trainable's SmallCNN travels with it: workers lack bench/
     ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     scheduler = tune.schedulers.PopulationBasedTraining(
         time_attr="training_iteration", perturbation_interval=interval, quantile_fraction=0.25,
@@ -178,7 +126,7 @@ def run_ray(population: int, epochs: int, interval: int, seed: int) -> dict[str,
         hyperparam_mutations={"lr": tune.loguniform(*LR), "momentum": tune.uniform(*MOMENTUM)})
     random.seed(seed)  # what the scheduler's explore and Tune's sampling draw from
     np.random.seed(seed)
-    clock = PidClock()
+    clock = ProcessTreeClock()
     try:
         with tempfile.TemporaryDirectory() as d:
             tuner = tune.Tuner(
@@ -193,7 +141,8 @@ def run_ray(population: int, epochs: int, interval: int, seed: int) -> dict[str,
             t0 = time.perf_counter()
             results = tuner.fit()
             wall = time.perf_counter() - t0
-            cpu = clock.stop()
+            clock.stop()
+            cpu = clock.elapsed_cpu()
             best = max(r.metrics["val_acc"] for r in results if r.metrics and "val_acc" in r.metrics)
     finally:
         ray.shutdown()

@@ -42,27 +42,14 @@ import time
 from typing import Any
 
 import torch
-from torch import nn
 
 import tridens as td
+from _models import SmallCNN
 
 GRID = {"epochs": [6, 9, 12, 15, 18], "milestones": [[3], [6], [3, 9], [6, 12]], "gamma": [0.1, 0.2, 0.5]}
 QUICK = {"epochs": [4, 8], "milestones": [[2], [4], [2, 6]], "gamma": [0.1, 0.5]}
 STUDY1 = {"epochs": [6, 12], "milestones": [[3], [3, 9]], "gamma": [0.1, 0.2, 0.5]}
 QUICK_STUDY1 = {"epochs": [4], "milestones": [[2], [2, 6]], "gamma": [0.1, 0.5]}
-
-
-class SmallCNN(td.nn.ModelSpace):
-    """A fixed architecture: the search is over its training schedule only."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1),
-                                      nn.ReLU(), nn.MaxPool2d(2))
-        self.head = nn.Linear(32 * 4 * 4, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x).flatten(1))
 
 
 def evaluator(grid: dict[str, list[Any]]) -> td.evaluators.Classification:
