@@ -33,7 +33,7 @@ def big_store(tmp_path_factory):
                 acc = 0.5 + 0.3 * (width / 64) + 0.1 * (op == "conv") - 0.2 * abs(math.log10(lr) + 2) / 2 + rng.gauss(0, 0.02)
                 curve = [acc * (s + 1) / 3 for s in range(3)]
                 trial = Trial(id=-1, sample={"width": width, "op": op, "lr": lr}, seed=i, status=status,
-                              fingerprint=f"fp{width}{op}", info={"params": width * 100, "train_seconds": 0.5},
+                              fingerprint=f"fp{width}{op}", info={"params": width * 100, "flops": width * 2000, "train_seconds": 0.5},
                               group=i // 16, started_at=1000.0 + i, metrics={"val_acc": curve, "loss": [1 - c for c in curve]})
                 if status in (TrialStatus.COMPLETED, TrialStatus.STOPPED):
                     trial.metric, trial.finished_at = curve[-1], 1001.0 + i
@@ -59,7 +59,9 @@ def test_pages_of_ten_thousand_trials(big_store):
     assert [r["number"] for r in page["rows"]] == list(range(50))
     row = page["rows"][0]
     assert set(row["sample"]) == {"width", "op", "lr"} and row["params"] == row["sample"]["width"] * 100
-    assert row["epochs"] == 3 and row["seed"] == 0
+    assert row["epochs"] == 3 and row["seed"] == 0 and row["flops"] == row["sample"]["width"] * 2000
+    by_flops = client.get("/api/experiments/big/trials?sort=flops&desc=1&limit=500").json()["rows"]
+    assert all(r["flops"] == 128_000 for r in by_flops)  # the widest first
 
     tail = client.get("/api/experiments/big/trials?offset=9990&limit=50").json()
     assert [r["number"] for r in tail["rows"]] == list(range(9990, N))
@@ -129,7 +131,8 @@ def test_pareto_front_and_relations(tmp_path):
     assert on_front == {0, 1, 4}  # (0.85, 400) is dominated by (0.9, 300); (0.7, 100) by (0.8, 100)
     plan = client.get("/api/experiments/mo/plan").json()
     assert plan["relations"] == [{"trial": 5, "id": child.id, "parent": 0, "warm_start": {"parent": 1, "score": 0.75},
-                                  "inherit": None, "duplicate_of": None, "unit": None, "oneshot": None}]
+                                  "inherit": None, "duplicate_of": None, "unit": None, "oneshot": None, "exploits": []}]
+    assert plan["units"] == [] and plan["saved_seconds"] is None
     trial = client.get("/api/experiments/mo/trials/0").json()
     assert trial["children"] == [5] and trial["metrics"]["val_acc"]["values"] == [0.9]
 
@@ -181,3 +184,67 @@ def test_one_shot_supernet_curves_and_scored_subnets(tmp_path):
     assert [s["id"] for s in view["supernets"]] == [supernet.id]
     assert view["supernets"][0]["metrics"]["train_loss"] == {"steps": [0, 1, 2], "values": [2.1, 1.4, 0.9]}
     assert [(s["sample"], s["metric"]) for s in view["subnets"]] == [({"width": 16}, 0.81), ({"width": 32}, 0.86)]
+
+
+def test_plan_units_and_their_savings(tmp_path):
+    """Units as the planner records them (``info["unit"]``, ``info["stages"]``): a stage tree's
+    saving from its epochs against its trials' epochs, a fused unit's from a recorded speed-up,
+    nothing where the store cannot tell."""
+    db = tmp_path / "plan.db"
+    tree = {"kind": "stage tree", "trials": [], "shared": ["training prefixes"], "reason": "shared prefixes"}
+    with Store(db) as store:
+        store.create_experiment("plan", {"objective": {"metric": "val_acc", "mode": "max"}})
+        ids = [store.add_trial("plan", Trial(id=-1, sample={"lr": i}, seed=0)).id for i in range(6)]
+        tree["trials"] = ids[:3]
+        # a tree of 3 trials of 3 epochs: node a (epochs 0-1) for all, then b (1-3) for two, c (1-3) for one
+        paths = [[["a", None, 0], ["b", "a", 1]], [["a", None, 0], ["b", "a", 1]], [["a", None, 0], ["c", "a", 1]]]
+        fused = {"kind": "batched", "trials": ids[3:5], "shared": ["one data pipeline"], "speedup": 2.5}
+        separate = {"kind": "separate", "trials": ids[5:], "shared": []}
+        units = [(tree, paths[0]), (tree, paths[1]), (tree, paths[2]), (fused, None), (fused, None), (separate, None)]
+        for tid, (unit, path) in zip(ids, units):
+            trial = store.trial(tid)
+            trial.status, trial.metric, trial.metrics = TrialStatus.COMPLETED, 0.5, {"val_acc": [0.3, 0.4, 0.5]}
+            trial.info.update({"unit": unit, "train_seconds": 1.0, **({"stages": path} if path else {})})
+            store.update_trial(trial)
+            for step, value in enumerate(trial.metrics["val_acc"]):
+                store.add_metrics(tid, step, {"val_acc": value})
+    plan = starlette_testclient.TestClient(create_app(db)).get("/api/experiments/plan/plan").json()
+    by_kind = {u["kind"]: u for u in plan["units"]}
+    assert [u["kind"] for u in plan["units"]] == ["stage tree", "batched", "separate"]
+    assert by_kind["stage tree"]["trials"] == [0, 1, 2] and by_kind["stage tree"]["train_seconds"] == 3.0
+    assert (by_kind["stage tree"]["epochs_trained"], by_kind["stage tree"]["trial_epochs"]) == (5, 9)
+    assert math.isclose(by_kind["stage tree"]["saved_seconds"], 3.0 * (9 - 5) / 5)
+    assert math.isclose(by_kind["batched"]["saved_seconds"], 2.0 * 1.5)  # 2 s fused at 2.5x: 5 s apart
+    assert by_kind["separate"]["saved_seconds"] is None
+    assert math.isclose(plan["saved_seconds"], 2.4 + 3.0) and plan["units_recorded"] is True
+
+
+def test_stage_tree_of_a_real_grid(tmp_path):
+    """A grid over step-schedule milestones and decay trains as one stage tree; the API gives it
+    back as the store holds it: one root, every other stage below it, the trials of each."""
+    from tests.interfaces.views_search import FixedNet
+
+    import tridens as td
+
+    train, val = td.datasets.digits()
+    evaluator = td.evaluators.Classification(train, val, batch_size=128, lr=0.05, schedule="step", epochs=3,
+                                             milestones=td.choice("milestones", [[1], [2]]),
+                                             gamma=td.choice("gamma", [0.1, 0.5]))
+    db = tmp_path / "tree.db"
+    td.Experiment(FixedNet(), evaluator, td.strategy.GridSearch(batch_size=16), store=db, name="tree",
+                  seeds="per-architecture", verbose=False).run()
+    client = starlette_testclient.TestClient(create_app(db))
+    tree = client.get("/api/experiments/tree/stages").json()
+    stages = tree["stages"]
+    roots = [s for s in stages if s["parent"] is None]
+    assert len(roots) == 1 and roots[0]["epochs"] == [0, 1] and sorted(roots[0]["trials"]) == [0, 1, 2, 3]
+    assert tree["total"] == len(stages) and tree["epochs_here"] == sum(s["epochs"][1] - s["epochs"][0] for s in stages)
+    assert tree["epochs_here"] < 4 * 3 and tree["epochs_reused"] == 0  # fewer epochs than 4 trials alone
+    assert all(s["status"] == "done" and s["checkpoint"] and s["lr"] for s in stages)
+    ids = {s["id"] for s in stages}
+    assert all(s["parent"] in ids for s in stages if s is not roots[0])
+    unit = client.get("/api/experiments/tree/plan").json()["units"]
+    assert [u["kind"] for u in unit] == ["stage tree"] and unit[0]["epochs_trained"] == tree["epochs_here"]
+    assert unit[0]["trial_epochs"] == 12 and unit[0]["saved_seconds"] > 0
+    assert client.get("/api/experiments/tree/stages").status_code == 200
+    assert client.get("/api/experiments/nope/stages").status_code == 404

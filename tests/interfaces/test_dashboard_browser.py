@@ -1,6 +1,8 @@
 """The dashboard in a real headless browser (Debian's chromium through Selenium): the pages load,
 the table shows a real experiment's trials, a learning curve draws, and a trial written by a
-running experiment appears without a reload. Screenshots of each page go to the test's tmp dir."""
+running experiment appears without a reload; the plan, the stage tree, stopped and promoted
+curves and a one-shot run drawn from real searches. Screenshots of each page and view go to the
+test's tmp dir (``screenshots/``; the path is printed)."""
 
 import shutil
 import subprocess
@@ -10,6 +12,9 @@ from pathlib import Path
 import pytest
 
 from tridens.dashboard import Server
+from tridens.store import Store
+
+from . import views_search
 
 webdriver = pytest.importorskip("selenium.webdriver")
 
@@ -74,6 +79,9 @@ def test_dashboard_pages_in_chromium(browser, tiny_copy, tmp_path):
         _wait(browser, lambda d: d.execute_script(
             "const p = document.getElementById('parcoords'); return p.data && p.data[0].type === 'parcoords'"))
         browser.save_screenshot(str(shots / "experiment.png"))
+        _wait(browser, lambda d: d.execute_script(
+            "return document.querySelectorAll('#scatters .scatter .scatterlayer .trace').length === 2"))
+        _section_shot(browser, "hyperparameters", shots / "experiment-hyperparameters.png")
 
         # a running experiment adds a trial: it appears without a reload
         browser.execute_script("window.notReloaded = true")
@@ -89,12 +97,95 @@ def test_dashboard_pages_in_chromium(browser, tiny_copy, tmp_path):
         assert browser.find_element("id", "total").text == "5"
         browser.save_screenshot(str(shots / "experiment-new-trial.png"))
 
+        # sorting and filtering in the page: by the objective, by status, by a label's value
+        with Store(tiny_copy, readonly=True) as store:
+            trials = sorted(store.trials("tiny"), key=lambda t: t.id)
+        browser.find_element("css selector", "#trials-table th[data-sort=metric]").click()
+        best_first = [str(i) for i, _ in sorted(enumerate(trials), key=lambda p: (-p[1].metric, p[1].id))]
+        _wait(browser, lambda d: [r[0] for r in _rows(d)] == best_first)
+        browser.find_element("css selector", "#status-filter input[value=stopped]").click()
+        _wait(browser, lambda d: _rows(d) == [] and d.find_element("id", "total").text == "0")
+        browser.find_element("css selector", "#status-filter input[value=stopped]").click()
+        hidden = trials[0].sample["hidden"]
+        from selenium.webdriver.support.ui import Select
+        Select(browser.find_element("id", "label-filter-label")).select_by_value("hidden")
+        browser.find_element("id", "label-filter-value").send_keys(str(hidden))
+        browser.find_element("xpath", "//button[text()='add filter']").click()
+        wanted = sorted((str(i) for i, t in enumerate(trials) if t.sample["hidden"] == hidden),
+                        key=lambda n: (-trials[int(n)].metric, int(n)))
+        _wait(browser, lambda d: [r[0] for r in _rows(d)] == wanted)
+        assert all(f"hidden={hidden}," in r[2] for r in _rows(browser))
+
         browser.get(server.url + "/experiments/tiny/trials/4")
         _wait(browser, lambda d: len(d.find_elements("css selector", "#trial-metrics tr")) == 4
               and d.find_elements("id", "graph-text"))
         assert "Linear" in browser.find_element("id", "graph-text").text
         assert "completed" in browser.find_element("id", "trial-facts").text
         browser.save_screenshot(str(shots / "trial.png"))
-    for name in ("experiments", "experiment", "experiment-new-trial", "trial"):
+    for name in ("experiments", "experiment", "experiment-hyperparameters", "experiment-new-trial", "trial"):
         assert (shots / f"{name}.png").stat().st_size > 10_000
+    print(f"screenshots in {shots}")
+
+
+def _section_shot(driver, section_id, path):
+    """A screenshot of one section of the page (scrolled into view)."""
+    element = driver.find_element("id", section_id)
+    driver.execute_script("arguments[0].scrollIntoView()", element)
+    element.screenshot(str(path))
+    assert path.stat().st_size > 5_000
+
+
+@pytest.fixture(scope="module")
+def views_store(tmp_path_factory):
+    """The plan/stage-tree/ASHA/one-shot searches of :mod:`views_search`, run for real."""
+    db = tmp_path_factory.mktemp("views") / "views.db"
+    views_search.build(db)
+    return db
+
+
+def test_plan_stage_tree_and_promoted_curves_in_chromium(browser, views_store, tmp_path):
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    with Server(views_store, port=0) as server:
+        browser.get(server.url + "/")
+        _wait(browser, lambda d: len(d.find_elements("css selector", "#experiments-table tbody tr")) == 3)
+        browser.save_screenshot(str(shots / "experiments.png"))
+
+        browser.get(server.url + "/experiments/stages")
+        _wait(browser, lambda d: d.find_elements("css selector", "#plan-units tr[data-kind='stage tree']")
+              and d.find_elements("css selector", "#stage-tree li"))
+        unit = browser.find_element("css selector", "#plan-units tr[data-kind='stage tree']").text
+        assert "#0 #1 #2 #3 #4 #5 #6 #7" in unit and "/ 20" in unit  # the tree's epochs against 20 trial-epochs alone
+        cells = browser.find_elements("css selector", "#plan-units tr[data-kind='stage tree'] td")
+        assert float(cells[-1].text) > 0  # the seconds it saved, estimated
+        assert "saved by the plan (estimate): " in browser.find_element("id", "plan-totals").text
+        stages = browser.execute_script("return [...document.querySelectorAll('#stage-tree li')].map(li => li.dataset.stage)")
+        nested = browser.execute_script("return document.querySelectorAll('#stage-tree li li').length")
+        assert len(stages) == 8 and nested == 7  # one root stage, the others forked below it
+        assert "8 stages · 8 epoch(s) trained here" in browser.find_element("id", "stage-totals").text
+        _section_shot(browser, "plan-section", shots / "plan.png")
+        _section_shot(browser, "stages-section", shots / "stage-tree.png")
+
+        browser.get(server.url + "/experiments/asha")
+        _wait(browser, lambda d: d.execute_script(
+            "const c = document.getElementById('curves'); return c.data && c.data.length === 5"))
+        traces = browser.execute_script(
+            "return document.getElementById('curves').data.map(t => [t.name, t.line.dash, t.marker.symbol])")
+        stopped = [t for t in traces if "(stopped" in t[0]]
+        promoted = [t for t in traces if "promoted at step 0" in t[0]]
+        assert stopped and all(t[1] == "dash" and t[2][-1] == "x" for t in stopped)
+        assert promoted and all(t[1] == "solid" and t[2][0] == "triangle-up" for t in promoted)
+        _section_shot(browser, "learning-curves", shots / "curves-stopped-promoted.png")
+
+        browser.get(server.url + "/experiments/oneshot")
+        _wait(browser, lambda d: d.find_elements("css selector", "#subnets tr")
+              and d.execute_script("const p = document.getElementById('supernet-curves'); return p && p.data && p.data.length > 0"))
+        subnets = browser.find_elements("css selector", "#subnets tr")
+        assert len(subnets) == 5  # the header and the 4 scored subnets
+        assert all("hidden=" in r.text and "act=" in r.text for r in subnets[1:])
+        assert [r.find_element("tag name", "a").text for r in subnets[1:]] == ["#1", "#2", "#3", "#4"]
+        assert browser.execute_script("return document.getElementById('supernet-curves').data[0].y.length") == 3
+        _section_shot(browser, "oneshot-section", shots / "oneshot.png")
+    for name in ("experiments", "plan", "stage-tree", "curves-stopped-promoted", "oneshot"):
+        assert (shots / f"{name}.png").stat().st_size > 5_000
     print(f"screenshots in {shots}")

@@ -103,6 +103,9 @@ def create_app(db: str | os.PathLike[str]) -> Any:
     def plan(request: Request, name: str) -> Any:
         return reader.plan(name)
 
+    def stages(request: Request, name: str) -> Any:
+        return reader.stages(name)
+
     def oneshot(request: Request, name: str) -> Any:
         return reader.oneshot(name)
 
@@ -136,6 +139,7 @@ def create_app(db: str | os.PathLike[str]) -> Any:
         Route(prefix + "/importance", api(importance_view)),
         Route(prefix + "/pareto", api(pareto_view)),
         Route(prefix + "/plan", api(plan)),
+        Route(prefix + "/stages", api(stages)),
         Route(prefix + "/oneshot", api(oneshot)),
     ]
     app = Starlette(routes=routes)

@@ -49,6 +49,21 @@ def _json_path(label: str) -> str:
     return '$."' + label.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _tree_epochs(paths: Sequence[tuple[Sequence[Sequence[Any]], int]]) -> tuple[int, int]:
+    """Epochs a stage tree trained, and the trial-epochs its trials would have trained alone, from
+    each trial's stage path (``[node, parent, first epoch]`` per stage) and its epoch count: a
+    node spans from its first epoch to the furthest any trial went on in it."""
+    spans: dict[str, tuple[int, int]] = {}
+    alone = 0
+    for path, epochs in paths:
+        alone += epochs
+        for i, (node, _, first) in enumerate(path):
+            end = path[i + 1][2] if i + 1 < len(path) else epochs
+            low, high = spans.get(str(node), (int(first), int(first)))
+            spans[str(node)] = (min(low, int(first)), max(high, int(end)))
+    return sum(high - low for low, high in spans.values()), alone
+
+
 def _finite(value: Any) -> Any:
     """JSON has no NaN or infinity: such a float becomes None."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -160,6 +175,7 @@ class StoreReader:
             "SELECT DISTINCT m.name FROM metrics m JOIN trials t ON t.id = m.trial_id WHERE t.experiment_id = ? "
             "ORDER BY m.name", (eid,))]
         summary["best_over_time"] = self.best_over_time(eid, mode)
+        summary["stop_steps"] = self.stop_steps(eid)
         summary["config"] = json.loads(row[3])
         return summary
 
@@ -178,6 +194,13 @@ class StoreReader:
         if rows and points and points[-1]["time"] != rows[-1][0]:
             points.append({"time": rows[-1][0], "best": best, "trial": points[-1]["trial"]})
         return points
+
+    def stop_steps(self, eid: int) -> list[int]:
+        """The steps at which the strategy stopped a trial (an early-stopping rule's rungs, as the
+        store shows them): a trial whose curve goes on past one of them was promoted there."""
+        return [r[0] for r in self._rows(
+            "SELECT DISTINCT last FROM (SELECT MAX(m.step) AS last FROM metrics m JOIN trials t ON t.id = m.trial_id "
+            "WHERE t.experiment_id = ? AND t.status = 'stopped' GROUP BY m.trial_id) ORDER BY last LIMIT 100", (eid,))]
 
     def labels(self, name: str) -> list[str]:
         """Every label of the experiment's samples: the first trial's in its order, then the others
@@ -333,8 +356,10 @@ class StoreReader:
 
     def plan(self, name: str, limit: int = 200) -> dict[str, Any]:
         """What the store records of how trials were trained together: per TrialGroup its members
-        and their training seconds, the recorded unit descriptions (``info["unit"]``, when the
-        engine records one), warm starts (parent, match score), duplicates and one-shot roles."""
+        and their training seconds; the execution units (:meth:`units`: fused, shared pipeline,
+        stage tree or separate, and the training seconds each saved where the store can tell); and
+        per trial its relations: warm starts (parent, match score), inherited weights, PBT forks
+        (``exploits``), duplicates and one-shot roles."""
         eid = self._experiment_row(name)[0]
         numbers = {tid: i for i, (tid,) in enumerate(self._rows(
             "SELECT id FROM trials WHERE experiment_id = ? ORDER BY id", (eid,)))}
@@ -348,7 +373,7 @@ class StoreReader:
         for tid, parent, info_text in self._rows(
                 "SELECT id, parent, info FROM trials WHERE experiment_id = ? AND (parent IS NOT NULL OR "
                 "json_extract(info, '$.warm_start') IS NOT NULL OR json_extract(info, '$.duplicate_of') IS NOT NULL "
-                "OR json_extract(info, '$.unit') IS NOT NULL OR json_extract(info, '$.inherit') IS NOT NULL "
+                "OR json_extract(info, '$.inherit') IS NOT NULL OR json_extract(info, '$.exploits') IS NOT NULL "
                 "OR json_extract(info, '$.oneshot') IS NOT NULL) ORDER BY id DESC LIMIT ?", (eid, limit)):
             info = json.loads(info_text)
             relations.append({
@@ -356,26 +381,102 @@ class StoreReader:
                 "warm_start": info.get("warm_start"), "inherit": info.get("inherit"),
                 "duplicate_of": numbers.get(info["duplicate_of"]) if info.get("duplicate_of") is not None else None,
                 "unit": info.get("unit"), "oneshot": info.get("oneshot"),
+                "exploits": [{"epoch": e.get("epoch"), "from": e.get("from_number")} for e in info.get("exploits") or []],
             })
         relations.reverse()
         units_recorded = bool(self._rows("SELECT 1 FROM trials WHERE experiment_id = ? AND "
                                          "json_extract(info, '$.unit') IS NOT NULL LIMIT 1", (eid,)))
         total_seconds = self._rows("SELECT SUM(json_extract(info, '$.train_seconds')) FROM trials WHERE "
                                    "experiment_id = ?", (eid,))[0][0]
+        units = self.units(eid, numbers, limit)
+        saved = [u["saved_seconds"] for u in units if u["saved_seconds"] is not None]
         return {"groups": groups, "relations": relations, "units_recorded": units_recorded,
-                "train_seconds": total_seconds}
+                "train_seconds": total_seconds, "units": units, "saved_seconds": sum(saved) if saved else None}
+
+    def units(self, eid: int, numbers: Mapping[int, int], limit: int = 200) -> list[dict[str, Any]]:
+        """The execution units the planner made (``info["unit"]``, as each trial records it), the
+        latest ``limit``: kind, trials (numbers), what they shared, why, their training seconds and,
+        where the store can tell, the training seconds the unit saved (``saved_seconds``).
+
+        A stage tree's saving is estimated from the epochs it trained against the trial-epochs of
+        its trials (each trial's stage path, ``info["stages"]``), at the unit's measured seconds per
+        trained epoch; a fused unit's from its measured speed-up (``unit["speedup"]``) when
+        recorded; otherwise None (not measured)."""
+        rows = self._rows(
+            "SELECT json_extract(info, '$.unit.trials'), MIN(id), COUNT(*), SUM(json_extract(info, '$.train_seconds')) "
+            "FROM trials WHERE experiment_id = ? AND json_extract(info, '$.unit') IS NOT NULL "
+            "GROUP BY 1 ORDER BY 2 DESC LIMIT ?", (eid, limit))
+        out = []
+        for trials_json, first, count, seconds in reversed(rows):
+            members = [(tid, json.loads(info), epochs or 0) for tid, info, epochs in self._rows(
+                "SELECT t.id, t.info, (SELECT MAX(m.step) + 1 FROM metrics m WHERE m.trial_id = t.id) FROM trials t "
+                "WHERE t.experiment_id = ? AND json_extract(t.info, '$.unit.trials') = ? ORDER BY t.id LIMIT 500",
+                (eid, trials_json))]
+            unit = members[-1][1]["unit"] if members else {}
+            trained, alone, saved = None, None, None
+            if unit.get("kind") == "stage tree":
+                trained, alone = _tree_epochs([(info.get("stages") or [], epochs) for _, info, epochs in members])
+                if trained and seconds is not None:
+                    saved = seconds * (alone - trained) / trained
+            elif isinstance(unit.get("speedup"), (int, float)) and seconds is not None:
+                saved = seconds * (float(unit["speedup"]) - 1.0)
+            out.append({
+                "kind": unit.get("kind"), "trials": [numbers.get(t) for t in json.loads(trials_json or "[]")],
+                "shared": unit.get("shared") or [], "reason": unit.get("reason"), "text": unit.get("text"),
+                "batching": unit.get("batching"), "speedup": unit.get("speedup"), "recorded": count,
+                "train_seconds": seconds, "epochs_trained": trained, "trial_epochs": alone,
+                "saved_seconds": _finite(saved),
+            })
+        return out
+
+    def stages(self, name: str, limit: int = 500) -> dict[str, Any]:
+        """The stage tree the experiment's trials went through (stages it trained, and stages of
+        other experiments it started from), parents before children, at most ``limit`` stages:
+        ``{"stages": [{id, parent, label, epochs, steps, lr, batch_size, status, checkpoint,
+        experiment, trials, error}], "total", "epochs_here", "epochs_reused"}``."""
+        eid = self._experiment_row(name)[0]
+        tables = {r[0] for r in self._rows("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if "stages" not in tables:
+            return {"stages": [], "total": 0, "epochs_here": 0, "epochs_reused": 0}
+        numbers = {tid: i for i, (tid,) in enumerate(self._rows(
+            "SELECT id FROM trials WHERE experiment_id = ? ORDER BY id", (eid,)))}
+        chosen = ("SELECT DISTINCT st.stage_id FROM stage_trials st JOIN trials t ON t.id = st.trial_id "
+                  "WHERE t.experiment_id = ?")
+        total, here, reused = self._rows(
+            f"SELECT COUNT(*), SUM(CASE WHEN experiment_id = ? THEN last_epoch - first_epoch ELSE 0 END), "
+            f"SUM(CASE WHEN experiment_id IS NOT ? THEN last_epoch - first_epoch ELSE 0 END) FROM stages "
+            f"WHERE id IN ({chosen})", (eid, eid, eid))[0]
+        rows = self._rows(
+            f"SELECT s.id, s.parent, s.label, s.first_epoch, s.last_epoch, s.first_step, s.last_step, s.hyperparameters, "
+            f"s.status, s.checkpoint IS NOT NULL, e.name, s.error FROM stages s LEFT JOIN experiments e "
+            f"ON e.id = s.experiment_id WHERE s.id IN ({chosen}) ORDER BY s.id LIMIT ?", (eid, limit))
+        trials: dict[int, list[int]] = {}
+        for sid, tid in self._rows(f"SELECT stage_id, trial_id FROM stage_trials WHERE stage_id IN ({chosen}) "
+                                   "ORDER BY trial_id", (eid,)):
+            if tid in numbers:
+                trials.setdefault(sid, []).append(numbers[tid])
+        stages = []
+        for sid, parent, label, e0, e1, s0, s1, hp_text, status, has_checkpoint, experiment, error in rows:
+            hp = json.loads(hp_text)
+            stages.append({"id": sid, "parent": parent, "label": label, "epochs": [e0, e1], "steps": [s0, s1],
+                           "lr": [_finite(v) for v in hp.get("lr") or []], "batch_size": hp.get("batch_size") or [],
+                           "status": status, "checkpoint": bool(has_checkpoint), "experiment": experiment,
+                           "trials": trials.get(sid, []), "error": error})
+        return {"stages": stages, "total": total, "epochs_here": here or 0, "epochs_reused": reused or 0}
 
     def oneshot(self, name: str) -> dict[str, Any]:
         """One-shot runs: the supernet trials' curves and the scored subnets (``info["oneshot"]``)."""
         eid = self._experiment_row(name)[0]
         rows = self._rows("SELECT id, sample, metric, info, status FROM trials WHERE experiment_id = ? AND "
                           "json_extract(info, '$.oneshot') IS NOT NULL ORDER BY id", (eid,))
+        numbers = {tid: i for i, (tid,) in enumerate(self._rows(
+            "SELECT id FROM trials WHERE experiment_id = ? ORDER BY id", (eid,)))}
         supernets: list[dict[str, Any]] = []
         subnets: list[dict[str, Any]] = []
         for tid, sample, metric, info_text, status in rows:
             one = json.loads(info_text)["oneshot"]
-            entry = {"id": tid, "status": status, "sample": json.loads(sample), "metric": _finite(metric),
-                     "oneshot": one}
+            entry = {"id": tid, "number": numbers.get(tid), "status": status, "sample": json.loads(sample),
+                     "metric": _finite(metric), "oneshot": one}
             (supernets if isinstance(one, dict) and one.get("role") == "supernet" else subnets).append(entry)
         curves = self.curves([s["id"] for s in supernets])
         for s in supernets:

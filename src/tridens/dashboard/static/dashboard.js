@@ -29,6 +29,7 @@ function fmt(v) {
   if (typeof v === "number") return Number.isInteger(v) ? v.toLocaleString("en") : v.toPrecision(4);
   return typeof v === "string" ? v : JSON.stringify(v);
 }
+function fmtShort(v) { return typeof v === "number" ? String(Number(v.toPrecision(3))) : fmt(v); }
 function fmtSeconds(s) { return s === null || s === undefined ? "-" : s < 120 ? s.toFixed(1) + " s" : (s / 60).toFixed(1) + " min"; }
 function sampleText(sample) { return Object.entries(sample).map(([k, v]) => `${k}=${JSON.stringify(v)}`).join(", "); }
 function statusCell(s) { return el("td", {class: "status-" + s, text: s}); }
@@ -53,7 +54,7 @@ function poll(fn) {
   return () => { stopped = true; };
 }
 
-const layoutBase = {margin: {l: 50, r: 10, t: 10, b: 40}, font: {size: 11}, legend: {orientation: "h"}};
+const layoutBase = {margin: {l: 50, r: 10, t: 10, b: 40}, font: {size: 11}, legend: {orientation: "h", y: -0.25}};
 const config = {displaylogo: false, responsive: true};
 
 // ---------------------------------------------------------------- experiments list
@@ -118,6 +119,7 @@ function experimentPage(name) {
   const paretoNote = el("div", {class: "muted", id: "pareto-note"});
   const plan = el("div", {id: "plan"});
   const oneshot = el("div", {id: "oneshot"});
+  const stageTree = el("div", {id: "stage-tree"});
 
   function refreshTable() { tableTick().catch(err => setLive(false, err.message)); }
   const applyFilter = el("button", {text: "add filter", onclick: () => {
@@ -138,12 +140,13 @@ function experimentPage(name) {
       el("div", {class: "controls"}, "label ", labelSelect, " = ", labelValue, " ", applyFilter, " ", clearFilter, " ", filterText),
       el("div", {class: "controls"}, pager), table),
     section("learning-curves", "Learning curves", el("div", {class: "controls"}, "metric ", metricSelect,
-      el("span", {class: "muted", text: "  tick trials in the table (default: the 5 best); solid: completed, dashed + ×: stopped early, dotted: failed"})), curves),
+      el("span", {class: "muted", text: "  tick trials in the table (default: the 5 best); solid: completed, dashed + ×: stopped early, ▲: promoted past a step where others were stopped, dotted: failed"})), curves),
     section("hyperparameters", "Hyperparameters", el("h2", {text: "Parallel coordinates"}), parcoords,
       el("h2", {text: "Objective vs each label"}), scatters),
     section("importance-section", "Hyperparameter importance (optuna.importance)", el("div", {class: "controls"}, "evaluator ", evaluatorSelect), importanceNote, importance),
     section("pareto-section", "Pareto front", paretoNote, paretoPlot),
     section("plan-section", "Cross-model plan", plan),
+    section("stages-section", "Stage tree", stageTree),
     section("oneshot-section", "One-shot", oneshot));
 
   let info = null;
@@ -229,15 +232,22 @@ function experimentPage(name) {
     }
     if (!ids.length) { Plotly.react(curves, [], {...layoutBase}, config); return; }
     const data = await api(`/api/experiments/${enc(name)}/curves?ids=${ids.join(",")}&metric=${enc(state.metric)}`);
+    const stopSteps = new Set(info ? info.stop_steps : []);
     const traces = ids.filter(id => data[id] && data[id].metrics[state.metric]).map(id => {
       const c = data[id], s = c.metrics[state.metric];
       const dash = c.status === "stopped" ? "dash" : c.status === "failed" ? "dot" : "solid";
-      const symbols = s.steps.map((_, i) => c.status === "stopped" && i === s.steps.length - 1 ? "x" : "circle");
+      // promoted: went on past a step at which the strategy stopped other trials (a rung)
+      const last = s.steps[s.steps.length - 1];
+      const promotedAt = s.steps.filter(step => stopSteps.has(step) && step < last);
+      const symbols = s.steps.map((step, i) => c.status === "stopped" && i === s.steps.length - 1 ? "x"
+        : promotedAt.includes(step) ? "triangle-up" : "circle");
       const label = numbers[id] !== undefined ? "#" + numbers[id] : "id " + id;
-      return {x: s.steps, y: s.values, mode: "lines+markers", name: `${label} (${c.status})`,
-              line: {dash}, marker: {symbol: symbols, size: symbols.map(m => m === "x" ? 11 : 5)}};
+      const promoted = promotedAt.length ? `, promoted at step ${promotedAt.join(", ")}` : "";
+      return {x: s.steps, y: s.values, mode: "lines+markers", name: `${label} (${c.status}${promoted})`,
+              line: {dash}, marker: {symbol: symbols, size: symbols.map(m => m === "circle" ? 5 : 11)}};
     });
-    Plotly.react(curves, traces, {...layoutBase, xaxis: {title: {text: "step (epoch)"}}, yaxis: {title: {text: state.metric}}}, config);
+    Plotly.react(curves, traces, {...layoutBase, margin: {...layoutBase.margin, b: 70}, showlegend: true,
+      xaxis: {title: {text: "step (epoch)"}}, yaxis: {title: {text: state.metric}}}, config);
   }
 
   // Hyperparameter views, importance, Pareto front and plan: when trials finished, at most every 10 s.
@@ -287,20 +297,35 @@ function experimentPage(name) {
 
   async function planTick() {
     const p = await api(`/api/experiments/${enc(name)}/plan`);
+    const nums = (list) => list.map(n => n === null ? "?" : "#" + n).join(" ");
+    const secs = (v) => v === null || v === undefined ? "-" : v.toFixed(2);
     const note = p.units_recorded ? "" :
-      "This store records no execution-unit plan (which trials trained fused or shared a pipeline, and the CPU-seconds saved); shown: the TrialGroups, their training seconds, and warm starts, parents and duplicates as recorded.";
+      "This store records no execution units (which trials trained fused or shared a pipeline); shown: the TrialGroups, their training seconds, and warm starts, parents and duplicates as recorded.";
+    const units = el("table", {id: "plan-units"}, el("tr", {}, ...["unit", "trials", "shared", "why", "training s", "epochs (tree / alone)", "saved s (estimate)"]
+      .map(h => el("th", {text: h}))),
+      ...p.units.map(u => el("tr", {"data-kind": u.kind}, el("td", {class: "kind-" + (u.kind || "").replace(/ /g, "-"), text: u.kind || "-"}),
+        el("td", {class: "sample", text: nums(u.trials)}), el("td", {class: "sample", text: u.shared.join("; ") || "-"}),
+        el("td", {class: "sample", text: u.reason || "-"}), el("td", {class: "num", text: secs(u.train_seconds)}),
+        el("td", {class: "num", text: u.epochs_trained === null ? "-" : `${u.epochs_trained} / ${u.trial_epochs}`}),
+        el("td", {class: "num", text: u.saved_seconds === null ? "not measured" : secs(u.saved_seconds)}))));
     const groups = el("table", {id: "plan-groups"}, el("tr", {}, ...["group", "trials", "training seconds"].map(h => el("th", {text: h}))),
       ...p.groups.map(g => el("tr", {}, el("td", {text: fmt(g.group)}), el("td", {class: "num", text: g.trials}),
-        el("td", {class: "num", text: g.train_seconds === null ? "-" : g.train_seconds.toFixed(2)}))));
-    const rel = el("table", {id: "plan-relations"}, el("tr", {}, ...["trial", "parent", "warm start", "unit", "duplicate of", "one-shot"].map(h => el("th", {text: h}))),
-      ...p.relations.map(r => el("tr", {}, el("td", {text: "#" + r.trial}), el("td", {text: r.parent === null ? "-" : "#" + r.parent}),
+        el("td", {class: "num", text: secs(g.train_seconds)}))));
+    const link = (n) => n === null || n === undefined ? "-" : el("a", {href: `/experiments/${enc(name)}/trials/${n}`, text: "#" + n});
+    const rel = el("table", {id: "plan-relations"}, el("tr", {}, ...["trial", "parent", "warm start", "forked from (PBT)", "duplicate of", "one-shot"].map(h => el("th", {text: h}))),
+      ...p.relations.map(r => el("tr", {}, el("td", {}, link(r.trial)), el("td", {}, link(r.parent)),
         el("td", {class: "sample", text: r.warm_start ? JSON.stringify(r.warm_start) : "-"}),
-        el("td", {class: "sample", text: r.unit ? JSON.stringify(r.unit) : "-"}),
-        el("td", {text: r.duplicate_of === null ? "-" : "#" + r.duplicate_of}),
+        el("td", {}, ...(r.exploits.length ? r.exploits.flatMap(e => [link(e.from), ` at epoch ${e.epoch} `]) : ["-"])),
+        el("td", {}, link(r.duplicate_of)),
         el("td", {class: "sample", text: r.oneshot ? JSON.stringify(r.oneshot) : "-"}))));
+    const saved = p.saved_seconds === null ? "not measured" : p.saved_seconds.toFixed(2);
     plan.replaceChildren(el("div", {class: "muted", text: note}),
-      el("div", {class: "muted", text: `training seconds in all: ${p.train_seconds === null ? "-" : p.train_seconds.toFixed(2)}`}),
-      groups, p.relations.length ? rel : el("div", {class: "muted", text: "no warm starts, parents or duplicates recorded"}));
+      el("div", {id: "plan-totals", text: `training seconds in all: ${secs(p.train_seconds)} · saved by the plan (estimate): ${saved}`}),
+      el("div", {class: "muted", text: "saved: a stage tree's trial-epochs it did not train, at its measured seconds per epoch; a fused unit's measured speed-up, where recorded"}),
+      el("h2", {text: "Execution units"}), p.units.length ? units : el("div", {class: "muted", text: "none recorded"}),
+      el("h2", {text: "Relations"}), p.relations.length ? rel : el("div", {class: "muted", text: "no warm starts, forks, parents or duplicates recorded"}),
+      el("h2", {text: "TrialGroups"}), groups);
+    await stagesTick();
     const o = await api(`/api/experiments/${enc(name)}/oneshot`);
     if (!o.supernets.length && !o.subnets.length) {
       oneshot.replaceChildren(el("div", {class: "muted", text: "not a one-shot experiment (no supernet recorded)"}));
@@ -309,12 +334,40 @@ function experimentPage(name) {
     const plotDiv = el("div", {class: "plot", id: "supernet-curves"});
     const traces = [];
     for (const s of o.supernets) for (const [m, c] of Object.entries(s.metrics))
-      traces.push({x: c.steps, y: c.values, name: `supernet ${s.id}: ${m}`, mode: "lines+markers"});
-    const subs = el("table", {id: "subnets"}, el("tr", {}, ...["trial id", "status", "metric", "sample", "one-shot"].map(h => el("th", {text: h}))),
-      ...o.subnets.map(s => el("tr", {}, el("td", {text: s.id}), statusCell(s.status), el("td", {class: "num", text: fmt(s.metric)}),
+      traces.push({x: c.steps, y: c.values, name: `supernet #${s.number}: ${m}`, mode: "lines+markers"});
+    const subs = el("table", {id: "subnets"}, el("tr", {}, ...["trial", "status", info ? info.objective.metric : "metric", "sample", "one-shot"].map(h => el("th", {text: h}))),
+      ...o.subnets.map(s => el("tr", {}, el("td", {}, link(s.number)), statusCell(s.status), el("td", {class: "num", text: fmt(s.metric)}),
         el("td", {class: "sample", text: sampleText(s.sample)}), el("td", {class: "sample", text: JSON.stringify(s.oneshot)}))));
-    oneshot.replaceChildren(el("h2", {text: "Supernet training"}), plotDiv, el("h2", {text: "Scored subnets"}), subs);
-    Plotly.react(plotDiv, traces, {...layoutBase, xaxis: {title: {text: "step"}}}, config);
+    oneshot.replaceChildren(el("h2", {text: "Supernet training"}), plotDiv,
+      el("h2", {text: `Scored subnets (${o.subnets.length}; weights inherited from the supernet)`}), subs);
+    Plotly.react(plotDiv, traces, {...layoutBase, margin: {...layoutBase.margin, b: 70}, showlegend: true,
+      xaxis: {title: {text: "step (epoch)"}}}, config);
+  }
+
+  async function stagesTick() {
+    const t = await api(`/api/experiments/${enc(name)}/stages`);
+    if (!t.stages.length) {
+      stageTree.replaceChildren(el("div", {class: "muted", text: "no stage tree (no trials shared a training prefix)"}));
+      return;
+    }
+    const children = new Map();
+    const ids = new Set(t.stages.map(s => s.id));
+    for (const s of t.stages) {
+      const parent = ids.has(s.parent) ? s.parent : null;
+      if (!children.has(parent)) children.set(parent, []);
+      children.get(parent).push(s);
+    }
+    const lrText = (lr) => !lr.length ? "" : lr[0] === lr[lr.length - 1] ? `lr ${fmtShort(lr[0])}` : `lr ${fmtShort(lr[0])}→${fmtShort(lr[lr.length - 1])}`;
+    const branch = (parent) => el("ul", {}, ...(children.get(parent) || []).map(s => el("li", {"data-stage": s.id},
+      el("span", {class: "stage-" + s.status, text: `${s.label} · epochs ${s.epochs[0]}–${s.epochs[1]}`}),
+      ` · ${lrText(s.lr)}${s.batch_size.length ? " · bs " + s.batch_size.join("/") : ""} · trials ${s.trials.map(n => "#" + n).join(" ")}`,
+      s.status === "failed" ? el("span", {class: "status-failed", text: ` · failed: ${s.error || ""}`}) : "",
+      !s.checkpoint && s.status !== "failed" ? el("span", {class: "muted", text: " · checkpoint removed"}) : "",
+      s.experiment !== name ? el("span", {class: "muted", text: ` · from ${JSON.stringify(s.experiment)}`}) : "",
+      children.has(s.id) ? branch(s.id) : "")));
+    stageTree.replaceChildren(el("div", {id: "stage-totals", text: `${t.total} stages · ${t.epochs_here} epoch(s) trained here` +
+      (t.epochs_reused ? ` · ${t.epochs_reused} reused from other experiments` : "") + (t.total > t.stages.length ? ` · first ${t.stages.length} shown` : "")}),
+      branch(null));
   }
 
   poll(async () => {
