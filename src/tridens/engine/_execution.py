@@ -46,8 +46,8 @@ log = logging.getLogger("tridens")
 class RunContext:
     """What an experiment tells its executor before the first group: its name, where workers may
     write checkpoints (a folder beside the store unless the executor has its own), whether to
-    fuse trials (``optimize``: True, False or a :class:`tridens.xopt.Settings`) and the Fluid
-    ``allocation`` policy (None: one trial per worker).
+    fuse trials (``optimize``: True, False or a :class:`tridens.xopt.Settings`), the Fluid
+    ``allocation`` policy (None: one trial per worker) and whether the strategy ``forks`` members.
 
     >>> RunContext(experiment="mnist").optimize
     True
@@ -57,6 +57,7 @@ class RunContext:
     storage: str | None = None
     optimize: Any = True
     allocation: Any = None
+    forks: bool = False   # the strategy forks running trials (PBT): a group's members train at once, in lockstep
 
 
 class Executor:
@@ -173,16 +174,26 @@ class LockstepJudge:
     def forked(self, report: UnitReport, fork: Fork) -> None:
         """The member now continues from ``fork.source``'s state (record the lineage)."""
 
+    def handed(self, report: UnitReport, fork: Fork) -> ExecutionUnit | None:
+        """A fork whose source trains in another process: a unit holding only the source member,
+        loaded with the state handed over from there (None: the source must train in this loop)."""
+        return None
+
 
 def fork_members(units: list[ExecutionUnit], forks: Sequence[tuple[UnitReport, Fork]], judge: LockstepJudge) -> None:
     """Carry out forks between rounds: each member leaves its unit and continues from its source's
     current state (weights, optimizer state, step, random state) with the fork's hyperparameters,
-    through the source unit's :meth:`~tridens.units.ExecutionUnit.fork`; a new unit that takes it
-    is added to ``units``. A fork whose source has left, or moves in the same round, is skipped."""
+    through the source unit's :meth:`~tridens.units.ExecutionUnit.fork` (a source training in
+    another process: through a unit the judge loads with its handed-over state, :meth:`LockstepJudge.handed`);
+    a new unit that takes it is added to ``units``. A fork whose source has left, or moves in the
+    same round, is skipped."""
     where = {trial_id: unit for unit in units for trial_id in unit.trial_ids()}
     moving = {report.trial_id for report, _ in forks}
     for report, fork in forks:
         source = where.get(fork.source)
+        handed = judge.handed(report, fork) if source is None else None
+        if source is None:
+            source = handed
         if source is None or fork.source in moving or report.trial_id not in where:
             log.info("trial %d not forked from trial %d: the source is not training now", report.trial_id, fork.source)
             continue
@@ -202,6 +213,8 @@ def fork_members(units: list[ExecutionUnit], forks: Sequence[tuple[UnitReport, F
             judge.failed(old, report.trial_id, err)
             where.pop(report.trial_id, None)
             continue
+        if handed is not None:   # the stand-in of the other process's member leaves it
+            handed.drop(fork.source)
         if not any(u is unit for u in units):
             units.append(unit)
         where[report.trial_id] = unit
@@ -402,6 +415,7 @@ class InlineExecutor(Executor):
 # Messages, driver -> worker:  ("evaluator", token, pickled evaluator)  sent once per worker and evaluator
 #                              ("run", trial id, token, model bytes, sample, seed, max_steps, state bytes)
 #                              ("host", ...) / ("ddp", ...)  a Fluid placement (see tridens.engine._fluid_pool)
+#                              ("unit", ...)  trials trained together, in lockstep (see tridens.engine._pool_units)
 #                              ("decision", trial id, verdict value)  the answer to a "report"
 #                              ("quit",)
 # worker -> driver:            ("started", trial id)  ("report", trial id, step, metrics[, seconds])
@@ -447,6 +461,10 @@ def _worker_main(conn: Connection, index: int, driver: int | None = None) -> Non
             from ._fluid_pool import serve_placement
 
             serve_placement(conn, message, evaluators, pending)
+        elif kind == "unit":
+            from ._pool_units import serve_unit
+
+            serve_unit(conn, message, evaluators)
 
 
 def _serve_trial(conn: Connection, evaluator: Evaluator, trial_id: int, model: nn.Module | None,
@@ -525,8 +543,14 @@ class ProcessExecutor(Executor):
     :class:`~tridens.engine.DynamicFluid` policy) a declarative evaluator's TrialGroups are placed
     by Fluid: several trials packed on a worker, or one trial data-parallel over several.
 
+    A declarative evaluator's trials that share training prefixes train as stage trees on the
+    workers, and a strategy that forks members (PBT) trains its population in lockstep over the
+    workers (:mod:`._pool_units`).
+
     >>> exp = td.Experiment(space, evaluator, executor=td.executors.Process(workers=4))  # doctest: +SKIP
     """
+
+    forks_members = True
 
     def __init__(self, workers: int = 2, allocation: Any = None):
         self.workers = workers
@@ -596,6 +620,13 @@ class ProcessExecutor(Executor):
             # Start the interpreters together: a first send blocks until its worker has started.
             self.worker(index)
         allocation = self.allocation if self.allocation is not None else _context(self).allocation
+        if isinstance(evaluator, StepwiseEvaluator):
+            from ._pool_units import UnitRun
+
+            units = UnitRun.plan(self, jobs, evaluator, hooks, fluid=allocation is not None)
+            if units is not None:   # stage trees, or a population that forks (PBT)
+                units.run()
+                return
         if allocation is not None and isinstance(evaluator, StepwiseEvaluator):
             from ._fluid import fluid_policy
             from ._fluid_pool import FluidRun
@@ -659,16 +690,16 @@ def check_forks(strategy: Any, executor: Any, evaluator: Any) -> None:
     """A strategy that forks running trials (``strategy.forks``, PBT) needs an executor that carries
     forks out and a declarative (step-wise) evaluator: one line naming what is missing otherwise.
 
-    >>> check_forks(object(), "process", None)  # a strategy that does not fork: anything goes
+    >>> check_forks(object(), "ray", None)  # a strategy that does not fork: anything goes
     """
     if not getattr(strategy, "forks", False):
         return
     name = type(strategy).__name__
-    able = executor in (None, "inline", "in-process") or getattr(executor, "forks_members", False)
+    able = executor in (None, "inline", "in-process", "process") or getattr(executor, "forks_members", False)
     if not able:
         shown = executor if isinstance(executor, str) else type(executor).__name__
         raise ValueError(f"{name} forks running trials onto each other's state, which the executor {shown!r} cannot "
-                         f"do (its trials train in separate processes); use td.executors.Inline()")
+                         f"do (its trials train in separate tasks); use td.executors.Inline() or Process()")
     if evaluator is not None and not isinstance(evaluator, StepwiseEvaluator):
         raise ValueError(f"{name} forks running trials onto each other's state, which needs a declarative evaluator "
                          f"(td.evaluators.Classification or Regression). Got {type(evaluator).__name__} instead.")

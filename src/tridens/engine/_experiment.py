@@ -339,7 +339,7 @@ class Experiment:
         executor = make_executor(executor, self.workers, ray_address=self.ray_address, max_retries=self.max_retries,
                                  storage=self.storage)
         executor.start(RunContext(experiment=name, storage=self._storage(store_path), optimize=self._settings(),
-                                  allocation=self.allocation))
+                                  allocation=self.allocation, forks=bool(getattr(self.strategy, "forks", False))))
         return executor
 
     def _settings(self) -> Any:

@@ -32,7 +32,7 @@ from . import _cse as cse
 from ._batching import BatchedUnit, plan_batching
 from ._cse import (PipelineMember, SharedPipelineUnit, SharedPrefix, TrainerMember, merge_pipelines, plan_cse,
                    plan_frozen_prefixes)
-from ._stages import StageTreeUnit, plan_stage_trees, stage_archive
+from ._stages import StageTreeUnit, plan_stage_trees, prefix_cache, stage_archive
 from ._settings import BatchingSettings, CSESettings, Settings, resolve_settings
 from ._supergraph import plan_supergraph
 
@@ -50,6 +50,6 @@ PASSES: tuple[UnitPass, ...] = (
 )
 """The passes over the planned units, in order."""
 
-__all__ = ["OPTIMIZATIONS", "PASSES", "Settings", "BatchingSettings", "CSESettings", "resolve_settings", "StageTreeUnit", "plan_stage_trees", "stage_archive", "BatchedUnit", "plan_batching", "batching",
+__all__ = ["OPTIMIZATIONS", "PASSES", "Settings", "BatchingSettings", "CSESettings", "resolve_settings", "StageTreeUnit", "plan_stage_trees", "stage_archive", "prefix_cache", "BatchedUnit", "plan_batching", "batching",
            "SharedPipelineUnit", "PipelineMember", "TrainerMember", "SharedPrefix", "plan_cse", "plan_frozen_prefixes", "merge_pipelines",
            "plan_supergraph", "cse"]

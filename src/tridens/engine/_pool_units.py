@@ -1,0 +1,505 @@
+"""Units on the process pool: trials of a declarative evaluator that train together in one worker,
+epoch by epoch, as the in-process executor trains them (:func:`~._execution.run_lockstep`).
+
+Two cases send a TrialGroup's trials to the :class:`~._execution.ProcessExecutor`'s workers as
+units instead of one trial per worker:
+
+* **Stage trees** (:mod:`tridens.xopt` ``"stage tree"``, the optimizations of
+  :data:`POOL_OPTIMIZATIONS`): trials that share a training prefix go to one worker, which plans
+  them again and trains the tree; the others run one per worker (a unit of one). Other fusions
+  stay in-process and on Ray: the pool's parallelism is one trial per worker.
+* **A strategy that forks members** (PBT, ``RunContext.forks``): the population is spread over
+  the workers, every member training at once, and the driver answers a round only when every
+  worker has reported it (the strategy ranks the whole population). An exploit whose source
+  trains in the same worker forks there through the source unit's ``fork``; a source in another
+  worker **hands its state back** to the driver, which passes it, with the source's model, to the
+  exploiting member's worker: a unit holding only that state forks it there the same way.
+
+**Stage storage.** The store is SQLite with one writer: the driver. A worker's stage tree reads
+and writes stages through an :class:`ArchiveRelay`, whose calls (find, load, save, fail, link)
+travel through the worker's pipe to the driver's :class:`tridens.store.StageArchive`; checkpoints
+travel as ``torch.save`` bytes and land in the store's ``.stages/`` files, written by the driver.
+The driver plans which trials form a tree from the stored rows only (nothing loaded there).
+
+Messages, driver -> worker: ``("unit", token, members, settings, optimizations, experiment)``;
+``("archive", result)``; ``("verdicts", {trial: verdict}, forks)``; ``("state", trial)``.
+Worker -> driver: ``("started",)``; ``("archive", method, args, kwargs)``; ``("round", reports)``;
+``("state", trial, bytes)``; ``("forked", trial, source, step, sample)``;
+``("left", trial, outcome)``; ``("end",)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pickle
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import torch
+
+from ..evaluators import Evaluator, StepwiseEvaluator
+from ..trial import Fork, Trial
+from ..units import ExecutionUnit, Job, SeparateUnit
+from ._execution import (LockstepJudge, UnitReport, load_bytes, model_bytes, plan_units, run_lockstep, state_bytes)
+from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text, timeout_error
+
+if TYPE_CHECKING:
+    from ._execution import PoolWorker, ProcessExecutor
+
+__all__ = ["UnitRun", "serve_unit", "ArchiveRelay", "POOL_OPTIMIZATIONS"]
+
+log = logging.getLogger("tridens")
+
+POOL_OPTIMIZATIONS = ("stage tree",)
+"""The optimizations (by name, of :data:`tridens.xopt.OPTIMIZATIONS`) the process pool trains as units."""
+
+_ARCHIVE_CALLS = {"has_root": False, "deepest": 0, "load": None, "save": None, "fail": None, "link": None}
+"""The stage-store calls a worker may make, and what each returns when the store cannot answer."""
+
+_INFO = ("stages", "stage_store", "unit")
+"""What a worker's unit writes into ``trial.info`` that goes back to the driver with the outcome."""
+
+
+def _optimizations() -> list[Any]:
+    from .. import xopt
+
+    return [o for o in xopt.OPTIMIZATIONS if o.name in POOL_OPTIMIZATIONS]
+
+
+def _archive_of(evaluator: StepwiseEvaluator) -> Any:
+    """The stage store the experiment attached to ``evaluator`` for this run (None: none)."""
+    from ..xopt import prefix_cache
+
+    cache = prefix_cache(evaluator)
+    return None if cache is None else cache.archive
+
+
+class _PlanningView:
+    """The driver's stage store as its planner sees it: which stages are stored (rows only);
+    nothing is loaded or written while the driver decides which trials train as one tree."""
+
+    def __init__(self, archive: Any):
+        self.archive, self.experiment = archive, archive.experiment
+
+    def has_root(self, root: str) -> bool:
+        return bool(self.archive.has_root(root))
+
+    def deepest(self, root: str, paths: Sequence[str]) -> int:
+        return int(self.archive.deepest(root, paths))
+
+    def load(self, root: str, path: str, epochs: int) -> None:
+        return None
+
+    def save(self, **kwargs: Any) -> None:
+        return None
+
+    def fail(self, **kwargs: Any) -> None:
+        return None
+
+    def link(self, stage: int, trials: Sequence[int]) -> None:
+        return None
+
+
+class ArchiveRelay:
+    """A worker's stand-in for the driver's :class:`tridens.store.StageArchive`: every call goes
+    through the pipe and the driver answers it (the one writer of the store).
+
+    >>> relay = ArchiveRelay(conn, "search")           # doctest: +SKIP
+    >>> relay.deepest(root, paths)                      # doctest: +SKIP
+    2
+    """
+
+    def __init__(self, conn: Connection, experiment: str):
+        self.conn, self.experiment = conn, experiment
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        self.conn.send(("archive", name, args, kwargs))
+        reply = self.conn.recv()
+        if reply[0] != "archive":
+            raise RuntimeError(f"the driver answered a stage-store call with {reply[0]!r}")
+        return reply[1]
+
+    def has_root(self, root: str) -> bool:
+        return bool(self._call("has_root", root))
+
+    def deepest(self, root: str, paths: Sequence[str]) -> int:
+        return int(self._call("deepest", root, list(paths)))
+
+    def load(self, root: str, path: str, epochs: int) -> Any:
+        from ..store import StageHit
+
+        found = self._call("load", root, path, epochs)
+        return None if found is None else StageHit(found[0], load_bytes(found[1]), *found[2:])
+
+    def save(self, **kwargs: Any) -> int | None:
+        return self._call("save", **{**kwargs, "state": state_bytes(kwargs["state"])})
+
+    def fail(self, **kwargs: Any) -> int | None:
+        return self._call("fail", **kwargs)
+
+    def link(self, stage: int, trials: Sequence[int]) -> None:
+        self._call("link", stage, list(trials))
+
+
+# -- the driver --------------------------------------------------------------------------------------
+@dataclass
+class _Placement:
+    """Trials sent to one worker as one unit, and their protocols while they train there."""
+
+    lives: dict[int, TrialProtocol]
+    settings: dict[str, Any] | None      # None: trained separately
+    planned: str
+    slot: int | None = None
+    worker: PoolWorker | None = None
+    round: list[tuple[Any, ...]] | None = None   # a reported round waiting for the others (forks)
+    last_message: float = field(default_factory=time.monotonic)
+
+
+class UnitRun:
+    """One TrialGroup on the pool as units (see the module docstring); :meth:`plan` says whether
+    the group needs it, :meth:`run` trains it. Each trial's outcome goes through its
+    :class:`~._protocol.TrialProtocol`."""
+
+    def __init__(self, executor: ProcessExecutor, evaluator: StepwiseEvaluator, hooks: GroupHooks,
+                 models: Mapping[int, bytes], placements: list[_Placement], forks: bool, archive: Any):
+        self.executor, self.evaluator, self.hooks = executor, evaluator, hooks
+        self.models, self.placements, self.forks, self.archive = models, placements, forks, archive
+
+    @classmethod
+    def plan(cls, executor: ProcessExecutor, jobs: Sequence[Job], evaluator: StepwiseEvaluator, hooks: GroupHooks,
+             fluid: bool = False) -> "UnitRun | None":
+        """The group's units, or None when its trials run one per worker as usual: no strategy
+        forks and no trials share a stage tree (or Fluid places them: ``fluid``)."""
+        context = executor.context if getattr(executor, "context", None) is not None else None
+        optimize = getattr(context, "optimize", False)
+        forks = bool(getattr(context, "forks", False))
+        if not jobs or (not forks and (not optimize or fluid)):
+            return None
+        if forks and fluid:
+            log.info("the population trains in lockstep over the %d workers (forks), not placed by Fluid", executor.workers)
+        settings = None
+        if optimize:
+            from ..xopt import resolve_settings
+
+            settings = resolve_settings(optimize)
+        archive = _archive_of(evaluator) if settings else None
+        models = {job.trial.id: model_bytes(job.model) for job in jobs}   # before planning may touch them
+        lives = {job.trial.id: TrialProtocol(job, hooks, clock="train") for job in jobs}
+        plain = None if settings is None else settings.as_dict()
+
+        def alone(job: Job) -> _Placement:
+            return _Placement({job.trial.id: lives[job.trial.id]}, None, "separate")
+
+        if forks:   # every member at once: as many units as workers, members dealt in turn
+            count = min(executor.workers, len(jobs))
+            return cls(executor, evaluator, hooks, models,
+                       [_Placement({j.trial.id: lives[j.trial.id] for j in jobs[i::count]}, plain, "population")
+                        for i in range(count)], True, archive)
+        fresh = [job for job in jobs if job.start_from is None]
+        placements = [alone(job) for job in jobs if job.start_from is not None]
+        from ..xopt import stage_archive
+
+        rest, fused = list(fresh), []
+        with stage_archive(evaluator, None if archive is None else _PlanningView(archive)):
+            for optimization in _optimizations():
+                made, rest = optimization.plan(rest, evaluator, settings=settings)
+                fused.extend(made)
+        if not fused:
+            return None
+        for unit in fused:
+            log.info("process pool: %s", unit.summary())
+            placements.append(_Placement({t: lives[t] for t in unit.jobs}, plain, unit.kind))
+        placements += [alone(job) for job in rest]
+        return cls(executor, evaluator, hooks, models, placements, False, archive)
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def run(self) -> None:
+        queue = list(self.placements)
+        running: dict[int, _Placement] = {}
+        while queue or running:
+            for slot in range(self.executor.workers):
+                if queue and slot not in running:
+                    running[slot] = self._launch(queue.pop(0), slot)
+            conns = {p.worker.conn: slot for slot, p in running.items() if p.worker is not None}
+            for conn in wait(list(conns), timeout=0.2):
+                slot = conns[conn]  # type: ignore[index]
+                if slot in running and not self._receive(running[slot]):
+                    del running[slot]
+            if self.forks:
+                self._barrier(list(running.values()))
+            for slot, p in list(running.items()):
+                # silent for longer than the timeout while training (not while waiting for the others)
+                if p.round is None and any(life.silent_too_long(p.last_message) for life in p.lives.values()):
+                    self._lost(p, timeout_error("{trial}", self.hooks.trial_timeout or 0.0, "inside an epoch and was killed"))
+                    del running[slot]
+
+    def _launch(self, p: _Placement, slot: int) -> _Placement:
+        p.slot, p.worker = slot, self.executor.worker(slot)
+        p.last_message = time.monotonic()
+        token = self.executor.ship(p.worker, self.evaluator)
+        members = [(life.trial, self.models[tid], life.job.max_steps, state_bytes(life.job.start_from))
+                   for tid, life in p.lives.items()]
+        experiment = None if self.archive is None or p.settings is None else self.archive.experiment
+        try:
+            p.worker.conn.send(("unit", token, members, p.settings, POOL_OPTIMIZATIONS, experiment))
+        except (OSError, BrokenPipeError):  # died meanwhile: read as its death below
+            pass
+        return p
+
+    def _lost(self, p: _Placement, error: str) -> None:
+        """The placement's worker died or hangs: replaced; every member still there fails."""
+        assert p.slot is not None
+        self.executor.replace(p.slot)
+        for tid, life in list(p.lives.items()):
+            life.fail(error.replace("{trial}", str(tid)))
+        p.lives.clear()
+
+    def _receive(self, p: _Placement) -> bool:
+        """One message of ``p``'s worker; False when the placement is over."""
+        assert p.worker is not None
+        try:
+            message = p.worker.conn.recv()
+        except (EOFError, OSError):
+            code = p.worker.exit_code()
+            self._lost(p, "the worker process of trial {trial} died (exit code %s)" % code)
+            return False
+        return self._handle(p, message)
+
+    def _handle(self, p: _Placement, message: tuple[Any, ...]) -> bool:
+        assert p.worker is not None
+        p.last_message = time.monotonic()
+        kind = message[0]
+        if kind == "started":
+            for life in p.lives.values():
+                life.start()
+        elif kind == "archive":
+            p.worker.conn.send(("archive", self._archive_call(message[1], message[2], message[3])))
+        elif kind == "round":
+            if self.forks:
+                p.round = message[1]
+            else:
+                verdicts = {report[0]: self._verdict(p, report).value for report in message[1]}
+                p.worker.conn.send(("verdicts", verdicts, []))
+        elif kind == "forked":
+            _, tid, source, step, sample = message
+            member, origin = p.lives.get(tid), self._life(source)
+            if member is not None and origin is not None:
+                member.forked(origin.trial, step, Fork(source, sample))
+        elif kind == "left":
+            self._left(p, message[1], message[2])
+        elif kind == "end":
+            for tid, life in list(p.lives.items()):
+                life.fail(f"the unit of trial {tid} ended in its worker without an outcome for it")
+            p.lives.clear()
+            return False
+        return True
+
+    def _life(self, tid: int) -> TrialProtocol | None:
+        for p in self.placements:
+            if tid in p.lives:
+                return p.lives[tid]
+        return None
+
+    def _verdict(self, p: _Placement, report: Sequence[Any]) -> Verdict:
+        tid, step, metrics, last, seconds = report
+        life = p.lives[tid]
+        verdict = life.report(step, metrics, last=last, seconds=seconds)
+        if verdict is Verdict.DROP:   # past its timeout: failed by the protocol; the worker drops it
+            p.lives.pop(tid, None)
+        return verdict
+
+    def _left(self, p: _Placement, tid: int, outcome: Mapping[str, Any]) -> None:
+        life = p.lives.pop(tid, None)
+        if life is None:
+            return
+        life.trial.info.update(outcome.get("info") or {})
+        if outcome["kind"] == "error":
+            life.fail(outcome["error"])
+        elif outcome["kind"] == "done":
+            life.finish(None, load_bytes(outcome["weights"]))
+
+    def _archive_call(self, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """A worker's stage-store call, carried out on the driver's archive."""
+        if name not in _ARCHIVE_CALLS:
+            return None
+        if self.archive is None:
+            return _ARCHIVE_CALLS[name]
+        try:
+            if "state" in kwargs:
+                kwargs["state"] = load_bytes(kwargs["state"])
+            result = getattr(self.archive, name)(*args, **kwargs)
+            if name == "load" and result is not None:
+                log.info("process pool: stored stage %d (node %s, %d epoch(s), trained by %s) sent to a worker: "
+                         "not trained again", result.stage, result.label, result.epochs,
+                         "this experiment before" if result.experiment == self.archive.experiment
+                         else f"experiment {result.experiment!r}")
+                return (result.epochs, state_bytes(result.state), result.history, result.stage, result.label,
+                        result.experiment)
+            return result
+        except Exception as err:  # stage storage is an optimization: the stage is trained (again) instead
+            log.warning("stage store: %s from a worker failed (%s: %s)", name, type(err).__name__, err)
+            return _ARCHIVE_CALLS[name]
+
+    # -- forks: the population in lockstep ---------------------------------------------------------
+    def _barrier(self, running: Sequence[_Placement]) -> None:
+        """Once every placement with members has reported its round: every verdict, then the
+        strategy's forks, then each worker's answer (with the states its forks need)."""
+        waiting = [p for p in running if p.lives]
+        if not waiting or any(p.round is None for p in waiting):
+            return
+        verdicts: dict[int, tuple[_Placement, Verdict, int]] = {}
+        for p in waiting:
+            for report in p.round or ():
+                verdicts[report[0]] = (p, self._verdict(p, report), report[1])
+        forks: dict[int, Fork] = {}
+        for tid, (p, verdict, step) in verdicts.items():
+            fork = p.lives[tid].fork(step) if verdict is Verdict.CONTINUE and tid in p.lives else None
+            if fork is not None:
+                forks[tid] = fork
+        given: dict[int, list[tuple[Any, ...]]] = {id(p): [] for p in waiting}
+        states: dict[int, bytes | None] = {}
+        for tid, fork in forks.items():
+            p = verdicts[tid][0]
+            source = verdicts.get(fork.source)
+            if source is None or source[1] is not Verdict.CONTINUE or fork.source in forks:
+                log.info("trial %d not forked from trial %d: the source is not training now", tid, fork.source)
+                continue
+            q = source[0]
+            if q is p:
+                given[id(p)].append((tid, fork.source, fork.sample, None))
+                continue
+            if fork.source not in states:
+                states[fork.source] = self._state_of(q, fork.source)
+            if states[fork.source] is None:
+                log.info("trial %d not forked from trial %d: its worker gave no state", tid, fork.source)
+                continue
+            origin = q.lives[fork.source]
+            handed = (origin.trial.seed, origin.trial.sample, self.models[fork.source], states[fork.source])
+            given[id(p)].append((tid, fork.source, fork.sample, handed))
+        for p in waiting:
+            answers = {report[0]: verdicts[report[0]][1].value for report in p.round or ()}
+            p.round = None
+            p.last_message = time.monotonic()
+            assert p.worker is not None
+            p.worker.conn.send(("verdicts", answers, given[id(p)]))
+
+    def _state_of(self, p: _Placement, tid: int) -> bytes | None:
+        """Member ``tid``'s trainer state, handed back by its worker (which waits for its verdicts)."""
+        assert p.worker is not None
+        p.worker.conn.send(("state", tid))
+        while True:
+            try:
+                message = p.worker.conn.recv()
+            except (EOFError, OSError):
+                return None   # its death is read in the loop
+            if message[0] == "state" and message[1] == tid:
+                return message[2]
+            self._handle(p, message)
+
+
+# -- the worker ---------------------------------------------------------------------------------------
+class _PipeJudge(LockstepJudge):
+    """The worker's side of the lockstep loop: each round's reports go to the driver, whose
+    answer holds the verdicts and the forks; a member's outcome goes back with its weights."""
+
+    def __init__(self, conn: Connection, evaluator: StepwiseEvaluator, trials: Mapping[int, Trial]):
+        self.conn, self.evaluator, self.trials = conn, evaluator, trials
+        self.given: list[tuple[Any, ...]] = []
+        self.handed_states: dict[int, tuple[Any, ...]] = {}
+        self.left: set[int] = set()
+
+    def judge(self, reports: Sequence[UnitReport]) -> list[Verdict]:
+        asks = [(r.trial_id, r.step, dict(r.metrics), r.last, r.seconds) for r in reports if r.metrics is not None]
+        answers: dict[int, str] = {}
+        self.given = []
+        if asks:
+            self.conn.send(("round", asks))
+            units = {r.trial_id: r.unit for r in reports}
+            while True:
+                message = self.conn.recv()
+                if message[0] == "state":   # a member of this worker is the source of another's fork
+                    unit = units.get(message[1])
+                    state = None if unit is None else unit.state_dict(message[1])
+                    self.conn.send(("state", message[1], state_bytes(state)))
+                elif message[0] == "verdicts":
+                    answers, self.given = message[1], message[2]
+                    break
+        return [Verdict.DONE if r.metrics is None else Verdict(answers[r.trial_id]) for r in reports]
+
+    def forks(self, reports: Sequence[UnitReport]) -> list[tuple[UnitReport, Fork]]:
+        going = {r.trial_id: r for r in reports}
+        out = []
+        for tid, source, sample, handed in self.given:
+            if tid in going:
+                if handed is not None:
+                    self.handed_states[tid] = handed
+                out.append((going[tid], Fork(source, sample)))
+        return out
+
+    def handed(self, report: UnitReport, fork: Fork) -> ExecutionUnit | None:
+        entry = self.handed_states.pop(report.trial_id, None)
+        if entry is None:
+            return None
+        seed, sample, model, state = entry
+        unit = SeparateUnit([Job(Trial(id=fork.source, sample=sample, seed=seed), pickle.loads(model))], self.evaluator,
+                            reason=f"the state of trial {fork.source}, handed over from another worker")
+        unit.load_state_dict(fork.source, load_bytes(state))
+        return unit
+
+    def forked(self, report: UnitReport, fork: Fork) -> None:
+        self.conn.send(("forked", report.trial_id, fork.source, report.step, fork.sample))
+
+    def _info(self, tid: int) -> dict[str, Any]:
+        info = self.trials[tid].info
+        return {k: info[k] for k in _INFO if k in info}
+
+    def failed(self, unit: ExecutionUnit | None, trial_id: int, err: BaseException | str) -> None:
+        if trial_id not in self.left:
+            self.left.add(trial_id)
+            text = err if isinstance(err, str) else error_text(err)
+            self.conn.send(("left", trial_id, {"kind": "error", "error": text, "info": self._info(trial_id)}))
+
+    def finished(self, report: UnitReport, verdict: Verdict) -> None:
+        tid = report.trial_id
+        if tid in self.left:
+            return
+        self.left.add(tid)
+        if verdict.finishes:
+            weights = report.unit.weights(tid)
+            self.conn.send(("left", tid, {"kind": "done", "weights": state_bytes(weights), "info": self._info(tid)}))
+        else:   # dropped (already failed on the driver)
+            self.conn.send(("left", tid, {"kind": "dropped"}))
+
+
+def serve_unit(conn: Connection, message: tuple[Any, ...], evaluators: Mapping[int, Evaluator]) -> None:
+    """Worker side of a unit placement: plan the members again (the driver's settings, the pool's
+    optimizations), train them in lockstep, answer the driver's state requests, then say "end"."""
+    _, token, members, settings, optimizations, experiment = message
+    evaluator = evaluators[token]
+    torch.set_num_threads(1)
+    conn.send(("started",))
+    jobs = [Job(trial, pickle.loads(model), max_steps, start_from=load_bytes(state))
+            for trial, model, max_steps, state in members]
+    judge = _PipeJudge(conn, evaluator, {job.trial.id: job.trial for job in jobs})  # type: ignore[arg-type]
+    try:
+        if not isinstance(evaluator, StepwiseEvaluator):
+            raise TypeError(f"units train step-wise evaluators, not {type(evaluator).__name__}")
+        from .. import xopt
+
+        optimize: Any = False if settings is None else xopt.Settings.from_dict(settings)
+        chosen = [o for o in xopt.OPTIMIZATIONS if o.name in optimizations]
+        relay = ArchiveRelay(conn, experiment) if experiment is not None else None
+        with xopt.stage_archive(evaluator, relay) if relay is not None else contextlib.nullcontext():
+            units, failed = plan_units(jobs, evaluator, optimize, optimizations=chosen, passes=())
+            for job, err in failed:
+                judge.failed(None, job.trial.id, err)
+            run_lockstep(units, judge)
+    except Exception as err:  # planning failed, or the pipe broke: every member still here fails with it
+        text = error_text(err)
+        for job in jobs:
+            with contextlib.suppress(OSError):
+                judge.failed(None, job.trial.id, text)
+    conn.send(("end",))

@@ -1,0 +1,112 @@
+"""Units on the process pool, with real worker subprocesses, real SQLite stores and real training on
+digits: stage trees train on the workers with their stages stored once in the store (the driver
+writes it), a second experiment on the pool reuses them, and PBT forks members across workers to
+the in-process result."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+
+import pytest
+from torch import nn
+
+import tridens as td
+from tridens.store import Store, stage_tree
+from tridens.trial import TrialStatus
+
+
+@pytest.fixture(scope="module")
+def data():
+    return td.datasets.digits()
+
+
+class Net(td.nn.ModelSpace):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 10))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def grid_evaluator(data, epochs, gammas):
+    train, val = data
+    return td.evaluators.Classification(train, val, batch_size=128, lr=0.05, schedule="step",
+                                        epochs=td.choice("epochs", epochs), milestones=td.choice("milestones", [[1], [2]]),
+                                        gamma=td.choice("gamma", gammas))
+
+
+def run(data, store, name, epochs, gammas, executor):
+    exp = td.Experiment(Net(), grid_evaluator(data, epochs, gammas), td.strategy.GridSearch(batch_size=16),
+                        store=store, name=name, seeds="per-architecture", verbose=False, executor=executor)
+    exp.run()
+    return {json.dumps(t.sample, sort_keys=True): t for t in exp.trials()}
+
+
+def stored(store):
+    with sqlite3.connect(store) as conn:
+        rows = conn.execute("SELECT root, path, checkpoint FROM stages WHERE status = 'done'").fetchall()
+    files = sorted((store.parent / (store.name + ".files") / ".stages").rglob("*.pt"))
+    return rows, files
+
+
+def test_stage_trees_train_on_the_workers_store_once_and_a_second_study_reuses_them(data, tmp_path, caplog):
+    inline = run(data, tmp_path / "inline.db", "first", [2, 3], [0.1, 0.5], td.executors.Inline())
+    pool_db = tmp_path / "pool.db"
+    pool = run(data, pool_db, "first", [2, 3], [0.1, 0.5], td.executors.Process(workers=2))
+    assert pool.keys() == inline.keys() and len(pool) == 8
+    for key, trial in pool.items():   # the same per-epoch metrics as the in-process stage tree
+        assert trial.status is TrialStatus.COMPLETED, (key, trial.error)
+        assert trial.info["unit"]["kind"] == "stage tree"
+        assert trial.metrics == inline[key].metrics, key
+        assert [s[0] for s in trial.info["stages"]] == [s[0] for s in inline[key].info["stages"]]
+    rows, files = stored(pool_db)
+    inline_rows, _ = stored(tmp_path / "inline.db")
+    assert sorted((r, p) for r, p, _ in rows) == sorted((r, p) for r, p, _ in inline_rows)   # each stage once
+    assert len(files) == sum(c is not None for _, _, c in rows) > 0
+
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        second = run(data, pool_db, "second", [2, 3, 4], [0.1, 0.5], td.executors.Process(workers=2))
+    alone = run(data, tmp_path / "alone.db", "second", [2, 3, 4], [0.1, 0.5], td.executors.Inline())
+    assert len(second) == 12
+    reused = [t for t in second.values() if t.info.get("stage_store")]
+    assert reused and all(t.info["stage_store"]["experiment"] == "first" for t in reused)
+    assert any(t.info["stage_store"]["epochs"] == t.sample["epochs"] for k, t in second.items() if k in pool)
+    for key, trial in second.items():
+        assert trial.metrics == alone[key].metrics, key
+    assert "trained by experiment 'first') sent to a worker: not trained again" in caplog.text
+    with Store(pool_db) as db:
+        assert {s.experiment for s in stage_tree(db, "second")} == {"first", "second"}
+    rows, files = stored(pool_db)
+    assert len({(r, p) for r, p, _ in rows}) == len(rows)
+    assert len(files) == sum(c is not None for _, _, c in rows)
+
+
+def pbt_run(store, executor, optimize):
+    from tests.strategy.pbt_script import MLP, evaluator
+
+    exp = td.Experiment(MLP(), evaluator(), td.strategy.PBT(population=6, interval=2), max_trials=6, seed=0,
+                        store=store, name="pbt", verbose=False, executor=executor, optimize=optimize)
+    return {t.id: t for t in exp.run().trials()}
+
+
+def test_pbt_forks_members_across_workers_to_the_in_process_result(tmp_path):
+    inline = pbt_run(tmp_path / "inline.db", td.executors.Inline(), False)
+    pool = pbt_run(tmp_path / "pool.db", td.executors.Process(workers=2), True)
+    assert pool.keys() == inline.keys()
+    exploits = [e for t in pool.values() for e in t.info.get("exploits", [])]
+    assert exploits
+    # population members were dealt to the two workers in turn (ids in order): some exploits copy a
+    # member of the other worker, whose state was handed back through the driver
+    order = sorted(pool)
+    worker = {tid: i % 2 for i, tid in enumerate(order)}
+    assert any(worker[e["from"]] != worker[t.id] for t in pool.values() for e in t.info.get("exploits", []))
+    for tid, trial in pool.items():
+        assert trial.status is TrialStatus.COMPLETED
+        assert trial.info.get("exploits") == inline[tid].info.get("exploits"), tid
+        for metric, values in trial.metrics.items():
+            assert values == pytest.approx(inline[tid].metrics[metric], rel=1e-5, abs=1e-7), (tid, metric)
+    with Store(tmp_path / "pool.db", readonly=True) as db:   # the lineage is in the store
+        assert {t.id: t.info.get("exploits") for t in db.trials("pbt")} == {t: pool[t].info.get("exploits") for t in pool}
