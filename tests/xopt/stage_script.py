@@ -1,7 +1,8 @@
 """A stage-tree experiment run as its own process (tests/xopt/test_stage_store.py kills it with
 SIGKILL and runs it again to resume): a grid over step-schedule milestones, decay factors and
 epoch budgets, per-architecture seeds, one group. Every training batch appends one byte to
-``<store>.batches`` (the transform below), so the test counts what each run trained.
+``<store>.batches`` (the transform below), so the test counts what each run trained. The test
+imports :class:`Net` from here: one model for the in-process and the subprocess cases.
 
 Usage: python -m tests.xopt.stage_script STORE [SECONDS_PER_BATCH]
 """
@@ -10,22 +11,12 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Callable
 
 import torch
 from torch import nn
 
 import tridens as td
-
-STORE = sys.argv[1]
-PAUSE = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
-
-
-def counted(x: torch.Tensor) -> torch.Tensor:
-    """The identity, counting the batch (and slowing it down by PAUSE seconds)."""
-    with open(STORE + ".batches", "a") as f:
-        f.write("x")
-    time.sleep(PAUSE)
-    return x
 
 
 class Net(td.nn.ModelSpace):
@@ -37,10 +28,28 @@ class Net(td.nn.ModelSpace):
         return self.body(x)
 
 
+def grid_evaluator(data, epochs, gammas, lr=0.05, transforms: Callable | None = None) -> td.evaluators.Classification:
+    """A new evaluator object each time: what one run trained reaches another only through the store."""
+    train, val = data
+    return td.evaluators.Classification(train, val, batch_size=128, lr=lr, schedule="step",
+                                        epochs=td.choice("epochs", epochs), milestones=td.choice("milestones", [[1], [2]]),
+                                        gamma=td.choice("gamma", gammas), transforms=transforms)
+
+
+STORE, PAUSE = "", 0.0   # set by the command line
+
+
+def counted(x: torch.Tensor) -> torch.Tensor:
+    """The identity, counting the batch in ``<STORE>.batches`` (and slowing it down by PAUSE
+    seconds). A module-level function: stored stages need transforms with a stable name."""
+    with open(STORE + ".batches", "a") as f:
+        f.write("x")
+    time.sleep(PAUSE)
+    return x
+
+
 if __name__ == "__main__":
-    train, val = td.datasets.digits()
-    evaluator = td.evaluators.Classification(
-        train, val, batch_size=128, lr=0.05, schedule="step", epochs=td.choice("epochs", [2, 4]),
-        milestones=td.choice("milestones", [[1], [2]]), gamma=td.choice("gamma", [0.1, 0.5]), transforms=counted)
+    STORE, PAUSE = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
+    evaluator = grid_evaluator(td.datasets.digits(), [2, 4], [0.1, 0.5], transforms=counted)
     td.Experiment(Net(), evaluator, td.strategy.GridSearch(batch_size=16), store=STORE, name="tree",
                   seeds="per-architecture", verbose=False).run()

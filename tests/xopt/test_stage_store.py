@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-from torch import nn
 
 import tridens as td
 from tridens.engine._experiment import ExperimentFailed
@@ -24,29 +23,14 @@ from tridens.evaluators import TrainConfig
 from tridens.store import StagePolicy, Store, stage_tree
 from tridens.trial import TrialStatus
 
+from tests.xopt.stage_script import Net, grid_evaluator
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def data():
     return td.datasets.digits()
-
-
-class Net(td.nn.ModelSpace):
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 10))
-
-    def forward(self, x):
-        return self.body(x)
-
-
-def grid_evaluator(data, epochs, gammas, lr=0.05):
-    """A new evaluator object each time: what one run trained reaches another only through the store."""
-    train, val = data
-    return td.evaluators.Classification(train, val, batch_size=128, lr=lr, schedule="step",
-                                        epochs=td.choice("epochs", epochs), milestones=td.choice("milestones", [[1], [2]]),
-                                        gamma=td.choice("gamma", gammas))
 
 
 def run(data, store, name, epochs, gammas, **kw):
