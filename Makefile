@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
+# One pytest worker per core; a test file stays on one worker (its module fixtures, e.g. one local Ray, start once).
+PYTEST_WORKERS := -n auto --dist loadfile
+
 test: $(STAMP) chromium lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_WORKERS)
 
 # pyflakes-level checks everywhere, types on the core packages (settings in pyproject.toml).
 lint: $(STAMP)
@@ -30,7 +33,7 @@ chromium:
 	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || (apt-get update -q && apt-get install -y -q chromium chromium-driver) || echo "chromium not installed: the dashboard's browser tests will skip"
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -m slow
+	$(BIN)/python -m pytest -m slow $(PYTEST_WORKERS)
 
 # Debian's Fashion-MNIST for bench/batching.py and bench/cse.py; apt only when the files are missing (it falls back to mnist5k).
 FASHION := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
