@@ -198,7 +198,8 @@ def test_plan_units_and_their_savings(tmp_path):
         tree["trials"] = ids[:3]
         # a tree of 3 trials of 3 epochs: node a (epochs 0-1) for all, then b (1-3) for two, c (1-3) for one
         paths = [[["a", None, 0], ["b", "a", 1]], [["a", None, 0], ["b", "a", 1]], [["a", None, 0], ["c", "a", 1]]]
-        fused = {"kind": "batched", "trials": ids[3:5], "shared": ["one data pipeline"], "speedup": 2.5}
+        fused = {"kind": "batched", "trials": ids[3:5], "shared": ["one data pipeline"],
+                 "speedups": [{"trials": ids[3:5], "speedup": 2.5, "fused": True}]}
         separate = {"kind": "separate", "trials": ids[5:], "shared": []}
         units = [(tree, paths[0]), (tree, paths[1]), (tree, paths[2]), (fused, None), (fused, None), (separate, None)]
         for tid, (unit, path) in zip(ids, units):
@@ -248,3 +249,31 @@ def test_stage_tree_of_a_real_grid(tmp_path):
     assert unit[0]["trial_epochs"] == 12 and unit[0]["saved_seconds"] > 0
     assert client.get("/api/experiments/tree/stages").status_code == 200
     assert client.get("/api/experiments/nope/stages").status_code == 404
+
+
+def test_a_fused_units_measured_speedup_reaches_the_plan(tmp_path):
+    """Same-shaped trials train as one batched unit that decides on its first real steps (the
+    measured ratio overridden, so the decision is known); the store keeps the decision with each
+    trial's unit, the plan tells the seconds saved; a later group fused on that measurement too."""
+    import tridens as td
+    from tridens.xopt import Settings, _batching
+
+    from .views_search import FixedNet
+
+    train, val = td.datasets.digits()
+    evaluator = td.evaluators.Classification(train, val, batch_size=128, epochs=2, lr=td.choice("lr", [0.01, 0.03, 0.1, 0.3]))
+    db = tmp_path / "fused.db"
+    _batching.clear_cache()
+    try:
+        for name in ("first", "second"):
+            td.Experiment(FixedNet(), evaluator, td.strategy.GridSearch(batch_size=16), store=db, name=name,
+                          optimize=Settings().with_batching(mode="auto", override_speedup=3.0), verbose=False).run()
+    finally:
+        _batching.clear_cache()
+    client = starlette_testclient.TestClient(create_app(db))
+    for name in ("first", "second"):
+        plan = client.get(f"/api/experiments/{name}/plan").json()
+        [unit] = plan["units"]
+        assert unit["kind"] == "batched" and unit["speedups"] == [{"trials": [0, 1, 2, 3], "speedup": 3.0, "fused": True}]
+        assert math.isclose(unit["saved_seconds"], 2.0 * unit["train_seconds"]) and unit["saved_seconds"] > 0
+    assert "measured 3.00x on an earlier unit's first steps" in unit["reason"]  # the second group: no new measurement

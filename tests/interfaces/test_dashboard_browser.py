@@ -4,6 +4,7 @@ running experiment appears without a reload; the plan, the stage tree, stopped a
 curves and a one-shot run drawn from real searches. Screenshots of each page and view go to the
 test's tmp dir (``screenshots/``; the path is printed)."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -176,6 +177,13 @@ def test_plan_stage_tree_and_promoted_curves_in_chromium(browser, views_store, t
         assert stopped and all(t[1] == "dash" and t[2][-1] == "x" for t in stopped)
         assert promoted and all(t[1] == "solid" and t[2][0] == "triangle-up" for t in promoted)
         _section_shot(browser, "learning-curves", shots / "curves-stopped-promoted.png")
+        # the six trials of ASHA's group trained in pairs on one data pipeline, each pair fused or
+        # not on the speed-up measured on its first real steps
+        _wait(browser, lambda d: d.find_elements("css selector", "#plan-units tr[data-kind=cse]"))
+        cells = browser.find_elements("css selector", "#plan-units tr[data-kind=cse] td")
+        assert re.fullmatch(r"(\d+\.\d\dx (fused|separate) \(#\d #\d\)(; )?){3}", cells[4].text), cells[4].text
+        assert float(cells[-1].text) >= 0  # training seconds saved: measured speed-up less one, times seconds
+        _section_shot(browser, "plan-section", shots / "plan-fused.png")
 
         browser.get(server.url + "/experiments/oneshot")
         _wait(browser, lambda d: d.find_elements("css selector", "#subnets tr")
@@ -186,6 +194,6 @@ def test_plan_stage_tree_and_promoted_curves_in_chromium(browser, views_store, t
         assert [r.find_element("tag name", "a").text for r in subnets[1:]] == ["#1", "#2", "#3", "#4"]
         assert browser.execute_script("return document.getElementById('supernet-curves').data[0].y.length") == 3
         _section_shot(browser, "oneshot-section", shots / "oneshot.png")
-    for name in ("experiments", "plan", "stage-tree", "curves-stopped-promoted", "oneshot"):
+    for name in ("experiments", "plan", "stage-tree", "curves-stopped-promoted", "plan-fused", "oneshot"):
         assert (shots / f"{name}.png").stat().st_size > 5_000
     print(f"screenshots in {shots}")

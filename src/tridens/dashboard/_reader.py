@@ -64,6 +64,18 @@ def _tree_epochs(paths: Sequence[tuple[Sequence[Sequence[Any]], int]]) -> tuple[
     return sum(high - low for low, high in spans.values()), alone
 
 
+def _speedups(units: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The measured fusion decisions the trials of one unit record (``unit["speedups"]``), each
+    group once: ``{"trials": [store ids], "speedup", "fused"}``."""
+    seen: dict[tuple[int, ...], dict[str, Any]] = {}
+    for unit in units:
+        for entry in unit.get("speedups") or []:
+            if isinstance(entry, Mapping) and isinstance(entry.get("speedup"), (int, float)):
+                key = tuple(int(t) for t in entry.get("trials") or [])
+                seen[key] = {"trials": list(key), "speedup": float(entry["speedup"]), "fused": bool(entry.get("fused"))}
+    return list(seen.values())
+
+
 def _finite(value: Any) -> Any:
     """JSON has no NaN or infinity: such a float becomes None."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -400,8 +412,9 @@ class StoreReader:
 
         A stage tree's saving is estimated from the epochs it trained against the trial-epochs of
         its trials (each trial's stage path, ``info["stages"]``), at the unit's measured seconds per
-        trained epoch; a fused unit's from its measured speed-up (``unit["speedup"]``) when
-        recorded; otherwise None (not measured)."""
+        trained epoch; a fused group's as its training seconds times its measured speed-up less one
+        (``unit["speedups"]``: what separate training would have cost more), when recorded;
+        otherwise None (not measured)."""
         rows = self._rows(
             "SELECT json_extract(info, '$.unit.trials'), MIN(id), COUNT(*), SUM(json_extract(info, '$.train_seconds')) "
             "FROM trials WHERE experiment_id = ? AND json_extract(info, '$.unit') IS NOT NULL "
@@ -418,12 +431,16 @@ class StoreReader:
                 trained, alone = _tree_epochs([(info.get("stages") or [], epochs) for _, info, epochs in members])
                 if trained and seconds is not None:
                     saved = seconds * (alone - trained) / trained
-            elif isinstance(unit.get("speedup"), (int, float)) and seconds is not None:
-                saved = seconds * (float(unit["speedup"]) - 1.0)
+            speedups = _speedups(info.get("unit") or {} for _, info, _ in members)
+            if speedups and unit.get("kind") != "stage tree":
+                spent = {tid: float(info.get("train_seconds") or 0.0) for tid, info, _ in members}
+                saved = sum(sum(spent.get(t, 0.0) for t in e["trials"]) * (e["speedup"] - 1.0)
+                            for e in speedups if e["fused"])
             out.append({
                 "kind": unit.get("kind"), "trials": [numbers.get(t) for t in json.loads(trials_json or "[]")],
                 "shared": unit.get("shared") or [], "reason": unit.get("reason"), "text": unit.get("text"),
-                "batching": unit.get("batching"), "speedup": unit.get("speedup"), "recorded": count,
+                "batching": unit.get("batching"), "recorded": count,
+                "speedups": [{**e, "trials": [numbers.get(t) for t in e["trials"]]} for e in speedups],
                 "train_seconds": seconds, "epochs_trained": trained, "trial_epochs": alone,
                 "saved_seconds": _finite(saved),
             })

@@ -135,17 +135,23 @@ class ExecutionUnit:
         on the first steps, ``"off"`` otherwise."""
         return "off"
 
+    def speedups(self) -> list[dict[str, Any]]:
+        """Members fused (or not) on a measured speed-up, one entry per group: ``{"trials",
+        "speedup", "fused"}`` (none by default). The dashboard tells the seconds saved from them."""
+        return []
+
     def describe(self) -> dict[str, Any]:
         """The unit as plain data (JSON) for logs, the store and a dashboard: its ``kind``, its
         ``trials`` and ``groups``, ``reason`` (why fused, or why not), ``shared`` parts,
-        ``memory`` (bytes), ``batching``, ``splittable`` and ``text`` (:meth:`summary`).
+        ``memory`` (bytes), ``batching``, ``splittable``, ``speedups`` (:meth:`speedups`) and
+        ``text`` (:meth:`summary`).
 
         >>> unit.describe()["kind"], unit.describe()["trials"]  # doctest: +SKIP
         ('batched', [3, 4, 5])
         """
         return {"kind": self.kind, "trials": self.trial_ids(), "groups": self.groups(), "reason": self.reason,
                 "shared": self.shared(), "memory": self.memory_estimate(), "batching": self.batching(),
-                "splittable": self.splittable, "text": self.summary()}
+                "splittable": self.splittable, "speedups": self.speedups(), "text": self.summary()}
 
     def summary(self) -> str:
         """One log line: what this unit trains and why (anything not fused says why not)."""

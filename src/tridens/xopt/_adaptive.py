@@ -86,6 +86,7 @@ class AdaptiveMember:
         self.flops = flops  # one model's training FLOPs per step (0: unknown, no roofline check)
         self.state = "deciding"
         self.decision = ""
+        self.speedup: float | None = None  # the measured (or overridden) ratio that decided
         self.trainers: dict[int, TrainerMember] = {}
         self._order = list(self.jobs)
         self._left: set[int] = set()
@@ -111,6 +112,13 @@ class AdaptiveMember:
     # -- the member protocol ---------------------------------------------------------------------
     def trial_ids(self) -> list[int]:
         return [t for t in self._order if t not in self._left]
+
+    def measured(self) -> dict[str, Any] | None:
+        """Once decided on a measured speed-up: ``{"trials", "speedup", "fused"}`` (what the
+        store records with each trial's unit, from which the dashboard tells the seconds saved)."""
+        if self.speedup is None:
+            return None
+        return {"trials": list(self._order), "speedup": self.speedup, "fused": self.state == "fused"}
 
     @property
     def ids(self) -> list[int]:
@@ -367,6 +375,7 @@ class AdaptiveMember:
                 self._go_separate("every model failed")
             return
         _SPEEDUPS[decision_key(self.skey, self.setup, k, self.device)] = ratio
+        self.speedup = ratio
         text = f"measured from {steps} real steps: {ratio:.2f}x"
         if self.settings.override_speedup is not None:
             text = f"settings.override_speedup: {ratio:.2f}x"
@@ -375,6 +384,17 @@ class AdaptiveMember:
             self._go_fused(text + note)
         else:
             self._go_separate(f"{text} (below {self.settings.min_speedup:.2f}x){note}")
+        self._record_decision()
+
+    def _record_decision(self) -> None:
+        """Add this group's decision (:meth:`measured`) to what each of its trials records of its
+        unit (``info["unit"]["speedups"]``, set by the planner), so the store keeps it."""
+        entry = self.measured()
+        for job in self.jobs.values():
+            unit = job.trial.info.get("unit")
+            if entry is not None and isinstance(unit, dict):
+                others = [e for e in unit.get("speedups") or [] if e.get("trials") != entry["trials"]]
+                job.trial.info["unit"] = {**unit, "speedups": others + [entry]}
 
     def _go_fused(self, why: str) -> None:
         fused = self.fused

@@ -55,6 +55,7 @@ class BatchedMember:
         if settings.keep_freed_memory:
             _keep_freed_memory()
         self.jobs = {job.trial.id: job for job in jobs}
+        self.speedup: float | None = None  # fused on this measured speed-up (set by the planner), if known
         self.configs = {job.trial.id: evaluator.config(job.trial.sample) for job in jobs}
         self.cfg = cfg = self.configs[jobs[0].trial.id]
         self.owner = type(evaluator).__name__
@@ -102,6 +103,12 @@ class BatchedMember:
         self._val_n = self._val_elements = 0
 
     # -- the member protocol ---------------------------------------------------------------------
+    def measured(self) -> dict[str, Any] | None:
+        """``{"trials", "speedup", "fused": True}`` when fused on a known measured speed-up."""
+        if self.speedup is None:
+            return None
+        return {"trials": list(self.jobs), "speedup": self.speedup, "fused": True}
+
     def trial_ids(self) -> list[int]:
         return list(self._members)
 
@@ -515,6 +522,10 @@ class BatchedUnit(ExecutionUnit):
 
     def shared(self) -> list[str]:
         return ["one data pipeline", f"one vectorized model ({self.member.engine})"]
+
+    def speedups(self) -> list[dict[str, Any]]:
+        measured = self.member.measured()
+        return [measured] if measured else []
 
     def batching(self) -> str:
         return "auto" if self.member.batching() == "auto" else "force"

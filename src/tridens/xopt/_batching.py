@@ -502,6 +502,7 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
             if speedup is not None:
                 unit: BatchedUnit = BatchedUnit(chunk, evaluator, reason=f"{k} trials, fused: measured {speedup:.2f}x "
                                                 "on an earlier unit's first steps", settings=settings)
+                unit.member.speedup = speedup
             else:
                 unit = AdaptiveUnit(chunk, evaluator, reason=f"{k} trials, fused or not as measured on their first "
                                     "real steps", skey=skey, setup=setup, flops=flops, settings=settings)

@@ -358,6 +358,15 @@ class SharedPipelineUnit(ExecutionUnit):
     def shared(self) -> list[str]:
         return ["one data pipeline"] + [f"frozen prefix {key}" for key in self.prefixes]
 
+    def speedups(self) -> list[dict[str, Any]]:
+        out = []
+        for member in self.members:
+            measured = getattr(member, "measured", None)  # batched members fused on a measured speed-up
+            decided = measured() if measured is not None else None
+            if decided:
+                out.append(decided)
+        return out
+
     def batching(self) -> str:
         kinds = {m.batching() for m in self.members}
         return "auto" if "auto" in kinds else "force" if "force" in kinds else "off"

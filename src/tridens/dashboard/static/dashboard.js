@@ -301,11 +301,13 @@ function experimentPage(name) {
     const secs = (v) => v === null || v === undefined ? "-" : v.toFixed(2);
     const note = p.units_recorded ? "" :
       "This store records no execution units (which trials trained fused or shared a pipeline); shown: the TrialGroups, their training seconds, and warm starts, parents and duplicates as recorded.";
-    const units = el("table", {id: "plan-units"}, el("tr", {}, ...["unit", "trials", "shared", "why", "training s", "epochs (tree / alone)", "saved s (estimate)"]
+    const speedText = (u) => u.speedups.map(e => `${e.speedup.toFixed(2)}x ${e.fused ? "fused" : "separate"} (${nums(e.trials)})`).join("; ") || "-";
+    const units = el("table", {id: "plan-units"}, el("tr", {}, ...["unit", "trials", "shared", "why", "measured speed-up", "training s", "epochs (tree / alone)", "saved s (estimate)"]
       .map(h => el("th", {text: h}))),
       ...p.units.map(u => el("tr", {"data-kind": u.kind}, el("td", {class: "kind-" + (u.kind || "").replace(/ /g, "-"), text: u.kind || "-"}),
         el("td", {class: "sample", text: nums(u.trials)}), el("td", {class: "sample", text: u.shared.join("; ") || "-"}),
-        el("td", {class: "sample", text: u.reason || "-"}), el("td", {class: "num", text: secs(u.train_seconds)}),
+        el("td", {class: "sample", text: u.reason || "-"}), el("td", {class: "sample", text: speedText(u)}),
+        el("td", {class: "num", text: secs(u.train_seconds)}),
         el("td", {class: "num", text: u.epochs_trained === null ? "-" : `${u.epochs_trained} / ${u.trial_epochs}`}),
         el("td", {class: "num", text: u.saved_seconds === null ? "not measured" : secs(u.saved_seconds)}))));
     const groups = el("table", {id: "plan-groups"}, el("tr", {}, ...["group", "trials", "training seconds"].map(h => el("th", {text: h}))),
