@@ -3,7 +3,8 @@ Ray on 127.0.0.1) -- passes the same cases, on tiny models and the real digits d
 
 same metrics for a seeded experiment, a stop decision, a member whose loss becomes NaN, a trial
 past its ``trial_timeout`` (a loop that never reports), a crash of the process training a trial,
-``kill -9`` of the driver and a resume (real subprocesses), and a fork of a member from its state.
+``kill -9`` of the driver and a resume (real subprocesses), a fork of a member from its state,
+stage trees (trials sharing a training prefix) and a strategy that forks members (PBT).
 
 The in-process Ray cases share one local Ray for the module (started on 127.0.0.1 as the executor
 starts it); the two subprocess cases on Ray (a worker that kills itself, kill -9 of the driver),
@@ -89,10 +90,10 @@ _REFERENCES = {}
 def reference(tmp_path_factory, digits_data):
     """``reference(name, evaluator, strategy)``: the trials trained one by one in this process
     (``Inline(optimize=False)``), computed once per name."""
-    def get(name, evaluator, strategy=None):
+    def get(name, evaluator, strategy=None, **kw):
         if name not in _REFERENCES:
             folder = tmp_path_factory.mktemp(f"reference-{name}")
-            _REFERENCES[name] = run(folder, td.executors.Inline(optimize=False), evaluator, strategy, name=name)
+            _REFERENCES[name] = run(folder, td.executors.Inline(optimize=False), evaluator, strategy, name=name, **kw)
         return _REFERENCES[name]
     return get
 
@@ -209,6 +210,43 @@ def test_a_fork_continues_from_the_members_state(kind, tmp_path, executor_of, di
     assert status is TrialStatus.COMPLETED
     for name, tensor in whole.outcomes[1][2].items():
         assert torch.allclose(weights[name], tensor, atol=1e-6), name
+
+
+@pytest.mark.parametrize("kind", EXECUTORS)
+def test_trials_sharing_a_training_prefix_report_what_they_report_trained_alone(kind, tmp_path, executor_of,
+                                                                               digits_data, reference):
+    """A grid over step-schedule decay factors and epoch budgets with shared initial weights: stage
+    trees (each shared stage trained once, then forked) give every trial its metrics trained alone."""
+    ev = classification(digits_data, epochs=td.choice("epochs", [2, 3]), lr=0.1, schedule="step",
+                        milestones=[1], gamma=td.choice("gamma", [0.1, 0.5]))
+    got = run(tmp_path, executor_of(kind), ev, seeds="per-architecture")
+    assert len(got) == 8 and all(t.status is TrialStatus.COMPLETED for t in got.values())
+    assert {t.info["unit"]["kind"] for t in got.values()} == {"stage tree"}
+    same_curves(got, reference("stages", ev, seeds="per-architecture"))
+
+
+def pbt():
+    return td.strategy.PBT(population=4, interval=1, hyperparams=["lr"])
+
+
+@pytest.mark.parametrize("kind", EXECUTORS)
+def test_a_strategy_that_forks_members_gets_the_in_process_result(kind, tmp_path, executor_of, digits_data,
+                                                                 reference):
+    """PBT: every exploit forks a member onto another's state, wherever the two train (the pool
+    deals the population over its workers in turn); Ray refuses it at start with one line."""
+    ev = classification(digits_data, epochs=4, lr=td.loguniform("lr", 1e-3, 0.5))
+    if kind == "ray":
+        with pytest.raises(ValueError, match="PBT forks running trials .* 'RayExecutor' cannot"):
+            run(tmp_path, executor_of(kind), ev, pbt(), max_trials=4)
+        return
+    got = run(tmp_path, executor_of(kind), ev, pbt(), max_trials=4)
+    want = reference("pbt", ev, pbt(), max_trials=4)
+    same_curves(got, want)
+    exploits = {key: t.info.get("exploits") for key, t in got.items()}
+    assert any(exploits.values()) and exploits == {key: t.info.get("exploits") for key, t in want.items()}
+    if kind == "process":   # some exploit copied a member of the other worker (members dealt in turn)
+        worker = {t.id: i % 2 for i, t in enumerate(sorted(got.values(), key=lambda t: t.id))}
+        assert any(worker[e["from"]] != worker[t.id] for t in got.values() for e in t.info.get("exploits") or ())
 
 
 # -- real subprocesses: a crash, kill -9 of the driver ------------------------------------------------

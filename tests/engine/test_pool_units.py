@@ -1,7 +1,7 @@
 """Units on the process pool, with real worker subprocesses, real SQLite stores and real training on
 digits: stage trees train on the workers with their stages stored once in the store (the driver
-writes it), a second experiment on the pool reuses them, and PBT forks members across workers to
-the in-process result."""
+writes it), and a second experiment on the pool reuses them. (PBT on the pool, and stage trees
+against trials trained alone, are cases of tests/engine/test_executor_conformance.py.)"""
 
 from __future__ import annotations
 
@@ -83,30 +83,3 @@ def test_stage_trees_train_on_the_workers_store_once_and_a_second_study_reuses_t
     assert len({(r, p) for r, p, _ in rows}) == len(rows)
     assert len(files) == sum(c is not None for _, _, c in rows)
 
-
-def pbt_run(store, executor, optimize):
-    from tests.strategy.pbt_script import MLP, evaluator
-
-    exp = td.Experiment(MLP(), evaluator(), td.strategy.PBT(population=6, interval=2), max_trials=6, seed=0,
-                        store=store, name="pbt", verbose=False, executor=executor, optimize=optimize)
-    return {t.id: t for t in exp.run().trials()}
-
-
-def test_pbt_forks_members_across_workers_to_the_in_process_result(tmp_path):
-    inline = pbt_run(tmp_path / "inline.db", td.executors.Inline(), False)
-    pool = pbt_run(tmp_path / "pool.db", td.executors.Process(workers=2), True)
-    assert pool.keys() == inline.keys()
-    exploits = [e for t in pool.values() for e in t.info.get("exploits", [])]
-    assert exploits
-    # population members were dealt to the two workers in turn (ids in order): some exploits copy a
-    # member of the other worker, whose state was handed back through the driver
-    order = sorted(pool)
-    worker = {tid: i % 2 for i, tid in enumerate(order)}
-    assert any(worker[e["from"]] != worker[t.id] for t in pool.values() for e in t.info.get("exploits", []))
-    for tid, trial in pool.items():
-        assert trial.status is TrialStatus.COMPLETED
-        assert trial.info.get("exploits") == inline[tid].info.get("exploits"), tid
-        for metric, values in trial.metrics.items():
-            assert values == pytest.approx(inline[tid].metrics[metric], rel=1e-5, abs=1e-7), (tid, metric)
-    with Store(tmp_path / "pool.db", readonly=True) as db:   # the lineage is in the store
-        assert {t.id: t.info.get("exploits") for t in db.trials("pbt")} == {t: pool[t].info.get("exploits") for t in pool}
