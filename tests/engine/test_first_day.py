@@ -205,6 +205,15 @@ def test_export_refuses_a_non_empty_directory_and_has_one_layout(tmp_path, data)
         torch.testing.assert_close(a(x), b(x))
 
 
+def test_exporting_a_hyperparameter_only_search_says_there_is_no_model(tmp_path):
+    store = tmp_path / "hp.db"
+    exp = td.Experiment(None, hp_evaluator(), "random", max_trials=2, store=store, name="hp", verbose=False)
+    exp.run()
+    with pytest.raises(TridensError, match="'hp' searched hyperparameters only .*no model to export"):
+        exp.export(tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
 def test_a_loaded_program_behaves_like_a_model(tmp_path, data):
     store = tmp_path / "p.db"
     exp = td.Experiment(Net(), classification(data, epochs=1), "grid", max_trials=2, store=store, name="p",
@@ -279,6 +288,17 @@ def test_asha_by_name_takes_max_steps_from_the_evaluator(tmp_path, data):
                         name="a", verbose=False)
     exp.run()
     assert {t.max_steps for t in exp.trials()} == {3}
+
+
+def test_asha_with_a_user_loop_asks_for_max_steps_before_the_first_trial(tmp_path):
+    store = tmp_path / "a.db"
+    exp = td.Experiment(None, hp_evaluator(), "asha", max_trials=4, store=store, name="a", verbose=False)
+    with pytest.raises(ValueError, match=r"FunctionalEvaluator has no fixed 'epochs' .*td\.strategy\.ASHA\(max_steps=N\)"):
+        exp.run()
+    assert _no_experiment(store)
+    exp.strategy = td.strategy.ASHA(max_steps=2)
+    exp.run()
+    assert {t.max_steps for t in exp.trials()} == {2} and len(exp.trials()) == 4
 
 
 def test_a_sample_whose_shapes_do_not_fit_fails_with_the_freeze_message(tmp_path, data):

@@ -207,7 +207,7 @@ def test_experiment_bad_inputs_never_crash(tmp_path, caplog):
     t = td.Experiment.load(store, "opaque").trials()[0]
     assert t.status is td.TrialStatus.COMPLETED and t.parent is None
     assert "opaque" in t.info["warm_start"]["reason"] and "opaque" in caplog.text
-    assert f"trial {t.id} not added to the zoo" in caplog.text     # and the zoo says why it kept nothing
+    assert f"trial {t.number} not added to the zoo" in caplog.text     # and the zoo says why it kept nothing
     # a zoo entry whose weights no longer load: a warning, a cold start, the trial still runs
     (zoo.dir / f"{e.id}.pt").write_bytes(b"\x00garbage")
     with pytest.warns(ZooWarning):

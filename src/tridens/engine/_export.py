@@ -52,13 +52,19 @@ def export_trials(db: Store, config: dict[str, Any], trials: Sequence[Trial], di
     ``trust_code`` (see :func:`tridens.space.build_space`)."""
     if not trials:
         raise TridensError("no finished trial to export")
+    for trial in trials:  # checked before anything is written
+        if trial.checkpoint is None and config.get("space") is None and trial.fingerprint is None:
+            raise TridensError(f"experiment {trial.experiment!r} searched hyperparameters only (space=None): its "
+                               "function built and kept its own models, so there is no model to export; use "
+                               "exp.best().sample to train the best one")
+        if trial.checkpoint is None:
+            raise TridensError(f"trial {trial.label} of {trial.experiment!r} has no checkpoint to export")
     _clear_for_export(directory, force)
     out = []
     for rank, trial in enumerate(trials, 1):
         target = directory / f"rank{rank}-trial{trial.label}"
         target.mkdir(parents=True, exist_ok=True)
-        if trial.checkpoint is None:
-            raise TridensError(f"trial {trial.id} has no checkpoint to export")
+        assert trial.checkpoint is not None  # checked above
         weights = db.load_checkpoint(trial.checkpoint)
         torch.save(weights, target / "weights.pt")
         manifest = {
@@ -81,7 +87,7 @@ def export_trials(db: Store, config: dict[str, Any], trials: Sequence[Trial], di
                     torch.export.save(program, str(target / "model.pt2"))
                     manifest["program"] = "model.pt2"
             except Exception as err:  # the weights and recipe are exported even when the program is not
-                warnings.warn(f"trial {trial.id}: no self-contained program exported ({type(err).__name__}: {err})")
+                warnings.warn(f"trial {trial.label}: no self-contained program exported ({type(err).__name__}: {err})")
         (target / "sample.json").write_text(json.dumps(trial.sample, indent=2))
         (target / _MANIFEST).write_text(json.dumps(manifest, indent=2))
         out.append(target)

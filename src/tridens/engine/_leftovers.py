@@ -147,7 +147,7 @@ def fail_repeated_deaths(db: Store, trials: Sequence[Trial]) -> None:
         if trial.status.finished or deaths < MAX_DEATHS:
             continue
         trial.status = TrialStatus.FAILED
-        trial.error = (f"trial {trial.id} was running each time its process died ({deaths} times: killed, out of "
+        trial.error = (f"trial {trial.label} was running each time its process died ({deaths} times: killed, out of "
                        "memory, os._exit or a crash in native code); it is not run again")
         trial.finished_at = time.time()
         db.finish_trial(trial, None)

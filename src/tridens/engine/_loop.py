@@ -428,7 +428,7 @@ class _Run:
         finally:
             torch.set_rng_state(rng)
         if info.get("parent") is None:
-            log.info("trial %d: no warm start (%s)", trial.id, info.get("reason"))
+            log.info("trial %d: no warm start (%s)", trial.label, info.get("reason"))
         elif isinstance(info["parent"], int) and Path(self.zoo.path).resolve() == Path(self.db.path).resolve():
             trial.parent = info["parent"]
         trial.info["warm_start"] = info
@@ -437,7 +437,7 @@ class _Run:
         desc = self.zoo_desc.pop(trial.id)
         if desc.get("opaque"):
             log.info("trial %d not added to the zoo: torch.fx cannot trace the model whole (opaque node %s)",
-                     trial.id, desc["opaque"])
+                     trial.label, desc["opaque"])
             return
         if trial.metric is None or math.isnan(trial.metric):
             return
@@ -445,7 +445,7 @@ class _Run:
             self.zoo.add_description(desc, dict(weights), accuracy=self.objective.score(trial.metric),
                                      trial=trial.id, experiment=self.name, store=str(self.db.path))
         except Exception as err:
-            log.warning("trial %d not added to the zoo: %s: %s", trial.id, type(err).__name__, err)
+            log.warning("trial %d not added to the zoo: %s: %s", trial.label, type(err).__name__, err)
 
     def _violated(self, trial: Trial, model: Any) -> str | None:
         for constraint in self.exp.constraints:

@@ -82,7 +82,15 @@ def check_before_run(space: BaseSpace, evaluator: Evaluator, strategy: Strategy,
     search_space = space.search_space().merged(evaluator.search_space())
     _check_evaluator(evaluator, objective)
     # Constructors only store parameters, so a copy is cheap; the run starts the strategy itself.
-    copy.deepcopy(strategy).start(search_space, objective, random.Random(seed), ())
+    try:
+        copy.deepcopy(strategy).start(search_space, objective, random.Random(seed), ())
+    except ValueError as err:
+        if getattr(strategy, "max_steps", 0) is not None or "'max_steps'" not in str(err):
+            raise
+        kind = type(strategy).__name__  # no max_steps given, and no fixed epochs to take it from
+        raise ValueError(f"{err} {type(evaluator).__name__} has no fixed 'epochs' to take it from: pass "
+                         f"td.strategy.{kind}(max_steps=N), N being the most steps (td.report calls) a trial "
+                         "makes.") from None
     return search_space
 
 

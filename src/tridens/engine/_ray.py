@@ -432,7 +432,7 @@ class RayExecutor(Executor):
                 self._member_left(track.members[trial_id], outcome, storage, fluid)
         for member in [m for m in track.unfinished() if not m.yielded]:
             self._fluid_finish(fluid, member.job.trial.id)
-            member.life.fail(f"the unit task of trial {member.job.trial.id} ended without its outcome")
+            member.life.fail(f"the unit task of trial {member.job.trial.label} ended without its outcome")
         return True
 
     def _unit_timeout(self, running: list[_UnitTrack], fluid: FluidOnRay | None) -> None:

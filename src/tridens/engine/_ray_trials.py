@@ -179,10 +179,10 @@ class UserLoopGroup:
             life.trial.info["ray_restarts"] = len(task.deaths)
             if len(task.deaths) <= self.max_retries:
                 log.warning("trial %d: its worker died (%s); restarting it from its last checkpoint (retry %d of %d)",
-                            life.trial.id, type(err).__name__, len(task.deaths), self.max_retries)
+                            life.trial.label, type(err).__name__, len(task.deaths), self.max_retries)
                 task.attempt += 1
                 return False
-            life.fail(f"the worker of trial {life.trial.id} died {len(task.deaths)} time(s) and max_retries="
+            life.fail(f"the worker of trial {life.trial.label} died {len(task.deaths)} time(s) and max_retries="
                       f"{self.max_retries} allows no more restarts; last: {task.deaths[-1]}")
             return True
         record_outcome(life, result, self.storage)

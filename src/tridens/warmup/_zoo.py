@@ -264,11 +264,11 @@ class Zoo:
                     model = space.freeze(space.restrict(t.sample), check=False)
                     model.load_state_dict(weights)
                 except Exception as err:
-                    warnings.warn(f"trial {t.id} of {name!r} skipped: {type(err).__name__}: {err}", ZooWarning, stacklevel=2)
+                    warnings.warn(f"trial {t.label} of {name!r} skipped: {type(err).__name__}: {err}", ZooWarning, stacklevel=2)
                     continue
                 desc = describe(model, space.example_inputs)
                 if desc["opaque"]:
-                    log.info("zoo: trial %d of %s not added: opaque node (%s)", t.id, name, desc["opaque"])
+                    log.info("zoo: trial %d of %s not added: opaque node (%s)", t.label, name, desc["opaque"])
                     continue
                 entry = self.add_description(desc, model.state_dict(), accuracy=objective.score(t.metric), trial=t.id,
                                              experiment=name, store=str(Path(path).absolute()))
