@@ -664,7 +664,7 @@ class ProcessExecutor(Executor):
         except (EOFError, OSError):
             code = run.worker.exit_code()
             self.replace(index)
-            life.fail(f"the worker process of trial {life.trial.id} died (exit code {code})")
+            life.fail(f"the worker process of trial {life.trial.label} died (exit code {code})")
             return False
         kind = message[0]
         if kind == "started":
