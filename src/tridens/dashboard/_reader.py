@@ -416,28 +416,33 @@ class StoreReader:
         (``unit["speedups"]``: what separate training would have cost more), when recorded;
         otherwise None (not measured)."""
         rows = self._rows(
-            "SELECT json_extract(info, '$.unit.trials'), MIN(id), COUNT(*), SUM(json_extract(info, '$.train_seconds')) "
-            "FROM trials WHERE experiment_id = ? AND json_extract(info, '$.unit') IS NOT NULL "
-            "GROUP BY 1 ORDER BY 2 DESC LIMIT ?", (eid, limit))
+            "SELECT json_extract(info, '$.unit.trials'), MIN(id), COUNT(*), json_extract(info, '$.unit'), "
+            "SUM(json_extract(info, '$.train_seconds')), json_group_object(id, json_extract(info, '$.train_seconds')), "
+            "json_group_array(json_extract(info, '$.unit.speedups')) FROM trials "
+            "WHERE experiment_id = ? AND json_extract(info, '$.unit') IS NOT NULL GROUP BY 1 ORDER BY 2 DESC LIMIT ?",
+            (eid, limit))
+        trees: dict[str, list[tuple[Any, int]]] = {}
+        if any(json.loads(r[3]).get("kind") == "stage tree" for r in rows):
+            for key, stages, epochs in self._rows(
+                    "SELECT json_extract(t.info, '$.unit.trials'), json_extract(t.info, '$.stages'), "
+                    "(SELECT MAX(m.step) + 1 FROM metrics m WHERE m.trial_id = t.id) FROM trials t WHERE "
+                    "t.experiment_id = ? AND json_extract(t.info, '$.unit.kind') = 'stage tree'", (eid,)):
+                trees.setdefault(key, []).append((json.loads(stages) if stages else [], epochs or 0))
         out = []
-        for trials_json, first, count, seconds in reversed(rows):
-            members = [(tid, json.loads(info), epochs or 0) for tid, info, epochs in self._rows(
-                "SELECT t.id, t.info, (SELECT MAX(m.step) + 1 FROM metrics m WHERE m.trial_id = t.id) FROM trials t "
-                "WHERE t.experiment_id = ? AND json_extract(t.info, '$.unit.trials') = ? ORDER BY t.id LIMIT 500",
-                (eid, trials_json))]
-            unit = members[-1][1]["unit"] if members else {}
+        for trials_json, _, count, unit_text, seconds, spent_json, speedups_json in reversed(rows):
+            unit = json.loads(unit_text)
             trained, alone, saved = None, None, None
             if unit.get("kind") == "stage tree":
-                trained, alone = _tree_epochs([(info.get("stages") or [], epochs) for _, info, epochs in members])
+                trained, alone = _tree_epochs(trees.get(trials_json, []))
                 if trained and seconds is not None:
                     saved = seconds * (alone - trained) / trained
-            speedups = _speedups(info.get("unit") or {} for _, info, _ in members)
+            speedups = _speedups({"speedups": e} for e in json.loads(speedups_json))
             if speedups and unit.get("kind") != "stage tree":
-                spent = {tid: float(info.get("train_seconds") or 0.0) for tid, info, _ in members}
+                spent = {int(t): float(v or 0.0) for t, v in json.loads(spent_json).items()}
                 saved = sum(sum(spent.get(t, 0.0) for t in e["trials"]) * (e["speedup"] - 1.0)
                             for e in speedups if e["fused"])
             out.append({
-                "kind": unit.get("kind"), "trials": [numbers.get(t) for t in json.loads(trials_json or "[]")],
+                "kind": unit.get("kind"), "trials": [numbers.get(t) for t in json.loads(trials_json) or []],
                 "shared": unit.get("shared") or [], "reason": unit.get("reason"), "text": unit.get("text"),
                 "batching": unit.get("batching"), "recorded": count,
                 "speedups": [{**e, "trials": [numbers.get(t) for t in e["trials"]]} for e in speedups],
