@@ -43,8 +43,9 @@ class TransformerBlock(nn.Module):
 class AutoFormer(tnn.ModelSpace):
     """A vision transformer space (see the module doc); NNI's ``AutoFormer`` parameters.
 
-    Search it with a multi-trial strategy: an attention's width and head count cannot be sliced
-    from one weight by tridens' supernet.
+    Search it with a multi-trial strategy: the supernet slices an attention's width and head
+    count, but not the class token and position embedding (parameters sized by ``embed_dim``) nor
+    the MLP width ``int(dim * mlp_ratio)``.
     """
 
     def __init__(self, search_embed_dim: Sequence[int] = (192, 216, 240), search_mlp_ratio: Sequence[float] = (3.0, 3.5, 4.0),

@@ -10,15 +10,19 @@
   op's candidates (a :class:`MixedLayer`) on each state the op may read (DARTS' edges);
 * an int ``td.choice`` (width, kernel size, depth...) -> a :class:`~._traced.TracedInt` at the
   largest candidate, so layers are built at their largest size; afterwards each ``Conv1d/2d``,
-  ``Linear`` and ``BatchNorm1d/2d`` whose sizes depend on a label becomes an entangled layer that
-  slices its weight per sample (kernels centred, BatchNorm statistics sliced too); other modules
+  ``Linear``, ``BatchNorm1d/2d``, ``LayerNorm`` and ``MultiheadAttention`` whose sizes depend on a
+  label becomes an entangled layer that slices its weight per sample (kernels centred, BatchNorm
+  statistics sliced too; an attention's q/k/v in-projection blocks and out-projection sliced to
+  the path's ``embed_dim``, its ``num_heads`` the path's); other modules
   whose attributes depend on a label (pooling sizes, dropout rates, strides) get those
   attributes set per sample before each call.
 
 Every mixed module reads one :class:`ArchState`: either a *path* (a concrete sample: only the
 chosen candidate runs, layers are sliced: SPOS, ENAS, subnet evaluation) or *weights* (a
 probability vector per label: DARTS/GDAS; candidates are mixed, widths become soft channel
-masks and kernel sizes soft centred kernel masks over the one largest weight).
+masks and kernel sizes soft centred kernel masks over the one largest weight; a LayerNorm's or
+an attention's widths and head counts mix the outputs of every candidate, each computed on its
+slice, since normalization statistics and the split into heads depend on the width).
 
 After building, the supernet is checked against the space: for a set of samples (every value of
 every label, one label at a time, plus random ones), the model built alone by ``space.freeze``
@@ -420,12 +424,179 @@ class EntangledBatchNorm1d(_EntangledNorm, nn.BatchNorm1d):
     """A ``BatchNorm1d`` at its largest width; parameters and running statistics sliced."""
 
 
+def _mixture(state: ArchState, dims: Any) -> list[tuple[torch.Tensor | None, dict[str, Any]]]:
+    """The paths a weighted layer mixes: one per combination of values of the labels in ``dims``
+    that have weights, with its probability (the product over those labels). Zero-probability
+    combinations of a hard (one-hot, no gradient) sample are left out. No weighted label: the
+    argmax path alone, with weight ``None``."""
+    labels = sorted(label for label in traced_labels(dims) if label in state.probs)
+    if not labels:
+        return [(None, state.sample)]
+    out: list[tuple[torch.Tensor | None, dict[str, Any]]] = []
+    for combo in itertools.product(*(range(len(state.values[label])) for label in labels)):
+        p = state.probs[labels[0]][combo[0]]
+        for label, i in zip(labels[1:], combo[1:]):
+            p = p * state.probs[label][i]
+        if not p.requires_grad and float(p) == 0.0:
+            continue
+        out.append((p, {**state.sample, **{label: state.values[label][i] for label, i in zip(labels, combo)}}))
+    return out
+
+
+def _pad_to(y: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """``y`` zero-padded at the end of its last ``len(shape)`` dims up to ``shape``."""
+    pads: list[int] = []
+    for have, want in zip(reversed(y.shape[y.dim() - len(shape):]), reversed(list(shape))):
+        pads += [0, want - have]
+    return F.pad(y, pads) if any(pads) else y
+
+
+def _mix(parts: list[tuple[torch.Tensor | None, torch.Tensor]]) -> torch.Tensor:
+    if len(parts) == 1 and parts[0][0] is None:
+        return parts[0][1]
+    total: torch.Tensor | None = None
+    for p, y in parts:
+        y = y if p is None else p * y
+        total = y if total is None else total + y
+    assert total is not None
+    return total
+
+
+class EntangledLayerNorm(_Entangled, nn.LayerNorm):
+    """A ``LayerNorm`` at its largest shape; a path normalizes the leading slice with the leading
+    slice of the affine weights. Weights mix the candidates' outputs (each normalizes its own
+    slice of the input, zero-padded to the largest shape): a width's statistics depend on the
+    width, so a mask over the largest one would not reproduce any candidate."""
+
+    def _shape(self, sample: Sample | None = None) -> tuple[int, ...]:
+        return tuple(self._at("normalized_shape", sample))
+
+    def sliced(self, name: str, sample: Sample) -> torch.Tensor:
+        return getattr(self, name)[tuple(slice(0, n) for n in self._shape(sample))]
+
+    def _norm(self, x: torch.Tensor, sample: Sample) -> torch.Tensor:
+        shape = self._shape(sample)
+        weight = None if self.weight is None else self.sliced("weight", sample)
+        bias = None if self.bias is None else self.sliced("bias", sample)
+        return F.layer_norm(x, shape, weight, bias, self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = self._state
+        if not state.weighted:
+            return self._norm(x, state.sample)
+        full = tuple(self.normalized_shape)
+        parts: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        for p, sample in _mixture(state, self._traced.get("normalized_shape")):
+            shape = self._shape(sample)
+            window = x[(Ellipsis,) + tuple(slice(0, n) for n in shape)]
+            parts.append((p, _pad_to(self._norm(window, sample), full)))
+        return _mix(parts)
+
+
+class EntangledMultiheadAttention(_Entangled, nn.MultiheadAttention):
+    """A ``MultiheadAttention`` at its largest ``embed_dim``; a path of width ``e`` uses the
+    leading ``e`` rows of each of the q, k and v blocks of the in-projection (rows ``[0, e)``,
+    ``[E, E + e)``, ``[2E, 2E + e)`` of ``in_proj_weight``, columns ``[0, e)``), the leading
+    ``e x e`` of the out-projection and of ``bias_k``/``bias_v``, and the path's ``num_heads``
+    (AutoFormer's weight entanglement; NNI 3.0's ``MixedMultiHeadAttention`` slices the same).
+
+    Weights (DARTS, GDAS) mix the outputs of every candidate width and head count, each computed
+    on its own slice of the input and zero-padded to the largest width: heads split a width into
+    equal parts, so no mask over the largest attention computes a smaller one.
+    """
+
+    def _setup(self, traced: dict[str, Any], state: ArchState) -> None:
+        embed = traced.get("embed_dim")
+        for name in ("kdim", "vdim"):
+            if name in traced and traced[name] is not embed:
+                raise not_one_shot(sorted(traced_labels(traced[name]))[0],
+                                   f"sets the attention's {name} apart from its embed_dim; the supernet slices "
+                                   "kdim and vdim only when they follow embed_dim (leave them None)")
+        super()._setup(traced, state)
+
+    def _proj(self, tensor: torch.Tensor, e: int) -> torch.Tensor:
+        big = self.embed_dim
+        return torch.cat([tensor[i * big: i * big + e] for i in range(3)])
+
+    def sliced(self, name: str, sample: Sample) -> torch.Tensor:
+        e = self._at("embed_dim", sample)
+        if name == "in_proj_weight":
+            return self._proj(self.in_proj_weight, e)[:, :e]
+        if name == "in_proj_bias":
+            return self._proj(self.in_proj_bias, e)
+        if name in ("bias_k", "bias_v"):
+            return getattr(self, name)[:, :, :e]
+        if name == "q_proj_weight":
+            return self.q_proj_weight[:e, :e]
+        if name in ("k_proj_weight", "v_proj_weight"):
+            return getattr(self, name)[:e]
+        raise KeyError(name)
+
+    def _attend(self, sample: Sample, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        e, heads = self._at("embed_dim", sample), self._at("num_heads", sample)
+        separate = not self._qkv_same_embed_dim
+        batched = query.dim() == 3
+        if self.batch_first and batched:
+            query, key, value = (t.transpose(1, 0) for t in (query, key, value))
+        out_bias = self.out_proj.bias
+        out, weights = F.multi_head_attention_forward(
+            query, key, value, e, heads,
+            None if separate else self.sliced("in_proj_weight", sample),
+            None if self.in_proj_bias is None else self.sliced("in_proj_bias", sample),
+            None if self.bias_k is None else self.sliced("bias_k", sample),
+            None if self.bias_v is None else self.sliced("bias_v", sample),
+            self.add_zero_attn, self._at("dropout", sample),
+            self.out_proj.weight[:e, :e], None if out_bias is None else out_bias[:e],
+            training=self.training, use_separate_proj_weight=separate,
+            q_proj_weight=self.sliced("q_proj_weight", sample) if separate else None,
+            k_proj_weight=self.sliced("k_proj_weight", sample) if separate else None,
+            v_proj_weight=self.sliced("v_proj_weight", sample) if separate else None,
+            **kwargs)
+        if self.batch_first and batched:
+            out = out.transpose(1, 0)
+        return out, weights
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
+                attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        kwargs = dict(key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
+                      average_attn_weights=average_attn_weights, is_causal=is_causal)
+        state = self._state
+        if not state.weighted:
+            return self._attend(state.sample, query, key, value, **kwargs)
+        mixture = _mixture(state, [self._traced.get("embed_dim"), self._traced.get("num_heads")])
+        outs: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        maps: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        kv_fixed = not self._qkv_same_embed_dim  # key and value keep their own (fixed) widths
+        for p, sample in mixture:
+            e = self._at("embed_dim", sample)
+            q = query[..., :e]
+            k, v = (key, value) if kv_fixed else (key[..., :e], value[..., :e])
+            out, weights = self._attend(sample, q, k, v, **kwargs)
+            outs.append((p, _pad_to(out, (self.embed_dim,))))
+            if weights is not None:
+                maps.append((p, weights))
+        mixed = None
+        if maps and len({tuple(w.shape) for _, w in maps}) == 1:
+            mixed = _mix(maps)
+        elif maps:  # per-head maps of different head counts: the most probable path's
+            chances = [-1.0 if p is None else float(p) for p, _ in mixture]
+            mixed = maps[chances.index(max(chances))][1]
+        return _mix(outs), mixed
+
+
 _ENTANGLED: dict[type, tuple[type, tuple[str, ...]]] = {
     nn.Conv2d: (EntangledConv2d, ("in_channels", "out_channels", "kernel_size", "padding", "stride", "dilation", "groups")),
     nn.Conv1d: (EntangledConv1d, ("in_channels", "out_channels", "kernel_size", "padding", "stride", "dilation", "groups")),
     nn.Linear: (EntangledLinear, ("in_features", "out_features")),
     nn.BatchNorm2d: (EntangledBatchNorm2d, ("num_features",)),
     nn.BatchNorm1d: (EntangledBatchNorm1d, ("num_features",)),
+    nn.LayerNorm: (EntangledLayerNorm, ("normalized_shape",)),
+    nn.MultiheadAttention: (EntangledMultiheadAttention, ("embed_dim", "kdim", "vdim", "num_heads", "head_dim", "dropout")),
+    # the out-projection of a MultiheadAttention: a Linear that the attention slices itself
+    nn.modules.linear.NonDynamicallyQuantizableLinear: (EntangledLinear, ("in_features", "out_features")),
 }
 # Attributes that only change how a module computes, never the shape of its weights.
 _DYNAMIC_OK = {"kernel_size", "stride", "padding", "dilation", "p", "output_size", "negative_slope", "scale_factor"}
@@ -641,7 +812,8 @@ def build_supernet(space: BaseSpace, *, verify: bool = True, seed: int = 0, max_
                 raise not_one_shot(label, "exists only under some values of another choice that the supernet "
                                           "cannot hold at once (Python control flow on a choice)")
             raise not_one_shot(label, "does not reach a layer the supernet can slice (it is used in Python code: "
-                                      "an if, a loop, or a module type that is not Conv1d/Conv2d/Linear/BatchNorm)")
+                                      "an if, a loop, or a module type that is not Conv1d/Conv2d/Linear/BatchNorm/LayerNorm/"
+                                      "MultiheadAttention)")
     net = Supernet(space, model, state, resolver.claimed)
     if verify:
         _verify(net, seed, max_checks)

@@ -1,0 +1,201 @@
+"""A supernet over MultiheadAttention widths and head counts, on the digits' rows as a sequence:
+slicing equals a fixed model given the sliced weights, weights mix the candidates, and one-shot
+searches run end to end and export the chosen width."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tridens as td
+from tridens import nn as tnn
+from tridens.errors import InvalidSpace
+from tridens.oneshot import build_supernet
+from tridens.oneshot._supernet import EntangledLayerNorm, EntangledLinear, EntangledMultiheadAttention
+from tridens.trial import TrialStatus
+
+EMBED, HEADS = [8, 16, 24], [2, 4]
+
+
+def _tokens(x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """An 8x8 digit as 8 tokens: each row's pixels and the row's one-hot ``position``."""
+    rows = x.reshape(-1, 8, 8)
+    return torch.cat([rows, position.expand_as(rows)], dim=-1)
+
+
+class DigitsAttention(tnn.ModelSpace):
+    """One self-attention layer over the digit rows, its width and head count chosen."""
+
+    def __init__(self):
+        super().__init__()
+        e = td.choice("embed_dim", EMBED)
+        h = td.choice("num_heads", HEADS)
+        self.embed = nn.Linear(16, e)
+        self.attn = nn.MultiheadAttention(e, h, batch_first=True)
+        self.norm = nn.LayerNorm(e)
+        self.head = nn.Linear(e, 10)
+        self.register_buffer("position", torch.eye(8))
+        self.example_inputs = (torch.rand(3, 1, 8, 8),)
+
+    def forward(self, x):
+        t = self.embed(_tokens(x, self.position))
+        y = self.attn(t, t, t, need_weights=False)[0]
+        return self.head(self.norm(t + y).mean(1))
+
+
+class FixedAttention(nn.Module):
+    """The same network written without tridens, at one width and head count."""
+
+    def __init__(self, e: int, h: int):
+        super().__init__()
+        self.embed = nn.Linear(16, e)
+        self.attn = nn.MultiheadAttention(e, h, batch_first=True)
+        self.norm = nn.LayerNorm(e)
+        self.head = nn.Linear(e, 10)
+        self.register_buffer("position", torch.eye(8))
+
+    def forward(self, x):
+        t = self.embed(_tokens(x, self.position))
+        y = self.attn(t, t, t, need_weights=False)[0]
+        return self.head(self.norm(t + y).mean(1))
+
+
+def _trained_supernet(digits_data, steps=20):
+    """A supernet after a few SPOS steps on digits (weights no longer at their initial values)."""
+    torch.manual_seed(0)
+    net = build_supernet(DigitsAttention())
+    x, y = digits_data[0].tensors
+    opt = torch.optim.Adam(net.model.parameters(), lr=0.01)
+    rng = random.Random(0)
+    for i in range(steps):
+        net.set_path(net.search_space.random_sample(rng))
+        idx = torch.arange(i * 32, i * 32 + 32)
+        opt.zero_grad()
+        F.cross_entropy(net.model(x[idx]), y[idx]).backward()
+        opt.step()
+    return net
+
+
+def _copy_sliced(net, e: int, h: int) -> FixedAttention:
+    """A FixedAttention(e, h) holding the supernet's leading slices, copied by hand."""
+    big = max(EMBED)
+    sup = net.model
+    fixed = FixedAttention(e, h)
+    with torch.no_grad():
+        fixed.embed.weight.copy_(sup.embed.weight[:e])
+        fixed.embed.bias.copy_(sup.embed.bias[:e])
+        w, b = sup.attn.in_proj_weight, sup.attn.in_proj_bias
+        fixed.attn.in_proj_weight.copy_(torch.cat([w[:e, :e], w[big:big + e, :e], w[2 * big:2 * big + e, :e]]))
+        fixed.attn.in_proj_bias.copy_(torch.cat([b[:e], b[big:big + e], b[2 * big:2 * big + e]]))
+        fixed.attn.out_proj.weight.copy_(sup.attn.out_proj.weight[:e, :e])
+        fixed.attn.out_proj.bias.copy_(sup.attn.out_proj.bias[:e])
+        fixed.norm.weight.copy_(sup.norm.weight[:e])
+        fixed.norm.bias.copy_(sup.norm.bias[:e])
+        fixed.head.weight.copy_(sup.head.weight[:, :e])
+        fixed.head.bias.copy_(sup.head.bias)
+    return fixed
+
+
+def test_the_supernet_holds_the_largest_attention_and_slices_it(digits_data):
+    net = _trained_supernet(digits_data)
+    attn = net.model.attn
+    assert isinstance(attn, EntangledMultiheadAttention) and isinstance(attn.out_proj, EntangledLinear)
+    assert isinstance(net.model.norm, EntangledLayerNorm)
+    assert attn.in_proj_weight.shape == (3 * 24, 24) and attn.out_proj.weight.shape == (24, 24)
+    assert net.claimed["embed_dim"] and net.claimed["num_heads"]
+    x = digits_data[1].tensors[0][:64]
+    net.model.eval()
+    for e in EMBED:
+        for h in HEADS:
+            sample = {"embed_dim": e, "num_heads": h}
+            fixed = _copy_sliced(net, e, h).eval()
+            net.set_path(sample)
+            with torch.no_grad():
+                got = net.model(x)
+                want = fixed(x)  # nn.MultiheadAttention's own (fast-path) kernel
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (sample, (got - want).abs().max())
+            # the extracted subnet is the frozen model of the sample with exactly those weights
+            child = net.extract(sample)
+            assert child.attn.embed_dim == e and child.attn.num_heads == h
+            for name, tensor in fixed.state_dict().items():
+                assert torch.equal(child.state_dict()[name], tensor), name
+    # in training mode (the slow path, gradients through the slices) it matches too
+    net.model.train()
+    net.set_path({"embed_dim": 16, "num_heads": 4})
+    fixed = _copy_sliced(net, 16, 4).train()
+    got, want = net.model(x), fixed(x)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    got.sum().backward()
+    grad = net.model.attn.in_proj_weight.grad
+    assert grad[:16, :16].abs().sum() > 0 and grad[16:24].abs().sum() == 0 and grad[24 + 16:48].abs().sum() == 0
+
+
+def test_one_hot_weights_reproduce_each_path_and_soft_weights_carry_gradients(digits_data):
+    net = _trained_supernet(digits_data, steps=5)
+    net.model.eval()
+    x = digits_data[1].tensors[0][:32]
+    values = net.state.values
+    for sample in ({"embed_dim": 8, "num_heads": 4}, {"embed_dim": 24, "num_heads": 2}):
+        probs = {label: torch.tensor([1.0 if v == sample[label] else 0.0 for v in values[label]]) for label in sample}
+        net.set_path(sample)
+        with torch.no_grad():
+            path = net.model(x)
+        net.set_weights(probs)
+        with torch.no_grad():
+            mixed = net.model(x)
+        assert torch.allclose(path, mixed, rtol=1e-5, atol=1e-6)
+    alpha = {label: torch.zeros(len(v), requires_grad=True) for label, v in values.items()}
+    net.set_weights({label: F.softmax(a, -1) for label, a in alpha.items()})
+    F.cross_entropy(net.model(x), digits_data[1].tensors[1][:32]).backward()
+    assert all(a.grad is not None and a.grad.abs().sum() > 0 for a in alpha.values())
+
+
+def test_kdim_chosen_apart_from_embed_dim_is_refused():
+    class KeyWidth(tnn.ModelSpace):
+        def __init__(self):
+            super().__init__()
+            e = td.choice("embed_dim", [8, 16])
+            self.attn = nn.MultiheadAttention(e, 2, kdim=td.choice("kdim", [4, 8]), vdim=4)
+
+        def forward(self, q, k, v):
+            return self.attn(q, k, v)[0]
+
+    with pytest.raises(InvalidSpace, match=r"label 'kdim' sets the attention's kdim apart from its embed_dim"):
+        build_supernet(KeyWidth(), verify=False)
+
+
+@pytest.fixture
+def evaluator(digits_data):
+    train, val = digits_data
+    return td.evaluators.Classification(train, val, epochs=2, batch_size=64, optimizer="adam", lr=0.01)
+
+
+def test_random_one_shot_searches_widths_and_retrains_the_best(tmp_path, evaluator):
+    exp = td.Experiment(DigitsAttention(), evaluator, td.oneshot.RandomOneShot(samples=5, population=3, retrain=1),
+                        store=tmp_path / "t.db", name="attention", verbose=False).run()
+    trials = exp.trials()
+    subnets = [t for t in trials if t.info["oneshot"]["role"] == "subnet"]
+    [retrained] = [t for t in trials if t.info["oneshot"]["role"] == "retrain"]
+    assert len(subnets) == 5 and all(t.status is TrialStatus.COMPLETED for t in subnets)
+    assert max(t.metric for t in subnets) > 0.3  # chance is 0.1: the shared attention learned the digits
+    best = max(subnets, key=lambda t: (t.metric, -t.metrics["val_loss"][-1], -t.id))
+    assert retrained.status is TrialStatus.COMPLETED and retrained.sample == best.sample
+    out = exp.export(tmp_path / "export")
+    models = {path.name: td.load(path) for path in out}
+    for trial, model in zip(exp.top(len(out)), models.values()):
+        assert model.attn.embed_dim == trial.sample["embed_dim"] and model.attn.num_heads == trial.sample["num_heads"]
+        assert model.attn.in_proj_weight.shape == (3 * trial.sample["embed_dim"], trial.sample["embed_dim"])
+
+
+def test_darts_mixes_widths_and_head_counts(tmp_path, evaluator):
+    exp = td.Experiment(DigitsAttention(), evaluator, td.oneshot.DARTS(samples=3, search="random", warmup=0.25),
+                        store=tmp_path / "t.db", name="attention-darts", verbose=False).run()
+    trials = exp.trials()
+    [supernet] = [t for t in trials if t.info["oneshot"]["role"] == "supernet"]
+    probs = supernet.info["oneshot"]["probabilities"]
+    assert set(probs) == {"embed_dim", "num_heads"}
+    assert len(probs["embed_dim"]) == 3 and probs["embed_dim"] != pytest.approx([1 / 3] * 3, abs=1e-4)
+    subnets = [t for t in trials if t.info["oneshot"]["role"] == "subnet"]
+    assert subnets and all(t.status is TrialStatus.COMPLETED and 0.0 <= t.metric <= 1.0 for t in subnets)
