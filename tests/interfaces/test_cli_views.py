@@ -61,22 +61,57 @@ def test_failed_trial_shows_its_traceback_and_long_samples_are_not_cut(tiny_copy
     error = "Traceback (most recent call last):\n  File \"train.py\", line 3, in step\nRuntimeError: shapes do not match"
     with Store(tiny_copy) as store:
         store.add_trial("tiny", Trial(id=-1, sample=long_sample, seed=1, status=TrialStatus.FAILED, error=error))
+        store.add_trial("tiny", Trial(id=-1, sample=long_sample, seed=2, status=TrialStatus.COMPLETED, metric=0.99,
+                                      metrics={"val_acc": [0.99]}))  # the best: first in top
     command = [sys.executable, "-m", "tridens.cli"]
     shown = subprocess.run([*command, "show", "tiny", "4", "--db", str(tiny_copy)], capture_output=True, text=True)
     assert shown.returncode == 0 and 'File "train.py", line 3' in shown.stdout and "RuntimeError" in shown.stdout
-    table = subprocess.run([*command, "show", "tiny", "--db", str(tiny_copy)], capture_output=True, text=True).stdout
-    flat = re.sub(r"[\s│┃]", "", table)  # a table wraps long cells over lines; nothing may be cut
-    assert "…" not in table and "block7.op=" in flat
-    assert all(f"block{i}.op='conv3x3_with_a_long_name'" in flat for i in range(8))
+    for view in (["show", "tiny"], ["top", "tiny", "-k", "3"]):  # stdout a pipe, not a terminal
+        table = subprocess.run([*command, *view, "--db", str(tiny_copy)], capture_output=True, text=True).stdout
+        flat = re.sub(r"[\s│┃]", "", table)  # a table wraps long cells over lines; nothing may be cut
+        assert "…" not in table and "block7.op=" in flat, view
+        assert all(f"block{i}.op='conv3x3_with_a_long_name'" in flat for i in range(8)), view
 
 
 def test_every_option_has_a_help_line():
-    parser = _parser()
-    subparsers = next(a for a in parser._actions if a.choices and isinstance(a.choices, dict))
-    for name, sub in subparsers.choices.items():
-        for action in sub._actions:
-            if action.dest != "help":
-                assert action.help, f"tridens {name}: {'/'.join(action.option_strings) or action.dest} has no help"
+    """Every subcommand, every option and argument of each (walked through argparse, nested
+    subcommands too) has a help line, and `tridens CMD --help` prints each of them."""
+    import argparse
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                helped = {choice.dest: choice.help for choice in action._choices_actions}
+                for name, sub in action.choices.items():
+                    assert helped.get(name), f"{path} {name}: the subcommand has no help line"
+                    yield from walk(sub, f"{path} {name}")
+            elif action.dest != "help":
+                yield path, action
+
+    actions = list(walk(_parser(), "tridens"))
+    commands = {path for path, _ in actions}
+    assert {"tridens run", "tridens ls", "tridens show", "tridens top", "tridens export", "tridens resume",
+            "tridens dashboard", "tridens plot", "tridens export-optuna"} <= commands
+    for path, action in actions:
+        name = "/".join(action.option_strings) or action.dest
+        assert action.help and action.help.strip(), f"{path}: {name} has no help line"
+    for command in sorted(commands - {"tridens"}):
+        text = _help_text(command.split()[1:])
+        for path, action in actions:
+            if path == command and action.option_strings:
+                assert action.option_strings[-1] in text, f"{command} --help does not list {action.option_strings}"
+
+
+def _help_text(argv):
+    import contextlib
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            main([*argv, "--help"])
+        except SystemExit as stop:
+            assert stop.code == 0
+    return out.getvalue()
 
 
 def test_plot_writes_an_image(tiny_store, tmp_path, capsys):
