@@ -4,11 +4,13 @@ epoch budgets, per-architecture seeds, one group. Every training batch appends o
 ``<store>.batches`` (the transform below), so the test counts what each run trained. The test
 imports :class:`Net` from here: one model for the in-process and the subprocess cases.
 
-Usage: python -m tests.xopt.stage_script STORE [SECONDS_PER_BATCH]
+Usage: python -m tests.xopt.stage_script STORE [SECONDS_PER_BATCH [EXECUTOR]]  (EXECUTOR: inline or process;
+on the process pool the workers count their batches through the same file, named in the environment)
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Callable
@@ -36,7 +38,8 @@ def grid_evaluator(data, epochs, gammas, lr=0.05, transforms: Callable | None = 
                                         gamma=td.choice("gamma", gammas), transforms=transforms)
 
 
-STORE, PAUSE = "", 0.0   # set by the command line
+# set by the command line, through the environment so that pool workers (which import this module) see them
+STORE, PAUSE = os.environ.get("STAGE_SCRIPT_STORE", ""), float(os.environ.get("STAGE_SCRIPT_PAUSE", "0"))
 
 
 def counted(x: torch.Tensor) -> torch.Tensor:
@@ -50,6 +53,8 @@ def counted(x: torch.Tensor) -> torch.Tensor:
 
 if __name__ == "__main__":
     STORE, PAUSE = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
+    os.environ["STAGE_SCRIPT_STORE"], os.environ["STAGE_SCRIPT_PAUSE"] = STORE, str(PAUSE)
+    executor = td.executors.Process(workers=2) if sys.argv[3:] == ["process"] else td.executors.Inline()
     evaluator = grid_evaluator(td.datasets.digits(), [2, 4], [0.1, 0.5], transforms=counted)
     td.Experiment(Net(), evaluator, td.strategy.GridSearch(batch_size=16), store=STORE, name="tree",
-                  seeds="per-architecture", verbose=False).run()
+                  seeds="per-architecture", verbose=False, executor=executor).run()

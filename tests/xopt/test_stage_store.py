@@ -201,8 +201,8 @@ def test_a_nan_branch_is_recorded_failed_and_its_parent_and_siblings_are_untouch
 
 
 # -- kill -9 of a tree run, then resume (real subprocesses) ----------------------------------------
-def start(store: Path, pause: float) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.xopt.stage_script", str(store), str(pause)], cwd=ROOT,
+def start(store: Path, pause: float, executor: str = "inline") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.xopt.stage_script", str(store), str(pause), executor], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
 
@@ -217,9 +217,31 @@ def batches(store: Path) -> int:
     return len(path.read_text()) if path.exists() else 0
 
 
-def test_kill_9_during_a_tree_run_then_resume_retrains_no_finished_stage(tmp_path):
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (pool workers)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def gone(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("executor", ["inline", pytest.param("process", marks=pytest.mark.slow)])
+def test_kill_9_during_a_tree_run_then_resume_retrains_no_finished_stage(tmp_path, executor):
+    """On the process pool the stage trees train in the workers; they exit with the killed driver."""
     store = tmp_path / "tree.db"
-    proc = start(store, 0.02)
+    proc = start(store, 0.02, executor)
     end = time.monotonic() + 120
     while time.monotonic() < end:   # kill once some stages are stored, long before the end
         try:
@@ -228,14 +250,19 @@ def test_kill_9_during_a_tree_run_then_resume_retrains_no_finished_stage(tmp_pat
         except sqlite3.OperationalError:
             pass
         time.sleep(0.05)
+    workers = children(proc.pid)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    end = time.monotonic() + 60
+    while not all(gone(pid) for pid in workers) and time.monotonic() < end:   # no batch counted after this
+        time.sleep(0.1)
+    assert all(gone(pid) for pid in workers)
     before = rows(store, "SELECT id, path, checkpoint, last_epoch - first_epoch FROM stages ORDER BY id")
     assert len(before) >= 3
     files = {p: (store.parent / "tree.db.files" / p).stat().st_mtime_ns for _, _, p, _ in before}
     assert rows(store, "SELECT COUNT(*) FROM trials WHERE status = 'completed'")[0][0] < 8   # killed mid-run
     first_batches = batches(store)
-    resumed = start(store, 0.0)
+    resumed = start(store, 0.0, executor)
     out = resumed.communicate(timeout=300)[0]
     assert resumed.returncode == 0, out
     after = rows(store, "SELECT id, path, checkpoint, last_epoch - first_epoch FROM stages ORDER BY id")
@@ -248,8 +275,8 @@ def test_kill_9_during_a_tree_run_then_resume_retrains_no_finished_stage(tmp_pat
     assert trials == [("completed", 8)]
     # the same per-epoch metrics as a run never killed
     reference = tmp_path / "ref.db"
-    ref = start(reference, 0.0)
-    assert ref.wait(timeout=300) == 0
+    ref = start(reference, 0.0, executor)
+    assert ref.communicate(timeout=300)[0] is not None and ref.returncode == 0
     with Store(store, readonly=True) as a, Store(reference, readonly=True) as b:
         got = {json.dumps(t.sample, sort_keys=True): t.metrics for t in a.trials("tree")}
         want = {json.dumps(t.sample, sort_keys=True): t.metrics for t in b.trials("tree")}
