@@ -15,16 +15,31 @@ The driver is the engine's lockstep loop in miniature (ask a group; train its tr
 epoch, reporting every trial's value before asking any decision; stop on ``Decision.STOP``; tell
 every finished trial), with no store or model building: tens of thousands of simulated runs.
 
-Reported, mean +- std over ``--seeds`` searches (seeds 0..N-1, strategies interleaved per seed):
+Reported over ``--seeds`` searches (seeds 0..N-1, strategies interleaved per seed; a seed gives
+every strategy the same random stream, so the random first bracket of Hyperband, BOHB, SS and BOSS
+holds the same configurations and their comparison is paired):
 
 * ``incumbent``: the configuration with the best validation accuracy seen so far (any epoch, one
   recorded run); its value is that configuration's **final-epoch accuracy averaged over the
-  table's recorded seeds** (what the search would hand over), at fractions of the budget;
+  table's recorded seeds** (what the search would hand over), mean +- std at fractions of the
+  budget;
 * ``time to within 0.5`` (and 0.25): simulated CPU-seconds until the incumbent's value is within
   0.5 (0.25) points of the table's best (the best configuration by the same averaged final
-  accuracy): the median over all searches (one that never got there counts as longer than the
-  budget), and how many got there;
+  accuracy), also in full trainings of an average configuration, so tables of different cost
+  compare. The median over all searches with a bootstrap 95% interval (a search that is not
+  there by the end of the budget counts as longer than the budget; so does one that gets there
+  only in the group that overran it), and how many got there. This time is bimodal -- a random
+  first bracket of 27 holds one of the few near-best configurations in a good share of the seeds
+  -- so the median of 20 searches moves by a factor of two from one set of seeds to the next;
+  hence 100 seeds by default and the intervals;
+* paired, for BOSS vs BOHB, SS vs Hyperband and AsyncSS vs ASHA: the ratio of the median times
+  with a bootstrap interval (seeds resampled together), how often the first gets there earlier
+  (ties, both never included, count half), and the mean difference of the incumbents at the end
+  of the budget +- its standard error;
 * the run's own cost (CPU-seconds of this process per search), beside it.
+
+A table still being recorded (``"complete": false``) is refused unless ``--partial``, a dry run
+on the largest complete sub-grid of what it holds (printed; its figures are not the table's).
 
 Part 2 -- NAS-Bench-201 (``--nb201``; final values only, so one query = one architecture):
 BOSS's proposals (its TPE surrogate with a random fraction, brackets of one trial since
@@ -32,7 +47,9 @@ BOSS's proposals (its TPE surrogate with a random fraction, brackets of one tria
 accuracy seen, mean +- std over the seeds.
 
     /work/bin/cpuslot .venv/bin/python bench/multifidelity.py --seeds 3 --budget 0.2     # a quick look
-    /work/bin/quiet .venv/bin/python bench/multifidelity.py                             # 20 seeds
+    /work/bin/quiet .venv/bin/python bench/multifidelity.py                             # 100 seeds
+    /work/bin/quiet .venv/bin/python bench/multifidelity.py --tables mnist5k-cnn
+    /work/bin/cpuslot .venv/bin/python bench/multifidelity.py --tables mnist5k-cnn --partial --seeds 3
     /work/bin/quiet .venv/bin/python bench/multifidelity.py --nb201 --seeds 20
 """
 
@@ -100,8 +117,10 @@ class Trace:
             value = v
         return value
 
-    def reached(self, target: float) -> float:
-        return next((t for t, v in self.points if v >= target), math.inf)
+    def reached(self, target: float, budget: float) -> float:
+        """When the incumbent first came within ``target``; ``inf`` if not within ``budget``."""
+        t = next((t for t, v in self.points if v >= target), math.inf)
+        return t if t <= budget else math.inf
 
 
 def search(make: Callable[[], Any], table: CurveTable, seed: int, budget: float) -> Trace:
@@ -193,6 +212,70 @@ def optuna_search(table: CurveTable, seed: int, budget: float) -> Trace:
     return trace
 
 
+def complete_subgrid(table: CurveTable) -> CurveTable:
+    """The largest complete grid inside a partly recorded table: values are dropped, one at a time,
+    choosing the one that loses the fewest recorded configurations, until every combination of
+    the values left is recorded (a dry run's space; a strategy may propose any combination)."""
+    keys = set(table.curves)
+    values = [sorted({k[i] for k in keys}, key=lambda v: (str(type(v)), v)) for i in range(len(table.labels))]
+
+    def inside(vals: list[list[Any]]) -> list[tuple[Any, ...]]:
+        sets = [set(v) for v in vals]
+        return [k for k in keys if all(x in s for x, s in zip(k, sets))]
+
+    while len(inside(values)) < math.prod(len(v) for v in values):
+        options = [[v if j != i else [x for x in v if x != drop] for j, v in enumerate(values)]
+                   for i, vs in enumerate(values) if len(vs) > 1 for drop in vs]
+        values = max(options, key=lambda vals: (len(inside(vals)), math.prod(len(v) for v in vals)))
+    rows = {k: table.curves[k] for k in inside(values)}
+    return CurveTable(table.labels, rows, {**table.info, "subgrid": dict(zip(table.labels, values))})
+
+
+def load_table(name: str, partial: bool) -> CurveTable:
+    """The recorded table ``name``; one still being recorded only with ``partial`` (its largest
+    complete sub-grid)."""
+    table = CurveTable.load(TABLES[name])
+    complete = table.info.get("cost", {}).get("complete", table.info.get("complete", True))
+    if complete:
+        return table
+    if not partial:
+        raise SystemExit(f"{TABLES[name]} is still being recorded (\"complete\": false, {len(table)} configurations "
+                         f"so far); pass --partial for a dry run on what it holds")
+    sub = complete_subgrid(table)
+    print(f"DRY RUN on a partly recorded table: {len(sub)} of its {len(table)} configurations form a complete "
+          f"grid, {sub.info['subgrid']}; these figures are not the table's", flush=True)
+    return sub
+
+
+def _median_ci(values: list[float], rng: random.Random, rounds: int = 2000) -> tuple[float, float, float]:
+    """Median of ``values`` (``inf`` allowed) and a bootstrap 95% interval."""
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(rounds))
+    return statistics.median(values), medians[int(0.025 * rounds)], medians[int(0.975 * rounds) - 1]
+
+
+def _paired_ratio(a: list[float], b: list[float], rng: random.Random,
+                  rounds: int = 2000) -> tuple[float, float, float]:
+    """median(a) / median(b) and a bootstrap 95% interval, seeds resampled together."""
+    def ratio(idx: list[int]) -> float:
+        ma, mb = statistics.median(a[i] for i in idx), statistics.median(b[i] for i in idx)
+        if math.isinf(ma) and math.isinf(mb):
+            return math.nan
+        return ma / mb if mb > 0 else math.inf
+
+    n = len(a)
+    draws = sorted((r for r in (ratio(rng.choices(range(n), k=n)) for _ in range(rounds)) if not math.isnan(r)))
+    if not draws:
+        return ratio(list(range(n))), math.nan, math.nan
+    return ratio(list(range(n))), draws[int(0.025 * len(draws))], draws[max(int(0.975 * len(draws)) - 1, 0)]
+
+
+def _t(seconds: float, full: float) -> str:
+    return "> budget" if math.isinf(seconds) else f"{seconds:.3g} s ({seconds / full:.2g} ft)"
+
+
+PAIRS = (("BOSS", "BOHB"), ("SS", "Hyperband"), ("AsyncSS", "ASHA"))
+
+
 def _ms(values: list[float], scale: float = 100.0, digits: int = 2) -> str:
     values = [v for v in values if not math.isnan(v)]
     if not values:
@@ -201,16 +284,19 @@ def _ms(values: list[float], scale: float = 100.0, digits: int = 2) -> str:
     return f"{statistics.mean(values) * scale:.{digits}f} +- {sd * scale:.{digits}f}"
 
 
-def run_table(name: str, seeds: int, budget_configs: float, only: list[str] | None) -> dict[str, Any]:
-    table = CurveTable.load(TABLES[name])
+def run_table(name: str, seeds: int, budget_configs: float, only: list[str] | None,
+              partial: bool = False) -> dict[str, Any]:
+    table = load_table(name, partial)
     best_sample, best = table.best()
     full = statistics.mean(sum(r["cpu_seconds"] for r in runs[0]) for runs in table.curves.values())
     budget = budget_configs * full
     makers = {k: v for k, v in strategies(table.epochs).items() if only is None or k in only}
+    near = [sum(table.final_mean(dict(zip(table.labels, k))) >= best - gap for k in table.curves) for gap in GAPS]
     print(f"\n== {name}: {len(table)} configurations x {len(table.info.get('seeds', [0]))} recorded seeds, "
           f"{table.epochs} epochs; a full training costs {full:.3f} CPU-s on average (recorded); budget "
-          f"{budget:.1f} simulated CPU-s = {budget_configs:g} full trainings; table's best (mean over seeds, "
-          f"final epoch) {best * 100:.2f} % {best_sample}", flush=True)
+          f"{budget:.1f} simulated CPU-s = {budget_configs:g} full trainings (ft); table's best (mean over seeds, "
+          f"final epoch) {best * 100:.2f} % {best_sample}; configurations within 0.5 / 0.25 points of it: "
+          f"{near[0]} / {near[1]}", flush=True)
     results: dict[str, list[dict[str, Any]]] = {k: [] for k in makers}
     for seed in range(seeds):
         for label, make in makers.items():  # interleaved: every strategy for a seed, then the next seed
@@ -218,26 +304,46 @@ def run_table(name: str, seeds: int, budget_configs: float, only: list[str] | No
             trace = optuna_search(table, seed, budget) if make is None else search(make, table, seed, budget)
             cost = time.process_time() - c0
             results[label].append({"at": [trace.at(f * budget) for f in FRACTIONS],
-                                   "reach": [trace.reached(best - gap) for gap in GAPS], "trials": trace.trials, "cpu": cost,
-                                   "spent": trace.clock.seconds})
-        print(f"  seed {seed}: " + ", ".join(f"{k} {v[-1]['at'][-1] * 100:.2f}" for k, v in results.items()),
-              flush=True)
+                                   "reach": [trace.reached(best - gap, budget) for gap in GAPS],
+                                   "trials": trace.trials, "cpu": cost, "spent": trace.clock.seconds})
+        if seed < 3 or (seed + 1) % 10 == 0:
+            print(f"  seed {seed}: " + ", ".join(f"{k} {v[-1]['at'][-1] * 100:.2f}" for k, v in results.items()),
+                  flush=True)
+    rng = random.Random(0)
     headers = ["strategy"] + [f"@{f * budget:.2g} s" for f in FRACTIONS] + [
-        f"time to within {gap * 100:g} (s, median; searches that got there)" for gap in GAPS] + [
+        f"to within {gap * 100:g}: median [95% CI] (got there)" for gap in GAPS] + [
         "trials", "sim s used", "bench CPU-s/search"]
     rows = []
     for label, rs in results.items():
         reached = []
         for g in range(len(GAPS)):
-            times = [r["reach"][g] for r in rs]  # inf: not within the gap by the end of the budget
-            median = statistics.median(times)
+            times = [r["reach"][g] for r in rs]
+            median, lo, hi = _median_ci(times, rng)
             got = sum(math.isfinite(t) for t in times)
-            reached.append(f"{median:.2f} ({got}/{len(rs)})" if math.isfinite(median) else f"> budget ({got}/{len(rs)})")
+            reached.append(f"{_t(median, full)} [{_t(lo, full).split(' (')[0]}, {_t(hi, full).split(' (')[0]}] "
+                           f"({got}/{len(rs)})")
         rows.append([label] + [_ms([r["at"][i] for r in rs]) for i in range(len(FRACTIONS))] + reached + [
-            f"{statistics.mean(r['trials'] for r in rs):.0f}", f"{statistics.mean(r['spent'] for r in rs):.0f}",
+            f"{statistics.mean(r['trials'] for r in rs):.0f}", f"{statistics.mean(r['spent'] for r in rs):.3g}",
             f"{statistics.median(r['cpu'] for r in rs):.2f}"])
-    print(f"\nincumbent's final validation accuracy (%; mean over the table's seeds), mean +- std over {seeds} searches:")
+    print(f"\nincumbent's final validation accuracy (%; mean over the table's seeds), mean +- std over {seeds} searches; "
+          f"time to within 0.5 / 0.25 points of the best in simulated CPU-s (and full trainings, ft):")
     print(C.table(headers, rows))
+    pair_rows = []
+    for a, b in PAIRS:
+        if a not in results or b not in results:
+            continue
+        ta = [r["reach"][0] for r in results[a]]
+        tb = [r["reach"][0] for r in results[b]]
+        ratio, lo, hi = _paired_ratio(ta, tb, rng)
+        earlier = sum(1.0 if x < y else 0.5 if x == y else 0.0 for x, y in zip(ta, tb)) / len(ta)
+        diff = [(x["at"][-1] - y["at"][-1]) * 100 for x, y in zip(results[a], results[b])]
+        se = statistics.stdev(diff) / math.sqrt(len(diff)) if len(diff) > 1 else 0.0
+        pair_rows.append([f"{a} / {b}", f"{ratio:.2f} [{lo:.2f}, {hi:.2f}]", f"{earlier * 100:.0f} %",
+                          f"{statistics.mean(diff):+.2f} +- {se:.2f}"])
+    if pair_rows:
+        print(f"\npaired over the {seeds} seeds:")
+        print(C.table(["A / B", "median time to within 0.5, A / B [95% CI]", "A there first",
+                       "end-of-budget incumbent, A - B (points, +- s.e.)"], pair_rows))
     return {"table": name, "best": best, "budget": budget, "full": full, "results": results}
 
 
@@ -286,11 +392,13 @@ def run_nb201(seeds: int) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tables", default="digits-mlp", help="comma-separated: " + ", ".join(TABLES))
-    p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--seeds", type=int, default=100)
     p.add_argument("--budget", type=float, default=20.0,
                    help="simulated budget, in full trainings of an average configuration (default 20)")
     p.add_argument("--strategies", default=None, help="comma-separated subset")
     p.add_argument("--nb201", action="store_true", help="part 2 only: NAS-Bench-201, 100 and 300 queries")
+    p.add_argument("--partial", action="store_true",
+                   help="accept a table still being recorded: a dry run on its largest complete sub-grid")
     p.add_argument("--json", help="write the raw results here")
     args = p.parse_args()
     C.print_machine()
@@ -299,7 +407,7 @@ def main() -> None:
         out: Any = run_nb201(args.seeds)
     else:
         only = args.strategies.split(",") if args.strategies else None
-        out = [run_table(name, args.seeds, args.budget, only) for name in args.tables.split(",") if name]
+        out = [run_table(name, args.seeds, args.budget, only, args.partial) for name in args.tables.split(",") if name]
     print(f"\n{time.perf_counter() - t0:.0f} s wall")
     if args.json:
         with open(args.json, "w") as f:
