@@ -35,6 +35,7 @@ The packed file holds ``{"space", "labels", "metrics", "epochs", "seeds", "rows"
 from __future__ import annotations
 
 import argparse
+import fcntl
 import gzip
 import itertools
 import json
@@ -167,6 +168,20 @@ def record_group(spec: dict[str, Any], structure: dict[str, Any], train: Any, va
     return list(rows.values())
 
 
+def claim(parts: str, structure: dict[str, Any]) -> bool:
+    """Claim a group for this process (a file per group beside the parts file, created exclusively):
+    two recorders started on the same table never train the same group. A claim outlives a killed
+    recorder: delete ``PARTS.claims/`` before recording again after a kill."""
+    folder = parts + ".claims"
+    os.makedirs(folder, exist_ok=True)
+    name = "-".join(f"{k}={v}" for k, v in sorted(structure.items()))
+    try:
+        os.close(os.open(os.path.join(folder, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
 def pack(name: str, parts: str, out: str) -> None:
     spec = SPACES[name]
     rows, cpu, wall = [], 0.0, 0.0
@@ -182,8 +197,10 @@ def pack(name: str, parts: str, out: str) -> None:
              "cost": {"cpu_seconds": round(cpu, 1), "wall_seconds": round(wall, 1), "configurations": len(rows),
                       "complete": len(rows) == expected, "torch": torch.__version__,
                       "machine": platform.processor() or platform.machine(), "threads": 1}}
-    with gzip.open(out, "wt") as f:
+    tmp = f"{out}.{os.getpid()}.tmp"   # written aside, then renamed: two recorders may pack at once
+    with gzip.open(tmp, "wt") as f:
         json.dump(table, f, separators=(",", ":"))
+    os.replace(tmp, out)
     print(f"packed {len(rows)}/{expected} configurations into {out} ({os.path.getsize(out) / 1e6:.2f} MB); "
           f"recording cost {cpu / 60:.1f} CPU-minutes, {wall / 60:.1f} wall-minutes")
 
@@ -194,6 +211,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="the packed table (default bench/data/SPACE.json.gz)")
     parser.add_argument("--pack", action="store_true", help="only pack the recorded groups")
     parser.add_argument("--limit", type=int, default=None, help="record at most this many groups (a trial run)")
+    parser.add_argument("--reverse", action="store_true",
+                        help="take the groups from the end of the grid (a second recorder beside a first)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = args.out or os.path.join(HERE, "data", f"{args.space}.json.gz")
@@ -207,12 +226,21 @@ def main() -> None:
                 done = {json.dumps(json.loads(line)["structure"], sort_keys=True) for line in f}
         train, val = spec["data"]()
         todo = [s for s in grid(spec["structure"]) if json.dumps(s, sort_keys=True) not in done]
-        for i, structure in enumerate(todo[:args.limit]):
+        if args.reverse:
+            todo.reverse()
+        recorded = 0
+        for i, structure in enumerate(todo):
+            if args.limit is not None and recorded >= args.limit:
+                break
+            if not claim(parts, structure):
+                continue   # another recorder has it
             c0, w0 = time.process_time(), time.perf_counter()
             rows = record_group(spec, structure, train, val)
             cpu, wall = time.process_time() - c0, time.perf_counter() - w0
             with open(parts, "a") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)   # one whole line per group, whoever else appends
                 f.write(json.dumps({"structure": structure, "rows": rows, "cpu": cpu, "wall": wall}) + "\n")
+            recorded += 1
             best = max(sum(s["val_acc"][-1] for s in r["seeds"]) / len(r["seeds"]) for r in rows)
             print(f"[{time.strftime('%H:%M:%S')}] {len(done) + i + 1}/{len(done) + len(todo)} {structure}: "
                   f"{len(rows)} configurations, {cpu:.1f} CPU-s, {wall:.1f} s wall, best mean val_acc {best:.4f}, "
