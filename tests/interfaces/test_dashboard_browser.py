@@ -16,6 +16,7 @@ from tridens.dashboard import Server
 from tridens.store import Store
 
 from . import views_search
+from .test_dashboard_api import big_store  # noqa: F401  (10,000 trials written through the store's API)
 
 webdriver = pytest.importorskip("selenium.webdriver")
 
@@ -197,3 +198,28 @@ def test_plan_stage_tree_and_promoted_curves_in_chromium(browser, views_store, t
     for name in ("experiments", "plan", "stage-tree", "curves-stopped-promoted", "plan-fused", "oneshot"):
         assert (shots / f"{name}.png").stat().st_size > 5_000
     print(f"screenshots in {shots}")
+
+
+@pytest.mark.slow  # ~15 s; the default run covers 10,000 trials through the API (test_dashboard_api)
+def test_ten_thousand_trials_page_by_page(browser, big_store, tmp_path):  # noqa: F811
+    """An experiment of 10,000 trials: the page shows its first 50, pages on, sorts on the server,
+    and draws the default curves and the hyperparameter views."""
+    with Server(big_store, port=0) as server:
+        browser.get(server.url + "/experiments/big")
+        _wait(browser, lambda d: len(_rows(d)) == 50 and d.find_element("id", "total").text == "10000")
+        assert [r[0] for r in _rows(browser)] == [str(i) for i in range(50)]
+        browser.find_element("xpath", "//button[text()='next ▶']").click()
+        _wait(browser, lambda d: [r[0] for r in _rows(d)] == [str(i) for i in range(50, 100)])
+        browser.find_element("css selector", "#trials-table th[data-sort=metric]").click()
+        _wait(browser, lambda d: _rows(d) and _rows(d)[0][1] in ("completed", "stopped")
+              and d.find_element("css selector", "#trials-table th[data-sort=metric]").text.endswith("▼"))
+        values = browser.execute_script(
+            "return [...document.querySelectorAll('#trials-table tbody tr')].map(r => parseFloat(r.children[3].textContent))")
+        assert values == sorted(values, reverse=True) and len(values) == 50
+        _wait(browser, lambda d: d.execute_script(
+            "const c = document.getElementById('curves'); const p = document.getElementById('parcoords');"
+            " return c.data && c.data.length === 5 && p.data && p.data[0].dimensions[0].values.length === 8000"), timeout=60)
+        shots = tmp_path / "screenshots"
+        shots.mkdir()
+        browser.save_screenshot(str(shots / "experiment-10000-trials.png"))
+        print(f"screenshots in {shots}")
