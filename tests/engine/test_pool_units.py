@@ -1,6 +1,6 @@
-"""Units on the process pool, with real worker subprocesses, real SQLite stores and real training on
-digits: stage trees train on the workers with their stages stored once in the store (the driver
-writes it), and a second experiment on the pool reuses them. (PBT on the pool, and stage trees
+"""Stage trees on the process pool (real worker subprocesses) and on Ray (a real local Ray), with
+real SQLite stores and real training on digits: the trees train on the workers with their stages
+stored once in the store (the driver writes it), and a second experiment reuses them. (PBT on the pool, and stage trees
 against trials trained alone, are cases of tests/engine/test_executor_conformance.py.)"""
 
 from __future__ import annotations
@@ -52,10 +52,32 @@ def stored(store):
     return rows, files
 
 
-def test_stage_trees_train_on_the_workers_store_once_and_a_second_study_reuses_them(data, tmp_path, caplog):
+@pytest.fixture(scope="module")
+def local_ray():
+    ray = pytest.importorskip("ray")
+    from tridens.engine._ray_local import start_local_ray
+
+    started = not ray.is_initialized()
+    if started:
+        start_local_ray(2)  # as td.executors.Ray(address=None) starts it: on 127.0.0.1
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def executor_of(kind, tmp_path, request):
+    if kind == "process":
+        return td.executors.Process(workers=2)
+    request.getfixturevalue("local_ray")
+    return td.executors.Ray(workers=2, storage=tmp_path / "ray")
+
+
+@pytest.mark.parametrize("kind", ["process", "ray"])
+def test_stage_trees_train_on_the_workers_store_once_and_a_second_study_reuses_them(kind, data, tmp_path, caplog,
+                                                                                    request):
     inline = run(data, tmp_path / "inline.db", "first", [2, 3], [0.1, 0.5], td.executors.Inline())
     pool_db = tmp_path / "pool.db"
-    pool = run(data, pool_db, "first", [2, 3], [0.1, 0.5], td.executors.Process(workers=2))
+    pool = run(data, pool_db, "first", [2, 3], [0.1, 0.5], executor_of(kind, tmp_path, request))
     assert pool.keys() == inline.keys() and len(pool) == 8
     for key, trial in pool.items():   # the same per-epoch metrics as the in-process stage tree
         assert trial.status is TrialStatus.COMPLETED, (key, trial.error)
@@ -68,7 +90,7 @@ def test_stage_trees_train_on_the_workers_store_once_and_a_second_study_reuses_t
     assert len(files) == sum(c is not None for _, _, c in rows) > 0
 
     with caplog.at_level(logging.INFO, logger="tridens"):
-        second = run(data, pool_db, "second", [2, 3, 4], [0.1, 0.5], td.executors.Process(workers=2))
+        second = run(data, pool_db, "second", [2, 3, 4], [0.1, 0.5], executor_of(kind, tmp_path, request))
     alone = run(data, tmp_path / "alone.db", "second", [2, 3, 4], [0.1, 0.5], td.executors.Inline())
     assert len(second) == 12
     reused = [t for t in second.values() if t.info.get("stage_store")]
@@ -76,10 +98,11 @@ def test_stage_trees_train_on_the_workers_store_once_and_a_second_study_reuses_t
     assert any(t.info["stage_store"]["epochs"] == t.sample["epochs"] for k, t in second.items() if k in pool)
     for key, trial in second.items():
         assert trial.metrics == alone[key].metrics, key
-    assert "trained by experiment 'first') sent to a worker: not trained again" in caplog.text
+    assert "trained by experiment 'first') sent to " in caplog.text and "not trained again" in caplog.text
     with Store(pool_db) as db:
         assert {s.experiment for s in stage_tree(db, "second")} == {"first", "second"}
     rows, files = stored(pool_db)
     assert len({(r, p) for r, p, _ in rows}) == len(rows)
     assert len(files) == sum(c is not None for _, _, c in rows)
-
+    if kind == "ray":   # the checkpoints handed through storage= are gone once the driver took them
+        assert not list((tmp_path / "ray").rglob("handoff/*.pt"))

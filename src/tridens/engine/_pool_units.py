@@ -15,11 +15,12 @@ units instead of one trial per worker:
   worker **hands its state back** to the driver, which passes it, with the source's model, to the
   exploiting member's worker: a unit holding only that state forks it there the same way.
 
-**Stage storage.** The store is SQLite with one writer: the driver. A worker's stage tree reads
-and writes stages through an :class:`ArchiveRelay`, whose calls (find, load, save, fail, link)
-travel through the worker's pipe to the driver's :class:`tridens.store.StageArchive`; checkpoints
-travel as ``torch.save`` bytes and land in the store's ``.stages/`` files, written by the driver.
-The driver plans which trials form a tree from the stored rows only (nothing loaded there).
+**Stage storage** (:mod:`._stage_relay`). The store is SQLite with one writer: the driver. A
+worker's stage tree reads and writes stages through an ``ArchiveRelay``, whose calls (find, load,
+save, fail, link) travel through the worker's pipe to the driver's
+:class:`tridens.store.StageArchive`; checkpoints travel as ``torch.save`` bytes and land in the
+store's ``.stages/`` files, written by the driver. The driver plans which trials form a tree from
+the stored rows only (nothing loaded there).
 
 Messages, driver -> worker: ``("unit", token, members, settings, optimizations, experiment)``;
 ``("archive", result)``; ``("verdicts", {trial: verdict}, forks)``; ``("state", trial)``.
@@ -45,19 +46,17 @@ from ..trial import Fork, Trial
 from ..units import ExecutionUnit, Job, SeparateUnit
 from ._execution import (LockstepJudge, UnitReport, load_bytes, model_bytes, plan_units, run_lockstep, state_bytes)
 from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text, timeout_error
+from ._stage_relay import ArchiveRelay, PlanningView, answer_archive_call, archive_of
 
 if TYPE_CHECKING:
     from ._execution import PoolWorker, ProcessExecutor
 
-__all__ = ["UnitRun", "serve_unit", "ArchiveRelay", "POOL_OPTIMIZATIONS"]
+__all__ = ["UnitRun", "serve_unit", "POOL_OPTIMIZATIONS"]
 
 log = logging.getLogger("tridens")
 
 POOL_OPTIMIZATIONS = ("stage tree",)
 """The optimizations (by name, of :data:`tridens.xopt.OPTIMIZATIONS`) the process pool trains as units."""
-
-_ARCHIVE_CALLS = {"has_root": False, "deepest": 0, "load": None, "save": None, "fail": None, "link": None}
-"""The stage-store calls a worker may make, and what each returns when the store cannot answer."""
 
 _INFO = ("stages", "stage_store", "unit")
 """What a worker's unit writes into ``trial.info`` that goes back to the driver with the outcome."""
@@ -67,81 +66,6 @@ def _optimizations() -> list[Any]:
     from .. import xopt
 
     return [o for o in xopt.OPTIMIZATIONS if o.name in POOL_OPTIMIZATIONS]
-
-
-def _archive_of(evaluator: StepwiseEvaluator) -> Any:
-    """The stage store the experiment attached to ``evaluator`` for this run (None: none)."""
-    from ..xopt import prefix_cache
-
-    cache = prefix_cache(evaluator)
-    return None if cache is None else cache.archive
-
-
-class _PlanningView:
-    """The driver's stage store as its planner sees it: which stages are stored (rows only);
-    nothing is loaded or written while the driver decides which trials train as one tree."""
-
-    def __init__(self, archive: Any):
-        self.archive, self.experiment = archive, archive.experiment
-
-    def has_root(self, root: str) -> bool:
-        return bool(self.archive.has_root(root))
-
-    def deepest(self, root: str, paths: Sequence[str]) -> int:
-        return int(self.archive.deepest(root, paths))
-
-    def load(self, root: str, path: str, epochs: int) -> None:
-        return None
-
-    def save(self, **kwargs: Any) -> None:
-        return None
-
-    def fail(self, **kwargs: Any) -> None:
-        return None
-
-    def link(self, stage: int, trials: Sequence[int]) -> None:
-        return None
-
-
-class ArchiveRelay:
-    """A worker's stand-in for the driver's :class:`tridens.store.StageArchive`: every call goes
-    through the pipe and the driver answers it (the one writer of the store).
-
-    >>> relay = ArchiveRelay(conn, "search")           # doctest: +SKIP
-    >>> relay.deepest(root, paths)                      # doctest: +SKIP
-    2
-    """
-
-    def __init__(self, conn: Connection, experiment: str):
-        self.conn, self.experiment = conn, experiment
-
-    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        self.conn.send(("archive", name, args, kwargs))
-        reply = self.conn.recv()
-        if reply[0] != "archive":
-            raise RuntimeError(f"the driver answered a stage-store call with {reply[0]!r}")
-        return reply[1]
-
-    def has_root(self, root: str) -> bool:
-        return bool(self._call("has_root", root))
-
-    def deepest(self, root: str, paths: Sequence[str]) -> int:
-        return int(self._call("deepest", root, list(paths)))
-
-    def load(self, root: str, path: str, epochs: int) -> Any:
-        from ..store import StageHit
-
-        found = self._call("load", root, path, epochs)
-        return None if found is None else StageHit(found[0], load_bytes(found[1]), *found[2:])
-
-    def save(self, **kwargs: Any) -> int | None:
-        return self._call("save", **{**kwargs, "state": state_bytes(kwargs["state"])})
-
-    def fail(self, **kwargs: Any) -> int | None:
-        return self._call("fail", **kwargs)
-
-    def link(self, stage: int, trials: Sequence[int]) -> None:
-        self._call("link", stage, list(trials))
 
 
 # -- the driver --------------------------------------------------------------------------------------
@@ -185,7 +109,7 @@ class UnitRun:
             from ..xopt import resolve_settings
 
             settings = resolve_settings(optimize)
-        archive = _archive_of(evaluator) if settings else None
+        archive = archive_of(evaluator) if settings else None
         models = {job.trial.id: model_bytes(job.model) for job in jobs}   # before planning may touch them
         lives = {job.trial.id: TrialProtocol(job, hooks, clock="train") for job in jobs}
         plain = None if settings is None else settings.as_dict()
@@ -203,7 +127,7 @@ class UnitRun:
         from ..xopt import stage_archive
 
         rest, fused = list(fresh), []
-        with stage_archive(evaluator, None if archive is None else _PlanningView(archive)):
+        with stage_archive(evaluator, None if archive is None else PlanningView(archive)):
             for optimization in _optimizations():
                 made, rest = optimization.plan(rest, evaluator, settings=settings)
                 fused.extend(made)
@@ -322,26 +246,8 @@ class UnitRun:
             life.finish(None, load_bytes(outcome["weights"]))
 
     def _archive_call(self, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        """A worker's stage-store call, carried out on the driver's archive."""
-        if name not in _ARCHIVE_CALLS:
-            return None
-        if self.archive is None:
-            return _ARCHIVE_CALLS[name]
-        try:
-            if "state" in kwargs:
-                kwargs["state"] = load_bytes(kwargs["state"])
-            result = getattr(self.archive, name)(*args, **kwargs)
-            if name == "load" and result is not None:
-                log.info("process pool: stored stage %d (node %s, %d epoch(s), trained by %s) sent to a worker: "
-                         "not trained again", result.stage, result.label, result.epochs,
-                         "this experiment before" if result.experiment == self.archive.experiment
-                         else f"experiment {result.experiment!r}")
-                return (result.epochs, state_bytes(result.state), result.history, result.stage, result.label,
-                        result.experiment)
-            return result
-        except Exception as err:  # stage storage is an optimization: the stage is trained (again) instead
-            log.warning("stage store: %s from a worker failed (%s: %s)", name, type(err).__name__, err)
-            return _ARCHIVE_CALLS[name]
+        """A worker's stage-store call, carried out on the driver's archive (states travel as bytes)."""
+        return answer_archive_call(self.archive, name, args, kwargs, state_bytes, load_bytes, "a pool worker")
 
     # -- forks: the population in lockstep ---------------------------------------------------------
     def _barrier(self, running: Sequence[_Placement]) -> None:
@@ -474,6 +380,15 @@ class _PipeJudge(LockstepJudge):
             self.conn.send(("left", tid, {"kind": "dropped"}))
 
 
+def _call(conn: Connection, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """One stage-store call to the driver through the pipe, and its answer."""
+    conn.send(("archive", name, args, kwargs))
+    reply = conn.recv()
+    if reply[0] != "archive":
+        raise RuntimeError(f"the driver answered a stage-store call with {reply[0]!r}")
+    return reply[1]
+
+
 def serve_unit(conn: Connection, message: tuple[Any, ...], evaluators: Mapping[int, Evaluator]) -> None:
     """Worker side of a unit placement: plan the members again (the driver's settings, the pool's
     optimizations), train them in lockstep, answer the driver's state requests, then say "end"."""
@@ -491,7 +406,8 @@ def serve_unit(conn: Connection, message: tuple[Any, ...], evaluators: Mapping[i
 
         optimize: Any = False if settings is None else xopt.Settings.from_dict(settings)
         chosen = [o for o in xopt.OPTIMIZATIONS if o.name in optimizations]
-        relay = ArchiveRelay(conn, experiment) if experiment is not None else None
+        relay = None if experiment is None else ArchiveRelay(lambda name, args, kwargs: _call(conn, name, args, kwargs),
+                                                             experiment, state_bytes, load_bytes)
         with xopt.stage_archive(evaluator, relay) if relay is not None else contextlib.nullcontext():
             units, failed = plan_units(jobs, evaluator, optimize, optimizations=chosen, passes=())
             for job, err in failed:

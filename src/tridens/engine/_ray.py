@@ -54,6 +54,7 @@ from ._ray_fluid import FluidOnRay
 from ._ray_hub import POLL_S, Hub, record_outcome
 from ._ray_storage import CheckpointStorage
 from ._ray_trials import UserLoopGroup
+from ._stage_relay import PlanningView, answer_archive_call, archive_of
 
 __all__ = ["RayExecutor"]
 
@@ -142,6 +143,7 @@ class RayExecutor(Executor):
         self._started_ray = False
         self._hub: Any = None
         self._evaluator: tuple[Any, Any] | None = None  # (evaluator, its object ref): one copy for all groups
+        self._archive: Any = None  # the run's stage store (tridens.store.StageArchive) while a group runs
 
     @property
     def parallelism(self) -> int:  # type: ignore[override]
@@ -236,10 +238,15 @@ class RayExecutor(Executor):
         tracks = [alone(job) for job in jobs if job.start_from is not None]
         if not self.optimize or self.allocation is not None:
             return tracks + [alone(job) for job in fresh]
+        from ..xopt import stage_archive
         from ._planner import plan
 
-        units = plan(fresh, evaluator, self.optimize) if fresh else []
-        for unit in self._spread(units, evaluator):
+        # stage trees are planned from the stored rows (PlanningView); the tasks load and store
+        # stages through the hub (answered by _handle_unit)
+        with stage_archive(evaluator, None if self._archive is None else PlanningView(self._archive)):
+            units = plan(fresh, evaluator, self.optimize) if fresh else []
+            units = self._spread(units, evaluator)
+        for unit in units:
             described = unit.describe()
             if described["kind"] == "separate":  # nothing shared: each trial its own task, in parallel
                 tracks.extend(alone(job) for job in unit.jobs.values())
@@ -281,6 +288,7 @@ class RayExecutor(Executor):
 
     def _run_units(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, evaluator_ref: Any, storage: CheckpointStorage,
                    hooks: GroupHooks) -> None:
+        self._archive = archive_of(evaluator) if self.optimize else None
         fluid = None
         lives = {job.trial.id: TrialProtocol(job, hooks, clock="train") for job in jobs}
         tracks = self._units(jobs, evaluator, lives)
@@ -340,7 +348,9 @@ class RayExecutor(Executor):
             trial.info["storage"] = storage.trial_directory(str(self.experiment), trial.id)
             members.append({"trial": trial, "model": member.model, "max_steps": member.job.max_steps,
                             "directory": trial.info["storage"], "start_from": member.job.start_from})
+        stages = self._archive is not None and track.optimize and not track.resume
         spec = {"attempt": track.attempt, "root": storage.root, "cpus": track.resources.get("num_cpus", 1.0),
+                "stages": self._archive.experiment if stages else None, "experiment": str(self.experiment),
                 "optimize": track.optimize and not track.resume, "resume": track.resume, "members": members,
                 "max_unit_memory": configured_max_unit_memory(), "world": track.world, "planned": track.planned,
                 "settings": track.settings,
@@ -365,6 +375,13 @@ class RayExecutor(Executor):
             return
         if kind == "left":
             self._member_left(member, message[4], storage, fluid)
+            return
+        if kind == "archive":   # a stage tree's stage-store call; checkpoints travel through storage
+            key, name, args, kwargs = message[4:]
+            experiment = str(self.experiment)
+            self._hub.reply.remote(key, answer_archive_call(
+                self._archive, name, args, kwargs, lambda state: storage.hand(experiment, state), storage.take,
+                f"Ray task of trial {trial_id}"))
             return
         step, metrics, last, seconds = message[4:]
         verdict = life.report(step, metrics, last=last, seconds=seconds)

@@ -8,10 +8,13 @@ trial, the attempt (a task restarted after its worker died counts up) and its wo
 * ``("started", trial, attempt, worker, resources)``: the task began training the trial;
 * ``("report", trial, attempt, worker, step, metrics, last, seconds)``: a step's metrics, answered
   with a :class:`~._protocol.Verdict` value (posted by :meth:`Hub.ask`, which waits for it);
-* ``("left", trial, attempt, worker, outcome)``: a member of a unit left its task.
+* ``("left", trial, attempt, worker, outcome)``: a member of a unit left its task;
+* ``("archive", trial, attempt, worker, key, method, args, kwargs)``: a stage tree's stage-store
+  call (:mod:`._stage_relay`; posted by :meth:`Hub.call`, answered with :meth:`Hub.reply`).
 
 An *outcome* is ``{"kind": "done" | "stopped" | "error" | "dropped" | "yielded", "value": float | None,
-"final": <final weights file> | None, "error": str | None}`` (:func:`record_outcome` reads it).
+"final": <final weights file> | None, "error": str | None, "info": {...}}`` (:func:`record_outcome`
+reads it; ``info``: what the task's unit wrote into ``trial.info``, the stages it went through).
 """
 
 from __future__ import annotations
@@ -39,9 +42,9 @@ class HubActor:
     def __init__(self) -> None:
         self.messages: list[tuple[Any, ...]] = []
         self.arrived = asyncio.Event()
-        self.answers: dict[tuple[int, int, int], asyncio.Future] = {}
+        self.answers: dict[tuple[Any, ...], asyncio.Future] = {}
 
-    def _future(self, key: tuple[int, int, int]) -> asyncio.Future:
+    def _future(self, key: tuple[Any, ...]) -> asyncio.Future:
         if key not in self.answers:
             self.answers[key] = asyncio.get_running_loop().create_future()
         return self.answers[key]
@@ -58,6 +61,20 @@ class HubActor:
             return await future
         finally:
             self.answers.pop((trial_id, attempt, step), None)
+
+    async def call(self, key: tuple[Any, ...], message: tuple[Any, ...]) -> Any:
+        """Post ``message`` and wait for the driver's :meth:`reply` under ``key`` (a stage-store call)."""
+        future = self._future(key)
+        await self.post(message)
+        try:
+            return await future
+        finally:
+            self.answers.pop(key, None)
+
+    async def reply(self, key: tuple[Any, ...], value: Any) -> None:
+        future = self._future(key)
+        if not future.done():
+            future.set_result(value)
 
     async def answer(self, trial_id: int, attempt: int, step: int, decision: str) -> None:
         future = self._future((trial_id, attempt, step))
@@ -82,6 +99,7 @@ def record_outcome(life: TrialProtocol, outcome: Mapping[str, Any], storage: Che
     """Finish the trial from a worker's outcome (an error, or its final value and weights file)."""
     if outcome["kind"] == "dropped":  # failed by its timeout already
         return
+    life.trial.info.update(outcome.get("info") or {})
     if outcome["kind"] == "error":
         life.fail(outcome["error"])
         return

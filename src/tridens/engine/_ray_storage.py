@@ -96,6 +96,22 @@ class CheckpointStorage:
         epochs = [int(m.group(1)) for name in self.listdir(directory) if (m := re.fullmatch(r"epoch-(\d+)\.pt", name))]
         return max(epochs) if epochs else None
 
+    def hand(self, experiment: str, state: Any) -> str:
+        """Write ``state`` for another process to :meth:`take` (a stage checkpoint on its way
+        between a Ray task and the driver); returns its location."""
+        import uuid
+
+        path = self.join(experiment, "handoff", f"{uuid.uuid4().hex}.pt")
+        self.save(path, state)
+        return path
+
+    def take(self, path: str) -> Any:
+        """What :meth:`hand` wrote at ``path``, which is then removed."""
+        try:
+            return self.load(path)
+        finally:
+            self.remove(path)
+
     def clear(self, directory: str) -> None:
         for name in self.listdir(directory):
             self.remove(self.child(directory, name))

@@ -59,7 +59,26 @@ class _Worker:
         self.storage = CheckpointStorage(spec["root"])
         self.worker = (os.getpid(), ray.util.get_node_ip_address())
         self.directories = {m["trial"].id: m["directory"] for m in spec["members"]}
+        self.trials = {m["trial"].id: m["trial"] for m in spec["members"]}
         self.outcomes: dict[int, dict[str, Any]] = {}
+        self.calls = 0
+
+    def call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One stage-store call to the driver through the hub (:mod:`._stage_relay`), and its answer."""
+        self.calls += 1
+        tid = next(iter(self.directories))   # the driver knows the task by any of its members
+        key = ("archive", tid, self.attempt, self.calls)
+        return ray.get(self.hub.call.remote(key, ("archive", tid, self.attempt, self.worker, key, name, args, kwargs)))
+
+    def relay(self) -> Any:
+        """The stage store of the driver, for this task's stage trees (None: the driver shares none)."""
+        if self.spec.get("stages") is None:
+            return None
+        from ._stage_relay import ArchiveRelay
+
+        experiment = self.spec["experiment"]
+        return ArchiveRelay(self.call, self.spec["stages"], lambda state: self.storage.hand(experiment, state),
+                            self.storage.take)
 
     def post(self, *message: Any) -> None:
         ray.get(self.hub.post.remote(message))  # waited for: it is in the hub before the task returns
@@ -84,7 +103,9 @@ class _Worker:
         if weights is not None:
             final = self.storage.child(self.directories[tid], "final.pt")
             self.storage.save(final, {k: v.detach().cpu() for k, v in weights.items()})
-        outcome = {"kind": kind, "value": value, "final": final, "error": error}
+        info = self.trials[tid].info   # what the unit recorded (the stages it went through) goes back too
+        outcome = {"kind": kind, "value": value, "final": final, "error": error,
+                   "info": {k: info[k] for k in ("stages", "stage_store", "unit") if k in info}}
         self.outcomes[tid] = outcome
         self.post("left", tid, self.attempt, self.worker, outcome)
 
@@ -184,7 +205,10 @@ def run_unit(evaluator: StepwiseEvaluator, spec: dict[str, Any], hub: Any) -> di
         else:
             for job in jobs:  # a new run of these trials (after a driver crash too) starts afresh
                 worker.storage.clear(worker.directories[job.trial.id])
-            units = _plan(jobs, evaluator, spec)
+            from ..xopt import stage_archive
+
+            with stage_archive(evaluator, worker.relay()):   # stage trees load and store stages through the driver
+                units = _plan(jobs, evaluator, spec)
     except Exception as err:  # planning or a checkpoint failed: every member fails with it
         text = error_text(err)
         for job in jobs:
