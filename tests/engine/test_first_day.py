@@ -365,32 +365,49 @@ if __name__ == "__main__":
 '''
 
 
-def test_ctrl_c_prints_one_line_with_the_resume_command(tmp_path):
-    script = tmp_path / "slow.py"
-    script.write_text(SLOW_SEARCH)
-    db = tmp_path / "slow.db"
+def _interrupt_after_a_trial(command, db, cwd, env=None):
+    """Start ``command``, press Ctrl-C once a trial finished; returns (exit status, stderr)."""
     # a terminal's SIGINT: a suite run in the background (nohup, CI job) would pass SIGINT on ignored
-    proc = subprocess.Popen([*TRIDENS, "run", str(script), "--db", str(db)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 240
-    done = 0
-    while done < 1 and time.monotonic() < deadline and proc.poll() is None:
+    done = before = None
+    while (done is None or done <= before) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.3)
         try:
             with Store(db, readonly=True) as store:
                 done = len(store.trials("slow", status="completed"))
         except Exception:  # not created yet
             continue
+        before = done if before is None else before
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    assert done >= 1 and proc.returncode == 130
+    assert done is not None and done > before, err
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("launcher", ["tridens run", "python"])
+def test_ctrl_c_prints_one_line_with_the_resume_command(tmp_path, launcher):
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_SEARCH)
+    db = tmp_path / "slow.db"
+    if launcher == "python":  # the README's way: run the script; the store is $TRIDENS_DB
+        command, env = [sys.executable, str(script)], {**os.environ, "TRIDENS_DB": str(db)}
+    else:
+        command, env = [*TRIDENS, "run", str(script), "--db", str(db)], None
+    code, err = _interrupt_after_a_trial(command, db, tmp_path, env)
+    assert code == (130 if launcher == "tridens run" else 1)
     assert "Traceback" not in err
     [line] = [line for line in err.splitlines() if "interrupted" in line]
-    assert f"tridens resume slow --db {db}" in line
+    assert line.startswith("tridens: 'slow' interrupted with ")
+    resume = f"tridens resume slow --db {db} --script {script}"
+    assert f"finish it with: {resume}" in line
     with Store(db, readonly=True) as store:
         assert store.get_experiment("slow").status == "interrupted"
-        assert store.trials("slow", status="completed")  # finished trials kept
+        kept = len(store.trials("slow", status="completed"))  # finished trials kept
+    if launcher == "python":  # the printed command resumes the experiment as it is
+        code, err = _interrupt_after_a_trial([*TRIDENS, *resume.split()[1:]], db, tmp_path)
+        assert code == 130 and f"resuming 'slow' with {kept} finished trials" in err
 
 
 def test_the_readme_plain_hyperparameter_search_runs(tmp_path):

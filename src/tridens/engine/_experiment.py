@@ -73,6 +73,24 @@ class ExperimentInterrupted(KeyboardInterrupt):
     (finished trials are kept)."""
 
 
+def _print_interrupt_as_one_line() -> None:
+    """An :class:`ExperimentInterrupted` that ends a script (``python search.py``, Ctrl-C) is
+    printed as its one line, not as a traceback through the engine: ``sys.excepthook`` is
+    wrapped once, and passes every other exception to the hook it wrapped."""
+    previous = sys.excepthook
+    if getattr(previous, "prints_interrupts", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if isinstance(value, ExperimentInterrupted):
+            print(f"tridens: {value}", file=sys.stderr, flush=True)
+        else:
+            previous(kind, value, tb)
+
+    hook.prints_interrupts = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
 _STRATEGY_NAMES = {
     "random": "Random", "grid": "GridSearch", "grid-search": "GridSearch",
     "regularized-evolution": "RegularizedEvolution", "evolution": "RegularizedEvolution",
@@ -468,6 +486,7 @@ class Experiment:
                     mark_interrupted(db, name)
                 if isinstance(err, KeyboardInterrupt) and not isinstance(err, ExperimentInterrupted):
                     self.stop_reason = run.interrupted_text(path)
+                    _print_interrupt_as_one_line()
                     raise ExperimentInterrupted(self.stop_reason) from None
                 raise
             self.stop_reason = run.stop_reason
