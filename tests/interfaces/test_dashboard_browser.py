@@ -164,9 +164,32 @@ def test_plan_stage_tree_and_promoted_curves_in_chromium(browser, views_store, t
         stages = browser.execute_script("return [...document.querySelectorAll('#stage-tree li')].map(li => li.dataset.stage)")
         nested = browser.execute_script("return document.querySelectorAll('#stage-tree li li').length")
         assert len(stages) == 8 and nested == 7  # one root stage, the others forked below it
+        # each trial under the stages its own path went through: every trial at the root, and at
+        # each epoch exactly once
+        trials_at = browser.execute_script(
+            "return [...document.querySelectorAll('#stage-tree li')].map(li => li.firstElementChild.textContent"
+            " + '|' + li.childNodes[1].textContent)")
+        for epochs in ("epochs 0–1", "epochs 1–2", "epochs 2–3"):
+            listed = [n for line in trials_at if epochs in line for n in re.findall(r"#(\d)", line.split("|")[1])]
+            assert sorted(listed) == sorted(set(listed)), (epochs, trials_at)
+        assert sorted(re.findall(r"#(\d)", trials_at[0].split("|")[1])) == [str(i) for i in range(8)]
+        with Store(views_store, readonly=True) as store:
+            three = sorted(i for i, t in enumerate(sorted(store.trials("stages"), key=lambda t: t.id))
+                           if t.sample["epochs"] == 3)
+        last = [n for line in trials_at if "epochs 2–3" in line for n in re.findall(r"#(\d)", line.split("|")[1])]
+        assert sorted(int(n) for n in last) == three  # only the 3-epoch trials trained a third epoch
         assert "8 stages · 8 epoch(s) trained here" in browser.find_element("id", "stage-totals").text
         _section_shot(browser, "plan-section", shots / "plan.png")
         _section_shot(browser, "stages-section", shots / "stage-tree.png")
+
+        # one trial of the tree: the stages it went through, the unit it trained in
+        browser.get(server.url + "/experiments/stages/trials/7")
+        _wait(browser, lambda d: d.find_elements("id", "trial-stages"))
+        path = browser.find_element("id", "trial-stages").text
+        assert path == "1.0 · epochs 0–1 · lr 0.05 → 1.2 · epochs 1–2 · lr 0.05 → 1.3 · epochs 2–3 · lr 0.025", path
+        unit = browser.find_element("id", "trial-unit").text
+        assert unit.startswith("stage tree unit with #0 #1 #2 #3 #4 #5 #6 #7"), unit
+        browser.save_screenshot(str(shots / "trial-of-a-stage-tree.png"))
 
         browser.get(server.url + "/experiments/asha")
         _wait(browser, lambda d: d.execute_script(
@@ -195,7 +218,8 @@ def test_plan_stage_tree_and_promoted_curves_in_chromium(browser, views_store, t
         assert [r.find_element("tag name", "a").text for r in subnets[1:]] == ["#1", "#2", "#3", "#4"]
         assert browser.execute_script("return document.getElementById('supernet-curves').data[0].y.length") == 3
         _section_shot(browser, "oneshot-section", shots / "oneshot.png")
-    for name in ("experiments", "plan", "stage-tree", "curves-stopped-promoted", "plan-fused", "oneshot"):
+    for name in ("experiments", "plan", "stage-tree", "trial-of-a-stage-tree", "curves-stopped-promoted", "plan-fused",
+                 "oneshot"):
         assert (shots / f"{name}.png").stat().st_size > 5_000
     print(f"screenshots in {shots}")
 

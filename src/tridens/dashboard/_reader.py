@@ -49,6 +49,17 @@ def _json_path(label: str) -> str:
     return '$."' + label.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _covers(path: Sequence[Sequence[Any]], epochs: int | None, label: str, first: int, last: int) -> bool:
+    """Whether a trial's stage path (``[node, parent, first epoch]`` per stage, as
+    ``info["stages"]`` records it) of ``epochs`` epochs went through node ``label`` over epochs
+    ``[first, last)``."""
+    for i, (node, _, start) in enumerate(path):
+        end = path[i + 1][2] if i + 1 < len(path) else (epochs if epochs else math.inf)
+        if str(node) == label and int(start) <= first and last <= end:
+            return True
+    return False
+
+
 def _tree_epochs(paths: Sequence[tuple[Sequence[Sequence[Any]], int]]) -> tuple[int, int]:
     """Epochs a stage tree trained, and the trial-epochs its trials would have trained alone, from
     each trial's stage path (``[node, parent, first epoch]`` per stage) and its epoch count: a
@@ -306,7 +317,26 @@ class StoreReader:
         trial["group_members"] = [] if trial["group"] is None else [self.number_of(eid, r[0]) for r in self._rows(
             "SELECT id FROM trials WHERE experiment_id = ? AND group_id = ? ORDER BY id LIMIT 200",
             (eid, trial["group"]))]
+        unit = trial["info"].get("unit")
+        trial["unit_members"] = [self.number_of(eid, int(t)) for t in (unit.get("trials") or [])[:200]
+                                 if isinstance(t, int)] if isinstance(unit, dict) else []
+        trial["stages"] = self._trial_stages(trial["id"], trial["info"].get("stages"), trial["epochs"])
         return trial
+
+    def _trial_stages(self, trial_id: int, path: Any, epochs: int) -> list[dict[str, Any]]:
+        """The stored stages the trial went through, by epoch: those linked to it that its own
+        stage path (``info["stages"]``, when recorded) covers; none without stage trees."""
+        tables = {r[0] for r in self._rows("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if "stage_trials" not in tables:
+            return []
+        return [{"id": sid, "label": label, "epochs": [e0, e1], "lr": [_finite(v) for v in json.loads(hp).get("lr") or []],
+                 "status": status, "experiment": experiment, "checkpoint": bool(checkpoint)}
+                for sid, label, e0, e1, hp, status, experiment, checkpoint in self._rows(
+                    "SELECT s.id, s.label, s.first_epoch, s.last_epoch, s.hyperparameters, s.status, e.name, "
+                    "s.checkpoint IS NOT NULL FROM stage_trials st JOIN stages s ON s.id = st.stage_id "
+                    "LEFT JOIN experiments e ON e.id = s.experiment_id WHERE st.trial_id = ? "
+                    "ORDER BY s.first_epoch, s.id LIMIT 500", (trial_id,))
+                if not isinstance(path, list) or _covers(path, epochs, label, e0, e1)]
 
     def number_of(self, eid: int, trial_id: int) -> int | None:
         """A trial's number in experiment ``eid`` (None for a trial of another experiment)."""
@@ -472,18 +502,23 @@ class StoreReader:
             f"SELECT s.id, s.parent, s.label, s.first_epoch, s.last_epoch, s.first_step, s.last_step, s.hyperparameters, "
             f"s.status, s.checkpoint IS NOT NULL, e.name, s.error FROM stages s LEFT JOIN experiments e "
             f"ON e.id = s.experiment_id WHERE s.id IN ({chosen}) ORDER BY s.id LIMIT ?", (eid, limit))
-        trials: dict[int, list[int]] = {}
+        links: dict[int, list[int]] = {}
         for sid, tid in self._rows(f"SELECT stage_id, trial_id FROM stage_trials WHERE stage_id IN ({chosen}) "
                                    "ORDER BY trial_id", (eid,)):
             if tid in numbers:
-                trials.setdefault(sid, []).append(numbers[tid])
+                links.setdefault(sid, []).append(tid)
+        paths = {tid: (json.loads(text), epochs) for tid, text, epochs in self._rows(
+            "SELECT t.id, json_extract(t.info, '$.stages'), (SELECT MAX(m.step) + 1 FROM metrics m WHERE m.trial_id = t.id) "
+            "FROM trials t WHERE t.experiment_id = ? AND json_extract(t.info, '$.stages') IS NOT NULL", (eid,))}
         stages = []
         for sid, parent, label, e0, e1, s0, s1, hp_text, status, has_checkpoint, experiment, error in rows:
             hp = json.loads(hp_text)
+            # the trials linked to the stage, less those whose own path went another way there
+            went = [numbers[t] for t in links.get(sid, []) if t not in paths or _covers(*paths[t], label, e0, e1)]
             stages.append({"id": sid, "parent": parent, "label": label, "epochs": [e0, e1], "steps": [s0, s1],
                            "lr": [_finite(v) for v in hp.get("lr") or []], "batch_size": hp.get("batch_size") or [],
                            "status": status, "checkpoint": bool(has_checkpoint), "experiment": experiment,
-                           "trials": trials.get(sid, []), "error": error})
+                           "trials": went, "error": error})
         return {"stages": stages, "total": total, "epochs_here": here or 0, "epochs_reused": reused or 0}
 
     def oneshot(self, name: str) -> dict[str, Any]:

@@ -406,7 +406,14 @@ function trialPage(name, number) {
       ["warm start", t.info.warm_start ? JSON.stringify(t.info.warm_start) : "-"],
       ["exploits (PBT)", t.info.exploits ? el("span", {}, ...t.info.exploits.flatMap(e => [`epoch ${e.epoch}: copied `,
         link(e.from_number), `, then ${JSON.stringify(e.sample)}`, el("br")])) : "-"],
-      ["execution unit", t.info.unit ? JSON.stringify(t.info.unit) : "not recorded"],
+      ["execution unit", t.info.unit ? el("span", {id: "trial-unit"}, `${t.info.unit.kind} unit with `,
+        ...t.unit_members.flatMap(n => [link(n), " "]), t.info.unit.reason ? `· ${t.info.unit.reason}` : "",
+        ...(t.info.unit.speedups || []).map(e => ` · measured ${e.speedup.toFixed(2)}x, ${e.fused ? "fused" : "trained separately"}`))
+        : "not recorded"],
+      ["stages (stage tree)", t.stages.length ? el("span", {id: "trial-stages"}, t.stages.map(s =>
+        `${s.label} · epochs ${s.epochs[0]}–${s.epochs[1]}` + (s.lr.length ? ` · lr ${fmtShort(s.lr[0])}` : "")
+        + (s.experiment !== name ? ` (trained by ${JSON.stringify(s.experiment)})` : "")
+        + (s.status === "failed" ? " (failed)" : "")).join("  →  ")) : "-"],
       ["checkpoints", Object.keys(t.checkpoints).length ? Object.entries(t.checkpoints).map(([k, p]) => `${k}: ${p}`).join("\n") : "-"],
       ["info", el("pre", {text: JSON.stringify(t.info, null, 2)})]];
     facts.replaceChildren(...rows.map(([k, v]) => el("tr", {}, el("th", {text: k}), el("td", {class: "sample"}, v))));
