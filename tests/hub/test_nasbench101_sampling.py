@@ -55,7 +55,9 @@ def test_wirings_are_drawn_uniformly_among_the_valid_ones() -> None:
         hub.NasBench101EdgeBudget("cell", 5, 3).draw(rng, {})
 
 
-@pytest.mark.parametrize("strategy", [td.strategy.Random(), td.strategy.RegularizedEvolution(population=2, sample_size=2)])
+@pytest.mark.parametrize("strategy", [td.strategy.Random(), td.strategy.RegularizedEvolution(population=2, sample_size=2),
+                                      td.strategy.TPE(batch_size=2, n_startup_trials=2)],
+                         ids=["random", "evolution", "tpe"])
 def test_searches_train_every_trial_they_propose(tmp_path, strategy) -> None:
     train, val = td.datasets.digits()
     ev = td.evaluators.Classification(Subset(train, range(256)), Subset(val, range(128)), epochs=1, batch_size=64)
@@ -66,3 +68,25 @@ def test_searches_train_every_trial_they_propose(tmp_path, strategy) -> None:
     trained = [t for t in trials if "duplicate_of" not in t.info]
     assert len(trained) == 6
     assert all(t.status in (TrialStatus.COMPLETED, TrialStatus.DUPLICATE) for t in trials), [t.error for t in trials]
+
+
+def test_model_based_suggestions_that_break_the_edge_budget_are_repaired() -> None:
+    """TPE's and BOHB's proposals (Optuna's sampler, which knows the domains but not the rule): a
+    suggestion over the budget has its wiring drawn again by the rule, its ops kept."""
+    from tridens.strategy._tpe import _Observation, _OptunaBridge
+    from tridens.trial import Objective
+
+    search = _space().search_space()
+    rng = random.Random(0)
+    raw = [{label: spec.domain.sample(rng) for label, spec in search.items()} for _ in range(200)]
+    assert sum(search.violation(s) is not None for s in raw) > 100  # most unconstrained draws break it
+    fixed = [search.repaired(s, rng) for s in raw]
+    assert all(search.violation(s) is None for s in fixed)
+    assert all({k: v for k, v in f.items() if "op" in k} == {k: v for k, v in s.items() if "op" in k}
+               for f, s in zip(fixed, raw))
+    seen = [search.random_sample(rng) for _ in range(24)]
+    observations = [_Observation(s, "complete", float(i % 7)) for i, s in enumerate(seen)]
+    bridge = _OptunaBridge(search, Objective("val_acc", "max"), n_startup_trials=4, n_ei_candidates=8,
+                           multivariate=True)
+    proposed = bridge.propose(observations, [], 12, seed=3, is_new=lambda s: True)
+    assert len(proposed) == 12 and all(p is not None and search.violation(p) is None for p in proposed)

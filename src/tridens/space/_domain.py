@@ -312,6 +312,19 @@ class SearchSpace(Mapping[str, LabelSpec]):
                     return why
         return None
 
+    def repaired(self, sample: Mapping[str, Any], rng: random.Random) -> dict[str, Any]:
+        """``sample`` with the labels of every :class:`SampleRule` it breaks drawn again by the
+        rule (uniformly among the values that satisfy it); the other labels are kept. A model-based
+        strategy whose suggestion breaks a rule keeps what it chose elsewhere.
+
+        >>> space.repaired(suggested, random.Random(0))   # doctest: +SKIP
+        """
+        out = dict(sample)
+        for rule in self.rules:
+            if all(label in out for label in rule.labels) and rule.violation(out) is not None:
+                out.update(rule.draw(rng, out))
+        return out
+
     def default_sample(self) -> dict[str, Any]:
         sample: dict[str, Any] = {}
         for label, spec in self._specs.items():

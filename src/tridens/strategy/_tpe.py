@@ -14,7 +14,10 @@ lists), ``Uniform``/``LogUniform`` -> ``FloatDistribution`` (``log=True``), ``Ra
 ``IntDistribution``. Trial states: completed -> ``COMPLETE``, stopped early -> ``PRUNED`` with
 its per-step values (TPE ranks pruned trials below completed ones, deeper ones first), failed
 (including constraint violations) -> ``PRUNED`` without values (ranked worst, so TPE learns to
-avoid the region), duplicate -> left out (its sample is still never proposed again). Samples
+avoid the region), duplicate -> left out (its sample is still never proposed again). A suggestion
+that breaks one of the space's :class:`~tridens.space.SampleRule` s (NAS-Bench-101's edge budget)
+has that rule's labels drawn again by the rule (:meth:`SearchSpace.repaired`), so no trial is
+spent on a sample the space refuses; BOHB's proposals go through the same bridge. Samples
 proposed in the same group and not finished yet are ``RUNNING`` trials, and the sampler runs
 with ``constant_liar=True``, so a group's samples spread out instead of piling on one point.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -153,6 +157,7 @@ class _OptunaBridge:
             study.add_trials(frozen)
             out: list[dict[str, Any] | None] = []
             taken: set[str] = set()
+            rng = random.Random(seed)
             for _ in range(n):
                 found = None
                 for _ in range(_ATTEMPTS):
@@ -161,6 +166,12 @@ class _OptunaBridge:
                     for label, spec in self.space.items():
                         if spec.active(sample):
                             sample[label] = self.encodings[label].suggest(trial, label)
+                    if self.space.rules and self.space.violation(sample) is not None:
+                        # Optuna knows the domains, not the rules: the rule draws its labels again and
+                        # the repaired sample, not the suggestion, stands in as the running trial.
+                        sample = self.space.repaired(sample, rng)
+                        study.tell(trial, state=TrialState.FAIL)
+                        study.add_trial(self._frozen(sample, TrialState.RUNNING))
                     if is_new(sample) and sample_key(sample) not in taken:
                         found = sample
                         taken.add(sample_key(sample))
