@@ -90,10 +90,6 @@ def test_a_forked_member_trains_with_its_new_momentum_and_weight_decay(ev):
 
 def test_refused_at_start_where_members_cannot_fork(tmp_path, ev):
     strategy = td.strategy.PBT(population=2)
-    pytest.importorskip("ray")
-    with pytest.raises(ValueError, match="PBT forks running trials .* executor 'RayExecutor' cannot"):
-        td.Experiment(MLP(), ev, strategy, executor=td.executors.Ray(workers=1), store=tmp_path / "a.db",
-                      verbose=False).run()
     with pytest.raises(ValueError, match="PBT forks running trials .* declarative evaluator"):
         td.Experiment(None, td.evaluators.FunctionalEvaluator(lambda x: x, x=td.uniform("x", 0, 1)), strategy,
                       store=tmp_path / "b.db", verbose=False).run()

@@ -37,7 +37,7 @@ from ._protocol import GroupHooks, TrialProtocol, TrialTimeout, Verdict, error_t
 from ._threads import ThreadPolicy
 
 __all__ = ["Executor", "RunContext", "InlineExecutor", "ProcessExecutor", "run_lockstep", "plan_units",
-           "model_bytes", "weights_bytes", "state_bytes", "make_executor", "check_forks", "fork_members"]
+           "model_bytes", "weights_bytes", "state_bytes", "make_executor", "check_forks", "fork_members", "handed_source"]
 
 log = logging.getLogger("tridens")
 
@@ -178,6 +178,19 @@ class LockstepJudge:
         """A fork whose source trains in another process: a unit holding only the source member,
         loaded with the state handed over from there (None: the source must train in this loop)."""
         return None
+
+
+def handed_source(evaluator: StepwiseEvaluator, source: int, seed: int, sample: dict[str, Any], model: nn.Module | None,
+                  state: Mapping[str, Any]) -> ExecutionUnit:
+    """A unit holding only member ``source`` (its ``seed``, ``sample`` and initial ``model``), at
+    the trainer ``state`` another process handed over: what :meth:`LockstepJudge.handed` returns
+    for a fork whose source trains elsewhere (a pool worker, a Ray task)."""
+    from ..trial import Trial
+
+    unit = SeparateUnit([Job(Trial(id=source, sample=sample, seed=seed), model)], evaluator,
+                        reason=f"the state of trial {source}, handed over from another process")
+    unit.load_state_dict(source, state)
+    return unit
 
 
 def fork_members(units: list[ExecutionUnit], forks: Sequence[tuple[UnitReport, Fork]], judge: LockstepJudge) -> None:
@@ -695,11 +708,11 @@ def check_forks(strategy: Any, executor: Any, evaluator: Any) -> None:
     if not getattr(strategy, "forks", False):
         return
     name = type(strategy).__name__
-    able = executor in (None, "inline", "in-process", "process") or getattr(executor, "forks_members", False)
+    able = executor in (None, "inline", "in-process", "process", "ray") or getattr(executor, "forks_members", False)
     if not able:
         shown = executor if isinstance(executor, str) else type(executor).__name__
         raise ValueError(f"{name} forks running trials onto each other's state, which the executor {shown!r} cannot "
-                         f"do (its trials train in separate tasks); use td.executors.Inline() or Process()")
+                         f"do (its forks_members is False); use td.executors.Inline(), Process() or Ray()")
     if evaluator is not None and not isinstance(evaluator, StepwiseEvaluator):
         raise ValueError(f"{name} forks running trials onto each other's state, which needs a declarative evaluator "
                          f"(td.evaluators.Classification or Regression). Got {type(evaluator).__name__} instead.")

@@ -43,8 +43,9 @@ import torch
 
 from ..evaluators import Evaluator, StepwiseEvaluator
 from ..trial import Fork, Trial
-from ..units import ExecutionUnit, Job, SeparateUnit
-from ._execution import (LockstepJudge, UnitReport, load_bytes, model_bytes, plan_units, run_lockstep, state_bytes)
+from ..units import ExecutionUnit, Job
+from ._execution import (LockstepJudge, UnitReport, handed_source, load_bytes, model_bytes, plan_units, run_lockstep,
+                         state_bytes)
 from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text, timeout_error
 from ._stage_relay import ArchiveRelay, PlanningView, answer_archive_call, archive_of
 
@@ -350,10 +351,7 @@ class _PipeJudge(LockstepJudge):
         if entry is None:
             return None
         seed, sample, model, state = entry
-        unit = SeparateUnit([Job(Trial(id=fork.source, sample=sample, seed=seed), pickle.loads(model))], self.evaluator,
-                            reason=f"the state of trial {fork.source}, handed over from another worker")
-        unit.load_state_dict(fork.source, load_bytes(state))
-        return unit
+        return handed_source(self.evaluator, fork.source, seed, sample, pickle.loads(model), load_bytes(state))
 
     def forked(self, report: UnitReport, fork: Fork) -> None:
         self.conn.send(("forked", report.trial_id, fork.source, report.step, fork.sample))

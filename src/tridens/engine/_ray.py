@@ -49,6 +49,7 @@ import ray
 from ..evaluators import Evaluator, StepwiseEvaluator
 from ..units import Job
 from ._execution import Executor, RunContext
+from ..trial import Fork
 from ._protocol import GroupHooks, TrialProtocol, Verdict, timeout_error
 from ._ray_fluid import FluidOnRay
 from ._ray_hub import POLL_S, Hub, record_outcome
@@ -124,10 +125,18 @@ class RayExecutor(Executor):
     directory every worker sees, or an fsspec URI such as ``s3://bucket/runs``).
     The space, evaluator and model are pickled to the workers: define them at module level.
 
+    A stage tree's stages are stored in and reused from the experiment's store through the driver
+    (:mod:`._stage_relay`; checkpoints handed through ``storage``). A strategy that forks members
+    (PBT) has its population dealt over ``workers`` tasks running at once; the driver answers a
+    round only when every member has reported it, and an exploit of a member of another task forks
+    from that member's checkpoint of the step, copied through ``storage`` (:meth:`_barrier`).
+
     >>> exp = td.Experiment(space, evaluator, td.strategy.ASHA(max_steps=9), executor="ray",
     ...                     workers=4, max_retries=2)                       # doctest: +SKIP
     >>> exp = td.Experiment(space, evaluator, executor="ray", workers=4, allocation="dynamic")  # doctest: +SKIP
     """
+
+    forks_members = True
 
     def __init__(self, workers: int = 2, address: str | None = None, storage: str | os.PathLike[str] | None = None,
                  max_retries: int = 0, experiment: str | None = None, cpus_per_trial: float = 1.0,
@@ -234,6 +243,10 @@ class RayExecutor(Executor):
         def alone(job: Job) -> _UnitTrack:
             return _UnitTrack({job.trial.id: _Member(lives[job.trial.id], models[job.trial.id])}, optimize=False)
 
+        if self._forks():   # the population at once, dealt over the workers (see _barrier)
+            count = min(self.workers, len(jobs))
+            return [_UnitTrack({j.trial.id: _Member(lives[j.trial.id], models[j.trial.id]) for j in jobs[i::count]},
+                               optimize=False, planned="population") for i in range(count)]
         fresh = [job for job in jobs if job.start_from is None]
         tracks = [alone(job) for job in jobs if job.start_from is not None]
         if not self.optimize or self.allocation is not None:
@@ -292,7 +305,8 @@ class RayExecutor(Executor):
         fluid = None
         lives = {job.trial.id: TrialProtocol(job, hooks, clock="train") for job in jobs}
         tracks = self._units(jobs, evaluator, lives)
-        if self.allocation is not None:
+        held: dict[int, tuple[_UnitTrack, int, int, Verdict]] | None = {} if self._forks() else None
+        if self.allocation is not None and held is None:
             fluid, tracks = FluidOnRay.profile(self.allocation, self.workers, tracks, evaluator)
         queue = list(tracks) if fluid is None else []
         waiting = {next(iter(t.members)): t for t in tracks} if fluid is not None else {}
@@ -313,14 +327,16 @@ class RayExecutor(Executor):
                     running.append(track)
                     owner.update({m.job.trial.id: track for m in track.unfinished()})
                 for message in ray.get(self._hub.drain.remote(POLL_S)):
-                    self._handle_unit(message, owner, storage, fluid)
+                    self._handle_unit(message, owner, storage, fluid, held)
+                if held is not None:
+                    self._barrier(running, held, storage)
                 refs = {t.ref: t for t in running}
                 done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
                 for ref in done:
                     track = refs[ref]
                     # messages posted before the task returned are in the hub: read them first
                     for message in ray.get(self._hub.drain.remote(0)):
-                        self._handle_unit(message, owner, storage, fluid)
+                        self._handle_unit(message, owner, storage, fluid, held)
                     if self._unit_done(track, ref, storage, fluid):
                         running.remove(track)
                         for member in track.members.values():
@@ -359,7 +375,7 @@ class RayExecutor(Executor):
         track.ref = run_unit.options(**track.resources).remote(evaluator_ref, spec, self._hub)
 
     def _handle_unit(self, message: tuple[Any, ...], owner: Mapping[int, _UnitTrack], storage: CheckpointStorage,
-                     fluid: FluidOnRay | None) -> None:
+                     fluid: FluidOnRay | None, held: dict[int, Any] | None = None) -> None:
         kind, trial_id, attempt, (pid, node) = message[:4]
         track = owner.get(trial_id)
         if track is None or attempt != track.attempt or trial_id not in track.members:
@@ -383,8 +399,17 @@ class RayExecutor(Executor):
                 self._archive, name, args, kwargs, lambda state: storage.hand(experiment, state), storage.take,
                 f"Ray task of trial {trial_id}"))
             return
+        if kind == "forked":   # the member now continues from its source's state: its lineage
+            source, step, sample = message[4:]
+            origin = owner.get(source)
+            if origin is not None and source in origin.members:
+                life.forked(origin.members[source].life.trial, step, Fork(source, sample))
+            return
         step, metrics, last, seconds = message[4:]
         verdict = life.report(step, metrics, last=last, seconds=seconds)
+        if held is not None and verdict is not Verdict.DROP:   # answered with the whole population's round
+            held[trial_id] = (track, attempt, step, verdict)
+            return
         if fluid is not None:
             fluid.sched.progress(trial_id, fluid.remaining(member))
         if verdict is Verdict.DROP:  # past its timeout: failed by the protocol
@@ -395,6 +420,48 @@ class RayExecutor(Executor):
             log.info("fluid on Ray: trial %d moves to share %g after epoch %d", trial_id,
                      fluid.sched.rescales()[trial_id], step + 1)
         self._hub.answer.remote(trial_id, attempt, step, verdict.value)
+
+    def _forks(self) -> bool:
+        """Whether the strategy forks members (PBT): the group's tasks then run at once, in lockstep."""
+        return bool(getattr(getattr(self, "context", None), "forks", False))
+
+    def _barrier(self, running: Sequence[_UnitTrack], held: dict[int, tuple[_UnitTrack, int, int, Verdict]],
+                 storage: CheckpointStorage) -> None:
+        """Once every training member of the population has reported its step: the strategy's
+        forks, then every member's answer. A fork of a member of another task names the source's
+        checkpoint of that step (written to ``storage=`` before it reported), copied for the
+        forking task to take, with the source's seed, sample and model."""
+        members = [m for t in running for m in t.unfinished() if not m.yielded]
+        if not members or any(m.job.trial.id not in held for m in members):
+            return
+        rounds, forks = dict(held), {}
+        held.clear()
+        for tid, (track, _, step, verdict) in rounds.items():
+            fork = track.members[tid].life.fork(step) if verdict is Verdict.CONTINUE else None
+            if fork is not None:
+                forks[tid] = fork
+        answers: dict[int, Any] = {tid: verdict.value for tid, (_, _, _, verdict) in rounds.items()}
+        for tid, fork in forks.items():
+            source = rounds.get(fork.source)
+            if source is None or source[3] is not Verdict.CONTINUE or fork.source in forks:
+                log.info("trial %d not forked from trial %d: the source is not training now", tid, fork.source)
+                continue
+            answer: dict[str, Any] = {"verdict": Verdict.CONTINUE.value, "source": fork.source, "sample": fork.sample}
+            if source[0] is not rounds[tid][0]:   # another task: its state travels through storage
+                origin = source[0].members[fork.source]
+                path = storage.child(origin.job.trial.info["storage"], f"epoch-{source[2] + 1}.pt")
+                try:
+                    state = storage.load(path)["trainer"]
+                except (OSError, KeyError) as err:
+                    state = None
+                    log.info("trial %d not forked from trial %d: its checkpoint %s (%s)", tid, fork.source, path, err)
+                if state is None:
+                    continue
+                answer["handed"] = (origin.job.trial.seed, origin.job.trial.sample, origin.model,
+                                    storage.hand(str(self.experiment), state))
+            answers[tid] = answer
+        for tid, (track, attempt, step, _) in rounds.items():
+            self._hub.answer.remote(tid, attempt, step, answers[tid])
 
     @staticmethod
     def _fluid_finish(fluid: FluidOnRay | None, trial_id: int) -> None:

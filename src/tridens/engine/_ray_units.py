@@ -39,7 +39,8 @@ import torch
 
 from ..evaluators import StepwiseEvaluator
 from ..units import ExecutionUnit, Job, SeparateUnit
-from ._execution import LockstepJudge, UnitReport, plan_units, run_lockstep
+from ..trial import Fork
+from ._execution import LockstepJudge, UnitReport, handed_source, plan_units, run_lockstep
 from ._protocol import Verdict, error_text
 from ._ray_storage import CheckpointStorage
 
@@ -91,8 +92,8 @@ class _Worker:
         if epoch > 1:
             storage.remove(storage.child(directory, f"epoch-{epoch - 1}.pt"))
 
-    def ask(self, reports: Sequence[tuple[int, int, dict[str, float], bool, float]]) -> dict[int, str]:
-        """Post every member's report at once; the driver's answers, by trial id."""
+    def ask(self, reports: Sequence[tuple[int, int, dict[str, float], bool, float]]) -> dict[int, Any]:
+        """Post every member's report at once; the driver's answers (a verdict, or a fork: see _RayJudge), by trial id."""
         refs = [self.hub.ask.remote(tid, self.attempt, step, metrics, last, seconds, self.worker)
                 for tid, step, metrics, last, seconds in reports]
         return {report[0]: answer for report, answer in zip(reports, ray.get(refs))}
@@ -112,10 +113,13 @@ class _Worker:
 
 class _RayJudge(LockstepJudge):
     """The worker's side of the lockstep loop: each member's checkpoint, then its report to the
-    driver, whose answer is the member's verdict."""
+    driver, whose answer is the member's verdict -- or, for a fork (PBT), ``{"verdict", "source",
+    "sample"[, "handed"]}``: ``handed`` when the source trains in another task (its seed, sample,
+    model, and its state's file under storage)."""
 
-    def __init__(self, worker: _Worker):
-        self.worker = worker
+    def __init__(self, worker: _Worker, evaluator: StepwiseEvaluator):
+        self.worker, self.evaluator = worker, evaluator
+        self.given: dict[int, dict[str, Any]] = {}
 
     def judge(self, reports: Sequence[UnitReport], checkpoint: bool = True) -> list[Verdict]:
         asks = []
@@ -126,7 +130,24 @@ class _RayJudge(LockstepJudge):
                 self.worker.checkpoint(r.trial_id, r.step + 1, r.step, r.metrics, r.unit.state_dict(r.trial_id))
             asks.append((r.trial_id, r.step, dict(r.metrics), r.last, r.seconds))
         answers = self.worker.ask(asks)
-        return [Verdict.DONE if r.metrics is None else Verdict(answers[r.trial_id]) for r in reports]
+        self.given = {tid: answer for tid, answer in answers.items() if isinstance(answer, dict)}
+        verdicts = {tid: answer["verdict"] if isinstance(answer, dict) else answer for tid, answer in answers.items()}
+        return [Verdict.DONE if r.metrics is None else Verdict(verdicts[r.trial_id]) for r in reports]
+
+    def forks(self, reports: Sequence[UnitReport]) -> list[tuple[UnitReport, Fork]]:
+        return [(r, Fork(self.given[r.trial_id]["source"], self.given[r.trial_id]["sample"]))
+                for r in reports if r.trial_id in self.given]
+
+    def handed(self, report: UnitReport, fork: Fork) -> ExecutionUnit | None:
+        answer = self.given.get(report.trial_id) or {}
+        if "handed" not in answer:
+            return None
+        seed, sample, model, path = answer["handed"]
+        return handed_source(self.evaluator, fork.source, seed, sample, pickle.loads(model), self.worker.storage.take(path))
+
+    def forked(self, report: UnitReport, fork: Fork) -> None:
+        worker = self.worker
+        worker.post("forked", report.trial_id, worker.attempt, worker.worker, fork.source, report.step, fork.sample)
 
     def failed(self, unit: ExecutionUnit, trial_id: int, err: BaseException) -> None:
         self.worker.leave(trial_id, "error", error=error_text(err))
@@ -195,7 +216,7 @@ def run_unit(evaluator: StepwiseEvaluator, spec: dict[str, Any], hub: Any) -> di
         worker.post("started", m["trial"].id, worker.attempt, worker.worker, assigned)
     jobs = [Job(m["trial"], pickle.loads(m["model"]), m["max_steps"], start_from=m.get("start_from"))
             for m in spec["members"]]
-    judge = _RayJudge(worker)
+    judge = _RayJudge(worker, evaluator)
     try:
         if spec.get("world", 1) > 1:
             _run_ddp(worker, jobs[0], evaluator, spec)

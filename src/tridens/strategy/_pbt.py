@@ -12,9 +12,9 @@ the source with its weights.
 
 An exploit is a fork (:meth:`Strategy.fork`): the engine moves the member onto its source's state
 through the source unit's ``fork`` -- the mechanism stage trees branch with -- so it runs wherever
-members can be forked: the in-process executor, fused or not, and the process pool (the population
-spread over the workers in lockstep; a source in another worker hands its state back through the
-driver). The engine refuses PBT on Ray at start. The trial keeps its id, number and ``sample`` (the hyperparameters
+members can be forked: the in-process executor, fused or not, the process pool and Ray (the
+population spread over the workers in lockstep; a source in another worker hands its state over,
+through the driver or through Ray's ``storage=``). The trial keeps its id, number and ``sample`` (the hyperparameters
 it started with); ``trial.schedule()`` gives what it trained with epoch by epoch, across the forks,
 and ``trial.info["exploits"]`` whom it copied at which epoch. :func:`tridens.evaluators.replay`
 retrains a schedule alone.
