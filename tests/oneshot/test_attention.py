@@ -152,6 +152,56 @@ def test_one_hot_weights_reproduce_each_path_and_soft_weights_carry_gradients(di
     assert all(a.grad is not None and a.grad.abs().sum() > 0 for a in alpha.values())
 
 
+class AttentionOptions(tnn.ModelSpace):
+    """An attention with one of nn.MultiheadAttention's options set; width, heads and dropout chosen."""
+
+    def __init__(self, bias=True, add_bias_kv=False, add_zero_attn=False, kdim=None, batch_first=True,
+                 key_padding_mask=False, need_weights=False):
+        super().__init__()
+        e, h = td.choice("embed_dim", [4, 8]), td.choice("num_heads", [1, 2])
+        self.batch_first, self.key_padding_mask, self.need_weights = batch_first, key_padding_mask, need_weights
+        self.query = nn.Linear(6, e)
+        self.memory = nn.Linear(6, e) if kdim is None else nn.Identity()
+        self.attn = nn.MultiheadAttention(e, h, bias=bias, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn,
+                                          kdim=kdim, vdim=kdim, batch_first=batch_first,
+                                          dropout=td.choice("dropout", [0.0, 0.1]))
+        self.out = nn.Linear(e, 3)
+        self.example_inputs = (torch.randn(2, 5, 6), torch.randn(2, 5, kdim or 6))
+
+    def forward(self, x, m):
+        q, kv = self.query(x), self.memory(m)
+        if not self.batch_first:
+            q, kv = q.transpose(0, 1), kv.transpose(0, 1)
+        mask = torch.arange(5).expand(2, 5) == 4 if self.key_padding_mask else None
+        y, w = self.attn(q, kv, kv, key_padding_mask=mask, need_weights=self.need_weights)
+        if not self.batch_first:
+            y = y.transpose(0, 1)
+        out = self.out(y).mean(1)
+        return (out, w) if self.need_weights else out
+
+
+@pytest.mark.parametrize("options", [{"bias": False}, {"add_bias_kv": True}, {"add_zero_attn": True}, {"kdim": 7},
+                                     {"batch_first": False}, {"key_padding_mask": True}, {"need_weights": True}],
+                         ids=lambda o: next(iter(o)))
+def test_every_attention_option_slices_like_the_model_built_alone(options):
+    space = AttentionOptions(**options)
+    net = build_supernet(space)  # checks paths against space.freeze on the example inputs
+    net.model.eval()
+    sample = {"embed_dim": 4, "num_heads": 2, "dropout": 0.0}
+    child = space.freeze(sample).eval()
+    child.load_state_dict(net.extract(sample).state_dict())
+    net.set_path(sample)
+    with torch.no_grad():
+        path, alone = net.model(*space.example_inputs), child(*space.example_inputs)
+    net.set_weights({label: torch.tensor([1.0 if v == sample[label] else 0.0 for v in net.state.values[label]])
+                     for label in sample})
+    with torch.no_grad():
+        mixed = net.model(*space.example_inputs)
+    for got in (path, mixed):
+        for a, b in zip(got if isinstance(got, tuple) else (got,), alone if isinstance(alone, tuple) else (alone,)):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_kdim_chosen_apart_from_embed_dim_is_refused():
     class KeyWidth(tnn.ModelSpace):
         def __init__(self):
