@@ -166,12 +166,18 @@ def test_stage_checkpoints_of_a_deleted_experiment_go_and_rows_naming_outside_fi
         assert outside.read_bytes() == b"not a checkpoint"    # never deleted either
 
 
-def test_a_nan_branch_is_recorded_failed_and_its_parent_and_siblings_are_untouched(data, tmp_path):
+def executor_of(kind: str):
+    return td.executors.Process(workers=2) if kind == "process" else td.executors.Inline()
+
+
+@pytest.mark.parametrize("kind", ["inline", "process"])
+def test_a_nan_branch_is_recorded_failed_and_its_parent_and_siblings_are_untouched(data, tmp_path, kind):
     train, val = data
     store = tmp_path / "nan.db"
     ev = td.evaluators.Classification(train, val, batch_size=128, lr=0.05, schedule="step", epochs=3, milestones=[1],
                                       gamma=td.choice("gamma", [0.1, 0.5, 1e32]), data_seed=0)
-    exp = td.Experiment(Net(), ev, td.strategy.GridSearch(), store=store, name="nan", seeds="per-architecture", verbose=False)
+    exp = td.Experiment(Net(), ev, td.strategy.GridSearch(), store=store, name="nan", seeds="per-architecture", verbose=False,
+                        executor=executor_of(kind))
     exp.run()
     trials = {t.sample["gamma"]: t for t in exp.trials()}
     assert trials[1e32].status is TrialStatus.FAILED and "NonFiniteLoss" in trials[1e32].error
@@ -194,7 +200,8 @@ def test_a_nan_branch_is_recorded_failed_and_its_parent_and_siblings_are_untouch
     # a later run never starts from a failed stage
     again = td.Experiment(Net(), td.evaluators.Classification(train, val, batch_size=128, lr=0.05, schedule="step", epochs=3,
                                                               milestones=[1], gamma=1e32, data_seed=0),
-                          td.strategy.GridSearch(), store=store, name="nan-again", seeds="per-architecture", verbose=False)
+                          td.strategy.GridSearch(), store=store, name="nan-again", seeds="per-architecture", verbose=False,
+                          executor=executor_of(kind))
     with pytest.raises(ExperimentFailed):
         again.run()
     assert again.trials()[0].info["stage_store"]["epochs"] == 1
