@@ -28,6 +28,8 @@ def test_show_one_trial_in_full(tiny_store, capsys):
     assert trial.checkpoint in "".join(out.split())  # folded over lines when long, never cut
     assert any(c in out for c in "▁▂▃▄▅▆▇█")  # the sparkline of each metric
     assert f"{trial.metrics['val_acc'][2]:.4f}" in out
+    # what it trained with: the planner's unit, the other trials by number
+    assert re.search(r"execution unit +[a-z ]+ unit (with #\d|\(alone\))", out), out
 
 
 def test_show_and_top_as_json_and_csv(tiny_store, capsys):

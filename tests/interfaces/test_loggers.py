@@ -80,6 +80,14 @@ def test_export_optuna_reads_back(tiny_store, tmp_path, capsys):
     assert [list(t.intermediate_values.values()) for t in study.trials] == [t.metrics["val_acc"] for t in trials]
     assert study.direction == optuna.study.StudyDirection.MAXIMIZE
     assert study.best_trial.user_attrs["tridens_trial_id"] == max(trials, key=lambda t: (t.metric, -t.id)).id
+    # Optuna's own plots (what optuna-dashboard draws) read it
+    from optuna import visualization
+
+    history = visualization.plot_optimization_history(study)
+    assert list(history.data[0].y) == pytest.approx([t.metric for t in trials])
+    curves = visualization.plot_intermediate_values(study)
+    assert sorted(len(trace.y) for trace in curves.data) == [3, 3, 3, 3]
+    assert set(visualization.plot_param_importances(study).data[0].y) == {"hidden", "lr"}
     # a second export to the same study is refused, the study left as it was
     assert main(["export-optuna", "tiny", "--to", url, "--db", str(tiny_store)]) == 1
     assert "already holds a study 'tiny'" in capsys.readouterr().err
