@@ -1,5 +1,6 @@
-"""PBT on digits for the kill-and-resume test: `python pbt_script.py DB PAUSE` (PAUSE seconds
-after every recorded epoch, so that a kill lands inside the second population)."""
+"""PBT on digits for the kill-and-resume test: `python pbt_script.py DB PAUSE [process]` (PAUSE
+seconds after every recorded epoch, so that a kill lands inside the second population; ``process``:
+on the process pool, the population over two workers)."""
 
 import sys
 import time
@@ -35,5 +36,6 @@ def evaluator():
 
 if __name__ == "__main__":
     db, pause = sys.argv[1], float(sys.argv[2])
+    executor = td.executors.Process(workers=2) if sys.argv[3:] == ["process"] else td.executors.Inline()
     td.Experiment(MLP(), evaluator(), td.strategy.PBT(population=4, interval=2), max_trials=8, seed=3, store=db,
-                  name="pbt", verbose=False, callbacks=[Pause(pause)]).run()
+                  name="pbt", verbose=False, callbacks=[Pause(pause)], executor=executor).run()

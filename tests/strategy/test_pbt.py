@@ -101,11 +101,12 @@ def _trials(db):
                 for t in store.trials("pbt")]
 
 
-def test_a_killed_pbt_run_resumes_to_the_uninterrupted_result(tmp_path):
+@pytest.mark.parametrize("executor", ["inline", pytest.param("process", marks=pytest.mark.slow)])
+def test_a_killed_pbt_run_resumes_to_the_uninterrupted_result(tmp_path, executor):
     whole = tmp_path / "whole.db"
-    subprocess.run([sys.executable, str(SCRIPT), str(whole), "0"], check=True, timeout=300)
+    subprocess.run([sys.executable, str(SCRIPT), str(whole), "0", executor], check=True, timeout=300)
     killed = tmp_path / "killed.db"
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(killed), "0.05"],
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(killed), "0.05", executor],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
     while time.time() < deadline:  # inside the second population, after its first exploit
@@ -122,5 +123,5 @@ def test_a_killed_pbt_run_resumes_to_the_uninterrupted_result(tmp_path):
     proc.wait()
     done = sum(status == "completed" for _, status, _, _ in _trials(killed))
     assert 4 <= done < 8, done
-    subprocess.run([sys.executable, str(SCRIPT), str(killed), "0"], check=True, timeout=300)
+    subprocess.run([sys.executable, str(SCRIPT), str(killed), "0", executor], check=True, timeout=300)
     assert _trials(killed) == _trials(whole)

@@ -75,8 +75,7 @@ class _Placement:
     """Trials sent to one worker as one unit, and their protocols while they train there."""
 
     lives: dict[int, TrialProtocol]
-    settings: dict[str, Any] | None      # None: trained separately
-    planned: str
+    settings: dict[str, Any] | None      # the run's xopt.Settings as plain data; None: trained separately
     slot: int | None = None
     worker: PoolWorker | None = None
     round: list[tuple[Any, ...]] | None = None   # a reported round waiting for the others (forks)
@@ -98,7 +97,7 @@ class UnitRun:
              fluid: bool = False) -> "UnitRun | None":
         """The group's units, or None when its trials run one per worker as usual: no strategy
         forks and no trials share a stage tree (or Fluid places them: ``fluid``)."""
-        context = executor.context if getattr(executor, "context", None) is not None else None
+        context = getattr(executor, "context", None)
         optimize = getattr(context, "optimize", False)
         forks = bool(getattr(context, "forks", False))
         if not jobs or (not forks and (not optimize or fluid)):
@@ -116,12 +115,12 @@ class UnitRun:
         plain = None if settings is None else settings.as_dict()
 
         def alone(job: Job) -> _Placement:
-            return _Placement({job.trial.id: lives[job.trial.id]}, None, "separate")
+            return _Placement({job.trial.id: lives[job.trial.id]}, None)
 
         if forks:   # every member at once: as many units as workers, members dealt in turn
             count = min(executor.workers, len(jobs))
             return cls(executor, evaluator, hooks, models,
-                       [_Placement({j.trial.id: lives[j.trial.id] for j in jobs[i::count]}, plain, "population")
+                       [_Placement({j.trial.id: lives[j.trial.id] for j in jobs[i::count]}, plain)
                         for i in range(count)], True, archive)
         fresh = [job for job in jobs if job.start_from is None]
         placements = [alone(job) for job in jobs if job.start_from is not None]
@@ -136,7 +135,7 @@ class UnitRun:
             return None
         for unit in fused:
             log.info("process pool: %s", unit.summary())
-            placements.append(_Placement({t: lives[t] for t in unit.jobs}, plain, unit.kind))
+            placements.append(_Placement({t: lives[t] for t in unit.jobs}, plain))
         placements += [alone(job) for job in rest]
         return cls(executor, evaluator, hooks, models, placements, False, archive)
 
