@@ -180,6 +180,60 @@ def test_the_live_view_after_resume_shows_the_whole_experiment(tmp_path, capsys)
     assert f"best={best:.4f}" in line  # the best of all four, three of them from the first run
 
 
+LIVE_SEARCH = '''
+import os
+import time
+import tridens as td
+
+def score(x):
+    td.report(x, step=0)
+    time.sleep(0.6)  # a trial in training for a few refreshes of the live view
+    td.report(x, step=1)
+
+if __name__ == "__main__":
+    td.Experiment(None, td.evaluators.FunctionalEvaluator(score, x=td.uniform("x", 0.0, 1.0)), "random",
+                  max_trials=int(os.environ["TRIALS"]), name="live", seed=1).run()
+'''
+
+
+def test_the_live_table_after_tridens_resume_shows_the_whole_experiment(tmp_path):
+    """``tridens resume`` in a terminal (a pseudo-terminal here): the table of best trials and the
+    training line hold the trials finished before the interruption."""
+    import pty
+    import re
+
+    script, db = tmp_path / "live.py", tmp_path / "live.db"
+    script.write_text(LIVE_SEARCH)
+    env = {**os.environ, "TRIALS": "3", "TRIDENS_DB": str(db), "TERM": "xterm", "COLUMNS": "120"}
+    first_run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                               timeout=120)
+    assert first_run.returncode == 0, first_run.stderr
+    env["TRIALS"] = "4"
+    master, terminal = pty.openpty()
+    proc = subprocess.Popen([*TRIDENS, "resume", "live", "--db", str(db), "--script", str(script)], cwd=tmp_path,
+                            env=env, stdin=terminal, stdout=terminal, stderr=terminal)
+    os.close(terminal)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the terminal closed: the command ended
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    assert proc.wait(timeout=120) == 0
+    screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
+    first, new = td.Experiment.load(db, "live").trials()[:3], td.Experiment.load(db, "live").trials()[3]
+    best = max(first, key=lambda t: t.metric)
+    assert new.metric < best.metric  # the best trial comes from the interrupted run
+    while_training = screen[:screen.index("4/4")]  # frames drawn before the new trial finished
+    assert f"best value so far {best.metric:.4f}" in while_training
+    for t in first:
+        assert re.search(rf"│ {t.number} +│ completed │ {t.metric:.4f} ", while_training), t.number
+
+
 # -- export ----------------------------------------------------------------------------------------
 
 def test_export_refuses_a_non_empty_directory_and_has_one_layout(tmp_path, data):
