@@ -249,3 +249,23 @@ def test_darts_mixes_widths_and_head_counts(tmp_path, evaluator):
     assert len(probs["embed_dim"]) == 3 and probs["embed_dim"] != pytest.approx([1 / 3] * 3, abs=1e-4)
     subnets = [t for t in trials if t.info["oneshot"]["role"] == "subnet"]
     assert subnets and all(t.status is TrialStatus.COMPLETED and 0.0 <= t.metric <= 1.0 for t in subnets)
+
+
+def test_autoformer_is_searched_one_shot(tmp_path, digits_data):
+    """td.hub.AutoFormer (NNI's space): SPOS over widths, depths, heads and MLP ratios; every
+    subnet is scored with the supernet's sliced weights and exports at its own width."""
+    space = td.hub.AutoFormer(search_embed_dim=(12, 24), search_mlp_ratio=(2.0, 4.0), search_num_heads=(2, 3),
+                              search_depth=(1, 2), img_size=8, patch_size=2, in_chans=1, num_classes=10)
+    evaluator = td.evaluators.Classification(*digits_data, epochs=3, batch_size=32, optimizer="adam", lr=0.002)
+    exp = td.Experiment(space, evaluator, td.oneshot.RandomOneShot(samples=4, population=2),
+                        store=tmp_path / "t.db", name="autoformer", verbose=False).run()
+    subnets = [t for t in exp.trials() if t.info["oneshot"]["role"] == "subnet"]
+    assert len(subnets) == 4 and all(t.status is TrialStatus.COMPLETED for t in subnets)
+    assert max(t.metric for t in subnets) > 0.15  # chance is 0.1; a ViT learns slowly on 1,400 digits
+    best = exp.top(1)[0]
+    [path] = exp.export(tmp_path / "export", top=1)
+    model = td.load(path)
+    width = best.sample["embed_dim"]
+    assert model.cls_token.weight.shape == (1, width) and model.head.in_features == width
+    assert [block.attn.num_heads for block in model.blocks] == [best.sample[f"num_heads_{i}"]
+                                                               for i in range(best.sample["depth"])]

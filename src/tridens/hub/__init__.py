@@ -13,7 +13,7 @@ space                     what is chosen                               one-shot 
 :class:`ProxylessNAS`     each block: kernel 3/5/7 x expansion 3/6, skip  yes
 :class:`MobileNetV3Space` stage depths, kernels, expanded widths       yes
 :class:`ShuffleNetSpace`  each block: ShuffleNetV2 3/5/7 or Xception   yes
-:class:`AutoFormer`       ViT width, depth, heads, MLP ratios          no (token/position sizes)
+:class:`AutoFormer`       ViT width, depth, heads, MLP ratios          yes
 ========================  ===========================================  ==========================
 
 Reference architectures as samples: :data:`DARTS_V2` (with ``DARTS(width=36, num_cells=20)``:

@@ -10,6 +10,7 @@ search_mlp_ratio=(4.0,), search_num_heads=(3,), search_depth=(12,))`` is DeiT-Ti
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -27,7 +28,7 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float, qkv_bias: bool = True, drop_rate: float = 0.0):
         super().__init__()
-        hidden = int(dim * mlp_ratio)
+        hidden = math.trunc(dim * mlp_ratio)  # int(), written so a one-shot supernet can follow it
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = nn.MultiheadAttention(dim, num_heads, dropout=drop_rate, bias=qkv_bias, batch_first=True)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
@@ -43,9 +44,9 @@ class TransformerBlock(nn.Module):
 class AutoFormer(tnn.ModelSpace):
     """A vision transformer space (see the module doc); NNI's ``AutoFormer`` parameters.
 
-    Search it with a multi-trial strategy: the supernet slices an attention's width and head
-    count, but not the class token and position embedding (parameters sized by ``embed_dim``) nor
-    the MLP width ``int(dim * mlp_ratio)``.
+    Search it with any strategy; one-shot, the supernet holds the largest ViT and a path uses the
+    leading slices of every weight for its width, its layers' heads and MLP widths (AutoFormer's
+    weight entanglement), and its first ``depth`` blocks.
     """
 
     def __init__(self, search_embed_dim: Sequence[int] = (192, 216, 240), search_mlp_ratio: Sequence[float] = (3.0, 3.5, 4.0),
@@ -56,10 +57,13 @@ class AutoFormer(tnn.ModelSpace):
         dim = choice("embed_dim", list(search_embed_dim))
         self.patch_embed = nn.Conv2d(in_chans, dim, patch_size, patch_size)
         num_patches = (img_size // patch_size) ** 2
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
-        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, dim))
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        nn.init.trunc_normal_(self.cls_token, std=0.02)
+        # The class token and the position embedding as embedding tables (one row, one row per
+        # position): a supernet slices their width as it slices every layer's.
+        self.cls_token = nn.Embedding(1, dim)
+        self.pos_embed = nn.Embedding(num_patches + 1, dim)
+        self.register_buffer("positions", torch.arange(num_patches + 1), persistent=False)
+        nn.init.trunc_normal_(self.pos_embed.weight, std=0.02)
+        nn.init.trunc_normal_(self.cls_token.weight, std=0.02)
         self.blocks = tnn.Repeat(
             lambda i: TransformerBlock(dim, choice(f"num_heads_{i}", list(search_num_heads)),
                                        choice(f"mlp_ratio_{i}", list(search_mlp_ratio)), qkv_bias, drop_rate),
@@ -69,6 +73,7 @@ class AutoFormer(tnn.ModelSpace):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x).flatten(2).transpose(1, 2)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        cls = self.cls_token(self.positions[:1]).expand(x.shape[0], 1, -1)
+        x = torch.cat([cls, x], dim=1) + self.pos_embed(self.positions)
         x = self.norm(self.blocks(x))
         return self.head(x[:, 0])

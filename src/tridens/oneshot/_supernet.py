@@ -10,7 +10,7 @@
   op's candidates (a :class:`MixedLayer`) on each state the op may read (DARTS' edges);
 * an int ``td.choice`` (width, kernel size, depth...) -> a :class:`~._traced.TracedInt` at the
   largest candidate, so layers are built at their largest size; afterwards each ``Conv1d/2d``,
-  ``Linear``, ``BatchNorm1d/2d``, ``LayerNorm`` and ``MultiheadAttention`` whose sizes depend on a
+  ``Linear``, ``BatchNorm1d/2d``, ``LayerNorm``, ``Embedding`` and ``MultiheadAttention`` whose sizes depend on a
   label becomes an entangled layer that slices its weight per sample (kernels centred, BatchNorm
   statistics sliced too; an attention's q/k/v in-projection blocks and out-projection sliced to
   the path's ``embed_dim``, its ``num_heads`` the path's); other modules
@@ -462,6 +462,24 @@ def _mix(parts: list[tuple[torch.Tensor | None, torch.Tensor]]) -> torch.Tensor:
     return total
 
 
+class EntangledEmbedding(_Entangled, nn.Embedding):
+    """An ``Embedding`` at its largest table; a path looks up the leading ``num_embeddings`` rows
+    and ``embedding_dim`` columns (weights: the largest table, columns masked as a Linear's outputs)."""
+
+    def sliced(self, name: str, sample: Sample) -> torch.Tensor:
+        return self.weight[: self._at("num_embeddings", sample), : self._at("embedding_dim", sample)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = self._state
+        weight = self.weight if state.weighted else self.sliced("weight", state.sample)
+        y = F.embedding(x, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
+        if state.weighted and "embedding_dim" in self._traced:
+            mask = state.channel_mask(self._traced["embedding_dim"], self.weight.shape[1], y.device)
+            if mask is not None:
+                y = y * mask
+        return y
+
+
 class EntangledLayerNorm(_Entangled, nn.LayerNorm):
     """A ``LayerNorm`` at its largest shape; a path normalizes the leading slice with the leading
     slice of the affine weights. Weights mix the candidates' outputs (each normalizes its own
@@ -594,6 +612,7 @@ _ENTANGLED: dict[type, tuple[type, tuple[str, ...]]] = {
     nn.BatchNorm2d: (EntangledBatchNorm2d, ("num_features",)),
     nn.BatchNorm1d: (EntangledBatchNorm1d, ("num_features",)),
     nn.LayerNorm: (EntangledLayerNorm, ("normalized_shape",)),
+    nn.Embedding: (EntangledEmbedding, ("num_embeddings", "embedding_dim")),
     nn.MultiheadAttention: (EntangledMultiheadAttention, ("embed_dim", "kdim", "vdim", "num_heads", "head_dim", "dropout")),
     # the out-projection of a MultiheadAttention: a Linear that the attention slices itself
     nn.modules.linear.NonDynamicallyQuantizableLinear: (EntangledLinear, ("in_features", "out_features")),
@@ -636,7 +655,8 @@ class SupernetResolver(Resolver):
             top = max(candidates)
             return TracedInt(top, _leaf(label, domain, top), {label})
         if all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in candidates):
-            return TracedFloat(float(candidates[0]), _leaf(label, domain, candidates[0]), {label})
+            top = max(candidates)  # a size computed from it (``dim * ratio``) is built at its largest
+            return TracedFloat(float(top), _leaf(label, domain, top), {label})
         raise not_one_shot(label, f"has candidates {values!r} that are not numbers: its value is used in Python "
                                   "code the supernet cannot follow; choose between layers with "
                                   "tnn.LayerChoice({...}) instead")
@@ -813,7 +833,7 @@ def build_supernet(space: BaseSpace, *, verify: bool = True, seed: int = 0, max_
                                           "cannot hold at once (Python control flow on a choice)")
             raise not_one_shot(label, "does not reach a layer the supernet can slice (it is used in Python code: "
                                       "an if, a loop, or a module type that is not Conv1d/Conv2d/Linear/BatchNorm/LayerNorm/"
-                                      "MultiheadAttention)")
+                                      "Embedding/MultiheadAttention)")
     net = Supernet(space, model, state, resolver.claimed)
     if verify:
         _verify(net, seed, max_checks)

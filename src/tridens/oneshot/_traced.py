@@ -2,7 +2,8 @@
 
 While the supernet is built, ``td.choice("width", [16, 32])`` answers a :class:`TracedInt`: an
 ``int`` equal to the largest candidate (so every layer is built at its largest size) that also
-carries a function ``sample -> value``. Arithmetic keeps the trace (``w * 2``, ``k // 2``), so
+carries a function ``sample -> value``; a float choice answers a :class:`TracedFloat` at its
+largest candidate. Arithmetic keeps the trace (``w * 2``, ``k // 2``, ``math.trunc(w * r)``), so
 after construction the supernet builder finds, in each layer's attributes (``out_channels``,
 ``kernel_size``, ``padding``...), which labels decide which dimension, and slices the largest
 weight per sample. Comparisons and ``int(x)`` give plain values: control flow on a choice is
@@ -11,6 +12,7 @@ caught later, when the supernet's subnets are checked against models built alone
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Callable, FrozenSet, Mapping
 
@@ -124,6 +126,14 @@ class _TracedMixin:
     __neg__ = _unary(operator.neg)
     __pos__ = _unary(operator.pos)
     __abs__ = _unary(abs)
+    # math.trunc / floor / ceil and round() keep the trace (a size such as ``math.trunc(dim * ratio)``);
+    # int() does not, so control flow on a choice stays visible as such.
+    __trunc__ = _unary(math.trunc)
+    __floor__ = _unary(math.floor)
+    __ceil__ = _unary(math.ceil)
+
+    def __round__(self, ndigits: int | None = None) -> Any:
+        return _wrap(round(_strip(self), ndigits), lambda s: round(value_at(self, s), ndigits), self.labels)
 
 
 class TracedInt(_TracedMixin, int):
