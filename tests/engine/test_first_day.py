@@ -464,6 +464,25 @@ def test_ctrl_c_prints_one_line_with_the_resume_command(tmp_path, launcher):
         assert code == 130 and f"resuming 'slow' with {kept} finished trials" in err
 
 
+def test_the_readmes_links_and_make_bench_sentence_are_true():
+    """Every relative link of the README names a file of the repository, and what it says
+    `make bench` installs is what the Makefile installs (Optuna is a core dependency)."""
+    import re
+    import tomllib
+
+    readme = (ROOT / "README.md").read_text()
+    links = [t for t in re.findall(r"\]\(([^)#\s]+)", readme) if "://" not in t]
+    links += re.findall(r"`([\w./-]+\.md)`", readme)  # files named in the text
+    assert links and all((ROOT / t).exists() for t in links), [t for t in links if not (ROOT / t).exists()]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(d.lower().startswith("optuna") for d in project["dependencies"])
+    [sentence] = re.findall(r"\(`make bench`[^)]*\([^)]*\)[^)]*\)", readme.replace("\n", " "))
+    assert "optuna" not in sentence.lower()
+    [extras] = re.findall(r"^\t.*pip install .*'\.\[(\w+)\]'", (ROOT / "Makefile").read_text().split("\nbench:")[1], re.M)
+    bench = project["optional-dependencies"][extras]
+    assert any(d.startswith("ray[tune]") for d in bench) and "Ray Tune" in sentence
+
+
 def test_the_readme_plain_hyperparameter_search_runs(tmp_path):
     """The quick start's "plain hyperparameter search" block, as a user would paste it."""
     import re
