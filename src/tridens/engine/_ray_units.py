@@ -19,6 +19,12 @@ separate, see :mod:`tridens.xopt`), except for a super-graph unit, whose childre
 after the restart (their tied tensors are no longer shared). A member killed before its first
 checkpoint starts again from its first epoch (the driver does not record an epoch twice).
 
+**Stages and forks.** A stage tree in a task loads and stores its stages through the driver
+(:mod:`._stage_relay`: calls through the hub, checkpoints handed through storage). A member the
+driver forks (PBT) continues from its source's state: through the source's unit when the source
+trains in the same task, else from the source's checkpoint of that step, which the driver copies
+under storage for this task to take (:func:`~._execution.handed_source`).
+
 **Data parallel (Fluid share > 1).** One task reserving ``share`` CPUs (or GPUs) starts ``share``
 local processes, one DDP rank each (:mod:`._ddp`, gloo; one node), and relays rank 0's reports to
 the hub and the decisions back. The ranks are killed, never torn down, when the trial ends
