@@ -154,6 +154,14 @@ def test_architecture_only_from_code_already_imported(tiny_store, tmp_path):
     assert "someone_elses_module" not in sys.modules
 
 
+def test_importance_with_either_optuna_evaluator(tiny_store):
+    client = starlette_testclient.TestClient(create_app(tiny_store))
+    for evaluator in ("ped-anova", "fanova"):
+        result = client.get(f"/api/experiments/tiny/importance?evaluator={evaluator}").json()
+        assert result["evaluator"] == evaluator and result["trials"] == 4, result
+        assert set(result["importances"]) == {"hidden", "lr"} and all(v >= 0 for v in result["importances"].values())
+
+
 def test_listens_on_localhost_unless_asked_and_warns(tiny_store, capsys):
     import urllib.request
 

@@ -78,6 +78,13 @@ def test_dashboard_pages_in_chromium(browser, tiny_copy, tmp_path):
             "return document.getElementById('curves').data.map(t => t.name).join()") == "#2 (completed)")
         points = browser.execute_script("return document.getElementById('curves').data[0].y.length")
         assert points == 3  # three epochs
+        # any recorded metric: the training loss of the same trial
+        with Store(tiny_copy, readonly=True) as store:
+            losses = sorted(store.trials("tiny"), key=lambda t: t.id)[2].metrics["train_loss"]
+        from selenium.webdriver.support.ui import Select
+        Select(browser.find_element("id", "metric-select")).select_by_value("train_loss")
+        _wait(browser, lambda d: d.execute_script("return document.getElementById('curves').data[0].y") == losses)
+        Select(browser.find_element("id", "metric-select")).select_by_value("val_acc")
         _wait(browser, lambda d: d.execute_script(
             "const p = document.getElementById('parcoords'); return p.data && p.data[0].type === 'parcoords'"))
         browser.save_screenshot(str(shots / "experiment.png"))
@@ -109,7 +116,6 @@ def test_dashboard_pages_in_chromium(browser, tiny_copy, tmp_path):
         _wait(browser, lambda d: _rows(d) == [] and d.find_element("id", "total").text == "0")
         browser.find_element("css selector", "#status-filter input[value=stopped]").click()
         hidden = trials[0].sample["hidden"]
-        from selenium.webdriver.support.ui import Select
         Select(browser.find_element("id", "label-filter-label")).select_by_value("hidden")
         browser.find_element("id", "label-filter-value").send_keys(str(hidden))
         browser.find_element("xpath", "//button[text()='add filter']").click()
