@@ -382,6 +382,37 @@ def test_one_shot_warns_about_an_evaluator_choice_it_does_not_search(tmp_path, d
     assert all(not math.isnan(t.metric or 0) for t in exp.trials())
 
 
+# -- threads ---------------------------------------------------------------------------------------
+
+def threads_seen():
+    """A user's loop that reports the torch threads it runs with."""
+    td.report({"threads": float(torch.get_num_threads())}, step=0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_user_loop_runs_with_the_thread_policys_threads(tmp_path, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        policy = td.engine.ThreadPolicy(threads=threads)
+        exp = td.Experiment(None, td.evaluators.FunctionalEvaluator(threads_seen), "random", max_trials=1,
+                            store=tmp_path / "t.db", name="t", verbose=False,
+                            executor=td.executors.Inline(threads=policy))
+        exp.run()
+        assert exp.trials()[0].metric == threads
+        assert torch.get_num_threads() == 3  # the caller's setting is back
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_user_loop_on_a_busy_machine_gets_one_thread():
+    """The rule the default policy applies to a user's loop (its step size unknown), with the
+    machine's load given: one thread when no core is idle, every idle core otherwise."""
+    policy = td.engine.ThreadPolicy()
+    assert policy.decide(None, total=2, load=3.8).threads == 1
+    assert policy.decide(None, total=2, load=0.0).threads == 2
+
+
 # -- the command line and the demo (real subprocesses) ------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -490,8 +521,9 @@ def test_the_readme_plain_hyperparameter_search_runs(tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     [block] = [b for b in blocks if "td.Experiment(None" in b]
     (tmp_path / "hpo.py").write_text(block)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torch's threads, as a user has them
     proc = subprocess.run([sys.executable, "hpo.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env=env)
     assert proc.returncode == 0, proc.stderr
     assert "stopped: max_trials=20 reached" in proc.stderr
     best, sample = proc.stdout.strip().splitlines()[-1].split(" ", 1)

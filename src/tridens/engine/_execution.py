@@ -369,7 +369,8 @@ class InlineExecutor(Executor):
     and ``trial_timeout`` interrupts a loop even between its reports (SIGALRM, main thread).
     ``optimize`` (None: the experiment's; True, False or a :class:`tridens.xopt.Settings`) overrides
     the experiment's ``optimize``, resolved once when the run starts. ``threads`` (a :class:`~tridens.engine.ThreadPolicy`, default ``ThreadPolicy()``) sets the torch
-    threads each group's units train with.
+    threads each group's units train with, and those a user's loop (``FunctionalEvaluator``) runs
+    with: one on a machine with no idle core, every idle core otherwise.
 
     >>> exp = td.Experiment(space, evaluator, executor=td.executors.Inline())  # doctest: +SKIP
     """
@@ -392,9 +393,12 @@ class InlineExecutor(Executor):
     def run_group(self, jobs: Sequence[Job], evaluator: Evaluator, hooks: GroupHooks) -> None:
         if isinstance(evaluator, StepwiseEvaluator):
             self._lockstep(jobs, evaluator, hooks)
-        else:
-            for job in jobs:
-                self._one(job, evaluator, hooks)
+        else:  # a user's loop: its step size is unknown, so the machine's load decides
+            plan = self.threads.decide(None)
+            log.info("threads: %d for the user's loop: %s", plan.threads, plan.reason)
+            with plan.applied():
+                for job in jobs:
+                    self._one(job, evaluator, hooks)
 
     def _one(self, job: Job, evaluator: Evaluator, hooks: GroupHooks) -> None:
         life = TrialProtocol(job, hooks, clock="wall")
