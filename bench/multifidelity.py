@@ -56,6 +56,7 @@ accuracy seen, mean +- std over the seeds.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -63,7 +64,7 @@ import random
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
@@ -212,22 +213,37 @@ def optuna_search(table: CurveTable, seed: int, budget: float) -> Trace:
     return trace
 
 
-def complete_subgrid(table: CurveTable) -> CurveTable:
-    """The largest complete grid inside a partly recorded table: values are dropped, one at a time,
-    choosing the one that loses the fewest recorded configurations, until every combination of
-    the values left is recorded (a dry run's space; a strategy may propose any combination)."""
+def complete_subgrid(table: CurveTable, limit: int = 200_000) -> CurveTable:
+    """The largest complete grid inside a partly recorded table (a dry run's space: a strategy may
+    propose any combination of the values left). Every choice of a non-empty subset of values per
+    label is tried, largest first, when there are at most ``limit`` such choices; otherwise values
+    are dropped one at a time, each time the one that loses the fewest recorded configurations."""
     keys = set(table.curves)
     values = [sorted({k[i] for k in keys}, key=lambda v: (str(type(v)), v)) for i in range(len(table.labels))]
+    missing = [k for k in itertools.product(*values) if k not in keys]
 
-    def inside(vals: list[list[Any]]) -> list[tuple[Any, ...]]:
+    def complete(vals: Sequence[Sequence[Any]]) -> bool:
         sets = [set(v) for v in vals]
-        return [k for k in keys if all(x in s for x, s in zip(k, sets))]
+        return not any(all(x in s for x, s in zip(k, sets)) for k in missing)
 
-    while len(inside(values)) < math.prod(len(v) for v in values):
-        options = [[v if j != i else [x for x in v if x != drop] for j, v in enumerate(values)]
-                   for i, vs in enumerate(values) if len(vs) > 1 for drop in vs]
-        values = max(options, key=lambda vals: (len(inside(vals)), math.prod(len(v) for v in vals)))
-    rows = {k: table.curves[k] for k in inside(values)}
+    def subsets(vs: list[Any]) -> list[tuple[Any, ...]]:
+        return [c for r in range(1, len(vs) + 1) for c in itertools.combinations(vs, r)]
+
+    if math.prod(2 ** len(v) - 1 for v in values) <= limit:
+        grids = sorted(itertools.product(*(subsets(v) for v in values)),
+                       key=lambda g: -math.prod(len(v) for v in g))
+        values = [list(v) for v in next(g for g in grids if complete(g))]
+    else:
+        def inside(vals: list[list[Any]]) -> int:
+            sets = [set(v) for v in vals]
+            return sum(all(x in s for x, s in zip(k, sets)) for k in keys)
+
+        while not complete(values):
+            options = [[v if j != i else [x for x in v if x != drop] for j, v in enumerate(values)]
+                       for i, vs in enumerate(values) if len(vs) > 1 for drop in vs]
+            values = max(options, key=lambda vals: (inside(vals), math.prod(len(v) for v in vals)))
+    sets = [set(v) for v in values]
+    rows = {k: table.curves[k] for k in keys if all(x in s for x, s in zip(k, sets))}
     return CurveTable(table.labels, rows, {**table.info, "subgrid": dict(zip(table.labels, values))})
 
 
