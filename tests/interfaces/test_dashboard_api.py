@@ -224,7 +224,7 @@ def test_plan_units_and_their_savings(tmp_path):
     assert (by_kind["stage tree"]["epochs_trained"], by_kind["stage tree"]["trial_epochs"]) == (5, 9)
     assert math.isclose(by_kind["stage tree"]["saved_seconds"], 3.0 * (9 - 5) / 5)
     assert math.isclose(by_kind["batched"]["saved_seconds"], 2.0 * 1.5)  # 2 s fused at 2.5x: 5 s apart
-    assert by_kind["separate"]["saved_seconds"] is None
+    assert by_kind["separate"]["saved_seconds"] == 0.0
     assert math.isclose(plan["saved_seconds"], 2.4 + 3.0) and plan["units_recorded"] is True
 
 

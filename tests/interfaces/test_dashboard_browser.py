@@ -110,7 +110,8 @@ def test_dashboard_pages_in_chromium(browser, tiny_copy, tmp_path):
         with Store(tiny_copy, readonly=True) as store:
             trials = sorted(store.trials("tiny"), key=lambda t: t.id)
         browser.find_element("css selector", "#trials-table th[data-sort=metric]").click()
-        best_first = [str(i) for i, _ in sorted(enumerate(trials), key=lambda p: (-p[1].metric, p[1].id))]
+        # best first; ties (trials stuck at one class score alike) latest first, as the server orders them
+        best_first = [str(i) for i, _ in sorted(enumerate(trials), key=lambda p: (-p[1].metric, -p[1].id))]
         _wait(browser, lambda d: [r[0] for r in _rows(d)] == best_first)
         browser.find_element("css selector", "#status-filter input[value=stopped]").click()
         _wait(browser, lambda d: _rows(d) == [] and d.find_element("id", "total").text == "0")
@@ -120,7 +121,7 @@ def test_dashboard_pages_in_chromium(browser, tiny_copy, tmp_path):
         browser.find_element("id", "label-filter-value").send_keys(str(hidden))
         browser.find_element("xpath", "//button[text()='add filter']").click()
         wanted = sorted((str(i) for i, t in enumerate(trials) if t.sample["hidden"] == hidden),
-                        key=lambda n: (-trials[int(n)].metric, int(n)))
+                        key=lambda n: (-trials[int(n)].metric, -int(n)))
         _wait(browser, lambda d: [r[0] for r in _rows(d)] == wanted)
         assert all(f"hidden={hidden}," in r[2] for r in _rows(browser))
 

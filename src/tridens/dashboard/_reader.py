@@ -443,8 +443,8 @@ class StoreReader:
         A stage tree's saving is estimated from the epochs it trained against the trial-epochs of
         its trials (each trial's stage path, ``info["stages"]``), at the unit's measured seconds per
         trained epoch; a fused group's as its training seconds times its measured speed-up less one
-        (``unit["speedups"]``: what separate training would have cost more), when recorded;
-        otherwise None (not measured)."""
+        (``unit["speedups"]``: what separate training would have cost more), when recorded; a
+        separate unit's 0; otherwise None (not measured)."""
         rows = self._rows(
             "SELECT json_extract(info, '$.unit.trials'), MIN(id), COUNT(*), json_extract(info, '$.unit'), "
             "SUM(json_extract(info, '$.train_seconds')), json_group_object(id, json_extract(info, '$.train_seconds')), "
@@ -466,6 +466,8 @@ class StoreReader:
                 trained, alone = _tree_epochs(trees.get(trials_json, []))
                 if trained and seconds is not None:
                     saved = seconds * (alone - trained) / trained
+            if unit.get("kind") == "separate":
+                saved = 0.0  # trained as alone
             speedups = _speedups({"speedups": e} for e in json.loads(speedups_json))
             if speedups and unit.get("kind") != "stage tree":
                 spent = {int(t): float(v or 0.0) for t, v in json.loads(spent_json).items()}

@@ -279,7 +279,8 @@ function experimentPage(name) {
     importanceNote.textContent = imp.message || `${imp.trials} completed trials, ${state.evaluator}`;
     const entries = Object.entries(imp.importances).reverse();
     Plotly.react(importance, entries.length ? [{type: "bar", orientation: "h", x: entries.map(e => e[1]), y: entries.map(e => e[0])}] : [],
-      {...layoutBase, height: 60 + 30 * Math.max(entries.length, 1), xaxis: {title: {text: "importance"}}}, config);
+      {...layoutBase, margin: {...layoutBase.margin, l: 140}, height: 60 + 30 * Math.max(entries.length, 1),
+       xaxis: {title: {text: "importance"}}}, config);
     const p = await api(`/api/experiments/${enc(name)}/pareto`);
     paretoNote.textContent = p.message || "";
     if (!p.message) {
