@@ -106,3 +106,18 @@ def test_stage_trees_train_on_the_workers_store_once_and_a_second_study_reuses_t
     assert len(files) == sum(c is not None for _, _, c in rows)
     if kind == "ray":   # the checkpoints handed through storage= are gone once the driver took them
         assert not list((tmp_path / "ray").rglob("handoff/*.pt"))
+
+
+def test_members_of_a_tree_past_their_timeout_fail_and_the_run_ends(data, tmp_path):
+    """trial_timeout counts each member's share of its tree's training: past it after an epoch, the
+    member fails on the driver and leaves the tree in its worker; the run still ends."""
+    exp = td.Experiment(Net(), grid_evaluator(data, [2, 3], [0.1, 0.5]), td.strategy.GridSearch(batch_size=16),
+                        store=tmp_path / "t.db", name="late", seeds="per-architecture", verbose=False,
+                        executor=td.executors.Process(workers=2), trial_timeout=1e-6)
+    with pytest.raises(Exception, match="every trial of 'late' failed"):
+        exp.run()
+    trials = exp.trials()
+    assert len(trials) == 8
+    for t in trials:
+        assert t.status is TrialStatus.FAILED and "exceeded trial_timeout=1e-06 s after epoch 0" in t.error
+        assert len(t.metrics["val_acc"]) == 1
