@@ -95,6 +95,24 @@ def test_a_second_study_reuses_the_stages_of_the_first(data, tmp_path, caplog):
     assert "from 'first'" in out.stdout and "epochs 0–1" in out.stdout
 
 
+def test_each_stored_stage_names_only_the_trials_that_went_through_it(data, tmp_path):
+    store = tmp_path / "paths.db"
+    trials = run(data, store, "paths", [2, 3, 4], [0.1, 0.5])
+    stages = {sid: (parent, first, last) for sid, parent, first, last in
+              rows(store, "SELECT id, parent, first_epoch, last_epoch FROM stages WHERE status = 'done'")}
+    linked: dict[int, set[int]] = {}
+    for sid, tid in rows(store, "SELECT stage_id, trial_id FROM stage_trials"):
+        linked.setdefault(tid, set()).add(sid)
+    numbers = {t.id for t in trials.values()}
+    assert set(linked) <= numbers and len(stages) > 3
+    for tid, sids in linked.items():   # one path from the root: a parent each, never two siblings
+        parents = [stages[s][0] for s in sids]
+        assert len(parents) == len(set(parents)), (tid, sorted(sids))
+        assert all(p is None or p in sids for p in parents), (tid, sorted(sids))
+        limit = next(t.sample["epochs"] for t in trials.values() if t.id == tid)
+        assert all(stages[s][1] < limit for s in sids), (tid, sorted(sids))
+
+
 def test_reuse_within_the_experiment_only_when_asked(data, tmp_path):
     store = tmp_path / "own.db"
     run(data, store, "first", [2], [0.1])

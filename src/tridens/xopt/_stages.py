@@ -361,6 +361,7 @@ class StageTreeUnit(ExecutionUnit):
                                          job.trial.seed)
         trainer.load_state_dict(node.trainer.state_dict())
         node.members = [m for m in node.members if m not in members]
+        node.users -= set(members)   # they go through the child's stage, not the node's next one
         child = self._new_node(node.id, trainer, members)
         child.path, child.history, child.reported = node.path, list(node.history), node.reported
         child.stage, child.stage_from = node.stage, node.stage_from
@@ -426,6 +427,7 @@ class StageTreeUnit(ExecutionUnit):
             if not node.failed:
                 self._store_stage(node)   # a trial leaves (finished or stopped): the stage ends where it got to
             node.members = [m for m in node.members if m != trial_id]
+            node.users.discard(trial_id)
             if not node.members:
                 self.nodes.remove(node)
 
