@@ -35,19 +35,6 @@ EXECUTORS = ["inline", "process", "ray"]
 SLOW_RAY = ["inline", "process", pytest.param("ray", marks=pytest.mark.slow)]  # a Ray per driver process
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray = pytest.importorskip("ray")
-    from tridens.engine._ray_local import start_local_ray
-
-    started = not ray.is_initialized()
-    if started:
-        start_local_ray(2)  # as td.executors.Ray(address=None) starts it: on 127.0.0.1
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 @pytest.fixture
 def executor_of(request, tmp_path):
     """``executor_of(kind)``: a fresh executor object of that kind."""

@@ -10,32 +10,17 @@ import logging
 import sqlite3
 
 import pytest
-from torch import nn
 
 import tridens as td
 from tridens.store import Store, stage_tree
 from tridens.trial import TrialStatus
 
+from tests.xopt.stage_script import Net, grid_evaluator
+
 
 @pytest.fixture(scope="module")
 def data():
     return td.datasets.digits()
-
-
-class Net(td.nn.ModelSpace):
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 10))
-
-    def forward(self, x):
-        return self.body(x)
-
-
-def grid_evaluator(data, epochs, gammas):
-    train, val = data
-    return td.evaluators.Classification(train, val, batch_size=128, lr=0.05, schedule="step",
-                                        epochs=td.choice("epochs", epochs), milestones=td.choice("milestones", [[1], [2]]),
-                                        gamma=td.choice("gamma", gammas))
 
 
 def run(data, store, name, epochs, gammas, executor):
@@ -50,19 +35,6 @@ def stored(store):
         rows = conn.execute("SELECT root, path, checkpoint FROM stages WHERE status = 'done'").fetchall()
     files = sorted((store.parent / (store.name + ".files") / ".stages").rglob("*.pt"))
     return rows, files
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray = pytest.importorskip("ray")
-    from tridens.engine._ray_local import start_local_ray
-
-    started = not ray.is_initialized()
-    if started:
-        start_local_ray(2)  # as td.executors.Ray(address=None) starts it: on 127.0.0.1
-    yield ray
-    if started:
-        ray.shutdown()
 
 
 def executor_of(kind, tmp_path, request):
