@@ -1,5 +1,7 @@
 """Small one-shot spaces for the tests (importable: the resume test runs a script that uses them)."""
 
+import random
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,3 +61,16 @@ class ToyChoice(tnn.ModelSpace):
 class Zero(nn.Module):
     def forward(self, x):
         return x.new_zeros(x.shape[0], 10)
+
+
+def spos_steps(net, x: torch.Tensor, y: torch.Tensor, steps: int) -> None:
+    """``steps`` SPOS steps of a supernet (a random path per batch of 32, Adam, seeded): weights
+    and BatchNorm statistics away from their initial values."""
+    opt = torch.optim.Adam(net.model.parameters(), lr=0.01)
+    rng = random.Random(0)
+    for i in range(steps):
+        net.set_path(net.search_space.random_sample(rng))
+        idx = torch.arange(i * 32, i * 32 + 32)
+        opt.zero_grad()
+        F.cross_entropy(net.model(x[idx]), y[idx]).backward()
+        opt.step()

@@ -2,7 +2,6 @@
 slicing equals a fixed model given the sliced weights, weights mix the candidates, and one-shot
 searches run end to end and export the chosen width."""
 
-import random
 
 import pytest
 import torch
@@ -15,6 +14,8 @@ from tridens.errors import InvalidSpace
 from tridens.oneshot import build_supernet
 from tridens.oneshot._supernet import EntangledLayerNorm, EntangledLinear, EntangledMultiheadAttention
 from tridens.trial import TrialStatus
+
+from .spaces import spos_steps
 
 EMBED, HEADS = [8, 16, 24], [2, 4]
 
@@ -67,14 +68,7 @@ def _trained_supernet(digits_data, steps=20):
     torch.manual_seed(0)
     net = build_supernet(DigitsAttention())
     x, y = digits_data[0].tensors
-    opt = torch.optim.Adam(net.model.parameters(), lr=0.01)
-    rng = random.Random(0)
-    for i in range(steps):
-        net.set_path(net.search_space.random_sample(rng))
-        idx = torch.arange(i * 32, i * 32 + 32)
-        opt.zero_grad()
-        F.cross_entropy(net.model(x[idx]), y[idx]).backward()
-        opt.step()
+    spos_steps(net, x, y, steps)
     return net
 
 

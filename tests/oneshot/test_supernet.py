@@ -12,7 +12,7 @@ from tridens import nn as tnn
 from tridens.oneshot import build_supernet
 from tridens.oneshot._supernet import EntangledBatchNorm2d, EntangledConv2d, EntangledLinear
 
-from .spaces import DigitsCNN
+from .spaces import DigitsCNN, spos_steps
 
 
 class ConvBN(tnn.ModelSpace):
@@ -67,14 +67,7 @@ def _trained_supernet(steps=15):
     net = build_supernet(DigitsCNN())
     train, _ = td.datasets.digits()
     x, y = train.tensors
-    opt = torch.optim.Adam(net.model.parameters(), lr=0.01)
-    rng = random.Random(0)
-    for i in range(steps):
-        net.set_path(net.search_space.random_sample(rng))
-        idx = torch.arange(i * 32, i * 32 + 32)
-        opt.zero_grad()
-        F.cross_entropy(net.model(x[idx]), y[idx]).backward()
-        opt.step()
+    spos_steps(net, x, y, steps)
     return net, x[:50]
 
 
