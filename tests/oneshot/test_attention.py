@@ -12,7 +12,7 @@ import tridens as td
 from tridens import nn as tnn
 from tridens.errors import InvalidSpace
 from tridens.oneshot import build_supernet
-from tridens.oneshot._supernet import EntangledLayerNorm, EntangledLinear, EntangledMultiheadAttention
+from tridens.oneshot._entangled import EntangledLayerNorm, EntangledLinear, EntangledMultiheadAttention
 from tridens.trial import TrialStatus
 
 from .spaces import spos_steps

@@ -10,7 +10,7 @@ from torch import nn
 import tridens as td
 from tridens import nn as tnn
 from tridens.oneshot import build_supernet
-from tridens.oneshot._supernet import EntangledBatchNorm2d, EntangledConv2d, EntangledLinear
+from tridens.oneshot._entangled import EntangledBatchNorm2d, EntangledConv2d, EntangledLinear
 
 from .spaces import DigitsCNN, spos_steps
 
