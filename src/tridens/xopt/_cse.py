@@ -181,7 +181,7 @@ def plan_cse(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings: Set
 def plan_frozen_prefixes(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings: Settings | None = None,
                          max_unit_memory: int | str | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
     """The trials of ``jobs`` whose models start with a frozen prefix shared with another trial
-    (a pretrained backbone in a fine-tuning space), in :class:`SharedPipelineUnit`\ s that compute
+    (a pretrained backbone in a fine-tuning space), in :class:`SharedPipelineUnit` units that compute
     each prefix once per batch; the other jobs are returned untouched for the next optimization.
 
     Asked before operator batching: fused same-shaped models would each run the prefix (K times
