@@ -130,6 +130,25 @@ def test_trials_are_numbered_per_experiment(tmp_path):
         assert [t.number for t in db.trials("second", status="completed")] == [0, 1, 2]
 
 
+def slow_steps(lr):
+    """A user loop whose steps outlast a small trial_timeout when ``lr`` is large."""
+    for step in range(3):
+        time.sleep(0.3 if lr > 0.15 else 0.0)
+        td.report(lr * step, step=step)
+
+
+def test_a_timeout_names_the_trial_by_its_number_in_the_experiment(tmp_path):
+    store = tmp_path / "timeouts.db"
+    ev = td.evaluators.FunctionalEvaluator(slow_steps, lr=td.choice("lr", [0.1, 0.2]))
+    for name in ("first", "second"):
+        td.Experiment(None, ev, td.strategy.GridSearch(), store=store, name=name, trial_timeout=0.2,
+                      verbose=False).run()
+    trials = td.Experiment.load(store, "second").trials()
+    failed = [t for t in trials if t.status is TrialStatus.FAILED]
+    assert len(failed) == 1 and min(t.id for t in trials) == 3   # store ids differ from numbers here
+    assert f"trial {failed[0].number} exceeded trial_timeout=0.2 s" in failed[0].error, failed[0].error
+
+
 # -- why a run stopped ------------------------------------------------------------------------------
 
 def test_every_run_says_why_it_stopped(tmp_path, capsys):

@@ -230,8 +230,10 @@ class FluidRun:
                 if tid in self.closing:  # its outcome is recorded already; only the devices are freed
                     self._closed(tid, None)
                 elif tid in self.trials:
-                    error = (reason.format(trial=tid) if tid in victims else
-                             f"trial {tid} was lost with worker {s} (killed because of trial(s) {victims})")
+                    number = self.trials[tid].life.trial.label
+                    error = (reason.format(trial=number) if tid in victims else
+                             f"trial {number} was lost with worker {s} (killed because of trial(s) "
+                             f"{[self.trials[v].life.trial.label if v in self.trials else v for v in victims]})")
                     self._end(tid, clean=False).fail(error)
 
     # -- the loop ----------------------------------------------------------------------------------

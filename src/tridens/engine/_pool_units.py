@@ -178,7 +178,7 @@ class UnitRun:
         assert p.slot is not None
         self.executor.replace(p.slot)
         for tid, life in list(p.lives.items()):
-            life.fail(error.replace("{trial}", str(tid)))
+            life.fail(error.replace("{trial}", str(life.trial.label)))
         p.lives.clear()
 
     def _receive(self, p: _Placement) -> bool:

@@ -98,7 +98,7 @@ def timeout_error(trial: Trial | int | str, timeout: float, where: str) -> str:
     >>> timeout_error(4, 2.0, "after epoch 1")
     'trial 4 exceeded trial_timeout=2.0 s after epoch 1'
     """
-    number = trial.id if isinstance(trial, Trial) else trial
+    number = trial.label if isinstance(trial, Trial) else trial
     return f"trial {number} exceeded trial_timeout={timeout} s {where}"
 
 

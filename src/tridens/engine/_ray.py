@@ -483,7 +483,7 @@ class RayExecutor(Executor):
     def _fail_unfinished(self, track: _UnitTrack, fluid: FluidOnRay | None, error: str) -> None:
         for member in track.unfinished():
             self._fluid_finish(fluid, member.job.trial.id)
-            member.life.fail(error.format(trial=member.job.trial.id))
+            member.life.fail(error.format(trial=member.job.trial.label))
 
     def _unit_done(self, track: _UnitTrack, ref: Any, storage: CheckpointStorage, fluid: FluidOnRay | None) -> bool:
         """Record the outcomes of a finished unit task; False when its worker died and it runs again."""
