@@ -1,8 +1,9 @@
-"""CSE (issue 4): a shared data pipeline and a shared frozen prefix give the metrics and weights of
+"""CSE: a shared data pipeline and a shared frozen prefix give the metrics and weights of
 separate training, compute the shared work once per batch, and go through the engine unchanged."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -264,16 +265,20 @@ def head_makers():
     return [functools.partial(space.freeze, {"head": i}) for i in range(4)]
 
 
-def count_backbone_calls(units):
-    """Forward calls of every backbone's first layer, in training and in eval mode."""
+@contextlib.contextmanager
+def counting_backbone_calls(units):
+    """Count forward calls of every backbone's first layer, in training and in eval mode, while inside."""
     seen = {"train": 0, "eval": 0}
-    handles = []
-    for unit in units:
-        for job in unit.jobs.values():
-            conv = job.model.backbone[0]
-            handles.append(conv.register_forward_hook(
-                lambda m, i, o: seen.__setitem__("train" if m.training else "eval", seen["train" if m.training else "eval"] + 1)))
-    return seen, handles
+
+    def count(module, inputs, output):
+        seen["train" if module.training else "eval"] += 1
+
+    handles = [job.model.backbone[0].register_forward_hook(count) for unit in units for job in unit.jobs.values()]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def test_frozen_prefix_is_computed_once_and_equals_separate(data):
@@ -288,12 +293,8 @@ def test_frozen_prefix_is_computed_once_and_equals_separate(data):
     unit = units[0]
     assert "frozen prefix of" in unit.summary() and "computed once per batch for trials [1, 2, 3, 4]" in unit.summary()
     [prefix] = unit.prefixes.values()
-    seen, handles = count_backbone_calls(units)
-    try:
+    with counting_backbone_calls(units) as seen:
         fused = drive(units)
-    finally:
-        for h in handles:
-            h.remove()
     batches, val_batches = -(-len(train) // 64), -(-len(val) // 256)
     assert prefix.calls == 2 * (batches + val_batches)
     assert seen == {"train": 2 * batches, "eval": 2 * val_batches}  # once per batch, not once per model
@@ -323,12 +324,8 @@ def test_planner_shares_a_frozen_prefix_before_batching_same_shaped_models(data,
     prefixed = [u for u in units if isinstance(u, SharedPipelineUnit) and u.prefixes]
     assert len(prefixed) == 1 and sorted(prefixed[0].jobs) == [1, 2, 3, 4]
     assert "computed once per batch for trials [1, 2, 3, 4]" in prefixed[0].summary()
-    seen, handles = count_backbone_calls(prefixed)
-    try:
+    with counting_backbone_calls(prefixed) as seen:
         fused = drive(units)
-    finally:
-        for h in handles:
-            h.remove()
     assert seen["train"] == -(-len(train) // 64)  # once per batch for the four trials
     assert_same(separate[0], fused[0])
 
