@@ -13,7 +13,9 @@ Scenarios (HPO over lr, weight decay and seed; every model has the same structur
   sequential). Debian's ``dataset-fashion-mnist`` (``make fashion-mnist``); without it mnist5k at
   28x28 is used and the header says so. ``--fashion-limit N`` trains on N training images and
   validates on max(1000, N/6) (default 2,000 of 60,000, to keep the run short; ``0``: the full
-  epoch and the 10,000 test images).
+  epoch and the 10,000 test images); ``fashion-lenet``: the headline suite's HPO model
+  (``bench/headline.py`` hpo: LeNet-5, 5x5 convolutions with 6 and 16 channels, three Linear
+  layers) on the same data, where fused and separate steps run at nearly the same speed.
 
 Every mode trains on ``--device`` (default ``auto``: CUDA where there is a GPU, else the CPU; on a
 GPU the times are synchronized wall times, GFLOP/s per wall second against an 8192x8192 matmul,
@@ -58,7 +60,7 @@ import time
 import torch
 import torch.nn as nn
 
-SCENARIOS = ("digits-cnn", "digits-cnn-pool", "digits-mlp", "fashion-cnn")
+SCENARIOS = ("digits-cnn", "digits-cnn-pool", "digits-mlp", "fashion-cnn", "fashion-lenet")
 MODES = ("sequential", "fused", "planner")  # and "vmap" on request (--modes)
 
 
@@ -78,6 +80,10 @@ def make_model(scenario: str) -> nn.Module:
         return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
                              nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
                              nn.Flatten(), nn.Linear(32 * 7 * 7, 10))
+    if scenario == "fashion-lenet":  # the headline suite's hpo model (bench/headline.py), without dropout
+        return nn.Sequential(nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                             nn.Linear(16 * 5 * 5, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, 10))
     raise ValueError(scenario)
 
 
@@ -97,8 +103,8 @@ def load_data(scenario: str, fashion_limit: int) -> tuple[object, object, str]:
     return train, val, f"{name} ({len(train):,} train / {len(val):,} val, 28x28)"
 
 
-EPOCHS = {"digits-cnn": 3, "digits-cnn-pool": 3, "digits-mlp": 3, "fashion-cnn": 1}
-BATCH = {"digits-cnn": 64, "digits-cnn-pool": 64, "digits-mlp": 64, "fashion-cnn": 64}
+EPOCHS = {"digits-cnn": 3, "digits-cnn-pool": 3, "digits-mlp": 3, "fashion-cnn": 1, "fashion-lenet": 1}
+BATCH = {"digits-cnn": 64, "digits-cnn-pool": 64, "digits-mlp": 64, "fashion-cnn": 64, "fashion-lenet": 64}
 
 
 def hparams(k: int) -> list[dict]:

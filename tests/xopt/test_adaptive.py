@@ -148,6 +148,25 @@ def test_measured_decision_is_cached(data, caplog):
         assert units == [] and "earlier unit's first steps" in caplog.text
 
 
+def test_a_decision_holds_for_groups_of_another_data_order_and_under_other_threads(data):
+    """The cache key is taken at planning and leaves out the data order: a later group of the same
+    model and setup but another data order is planned from the first group's measurement, also
+    when the first unit ran under other torch threads than the planner's (the engine's thread
+    policy sets them per unit)."""
+    unit = adaptive(make_jobs(SAMPLES, mlp), evaluator(data, "sgd", epochs=1, data_seed=1), auto(5.0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2 if threads == 1 else 1)
+    try:
+        run(unit)
+    finally:
+        torch.set_num_threads(threads)
+    assert unit.member.state == "fused"
+    units, rest = plan_batching(make_jobs(SAMPLES, mlp), evaluator(data, "sgd", epochs=1, data_seed=2),
+                                settings=auto())
+    assert rest == [] and [type(u) for u in units] == [BatchedUnit]
+    assert "measured 5.00x on an earlier unit's first steps" in units[0].summary()
+
+
 @pytest.mark.parametrize("speedup", [5.0, 0.5])
 def test_nan_member_and_budgets(data, monkeypatch, speedup):
     """A diverging trial fails alone at the same epoch and batch, a trial with a smaller budget

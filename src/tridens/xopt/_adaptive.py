@@ -33,7 +33,8 @@ An epoch too short to decide decides at its end on what it has (the fused stack 
 batches if it has not yet). A fused stack that fails (a forward that does not vectorize, an
 evaluation forward that fails) goes separate, saying why. The outcome is logged ("batching: trials
 [...] fused: measured from 5 real steps: 2.31x") and cached per (structure, setup, K, device type,
-threads): later groups with the same key are planned fused or separate directly. Knobs are
+threads at planning; the data order left out): later groups with the same key are planned fused
+or separate directly. Knobs are
 :class:`tridens.xopt.BatchingSettings` given to the unit (``override_speedup`` replaces the measured ratio
 in the decision: tests use it to drive either path on real training).
 """
@@ -48,7 +49,7 @@ import torch
 
 from ..units import ExecutionUnit, Job
 from ..evaluators._base import StepwiseEvaluator
-from ._batching import BatchedMember, BatchedUnit, _EFFICIENCY, _SPEEDUPS, peak_matmul_flops
+from ._batching import _SETUP_FIELDS, BatchedMember, BatchedUnit, _EFFICIENCY, _SPEEDUPS, peak_matmul_flops
 from ._cse import TrainerMember
 from ._settings import BatchingSettings
 
@@ -61,8 +62,12 @@ _SEPARATE_ROUNDS = 2
 
 
 def decision_key(skey: str, setup: tuple[Any, ...], k: int, device: torch.device) -> tuple[Any, ...]:
-    """The cache key of a measured speed-up: structure, setup, K, device type and torch threads."""
-    return (skey, setup, k, device.type, torch.get_num_threads())
+    """The cache key of a measured speed-up: structure, setup, K, device type and torch threads.
+    The setup's data order is left out: groups that differ only in it (e.g. ASHA's successive
+    groups of the same model) run at the same speed, so the first group's measurement decides
+    for the others."""
+    speed_setup = tuple(v for (name, _), v in zip(_SETUP_FIELDS, setup) if name != "data order")
+    return (skey, speed_setup, k, device.type, torch.get_num_threads())
 
 
 class AdaptiveMember:
@@ -83,6 +88,9 @@ class AdaptiveMember:
         self.cfg = fused.cfg
         self.device = fused.device
         self.skey, self.setup = skey, setup
+        # the cache key, taken now: the planner looks it up with the threads it plans under, which
+        # the engine's thread policy may change while the unit runs
+        self.key = decision_key(skey, setup, len(self.jobs), self.device)
         self.flops = flops  # one model's training FLOPs per step (0: unknown, no roofline check)
         self.state = "deciding"
         self.decision = ""
@@ -367,14 +375,13 @@ class AdaptiveMember:
     def _decide(self, ratio: float | None) -> None:
         steps = len(self._fused_steps) + len(self._separate)
         assert self.fused is not None
-        k = len(self.jobs)
         if ratio is None:
             if self.fused.ids:
                 self._go_separate("too few steps timed to measure a speed-up")
             else:
                 self._go_separate("every model failed")
             return
-        _SPEEDUPS[decision_key(self.skey, self.setup, k, self.device)] = ratio
+        _SPEEDUPS[self.key] = ratio
         self.speedup = ratio
         text = f"measured from {steps} real steps: {ratio:.2f}x"
         if self.settings.override_speedup is not None:
@@ -423,7 +430,7 @@ class AdaptiveMember:
 
     def _go_separate(self, why: str) -> None:
         if why.startswith("the models do not vectorize"):  # structural: later groups need not try
-            _SPEEDUPS[decision_key(self.skey, self.setup, len(self.jobs), self.device)] = 0.0
+            _SPEEDUPS[self.key] = 0.0
         timing = self._timing
         for t in self.trial_ids():
             if timing is not None and t == timing.trial_id:
