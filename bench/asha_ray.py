@@ -1,5 +1,5 @@
 """Benchmark: a 32-trial ASHA search on digits with tridens in-process, tridens on Ray, and Ray Tune
-(issue 7, figure 1).
+(the cluster executor's overhead and scaling on one machine).
 
 Every system trains the same small CNN space (``width`` {8, 16, 24, 32}, ``kernel`` {3, 5},
 ``hidden`` {32, 64, 96, 128}, ``lr`` {1e-3, 2e-3, 5e-3, 1e-2}: 128 configurations) on

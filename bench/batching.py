@@ -1,4 +1,4 @@
-"""Operator batching (issue 4): K same-shaped models fused into one vectorized model vs a plain
+"""Operator batching: K same-shaped models fused into one vectorized model vs a plain
 sequential PyTorch loop over the same models, data and steps.
 
 Scenarios (HPO over lr, weight decay and seed; every model has the same structure):
@@ -6,8 +6,8 @@ Scenarios (HPO over lr, weight decay and seed; every model has the same structur
 * ``digits-cnn`` / ``digits-mlp``: small CNNs / MLPs on scikit-learn's 8x8 digits, 3 epochs
   (the overhead-bound case, where fusion should pay: target >= 3x at K=16); ``digits-cnn-pool``:
   the same CNN LeNet-style, a 2x2 max-pool after each convolution (its second convolution runs
-  on 4x4 maps: a quarter of ``digits-cnn``'s FLOPs, the kind of small CNN for which the issue
-  measured plain ``vmap`` at 2.5x);
+  on 4x4 maps: a quarter of ``digits-cnn``'s FLOPs, the kind of small CNN for which DESIGN.md's
+  prototype gives plain ``vmap`` 2.5x);
 * ``fashion-cnn``: a 16/32-channel CNN on 28x28 Fashion-MNIST, one epoch (the compute-bound case,
   where a vmapped model becomes grouped convolutions: the planner must not be slower than
   sequential). Debian's ``dataset-fashion-mnist`` (``make fashion-mnist``); without it mnist5k at
@@ -24,7 +24,7 @@ process (so peak RSS is its own), in the modes:
 
 * ``sequential``: a plain PyTorch loop, model after model (``torch.optim.SGD``, the same data
   order, ``loss.item()`` per step, validation every epoch);
-* ``vmap`` (not run by default): plain ``torch.func`` as the issue measured it, no tridens: the
+* ``vmap`` (not run by default): plain ``torch.func`` as DESIGN.md's prototype runs it, no tridens: the
   K models' stacked state, ``vmap(functional_call)`` with the batch shared and independent dropout
   masks, one ``autograd.grad``, SGD with momentum and weight decay on the stacked tensors;
 * ``fused``: tridens' :class:`BatchedUnit` forced on all K (one vectorized model);
@@ -183,7 +183,7 @@ def child(args: argparse.Namespace) -> None:
                         nn.functional.cross_entropy(out, vy[s:s + 256]).item()
                         (out.argmax(1) == vy[s:s + 256]).sum().item()
     elif mode == "vmap":
-        # plain torch.func, as the issue measured it: stacked state, vmap(functional_call) over the
+        # plain torch.func, as DESIGN.md's prototype runs it: stacked state, vmap(functional_call) over the
         # models with the batch shared, independent dropout masks (randomness="different"), per-model
         # losses, one autograd.grad, SGD with momentum and weight decay on the stacked tensors
         from torch.func import functional_call, stack_module_state, vmap

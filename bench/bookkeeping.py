@@ -1,4 +1,4 @@
-"""Benchmark: the engine's bookkeeping per trial, against Optuna and Ray Tune (issue 3, figure 1).
+"""Benchmark: the engine's bookkeeping per trial, against Optuna and Ray Tune.
 
 Each system runs N trivial trials over the same kind of space: four categorical labels of 16
 values each (65,536 samples, so random samples never repeat), an objective that returns 0.5 at once.

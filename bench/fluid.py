@@ -1,4 +1,4 @@
-"""Benchmark: Fluid allocation (issue 7) vs one trial per worker.
+"""Benchmark: Fluid allocation (StaticFluid / DynamicFluid) vs one trial per worker.
 
 Three parts:
 

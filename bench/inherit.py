@@ -1,4 +1,4 @@
-"""Weight inheritance in regularized evolution (issue 5): time per child with the merged
+"""Weight inheritance in regularized evolution (the super-graph of parent and children): time per child with the merged
 super-graph vs children trained apart, each from its parent's checkpoint (load + match + copy);
 and, for context, the accuracy the children reach vs no inheritance at the same epochs.
 

@@ -1,4 +1,4 @@
-"""Benchmark: strategy quality on the NAS-Bench-201 CIFAR-10 table (issue 3, figure 3).
+"""Benchmark: strategy quality on the NAS-Bench-201 CIFAR-10 table.
 
 For Random, RegularizedEvolution and TPE (tridens' defaults), ``--seeds`` experiments each (seeds
 0..19), each run through the whole engine: ``td.Experiment(nasbench201.space(),

@@ -1,4 +1,4 @@
-"""Benchmark: a 64-trial random search, one epoch each on digits (issue 3, figure 2).
+"""Benchmark: a 64-trial random search, one epoch each on digits, against Optuna and Ray Tune.
 
 Every system trains the same small CNN (conv k x k -> conv 3x3 -> max-pool -> MLP head) on
 ``td.datasets.digits()`` (1,438 train / 359 validation 8x8 images) for one epoch, batch size 32,
@@ -9,7 +9,7 @@ Adam, and scores validation accuracy. The space: ``width`` {8, 16, 24, 32}, ``ke
   engine's own loop), ``td.strategy.Random()``, a SQLite store in a temporary directory.
 * ``tridens-classification-noopt`` -- the same with ``optimize=False`` (no cross-model
   optimization: each trial reads its own batches; with the default, the planner may give a
-  TrialGroup one shared data pipeline, issue 4).
+  TrialGroup one shared data pipeline, CSE).
 * ``tridens-functional``     -- the same experiment with ``FunctionalEvaluator(train_epoch,
   lr=td.choice(...))``: the exact training function the other systems run.
 * ``tridens-process``        -- ``tridens-functional`` with ``executor=td.executors.Process(workers=2)``:

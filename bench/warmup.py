@@ -1,4 +1,4 @@
-"""Benchmark: warm start (issue 6, tridens.warmup).
+"""Benchmark: warm start (tridens.warmup, ModelKeeper).
 
 1. ``search``: a regularized-evolution search of 50 trials (population 10, tournament 3, one child
    per generation, mutation probability 0.3) on ``td.datasets.digits()`` (1,438 train / 359
