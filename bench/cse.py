@@ -1,4 +1,5 @@
-"""CSE benchmarks (common subexpression elimination across models): one shared data pipeline, one shared frozen prefix, vs separate training.
+"""CSE benchmarks (work common to many models done once): one shared data pipeline, one shared frozen
+prefix, vs separate training.
 
 ``pipeline``: K=8 different architectures from one space (MLPs: hidden x depth; small CNNs:
 width x kernel x hidden, BatchNorm, Dropout) on Fashion-MNIST with a CPU augmentation pipeline (random crop with 2-pixel padding + horizontal flip,
