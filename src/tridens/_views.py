@@ -228,8 +228,11 @@ def trial_details(trial: Trial, trials: Sequence[Trial], objective: Objective) -
     warm = trial.info.get("warm_start")
     if warm:
         parent = warm.get("parent")
+        source = warm.get("parent_experiment")
+        other = f"{source} #{warm['parent_number']}" if source and warm.get("parent_number") is not None else None
         rows.append(("warm start", "cold (no zoo model matched)" if parent is None else
-                     f"from {ref(parent) if parent in by_id else parent} (match score {warm.get('score', 0):.2f})"))
+                     f"from {ref(parent) if parent in by_id else other or ref(parent)} "
+                     f"(match score {warm.get('score', 0):.2f})"))
     if trial.parent is not None:
         rows.append(("parent", ref(trial.parent)))
     children = [ref(t.id) for t in trials if t.parent == trial.id]

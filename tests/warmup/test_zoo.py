@@ -137,7 +137,7 @@ def test_non_store_path_is_a_clear_error(tmp_path):
         exp.run()
 
 
-def test_experiment_warm_start_on_digits(tmp_path, digits_data, caplog):
+def test_experiment_warm_start_on_digits(tmp_path, digits_data, caplog, capsys):
     train, val = digits_data
     ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=128, optimizer="adam", lr=0.01)
     store = tmp_path / "t.db"
@@ -166,14 +166,19 @@ def test_experiment_warm_start_on_digits(tmp_path, digits_data, caplog):
     console = Console(width=200, record=True)
     console.print(trials_table(exp.trials(), exp._objective()))
     text = console.export_text()
-    assert "warm start" in text and f"from {warm[0].parent}" in text
+    number = {t.id: t.number for t in trials}
+    # the parent named by its number in the experiment, as the table's "trial" column names it
+    assert "warm start" in text and f"from #{number[warm[0].parent]} (" in text
 
-    # a second experiment sharing the zoo starts warm from the first one's trials
+    # a second experiment sharing the zoo starts warm from the first one's trials; the line printed
+    # per trial (the live view's text when the output is not a terminal) names experiment and number
+    capsys.readouterr()
     exp2 = td.Experiment(DigitsMLP(), ev, "random", max_trials=1, store=store, name="second", warm_start=zoo,
-                         verbose=False, seed=3)
+                         seed=3)
     exp2.run()
     t2 = exp2.trials()[0]
     assert t2.info["warm_start"]["parent"] in ids and t2.parent in ids
+    assert f"warm-start from warm #{number[t2.parent]} (" in capsys.readouterr().err
 
 
 def test_add_experiment_imports_finished_trials(tmp_path, digits_data):

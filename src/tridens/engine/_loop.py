@@ -450,7 +450,7 @@ class _Run:
             return
         try:
             self.zoo.add_description(desc, dict(weights), accuracy=self.objective.score(trial.metric),
-                                     trial=trial.id, experiment=self.name, store=str(self.db.path))
+                                     trial=trial.id, number=trial.label, experiment=self.name, store=str(self.db.path))
         except Exception as err:
             log.warning("trial %d not added to the zoo: %s: %s", trial.label, type(err).__name__, err)
 

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from ..trial import Objective, Trial, TrialStatus
 
-__all__ = ["Progress", "format_value", "trials_table", "warm_start_text"]
+__all__ = ["Progress", "format_value", "trials_table", "warm_start_parent", "warm_start_text"]
 
 
 def trials_table(trials: list[Trial], objective: Objective, title: str = "", *, full_samples: bool = False,
@@ -43,13 +43,32 @@ def trials_table(trials: list[Trial], objective: Objective, title: str = "", *, 
 
 
 def warm_start_text(trial: Trial) -> str:
-    """``from 12 (0.83)`` for a warm-started trial (parent, match score), ``cold`` otherwise."""
+    """``from #3 (0.83)`` for a trial warm-started from trial number 3 of its own experiment
+    (match score 0.83), ``from search-a #3 (0.83)`` from another experiment's, ``cold`` when no
+    zoo model matched. A zoo model that is no trial (``Zoo.add``) is named by its zoo entry.
+
+    >>> t = Trial(id=9, sample={}, seed=0, experiment="b", info={"warm_start": {
+    ...     "parent": 4, "parent_experiment": "a", "parent_number": 3, "score": 0.834}})
+    >>> warm_start_text(t)
+    'from a #3 (0.83)'
+    """
     ws = trial.info.get("warm_start")
     if not ws:
         return "-"
     if ws.get("parent") is None:
         return "cold"
-    return f"from {ws['parent']} ({ws.get('score', 0):.2f})"
+    return f"from {warm_start_parent(ws, trial.experiment)} ({ws.get('score', 0):.2f})"
+
+
+def warm_start_parent(warm_start: dict[str, Any], experiment: str | None) -> str:
+    """The zoo parent a trial's ``info["warm_start"]`` names, as tables name trials: ``#3`` (its
+    number) in ``experiment``, ``search-a #3`` in another experiment, ``zoo:5`` (the entry) for a
+    model added to the zoo by hand or recorded without its number."""
+    number, source = warm_start.get("parent_number"), warm_start.get("parent_experiment")
+    if number is None:
+        parent = warm_start.get("parent")
+        return f"id {parent}" if isinstance(parent, int) else str(parent)
+    return f"#{number}" if source is None or source == experiment else f"{source} #{number}"
 
 
 def format_value(value: Any) -> str:

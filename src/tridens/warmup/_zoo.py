@@ -68,6 +68,7 @@ class WarmStart:
             return {"parent": None, "reason": self.reason}
         trial = self.parent.meta.get("trial")
         return {"parent": trial if trial is not None else f"zoo:{self.parent.id}", "entry": self.parent.id,
+                "parent_experiment": self.parent.meta.get("experiment"), "parent_number": self.parent.meta.get("number"),
                 "score": round(self.score, 4), "parent_accuracy": self.parent.accuracy,
                 "inherited": round(self.stats.get("inherited_elements", 0) / max(self.stats.get("elements", 1), 1), 4)}
 
@@ -271,7 +272,7 @@ class Zoo:
                     log.info("zoo: trial %d of %s not added: opaque node (%s)", t.label, name, desc["opaque"])
                     continue
                 entry = self.add_description(desc, model.state_dict(), accuracy=objective.score(t.metric), trial=t.id,
-                                             experiment=name, store=str(Path(path).absolute()))
+                                             number=t.label, experiment=name, store=str(Path(path).absolute()))
                 if entry is not None:
                     added.append(entry)
         return added
