@@ -1,4 +1,5 @@
-"""A one-shot run killed with SIGKILL resumes from its last supernet checkpoint."""
+"""A one-shot run killed with SIGKILL resumes from its last supernet checkpoint; Ctrl-C stops it
+with one line, as a multi-trial run."""
 
 import os
 import signal
@@ -57,6 +58,10 @@ def _kill_and_resume(tmp_path):
     res = _run(db)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "resuming the supernet at epoch" in res.stdout
+    # its last line says why it stopped, as a multi-trial run's does
+    assert res.stderr.rstrip().splitlines()[-1] == (
+        f"[resume] stopped: ENAS is done: the supernet trained {EPOCHS} epochs, 4 subnets scored with its weights, "
+        "1 retrained from scratch")
     resumed_at = int(res.stdout.split("resuming the supernet at epoch")[1].split()[0])
     assert resumed_at >= done_before - 1  # at most the epoch in flight at the kill is trained again
     supernet, trials = _supernet(db)
@@ -92,3 +97,31 @@ def test_a_resumed_run_trains_what_an_uninterrupted_one_does(tmp_path):
     assert reference.info["oneshot"]["baseline"] == supernet.info["oneshot"]["baseline"]
     best = lambda ts: max((t for t in ts if t.info["oneshot"]["role"] == "subnet"), key=lambda t: (t.metric, -t.id))
     assert best(ref_trials).sample == best(trials).sample and best(ref_trials).metric == best(trials).metric
+
+
+def test_ctrl_c_stops_a_one_shot_run_with_one_line_and_keeps_the_supernet(tmp_path):
+    db = tmp_path / "ctrl-c.db"
+    # a terminal's SIGINT: a suite run in the background (nohup, CI job) would pass SIGINT on ignored
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(db), "100"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 240
+    epochs = 0
+    while time.time() < deadline and proc.poll() is None and epochs < 1:
+        time.sleep(0.2)
+        try:
+            supernet, _ = _supernet(db)
+        except Exception:  # not created yet
+            continue
+        epochs = len(supernet.metrics.get("train_loss", [])) if supernet else 0
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert epochs >= 1, err[-2000:]
+    assert proc.returncode == 1 and "Traceback" not in err, err[-2000:]
+    [line] = [line for line in err.splitlines() if "interrupted" in line]
+    assert line.startswith("tridens: 'resume' interrupted with 0 finished trials kept in ")
+    assert f"finish it with: tridens resume resume --db {db} --script {SCRIPT}" in line
+    supernet, _ = _supernet(db)
+    assert supernet.status is TrialStatus.INTERRUPTED and len(supernet.metrics["train_loss"]) >= epochs
+    with Store(db, readonly=True) as store:
+        assert store.get_experiment("resume").status == "interrupted"

@@ -13,7 +13,7 @@ import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, NoReturn, Sequence
 
 
 from ..errors import InvalidSpace, TridensError
@@ -24,8 +24,9 @@ from ..strategy import Strategy
 from ..trial import Objective, Trial, TrialStatus
 from ..units import parse_memory, unit_memory_limit
 from ._execution import Executor, InlineExecutor, RunContext, check_forks, make_executor
-from ._leftovers import claim, mark_interrupted
+from ._leftovers import claim, interrupted_text, mark_interrupted
 from ._loop import _Run, _parse_duration
+from ._progress import print_stopped
 
 if TYPE_CHECKING:
     from ..xopt import Settings
@@ -436,6 +437,24 @@ class Experiment:
             log.info("%s: %s", name, ", ".join(f"{k} {config.get(k)!r} -> {v!r}" for k, v in changed.items()))
             db.update_experiment(name, config={**config, **changed})
 
+    def _interrupted(self, db: Store, name: str, path: Path) -> NoReturn:
+        """Ctrl-C stopped a run of ``name`` (multi-trial or one-shot): the one line saying what was
+        kept and how to finish it becomes the stop reason, raised as :class:`ExperimentInterrupted`
+        (printed as that line, not a traceback, when it ends a script)."""
+        try:
+            self.stop_reason = interrupted_text(db, name, path)
+        except StoreError:  # stopped before the experiment was stored
+            self.stop_reason = f"{name!r} interrupted before anything was stored"
+        _print_interrupt_as_one_line()
+        raise ExperimentInterrupted(self.stop_reason) from None
+
+    def _stopped(self, name: str, reason: str) -> None:
+        """A run of ``name`` ended (multi-trial or one-shot): ``reason`` is the stop reason and its last line."""
+        self.stop_reason = reason
+        if self.verbose:
+            print_stopped(name, reason)
+        log.info("%s stopped: %s", name, reason)
+
     def run(self) -> "Experiment":
         """Run (or resume) the exploration until ``max_trials`` trials finished, ``max_duration``
         passed, or the strategy is done. Returns the experiment."""
@@ -448,7 +467,17 @@ class Experiment:
             from ..oneshot._run import run_oneshot
 
             assert isinstance(strategy, OneShotStrategy)  # its one_shot marker says so
-            return run_oneshot(self, strategy)
+            self.stop_reason = None
+            try:
+                reason = run_oneshot(self, strategy)
+            except KeyboardInterrupt as err:
+                if isinstance(err, ExperimentInterrupted):
+                    raise
+                with Store(self._store_path()) as db:
+                    mark_interrupted(db, self._name())  # the supernet's checkpoint and the scored subnets stay
+                    self._interrupted(db, self._name(), self._store_path())
+            self._stopped(self._name(), reason)
+            return self
         from ._no_model import NoModelSpace
         from ._preflight import check_before_run, check_same_space, describe_space, fill_max_steps
 
@@ -485,13 +514,10 @@ class Experiment:
                 else:
                     mark_interrupted(db, name)
                 if isinstance(err, KeyboardInterrupt) and not isinstance(err, ExperimentInterrupted):
-                    self.stop_reason = run.interrupted_text(path)
-                    _print_interrupt_as_one_line()
-                    raise ExperimentInterrupted(self.stop_reason) from None
+                    self._interrupted(db, name, path)
                 raise
-            self.stop_reason = run.stop_reason
-            run.progress.close(run.stop_reason)
-            log.info("%s stopped: %s", name, run.stop_reason)
+            run.progress.close()
+            self._stopped(name, run.stop_reason)
             db.update_experiment(name, status="done")
             failed = [t for t in run.finished_here if t.status is TrialStatus.FAILED]
             if run.finished_here and len(failed) == len(run.finished_here):

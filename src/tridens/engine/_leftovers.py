@@ -19,13 +19,14 @@ import logging
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 from ..store import Store, StoreError
 from ..trial import Trial, TrialStatus
 
-__all__ = ["MAX_DEATHS", "claim", "mark_interrupted", "find_abandoned", "mark_abandoned", "fail_repeated_deaths",
-           "driver_alive"]
+__all__ = ["MAX_DEATHS", "claim", "mark_interrupted", "interrupted_text", "find_abandoned", "mark_abandoned",
+           "fail_repeated_deaths", "driver_alive"]
 
 log = logging.getLogger("tridens")
 
@@ -88,6 +89,21 @@ def mark_interrupted(db: Store, name: str) -> None:
             db.update_experiment(name, status="interrupted")
     except StoreError as err:
         log.warning("%s could not be marked interrupted (%s); the next open of the store does it", name, err)
+
+
+def interrupted_text(db: Store, name: str, store: Path) -> str:
+    """The one line Ctrl-C prints (a multi-trial or a one-shot run): what was kept and the command
+    that finishes the experiment ``name`` of the store at ``store``."""
+    import shlex
+
+    done = sum(t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED, TrialStatus.FAILED) for t in db.trials(name))
+    script = db.get_experiment(name).config.get("script")
+    if not isinstance(script, str):  # no script to re-run (python -c, a notebook)
+        how = "run the same experiment again (same name and store)"
+    else:  # `tridens resume` re-runs the script only once it is named (a store may come from someone else)
+        how = (f"tridens resume {shlex.quote(name)} --db {shlex.quote(str(store))} --script "
+               f"{shlex.quote(script)} (or run the script again)")
+    return f"{name!r} interrupted with {done} finished trials kept in {store}; finish it with: {how}"
 
 
 def find_abandoned(db: Store) -> list[str]:

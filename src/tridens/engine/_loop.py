@@ -276,19 +276,6 @@ class _Run:
             executor.close()
             self._end_callbacks(completed=sys.exc_info()[0] is None)
 
-    def interrupted_text(self, store: Path) -> str:
-        """The one line Ctrl-C prints: what was kept and the command that finishes the experiment."""
-        import shlex
-
-        done = sum(t.status in _FINISHED_COUNTED for t in self.db.trials(self.name))
-        script = self.db.get_experiment(self.name).config.get("script")
-        if not isinstance(script, str):  # no script to re-run (python -c, a notebook)
-            how = "run the same experiment again (same name and store)"
-        else:  # `tridens resume` re-runs the script only once it is named (a store may come from someone else)
-            how = (f"tridens resume {shlex.quote(self.name)} --db {shlex.quote(str(store))} --script "
-                   f"{shlex.quote(script)} (or run the script again)")
-        return f"{self.name!r} interrupted with {done} finished trials kept in {store}; finish it with: {how}"
-
     def _waves(self, samples: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
         """Scheduling hook for warm start: the group's samples in the order and waves they are
         instantiated and run. Without warm start, one wave (the whole group, fusable, in lockstep).

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from ..trial import Objective, Trial, TrialStatus
 
-__all__ = ["Progress", "format_value", "trials_table", "warm_start_parent", "warm_start_text"]
+__all__ = ["Progress", "format_value", "print_stopped", "trials_table", "warm_start_parent", "warm_start_text"]
 
 
 def trials_table(trials: list[Trial], objective: Objective, title: str = "", *, full_samples: bool = False,
@@ -191,7 +191,12 @@ class Progress:
             self._live.stop()
             self._live = None
         if reason and self.enabled:
-            print(f"[{self.name}] stopped: {reason}", file=sys.stderr, flush=True)
+            print_stopped(self.name, reason)
+
+
+def print_stopped(name: str, reason: str) -> None:
+    """The last line of a run, multi-trial or one-shot: why experiment ``name`` stopped."""
+    print(f"[{name}] stopped: {reason}", file=sys.stderr, flush=True)
 
 
 def _best(trials: list[Trial], objective: Objective, k: int = 5) -> list[Trial]:

@@ -68,8 +68,9 @@ def _warn_ignored(exp: Any) -> None:
             log.warning("one-shot: %s=%r is not applied to a one-shot search (%s)", option, value, why)
 
 
-def run_oneshot(exp: Any, strategy: OneShotStrategy) -> Any:
-    """Run (or resume) ``exp`` with a one-shot ``strategy``; returns ``exp``."""
+def run_oneshot(exp: Any, strategy: OneShotStrategy) -> str:
+    """Run (or resume) ``exp`` with a one-shot ``strategy``; returns why it stopped (what it did),
+    the line the experiment ends with."""
     if not isinstance(exp.evaluator, SupervisedEvaluator):
         raise ValueError(f"The 'evaluator' parameter of Experiment must be a declarative evaluator "
                          f"(td.evaluators.Classification or Regression) for the one-shot strategy "
@@ -97,12 +98,12 @@ def run_oneshot(exp: Any, strategy: OneShotStrategy) -> Any:
             db.create_experiment(name, config)
         db.update_experiment(name, status="running")
         try:
-            _OneShotRun(exp, db, name, strategy, net, cfg, hparams, objective).run()
+            reason = _OneShotRun(exp, db, name, strategy, net, cfg, hparams, objective).run()
         except BaseException:
             db.update_experiment(name, status="interrupted")
             raise
         db.update_experiment(name, status="done")
-    return exp
+    return reason
 
 
 def _jsonable(obj: Any) -> Any:
@@ -129,17 +130,20 @@ class _OneShotRun:
             print(f"[tridens] {self.name}: " + (message % args if args else message), flush=True)
 
     # -- the whole run -------------------------------------------------------------------------
-    def run(self) -> None:
+    def run(self) -> str:
+        """Train the supernet, score subnets, retrain; returns what was done (the run's stop reason)."""
         trials = self.db.trials(self.name)
         supernet = next((t for t in trials if _role(t) == "supernet"), None)
         if supernet is None:
             supernet = self.db.add_trial(self.name, Trial(
                 id=-1, sample={}, seed=self.seed, fingerprint=f"supernet:{type(self.strategy).__name__}", group=0,
                 info={"oneshot": {"role": "supernet", "strategy": type(self.strategy).__name__}}, experiment=self.name))
-        self.train_supernet(supernet)
+        epochs = self.train_supernet(supernet)
         subnets = self.search(supernet, trials)
-        if self.strategy.retrain:
-            self.retrain(subnets, trials)
+        retrained = self.retrain(subnets, trials) if self.strategy.retrain else 0
+        return (f"{type(self.strategy).__name__} is done: the supernet trained {epochs} epoch{'s' if epochs != 1 else ''}, "
+                f"{len({t.id for t in subnets})} subnets scored with its weights"
+                + (f", {retrained} retrained from scratch" if retrained else ""))
 
     # -- supernet training ---------------------------------------------------------------------
     def _checkpoint_path(self, trial: Trial) -> Path:
@@ -173,7 +177,8 @@ class _OneShotRun:
             return next(iter(source.batches(cache[rnd][pos * bs:(pos + 1) * bs], bs)))
         return batch
 
-    def train_supernet(self, trial: Trial) -> None:
+    def train_supernet(self, trial: Trial) -> int:
+        """Train (or finish training) the supernet; returns its epochs."""
         cfg, strategy, net = self.cfg, self.strategy, self.net
         epochs = strategy.epochs or cfg.epochs
         weights_data, arch_data = self._split()
@@ -202,7 +207,7 @@ class _OneShotRun:
         else:
             torch_rng = torch.Generator().manual_seed(self.seed).get_state()
         if start_epoch >= epochs and trial.status is TrialStatus.COMPLETED:
-            return
+            return epochs
         trial.status = TrialStatus.RUNNING
         trial.started_at = trial.started_at or time.time()
         self.db.update_trial(trial)
@@ -250,6 +255,7 @@ class _OneShotRun:
         trial.status = TrialStatus.COMPLETED
         trial.finished_at = time.time()
         self.db.update_trial(trial)
+        return epochs
 
     # -- search over subnets -------------------------------------------------------------------
     def search(self, supernet: Trial, trials: list[Trial]) -> list[Trial]:
@@ -329,8 +335,9 @@ class _OneShotRun:
         return trial
 
     # -- retraining the best -------------------------------------------------------------------
-    def retrain(self, subnets: list[Trial], trials: list[Trial]) -> None:
-        """Train the ``retrain`` best distinct architectures (``True``: the best) from scratch."""
+    def retrain(self, subnets: list[Trial], trials: list[Trial]) -> int:
+        """Train the ``retrain`` best distinct architectures (``True``: the best) from scratch;
+        returns how many there are."""
         space = self.exp.space
         k = int(self.strategy.retrain)
         ranked: list[Trial] = []
@@ -339,6 +346,7 @@ class _OneShotRun:
                 ranked.append(t)
         for best in ranked[:k]:
             self._retrain_one(best, trials)
+        return len(ranked[:k])
 
     def _retrain_one(self, best: Trial, trials: list[Trial]) -> None:
         space, evaluator = self.exp.space, self.exp.evaluator
