@@ -28,10 +28,28 @@ def GridSearch(shuffle: bool = False, seed: int | None = None, **_: Any) -> _s.G
     return _s.GridSearch()
 
 
-def RegularizedEvolution(population_size: int = 100, sample_size: int = 25, mutation_prob: float = 0.05,
-                         crossover: bool = False, dedup: bool = True, seed: int | None = None,
-                         **_: Any) -> _s.RegularizedEvolution:
-    return _s.RegularizedEvolution(population=population_size, sample_size=sample_size, mutation_prob=mutation_prob)
+class RegularizedEvolution(_s.RegularizedEvolution):
+    """NNI's ``RegularizedEvolution`` as ``td.strategy.RegularizedEvolution``. ``optimize_mode``
+    (NNI 2.x: ``'maximize'`` or ``'minimize'``) is the direction of the run's objective: the
+    evolution, the live line's best and the views follow it.
+
+    >>> RegularizedEvolution(optimize_mode="minimize", population_size=8, sample_size=4).mode
+    'min'
+    """
+
+    def __init__(self, optimize_mode: str = "maximize", population_size: int = 100, sample_size: int = 25,
+                 mutation_prob: float = 0.05, crossover: bool = False, dedup: bool = True, seed: int | None = None,
+                 **_: Any) -> None:
+        if optimize_mode not in ("maximize", "minimize"):
+            raise NotSupported(f"The 'optimize_mode' parameter of RegularizedEvolution must be 'maximize' or "
+                               f"'minimize'. Got {optimize_mode!r} instead.")
+        super().__init__(population=population_size, sample_size=sample_size, mutation_prob=mutation_prob)
+        self.optimize_mode = optimize_mode
+
+    @property
+    def mode(self) -> str:
+        """The objective's mode ``optimize_mode`` names (``"max"`` or ``"min"``)."""
+        return "min" if self.optimize_mode == "minimize" else "max"
 
 
 def TPE(**_: Any) -> _s.TPE:

@@ -57,22 +57,24 @@ class RetiariiExperiment(NasExperiment):
     def run(self, config: Any = None, port: int = 8080, debug: bool = False) -> bool:  # type: ignore[override]
         return super().run(config, port=port, debug=debug)
 
-    def export_top_models(self, top_k: int = 1, optimize_mode: str = "maximize",  # type: ignore[override]
+    def export_top_models(self, top_k: int = 1, optimize_mode: str | None = None,  # type: ignore[override]
                           formatter: str = "dict") -> list[Any]:
         """The ``top_k`` best models, best first (``optimize_mode`` says which way the metric is
-        better, as in NNI 2.x; by default the evaluator's own objective decides)."""
-        if optimize_mode not in ("maximize", "minimize"):
+        better, as in NNI 2.x; by default the run's objective decides: the evaluator's, or the
+        strategy's ``optimize_mode``)."""
+        if optimize_mode not in (None, "maximize", "minimize"):
             raise NotSupported(f"The 'optimize_mode' parameter of export_top_models must be 'maximize' or 'minimize'. "
                                f"Got {optimize_mode!r} instead.")
         exp = self.experiment
         self._check_formatter(formatter)
-        objective_max = exp._objective().mode == "max"
-        if objective_max == (optimize_mode == "maximize"):
+        run_mode = exp._objective().mode
+        mode = run_mode if optimize_mode is None else ("max" if optimize_mode == "maximize" else "min")
+        if mode == run_mode:
             return super().export_top_models(top_k, formatter=formatter)
-        # The user's reported value is better when lower, unlike what the evaluator declares.
+        # The reported value is better the other way than the run's objective says.
         trials = [t for t in exp.trials() if t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED)
                   and t.metric is not None and not math.isnan(t.metric)]
-        trials.sort(key=lambda t: (t.metric, t.id))
+        trials.sort(key=lambda t: (t.metric if mode == "min" else -t.metric, t.id))
         return self._formatted(trials[:top_k], formatter)
 
 
