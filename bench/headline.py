@@ -16,12 +16,15 @@ trial budget, epochs and search semantics:
    overhead-bound.
 
 Systems (``--systems``): ``tridens`` (``td.Experiment`` with the declarative ``Classification``
-evaluator and every default: what a user gets without tuning tridens), ``tridens-noopt`` (the
-same with ``optimize=False``), ``tridens-fused`` / ``tridens-unfused`` (the planner's batching
-choice forced either way: ``TRIDENS_BATCHING=force`` / ``off``; the other optimizations as planned), ``optuna`` (``study.optimize`` of an objective with a plain PyTorch
-loop over a ``DataLoader``, ``torch.set_num_threads(1)``: one thread per trial), ``ray`` (Tune,
-function trainable, ``ray.init(num_cpus=<cores>)``: one CPU and one torch thread per trial, as many
-trials at once as cores). tridens decides its threads itself (today: torch's default).
+evaluator and every default: what a user gets without tuning tridens; threads per unit from
+``td.engine.ThreadPolicy``), ``tridens-noopt`` (the same with ``optimize=False``),
+``tridens-warm`` (the same with ``warm_start=True``: each trial starts from the weights of the most
+similar trained model in a zoo beside the store; off by default), ``tridens-fused`` /
+``tridens-unfused`` (the planner's batching choice forced either way: ``TRIDENS_BATCHING=force`` /
+``off``; the other optimizations as planned), ``optuna`` (``study.optimize`` of an objective with
+a plain PyTorch loop over a ``DataLoader``, ``torch.set_num_threads(1)``: one thread per trial),
+``ray`` (Tune, function trainable, ``ray.init(num_cpus=<cores>)``: one CPU and one torch thread
+per trial, as many trials at once as cores).
 
 Measured per run, every system in a fresh process: wall and **CPU-seconds of the whole process
 tree** (the driver, and Ray's raylet, GCS and workers, sampled with psutil every 0.25 s and read
@@ -351,7 +354,7 @@ EVENTS: dict[str, Events] = {}  # "ray": where Tune's callback (pickled with the
 
 
 def run_tridens(workload: str, data: tuple[Any, Any], epochs: int, trials: int, seed: int, clock: C.ProcessTreeClock,
-                events: Events, *, optimize: bool) -> dict[str, Any]:
+                events: Events, *, optimize: bool, warm_start: bool = False) -> dict[str, Any]:
     train, val = data
     bs = BATCH[workload]
     if workload == "hpo":
@@ -378,7 +381,7 @@ def run_tridens(workload: str, data: tuple[Any, Any], epochs: int, trials: int, 
         strategy = td.strategy.GridSearch()
     with tempfile.TemporaryDirectory() as d:
         exp = td.Experiment(space, ev, strategy, max_trials=trials, store=os.path.join(d, "headline.db"),
-                            name=workload, seed=seed, verbose=False, optimize=optimize)
+                            name=workload, seed=seed, verbose=False, optimize=optimize, warm_start=warm_start)
         clock.start()
         t0 = time.perf_counter()
         exp.run()
@@ -543,7 +546,8 @@ def one(system: str, workload: str, size: str, overrides: dict[str, int], seed: 
     peak = peak_matmul_rate()
     clock, events = C.ProcessTreeClock(interval=0.25), Events()
     if system.startswith("tridens"):
-        out = run_tridens(workload, data, epochs, trials, seed, clock, events, optimize=system != "tridens-noopt")
+        out = run_tridens(workload, data, epochs, trials, seed, clock, events, optimize=system != "tridens-noopt",
+                          warm_start=system == "tridens-warm")
     elif system == "optuna":
         out = run_optuna(workload, data, epochs, trials, seed, clock, events)
     elif system == "ray":

@@ -96,6 +96,9 @@ def test_separate_decision_after_fused_steps_equals_separate(data, monkeypatch, 
     assert member.state == "separate" and member.fused is None and member._fused_calls >= 4
     assert "not fused: settings.override_speedup: 0.50x (below 1.10x)" in caplog.text
     assert "trained separately on one data pipeline" in caplog.text
+    # stepped as the planner's separate training steps them: one backward, the exact max-pool kernel
+    assert "joint step (one backward) for trials [0, 1, 2, 3]" in member.decision
+    assert "2x2 max-pools of trials [0, 1, 2, 3] run by an exact two-pass kernel" in member.decision
     assert_equal_runs(run(SeparateUnit(make_jobs(samples, cnn), ev), stop={1: 1}), decided)
 
 
@@ -262,8 +265,9 @@ def test_cheap_structure_keys(data):
     keys = _batching._structure_keys(jobs)
     assert isinstance(keys[0], str) and keys[0] == keys[1] and keys[2] is None  # d: no partner, not traced
     assert keys[0] == _batching._structure_key(b)
-    bytes_, flops = _batching._model_costs(a, data[0].tensors[0][:64], ev.config(SAMPLES[0]))
-    assert bytes_ > 0 and flops == 3 * 2 * 64 * (64 * 16 + 16 * 10)
+    bytes_, flops, pools = _batching._model_costs(a, data[0].tensors[0][:64], ev.config(SAMPLES[0]))
+    assert bytes_ > 0 and flops == 3 * 2 * 64 * (64 * 16 + 16 * 10) and not pools
+    assert _batching._model_costs(cnn(0.0), data[0].tensors[0][:64], ev.config(SAMPLES[0]))[2]  # its MaxPool2d
 
 
 @pytest.mark.slow  # the default run has adaptive units on Ray in test_executor_conformance's Ray cases

@@ -50,8 +50,9 @@ import torch
 from ..units import ExecutionUnit, Job
 from ..evaluators._base import StepwiseEvaluator
 from ._batching import _SETUP_FIELDS, BatchedMember, BatchedUnit, _EFFICIENCY, _SPEEDUPS, peak_matmul_flops
-from ._cse import TrainerMember
-from ._settings import BatchingSettings
+from ._cse import TrainerMember, joint_trainers, with_fast_kernels
+from ._pipeline import PipelineMember
+from ._settings import BatchingSettings, CSESettings
 
 __all__ = ["AdaptiveMember", "AdaptiveUnit", "decision_key"]
 
@@ -80,9 +81,10 @@ class AdaptiveMember:
     inputs: tuple[str, ...] = ("batch",)
 
     def __init__(self, fused: BatchedMember, jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
-                 skey: str = "", setup: tuple[Any, ...] = (), flops: float = 0.0):
+                 skey: str = "", setup: tuple[Any, ...] = (), flops: float = 0.0, cse: CSESettings | None = None):
         self.fused: BatchedMember | None = fused
         self.settings = fused.settings  # the knobs of the decision
+        self.cse = cse if cse is not None else CSESettings()  # how separate trainers step (joint, exact kernels)
         self.jobs = {job.trial.id: job for job in jobs}
         self.evaluator = evaluator
         self.cfg = fused.cfg
@@ -96,12 +98,16 @@ class AdaptiveMember:
         self.decision = ""
         self.speedup: float | None = None  # the measured (or overridden) ratio that decided
         self.trainers: dict[int, TrainerMember] = {}
+        # what steps the trainers once separate: one joint member (one backward, exact faster
+        # kernels) as the planner's shared-pipeline units have, or the trainers themselves
+        self._steppers: list[PipelineMember] = []
         self._order = list(self.jobs)
         self._left: set[int] = set()
         self._errors: dict[int, BaseException] = {}  # trainers that could not be built
         self._limits = {t: fused.limit(t) for t in self._order}
         self._kept: list[tuple[Any, torch.Tensor, int]] = []
         self._timing: TrainerMember | None = None
+        self._timing_step: PipelineMember | None = None  # the timing trial's steps as separate trainers take them
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._was_training = True
         self._separate: list[float] = []            # the timing trial's timed separate steps (CPU s)
@@ -166,7 +172,7 @@ class AdaptiveMember:
 
     def begin_epoch(self) -> None:
         if self.state == "separate":
-            for m in self.trainers.values():
+            for m in self._steppers:
                 m.begin_epoch()
             return
         assert self.fused is not None
@@ -179,7 +185,7 @@ class AdaptiveMember:
             assert self.fused is not None
             self.fused.train_batch(x, y, batch)
         elif self.state == "separate":
-            for m in self.trainers.values():
+            for m in self._steppers:
                 m.train_batch(x, y, batch)
         else:
             self._kept.append((x, y, batch))
@@ -191,7 +197,7 @@ class AdaptiveMember:
         out: dict[int, dict[str, float] | BaseException] = dict(self._errors)
         self._errors.clear()
         if self.state == "separate":
-            for m in self.trainers.values():
+            for m in self._steppers:
                 out.update(m.end_epoch())
             return out
         assert self.fused is not None
@@ -200,7 +206,7 @@ class AdaptiveMember:
 
     def begin_validation(self) -> None:
         if self.state == "separate":
-            for m in self.trainers.values():
+            for m in self._steppers:
                 m.begin_validation()
         else:
             assert self.fused is not None
@@ -208,7 +214,7 @@ class AdaptiveMember:
 
     def validate_batch(self, x: Any, y: torch.Tensor) -> None:
         if self.state == "separate":
-            for m in self.trainers.values():
+            for m in self._steppers:
                 m.validate_batch(x, y)
         else:
             assert self.fused is not None
@@ -217,7 +223,7 @@ class AdaptiveMember:
     def end_validation(self) -> dict[int, dict[str, float] | BaseException]:
         if self.state == "separate":
             out: dict[int, dict[str, float] | BaseException] = {}
-            for m in self.trainers.values():
+            for m in self._steppers:
                 out.update(m.end_validation())
             return out
         assert self.fused is not None
@@ -250,9 +256,13 @@ class AdaptiveMember:
             self.fused.leave(trial_id)
         member = self.trainers.pop(trial_id, None)
         if member is not None:
+            for stepper in self._steppers:
+                if stepper is not member and trial_id in stepper.trial_ids():
+                    stepper.leave(trial_id)
             member.leave(trial_id)
+            self._steppers = [m for m in self._steppers if m.trial_ids()]
         if self._timing is not None and self._timing.trial_id == trial_id and self.state == "deciding":
-            self._timing = None  # (decided at the epoch's end on what was timed)
+            self._timing, self._timing_step = None, None  # (decided at the epoch's end on what was timed)
 
     # -- deciding ---------------------------------------------------------------------------------
     def _start_timing(self) -> None:
@@ -270,6 +280,8 @@ class AdaptiveMember:
         self._was_training = job.model.training
         self._timing = TrainerMember(job, trainer)
         self._timing.begin_epoch()
+        # timed as the separate trainers would step it: with the exact faster kernels they get
+        self._timing_step = with_fast_kernels(self._timing, self.cse)
 
     def _timed(self, fn: Callable[[], Any]) -> float:
         sync = self.device.type == "cuda"
@@ -285,7 +297,8 @@ class AdaptiveMember:
         timing = self._timing
         if timing is None or timing._error is not None:
             return
-        seconds = self._timed(lambda: timing.train_batch(x, y, batch))
+        step = self._timing_step if self._timing_step is not None else timing
+        seconds = self._timed(lambda: step.train_batch(x, y, batch))
         self._spent["separate"] += seconds
         self._separate_calls += 1
         if timing._error is None and self._separate_calls > 1:  # past its warm-up step
@@ -422,7 +435,7 @@ class AdaptiveMember:
             with torch.no_grad():
                 model.load_state_dict(self._snapshot)
             model.train(self._was_training)
-        self._timing, self._snapshot, self._kept = None, None, []
+        self._timing, self._timing_step, self._snapshot, self._kept = None, None, None, []
         self.wasted_seconds = self._spent["separate"]
         self.state = "fused"
         self.decision = f"fused: {why}"
@@ -448,10 +461,11 @@ class AdaptiveMember:
                 member.train_batch(x, y, batch)
             self.trainers[t] = member
         self.trainers = {t: self.trainers[t] for t in self._order if t in self.trainers}
-        self.fused, self._timing, self._snapshot, self._kept = None, None, None, []
+        self._steppers, joint = joint_trainers(list(self.trainers.values()), self.cse)
+        self.fused, self._timing, self._timing_step, self._snapshot, self._kept = None, None, None, None, []
         self.wasted_seconds = self._spent["fused"]
         self.state = "separate"
-        self.decision = f"not fused: {why}; trained separately on one data pipeline"
+        self.decision = f"not fused: {why}; trained separately on one data pipeline" + (f" ({joint})" if joint else "")
         log.info("batching: trials %s %s", self.trial_ids(), self.decision)
 
 
@@ -466,12 +480,12 @@ class AdaptiveUnit(BatchedUnit):
 
     def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, reason: str = "", *,
                  shared_input: bool | None = None, skey: str = "", setup: tuple[Any, ...] = (),
-                 flops: float = 0.0, settings: BatchingSettings | None = None):
+                 flops: float = 0.0, settings: BatchingSettings | None = None, cse: CSESettings | None = None):
         super().__init__(jobs, evaluator, reason, shared_input=shared_input, settings=settings)
         fused = self.member
         assert isinstance(fused, BatchedMember)
         self.member: AdaptiveMember = AdaptiveMember(fused, jobs, evaluator, skey=skey, setup=setup,  # type: ignore[assignment]
-                                                     flops=flops)
+                                                     flops=flops, cse=cse)
 
     def summary(self) -> str:
         return ExecutionUnit.summary(self) + f" ({self.member.engine})"

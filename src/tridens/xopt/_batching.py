@@ -105,6 +105,7 @@ kernel; its forward ~2.5x faster on ``(64, 256, 8, 8)``, whole fused steps of 16
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -114,12 +115,13 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
 
 from ..units import ExecutionUnit, Job, resolve_max_unit_memory
 from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._supervised import TrainConfig, BatchSource, SupervisedEvaluator
 from ._batched import BatchedMember, BatchedUnit
-from ._settings import BatchingSettings, Settings
+from ._settings import BatchingSettings, CSESettings, Settings
 from ._stacked import _DROPOUTS, _ForwardState, _first_line, _forward_state
 
 __all__ = ["BatchedUnit", "BatchingSettings", "plan_batching", "group_key", "clear_cache"]
@@ -259,15 +261,29 @@ def _probe(jobs: Sequence[Job], evaluator: SupervisedEvaluator, x: torch.Tensor,
     return probe
 
 
-def _model_costs(model: nn.Module, x: torch.Tensor, cfg: TrainConfig) -> tuple[int, float]:
-    """``(bytes one model adds to a unit, training FLOPs of one step)`` from ONE evaluation-mode
+class _SeesMaxPools(TorchFunctionMode):
+    """Notes whether a forward calls a 2-d max-pool (module or functional)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.seen = self.seen or "max_pool2d" in getattr(func, "__name__", "")
+        return func(*args, **(kwargs or {}))
+
+
+def _model_costs(model: nn.Module, x: torch.Tensor, cfg: TrainConfig) -> tuple[int, float, bool]:
+    """``(bytes one model adds to a unit, training FLOPs of one step, whether it max-pools)`` from ONE evaluation-mode
     forward of the model on 8 examples of ``x`` under ``no_grad`` with copies of its buffers (nothing
     of the model changed, no random numbers drawn; ~0.3 ms where a meta-device forward took 2-6 ms
     and ``torch.utils.flop_counter`` 1-2 ms more): parameters, gradients, optimizer state and
     buffers, plus twice the outputs of its leaf modules scaled to the batch (as
     :func:`_per_model_bytes`). FLOPs are those of its ``Linear`` and ``Conv`` layers (the matmul-like
     work the roofline compares with the peak matmul rate; other layers count 0, which can only
-    understate the rate and so lead to measuring fusion), times 3 for forward and backward."""
+    understate the rate and so lead to measuring fusion), times 3 for forward and backward. Max-pools
+    are what separate trainers run with exact faster kernels (the timing trial is checked for
+    them only where there are some)."""
     states = {"sgd": 1, "adam": 2, "adamw": 2, "rmsprop": 2}.get(cfg.optimizer, 2)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
@@ -289,16 +305,17 @@ def _model_costs(model: nn.Module, x: torch.Tensor, cfg: TrainConfig) -> tuple[i
     flags = [(m, m.training) for m in model.modules()]
     handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
     buffers = {n: b.clone() for n, b in model.named_buffers()}
+    pools = _SeesMaxPools()
     try:
         model.eval()  # (activation shapes as in training; no dropout drawn, no running statistics moved)
-        with torch.no_grad():
+        with torch.no_grad(), pools:
             functional_call(model, buffers, (part,), strict=False)
     finally:
         for h in handles:
             h.remove()
         for m, flag in flags:
             m.training = flag
-    return param_bytes * (2 + states) + buffer_bytes + int(2 * activations * scale), 3.0 * flops * scale
+    return param_bytes * (2 + states) + buffer_bytes + int(2 * activations * scale), 3.0 * flops * scale, pools.seen
 
 
 # -- cheap structure keys: trace only models that can be grouped -----------------------------------
@@ -400,7 +417,8 @@ def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings
     separate training. Logs one line per group that is not fused, saying why (fused units log
     their own line through the planner). ``settings`` (None: :meth:`Settings.from_env`) holds the
     knobs (see the module docstring)."""
-    knobs = (settings if settings is not None else Settings.from_env()).batching
+    full = settings if settings is not None else Settings.from_env()
+    knobs = full.batching
     if knobs.mode == "off" or not isinstance(evaluator, SupervisedEvaluator):
         return [], list(jobs)
     if len(jobs) < 2:  # nothing to fuse with: skip tracing
@@ -449,7 +467,7 @@ def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings
                 leftover.extend(group)
                 continue
             budget = resolve_max_unit_memory(max_unit_memory, evaluator.config(group[0].trial.sample).device)
-            made, rest = _plan_group(skey, setup, group, evaluator, budget, knobs)
+            made, rest = _plan_group(skey, setup, group, evaluator, budget, knobs, full.cse)
             units.extend(made)
             leftover.extend(rest)
     order = {id(job): i for i, job in enumerate(jobs)}
@@ -465,7 +483,8 @@ def _chunks(group: list[Job], size: int) -> list[list[Job]]:
 
 
 def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: SupervisedEvaluator,
-                budget: int, settings: BatchingSettings) -> tuple[list[ExecutionUnit], list[Job]]:
+                budget: int, settings: BatchingSettings,
+                cse: CSESettings | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
     ids = [j.trial.id for j in group]
     cfg = evaluator.config(group[0].trial.sample)
     try:
@@ -476,10 +495,10 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
     if settings.mode == "force":
         return _plan_forced(group, evaluator, budget, x, y, settings)
     try:
-        per_model, flops = _model_costs(group[0].model, x, cfg)
+        per_model, flops, pools = _model_costs(group[0].model, x, cfg)
     except Exception:  # a forward the meta device cannot run: measure on a throwaway fused step
         try:
-            per_model, flops = _per_model_bytes(_probe(group[:2], evaluator, x, y, settings), x), 0.0
+            per_model, flops, pools = _per_model_bytes(_probe(group[:2], evaluator, x, y, settings), x), 0.0, True
         except Exception as err:
             log.info("batching: trials %s not fused: the models do not vectorize (%s)", ids, _first_line(err))
             return [], list(group)
@@ -487,6 +506,10 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
     if size < 2:
         return [], list(group)
     from ._adaptive import AdaptiveUnit, decision_key
+
+    steps = cse if cse is not None else CSESettings()  # how the group's trials step if not fused
+    if not pools:  # nothing for the exact max-pool kernel: no model check for it
+        steps = dataclasses.replace(steps, fast_pools=False)
 
     units: list[ExecutionUnit] = []
     rest: list[Job] = []
@@ -505,7 +528,7 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
                 unit.member.speedup = speedup
             else:
                 unit = AdaptiveUnit(chunk, evaluator, reason=f"{k} trials, fused or not as measured on their first "
-                                    "real steps", skey=skey, setup=setup, flops=flops, settings=settings)
+                                    "real steps", skey=skey, setup=setup, flops=flops, settings=settings, cse=steps)
         except Exception as err:
             log.info("batching: trials %s not fused: the models do not vectorize (%s)", chunk_ids, _first_line(err))
             rest.extend(chunk)

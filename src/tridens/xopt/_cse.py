@@ -78,7 +78,7 @@ from ._pipeline import BATCH, PipelineMember, SharedPipelineUnit, SharedPrefix, 
 from ._prefix import (MIN_PREFIX_SHARE, _Analysis, _Hasher, _PrefixPlan, _analyse, _example_batch, _find_prefixes,
                       example_bytes)
 from ._settings import CSESettings, Settings
-from ._wide import _joint_member
+from ._wide import _check_member, _fast_model, _joint_member
 
 __all__ = [
     "MIN_PREFIX_SHARE", "BATCH", "CSESettings",
@@ -265,6 +265,62 @@ def _plan_group(group: list[tuple[Job, TrainConfig]], evaluator: StepwiseEvaluat
         units.append(_make_unit(chunk, evaluator, split_of, notes, estimate(chunk), limit, len(chunks),
                                 over, extra if i == 0 else "", cfg0, used, settings))
     return units, rest
+
+
+def _analysed(members: Sequence[TrainerMember]) -> tuple[list[tuple[_Analysis, int, int]], TrainConfig, int]:
+    """The planner's view of whole-model trainers of one data pipeline: each member's analysis,
+    resident and transient bytes; the first member's config; the memory estimate of training them
+    together."""
+    cfg0 = members[0].trainer.config
+    example = _example_batch(cfg0)
+    hasher = _Hasher()
+    chunk: list[tuple[_Analysis, int, int]] = []
+    for m in members:
+        cfg = m.trainer.config
+        try:
+            a = _analyse(m.job, cfg, example, hasher)
+        except Exception as err:  # tracing is an optimization: a model it fails on steps as it is
+            a = _Analysis(m.job, cfg, example)
+            a.why_not = f"tracing failed ({type(err).__name__})"
+        assert m.job.model is not None
+        chunk.append((a, _resident(m.job.model, cfg), sum(a.activations.values())))
+    batch_bytes = example_bytes(example) * max(cfg0.batch_size, 256)
+    return chunk, cfg0, unit_memory([(r, t) for _, r, t in chunk], 3 * batch_bytes)
+
+
+def joint_trainers(members: Sequence[TrainerMember], settings: CSESettings) -> tuple[list[PipelineMember], str]:
+    """Whole-model trainers of one data pipeline stepped as the planner's shared-pipeline units step
+    them: one :class:`~tridens.xopt._joint.JointMember` (one backward; first layers as one wide op
+    and 2x2 max-pools by the exact kernel where they pay and the checks on real data pass), or as
+    given where they cannot join; with the planner's log text ('' if nothing joined). A batched
+    group that measured that fusion does not pay trains its trials this way.
+
+    >>> steppers, text = joint_trainers([TrainerMember(job, evaluator.trainer(job.model, {}, 0))  # doctest: +SKIP
+    ...                                  for job in jobs], CSESettings())
+    """
+    if len(members) < 2 or not settings.joint:
+        return list(members), ""
+    chunk, cfg0, estimate = _analysed(members)
+    limit = resolve_max_unit_memory(None, cfg0.device)
+    out, text, _ = _joint_member(list(members), chunk, estimate, limit, cfg0, settings)
+    return out, text
+
+
+def with_fast_kernels(member: TrainerMember, settings: CSESettings) -> PipelineMember:
+    """One whole-model trainer stepped with the exact faster kernels :func:`joint_trainers` would
+    give it (2x2 max-pools), as a one-member :class:`~tridens.xopt._joint.JointMember`; the member
+    itself where its model has none or they do not reproduce it bit for bit."""
+    if not settings.fast_pools or member.inputs != (BATCH,) or member.trainer.model is not member.job.model:
+        return member
+    a = _analysed([member])[0][0][0]
+    model = _fast_model(a)
+    if model is None:
+        return member
+    why, _, exact = _check_member(a, None, [model])
+    if why or not exact[0]:
+        return member
+    return JointMember([member], trusted=[member.trial_id], fast={member.trial_id: model},
+                       foreach_step=settings.foreach_step)
 
 
 def _make_unit(chunk: list[tuple[_Analysis, int, int]], evaluator: StepwiseEvaluator,
