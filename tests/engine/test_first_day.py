@@ -547,3 +547,16 @@ def test_the_readme_plain_hyperparameter_search_runs(tmp_path):
     assert "stopped: max_trials=20 reached" in proc.stderr
     best, sample = proc.stdout.strip().splitlines()[-1].split(" ", 1)
     assert float(best) > 0.8 and "'lr'" in sample and "'hidden'" in sample
+    # the objective is the first key of the reported dicts, as td.report documents: val_acc, in the
+    # run's lines and in every view of the store
+    assert "completed val_acc=" in proc.stderr and "value" not in proc.stderr
+    db = str(tmp_path / "tridens.db")
+    views = {cmd: subprocess.run([*TRIDENS, *cmd.split(), "--db", db], capture_output=True, text=True, timeout=120,
+                                 env={**env, "COLUMNS": "200"})
+             for cmd in ("ls", "top plain-hpo", "show plain-hpo", "show plain-hpo 0")}
+    for cmd, view in views.items():
+        assert view.returncode == 0 and "value" not in view.stdout, (cmd, view.stdout, view.stderr)
+    assert "val_acc (max)" in views["ls"].stdout
+    assert re.search(r"trial\W+status\W+val_acc\W", views["top plain-hpo"].stdout)
+    assert '"metric": "val_acc"' in views["show plain-hpo"].stdout
+    assert re.search(r"^val_acc +0\.\d+", views["show plain-hpo 0"].stdout, re.M)

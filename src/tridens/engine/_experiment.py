@@ -497,6 +497,8 @@ class Experiment:
                 record, resumed = None, False
             if record is not None and self.resume != "force":
                 check_same_space(name, record.config.get("search_space"), described)
+            if record is not None and self.objective is None and self.evaluator.objective_from_reports:  # type: ignore[union-attr]
+                objective = record.objective()  # the name an earlier run's first report gave it
             if record is None:
                 db.create_experiment(name, {**self._config(objective), "search_space": described})
             else:

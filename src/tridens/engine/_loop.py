@@ -102,6 +102,8 @@ class _Run:
         self.evaluator: Evaluator = exp.evaluator  # type: ignore[assignment]
         self.space = space
         self.no_model = exp.space is None  # a hyperparameter-only search: the function builds its model
+        # A user's loop reporting dicts names the objective by their first key: learned at the first report.
+        self.naming_objective = exp.objective is None and self.evaluator.objective_from_reports
         self.stop_reason = "the run ended"
         self.deadline = None
         duration = _parse_duration(exp.max_duration)
@@ -138,10 +140,24 @@ class _Run:
         self.db.add_metrics(trial.id, step, values)
         for key, value in values.items():
             trial.metrics.setdefault(key, []).append(value)
+        if self.naming_objective and values:
+            self._name_objective(next(iter(values)))
         value = values.get(self.objective.metric, next(iter(values.values()), math.nan))
         self.strategy.report(trial, step, value)
         self.progress.step(trial, step, value)
         self._notify("on_trial_step", trial, step, values)
+
+    def _name_objective(self, metric: str) -> None:
+        """The first report named the objective ``metric``: the run, its views, the strategy and
+        the stored experiment (``tridens ls/top/show``) use that name from now on."""
+        self.naming_objective = False
+        if metric == self.objective.metric:
+            return
+        self.objective = Objective(metric, self.objective.mode)
+        self.progress.objective = self.objective
+        self.strategy.objective_named(self.objective)
+        config = self.db.get_experiment(self.name).config
+        self.db.update_experiment(self.name, config={**config, "objective": {"metric": metric, "mode": self.objective.mode}})
 
     def fork(self, trial: Trial, step: int) -> Fork | None:
         return self.strategy.fork(trial, step)

@@ -19,7 +19,8 @@ class Reporter(Protocol):
     """Where an evaluator sends intermediate results; the engine implements it.
 
     ``step`` is 0-based (the epoch for the declarative evaluators). ``metrics`` maps a metric
-    name to its value and always holds the evaluator's objective metric, as its first item.
+    name to its value and always holds the evaluator's objective metric, as its first item (an
+    evaluator whose ``objective_from_reports`` is true names its objective by that first item).
     The answer is :attr:`Decision.STOP` when the strategy wants the trial stopped; the
     evaluator then stops training and returns the objective's last value.
     """
@@ -104,6 +105,10 @@ class Evaluator:
     """
 
     needs_model: bool = True
+    objective_from_reports: bool = False
+    """Whether the objective's metric is named by the first key of what the evaluator reports
+    (a user's loop reporting dicts), not known before the first report: the engine records the
+    name it learns there."""
 
     def params(self) -> dict[str, Any]:
         """The constructor's parameters, as given (placeholders unresolved)."""

@@ -39,14 +39,15 @@ class _Sink:
         self.stopped = False
 
     def metrics_of(self, value: Any, where: str) -> dict[str, float]:
-        """``{objective name: objective value, other metrics...}`` from a number or a dict."""
+        """``{objective name: objective value, other metrics...}`` from a number (named
+        ``metric``, else ``"value"``) or a dict (its first key is the objective unless ``metric`` names it)."""
         name = self.metric or _DEFAULT_METRIC
         if isinstance(value, Mapping):
             if not value:
                 raise InvalidParameter(f"{where} got an empty dict; report a number or a dict of metrics")
             metrics = {str(k): _number(v, f"{where} metric {k!r}") for k, v in value.items()}
             if self.metric is None:
-                return {name: next(iter(metrics.values())), **metrics}
+                return metrics
             if self.metric not in metrics:
                 raise InvalidParameter(f"{where} got metrics {sorted(metrics)} without the objective metric "
                                        f"{self.metric!r} (the evaluator's 'metric' parameter)")
@@ -128,8 +129,9 @@ class FunctionalEvaluator(Evaluator):
     sample (plus ``seed=`` when ``fn`` has a ``seed`` parameter that ``params`` don't set).
     ``fn`` reports with :func:`tridens.report`; the trial's final value is what ``fn`` returns,
     else its last report. ``torch.manual_seed(seed)`` is set for the call (the caller's random
-    state is restored afterwards). ``metric`` names the objective (default ``"value"``, or the
-    first key of reported dicts) and ``mode`` is ``"max"`` or ``"min"``.
+    state is restored afterwards). ``metric`` names the objective (default: the first key of
+    reported dicts, or ``"value"`` for reported numbers; a run records the name from the first
+    report) and ``mode`` is ``"max"`` or ``"min"``.
 
     >>> import tridens as td
     >>> def train(model, lr, epochs):
@@ -154,7 +156,13 @@ class FunctionalEvaluator(Evaluator):
 
     @property
     def objective(self) -> Objective:
+        """The objective: ``metric`` (``"value"`` until a report names it) and ``mode``."""
         return Objective(self.metric or _DEFAULT_METRIC, self.mode)
+
+    @property
+    def objective_from_reports(self) -> bool:  # type: ignore[override]
+        """With no ``metric`` given, the first report names the objective (a dict's first key)."""
+        return self.metric is None
 
     def _check(self) -> None:
         check(type(self).__name__, {"fn": self.fn, "metric": self.metric, "mode": self.mode}, {

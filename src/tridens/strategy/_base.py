@@ -56,6 +56,12 @@ class Strategy:
         """The next group of samples, at most ``remaining`` of them; ``None`` when done."""
         raise NotImplementedError
 
+    def objective_named(self, objective: Objective) -> None:
+        """The first report named the objective (a user's loop reporting dicts: their first key),
+        before any trial was told: ``Trial.metrics[objective.metric]`` holds its values from now on.
+        Default: ``self.objective = objective``."""
+        self.objective = objective
+
     def report(self, trial: Trial, step: int, value: float) -> None:
         """An intermediate value of the objective for ``trial`` after ``step`` (0-based)."""
 

@@ -54,6 +54,10 @@ class MedianStopping(Strategy):
             self._curves[trial.id] = curve_of(trial, objective)
         self._base.start(space, objective, rng, history)
 
+    def objective_named(self, objective: Objective) -> None:
+        self.objective = objective
+        self._base.objective_named(objective)
+
     def ask(self, remaining: int | None = None) -> TrialGroup | None:
         if not hasattr(self, "_base"):
             raise RuntimeError("MedianStopping.start(space, objective, rng) must be called before ask()")
