@@ -7,9 +7,10 @@ it as one) whose member, :class:`AdaptiveMember`, trains the group's first epoch
 and decides on the way, with nothing thrown away that it does not have to:
 
 1. **One model's separate steps** (the *timing trial*: the first trial, its real trainer on its
-   real model) train the first ``1 + 2`` batches. The batches are kept (references; a few MiB at
-   most). From the CPU time of those steps and the model's FLOPs (counted once per group on the
-   meta device at planning) the member records how close one model already runs to the peak fp32
+   real model, stepped as separate training would step it: with the exact 2x2 max-pool kernel
+   where its model has one, :func:`tridens.xopt._cse.with_fast_kernels`) train the first ``1 + 2``
+   batches. The batches are kept (references; a few MiB at most). From the CPU time of those
+   steps and the model's FLOPs (counted once per group at planning) the member records how close one model already runs to the peak fp32
    matmul rate (:func:`tridens.xopt._batching.peak_matmul_flops`, once per process): logged with
    the decision, never deciding it (near the peak, fusion still measured 1.2-2.9x on small CNNs).
 2. Then the **fused** stack (built at planning from the untouched initial models: a
@@ -27,7 +28,9 @@ Either way each trial's results are exactly those of never having decided: the f
 from the initial weights and the trials' random streams from their seeds; separate trainers start
 from the untouched models and seeds and see the same batches in the same order. Per-epoch metrics
 are those of fused (or separate) training, bit for bit. Going separate keeps the shared data
-pipeline (the trainers are :class:`~tridens.xopt._cse.TrainerMember`\\ s fed by the unit).
+pipeline and trains the group as the planner's shared-pipeline units train separate trials: one
+joint step of the trainers (:func:`tridens.xopt._cse.joint_trainers`), so the decision compares
+fused training with the separate training it would replace.
 
 An epoch too short to decide decides at its end on what it has (the fused stack trains the kept
 batches if it has not yet). A fused stack that fails (a forward that does not vectorize, an

@@ -274,8 +274,8 @@ class _SeesMaxPools(TorchFunctionMode):
 
 
 def _model_costs(model: nn.Module, x: torch.Tensor, cfg: TrainConfig) -> tuple[int, float, bool]:
-    """``(bytes one model adds to a unit, training FLOPs of one step, whether it max-pools)`` from ONE evaluation-mode
-    forward of the model on 8 examples of ``x`` under ``no_grad`` with copies of its buffers (nothing
+    """``(bytes one model adds to a unit, training FLOPs of one step, whether it max-pools)`` from
+    ONE evaluation-mode forward of the model on 8 examples of ``x`` under ``no_grad`` with copies of its buffers (nothing
     of the model changed, no random numbers drawn; ~0.3 ms where a meta-device forward took 2-6 ms
     and ``torch.utils.flop_counter`` 1-2 ms more): parameters, gradients, optimizer state and
     buffers, plus twice the outputs of its leaf modules scaled to the batch (as
