@@ -170,6 +170,21 @@ def test_a_decision_holds_for_groups_of_another_data_order_and_under_other_threa
     assert "measured 5.00x on an earlier unit's first steps" in units[0].summary()
 
 
+def test_more_rounds_only_to_confirm_fusing_just_above_the_bar(data):
+    """Just above the bar (an injected 1.2x; the bar is 1.1x) the group times twice the rounds before
+    fusing; just below it (1.0x) it goes separate after ``measure_rounds``, throwing away no more
+    fused steps than those."""
+    ev = evaluator(data, "sgd", epochs=1)
+    rounds = auto().batching.measure_rounds
+    above = adaptive(make_jobs(SAMPLES, mlp), ev, auto(1.2))
+    run(above)
+    assert above.member.state == "fused" and len(above.member._fused_steps) == 2 * rounds
+    _batching.clear_cache()
+    below = adaptive(make_jobs(SAMPLES, mlp), ev, auto(1.0))
+    run(below)
+    assert below.member.state == "separate" and len(below.member._fused_steps) == rounds
+
+
 @pytest.mark.parametrize("speedup", [5.0, 0.5])
 def test_nan_member_and_budgets(data, monkeypatch, speedup):
     """A diverging trial fails alone at the same epoch and batch, a trial with a smaller budget

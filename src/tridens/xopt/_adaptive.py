@@ -18,7 +18,7 @@ and decides on the way, with nothing thrown away that it does not have to:
    every further batch, each fused step followed by the timing trial's separate step, timed in
    CPU seconds (a loaded machine disturbs CPU time far less than wall time). After
    ``measure_rounds`` timed fused steps (past one warm-up; up to twice as many while the
-   ratio is within -20%/+25% of the bar) the speed-up is one model's least separate step time over
+   ratio is at most 25% above the bar) the speed-up is one model's least separate step time over
    the least fused step time per model. At ``min_speedup`` or more the group stays
    **fused**: the timing trial's model is put back to its initial state and its trainer dropped
    (the waste: a few separate steps of ONE model). Below, it goes **separate**: the other
@@ -374,9 +374,13 @@ class AdaptiveMember:
         if rounds < self.settings.measure_rounds and timing_alive and self.fused is not None and self.fused.ids:
             return
         ratio = self._ratio()
+        # Just above the bar, a few more rounds confirm fusing, which the rest of the run would pay
+        # for if noise made it look better than it is. Below the bar the group goes separate at
+        # once: that costs at most the bar's margin over fused training, and each further round
+        # is a fused step of every model thrown away.
         if ratio is not None and rounds < 2 * self.settings.measure_rounds and timing_alive \
-                and 0.8 <= ratio / self.settings.min_speedup <= 1.25:
-            return  # close to the bar: a few more rounds
+                and 1.0 <= ratio / self.settings.min_speedup <= 1.25:
+            return
         self._decide(ratio)
 
     def _decide_now(self) -> None:
