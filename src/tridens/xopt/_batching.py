@@ -73,7 +73,8 @@ the :class:`~tridens.xopt.Settings` the planner is given):
 * ``min_speedup`` (default 1.1): the measured speed-up a group must reach to stay fused
   (measured on real, different batches in CPU time).
 * ``measure_rounds`` (default 3): timed fused steps (after one warm-up) before deciding;
-  up to twice as many while the ratio is within -20%/+25% of ``min_speedup``.
+  up to twice as many while the ratio is at most 25% above ``min_speedup`` (confirming a
+  marginal fusion; below the bar the group goes separate at once).
 * No rule of thumb decides: one model's separate step rate against the peak fp32 matmul rate
   (:func:`peak_matmul_flops`) is recorded and logged beside the measured speed-up, but a group
   whose models already run near the peak still measures (a rule that skipped fusion at 20% of the
