@@ -43,9 +43,9 @@ CPU-seconds the trials' arithmetic needs at that rate. Rounds are interleaved (A
     /work/bin/quiet .venv/bin/python bench/headline.py --workload hpo --rounds 3       # a figure
     .venv/bin/python bench/headline.py --one optuna --workload nas --size tiny --round 0   # one JSON
 
-Sizes (``--size``): ``small`` (the default, what BENCHMARKS.md records: the issue's trial counts
+Sizes (``--size``): ``small`` (the default, what BENCHMARKS.md records: the full trial counts
 on subsets of the data so that one workload's rounds fit in a few minutes of this 2-core machine),
-``tiny`` (development), ``issue`` (the issue's sizes: 6,000 training images). Individual numbers
+``tiny`` (development), ``full`` (6,000 training images for the Fashion-MNIST workloads). Individual numbers
 can be overridden (``--train``, ``--val``, ``--epochs``, ``--trials``).
 """
 
@@ -79,10 +79,10 @@ QUALITY_POINTS = 0.5  # "within 0.5 points (of accuracy, in %) of the best any s
 
 # workload -> size -> (train images, val images, epochs)
 SIZES: dict[str, dict[str, tuple[int, int, int]]] = {
-    "hpo": {"tiny": (256, 256, 3), "small": (1000, 500, 3), "issue": (6000, 2000, 3)},
-    "nas": {"tiny": (128, 256, 1), "small": (500, 500, 1), "issue": (6000, 2000, 2)},
-    "finetune": {"tiny": (256, 256, 1), "small": (2000, 1000, 2), "issue": (6000, 2000, 2)},
-    "mlp": {"tiny": (1438, 359, 2), "small": (1438, 359, 5), "issue": (1438, 359, 10)},
+    "hpo": {"tiny": (256, 256, 3), "small": (1000, 500, 3), "full": (6000, 2000, 3)},
+    "nas": {"tiny": (128, 256, 1), "small": (500, 500, 1), "full": (6000, 2000, 2)},
+    "finetune": {"tiny": (256, 256, 1), "small": (2000, 1000, 2), "full": (6000, 2000, 2)},
+    "mlp": {"tiny": (1438, 359, 2), "small": (1438, 359, 5), "full": (1438, 359, 10)},
 }
 TRIALS = {"hpo": 64, "nas": 64, "finetune": 16, "mlp": 64}
 TINY_TRIALS = {"hpo": 8, "nas": 6, "finetune": 4, "mlp": 8}
@@ -620,7 +620,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default=",".join(WORKLOADS), help=f"comma-separated, of {WORKLOADS}")
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--size", default="small", choices=["tiny", "small", "issue"])
+    p.add_argument("--size", default="small", choices=["tiny", "small", "full"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--first-round", type=int, default=0, help="seed of the first round (split rounds over runs)")
     for name in ("train", "val", "epochs", "trials"):
