@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from .text import printable
 from .trial import Objective, Trial, TrialStatus
 
-__all__ = ["trial_record", "csv_text", "trials_csv", "metrics_csv", "sparkline", "trial_details", "plot_experiment",
+__all__ = ["trial_record", "warm_start_parent", "csv_text", "trials_csv", "metrics_csv", "sparkline", "trial_details", "plot_experiment",
            "number_trials", "stage_tree_view"]
 
 _BLOCKS = "▁▂▃▄▅▆▇█"
@@ -182,6 +182,17 @@ def sparkline(values: Sequence[float]) -> str:
     return "".join(chars)
 
 
+def warm_start_parent(warm_start: dict[str, Any], experiment: str | None) -> str:
+    """The zoo parent a trial's ``info["warm_start"]`` names, as tables name trials: ``#3`` (its
+    number) in ``experiment``, ``search-a #3`` in another experiment, ``zoo:5`` (the entry) for a
+    model added to the zoo by hand or recorded without its number."""
+    number, source = warm_start.get("parent_number"), warm_start.get("parent_experiment")
+    if number is None:
+        parent = warm_start.get("parent")
+        return f"id {parent}" if isinstance(parent, int) else str(parent)
+    return f"#{number}" if source is None or source == experiment else f"{source} #{number}"
+
+
 def trial_details(trial: Trial, trials: Sequence[Trial], objective: Objective) -> list[Any]:
     """Rich renderables that show one trial in full: facts, sample, per-step metrics with
     sparklines, what it trained with or started from, checkpoint and error traceback."""
@@ -228,10 +239,8 @@ def trial_details(trial: Trial, trials: Sequence[Trial], objective: Objective) -
     warm = trial.info.get("warm_start")
     if warm:
         parent = warm.get("parent")
-        source = warm.get("parent_experiment")
-        other = f"{source} #{warm['parent_number']}" if source and warm.get("parent_number") is not None else None
         rows.append(("warm start", "cold (no zoo model matched)" if parent is None else
-                     f"from {ref(parent) if parent in by_id else other or ref(parent)} "
+                     f"from {ref(parent) if parent in by_id else warm_start_parent(warm, trial.experiment)} "
                      f"(match score {warm.get('score', 0):.2f})"))
     if trial.parent is not None:
         rows.append(("parent", ref(trial.parent)))

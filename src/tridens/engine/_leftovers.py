@@ -25,10 +25,13 @@ from typing import Any, Sequence
 from ..store import Store, StoreError
 from ..trial import Trial, TrialStatus
 
-__all__ = ["MAX_DEATHS", "claim", "mark_interrupted", "interrupted_text", "find_abandoned", "mark_abandoned",
+__all__ = ["MAX_DEATHS", "FINISHED_COUNTED", "claim", "mark_interrupted", "interrupted_text", "find_abandoned", "mark_abandoned",
            "fail_repeated_deaths", "driver_alive"]
 
 log = logging.getLogger("tridens")
+
+#: The statuses that count toward ``max_trials`` (a trial that ended, whichever way).
+FINISHED_COUNTED = (TrialStatus.COMPLETED, TrialStatus.STOPPED, TrialStatus.FAILED)
 
 MAX_DEATHS = 2
 """Deaths of its process while a trial ran after which the trial fails instead of running again."""
@@ -96,7 +99,7 @@ def interrupted_text(db: Store, name: str, store: Path) -> str:
     that finishes the experiment ``name`` of the store at ``store``."""
     import shlex
 
-    done = sum(t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED, TrialStatus.FAILED) for t in db.trials(name))
+    done = sum(t.status in FINISHED_COUNTED for t in db.trials(name))
     script = db.get_experiment(name).config.get("script")
     if not isinstance(script, str):  # no script to re-run (python -c, a notebook)
         how = "run the same experiment again (same name and store)"

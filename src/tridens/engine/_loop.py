@@ -32,7 +32,7 @@ from ..strategy import Strategy
 from ..trial import Decision, Fork, Objective, Trial, TrialGroup, TrialStatus
 from ..units import Job
 from ._execution import Executor
-from ._leftovers import fail_repeated_deaths
+from ._leftovers import FINISHED_COUNTED, fail_repeated_deaths
 from ._protocol import error_text
 
 if TYPE_CHECKING:
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tridens")
 
-_FINISHED_COUNTED = (TrialStatus.COMPLETED, TrialStatus.STOPPED, TrialStatus.FAILED)
 _MAX_IDLE_GROUPS = 50  # groups in a row that bring nothing new: the space is exhausted
 
 
@@ -240,7 +239,7 @@ class _Run:
         executor = self.executor = self.exp._executor(self.db.path, self.name)
         self.group_index = max((t.group or 0 for t in trials), default=-1) + 1
         self.position = len(trials)
-        before = sum(t.status in _FINISHED_COUNTED for t in finished)
+        before = sum(t.status in FINISHED_COUNTED for t in finished)
         self.progress.start(self.name, before, resumed, finished)
         if interrupted:
             log.info("resuming %s: %d finished trials kept, %d interrupted trials run again",
@@ -254,7 +253,7 @@ class _Run:
         try:
             while True:
                 # Trials that failed before training (constraints, bad shapes) count like any other.
-                counted = before + sum(t.status in _FINISHED_COUNTED for t in self.finished_here)
+                counted = before + sum(t.status in FINISHED_COUNTED for t in self.finished_here)
                 remaining = None if self.exp.max_trials is None else self.exp.max_trials - counted
                 if remaining is not None and remaining <= 0:
                     self.stop_reason = f"max_trials={self.exp.max_trials} reached"

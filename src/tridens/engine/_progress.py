@@ -8,9 +8,10 @@ import sys
 import time
 from typing import Any, Sequence
 
+from .._views import warm_start_parent
 from ..trial import Objective, Trial, TrialStatus
 
-__all__ = ["Progress", "format_value", "print_stopped", "trials_table", "warm_start_parent", "warm_start_text"]
+__all__ = ["Progress", "format_value", "print_stopped", "trials_table", "warm_start_text"]
 
 
 def trials_table(trials: list[Trial], objective: Objective, title: str = "", *, full_samples: bool = False,
@@ -58,17 +59,6 @@ def warm_start_text(trial: Trial) -> str:
     if ws.get("parent") is None:
         return "cold"
     return f"from {warm_start_parent(ws, trial.experiment)} ({ws.get('score', 0):.2f})"
-
-
-def warm_start_parent(warm_start: dict[str, Any], experiment: str | None) -> str:
-    """The zoo parent a trial's ``info["warm_start"]`` names, as tables name trials: ``#3`` (its
-    number) in ``experiment``, ``search-a #3`` in another experiment, ``zoo:5`` (the entry) for a
-    model added to the zoo by hand or recorded without its number."""
-    number, source = warm_start.get("parent_number"), warm_start.get("parent_experiment")
-    if number is None:
-        parent = warm_start.get("parent")
-        return f"id {parent}" if isinstance(parent, int) else str(parent)
-    return f"#{number}" if source is None or source == experiment else f"{source} #{number}"
 
 
 def format_value(value: Any) -> str:

@@ -55,15 +55,12 @@ class HubActor:
 
     async def ask(self, trial_id: int, attempt: int, step: int, metrics: dict[str, float], last: bool,
                   seconds: float, worker: tuple[int, str]) -> str:
-        future = self._future((trial_id, attempt, step))
-        await self.post(("report", trial_id, attempt, worker, step, metrics, last, seconds))
-        try:
-            return await future
-        finally:
-            self.answers.pop((trial_id, attempt, step), None)
+        """Post a step's report and wait for the driver's :meth:`answer` (a verdict)."""
+        return await self.call((trial_id, attempt, step),
+                               ("report", trial_id, attempt, worker, step, metrics, last, seconds))
 
     async def call(self, key: tuple[Any, ...], message: tuple[Any, ...]) -> Any:
-        """Post ``message`` and wait for the driver's :meth:`reply` under ``key`` (a stage-store call)."""
+        """Post ``message`` and wait for the driver's :meth:`reply` under ``key``."""
         future = self._future(key)
         await self.post(message)
         try:
@@ -77,9 +74,7 @@ class HubActor:
             future.set_result(value)
 
     async def answer(self, trial_id: int, attempt: int, step: int, decision: str) -> None:
-        future = self._future((trial_id, attempt, step))
-        if not future.done():
-            future.set_result(decision)
+        await self.reply((trial_id, attempt, step), decision)
 
     async def drain(self, timeout: float) -> list[tuple[Any, ...]]:
         if not self.messages:
