@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .text import printable
-from .trial import Objective, Trial, TrialStatus
+from .trial import Objective, Trial, TrialStatus, warm_start_parent
 
-__all__ = ["trial_record", "warm_start_parent", "csv_text", "trials_csv", "metrics_csv", "sparkline", "trial_details", "plot_experiment",
+__all__ = ["trial_record", "csv_text", "trials_csv", "metrics_csv", "sparkline", "trial_details", "plot_experiment",
            "number_trials", "stage_tree_view"]
 
 _BLOCKS = "▁▂▃▄▅▆▇█"
@@ -180,17 +180,6 @@ def sparkline(values: Sequence[float]) -> str:
         else:
             chars.append(_BLOCKS[0 if span == 0 else round((v - low) / span * (len(_BLOCKS) - 1))])
     return "".join(chars)
-
-
-def warm_start_parent(warm_start: dict[str, Any], experiment: str | None) -> str:
-    """The zoo parent a trial's ``info["warm_start"]`` names, as tables name trials: ``#3`` (its
-    number) in ``experiment``, ``search-a #3`` in another experiment, ``zoo:5`` (the entry) for a
-    model added to the zoo by hand or recorded without its number."""
-    number, source = warm_start.get("parent_number"), warm_start.get("parent_experiment")
-    if number is None:
-        parent = warm_start.get("parent")
-        return f"id {parent}" if isinstance(parent, int) else str(parent)
-    return f"#{number}" if source is None or source == experiment else f"{source} #{number}"
 
 
 def trial_details(trial: Trial, trials: Sequence[Trial], objective: Objective) -> list[Any]:

@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TrialStatus", "Trial", "TrialGroup", "Objective", "Decision", "Fork", "Stage", "Schedule"]
+__all__ = ["TrialStatus", "Trial", "TrialGroup", "Objective", "Decision", "Fork", "Stage", "Schedule",
+           "warm_start_parent"]
 
 
 class TrialStatus(str, enum.Enum):
@@ -231,3 +232,18 @@ class TrialGroup:
             if s == sample:
                 return self.parents[i]
         return None
+
+
+def warm_start_parent(warm_start: dict[str, Any], experiment: str | None) -> str:
+    """The zoo parent a trial's ``info["warm_start"]`` names, as tables name trials: ``#3`` (its
+    number) in ``experiment``, ``search-a #3`` in another experiment, ``zoo:5`` (the entry) for a
+    model added to the zoo by hand, ``id 12`` for a trial recorded without its number.
+
+    >>> warm_start_parent({"parent": 4, "parent_experiment": "a", "parent_number": 3}, "b")
+    'a #3'
+    """
+    number, source = warm_start.get("parent_number"), warm_start.get("parent_experiment")
+    if number is None:
+        parent = warm_start.get("parent")
+        return f"id {parent}" if isinstance(parent, int) else str(parent)
+    return f"#{number}" if source is None or source == experiment else f"{source} #{number}"

@@ -8,8 +8,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-from .._views import warm_start_parent
-from ..trial import Objective, Trial, TrialStatus
+from ..trial import Objective, Trial, TrialStatus, warm_start_parent
 
 __all__ = ["Progress", "format_value", "print_stopped", "trials_table", "warm_start_text"]
 
