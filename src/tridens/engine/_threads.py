@@ -8,9 +8,9 @@ wall seconds with torch's 2 threads and 1.1 s with one. :class:`ThreadPolicy` th
 unit one thread when its training step is small or the machine has no idle core, and every idle
 core otherwise; units that take one thread each may run several at a time (``concurrent``: used by
 executors that run units side by side, e.g. a process pool; the in-process executor runs one unit
-at a time). The size of a step is its training FLOPs (3x the forward FLOPs of one example, counted
-with :class:`torch.utils.flop_counter.FlopCounterMode`, times the batch size, summed over the
-unit's models).
+at a time). The size of a step is its training FLOPs (3x the matmul-like forward FLOPs of one
+example, counted as it runs by :func:`tridens.graph.forward_flops`, times the batch size, summed
+over the unit's models).
 
 A policy is an object passed in (``td.executors.Inline(threads=ThreadPolicy(threads=2))``); each
 decision is logged (logger ``tridens``) with its reason.
@@ -30,6 +30,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn as nn
+
+from ..graph import forward_flops
 
 __all__ = ["ThreadPolicy", "ThreadPlan", "step_flops", "cores"]
 
@@ -150,16 +152,14 @@ def step_flops(model: nn.Module, example: torch.Tensor, batch_size: int) -> floa
     >>> step_flops(nn.Linear(10, 4), torch.zeros(10), 32)
     7680.0
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     was_training = model.training
     try:
         model.eval()
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            model(example.unsqueeze(0))
+        with torch.no_grad():
+            flops = forward_flops(model, example.unsqueeze(0))
     finally:
         model.train(was_training)
-    return 3.0 * counter.get_total_flops() * batch_size
+    return 3.0 * flops * batch_size
 
 
 def unit_step_flops(unit: Any) -> float | None:

@@ -15,7 +15,8 @@ graph Sequential(%input_1):
 """
 
 from . import _meta as meta
+from ._flops import forward_flops
 from ._graph import Graph, Node
 from ._trace import OpaqueModuleWarning, trace
 
-__all__ = ["trace", "Graph", "Node", "OpaqueModuleWarning", "meta"]
+__all__ = ["trace", "Graph", "Node", "OpaqueModuleWarning", "meta", "forward_flops"]

@@ -26,6 +26,7 @@ from ..evaluators._supervised import BatchSource, SupervisedEvaluator, align_out
 from ._grouped import _PackedProgram, _Unsupported
 from ._stacked import _DROPOUTS, _ForwardState, _MaskDropout, _dropout_names, _dropout_ps, _first_line, _forward_state, _keep_freed_memory, _skeleton
 from ._settings import BatchingSettings, Settings
+from ._variants import order_by_variant, runs, sites, variant
 from ._vector_optim import _VectorOptimizer, _resolved_momentum
 
 # -- the fused models ------------------------------------------------------------------------------------
@@ -51,6 +52,8 @@ class BatchedMember:
         models = [job.model for job in jobs]
         if len(jobs) == 0 or any(not isinstance(m, nn.Module) for m in models):
             raise TypeError("operator batching needs a model per trial")
+        order = order_by_variant(models)  # each activation variant's rows together
+        jobs, models = [jobs[i] for i in order], [models[i] for i in order]
         self.settings = settings = settings if settings is not None else Settings.from_env().batching
         if settings.keep_freed_memory:
             _keep_freed_memory()
@@ -65,6 +68,18 @@ class BatchedMember:
         first = models[0]
         self.base = _skeleton(first)
         self._keys = _state_keys(first)
+        # activation variants (:mod:`._variants`): each row's, the sites where they differ, and a
+        # skeleton per variant for the vmapped forward
+        variants = [variant(m) for m in models]
+        if len({tuple(name for name, _ in v) for v in variants}) > 1:
+            raise TypeError("the models have their activations in different places")
+        self._variants = {job.trial.id: v for job, v in zip(jobs, variants)}
+        self._site_modules = {v: sites(m) for v, m in zip(variants, models)}
+        self._mixed_sites = {name for name, _ in variants[0]
+                             if len({dict(v)[name] for v in variants}) > 1} if len(set(variants)) > 1 else set()
+        self._bases = {v: _skeleton(m) for v, m in zip(variants, models)} if self._mixed_sites else {}
+        self._runs: list[tuple[int, int, tuple[Any, ...]]] = []
+        self._forwards: dict[tuple[Any, ...], tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {}
         with torch.no_grad():
             named = [(dict(m.named_parameters()), dict(m.named_buffers())) for m in models]
             self.params: dict[str, torch.Tensor] = {
@@ -82,7 +97,8 @@ class BatchedMember:
         self.why_vmap = "" if settings.packed else "settings.packed is False"
         if settings.packed:
             try:
-                self._program = _PackedProgram(copy.deepcopy(first).to("meta"), channels_last=settings.channels_last)
+                self._program = _PackedProgram(copy.deepcopy(first).to("meta"), channels_last=settings.channels_last,
+                                               mixed=self._mixed_sites)
             except _Unsupported as err:
                 self.why_vmap = str(err)
         self._generators = {job.trial.id: self._generator(job.trial.seed) for job in jobs}
@@ -94,9 +110,9 @@ class BatchedMember:
         self._errors: dict[int, BaseException] = {}
         self._calls: dict[tuple[int, ...], list[tuple[int, tuple[int, ...], torch.dtype]]] = {}
         self.shared_input = shared_input
-        self._fwd_shared = vmap(self._forward, in_dims=(0, 0, 0, None), randomness="error")
-        self._fwd_each = vmap(self._forward, in_dims=(0, 0, 0, 0), randomness="error")
+        self._fwd_shared, self._fwd_each = self._vmapped(self.base)
         self._training: list[int] = []
+        self._update_runs()
         self._totals: dict[int, float] = {}
         self._count = 0
         self._val_sums: dict[int, dict[str, float]] = {}
@@ -269,10 +285,24 @@ class BatchedMember:
             return torch.Generator().manual_seed(seed)
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def _forward(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
-                 masks: tuple[torch.Tensor | None, ...], x: torch.Tensor) -> torch.Tensor:
-        with _forward_state(_ForwardState(masks=masks)):
-            return functional_call(self.base, (params, buffers), (x,))
+    @staticmethod
+    def _vmapped(base: nn.Module) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+        """``base``'s forward vmapped over the stacked models, on a shared and on a per-model input."""
+        def forward(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+                    masks: tuple[torch.Tensor | None, ...], x: torch.Tensor) -> torch.Tensor:
+            with _forward_state(_ForwardState(masks=masks)):
+                return functional_call(base, (params, buffers), (x,))
+
+        return (vmap(forward, in_dims=(0, 0, 0, None), randomness="error"),
+                vmap(forward, in_dims=(0, 0, 0, 0), randomness="error"))
+
+    def _update_runs(self) -> None:
+        """The runs of rows with one activation variant (one run unless the unit mixes them)."""
+        self._runs = runs([self._variants[i] for i in self.ids])
+
+    def site_runs(self, name: str) -> list[tuple[int, int, nn.Module]]:
+        """``(start, end, module)``: the activation the rows ``start:end`` apply at site ``name``."""
+        return [(start, end, self._site_modules[v][name]) for start, end, v in self._runs]
 
     def _dropout_calls(self, x: torch.Tensor) -> list[tuple[int, tuple[int, ...], torch.dtype]]:
         """The dropout calls of a training forward on ``x``: (dropout index, mask shape, dtype) in
@@ -398,22 +428,43 @@ class BatchedMember:
     def _outputs(self, x: torch.Tensor, masks: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
         """The stacked outputs ``(K, ...)``. The input is shared (not batched) so the first layer
         runs as one wide layer; if the models cannot take an unbatched input (BatchNorm on the raw
-        input updates batched statistics from it), each gets its own expanded copy."""
+        input updates batched statistics from it), each gets its own expanded copy. A unit that
+        mixes activation variants runs each variant's rows (a slice: views of the stacked
+        parameters and buffers) through that variant's skeleton."""
+        if not self._mixed_sites:
+            return self._vmapped_outputs(self._fwd_shared, self._fwd_each, self.params, self.buffers, masks, x)
+        outs = []
+        for start, end, v in self._runs:
+            base = self._bases[v]
+            if base.training != self.base.training:
+                base.train(self.base.training)
+            if v not in self._forwards:
+                self._forwards[v] = self._vmapped(base)
+            rows = slice(start, end)
+            outs.append(self._vmapped_outputs(
+                *self._forwards[v], {n: p[rows] for n, p in self.params.items()},
+                {n: b[rows] for n, b in self.buffers.items()}, tuple(None if m is None else m[rows] for m in masks), x))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _vmapped_outputs(self, shared: Callable[..., torch.Tensor], each: Callable[..., torch.Tensor],
+                         params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+                         masks: tuple[torch.Tensor | None, ...], x: torch.Tensor) -> torch.Tensor:
         if self.shared_input is None:  # first call: try sharing on copies of the buffers
-            trial = {n: b.clone() for n, b in self.buffers.items()}
+            trial = {n: b.clone() for n, b in buffers.items()}
             try:
-                out = self._fwd_shared(self.params, trial, masks, x)
+                out = shared(params, trial, masks, x)
             except RuntimeError:
                 self.shared_input = False
             else:
                 self.shared_input = True
                 with torch.no_grad():
-                    for n, b in self.buffers.items():
+                    for n, b in buffers.items():
                         b.copy_(trial[n])
                 return out
         if self.shared_input:
-            return self._fwd_shared(self.params, self.buffers, masks, x)
-        return self._fwd_each(self.params, self.buffers, masks, x.expand(len(self.ids), *x.shape))
+            return shared(params, buffers, masks, x)
+        rows = next(iter(params.values())).shape[0]
+        return each(params, buffers, masks, x.expand(rows, *x.shape))
 
     # -- the stack -------------------------------------------------------------------------------
     def _row_state(self, row: int) -> dict[str, torch.Tensor]:
@@ -441,6 +492,7 @@ class BatchedMember:
             self.params = params
             self.buffers = {n: b.index_select(0, index) for n, b in self.buffers.items()}
         self.optimizer.select(keep)
+        self._update_runs()
 
 
 def _stacked_loss(loss: Callable[..., torch.Tensor], out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Operator batching: K same-shaped models trained as ONE vectorized model.
 
 Trials whose models have the same structure (module tree, parameter and buffer shapes, forward
-graph; Dropout ``p`` may differ) and whose training setups agree on everything but the learning
+graph; Dropout ``p`` and the activation modules may differ: :mod:`._variants`) and whose training setups agree on everything but the learning
 rate, momentum, weight decay and lr schedule (same optimizer kind, batch size, epochs, loss, data,
 transforms and data order) are stacked with ``torch.func``: parameters and buffers become tensors
 with a leading model dimension, the forward is ``vmap(functional_call(...))`` over it, and the
@@ -124,6 +124,7 @@ from ..evaluators._supervised import TrainConfig, BatchSource, SupervisedEvaluat
 from ._batched import BatchedMember, BatchedUnit
 from ._settings import BatchingSettings, CSESettings, Settings
 from ._stacked import _DROPOUTS, _ForwardState, _first_line, _forward_state
+from ._variants import is_site, order_by_variant, sites_as_placeholders
 
 __all__ = ["BatchedUnit", "BatchingSettings", "plan_batching", "group_key", "clear_cache"]
 
@@ -143,7 +144,8 @@ def clear_cache() -> None:
 # -- grouping ----------------------------------------------------------------------------------------
 def _structure_key(model: nn.Module) -> str:
     """The graph fingerprint of ``model`` with every dropout's ``p`` normalized (p may differ
-    within a unit), plus its parameter and buffer names and shapes (what stacking needs)."""
+    within a unit) and every activation site seen as one placeholder (the activation may differ:
+    :mod:`._variants`), plus its parameter and buffer names and shapes (what stacking needs)."""
     from ..graph import trace
 
     dropouts = [m for m in model.modules() if type(m) in _DROPOUTS]
@@ -151,7 +153,7 @@ def _structure_key(model: nn.Module) -> str:
     try:
         for m in dropouts:
             m.p = 0.5
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), sites_as_placeholders(model):
             warnings.simplefilter("ignore")
             fingerprint = trace(model).fingerprint()
     finally:
@@ -326,9 +328,10 @@ _PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device, torch.Si
 
 
 def _shape_key(model: nn.Module) -> tuple[Any, ...]:
-    """Module tree (names and classes) and parameter/buffer names, shapes and dtypes: a necessary
-    condition for two models to stack (no trace; microseconds)."""
-    tree = tuple((n, type(m).__module__, type(m).__qualname__) for n, m in model.named_modules())
+    """Module tree (names and classes; an activation site's class left out) and parameter/buffer
+    names, shapes and dtypes: a necessary condition for two models to stack (no trace; microseconds)."""
+    tree = tuple((n, "activation") if is_site(m) else (n, type(m).__module__, type(m).__qualname__)
+                 for n, m in model.named_modules())
     tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in model.named_parameters())
     return tree, tensors, tuple((n, tuple(t.shape), t.dtype) for n, t in model.named_buffers())
 
@@ -355,6 +358,8 @@ def _attribute_key(model: nn.Module) -> tuple[Any, ...] | None:
     parts: list[Any] = [_shape_key(model)]
     try:
         for name, m in model.named_modules():
+            if is_site(m):  # the activation is the model's variant, not its structure
+                continue
             attrs = []
             for key, value in m.__dict__.items():
                 if key in _MODULE_STATE or (key == "p" and type(m) in _DROPOUTS):
@@ -468,6 +473,7 @@ def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings
                 leftover.extend(group)
                 continue
             budget = resolve_max_unit_memory(max_unit_memory, evaluator.config(group[0].trial.sample).device)
+            group = [group[i] for i in order_by_variant([job.model for job in group])]
             made, rest = _plan_group(skey, setup, group, evaluator, budget, knobs, full.cse)
             units.extend(made)
             leftover.extend(rest)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 import warnings
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Collection, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -125,9 +125,10 @@ class _PackedProgram:
     layers: Conv1d/2d, Linear, BatchNorm1d/2d, pooling, activations, Flatten, dropout (masks drawn
     per model in call order, as separate training draws them). Built from the model's fx graph;
     anything else raises :class:`_Unsupported` and the unit uses vmap. ``channels_last``: run 2-d
-    maps channels-last (``BatchingSettings.channels_last``)."""
+    maps channels-last (``BatchingSettings.channels_last``). ``mixed``: the activation sites where
+    the models' activations differ (:mod:`._variants`): each run of rows applies its own there."""
 
-    def __init__(self, model: nn.Module, *, channels_last: bool = False):
+    def __init__(self, model: nn.Module, *, channels_last: bool = False, mixed: Collection[str] = ()):
         import operator
 
         import torch.fx as fx
@@ -170,7 +171,12 @@ class _PackedProgram:
             if len(inputs) != 1 or node.args[0] is not inputs[0]:
                 raise _Unsupported(f"node {node.name}: not a chain of single-input ops")
             src = ins[0]
-            if node.op == "call_module":
+            if node.op == "call_module" and str(node.target) in mixed:
+                if src not in "CM":
+                    raise _Unsupported(f"module {node.target}: activations differ on the shared input")
+                layout[node] = src
+                self.steps.append(("mixed", node, inputs, {"name": str(node.target), "src": src}))
+            elif node.op == "call_module":
                 m = modules[str(node.target)]
                 kind, out = self._module(m, src, str(node.target))
                 layout[node] = out
@@ -299,6 +305,8 @@ class _PackedProgram:
                                              info["src"] == "M", info.get("relu", False))
             elif kind == "apply":
                 env[node] = info["module"](v)
+            elif kind == "mixed":
+                env[node] = self._mixed(member.site_runs(info["name"]), v, info["src"], k)
             elif kind == "call":
                 env[node] = info["fn"](v, *node.args[1:], **node.kwargs)
             elif kind == "method":
@@ -310,6 +318,22 @@ class _PackedProgram:
             elif kind == "dropout":
                 env[node] = member._packed_dropout(v, info["name"], info["src"]) if training else v
         raise RuntimeError("the packed program has no output")  # pragma: no cover
+
+    @staticmethod
+    def _mixed(runs: Sequence[tuple[int, int, nn.Module]], v: torch.Tensor, src: str, k: int) -> torch.Tensor:
+        """Each run of rows' own activation on its slice of ``v``: "M" ``(K, B, F)`` along the
+        model dim (kept a view of a ``(K, F, B)`` tensor where ``v`` is one, as Linear makes them),
+        "C" ``(B, K*C, ...)`` in blocks of C channels."""
+        if len(runs) == 1:
+            return runs[0][2](v)
+        if src == "M":
+            transposed = v.transpose(1, 2).is_contiguous()
+            parts = [m(v[start:end]) for start, end, m in runs]
+            if transposed:
+                return torch.cat([part.transpose(1, 2) for part in parts]).transpose(1, 2)
+            return torch.cat(parts)
+        c = v.shape[1] // k
+        return torch.cat([m(v[:, start * c:end * c]) for start, end, m in runs], dim=1)
 
     @staticmethod
     def _pool2x2(node: Any, v: torch.Tensor, info: Mapping[str, Any]) -> torch.Tensor:
