@@ -19,8 +19,10 @@ Systems (``--systems``): ``tridens`` (``td.Experiment`` with the declarative ``C
 evaluator and every default: what a user gets without tuning tridens; threads per unit from
 ``td.engine.ThreadPolicy``), ``tridens-noopt`` (the same with ``optimize=False``),
 ``tridens-warm`` (the same with ``warm_start=True``: each trial starts from the weights of the most
-similar trained model in a zoo beside the store; off by default), ``tridens-fused`` /
-``tridens-unfused`` (the planner's batching choice forced either way: ``TRIDENS_BATCHING=force`` /
+similar trained model in a zoo beside the store; off by default), ``tridens-cached`` (the same
+as ``tridens`` on a machine where the same search ran before: the fused-or-not decisions read from
+the cache file that run wrote; every other tridens run measures them afresh, from an empty cache
+file), ``tridens-fused`` / ``tridens-unfused`` (the planner's batching choice forced either way: ``TRIDENS_BATCHING=force`` /
 ``off``; the other optimizations as planned), ``optuna`` (``study.optimize`` of an objective with
 a plain PyTorch loop over a ``DataLoader``, ``torch.set_num_threads(1)``: one thread per trial),
 ``ray`` (Tune, function trainable, ``ray.init(num_cpus=<cores>)``: one CPU and one torch thread
@@ -661,9 +663,15 @@ def main() -> None:
                 backbone = ["--backbone", path]
 
             def run(system: str, r: int) -> dict[str, Any]:
-                return C.run_worker(script, ["--one", system, "--workload", workload, "--size", args.size,
-                                             "--round", str(args.first_round + r), *backbone, *extra],
-                                    env=FORCED.get(system), timeout=1800)
+                # the batching decisions: measured afresh in every run (a new, empty cache file);
+                # tridens-cached: read from the file an identical untimed run wrote first
+                cache = os.path.join(d, f"decisions-{system}-{r}.sqlite")
+                env = {**FORCED.get(system, {}), "TRIDENS_DECISION_CACHE": cache}
+                argv = ["--one", system, "--workload", workload, "--size", args.size,
+                        "--round", str(args.first_round + r), *backbone, *extra]
+                if system == "tridens-cached":
+                    C.run_worker(script, argv, env=env, timeout=1800)
+                return C.run_worker(script, argv, env=env, timeout=1800)
 
             res = C.interleave(systems, args.rounds, run)
             first = next(iter(res.values()))[0]

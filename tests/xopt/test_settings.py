@@ -13,6 +13,7 @@ from torch import nn
 import tridens as td
 from tridens import nn as tnn
 from tridens.xopt import BatchingSettings, CSESettings, Settings, resolve_settings
+from tridens.xopt._decision_cache import default_path
 
 
 class Mlp(tnn.ModelSpace):
@@ -28,7 +29,8 @@ class Mlp(tnn.ModelSpace):
 
 
 def test_environment_and_defaults():
-    assert Settings.from_env({}) == Settings()
+    assert Settings.from_env({"TRIDENS_DECISION_CACHE": "off"}) == Settings()
+    assert Settings.from_env({}) == Settings().with_batching(decision_cache=str(default_path()))  # the user's cache file
     env = Settings.from_env({"TRIDENS_BATCHING": "force", "TRIDENS_CSE_JOINT": "0", "TRIDENS_CSE_WIDE": "off"})
     assert (env.batching.mode, env.cse.joint, env.cse.wide) == ("force", False, "off")
     with pytest.raises(ValueError, match=r"^\$TRIDENS_BATCHING must be one of \['auto', 'force', 'off'\]. Got 'on' instead.$"):

@@ -52,6 +52,7 @@ import torch
 
 from ..units import ExecutionUnit, Job
 from ..evaluators._base import StepwiseEvaluator
+from ._decision_cache import DecisionCache
 from ._batching import _SETUP_FIELDS, BatchedMember, BatchedUnit, _EFFICIENCY, _SPEEDUPS, peak_matmul_flops
 from ._cse import TrainerMember, joint_trainers, with_fast_kernels
 from ._pipeline import PipelineMember
@@ -84,7 +85,8 @@ class AdaptiveMember:
     inputs: tuple[str, ...] = ("batch",)
 
     def __init__(self, fused: BatchedMember, jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
-                 skey: str = "", setup: tuple[Any, ...] = (), flops: float = 0.0, cse: CSESettings | None = None):
+                 skey: str = "", setup: tuple[Any, ...] = (), flops: float = 0.0, cse: CSESettings | None = None,
+                 stored_key: str | None = None):
         self.fused: BatchedMember | None = fused
         self.settings = fused.settings  # the knobs of the decision
         self.cse = cse if cse is not None else CSESettings()  # how separate trainers step (joint, exact kernels)
@@ -96,6 +98,8 @@ class AdaptiveMember:
         # the cache key, taken now: the planner looks it up with the threads it plans under, which
         # the engine's thread policy may change while the unit runs
         self.key = decision_key(skey, setup, len(self.jobs), self.device)
+        # the key the decision persists under (:mod:`._decision_cache`; None: this process only)
+        self.stored_key = stored_key if self.settings.decision_cache else None
         self.flops = flops  # one model's training FLOPs per step (0: unknown, no roofline check)
         self.state = "deciding"
         self.decision = ""
@@ -402,6 +406,7 @@ class AdaptiveMember:
                 self._go_separate("every model failed")
             return
         _SPEEDUPS[self.key] = ratio
+        self._store(ratio)
         self.speedup = ratio
         text = f"measured from {steps} real steps: {ratio:.2f}x"
         if self.settings.override_speedup is not None:
@@ -412,6 +417,11 @@ class AdaptiveMember:
         else:
             self._go_separate(f"{text} (below {self.settings.min_speedup:.2f}x){note}")
         self._record_decision()
+
+    def _store(self, ratio: float) -> None:
+        """Keep a measured ratio for later processes (not an overridden one)."""
+        if self.stored_key is not None and self.settings.override_speedup is None:
+            DecisionCache(self.settings.decision_cache).put(self.stored_key, ratio)
 
     def _record_decision(self) -> None:
         """Add this group's decision (:meth:`measured`) to what each of its trials records of its
@@ -451,6 +461,7 @@ class AdaptiveMember:
     def _go_separate(self, why: str) -> None:
         if why.startswith("the models do not vectorize"):  # structural: later groups need not try
             _SPEEDUPS[self.key] = 0.0
+            self._store(0.0)
         timing = self._timing
         for t in self.trial_ids():
             if timing is not None and t == timing.trial_id:
@@ -487,12 +498,13 @@ class AdaptiveUnit(BatchedUnit):
 
     def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, reason: str = "", *,
                  shared_input: bool | None = None, skey: str = "", setup: tuple[Any, ...] = (),
-                 flops: float = 0.0, settings: BatchingSettings | None = None, cse: CSESettings | None = None):
+                 flops: float = 0.0, settings: BatchingSettings | None = None, cse: CSESettings | None = None,
+                 stored_key: str | None = None):
         super().__init__(jobs, evaluator, reason, shared_input=shared_input, settings=settings)
         fused = self.member
         assert isinstance(fused, BatchedMember)
         self.member: AdaptiveMember = AdaptiveMember(fused, jobs, evaluator, skey=skey, setup=setup,  # type: ignore[assignment]
-                                                     flops=flops, cse=cse)
+                                                     flops=flops, cse=cse, stored_key=stored_key)
 
     def summary(self) -> str:
         return ExecutionUnit.summary(self) + f" ({self.member.engine})"

@@ -55,7 +55,8 @@ roofline check against the peak matmul rate first), then fused steps interleaved
 keeps training whichever way pays, with results exactly those of fused or separate training from
 the start. The speed-up is cached per (structure, setup, K, device type, threads): later groups
 with the same key are planned fused (a :class:`BatchedUnit`) or left to the next optimization and
-separate training directly. Grouping traces a model's graph only where another model shares its
+separate training directly -- in this process, and in later ones on the same machine through the
+file ``BatchingSettings.decision_cache`` names (:mod:`tridens.xopt._decision_cache`). Grouping traces a model's graph only where another model shares its
 module tree and tensor shapes, and once per set of models whose modules agree in class and plain
 attributes (:func:`_attribute_key`). Knobs (:class:`~tridens.xopt.BatchingSettings`, the ``batching`` part of
 the :class:`~tridens.xopt.Settings` the planner is given):
@@ -107,6 +108,7 @@ kernel; its forward ~2.5x faster on ``(64, 256, 8, 8)``, whole fused steps of 16
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 import time
@@ -122,6 +124,7 @@ from ..units import ExecutionUnit, Job, resolve_max_unit_memory
 from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._supervised import TrainConfig, BatchSource, SupervisedEvaluator
 from ._batched import BatchedMember, BatchedUnit
+from ._decision_cache import DecisionCache, stored_key
 from ._settings import BatchingSettings, CSESettings, Settings
 from ._stacked import _DROPOUTS, _ForwardState, _first_line, _forward_state
 from ._variants import is_site, order_by_variant, sites_as_placeholders
@@ -161,7 +164,8 @@ def _structure_key(model: nn.Module) -> str:
             m.p = p
     tensors = [(n, tuple(t.shape), str(t.dtype), t.requires_grad) for n, t in model.named_parameters()]
     tensors += [(n, tuple(t.shape), str(t.dtype)) for n, t in model.named_buffers()]
-    return f"{fingerprint}|{hash(tuple(tensors))}"
+    digest = hashlib.blake2b(repr(tensors).encode(), digest_size=16).hexdigest()  # the same in every process
+    return f"{fingerprint}|{digest}"
 
 
 def _data_key(ds: Any) -> Any:
@@ -520,22 +524,31 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
 
     units: list[ExecutionUnit] = []
     rest: list[Job] = []
+    cache = DecisionCache(settings.decision_cache) if settings.decision_cache else None
     for chunk in _chunks(group, size):
         k, chunk_ids = len(chunk), [j.trial.id for j in chunk]
-        speedup = _SPEEDUPS.get(decision_key(skey, setup, k, cfg.device))
+        key = decision_key(skey, setup, k, cfg.device)
+        speedup, where = _SPEEDUPS.get(key), "an earlier unit's first steps"
+        stored = stored_key(skey, cfg.optimizer, (cfg.batch_size, cfg.batch_schedule), cfg.loss, cfg.task, x, k,
+                            cfg.device, torch.get_num_threads()) if cache is not None else None
+        if speedup is None and cache is not None and stored is not None:
+            speedup, where = cache.get(stored), f"an earlier run on this machine ({cache.path})"
+            if speedup is not None:
+                _SPEEDUPS[key] = speedup
         if speedup is not None and speedup < settings.min_speedup:
-            log.info("batching: trials %s not fused: measured %.2fx on an earlier unit's first steps (below %.2fx)",
-                     chunk_ids, speedup, settings.min_speedup)
+            log.info("batching: trials %s not fused: measured %.2fx on %s (below %.2fx)",
+                     chunk_ids, speedup, where, settings.min_speedup)
             rest.extend(chunk)
             continue
         try:
             if speedup is not None:
                 unit: BatchedUnit = BatchedUnit(chunk, evaluator, reason=f"{k} trials, fused: measured {speedup:.2f}x "
-                                                "on an earlier unit's first steps", settings=settings)
+                                                f"on {where}", settings=settings)
                 unit.member.speedup = speedup
             else:
                 unit = AdaptiveUnit(chunk, evaluator, reason=f"{k} trials, fused or not as measured on their first "
-                                    "real steps", skey=skey, setup=setup, flops=flops, settings=settings, cse=steps)
+                                    "real steps", skey=skey, setup=setup, flops=flops, settings=settings, cse=steps,
+                                    stored_key=stored)
         except Exception as err:
             log.info("batching: trials %s not fused: the models do not vectorize (%s)", chunk_ids, _first_line(err))
             rest.extend(chunk)

@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ._decision_cache import default_path
+
 __all__ = ["Settings", "BatchingSettings", "CSESettings", "resolve_settings"]
 
 _MODES = ("auto", "force", "off")
@@ -36,7 +38,9 @@ class BatchingSettings:
     group, ``"off"`` none. ``max_unit_size``: the most models in one unit. ``packed``: the
     grouped-kernel engine where it applies (else vmap). ``channels_last``: that engine's 2-d maps
     channels-last (faster, but not bit-equal to separate training). ``keep_freed_memory``: keep
-    freed heap blocks for the next fused step (glibc ``mallopt``, process-wide).
+    freed heap blocks for the next fused step (glibc ``mallopt``, process-wide). ``decision_cache``:
+    the SQLite file keeping measured speed-ups across processes (:mod:`tridens.xopt._decision_cache`;
+    ``""``: this process only; :meth:`Settings.from_env` gives the user's cache file).
 
     >>> BatchingSettings(mode="sometimes")
     Traceback (most recent call last):
@@ -52,6 +56,7 @@ class BatchingSettings:
     measure_rounds: int = 3
     override_speedup: float | None = None
     keep_freed_memory: bool = True
+    decision_cache: str = ""
 
     def __post_init__(self) -> None:
         _check_mode("mode", self.mode, "BatchingSettings")
@@ -112,14 +117,17 @@ class Settings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
         """The defaults, with ``$TRIDENS_BATCHING`` (auto/force/off), ``$TRIDENS_CSE_JOINT``
-        (``0``: off) and ``$TRIDENS_CSE_WIDE`` (auto/force/off) applied.
+        (``0``: off), ``$TRIDENS_CSE_WIDE`` (auto/force/off) and ``$TRIDENS_DECISION_CACHE`` (a
+        file; ``off``: measure in every process; unset: ``~/.cache/tridens/batching.sqlite``) applied.
 
         >>> Settings.from_env({"TRIDENS_BATCHING": "off"}).batching.mode
         'off'
         """
         env = os.environ if environ is None else environ
         try:
-            return cls(BatchingSettings(mode=env.get("TRIDENS_BATCHING", "auto")),
+            cache = env.get("TRIDENS_DECISION_CACHE") or str(default_path())
+            return cls(BatchingSettings(mode=env.get("TRIDENS_BATCHING", "auto"),
+                                        decision_cache="" if cache == "off" else cache),
                        CSESettings(joint=env.get("TRIDENS_CSE_JOINT", "1") != "0", wide=env.get("TRIDENS_CSE_WIDE", "auto")))
         except ValueError as err:
             names = {"mode": "TRIDENS_BATCHING", "wide": "TRIDENS_CSE_WIDE"}

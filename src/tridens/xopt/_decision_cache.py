@@ -1,0 +1,109 @@
+"""Measured fused-or-not speed-ups kept across processes, like cuDNN's benchmark cache: a group of
+a model structure measured on this machine once is planned from that measurement in later runs,
+with no timing steps (whose fixed cost, 0.15-0.5 s, is most of a short run's planning).
+
+A decision is stored under a digest of what its speed depends on -- the model structure (graph
+fingerprint and tensor shapes), the optimizer, loss, task, input batch shape and dtype, K, device
+type and torch threads -- and of the machine and software that measured it (CPU model, cores,
+Python, torch and tridens versions), so a changed machine or upgrade measures again. SQLite from
+the standard library: several processes (a process pool, Ray workers) may read and write at once.
+Plain numbers only: nothing read from the file is ever run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import sqlite3
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("tridens")
+
+__all__ = ["DecisionCache", "default_path", "stored_key"]
+
+
+def default_path() -> Path:
+    """``$XDG_CACHE_HOME/tridens/batching.sqlite`` (``~/.cache`` when unset)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tridens" / "batching.sqlite"
+
+
+@lru_cache(maxsize=1)
+def _machine() -> tuple[str, ...]:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    from .. import __version__
+
+    return (model, str(os.cpu_count()), platform.python_version(), torch.__version__, __version__)
+
+
+def _name(value: Any) -> str:
+    """A callable's (or its class's) qualified name: the same loss in every process."""
+    target = value if callable(value) and hasattr(value, "__qualname__") else type(value)
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
+
+
+def stored_key(skey: str, optimizer: str, batch: tuple[Any, ...], loss: Any, task: Any, x: torch.Tensor, k: int,
+               device: torch.device, threads: int) -> str:
+    """The digest a decision is stored under (see the module docstring)."""
+    parts = [skey, optimizer, repr(batch), _name(loss), repr(task), list(x.shape), str(x.dtype), k, device.type,
+             threads, list(_machine())]
+    return hashlib.blake2b(json.dumps(parts).encode(), digest_size=20).hexdigest()
+
+
+class DecisionCache:
+    """The speed-ups measured on this machine, in the SQLite file at ``path``.
+
+    >>> import tempfile, os
+    >>> cache = DecisionCache(os.path.join(tempfile.mkdtemp(), "batching.sqlite"))
+    >>> cache.put("abc", 2.5); cache.get("abc")
+    2.5
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+
+    def _connect(self) -> sqlite3.Connection:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, timeout=10)
+        db.execute("CREATE TABLE IF NOT EXISTS speedups (key TEXT PRIMARY KEY, speedup REAL NOT NULL, "
+                    "measured REAL NOT NULL)")
+        return db
+
+    def get(self, key: str) -> float | None:
+        """The stored speed-up, or None (also when the file cannot be read: it is only a cache)."""
+        try:
+            db = self._connect()
+            try:
+                row = db.execute("SELECT speedup FROM speedups WHERE key = ?", (key,)).fetchone()
+            finally:
+                db.close()
+        except (OSError, sqlite3.Error) as err:
+            log.debug("batching: decision cache %s not read: %s", self.path, err)
+            return None
+        value = row[0] if row else None
+        return float(value) if isinstance(value, (int, float)) else None
+
+    def put(self, key: str, speedup: float) -> None:
+        """Store a measured speed-up (a file that cannot be written is skipped, logged at debug)."""
+        try:
+            db = self._connect()
+            try:
+                with db:
+                    db.execute("INSERT OR REPLACE INTO speedups VALUES (?, ?, ?)", (key, float(speedup), time.time()))
+            finally:
+                db.close()
+        except (OSError, sqlite3.Error) as err:
+            log.debug("batching: decision cache %s not written: %s", self.path, err)
