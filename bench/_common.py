@@ -19,6 +19,10 @@ from importlib import metadata
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Benchmarks measure the batching planner's decisions in every run (no user cache file read),
+# unless a benchmark names a cache file itself (bench/headline.py's tridens-cached); child
+# processes inherit this.
+os.environ.setdefault("TRIDENS_DECISION_CACHE", "off")
 
 
 def version(dist: str) -> str:

@@ -20,6 +20,7 @@ import platform
 import sqlite3
 import time
 from functools import lru_cache
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +45,11 @@ def _machine() -> tuple[str, ...]:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
     except OSError:
         pass
-    from .. import __version__
-
-    return (model, str(os.cpu_count()), platform.python_version(), torch.__version__, __version__)
+    try:
+        version = metadata.version("tridens")
+    except metadata.PackageNotFoundError:  # run from a source tree: the code itself identifies it
+        version = hashlib.blake2b(Path(__file__).parent.joinpath("_batching.py").read_bytes(), digest_size=8).hexdigest()
+    return (model, str(os.cpu_count()), platform.python_version(), torch.__version__, version)
 
 
 def _name(value: Any) -> str:
