@@ -32,6 +32,9 @@ process (so peak RSS is its own), in the modes:
   decides fused or separate from its own first real training steps (``tridens.xopt._adaptive``);
   leftovers train as a ``SeparateUnit``. The time includes planning and deciding; the last column
   says what the unit decided and why (read after training).
+* ``planner-cached`` (not run by default): ``planner`` on a machine where the same run happened
+  before: an untimed identical run first measures and stores the decisions
+  (``BatchingSettings.decision_cache``, a new file each time), the timed one plans from them.
 * ``MODE-ref`` (with ``--ref-src DIR``): MODE with tridens imported from ``DIR/src``, e.g. the
   planner of an earlier commit (``git archive <commit> src | tar -x -C DIR``), run interleaved with
   the others.
@@ -56,6 +59,7 @@ import statistics
 import subprocess
 import sys
 import time
+import tempfile
 
 import torch
 import torch.nn as nn
@@ -134,6 +138,8 @@ def child(args: argparse.Namespace) -> None:
     try:
         from tridens.xopt import Settings
         planner_options = {"settings": Settings()}  # the defaults: batching decided by measurement ("auto")
+        if args.mode == "planner-cached":  # decisions read from the file an untimed identical run wrote
+            planner_options = {"settings": Settings().with_batching(decision_cache=args.decision_cache)}
     except ImportError:  # a --ref-src snapshot from before td.xopt.Settings: module-level knobs, "auto" too
         planner_options = {}
 
@@ -245,7 +251,7 @@ def child(args: argparse.Namespace) -> None:
     sync()
     seconds = time.perf_counter() - t0
     cpu = time.process_time() - c0
-    if mode == "planner":  # what the units decided (adaptive ones on their first real steps), after timing
+    if mode.startswith("planner"):  # what the units decided (adaptive ones on their first real steps), after timing
         decision = "; ".join(planner_decision(u, n) for u, n in zip(units, sizes))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     gpu_peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
@@ -317,7 +323,13 @@ def run_child(args: argparse.Namespace, scenario: str, k: int, mode: str) -> dic
     cmd = [sys.executable, __file__, "--child", "--scenario", scenario, "--k", str(k), "--mode", mode,
            "--fashion-limit", str(args.fashion_limit), "--device", args.device] + (
         ["--threads", str(args.threads)] if args.threads else [])
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    if mode == "planner-cached":
+        with tempfile.TemporaryDirectory() as d:
+            cmd += ["--decision-cache", os.path.join(d, "batching.sqlite")]
+            subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)  # measures and stores
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    else:
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -334,13 +346,14 @@ def main() -> None:
     parser.add_argument("--device", default="auto",
                         help="where every mode trains: auto (cuda if available, else cpu), cpu, cuda, cuda:1 ...")
     parser.add_argument("--modes", default=",".join(MODES),
-                        help="any of sequential, vmap, fused, planner; MODE-ref runs MODE with tridens from --ref-src")
+                        help="any of sequential, vmap, fused, planner, planner-cached; MODE-ref runs MODE with tridens from --ref-src")
     parser.add_argument("--ref-src", help="a checkout (e.g. `git archive <commit> src | tar -x -C DIR`) whose src/ "
                         "the -ref modes import tridens from")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--scenario", help=argparse.SUPPRESS)
     parser.add_argument("--k", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
+    parser.add_argument("--decision-cache", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
