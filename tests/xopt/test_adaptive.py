@@ -21,7 +21,7 @@ from tridens.xopt._adaptive import AdaptiveMember, AdaptiveUnit
 from tridens.xopt._batching import BatchedUnit, plan_batching
 from tridens.xopt._cse import SharedPipelineUnit
 
-from .test_batching import SAMPLES, TOL, HpSpace, assert_close_runs, cnn, evaluator, make_jobs, mlp, plain, run
+from .test_batching import SAMPLES, TOL, HpSpace, assert_close_runs, assert_same_trials, cnn, evaluator, json_key, make_jobs, mlp, plain, run
 from .test_planning import Counter
 
 
@@ -265,13 +265,8 @@ def test_experiment_auto_equals_separate(data, tmp_path):
         exp = td.Experiment(HpSpace(), ev, td.strategy.GridSearch(), max_trials=6, store=tmp_path / f"{optimize}.db",
                             name="hp", optimize=optimize, verbose=False, seed=3)
         exp.run()
-        results[optimize] = {tuple(sorted(t.sample.items())): t for t in exp.trials()}
-    assert results[True].keys() == results[False].keys() and len(results[True]) == 6
-    for key, a in results[False].items():
-        b = results[True][key]
-        assert a.status is TrialStatus.COMPLETED and b.status is TrialStatus.COMPLETED
-        for name in a.metrics:
-            assert all(abs(x - y) <= TOL for x, y in zip(a.metrics[name], b.metrics[name])), (key, name)
+        results[optimize] = {json_key(t.sample): t for t in exp.trials()}
+    assert_same_trials(results[False], results[True], 6)
 
 
 def test_cheap_structure_keys(data):

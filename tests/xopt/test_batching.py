@@ -362,14 +362,19 @@ def test_experiment_optimize_true_equals_false(data, force, tmp_path, caplog):
             exp.run()
         results[optimize] = {json_key(t.sample): t for t in exp.trials()}
     assert "batched unit of" in caplog.text
-    assert results[True].keys() == results[False].keys() and len(results[True]) == 12
-    for key, a in results[False].items():
-        b = results[True][key]
-        assert a.status is TrialStatus.COMPLETED and b.status is TrialStatus.COMPLETED and a.seed == b.seed
-        assert a.metrics.keys() == b.metrics.keys()
-        for name in a.metrics:
-            assert all(abs(x - y) <= TOL for x, y in zip(a.metrics[name], b.metrics[name])), (key, name)
+    assert_same_trials(results[False], results[True], 12)
 
 
 def json_key(sample):
     return tuple(sorted(sample.items()))
+
+
+def assert_same_trials(alone, optimized, count):
+    """Two runs' trials (by sample) all completed, with the same seeds and per-epoch metrics."""
+    assert optimized.keys() == alone.keys() and len(alone) == count
+    for key, a in alone.items():
+        b = optimized[key]
+        assert a.status is TrialStatus.COMPLETED and b.status is TrialStatus.COMPLETED and a.seed == b.seed
+        assert a.metrics.keys() == b.metrics.keys()
+        for name in a.metrics:
+            assert all(abs(x - y) <= TOL for x, y in zip(a.metrics[name], b.metrics[name])), (key, name)

@@ -11,12 +11,11 @@ from torch import nn
 
 import tridens as td
 from tridens import nn as tnn
-from tridens.trial import TrialStatus
 from tridens.units import SeparateUnit
 from tridens.xopt import BatchingSettings
 from tridens.xopt._batching import BatchedUnit, _structure_keys, plan_batching
 
-from .test_batching import SAMPLES, TOL, Cast, assert_close_runs, evaluator, json_key, make_jobs, run
+from .test_batching import SAMPLES, Cast, assert_close_runs, assert_same_trials, evaluator, json_key, make_jobs, run
 
 
 @pytest.fixture(scope="module")
@@ -144,9 +143,4 @@ def test_experiment_over_an_activation_choice_fuses_and_equals_optimize_false(da
             exp.run()
         results[optimize] = {json_key(t.sample): t for t in exp.trials()}
     assert "batched unit of 6" in caplog.text
-    assert results[True].keys() == results[False].keys() and len(results[True]) == 6
-    for key, a in results[False].items():
-        b = results[True][key]
-        assert a.status is TrialStatus.COMPLETED and b.status is TrialStatus.COMPLETED
-        for name in a.metrics:
-            assert all(abs(x - y) <= TOL for x, y in zip(a.metrics[name], b.metrics[name])), (key, name)
+    assert_same_trials(results[False], results[True], 6)

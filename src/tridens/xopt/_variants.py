@@ -18,10 +18,6 @@ ACTIVATIONS: tuple[type[nn.Module], ...] = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Hardswish, nn.Hardtanh,
     nn.Mish, nn.Softplus, nn.Identity)
 
-_MODULE_STATE = {"training", "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
-                 "_is_full_backward_hook"}
-
-
 def is_site(module: nn.Module) -> bool:
     """An activation module another activation can replace: one of :data:`ACTIVATIONS` exactly
     (not a subclass, whose forward may be anything), with no parameters, buffers, children or hooks."""
@@ -49,7 +45,7 @@ def describe(module: nn.Module) -> tuple[Any, ...]:
     """What tells one activation from another: its class and plain settings (``inplace`` left out:
     the fused forward never runs in place)."""
     attrs = tuple(sorted((k, repr(v)) for k, v in module.__dict__.items()
-                         if k not in _MODULE_STATE and k != "inplace" and not k.startswith("_")))
+                         if k not in ("training", "inplace") and not k.startswith("_")))
     return (type(module).__module__, type(module).__qualname__, attrs)
 
 
