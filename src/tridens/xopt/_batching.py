@@ -1,8 +1,8 @@
 """Operator batching: K same-shaped models trained as ONE vectorized model.
 
 Trials whose models have the same structure (module tree, parameter and buffer shapes, forward
-graph; Dropout ``p`` and the activation modules may differ: :mod:`._variants`) and whose training setups agree on everything but the learning
-rate, momentum, weight decay and lr schedule (same optimizer kind, batch size, epochs, loss, data,
+graph; Dropout ``p`` and the activation modules may differ: :mod:`._variants`) and whose training
+setups agree on everything but the learning rate, momentum, weight decay and lr schedule (same optimizer kind, batch size, epochs, loss, data,
 transforms and data order) are stacked with ``torch.func``: parameters and buffers become tensors
 with a leading model dimension, the forward is ``vmap(functional_call(...))`` over it, and the
 shared input batch is *not* batched (``in_dims=None``), so the first layer runs as one wide
@@ -56,8 +56,8 @@ keeps training whichever way pays, with results exactly those of fused or separa
 the start. The speed-up is cached per (structure, setup, K, device type, threads): later groups
 with the same key are planned fused (a :class:`BatchedUnit`) or left to the next optimization and
 separate training directly -- in this process, and in later ones on the same machine through the
-file ``BatchingSettings.decision_cache`` names (:mod:`tridens.xopt._decision_cache`). Grouping traces a model's graph only where another model shares its
-module tree and tensor shapes, and once per set of models whose modules agree in class and plain
+file ``BatchingSettings.decision_cache`` names (:mod:`tridens.xopt._decision_cache`). Grouping
+traces a model's graph only where another model shares its module tree and tensor shapes, and once per set of models whose modules agree in class and plain
 attributes (:func:`_attribute_key`). Knobs (:class:`~tridens.xopt.BatchingSettings`, the ``batching`` part of
 the :class:`~tridens.xopt.Settings` the planner is given):
 
@@ -530,7 +530,9 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
         key = decision_key(skey, setup, k, cfg.device)
         speedup, where = _SPEEDUPS.get(key), "an earlier unit's first steps"
         stored = stored_key(skey, cfg.optimizer, (cfg.batch_size, cfg.batch_schedule), cfg.loss, cfg.task, x, k,
-                            cfg.device, torch.get_num_threads()) if cache is not None else None
+                            cfg.device, torch.get_num_threads(),
+                            (settings.packed, settings.channels_last, steps.joint, steps.fast_pools)) \
+            if cache is not None else None
         if speedup is None and cache is not None and stored is not None:
             speedup, where = cache.get(stored), f"an earlier run on this machine ({cache.path})"
             if speedup is not None:

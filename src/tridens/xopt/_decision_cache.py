@@ -4,7 +4,7 @@ with no timing steps (whose fixed cost, 0.15-0.5 s, is most of a short run's pla
 
 A decision is stored under a digest of what its speed depends on -- the model structure (graph
 fingerprint and tensor shapes), the optimizer, loss, task, input batch shape and dtype, K, device
-type and torch threads -- and of the machine and software that measured it (CPU model, cores,
+type, torch threads and the knobs the steps ran with -- and of the machine and software that measured it (CPU model, cores,
 Python, torch and tridens versions), so a changed machine or upgrade measures again. SQLite from
 the standard library: several processes (a process pool, Ray workers) may read and write at once.
 Plain numbers only: nothing read from the file is ever run.
@@ -59,10 +59,11 @@ def _name(value: Any) -> str:
 
 
 def stored_key(skey: str, optimizer: str, batch: tuple[Any, ...], loss: Any, task: Any, x: torch.Tensor, k: int,
-               device: torch.device, threads: int) -> str:
-    """The digest a decision is stored under (see the module docstring)."""
+               device: torch.device, threads: int, options: tuple[Any, ...] = ()) -> str:
+    """The digest a decision is stored under (see the module docstring); ``options``: the knobs
+    the measured steps ran with (engine, memory format, how separate trainers step)."""
     parts = [skey, optimizer, repr(batch), _name(loss), repr(task), list(x.shape), str(x.dtype), k, device.type,
-             threads, list(_machine())]
+             threads, repr(options), list(_machine())]
     return hashlib.blake2b(json.dumps(parts).encode(), digest_size=20).hexdigest()
 
 
