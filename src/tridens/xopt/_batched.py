@@ -75,8 +75,8 @@ class BatchedMember:
             raise TypeError("the models have their activations in different places")
         self._variants = {job.trial.id: v for job, v in zip(jobs, variants)}
         self._site_modules = {v: sites(m) for v, m in zip(variants, models)}
-        self._mixed_sites = {name for name, _ in variants[0]
-                             if len({dict(v)[name] for v in variants}) > 1} if len(set(variants)) > 1 else set()
+        choices = [dict(v) for v in variants]
+        self._mixed_sites = {name for name in choices[0] if len({c[name] for c in choices}) > 1}
         self._bases = {v: _skeleton(m) for v, m in zip(variants, models)} if self._mixed_sites else {}
         self._runs: list[tuple[int, int, tuple[Any, ...]]] = []
         self._forwards: dict[tuple[Any, ...], tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {}

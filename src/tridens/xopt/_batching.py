@@ -127,7 +127,7 @@ from ._batched import BatchedMember, BatchedUnit
 from ._decision_cache import DecisionCache, stored_key
 from ._settings import BatchingSettings, CSESettings, Settings
 from ._stacked import _DROPOUTS, _ForwardState, _first_line, _forward_state
-from ._variants import is_site, order_by_variant, sites_as_placeholders
+from ._variants import is_hook_attribute, is_site, order_by_variant, sites_as_placeholders
 
 __all__ = ["BatchedUnit", "BatchingSettings", "plan_batching", "group_key", "clear_cache"]
 
@@ -368,8 +368,7 @@ def _attribute_key(model: nn.Module) -> tuple[Any, ...] | None:
             for key, value in m.__dict__.items():
                 if key in _MODULE_STATE or (key == "p" and type(m) in _DROPOUTS):
                     continue
-                if key.startswith("_") and key.endswith("hooks") or key.endswith("hooks_with_kwargs") \
-                        or key.endswith("hooks_always_called"):
+                if is_hook_attribute(key):
                     if value:
                         return None
                     continue

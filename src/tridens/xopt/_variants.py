@@ -22,12 +22,17 @@ def is_site(module: nn.Module) -> bool:
     """An activation module another activation can replace: one of :data:`ACTIVATIONS` exactly
     (not a subclass, whose forward may be anything), with no parameters, buffers, children or hooks."""
     return type(module) in ACTIVATIONS and not module._parameters and not module._buffers and \
-        not module._modules and not _has_hooks(module)
+        not module._modules and not has_hooks(module)
 
 
-def _has_hooks(module: nn.Module) -> bool:
-    return any(value for key, value in module.__dict__.items()
-               if key.startswith("_") and ("hooks" in key) and isinstance(value, dict))
+def is_hook_attribute(key: str) -> bool:
+    """A module attribute that holds registered hooks (``_forward_hooks``, ``_backward_pre_hooks``, ...)."""
+    return key.startswith("_") and key.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called"))
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Whether any hook is registered on ``module`` itself."""
+    return any(value for key, value in module.__dict__.items() if is_hook_attribute(key))
 
 
 def sites(model: nn.Module) -> dict[str, nn.Module]:
