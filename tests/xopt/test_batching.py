@@ -321,6 +321,39 @@ def test_planner_groups_by_structure_and_setup(data, force, caplog):
     assert "fused: forced" in units[0].summary()
 
 
+def _same_named_net(negate: bool) -> type[nn.Module]:
+    """A class named ``Net`` whose forward negates or not: two calls give classes with equal names,
+    modules and attributes but different forwards (a class defined again, as in a notebook)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 10)
+
+        def forward(self, x):
+            out = self.fc(x.flatten(1))
+            return out.neg() if negate else out
+
+    return Net
+
+
+def test_structure_keys_are_kept_across_plans_per_class(data, force):
+    # a later plan of the same kind of model reuses the traced key; a class defined again is traced again
+    plain, negated = _same_named_net(False), _same_named_net(True)
+
+    def jobs(cls, first):
+        return [Job(Trial(id=first + i, sample={"lr": 0.1}, seed=i), cls()) for i in range(2)]
+
+    first = _batching._structure_keys(jobs(plain, 0))
+    again = _batching._structure_keys(jobs(plain, 2))
+    other = _batching._structure_keys(jobs(negated, 4))
+    assert first[0] == first[1] == again[0] == again[1]
+    assert other[0] == other[1] != first[0]
+    ev = td.evaluators.Classification(*data, epochs=1, batch_size=64, lr=0.1)
+    units, rest = plan_batching(jobs(plain, 6) + jobs(negated, 8), ev, settings=force)
+    assert sorted(sorted(u.jobs) for u in units) == [[6, 7], [8, 9]] and not rest
+
+
 def test_planner_respects_max_unit_memory(data, force, caplog):
     ev = evaluator(data, "sgd", epochs=1)
     probe = BatchedMember(make_jobs(SAMPLES[:2], cnn), ev)

@@ -194,6 +194,8 @@ class TrainConfig:
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (0-based, counted over the whole training)."""
+        if self.schedule == "constant" and not self.warmup_epochs:  # every step of a fused unit asks
+            return self.lr
         first = (lambda e: self.epoch_steps(e)[0]) if self.batch_schedule else (lambda e: e * self.steps_per_epoch)
         milestones = None if self.milestones is None else [first(m) for m in self.milestones]
         return scheduled_lr(self.schedule, self.lr, step, self.total_steps, milestones=milestones,

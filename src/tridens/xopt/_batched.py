@@ -77,7 +77,11 @@ class BatchedMember:
         self._site_modules = {v: sites(m) for v, m in zip(variants, models)}
         choices = [dict(v) for v in variants]
         self._mixed_sites = {name for name in choices[0] if len({c[name] for c in choices}) > 1}
-        self._bases = {v: _skeleton(m) for v, m in zip(variants, models)} if self._mixed_sites else {}
+        self._bases: dict[tuple[Any, ...], nn.Module] = {}
+        if self._mixed_sites:  # one skeleton per variant (the first model's is the base)
+            for v, m in zip(variants, models):
+                if v not in self._bases:
+                    self._bases[v] = self.base if m is first else _skeleton(m)
         self._runs: list[tuple[int, int, tuple[Any, ...]]] = []
         self._forwards: dict[tuple[Any, ...], tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {}
         with torch.no_grad():

@@ -138,10 +138,18 @@ log = logging.getLogger("tridens")
 _SPEEDUPS: dict[tuple[Any, ...], float] = {}
 
 
+# (attribute key, module classes) -> structure key (or the error tracing raised): later groups of a
+# search plan models of the same kind, traced once per process
+_TRACED: dict[tuple[Any, ...], "str | BaseException"] = {}
+_TRACED_MAX = 4096
+
+
 def clear_cache() -> None:
-    """Forget the measured speed-ups and separate-step rates (kept for the process's lifetime)."""
+    """Forget the measured speed-ups, separate-step rates and traced structure keys (kept for the
+    process's lifetime)."""
     _SPEEDUPS.clear()
     _EFFICIENCY.clear()
+    _TRACED.clear()
 
 
 # -- grouping ----------------------------------------------------------------------------------------
@@ -381,29 +389,33 @@ def _attribute_key(model: nn.Module) -> tuple[Any, ...] | None:
 
 def _structure_keys(jobs: Sequence[Job]) -> list[str | BaseException | None]:
     """The structure key (:func:`_structure_key`, a graph trace) of each job whose model shares its
-    module tree and tensor shapes with another job's; models with equal attribute keys share one
-    trace. None for a job with no partner to stack with (in ``jobs``' order)."""
+    module tree and tensor shapes with another job's; models with equal attribute keys and module
+    classes share one trace, in this call and later ones (:data:`_TRACED`). None for a job with no
+    partner to stack with (in ``jobs``' order)."""
     by_shape: dict[tuple[Any, ...], list[int]] = {}
     for index, job in enumerate(jobs):
         by_shape.setdefault(_shape_key(job.model), []).append(index)
     keys: list[str | BaseException | None] = [None] * len(jobs)
-    traced: dict[tuple[Any, ...], str | BaseException] = {}
     for group in by_shape.values():
         if len(group) < 2:
             continue
         for index in group:
             job = jobs[index]
             attrs = _attribute_key(job.model)
-            if attrs is not None and attrs in traced:
-                keys[index] = traced[attrs]
+            # the classes themselves (not their names): a class defined again, e.g. in a notebook, is traced again
+            cached = None if attrs is None else (attrs, tuple(type(m) for m in job.model.modules()))
+            if cached is not None and cached in _TRACED:
+                keys[index] = _TRACED[cached]
                 continue
             try:
                 key: str | BaseException = _structure_key(job.model)
             except Exception as err:
                 key = err
             keys[index] = key
-            if attrs is not None:
-                traced[attrs] = key
+            if cached is not None:
+                if len(_TRACED) >= _TRACED_MAX:
+                    _TRACED.clear()
+                _TRACED[cached] = key
     return keys
 
 

@@ -47,6 +47,11 @@ class _FlatLayout:
         """Per-model scalars repeated over each model's elements of every parameter."""
         return torch.tensor(values, dtype=self.like.dtype, device=self.like.device).index_select(0, self.model_index)
 
+    def columns(self, values: Sequence[float]) -> list[torch.Tensor]:
+        """Per-model scalars as one ``(K, 1, ...)`` view per parameter, broadcast over its rows."""
+        vector = torch.tensor(values, dtype=self.like.dtype, device=self.like.device)
+        return [vector.view(-1, *([1] * (len(shape) - 1))) for shape in self.shapes]
+
     def per_parameter(self, values: Sequence[float]) -> torch.Tensor:
         """Per-parameter scalars repeated over each parameter's elements."""
         return torch.cat([torch.full((size,), v, dtype=self.like.dtype, device=self.like.device)
@@ -162,14 +167,19 @@ class _VectorOptimizer:
             if len(set(counts)) == 1:
                 count = counts[0]
                 denom = (exp_avg_sq.sqrt() / (1 - self.BETA2 ** count) ** 0.5).add_(self.EPS)
-                step_size = self._rows("-step size", [-a / (1 - m ** count) for a, m in zip(lrs, self.momentum)])
+                # the step size changes every step (bias correction): scale each parameter's rows by
+                # their model's value in place of gathering a vector as long as the parameters
+                layout.update.copy_(exp_avg)
+                torch._foreach_mul_(layout.update_views, layout.columns(
+                    [-a / (1 - m ** count) for a, m in zip(lrs, self.momentum)]))
+                layout.update.div_(denom)
             else:  # a parameter skipped on some steps (no gradient) counts its own steps
                 denom = (exp_avg_sq.sqrt() / layout.per_parameter([(1 - self.BETA2 ** c) ** 0.5 for c in counts])
                          ).add_(self.EPS)
                 step_size = torch.cat([
                     layout.per_model([-a / (1 - m ** c) for a, m in zip(lrs, self.momentum)])[start:start + size]
                     for c, start, size in zip(counts, _starts(layout.sizes), layout.sizes)])
-            torch.mul(step_size, exp_avg, out=layout.update).div_(denom)
+                torch.mul(step_size, exp_avg, out=layout.update).div_(denom)
             torch._foreach_add_(ps, layout.update_views)
         elif kind == "rmsprop":
             square_avg = self._state("square_avg", layout)
