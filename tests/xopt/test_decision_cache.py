@@ -29,9 +29,10 @@ def test_a_second_run_plans_from_the_first_runs_measurement(tmp_path):
     first, log1 = run_search(tmp_path, "first", cache)
     assert "fused or not as measured on their first real steps" in log1
     with sqlite3.connect(cache) as db:
-        (count,) = db.execute("SELECT COUNT(*) FROM speedups").fetchone()
-        (stored,) = db.execute("SELECT speedup FROM speedups").fetchone()
+        (count,) = db.execute("SELECT COUNT(*) FROM measurements").fetchone()
+        (stored,) = db.execute("SELECT speedup FROM measurements").fetchone()
     assert count == 1  # one structure (both activations), one unit size
+    assert stored > 1.1 * 1.25  # a clear decision (a marginal one would be measured again)
     second, log2 = run_search(tmp_path, "second", cache)
     assert "on an earlier run on this machine" in log2 and f"{stored:.2f}x" in log2
     assert "as measured on their first real steps" not in log2
@@ -51,16 +52,26 @@ def test_a_damaged_or_unwritable_file_is_only_a_cache(tmp_path):
     damaged.write_bytes(b"not a database" * 100)
     cache = DecisionCache(damaged)
     cache.put("k", 2.0)
-    assert cache.get("k") is None
+    assert cache.get("k") == []
     blocked = tmp_path / "file"
     blocked.write_text("")
     unwritable = DecisionCache(blocked / "sub" / "batching.sqlite")  # its folder cannot be made
     unwritable.put("k", 2.0)
-    assert unwritable.get("k") is None
+    assert unwritable.get("k") == []
     fine = DecisionCache(tmp_path / "ok.sqlite")
     fine.put("k", 2.5)
     fine.put("k", 0.8)
-    assert fine.get("k") == 0.8 and fine.get("other") is None
+    assert fine.get("k") == [2.5, 0.8] and fine.get("other") == []
+
+
+def test_the_file_keeps_the_latest_measurements_of_a_key(tmp_path):
+    cache = DecisionCache(tmp_path / "c.sqlite")
+    for value in range(1, 9):
+        cache.put("k", float(value))
+    cache.put("j", 3.0)
+    assert cache.get("k") == [4.0, 5.0, 6.0, 7.0, 8.0] and cache.get("j") == [3.0]  # KEPT = 5
+    cache.put("k", 0.0, replace=True)  # e.g. the models turned out not to vectorize
+    assert cache.get("k") == [0.0] and cache.get("j") == [3.0]
 
 
 def test_structure_keys_are_the_same_in_every_process():

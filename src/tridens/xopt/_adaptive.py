@@ -42,7 +42,8 @@ batches if it has not yet). A fused stack that fails (a forward that does not ve
 evaluation forward that fails) goes separate, saying why. The outcome is logged ("batching: trials
 [...] fused: measured from 5 real steps: 2.31x") and cached per (structure, setup, K, device type,
 threads at planning; the data order left out): later groups with the same key are planned fused
-or separate directly. Knobs are
+or separate directly (or measure again while the measurements are few and near the bar:
+:func:`tridens.xopt._batching.settled_speedup`). Knobs are
 :class:`tridens.xopt.BatchingSettings` given to the unit (``override_speedup`` replaces the measured ratio
 in the decision: tests use it to drive either path on real training).
 """
@@ -60,7 +61,7 @@ import torch
 from ..units import ExecutionUnit, Job
 from ..evaluators._base import StepwiseEvaluator
 from ._decision_cache import DecisionCache
-from ._batching import _SETUP_FIELDS, BatchedMember, BatchedUnit, _EFFICIENCY, _SPEEDUPS, peak_matmul_flops
+from ._batching import _SETUP_FIELDS, BatchedMember, BatchedUnit, _EFFICIENCY, peak_matmul_flops, record_speedup
 from ._cse import TrainerMember, joint_trainers, with_fast_kernels
 from ._pipeline import PipelineMember
 from ._settings import BatchingSettings, CSESettings
@@ -458,7 +459,7 @@ class AdaptiveMember:
             else:
                 self._go_separate("every model failed")
             return
-        _SPEEDUPS[self.key] = ratio
+        record_speedup(self.key, ratio)
         self._store(ratio)
         self.speedup = ratio
         evals = " and evaluation forwards" if self._eval else ""
@@ -472,10 +473,10 @@ class AdaptiveMember:
             self._go_separate(f"{text} (below {self.settings.min_speedup:.2f}x){note}")
         self._record_decision()
 
-    def _store(self, ratio: float) -> None:
+    def _store(self, ratio: float, *, replace: bool = False) -> None:
         """Keep a measured ratio for later processes (not an overridden one)."""
         if self.stored_key is not None and self.settings.override_speedup is None:
-            DecisionCache(self.settings.decision_cache).put(self.stored_key, ratio)
+            DecisionCache(self.settings.decision_cache).put(self.stored_key, ratio, replace=replace)
 
     def _record_decision(self) -> None:
         """Add this group's decision (:meth:`measured`) to what each of its trials records of its
@@ -514,8 +515,8 @@ class AdaptiveMember:
 
     def _go_separate(self, why: str) -> None:
         if why.startswith("the models do not vectorize"):  # structural: later groups need not try
-            _SPEEDUPS[self.key] = 0.0
-            self._store(0.0)
+            record_speedup(self.key, 0.0, replace=True)
+            self._store(0.0, replace=True)
         timing = self._timing
         for t in self.trial_ids():
             if timing is not None and t == timing.trial_id:

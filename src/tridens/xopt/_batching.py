@@ -55,7 +55,10 @@ roofline check against the peak matmul rate first), then fused steps interleaved
 keeps training whichever way pays, with results exactly those of fused or separate training from
 the start. The speed-up is cached per (structure, setup, K, device type, threads): later groups
 with the same key are planned fused (a :class:`BatchedUnit`) or left to the next optimization and
-separate training directly -- in this process, and in later ones on the same machine through the
+separate training directly, from the median of the measurements -- except while that median is
+within 25% of ``min_speedup`` and fewer than ``marginal_measurements`` were taken, where one
+noisy measurement may have landed on the wrong side: those groups measure again
+(:func:`settled_speedup`). Kept in this process, and in later ones on the same machine through the
 file ``BatchingSettings.decision_cache`` names (:mod:`tridens.xopt._decision_cache`). Grouping
 traces a model's graph only where another model shares its module tree and tensor shapes, and once per set of models whose modules agree in class and plain
 attributes (:func:`_attribute_key`). Knobs (:class:`~tridens.xopt.BatchingSettings`, the ``batching`` part of
@@ -111,6 +114,7 @@ import dataclasses
 import hashlib
 import logging
 import math
+import statistics
 import time
 import warnings
 from typing import Any, Callable, Sequence
@@ -124,7 +128,7 @@ from ..units import ExecutionUnit, Job, resolve_max_unit_memory
 from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._supervised import TrainConfig, BatchSource, SupervisedEvaluator
 from ._batched import BatchedMember, BatchedUnit
-from ._decision_cache import DecisionCache, stored_key
+from ._decision_cache import KEPT, DecisionCache, stored_key
 from ._settings import BatchingSettings, CSESettings, Settings
 from ._stacked import _DROPOUTS, _ForwardState, _first_line, _forward_state
 from ._variants import is_hook_attribute, is_site, order_by_variant, sites_as_placeholders
@@ -134,8 +138,36 @@ __all__ = ["BatchedUnit", "BatchingSettings", "plan_batching", "group_key", "cle
 log = logging.getLogger("tridens")
 
 
-# (group key, K, device type) -> measured speed-up of fused over separate training.
-_SPEEDUPS: dict[tuple[Any, ...], float] = {}
+# (group key, K, device type) -> the measured speed-ups of fused over separate training, oldest first
+_SPEEDUPS: dict[tuple[Any, ...], list[float]] = {}
+MARGIN = 1.25
+"""A speed-up within this factor of ``min_speedup`` (either side) is *marginal*: one measurement
+of it may fall on the wrong side, so later groups measure again (:func:`settled_speedup`)."""
+
+
+def record_speedup(key: tuple[Any, ...], speedup: float, *, replace: bool = False) -> None:
+    """Keep a measured speed-up for later groups of ``key`` (``replace``: instead of the earlier
+    ones, e.g. 0 for models that do not vectorize); the latest :data:`KEPT` are kept."""
+    values = [] if replace else _SPEEDUPS.get(key, [])
+    _SPEEDUPS[key] = (values + [float(speedup)])[-KEPT:]
+
+
+def settled_speedup(measured: Sequence[float], settings: BatchingSettings) -> float | None:
+    """The speed-up a group is planned from: the median of the ``measured`` ones, or None (measure
+    again) where there are none, or the median is marginal (within :data:`MARGIN` of
+    ``settings.min_speedup``) and fewer than ``settings.marginal_measurements`` were taken.
+
+    >>> settings = BatchingSettings()                      # min_speedup 1.1, marginal_measurements 3
+    >>> settled_speedup([2.4], settings), settled_speedup([1.0], settings), settled_speedup([1.0, 1.2, 1.05], settings)
+    (2.4, None, 1.05)
+    """
+    if not measured:
+        return None
+    ratio = statistics.median(measured)
+    bar = settings.min_speedup
+    if len(measured) < settings.marginal_measurements and bar / MARGIN <= ratio <= bar * MARGIN:
+        return None
+    return ratio
 
 
 # (attribute key, module classes) -> structure key (or the error tracing raised): later groups of a
@@ -539,15 +571,18 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
     for chunk in _chunks(group, size):
         k, chunk_ids = len(chunk), [j.trial.id for j in chunk]
         key = decision_key(skey, setup, k, cfg.device)
-        speedup, where = _SPEEDUPS.get(key), "an earlier unit's first steps"
+        measured, where = _SPEEDUPS.get(key, []), "an earlier unit's first steps"
         stored = stored_key(skey, cfg.optimizer, (cfg.batch_size, cfg.batch_schedule), cfg.loss, cfg.task, x, k,
                             cfg.device, torch.get_num_threads(),
                             (settings.packed, settings.channels_last, steps.joint, steps.fast_pools)) \
             if cache is not None else None
-        if speedup is None and cache is not None and stored is not None:
-            speedup, where = cache.get(stored), f"an earlier run on this machine ({cache.path})"
-            if speedup is not None:
-                _SPEEDUPS[key] = speedup
+        if not measured and cache is not None and stored is not None:
+            measured, where = cache.get(stored), f"an earlier run on this machine ({cache.path})"
+            if measured:
+                _SPEEDUPS[key] = list(measured)
+        speedup = settled_speedup(measured, settings)
+        if len(measured) > 1:
+            where = f"{where}, the median of {len(measured)}"
         if speedup is not None and speedup < settings.min_speedup:
             log.info("batching: trials %s not fused: measured %.2fx on %s (below %.2fx)",
                      chunk_ids, speedup, where, settings.min_speedup)

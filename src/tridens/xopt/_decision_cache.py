@@ -7,6 +7,8 @@ fingerprint and tensor shapes), the optimizer, loss, task, input batch shape and
 type, torch threads and the knobs the steps ran with -- and of the machine and software that measured it (CPU model, cores,
 Python, torch and tridens versions), so a changed machine or upgrade measures again. SQLite from
 the standard library: several processes (a process pool, Ray workers) may read and write at once.
+Each key keeps its :data:`KEPT` latest measurements: the planner decides from their median and
+measures again while they are few and near the bar (:func:`tridens.xopt._batching.settled_speedup`).
 Plain numbers only: nothing read from the file is ever run.
 """
 
@@ -28,7 +30,10 @@ import torch
 
 log = logging.getLogger("tridens")
 
-__all__ = ["DecisionCache", "default_path", "stored_key"]
+__all__ = ["DecisionCache", "default_path", "stored_key", "KEPT"]
+
+KEPT = 5
+"""Measurements kept per key (the latest)."""
 
 
 def default_path() -> Path:
@@ -72,8 +77,8 @@ class DecisionCache:
 
     >>> import tempfile, os
     >>> cache = DecisionCache(os.path.join(tempfile.mkdtemp(), "batching.sqlite"))
-    >>> cache.put("abc", 2.5); cache.get("abc")
-    2.5
+    >>> cache.put("abc", 2.5); cache.put("abc", 2.1); cache.get("abc")
+    [2.5, 2.1]
     """
 
     def __init__(self, path: str | os.PathLike[str]):
@@ -82,31 +87,39 @@ class DecisionCache:
     def _connect(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.path, timeout=10)
-        db.execute("CREATE TABLE IF NOT EXISTS speedups (key TEXT PRIMARY KEY, speedup REAL NOT NULL, "
-                    "measured REAL NOT NULL)")
+        db.execute("CREATE TABLE IF NOT EXISTS measurements (key TEXT NOT NULL, speedup REAL NOT NULL, "
+                   "measured REAL NOT NULL)")
+        db.execute("CREATE INDEX IF NOT EXISTS measurements_key ON measurements (key, measured)")
         return db
 
-    def get(self, key: str) -> float | None:
-        """The stored speed-up, or None (also when the file cannot be read: it is only a cache)."""
+    def get(self, key: str) -> list[float]:
+        """The stored speed-ups of ``key``, oldest first; [] when none (also when the file cannot
+        be read: it is only a cache)."""
         try:
             db = self._connect()
             try:
-                row = db.execute("SELECT speedup FROM speedups WHERE key = ?", (key,)).fetchone()
+                rows = db.execute("SELECT speedup FROM measurements WHERE key = ? ORDER BY measured, rowid",
+                                  (key,)).fetchall()
             finally:
                 db.close()
         except (OSError, sqlite3.Error) as err:
             log.debug("batching: decision cache %s not read: %s", self.path, err)
-            return None
-        value = row[0] if row else None
-        return float(value) if isinstance(value, (int, float)) else None
+            return []
+        return [float(v) for (v,) in rows if isinstance(v, (int, float))][-KEPT:]
 
-    def put(self, key: str, speedup: float) -> None:
-        """Store a measured speed-up (a file that cannot be written is skipped, logged at debug)."""
+    def put(self, key: str, speedup: float, *, replace: bool = False) -> None:
+        """Add a measured speed-up (``replace``: instead of the stored ones), keeping the latest
+        :data:`KEPT`; a file that cannot be written is skipped, logged at debug."""
         try:
             db = self._connect()
             try:
                 with db:
-                    db.execute("INSERT OR REPLACE INTO speedups VALUES (?, ?, ?)", (key, float(speedup), time.time()))
+                    if replace:
+                        db.execute("DELETE FROM measurements WHERE key = ?", (key,))
+                    db.execute("INSERT INTO measurements VALUES (?, ?, ?)", (key, float(speedup), time.time()))
+                    db.execute("DELETE FROM measurements WHERE key = ? AND rowid NOT IN (SELECT rowid FROM "
+                               "measurements WHERE key = ? ORDER BY measured DESC, rowid DESC LIMIT ?)",
+                               (key, key, KEPT))
             finally:
                 db.close()
         except (OSError, sqlite3.Error) as err:

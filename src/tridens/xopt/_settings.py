@@ -41,6 +41,9 @@ class BatchingSettings:
     freed heap blocks for the next fused step (glibc ``mallopt``, process-wide). ``decision_cache``:
     the SQLite file keeping measured speed-ups across processes (:mod:`tridens.xopt._decision_cache`;
     ``""``: this process only; :meth:`Settings.from_env` gives the user's cache file).
+    ``marginal_measurements``: a later group of the same key reuses the median of the measured
+    speed-ups, except while that median lies within 25% of ``min_speedup`` (either side) and
+    fewer than this many were measured: then it measures again (1: always reuse the first).
 
     >>> BatchingSettings(mode="sometimes")
     Traceback (most recent call last):
@@ -57,9 +60,13 @@ class BatchingSettings:
     override_speedup: float | None = None
     keep_freed_memory: bool = True
     decision_cache: str = ""
+    marginal_measurements: int = 3
 
     def __post_init__(self) -> None:
         _check_mode("mode", self.mode, "BatchingSettings")
+        if not isinstance(self.marginal_measurements, int) or self.marginal_measurements < 1:
+            raise ValueError(f"The 'marginal_measurements' parameter of BatchingSettings must be an int in the range "
+                             f"[1, inf). Got {self.marginal_measurements!r} instead.")
         if not isinstance(self.max_unit_size, int) or self.max_unit_size < 2:
             raise ValueError(f"The 'max_unit_size' parameter of BatchingSettings must be an int in the range [2, inf). "
                              f"Got {self.max_unit_size!r} instead.")
