@@ -61,7 +61,13 @@ def assert_equal_runs(a, b):
 def adaptive(jobs, ev, settings=None):
     units, rest = plan_batching(jobs, ev, settings=settings or auto())
     assert rest == [] and len(units) == 1 and isinstance(units[0], AdaptiveUnit)
+    assert units[0].member.state == "deciding"
     return units[0]
+
+
+def planned_fused(units):
+    """One unit, fused from the start on an earlier measurement (no deciding steps)."""
+    return len(units) == 1 and isinstance(units[0], AdaptiveUnit) and units[0].member.state == "fused"
 
 
 def test_fused_decision_equals_forced_fusion_and_separate(data, monkeypatch, caplog):
@@ -117,7 +123,7 @@ def test_a_model_near_the_peak_still_decides_by_its_measurement(data, monkeypatc
     assert fraction > 0 and rate > 0 and seconds > 0
     assert_equal_runs(run(BatchedUnit(make_jobs(SAMPLES, mlp), ev)), decided)
     units, rest = plan_batching(make_jobs(SAMPLES, mlp), ev, settings=settings)
-    assert rest == [] and [type(u) for u in units] == [BatchedUnit]
+    assert rest == [] and planned_fused(units)
 
 
 @pytest.mark.parametrize("speedup", [5.0, 0.5])
@@ -148,7 +154,7 @@ def test_measured_decision_is_cached(data, caplog):
     if _batching.settled_speedup([speedup], auto().batching) is None:  # near the bar: measured again
         assert [type(u) for u in units] == [AdaptiveUnit]
     elif speedup >= auto().batching.min_speedup:
-        assert [type(u) for u in units] == [BatchedUnit] and "earlier unit's first steps" in units[0].summary()
+        assert planned_fused(units) and "earlier unit's first steps" in units[0].summary()
     else:
         assert units == [] and "earlier unit's first steps" in caplog.text
 
@@ -168,19 +174,19 @@ def test_a_decision_near_the_bar_is_measured_again_until_three_agree(data, caplo
         units, rest = plan_batching(make_jobs(SAMPLES, mlp), ev, settings=auto())
     median = sorted([first, second, third])[1]
     if median >= 1.1:
-        assert [type(u) for u in units] == [BatchedUnit]
+        assert planned_fused(units)
         assert f"measured {median:.2f}x on an earlier unit's first steps, the median of 3" in units[0].summary()
     else:
         assert units == [] and f"measured {median:.2f}x on an earlier unit's first steps, the median of 3" in caplog.text
     _batching.clear_cache()
     run(adaptive(make_jobs(SAMPLES, mlp), ev, auto(5.0)))
     units, _ = plan_batching(make_jobs(SAMPLES, mlp), ev, settings=auto())
-    assert [type(u) for u in units] == [BatchedUnit]
+    assert planned_fused(units)
     once = Settings().with_batching(mode="auto", marginal_measurements=1)
     _batching.clear_cache()
     run(adaptive(make_jobs(SAMPLES, mlp), ev, auto(first)))
     units, rest = plan_batching(make_jobs(SAMPLES, mlp), ev, settings=once)
-    assert not any(isinstance(u, AdaptiveUnit) for u in units)  # one measurement decides
+    assert all(u.member.state == "fused" for u in units)  # one measurement decides: no deciding steps
 
 
 def test_a_decision_holds_for_groups_of_another_data_order_and_under_other_threads(data):
@@ -198,7 +204,7 @@ def test_a_decision_holds_for_groups_of_another_data_order_and_under_other_threa
     assert unit.member.state == "fused"
     units, rest = plan_batching(make_jobs(SAMPLES, mlp), evaluator(data, "sgd", epochs=1, data_seed=2),
                                 settings=auto())
-    assert rest == [] and [type(u) for u in units] == [BatchedUnit]
+    assert rest == [] and planned_fused(units)
     assert "measured 5.00x on an earlier unit's first steps" in units[0].summary()
 
 
@@ -376,3 +382,44 @@ def test_adaptive_units_on_ray(monkeypatch, data, tmp_path, caplog):
     for t in on_ray:
         saved = torch.load(os.path.join(t.info["storage"], "epoch-2.pt"), weights_only=True)
         assert saved["trainer"] is not None and saved["trainer"]["epoch"] == 2
+
+
+@pytest.mark.parametrize("shrunk_ratio", [0.5, 3.0])
+def test_a_fused_stack_that_shrinks_measures_again_and_may_go_on_separately(data, caplog, shrunk_ratio):
+    """When a strategy stops some of a fused stack's trials (ASHA after a rung), the stack's next
+    steps at its new size are timed against the separate step measured when it decided; below 1x
+    (an injected 0.5x) its models go on as separate trainers from their rows' checkpoints, with
+    results equal to fused training throughout to rounding (float64: 1e-9; dropout masks, BatchNorm
+    statistics, momenta and lr schedules carried over); at 3x it stays fused."""
+    def build(p):
+        return mlp(p, torch.float64)
+
+    ev = evaluator(data, "sgd", epochs=4)
+    stop = {0: 1, 1: 1}  # two of the four trials stop after their first epoch
+    unit = adaptive(make_jobs(SAMPLES, build), ev, auto(5.0))
+    history, weights, epoch = {}, {}, 0
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        while unit.active():
+            if epoch == 1:  # the injected ratio now stands for the shrunk stack's measurement
+                unit.member.settings = auto(shrunk_ratio).batching
+            for tid, result in unit.train_epoch().items():
+                history.setdefault(tid, []).append(result)
+            for job in unit.active():
+                tid = job.trial.id
+                if unit.epoch(tid) >= unit.limit(tid) or stop.get(tid) == unit.epoch(tid):
+                    weights[tid] = unit.weights(tid)
+                    unit.drop(tid)
+            epoch += 1
+    member = unit.member
+    assert member._decided_k == 4 and member._separate_step is not None
+    if shrunk_ratio < 1:
+        assert member.state == "separate" and "separately from epoch 3: 2 of 4 models left" in member.decision
+        assert "train separately from epoch 3" in caplog.text
+    else:
+        assert member.state == "fused" and "stay fused: 2 of 4 models left" in caplog.text
+    fused_throughout = run(BatchedUnit(make_jobs(SAMPLES, build), ev), stop=stop)
+    assert_close_runs(fused_throughout, (history, weights), 1e-9, weight_tol=1e-9)
+    assert all(len(history[t]) == (1 if t in stop else 4) for t in history)
+    # a later group of the same key starts fused, with the separate step to compare with
+    units, _ = plan_batching(make_jobs(SAMPLES, build), ev, settings=auto())
+    assert planned_fused(units) and units[0].member._separate_step == member._separate_step

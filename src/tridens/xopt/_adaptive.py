@@ -43,7 +43,18 @@ evaluation forward that fails) goes separate, saying why. The outcome is logged 
 [...] fused: measured from 5 real steps: 2.31x") and cached per (structure, setup, K, device type,
 threads at planning; the data order left out): later groups with the same key are planned fused
 or separate directly (or measure again while the measurements are few and near the bar:
-:func:`tridens.xopt._batching.settled_speedup`). Knobs are
+:func:`tridens.xopt._batching.settled_speedup`); a group planned fused is an adaptive unit that
+starts fused, with no deciding steps.
+
+**A fused stack that shrinks measures again.** Fewer models gain less from fusion (fused LeNet-5s
+on Fashion-MNIST: 1.15x at K=8, 0.83x at K=3), and strategies stop trials while their stack
+trains: ASHA stops about two thirds of a group after its first rung. When the stack has shrunk
+since it fused, its next few fused steps (real training) are timed against one model's separate
+step measured when the group decided (kept per key for groups planned fused later); below 1x the
+remaining models go on as separate trainers from their rows' checkpoints (``state_dict``: weights,
+optimizer state, step, random stream), so their results equal fused training up to that epoch
+and separate training after it, to rounding. A stack with finished trials not yet collected, or on
+CUDA (no trainer checkpoint from the stack), stays fused. Knobs are
 :class:`tridens.xopt.BatchingSettings` given to the unit (``override_speedup`` replaces the measured ratio
 in the decision: tests use it to drive either path on real training).
 """
@@ -61,7 +72,8 @@ import torch
 from ..units import ExecutionUnit, Job
 from ..evaluators._base import StepwiseEvaluator
 from ._decision_cache import DecisionCache
-from ._batching import _SETUP_FIELDS, BatchedMember, BatchedUnit, _EFFICIENCY, peak_matmul_flops, record_speedup
+from ._batching import (_SEPARATE_STEPS, _SETUP_FIELDS, BatchedMember, BatchedUnit, _EFFICIENCY, peak_matmul_flops,
+                        record_speedup)
 from ._cse import TrainerMember, joint_trainers, with_fast_kernels
 from ._pipeline import PipelineMember
 from ._settings import BatchingSettings, CSESettings
@@ -72,6 +84,8 @@ log = logging.getLogger("tridens")
 
 # separate steps of the timing trial before the roofline check: one warm-up, then timed ones
 _SEPARATE_ROUNDS = 2
+# fused steps timed after the stack shrank (the first, a warm-up at the new size, not counted)
+_SHRUNK_ROUNDS = 4
 
 
 def decision_key(skey: str, setup: tuple[Any, ...], k: int, device: torch.device) -> tuple[Any, ...]:
@@ -94,7 +108,7 @@ class AdaptiveMember:
 
     def __init__(self, fused: BatchedMember, jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
                  skey: str = "", setup: tuple[Any, ...] = (), flops: float = 0.0, cse: CSESettings | None = None,
-                 stored_key: str | None = None):
+                 stored_key: str | None = None, known: tuple[float, str] | None = None):
         self.fused: BatchedMember | None = fused
         self.settings = fused.settings  # the knobs of the decision
         self.cse = cse if cse is not None else CSESettings()  # how separate trainers step (joint, exact kernels)
@@ -139,6 +153,18 @@ class AdaptiveMember:
         self._why_separate = ""
         self._efficiency = ""  # one model's separate step against the peak matmul rate (logged)
         self._clock: Callable[[], float] = time.process_time if self.device.type == "cpu" else time.perf_counter
+        # once fused: the models it decided for, one model's separate step (CPU s; None: unknown),
+        # and the fused steps timed after the stack shrank: (models, CPU s of each step)
+        self._decided_k = 0
+        self._separate_step: float | None = None
+        self._shrunk: tuple[int, list[float]] | None = None
+        self._rechecked: set[int] = set()
+        if known is not None:  # fused from an earlier measurement: no deciding steps
+            speedup, where = known
+            self.state, self.speedup = "fused", speedup
+            self.decision = f"fused: measured {speedup:.2f}x on {where}"
+            self._decided_k = len(self.jobs)
+            self._separate_step = _SEPARATE_STEPS.get(decision_key(skey, setup, 1, self.device))
 
     # -- the member protocol ---------------------------------------------------------------------
     def trial_ids(self) -> list[int]:
@@ -188,6 +214,8 @@ class AdaptiveMember:
         return any(self.epoch(t) < self.limit(t) for t in self.trial_ids())
 
     def begin_epoch(self) -> None:
+        if self.state == "fused":
+            self._recheck_shrunk()
         if self.state == "separate":
             for m in self._steppers:
                 m.begin_epoch()
@@ -196,11 +224,17 @@ class AdaptiveMember:
         self.fused.begin_epoch()
         if self.state == "deciding":
             self._start_timing()
+        else:
+            self._time_if_shrunk()
 
     def train_batch(self, x: Any, y: torch.Tensor, batch: int) -> None:
         if self.state == "fused":
             assert self.fused is not None
-            self.fused.train_batch(x, y, batch)
+            shrunk = self._shrunk
+            if shrunk is not None and len(shrunk[1]) < _SHRUNK_ROUNDS and len(self.fused.ids) == shrunk[0]:
+                shrunk[1].append(self._timed(lambda: self.fused.train_batch(x, y, batch)))  # type: ignore[union-attr]
+            else:
+                self.fused.train_batch(x, y, batch)
         elif self.state == "separate":
             for m in self._steppers:
                 m.train_batch(x, y, batch)
@@ -258,8 +292,8 @@ class AdaptiveMember:
         return {k: v.detach().cpu() for k, v in self.jobs[trial_id].model.state_dict().items()}
 
     def batching(self) -> str:
-        """``"auto"`` while deciding; then what it decided trains its trials."""
-        return "auto" if self.state == "deciding" else "off"
+        """``"auto"`` while deciding, then ``"force"`` while fused and ``"off"`` once separate."""
+        return {"deciding": "auto", "fused": "force"}.get(self.state, "off")
 
     def state_dict(self, trial_id: int, job: Job, evaluator: StepwiseEvaluator) -> dict[str, Any] | None:
         """The trial's checkpoint from what trains it now (None while deciding)."""
@@ -461,6 +495,8 @@ class AdaptiveMember:
             return
         record_speedup(self.key, ratio)
         self._store(ratio)
+        if self._separate:  # (measured also where the ratio is overridden)
+            _SEPARATE_STEPS[decision_key(self.skey, self.setup, 1, self.device)] = statistics.median(self._separate)
         self.speedup = ratio
         evals = " and evaluation forwards" if self._eval else ""
         text = f"measured from {steps} real steps{evals}: {ratio:.2f}x"
@@ -509,9 +545,67 @@ class AdaptiveMember:
             model.train(self._was_training)
         self._timing, self._timing_step, self._snapshot, self._kept = None, None, None, []
         self.wasted_seconds = self._spent["separate"]
+        self._decided_k = len(fused.ids)
+        self._separate_step = statistics.median(self._separate) if self._separate else None
         self.state = "fused"
         self.decision = f"fused: {why}"
         log.info("batching: trials %s %s (%s)", self.trial_ids(), self.decision, fused.engine)
+
+    # -- a fused stack that shrank ------------------------------------------------------------------
+    def _time_if_shrunk(self) -> None:
+        """Trials left the stack since it fused (a strategy stopped them): time this epoch's first
+        fused steps at the new size (real training), once per size."""
+        fused = self.fused
+        assert fused is not None
+        n = len(fused.ids)
+        if self._separate_step is None or not 0 < n < self._decided_k or n in self._rechecked:
+            return
+        self._rechecked.add(n)
+        self._shrunk = (n, [])
+
+    def _recheck_shrunk(self) -> None:
+        """With the shrunk stack's steps timed: fewer models gain less from fusion (K=8 LeNet-5s
+        1.15x, K=3 0.83x), so if separate steps are now faster (below 1x: no bar, leaving fusion
+        costs nothing to undo), its models go on as separate trainers from their rows' checkpoints
+        -- results equal to fused training up to here and separate training after, to rounding."""
+        shrunk, fused = self._shrunk, self.fused
+        if shrunk is None or fused is None or len(shrunk[1]) < 2 or self._separate_step is None:
+            return
+        self._shrunk = None
+        n, times = shrunk[0], shrunk[1][1:]
+        ratio = n * self._separate_step / max(statistics.median(times), 1e-12)
+        if self.settings.override_speedup is not None:
+            ratio = float(self.settings.override_speedup)
+        ids = list(fused.ids)
+        if ratio >= 1.0 or not ids or len(ids) > n or set(fused.trial_ids()) != set(ids) \
+                or any(fused.epoch(t) >= fused.limit(t) for t in ids):
+            log.info("batching: trials %s stay fused: %d of %d models left, fused steps measured %.2fx of separate",
+                     ids, len(ids), self._decided_k, ratio)
+            return
+        trainers: dict[int, TrainerMember] = {}
+        try:
+            for t in ids:
+                job = self.jobs[t]
+                state = fused.state_dict(t, job, self.evaluator)
+                if state is None:  # (CUDA: no trainer checkpoint from the stack)
+                    return
+                trainer = self.evaluator.trainer(job.model, job.trial.sample, job.trial.seed)  # type: ignore[attr-defined]
+                trainer.load_state_dict(state)
+                trainers[t] = TrainerMember(job, trainer)
+        except Exception as err:  # stay fused: it trains them as it did
+            log.info("batching: trials %s stay fused: %s", ids, _first_line(err))
+            return
+        for t in ids:
+            fused.leave(t)
+        self.trainers = {t: trainers[t] for t in self._order if t in trainers}
+        self._steppers, joint = joint_trainers(list(self.trainers.values()), self.cse)
+        self.fused = None
+        self.state = "separate"
+        epoch = trainers[ids[0]].epoch(ids[0])
+        self.decision += (f"; separately from epoch {epoch + 1}: {len(ids)} of {self._decided_k} models left, fused "
+                          f"steps measured {ratio:.2f}x of separate" + (f" ({joint})" if joint else ""))
+        log.info("batching: trials %s train separately from epoch %d: %d of %d models left, fused steps measured "
+                 "%.2fx of separate", ids, epoch + 1, len(ids), self._decided_k, ratio)
 
     def _go_separate(self, why: str) -> None:
         if why.startswith("the models do not vectorize"):  # structural: later groups need not try
@@ -554,12 +648,12 @@ class AdaptiveUnit(BatchedUnit):
     def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, reason: str = "", *,
                  shared_input: bool | None = None, skey: str = "", setup: tuple[Any, ...] = (),
                  flops: float = 0.0, settings: BatchingSettings | None = None, cse: CSESettings | None = None,
-                 stored_key: str | None = None):
+                 stored_key: str | None = None, known: tuple[float, str] | None = None):
         super().__init__(jobs, evaluator, reason, shared_input=shared_input, settings=settings)
         fused = self.member
         assert isinstance(fused, BatchedMember)
         self.member: AdaptiveMember = AdaptiveMember(fused, jobs, evaluator, skey=skey, setup=setup,  # type: ignore[assignment]
-                                                     flops=flops, cse=cse, stored_key=stored_key)
+                                                     flops=flops, cse=cse, stored_key=stored_key, known=known)
 
     def summary(self) -> str:
         return ExecutionUnit.summary(self) + f" ({self.member.engine})"

@@ -54,8 +54,9 @@ gain a lot. So a group whose fusion has not been measured yet becomes an
 roofline check against the peak matmul rate first), then fused steps interleaved with them, and
 keeps training whichever way pays, with results exactly those of fused or separate training from
 the start. The speed-up is cached per (structure, setup, K, device type, threads): later groups
-with the same key are planned fused (a :class:`BatchedUnit`) or left to the next optimization and
-separate training directly, from the median of the measurements -- except while that median is
+with the same key are planned fused (an adaptive unit that starts fused and measures again if its
+stack shrinks) or left to the next optimization and separate training directly, from the median of
+the measurements -- except while that median is
 within 25% of ``min_speedup`` and fewer than ``marginal_measurements`` were taken, where one
 noisy measurement may have landed on the wrong side: those groups measure again
 (:func:`settled_speedup`). Kept in this process, and in later ones on the same machine through the
@@ -140,6 +141,9 @@ log = logging.getLogger("tridens")
 
 # (group key, K, device type) -> the measured speed-ups of fused over separate training, oldest first
 _SPEEDUPS: dict[tuple[Any, ...], list[float]] = {}
+# (group key, 1, device type) -> one model's separate step, CPU s (the median its timing trial measured):
+# what a fused stack that shrank compares its steps with
+_SEPARATE_STEPS: dict[tuple[Any, ...], float] = {}
 MARGIN = 1.25
 """A speed-up within this factor of ``min_speedup`` (either side) is *marginal*: one measurement
 of it may fall on the wrong side, so later groups measure again (:func:`settled_speedup`)."""
@@ -180,6 +184,7 @@ def clear_cache() -> None:
     """Forget the measured speed-ups, separate-step rates and traced structure keys (kept for the
     process's lifetime)."""
     _SPEEDUPS.clear()
+    _SEPARATE_STEPS.clear()
     _EFFICIENCY.clear()
     _TRACED.clear()
 
@@ -463,10 +468,10 @@ def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings
     """Group ``jobs`` by (structure, training setup) and fuse each group of two or more, within
     ``max_unit_memory`` (bytes or e.g. ``"2GiB"``; default: the experiment's bound, see
     :func:`tridens.units.resolve_max_unit_memory`): as a :class:`BatchedUnit` where
-    ``settings.batching.mode == "force"`` or an earlier group with the same key measured that fusion pays;
-    as an :class:`~tridens.xopt._adaptive.AdaptiveUnit` (fused or separate, decided from its own
-    first real steps) where nothing was measured yet; not at all where a group with the same key
-    measured that it does not pay. Returns the units and the jobs left for other optimizations /
+    ``settings.batching.mode == "force"``; as an :class:`~tridens.xopt._adaptive.AdaptiveUnit` that
+    starts fused where earlier groups with the same key measured that fusion pays, and one that
+    decides from its own first real steps where nothing (or too little, near the bar) was measured;
+    not at all where groups with the same key measured that it does not pay. Returns the units and the jobs left for other optimizations /
     separate training. Logs one line per group that is not fused, saying why (fused units log
     their own line through the planner). ``settings`` (None: :meth:`Settings.from_env`) holds the
     knobs (see the module docstring)."""
@@ -589,10 +594,10 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
             rest.extend(chunk)
             continue
         try:
-            if speedup is not None:
-                unit: BatchedUnit = BatchedUnit(chunk, evaluator, reason=f"{k} trials, fused: measured {speedup:.2f}x "
-                                                f"on {where}", settings=settings)
-                unit.member.speedup = speedup
+            if speedup is not None:  # fused from the start; re-measured if trials leave (see AdaptiveMember)
+                unit: BatchedUnit = AdaptiveUnit(chunk, evaluator, reason=f"{k} trials, fused: measured {speedup:.2f}x "
+                                                 f"on {where}", skey=skey, setup=setup, flops=flops, settings=settings,
+                                                 cse=steps, stored_key=stored, known=(speedup, where))
             else:
                 unit = AdaptiveUnit(chunk, evaluator, reason=f"{k} trials, fused or not as measured on their first "
                                     "real steps", skey=skey, setup=setup, flops=flops, settings=settings, cse=steps,
