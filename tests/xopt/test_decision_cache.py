@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from tridens.xopt import Settings
-from tridens.xopt._decision_cache import DecisionCache, default_path
+from tridens.xopt._decision_cache import SEPARATE_STEP, DecisionCache, default_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,9 +29,12 @@ def test_a_second_run_plans_from_the_first_runs_measurement(tmp_path):
     first, log1 = run_search(tmp_path, "first", cache)
     assert "fused or not as measured on their first real steps" in log1
     with sqlite3.connect(cache) as db:
-        (count,) = db.execute("SELECT COUNT(*) FROM measurements").fetchone()
-        (stored,) = db.execute("SELECT speedup FROM measurements").fetchone()
-    assert count == 1  # one structure (both activations), one unit size
+        rows = db.execute("SELECT key, speedup FROM measurements").fetchall()
+    ratios = [v for k, v in rows if not k.endswith(SEPARATE_STEP)]
+    steps = [v for k, v in rows if k.endswith(SEPARATE_STEP)]
+    assert len(ratios) == 1  # one structure (both activations), one unit size
+    assert len(steps) == 1 and 0 < steps[0] < 1  # one model's separate step, CPU s
+    [stored] = ratios
     assert stored > 1.1 * 1.25  # a clear decision (a marginal one would be measured again)
     second, log2 = run_search(tmp_path, "second", cache)
     assert "on an earlier run on this machine" in log2 and f"{stored:.2f}x" in log2
@@ -82,3 +85,30 @@ def test_structure_keys_are_the_same_in_every_process():
     keys = {subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONHASHSEED=str(seed)),
                            capture_output=True, text=True, check=True).stdout for seed in (1, 2)}
     assert len(keys) == 1
+
+
+def test_a_group_planned_from_the_file_knows_the_separate_step_to_compare_with(tmp_path):
+    """A group planned fused from an earlier run's file starts fused with that run's separate step,
+    so it measures again if its stack shrinks (tests/xopt/test_adaptive.py runs that path)."""
+    import tridens as td
+    from tridens.xopt import _batching
+    from tridens.xopt._batching import plan_batching
+
+    from .test_batching import SAMPLES, evaluator, make_jobs, mlp
+
+    data = td.datasets.digits()
+    ev = evaluator(data, "sgd", epochs=1)
+    settings = Settings().with_batching(decision_cache=str(tmp_path / "c.sqlite"))
+    cache = DecisionCache(tmp_path / "c.sqlite")
+    _batching.clear_cache()
+    try:
+        [unit], _ = plan_batching(make_jobs(SAMPLES, mlp), ev, settings=settings)
+        key = unit.member.stored_key
+        cache.put(key, 4.0)  # a clear speed-up, as an earlier run stored it
+        cache.put(key + SEPARATE_STEP, 0.002)
+        _batching.clear_cache()  # a new process
+        [planned], _ = plan_batching(make_jobs(SAMPLES, mlp), ev, settings=settings)
+        assert planned.member.state == "fused" and "earlier run on this machine" in planned.summary()
+        assert planned.member._separate_step == 0.002
+    finally:
+        _batching.clear_cache()

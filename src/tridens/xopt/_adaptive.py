@@ -71,7 +71,7 @@ import torch
 
 from ..units import ExecutionUnit, Job
 from ..evaluators._base import StepwiseEvaluator
-from ._decision_cache import DecisionCache
+from ._decision_cache import SEPARATE_STEP, DecisionCache
 from ._batching import (_SEPARATE_STEPS, _SETUP_FIELDS, BatchedMember, BatchedUnit, _EFFICIENCY, peak_matmul_flops,
                         record_speedup)
 from ._cse import TrainerMember, joint_trainers, with_fast_kernels
@@ -496,7 +496,10 @@ class AdaptiveMember:
         record_speedup(self.key, ratio)
         self._store(ratio)
         if self._separate:  # (measured also where the ratio is overridden)
-            _SEPARATE_STEPS[decision_key(self.skey, self.setup, 1, self.device)] = statistics.median(self._separate)
+            step = statistics.median(self._separate)
+            _SEPARATE_STEPS[decision_key(self.skey, self.setup, 1, self.device)] = step
+            if self.stored_key is not None and self.settings.override_speedup is None:
+                DecisionCache(self.settings.decision_cache).put(self.stored_key + SEPARATE_STEP, step)
         self.speedup = ratio
         evals = " and evaluation forwards" if self._eval else ""
         text = f"measured from {steps} real steps{evals}: {ratio:.2f}x"
@@ -565,9 +568,10 @@ class AdaptiveMember:
 
     def _recheck_shrunk(self) -> None:
         """With the shrunk stack's steps timed: fewer models gain less from fusion (K=8 LeNet-5s
-        1.15x, K=3 0.83x), so if separate steps are now faster (below 1x: no bar, leaving fusion
-        costs nothing to undo), its models go on as separate trainers from their rows' checkpoints
-        -- results equal to fused training up to here and separate training after, to rounding."""
+        1.15x, K=3 0.83x), so where separate steps are now faster (below 1x; no margin asked, as
+        going separate throws nothing away), its models go on as separate trainers from their rows'
+        checkpoints -- results equal to fused training up to here and separate training after, to
+        rounding."""
         shrunk, fused = self._shrunk, self.fused
         if shrunk is None or fused is None or len(shrunk[1]) < 2 or self._separate_step is None:
             return

@@ -129,7 +129,7 @@ from ..units import ExecutionUnit, Job, resolve_max_unit_memory
 from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._supervised import TrainConfig, BatchSource, SupervisedEvaluator
 from ._batched import BatchedMember, BatchedUnit
-from ._decision_cache import KEPT, DecisionCache, stored_key
+from ._decision_cache import KEPT, SEPARATE_STEP, DecisionCache, stored_key
 from ._settings import BatchingSettings, CSESettings, Settings
 from ._stacked import _DROPOUTS, _ForwardState, _first_line, _forward_state
 from ._variants import is_hook_attribute, is_site, order_by_variant, sites_as_placeholders
@@ -585,6 +585,9 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
             measured, where = cache.get(stored), f"an earlier run on this machine ({cache.path})"
             if measured:
                 _SPEEDUPS[key] = list(measured)
+                steps = cache.get(stored + SEPARATE_STEP)
+                if steps:  # what the stack compares its steps with if trials leave it
+                    _SEPARATE_STEPS.setdefault(decision_key(skey, setup, 1, cfg.device), statistics.median(steps))
         speedup = settled_speedup(measured, settings)
         if len(measured) > 1:
             where = f"{where}, the median of {len(measured)}"

@@ -9,6 +9,8 @@ Python, torch and tridens versions), so a changed machine or upgrade measures ag
 the standard library: several processes (a process pool, Ray workers) may read and write at once.
 Each key keeps its :data:`KEPT` latest measurements: the planner decides from their median and
 measures again while they are few and near the bar (:func:`tridens.xopt._batching.settled_speedup`).
+Beside each speed-up, one model's separate step time (key + :data:`SEPARATE_STEP`): what a fused
+stack planned from the file compares its steps with once trials leave it.
 Plain numbers only: nothing read from the file is ever run.
 """
 
@@ -30,10 +32,12 @@ import torch
 
 log = logging.getLogger("tridens")
 
-__all__ = ["DecisionCache", "default_path", "stored_key", "KEPT"]
+__all__ = ["DecisionCache", "default_path", "stored_key", "KEPT", "SEPARATE_STEP"]
 
 KEPT = 5
 """Measurements kept per key (the latest)."""
+SEPARATE_STEP = "|separate step"
+"""Suffix of the key under which one model's separate step (CPU s) is kept beside a speed-up."""
 
 
 def default_path() -> Path:
