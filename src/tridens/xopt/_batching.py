@@ -56,13 +56,13 @@ keeps training whichever way pays, with results exactly those of fused or separa
 the start. The speed-up is cached per (structure, setup, K, device type, threads): later groups
 with the same key are planned fused (an adaptive unit that starts fused and measures again if its
 stack shrinks) or left to the next optimization and separate training directly, from the median of
-the measurements -- except while that median is
-within 25% of ``min_speedup`` and fewer than ``marginal_measurements`` were taken, where one
-noisy measurement may have landed on the wrong side: those groups measure again
-(:func:`settled_speedup`). Kept in this process, and in later ones on the same machine through the
-file ``BatchingSettings.decision_cache`` names (:mod:`tridens.xopt._decision_cache`). Grouping
-traces a model's graph only where another model shares its module tree and tensor shapes, and once per set of models whose modules agree in class and plain
-attributes (:func:`_attribute_key`). Knobs (:class:`~tridens.xopt.BatchingSettings`, the ``batching`` part of
+the measurements -- except while that median is within 25% of ``min_speedup`` and fewer than
+``marginal_measurements`` were taken, where one noisy measurement may have landed on the wrong
+side: those groups measure again (:func:`settled_speedup`). Kept in this process, and in later
+ones on the same machine through the file ``BatchingSettings.decision_cache`` names
+(:mod:`tridens.xopt._decision_cache`). Grouping traces a model's graph only where another model
+shares its module tree and tensor shapes, and once per set of models whose modules agree in class
+and plain attributes (:func:`_attribute_key`), for the process's lifetime. Knobs (:class:`~tridens.xopt.BatchingSettings`, the ``batching`` part of
 the :class:`~tridens.xopt.Settings` the planner is given):
 
 * ``mode`` (``$TRIDENS_BATCHING``): ``"auto"`` (decide from real steps, default),
@@ -176,7 +176,7 @@ def settled_speedup(measured: Sequence[float], settings: BatchingSettings) -> fl
 
 # (attribute key, module classes) -> structure key (or the error tracing raised): later groups of a
 # search plan models of the same kind, traced once per process
-_TRACED: dict[tuple[Any, ...], "str | BaseException"] = {}
+_TRACED: dict[tuple[Any, ...], str | BaseException] = {}
 _TRACED_MAX = 4096
 
 
@@ -471,7 +471,8 @@ def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings
     ``settings.batching.mode == "force"``; as an :class:`~tridens.xopt._adaptive.AdaptiveUnit` that
     starts fused where earlier groups with the same key measured that fusion pays, and one that
     decides from its own first real steps where nothing (or too little, near the bar) was measured;
-    not at all where groups with the same key measured that it does not pay. Returns the units and the jobs left for other optimizations /
+    not at all where groups with the same key measured that it does not pay. Returns the units
+    and the jobs left for other optimizations /
     separate training. Logs one line per group that is not fused, saying why (fused units log
     their own line through the planner). ``settings`` (None: :meth:`Settings.from_env`) holds the
     knobs (see the module docstring)."""
