@@ -496,7 +496,7 @@ class AdaptiveMember:
         record_speedup(self.key, ratio)
         self._store(ratio)
         if self._separate:  # (measured also where the ratio is overridden)
-            step = statistics.median(self._separate)
+            step = self._separate_step = statistics.median(self._separate)
             _SEPARATE_STEPS[decision_key(self.skey, self.setup, 1, self.device)] = step
             if self.stored_key is not None and self.settings.override_speedup is None:
                 DecisionCache(self.settings.decision_cache).put(self.stored_key + SEPARATE_STEP, step)
@@ -549,7 +549,6 @@ class AdaptiveMember:
         self._timing, self._timing_step, self._snapshot, self._kept = None, None, None, []
         self.wasted_seconds = self._spent["separate"]
         self._decided_k = len(fused.ids)
-        self._separate_step = statistics.median(self._separate) if self._separate else None
         self.state = "fused"
         self.decision = f"fused: {why}"
         log.info("batching: trials %s %s (%s)", self.trial_ids(), self.decision, fused.engine)

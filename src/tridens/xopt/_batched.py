@@ -74,14 +74,15 @@ class BatchedMember:
         if len({tuple(name for name, _ in v) for v in variants}) > 1:
             raise TypeError("the models have their activations in different places")
         self._variants = {job.trial.id: v for job, v in zip(jobs, variants)}
-        self._site_modules = {v: sites(m) for v, m in zip(variants, models)}
-        choices = [dict(v) for v in variants]
+        representative: dict[tuple[Any, ...], nn.Module] = {}  # each variant's first model
+        for v, m in zip(variants, models):
+            representative.setdefault(v, m)
+        self._site_modules = {v: sites(m) for v, m in representative.items()}
+        choices = [dict(v) for v in representative]
         self._mixed_sites = {name for name in choices[0] if len({c[name] for c in choices}) > 1}
-        self._bases: dict[tuple[Any, ...], nn.Module] = {}
-        if self._mixed_sites:  # one skeleton per variant (the first model's is the base)
-            for v, m in zip(variants, models):
-                if v not in self._bases:
-                    self._bases[v] = self.base if m is first else _skeleton(m)
+        # one skeleton per variant (the first model's is the base) where the unit mixes them
+        self._bases = {v: self.base if m is first else _skeleton(m) for v, m in representative.items()} \
+            if self._mixed_sites else {}
         self._runs: list[tuple[int, int, tuple[Any, ...]]] = []
         self._forwards: dict[tuple[Any, ...], tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {}
         with torch.no_grad():
