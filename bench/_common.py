@@ -155,10 +155,12 @@ def _fmt(v: Any) -> str:
 
 class ProcessTreeClock:
     """CPU-seconds of this process and of every descendant seen, sampled every ``interval`` s by a
-    daemon thread: each descendant counts with the CPU it had when last seen, so a worker that exits
-    before the end (a Ray worker whose trial is done) keeps what it spent -- a sum over the live tree
-    alone would drop it; at most ``interval`` s of CPU per exiting process is missed. The samples
-    (wall, CPU) place events known only by their wall time on the CPU axis (:meth:`cpu_at`).
+    daemon thread. A direct child that has exited and been waited for counts exactly, with what the
+    kernel adds to this process's children times (its own waited-for descendants included); any
+    other descendant counts with the CPU it had when last seen, so a worker that exits before the
+    end (a Ray worker whose trial is done) keeps what it spent -- at most ``interval`` s of CPU per
+    such process is missed. The samples (wall, CPU) place events known only by their wall time on
+    the CPU axis (:meth:`cpu_at`).
     """
 
     def __init__(self, interval: float = 0.1):
@@ -170,20 +172,34 @@ class ProcessTreeClock:
         self.proc = psutil.Process()
         self.interval = interval
         self.last: dict[int, float] = {}
+        self.parent: dict[int, int] = {}   # descendant pid -> its parent's pid
         self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def cpu(self) -> float:
-        """CPU-seconds so far: this process plus every descendant as last seen."""
+        """CPU-seconds so far: this process, its waited-for children, and every other descendant
+        as last seen."""
+        live = set()
         for child in self.proc.children(recursive=True):
             try:
                 t = child.cpu_times()
+                self.parent.setdefault(child.pid, child.ppid())
                 self.last[child.pid] = t.user + t.system
+                live.add(child.pid)
             except self._psutil.Error:
                 pass
-        own = self.proc.cpu_times()
-        return own.user + own.system + sum(self.last.values())
+        own = self.proc.cpu_times()   # read after them: a child that exits in between counts twice, in this sample only
+        for pid in [p for p in self.last if p not in live and self.parent.get(p) == self.proc.pid]:
+            self._forget(pid)          # a direct child gone: counted in the children times now
+        return own.user + own.system + own.children_user + own.children_system + sum(self.last.values())
+
+    def _forget(self, pid: int) -> None:
+        """Drop ``pid`` and its descendants as last seen (their CPU is in its children times)."""
+        self.last.pop(pid, None)
+        for child in [p for p, parent in self.parent.items() if parent == pid]:
+            self._forget(child)
+        self.parent.pop(pid, None)
 
     def mark(self) -> tuple[float, float]:
         sample = (time.time(), self.cpu())

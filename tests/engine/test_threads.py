@@ -57,8 +57,8 @@ def test_experiment_trains_with_the_policy_threads_and_logs_it(digits_data, tmp_
     seen = []
 
     class Recording(ThreadPolicy):
-        def decide_units(self, units):
-            plan = super().decide_units(units)
+        def decide_units(self, units, **kw):
+            plan = super().decide_units(units, **kw)
             seen.append(plan)
             return plan
 

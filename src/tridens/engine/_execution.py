@@ -365,7 +365,10 @@ class InlineExecutor(Executor):
     With a step-wise evaluator the group's trials advance in lockstep, one epoch each in turn:
     every trial's result for an epoch is recorded before any decision for that epoch, so
     synchronous rules (Hyperband rungs) see the whole rung. The planner groups them into execution
-    units, fused where ``optimize`` allows (:mod:`tridens.xopt`). Otherwise trials run one by one,
+    units, fused where ``optimize`` allows (:mod:`tridens.xopt`). When the thread policy runs
+    several units at once (small steps, idle cores), they train side by side in forked processes
+    in the same lockstep, with the same outcomes (:mod:`._forked`; ``ThreadPolicy(concurrent=1)``
+    keeps them in this process). A user's loop runs its trials one by one,
     and ``trial_timeout`` interrupts a loop even between its reports (SIGALRM, main thread).
     ``optimize`` (None: the experiment's; True, False or a :class:`tridens.xopt.Settings`) overrides
     the experiment's ``optimize``, resolved once when the run starts. ``threads`` (a :class:`~tridens.engine.ThreadPolicy`, default ``ThreadPolicy()``) sets the torch
@@ -424,7 +427,24 @@ class InlineExecutor(Executor):
         units, failed = plan_units(jobs, evaluator, optimize)
         for job, err in failed:
             lives[job.trial.id].fail(err)
-        with self.threads.decide_units(units).applied():
+        forks = bool(getattr(_context(self), "forks", False))
+        plan = self.threads.decide_units(units, parts=0 if forks else len(jobs) - len(failed))
+        if plan.concurrent > 1 and not forks:
+            from ._forked import forkable, run_forked
+            from ._planner import spread_units
+            from ._threads import shares
+
+            why = forkable(units)
+            if not why:
+                order = [tid for unit in units for tid in unit.jobs]
+                units = spread_units(units, evaluator, optimize, plan.concurrent, where="processes")
+                if len(units) > 1:
+                    with plan.applied():
+                        run_forked(shares(units, plan.concurrent), lives, hooks, plan.threads, order)
+                    return
+            else:
+                log.info("units one at a time in this process: %s", why)
+        with plan.applied():
             run_lockstep(units, _InlineJudge(lives))
 
 

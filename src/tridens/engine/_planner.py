@@ -19,7 +19,7 @@ from ..evaluators import StepwiseEvaluator
 from ..units import (ENV_MAX_UNIT_MEMORY, MAX_UNIT_MEMORY, ExecutionUnit, Job, Optimization, SeparateUnit,
                      UnitPass, default_max_unit_memory, parse_memory, resolve_max_unit_memory, unit_memory_limit)
 
-__all__ = ["plan", "parse_memory", "resolve_max_unit_memory", "default_max_unit_memory", "unit_memory_limit",
+__all__ = ["plan", "spread_units", "parse_memory", "resolve_max_unit_memory", "default_max_unit_memory", "unit_memory_limit",
            "ENV_MAX_UNIT_MEMORY", "MAX_UNIT_MEMORY"]
 
 log = logging.getLogger("tridens")
@@ -59,4 +59,56 @@ def plan(jobs: Sequence[Job], evaluator: StepwiseEvaluator, optimize: Any, *,
         described = unit.describe()   # recorded with each trial: the store and dashboard show the plan
         for job in unit.jobs.values():
             job.trial.info["unit"] = described
+    return units
+
+
+def spread_units(units: Sequence[ExecutionUnit], evaluator: StepwiseEvaluator, optimize: Any, count: int, *,
+                 separate_tasks: bool = False, by_members: bool = True, where: str = "") -> list[ExecutionUnit]:
+    """Units for ``count`` workers: while there are fewer than ``count``, the biggest unit that may
+    be split (``splittable``, or a separate unit) is split in two: by its members as they are where
+    it can (:meth:`~tridens.units.ExecutionUnit.split`), else planned again as two equal halves,
+    the groups of its members (a batched model, a joint step) in order of size, so that at most
+    one group is cut in two. Super-graph units stay whole (their children are tied already).
+    ``separate_tasks``: a separate unit's trials count one worker each and are not split (an
+    executor that gives each of them its own task). ``by_members=False``: always planned again (an
+    executor whose workers plan a unit's trials again from its kind). ``where`` names the workers
+    in the log line.
+    One unit of a whole group costs nothing when units run one at a time; side by side it would
+    leave workers idle.
+
+    >>> spread_units(units, evaluator, True, 2)                  # doctest: +SKIP
+    """
+    units = list(units)
+
+    def separate(unit: ExecutionUnit) -> bool:
+        return unit.describe()["kind"] == "separate"
+
+    def tasks() -> int:
+        return sum(len(u.jobs) if separate_tasks and separate(u) else 1 for u in units)
+
+    while tasks() < count:
+        splittable = [u for u in units if len(u.jobs) > 1 and
+                      (u.describe()["splittable"] or (separate(u) and not separate_tasks))]
+        if not splittable:
+            break
+        unit = max(splittable, key=lambda u: len(u.jobs))
+        units.remove(unit)
+        parts = unit.split() if by_members else None
+        if parts is not None:
+            log.info("the %s unit of trials %s is split in two for the %d %s: %s", unit.kind, list(unit.jobs), count,
+                     where or "workers", "; ".join(str(part.trial_ids()) for part in parts))
+            for part in parts:
+                described = part.describe()
+                for job in part.jobs.values():
+                    job.trial.info["unit"] = described
+            units.extend(parts)
+            continue
+        groups = unit.describe()["groups"] or [list(unit.jobs)]
+        order = [t for group in sorted(groups, key=len, reverse=True) for t in group]
+        order += [t for t in unit.jobs if t not in order]
+        halves = [order[:(len(order) + 1) // 2], order[(len(order) + 1) // 2:]]
+        log.info("the %s unit of trials %s is planned again as two units for the %d %s", unit.kind, list(unit.jobs),
+                 count, where or "workers")
+        for half in halves:
+            units.extend(plan([unit.jobs[t] for t in half], evaluator, optimize))
     return units

@@ -52,7 +52,7 @@ from ._stage_relay import ArchiveRelay, PlanningView, answer_archive_call, archi
 if TYPE_CHECKING:
     from ._execution import PoolWorker, ProcessExecutor
 
-__all__ = ["UnitRun", "serve_unit", "POOL_OPTIMIZATIONS"]
+__all__ = ["UnitRun", "serve_unit", "PipeJudge", "POOL_OPTIMIZATIONS"]
 
 log = logging.getLogger("tridens")
 
@@ -307,9 +307,10 @@ class UnitRun:
 
 
 # -- the worker ---------------------------------------------------------------------------------------
-class _PipeJudge(LockstepJudge):
-    """The worker's side of the lockstep loop: each round's reports go to the driver, whose
-    answer holds the verdicts and the forks; a member's outcome goes back with its weights."""
+class PipeJudge(LockstepJudge):
+    """A pool worker's (or a forked process's, :mod:`._forked`) side of the lockstep loop: each
+    round's reports go to the driver, whose answer holds the verdicts and the forks; a member's
+    outcome goes back with its weights."""
 
     def __init__(self, conn: Connection, evaluator: StepwiseEvaluator, trials: Mapping[int, Trial]):
         self.conn, self.evaluator, self.trials = conn, evaluator, trials
@@ -395,7 +396,7 @@ def serve_unit(conn: Connection, message: tuple[Any, ...], evaluators: Mapping[i
     conn.send(("started",))
     jobs = [Job(trial, pickle.loads(model), max_steps, start_from=load_bytes(state))
             for trial, model, max_steps, state in members]
-    judge = _PipeJudge(conn, evaluator, {job.trial.id: job.trial for job in jobs})  # type: ignore[arg-type]
+    judge = PipeJudge(conn, evaluator, {job.trial.id: job.trial for job in jobs})  # type: ignore[arg-type]
     try:
         if not isinstance(evaluator, StepwiseEvaluator):
             raise TypeError(f"units train step-wise evaluators, not {type(evaluator).__name__}")

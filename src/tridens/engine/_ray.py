@@ -272,32 +272,11 @@ class RayExecutor(Executor):
         return tracks
 
     def _spread(self, units: list[Any], evaluator: StepwiseEvaluator) -> list[Any]:
-        """Fewer tasks than workers: the biggest fused unit is planned again as two equal halves (at
-        most one of its batched or joint groups cut), until every worker has a task or nothing is
-        left to split.
-        In-process one unit of the whole group costs nothing; on Ray it would leave workers idle.
-        Super-graph units stay whole (their children are tied already)."""
-        from ._planner import plan
+        """Fewer tasks than workers: units split until every worker has a task (a separate unit's
+        trials are a task each)."""
+        from ._planner import spread_units
 
-        def tasks() -> int:
-            return sum(len(u.jobs) if u.describe()["kind"] == "separate" else 1 for u in units)
-
-        while tasks() < self.workers:
-            splittable = [u for u in units if u.describe()["splittable"] and len(u.jobs) > 1]
-            if not splittable:
-                break
-            unit = max(splittable, key=lambda u: len(u.jobs))
-            groups = unit.describe()["groups"] or [list(unit.jobs)]
-            # Equal halves; the members' groups (a batched model, a joint step) in order of size, so
-            # that at most one group is cut in two.
-            order = [t for group in sorted(groups, key=len, reverse=True) for t in group]
-            halves = [order[:(len(order) + 1) // 2], order[(len(order) + 1) // 2:]]
-            log.info("ray: the %s unit of trials %s is planned again as two units for the %d workers",
-                     unit.kind, list(unit.jobs), self.workers)
-            units.remove(unit)
-            for half in halves:
-                units.extend(plan([j for t, j in unit.jobs.items() if t in half], evaluator, self.optimize))
-        return units
+        return spread_units(units, evaluator, self.optimize, self.workers, separate_tasks=True, by_members=False)
 
     def _run_units(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, evaluator_ref: Any, storage: CheckpointStorage,
                    hooks: GroupHooks) -> None:

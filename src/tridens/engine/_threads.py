@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from ..graph import forward_flops
 
-__all__ = ["ThreadPolicy", "ThreadPlan", "step_flops", "cores"]
+__all__ = ["ThreadPolicy", "ThreadPlan", "step_flops", "cores", "shares"]
 
 log = logging.getLogger("tridens")
 
@@ -124,10 +124,12 @@ class ThreadPolicy:
         text = f"{why}: one thread per unit" if threads == 1 and self.threads is None else why
         return ThreadPlan(threads, concurrent, f"{text}, {concurrent} at once on {free} idle cores")
 
-    def decide_units(self, units: Sequence[Any]) -> ThreadPlan:
-        """The plan for execution units (each step sized by :func:`unit_step_flops`); logged."""
+    def decide_units(self, units: Sequence[Any], *, parts: int = 0) -> ThreadPlan:
+        """The plan for execution units (each step sized by :func:`unit_step_flops`); logged.
+        ``parts``: how many units they could be split into (an executor that splits units to run
+        them side by side), when more than there are units."""
         flops = max((unit_step_flops(u) for u in units), default=None, key=lambda v: -1 if v is None else v)
-        plan = self.decide(flops, len(units))
+        plan = self.decide(flops, max(len(units), parts))
         log.info("threads: %d per unit, %d unit(s) at once: %s", plan.threads, plan.concurrent, plan.reason)
         return plan
 
@@ -162,23 +164,53 @@ def step_flops(model: nn.Module, example: torch.Tensor, batch_size: int) -> floa
     return 3.0 * flops * batch_size
 
 
-def unit_step_flops(unit: Any) -> float | None:
-    """The training FLOPs of one step of ``unit``: its largest model's step (counted on one
-    example), times the number of models where they step as one fused model; None when it cannot
-    be counted (a user's loop, a model that does not run on one example)."""
+def _model_step_flops(unit: Any) -> tuple[float | None, int]:
+    """(the training FLOPs of one step of ``unit``'s largest model, or None when they cannot be
+    counted; the number of its models)."""
     evaluator = getattr(unit, "evaluator", None)
     jobs = [job for job in getattr(unit, "jobs", {}).values() if isinstance(job.model, nn.Module)]
     if evaluator is None or not jobs or not hasattr(evaluator, "config"):
-        return None
+        return None, len(jobs)
     job = max(jobs, key=lambda j: sum(p.numel() for p in j.model.parameters()))
     try:
         cfg = evaluator.config(job.trial.sample)
         example = cfg.train[0][0]
         if not isinstance(example, torch.Tensor):
-            return None
-        flops = step_flops(job.model, example, cfg.batch_size)
+            return None, len(jobs)
+        return step_flops(job.model, example, cfg.batch_size), len(jobs)
     except Exception:  # whatever keeps a model from running on one example: size unknown
+        return None, len(jobs)
+
+
+def unit_step_flops(unit: Any) -> float | None:
+    """The training FLOPs of one step of ``unit``: its largest model's step (counted on one
+    example), times the number of models where they step as one fused model; None when it cannot
+    be counted (a user's loop, a model that does not run on one example)."""
+    flops, models = _model_step_flops(unit)
+    if flops is None:
         return None
     from ..xopt import BatchedUnit
 
-    return flops * len(jobs) if isinstance(unit, BatchedUnit) else flops
+    return flops * models if isinstance(unit, BatchedUnit) else flops
+
+
+def shares(units: Sequence[Any], count: int) -> list[list[Any]]:
+    """``units`` dealt into at most ``count`` shares of about equal work, for ``count`` processes
+    side by side: largest first, each to the lightest share so far (a unit's work: its largest
+    model's training step times its number of models; its number of models where the step cannot
+    be counted). Shares keep the units' order.
+
+    >>> [len(s) for s in shares([object(), object(), object()], 2)]
+    [2, 1]
+    """
+    work = []
+    for unit in units:
+        flops, models = _model_step_flops(unit)
+        work.append(max(1, models) * (1.0 if flops is None else flops))
+    count = max(1, min(count, len(units)))
+    loads, dealt = [0.0] * count, [[] for _ in range(count)]   # type: list[float], list[list[int]]
+    for index in sorted(range(len(units)), key=lambda i: -work[i]):
+        lightest = min(range(count), key=lambda s: loads[s])
+        loads[lightest] += work[index]
+        dealt[lightest].append(index)
+    return [[units[i] for i in sorted(share)] for share in dealt if share]

@@ -122,6 +122,12 @@ class ExecutionUnit:
                 total += sum(b.numel() * b.element_size() for b in job.model.buffers())
         return total
 
+    def split(self) -> "list[ExecutionUnit] | None":
+        """Before its first epoch, this unit's members as two units of about equal work, built from
+        the members as they are (no planning again); None when it cannot (the default: an executor
+        that wants smaller units plans the trials again, :func:`tridens.engine.spread_units`)."""
+        return None
+
     def groups(self) -> list[list[int]]:
         """Members that train as one (one vectorized model, one joint step), by trial id."""
         return [[trial_id] for trial_id in self.jobs]

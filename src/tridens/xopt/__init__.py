@@ -29,7 +29,7 @@ planner to every optimization and pass as ``settings=``.
 from ..units import Optimization, UnitPass
 from . import _batching as batching
 from . import _cse as cse
-from ._batching import BatchedUnit, plan_batching
+from ._batching import BatchedUnit, measurement_mark, measurements_since, plan_batching, replay_measurements
 from ._cse import (PipelineMember, SharedPipelineUnit, SharedPrefix, TrainerMember, merge_pipelines, plan_cse,
                    plan_frozen_prefixes)
 from ._stages import StageTreeUnit, plan_stage_trees, prefix_cache, stage_archive
@@ -52,4 +52,4 @@ PASSES: tuple[UnitPass, ...] = (
 
 __all__ = ["OPTIMIZATIONS", "PASSES", "Settings", "BatchingSettings", "CSESettings", "resolve_settings", "StageTreeUnit", "plan_stage_trees", "stage_archive", "prefix_cache", "BatchedUnit", "plan_batching", "batching",
            "SharedPipelineUnit", "PipelineMember", "TrainerMember", "SharedPrefix", "plan_cse", "plan_frozen_prefixes", "merge_pipelines",
-           "plan_supergraph", "cse"]
+           "plan_supergraph", "cse", "measurement_mark", "measurements_since", "replay_measurements"]

@@ -73,7 +73,7 @@ from ..units import ExecutionUnit, Job
 from ..evaluators._base import StepwiseEvaluator
 from ._decision_cache import SEPARATE_STEP, DecisionCache
 from ._batching import (_SEPARATE_STEPS, _SETUP_FIELDS, BatchedMember, BatchedUnit, _EFFICIENCY, peak_matmul_flops,
-                        record_speedup)
+                        record_separate_step, record_speedup)
 from ._cse import TrainerMember, joint_trainers, with_fast_kernels
 from ._pipeline import PipelineMember
 from ._settings import BatchingSettings, CSESettings
@@ -497,7 +497,7 @@ class AdaptiveMember:
         self._store(ratio)
         if self._separate:  # (measured also where the ratio is overridden)
             step = self._separate_step = statistics.median(self._separate)
-            _SEPARATE_STEPS[decision_key(self.skey, self.setup, 1, self.device)] = step
+            record_separate_step(decision_key(self.skey, self.setup, 1, self.device), step)
             if self.stored_key is not None and self.settings.override_speedup is None:
                 DecisionCache(self.settings.decision_cache).put(self.stored_key + SEPARATE_STEP, step)
         self.speedup = ratio

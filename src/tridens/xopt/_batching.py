@@ -149,11 +149,57 @@ MARGIN = 1.25
 of it may fall on the wrong side, so later groups measure again (:func:`settled_speedup`)."""
 
 
+# every measurement this process recorded, in order: ("speedup" | "separate step", key, value, replace);
+# a forked process hands the ones since its fork back to its parent (:func:`measurements_since`)
+_RECORDED: list[tuple[str, tuple[Any, ...], float, bool]] = []
+_RECORDED_MAX = 4096
+_recorded_before = [0]   # measurements dropped from the front of _RECORDED
+
+
 def record_speedup(key: tuple[Any, ...], speedup: float, *, replace: bool = False) -> None:
     """Keep a measured speed-up for later groups of ``key`` (``replace``: instead of the earlier
     ones, e.g. 0 for models that do not vectorize); the latest :data:`KEPT` are kept."""
     values = [] if replace else _SPEEDUPS.get(key, [])
     _SPEEDUPS[key] = (values + [float(speedup)])[-KEPT:]
+    _log_measurement("speedup", key, speedup, replace)
+
+
+def record_separate_step(key: tuple[Any, ...], seconds: float) -> None:
+    """Keep one model's measured separate step (CPU s) for later stacks of ``key`` that shrink."""
+    _SEPARATE_STEPS[key] = float(seconds)
+    _log_measurement("separate step", key, seconds, True)
+
+
+def _log_measurement(kind: str, key: tuple[Any, ...], value: float, replace: bool) -> None:
+    if len(_RECORDED) >= _RECORDED_MAX:
+        half = _RECORDED_MAX // 2
+        del _RECORDED[:half]
+        _recorded_before[0] += half
+    _RECORDED.append((kind, key, float(value), replace))
+
+
+def measurement_mark() -> int:
+    """A position in this process's measurements: :func:`measurements_since` returns the later ones."""
+    return _recorded_before[0] + len(_RECORDED)
+
+
+def measurements_since(mark: int) -> list[tuple[str, tuple[Any, ...], float, bool]]:
+    """The measurements (speed-ups, separate steps) recorded after ``mark``, in order: what a forked
+    process that trained units hands back to its parent, plain data.
+
+    >>> mark = measurement_mark(); record_speedup(("demo",), 2.5); measurements_since(mark)
+    [('speedup', ('demo',), 2.5, False)]
+    """
+    return list(_RECORDED[max(0, mark - _recorded_before[0]):])
+
+
+def replay_measurements(measurements: Sequence[tuple[str, tuple[Any, ...], float, bool]]) -> None:
+    """Record measurements another process took (:func:`measurements_since`), as if taken here."""
+    for kind, key, value, replace in measurements:
+        if kind == "speedup":
+            record_speedup(tuple(key), value, replace=replace)
+        elif kind == "separate step":
+            record_separate_step(tuple(key), value)
 
 
 def settled_speedup(measured: Sequence[float], settings: BatchingSettings) -> float | None:
@@ -187,6 +233,8 @@ def clear_cache() -> None:
     _SEPARATE_STEPS.clear()
     _EFFICIENCY.clear()
     _TRACED.clear()
+    _recorded_before[0] += len(_RECORDED)
+    _RECORDED.clear()
 
 
 # -- grouping ----------------------------------------------------------------------------------------

@@ -286,6 +286,8 @@ class SharedPipelineUnit(ExecutionUnit):
         self.memory = memory
         self.errors: dict[int, BaseException] = {}
         self.prefixes = {p.key: p for p in prefixes}
+        # a shared frozen prefix is the point of such a unit: two halves would each compute it
+        self.splittable = not self.prefixes
         self.counts = {"batches": 0, "augment": 0, "val_batches": 0}
         self._order = {job.trial.id: i for i, job in enumerate(jobs)}
         if members is None:
@@ -354,6 +356,22 @@ class SharedPipelineUnit(ExecutionUnit):
 
     def groups(self) -> list[list[int]]:
         return [list(m.trial_ids()) for m in self.members]
+
+    def split(self) -> list[ExecutionUnit] | None:
+        """Two units, each reading its own copy of the pipeline, the members dealt by size (largest
+        first, to the smaller half); None with fewer than two members, a shared frozen prefix, once
+        training began, or with a member that failed to build."""
+        if len(self.members) < 2 or self.prefixes or self.counts["batches"] or self.errors:
+            return None
+        halves: list[list[PipelineMember]] = [[], []]
+        for member in sorted(self.members, key=lambda m: -len(m.trial_ids())):
+            min(halves, key=lambda h: sum(len(m.trial_ids()) for m in h)).append(member)
+        units: list[ExecutionUnit] = []
+        for half in halves:
+            ids = [t for t in self.jobs if any(t in m.trial_ids() for m in half)]
+            units.append(SharedPipelineUnit([self.jobs[t] for t in ids], self.evaluator, members=half,
+                                            reason=f"half of a unit split in two: {self.reason}"))
+        return units
 
     def shared(self) -> list[str]:
         return ["one data pipeline"] + [f"frozen prefix {key}" for key in self.prefixes]
