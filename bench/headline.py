@@ -23,9 +23,9 @@ similar trained model in a zoo beside the store; off by default), ``tridens-cach
 as ``tridens`` on a machine where the same search ran before: the fused-or-not decisions read from
 the cache file that run wrote; every other tridens run measures them afresh, from an empty cache
 file), ``tridens-fused`` / ``tridens-unfused`` (the planner's batching choice forced either way: ``TRIDENS_BATCHING=force`` /
-``off``; the other optimizations as planned), ``tridens-1unit`` (the same as ``tridens`` with
-units one at a time in the driver, ``ThreadPolicy(concurrent=1)``: by default a group's units with
-small steps train side by side in forked processes, one per idle core), ``optuna`` (``study.optimize`` of an objective with
+``off``; the other optimizations as planned), ``tridens-side`` (the same as ``tridens`` with a
+group's units side by side in forked processes, one per idle core where steps are small:
+``ThreadPolicy(concurrent=None)``; by default units train one at a time), ``optuna`` (``study.optimize`` of an objective with
 a plain PyTorch loop over a ``DataLoader``, ``torch.set_num_threads(1)``: one thread per trial),
 ``ray`` (Tune, function trainable, ``ray.init(num_cpus=<cores>)``: one CPU and one torch thread
 per trial, as many trials at once as cores).
@@ -358,7 +358,7 @@ EVENTS: dict[str, Events] = {}  # "ray": where Tune's callback (pickled with the
 
 
 def run_tridens(workload: str, data: tuple[Any, Any], epochs: int, trials: int, seed: int, clock: C.ProcessTreeClock,
-                events: Events, *, optimize: bool, warm_start: bool = False, one_unit: bool = False) -> dict[str, Any]:
+                events: Events, *, optimize: bool, warm_start: bool = False, side_by_side: bool = False) -> dict[str, Any]:
     train, val = data
     bs = BATCH[workload]
     if workload == "hpo":
@@ -386,8 +386,8 @@ def run_tridens(workload: str, data: tuple[Any, Any], epochs: int, trials: int, 
     with tempfile.TemporaryDirectory() as d:
         exp = td.Experiment(space, ev, strategy, max_trials=trials, store=os.path.join(d, "headline.db"),
                             name=workload, seed=seed, verbose=False, optimize=optimize, warm_start=warm_start,
-                            executor=td.executors.Inline(threads=td.engine.ThreadPolicy(concurrent=1)) if one_unit
-                            else None)
+                            executor=td.executors.Inline(threads=td.engine.ThreadPolicy(concurrent=None))
+                            if side_by_side else None)
         clock.start()
         t0 = time.perf_counter()
         exp.run()
@@ -553,7 +553,7 @@ def one(system: str, workload: str, size: str, overrides: dict[str, int], seed: 
     clock, events = C.ProcessTreeClock(interval=0.25), Events()
     if system.startswith("tridens"):
         out = run_tridens(workload, data, epochs, trials, seed, clock, events, optimize=system != "tridens-noopt",
-                          warm_start=system == "tridens-warm", one_unit=system == "tridens-1unit")
+                          warm_start=system == "tridens-warm", side_by_side=system == "tridens-side")
     elif system == "optuna":
         out = run_optuna(workload, data, epochs, trials, seed, clock, events)
     elif system == "ray":

@@ -15,8 +15,9 @@ from .spaces import TinyMLP
 
 
 def test_small_steps_take_one_thread_and_run_side_by_side():
-    plan = ThreadPolicy().decide(step_flops=5e7, units=6, total=4, load=0.0)
+    plan = ThreadPolicy(concurrent=None).decide(step_flops=5e7, units=6, total=4, load=0.0)
     assert (plan.threads, plan.concurrent) == (1, 4) and "small steps" in plan.reason
+    assert ThreadPolicy().decide(step_flops=5e7, units=6, total=4, load=0.0).concurrent == 1  # the default
 
 
 def test_large_steps_take_every_idle_core():

@@ -260,8 +260,7 @@ def test_stage_tree_of_a_real_grid(tmp_path):
 
 
 def test_a_fused_units_measured_speedup_reaches_the_plan(tmp_path):
-    """Same-shaped trials train as one batched unit (units one at a time: not split for a second
-    core) that decides on its first real steps (the
+    """Same-shaped trials train as one batched unit that decides on its first real steps (the
     measured ratio overridden, so the decision is known); the store keeps the decision with each
     trial's unit, the plan tells the seconds saved; a later group fused on that measurement too."""
     import tridens as td
@@ -276,8 +275,7 @@ def test_a_fused_units_measured_speedup_reaches_the_plan(tmp_path):
     try:
         for name in ("first", "second"):
             td.Experiment(FixedNet(), evaluator, td.strategy.GridSearch(batch_size=16), store=db, name=name,
-                          optimize=Settings().with_batching(mode="auto", override_speedup=3.0), verbose=False,
-                          executor=td.executors.Inline(threads=td.engine.ThreadPolicy(concurrent=1))).run()
+                          optimize=Settings().with_batching(mode="auto", override_speedup=3.0), verbose=False).run()
     finally:
         _batching.clear_cache()
     client = starlette_testclient.TestClient(create_app(db))

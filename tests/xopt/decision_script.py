@@ -1,8 +1,7 @@
 """A small search run as its own process, for the decision cache's test: 8 trials of one MLP
 (4 learning rates x 2 activations) on digits, the environment's optimization settings (so
-``$TRIDENS_DECISION_CACHE`` names the cache file), units one at a time (one unit of 8 measures,
-whatever the machine's idle cores), the planner's log on stderr, each trial's final validation
-accuracy on stdout as JSON.
+``$TRIDENS_DECISION_CACHE`` names the cache file), the planner's log on stderr, each trial's
+final validation accuracy on stdout as JSON.
 
 Usage: python -m tests.xopt.decision_script STORE
 """
@@ -37,8 +36,7 @@ def main(store: str) -> None:
     ev = td.evaluators.Classification(train, val, epochs=1, batch_size=32, optimizer="adam",
                                       lr=td.choice("lr", [1e-3, 3e-3, 1e-2, 3e-2]))
     exp = td.Experiment(Net(), ev, td.strategy.GridSearch(), max_trials=8, store=store, name="cache",
-                        verbose=False, seed=1,
-                        executor=td.executors.Inline(threads=td.engine.ThreadPolicy(concurrent=1)))
+                        verbose=False, seed=1)
     exp.run()
     print(json.dumps({json.dumps(t.sample, sort_keys=True): t.metrics["val_acc"][-1] for t in exp.trials()}))
 

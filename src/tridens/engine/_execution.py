@@ -366,9 +366,9 @@ class InlineExecutor(Executor):
     every trial's result for an epoch is recorded before any decision for that epoch, so
     synchronous rules (Hyperband rungs) see the whole rung. The planner groups them into execution
     units, fused where ``optimize`` allows (:mod:`tridens.xopt`). When the thread policy runs
-    several units at once (small steps, idle cores), they train side by side in forked processes
-    in the same lockstep, with the same outcomes (:mod:`._forked`; ``ThreadPolicy(concurrent=1)``
-    keeps them in this process). A user's loop runs its trials one by one,
+    several units at once (``ThreadPolicy(concurrent=None)``: small steps, idle cores), they train
+    side by side in forked processes in the same lockstep (:mod:`._forked`); by default one at a
+    time, in this process. A user's loop runs its trials one by one,
     and ``trial_timeout`` interrupts a loop even between its reports (SIGALRM, main thread).
     ``optimize`` (None: the experiment's; True, False or a :class:`tridens.xopt.Settings`) overrides
     the experiment's ``optimize``, resolved once when the run starts. ``threads`` (a :class:`~tridens.engine.ThreadPolicy`, default ``ThreadPolicy()``) sets the torch
