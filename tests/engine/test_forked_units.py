@@ -111,20 +111,14 @@ def test_measured_decisions_and_log_records_come_back_from_the_children(digits_d
     assert [m[0] for m in measurements_since(mark)].count("speedup") == 2
 
 
-class DyingSpace(tnn.ModelSpace):
-    """Width 8 trains; width 16 ends the process it trains in, unless that is the driver
+class DyingSpace(TinyMLP):
+    """Width 4 trains; width 8 ends the process it trains in, unless that is the driver
     (``DRIVER``: tracing and sampling run there)."""
 
-    def __init__(self):
-        super().__init__()
-        h = td.choice("hidden", [8, 16])
-        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, h), nn.ReLU(), nn.Linear(h, 10))
-        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
-
     def forward(self, x):
-        if self.body[1].out_features == 16 and os.getpid() != DRIVER[0]:
+        if self.body[1].out_features == 8 and os.getpid() != DRIVER[0]:
             os._exit(3)
-        return self.body(x)
+        return super().forward(x)
 
 
 DRIVER = [os.getpid()]
@@ -136,7 +130,7 @@ def test_a_child_that_dies_fails_only_its_trials(digits_data, tmp_path):
                SIDE_BY_SIDE, False, 4)
     widths = {t.id: t.sample["hidden"] for t in side.values()}
     for tid, trial in side.items():
-        if widths[tid] == 16:
+        if widths[tid] == 8:
             assert trial.status is TrialStatus.FAILED and "forked process" in (trial.error or "")
             assert "exit code 3" in trial.error
         else:

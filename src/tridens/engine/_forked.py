@@ -43,8 +43,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..units import ExecutionUnit
-from ._execution import load_bytes, run_lockstep
-from ._pool_units import PipeJudge
+from ._execution import run_lockstep
+from ._pool_units import PipeJudge, settle_left
 from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text, timeout_error
 
 __all__ = ["forkable", "run_forked"]
@@ -176,7 +176,7 @@ def _receive(child: _Share) -> None:
         if kind == "round":
             child.round = message[1]
         elif kind == "left":
-            _left(child, message[1], message[2])
+            settle_left(child.lives, message[1], message[2])
         elif kind == "log":
             logging.getLogger(message[1].name).handle(message[1])
         elif kind == "measured":
@@ -188,17 +188,6 @@ def _receive(child: _Share) -> None:
                 life.fail(f"the unit of trial {tid} ended in its forked process without an outcome for it")
             child.lives.clear()
             child.open = False
-
-
-def _left(child: _Share, tid: int, outcome: Mapping[str, Any]) -> None:
-    life = child.lives.pop(tid, None)
-    if life is None:
-        return
-    life.trial.info.update(outcome.get("info") or {})
-    if outcome["kind"] == "error":
-        life.fail(outcome["error"])
-    elif outcome["kind"] == "done":
-        life.finish(None, load_bytes(outcome["weights"]))
 
 
 def _lost(child: _Share, error: str) -> None:

@@ -52,7 +52,7 @@ from ._stage_relay import ArchiveRelay, PlanningView, answer_archive_call, archi
 if TYPE_CHECKING:
     from ._execution import PoolWorker, ProcessExecutor
 
-__all__ = ["UnitRun", "serve_unit", "PipeJudge", "POOL_OPTIMIZATIONS"]
+__all__ = ["UnitRun", "serve_unit", "PipeJudge", "settle_left", "POOL_OPTIMIZATIONS"]
 
 log = logging.getLogger("tridens")
 
@@ -236,14 +236,7 @@ class UnitRun:
         return verdict
 
     def _left(self, p: _Placement, tid: int, outcome: Mapping[str, Any]) -> None:
-        life = p.lives.pop(tid, None)
-        if life is None:
-            return
-        life.trial.info.update(outcome.get("info") or {})
-        if outcome["kind"] == "error":
-            life.fail(outcome["error"])
-        elif outcome["kind"] == "done":
-            life.finish(None, load_bytes(outcome["weights"]))
+        settle_left(p.lives, tid, outcome)
 
     def _archive_call(self, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         """A worker's stage-store call, carried out on the driver's archive (states travel as bytes)."""
@@ -304,6 +297,20 @@ class UnitRun:
             if message[0] == "state" and message[1] == tid:
                 return message[2]
             self._handle(p, message)
+
+
+def settle_left(lives: dict[int, TrialProtocol], tid: int, outcome: Mapping[str, Any]) -> None:
+    """A member's ``("left", tid, outcome)`` from a :class:`PipeJudge`: its protocol leaves
+    ``lives`` and takes the info the unit wrote, then fails with the error or finishes with the
+    weights (``"dropped"``: already failed here)."""
+    life = lives.pop(tid, None)
+    if life is None:
+        return
+    life.trial.info.update(outcome.get("info") or {})
+    if outcome["kind"] == "error":
+        life.fail(outcome["error"])
+    elif outcome["kind"] == "done":
+        life.finish(None, load_bytes(outcome["weights"]))
 
 
 # -- the worker ---------------------------------------------------------------------------------------
