@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -149,3 +150,26 @@ def test_stage_trees_stay_in_the_driver(digits_data, tmp_path, caplog):
     assert "units one at a time in this process: stage tree units read and write the store" in caplog.text
     assert "forked processes" not in caplog.text
     assert all(t.status is TrialStatus.COMPLETED for t in exp.trials())
+
+
+class HangingSpace(TinyMLP):
+    """Width 8 hangs in any process but the driver (``DRIVER``)."""
+
+    def forward(self, x):
+        if self.body[1].out_features == 8 and os.getpid() != DRIVER[0]:
+            time.sleep(600)
+        return super().forward(x)
+
+
+def test_a_child_silent_past_the_timeout_is_killed_and_its_trials_fail(digits_data, tmp_path):
+    DRIVER[0] = os.getpid()
+    exp = td.Experiment(HangingSpace(), evaluator(digits_data, epochs=2), td.strategy.GridSearch(), max_trials=4,
+                        store=str(tmp_path / "h.db"), verbose=False, optimize=False, trial_timeout=1.0,
+                        executor=td.executors.Inline(threads=SIDE_BY_SIDE))
+    exp.run()   # the hanging child is killed after the timeout and its grace
+    for trial in exp.trials():
+        if trial.sample["hidden"] == 8:
+            assert trial.status is TrialStatus.FAILED
+            assert "exceeded trial_timeout=1.0 s inside an epoch and was killed" in trial.error
+        else:
+            assert trial.status is TrialStatus.COMPLETED, trial.error
