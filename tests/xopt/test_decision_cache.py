@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tridens.xopt import Settings
+from tridens.xopt import CSESettings, Settings
 from tridens.xopt._decision_cache import SEPARATE_STEP, DecisionCache, default_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,5 +110,6 @@ def test_a_group_planned_from_the_file_knows_the_separate_step_to_compare_with(t
         [planned], _ = plan_batching(make_jobs(SAMPLES, mlp), ev, settings=settings)
         assert planned.member.state == "fused" and "earlier run on this machine" in planned.summary()
         assert planned.member._separate_step == 0.002
+        assert isinstance(planned.member.cse, CSESettings)  # how its trials step if it goes separate
     finally:
         _batching.clear_cache()

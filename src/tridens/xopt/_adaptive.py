@@ -65,7 +65,7 @@ import logging
 import math
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -600,15 +600,21 @@ class AdaptiveMember:
             return
         for t in ids:
             fused.leave(t)
-        self.trainers = {t: trainers[t] for t in self._order if t in trainers}
-        self._steppers, joint = joint_trainers(list(self.trainers.values()), self.cse)
-        self.fused = None
-        self.state = "separate"
+        joint = self._train_separately(trainers)
         epoch = trainers[ids[0]].epoch(ids[0])
         self.decision += (f"; separately from epoch {epoch + 1}: {len(ids)} of {self._decided_k} models left, fused "
                           f"steps measured {ratio:.2f}x of separate" + (f" ({joint})" if joint else ""))
         log.info("batching: trials %s train separately from epoch %d: %d of %d models left, fused steps measured "
                  "%.2fx of separate", ids, epoch + 1, len(ids), self._decided_k, ratio)
+
+    def _train_separately(self, trainers: Mapping[int, TrainerMember]) -> str:
+        """From now on ``trainers`` (in the trials' order) train the models, stepping as the CSE
+        settings say; returns how they step jointly ("" when they do not)."""
+        self.trainers = {t: trainers[t] for t in self._order if t in trainers}
+        self._steppers, joint = joint_trainers(list(self.trainers.values()), self.cse)
+        self.fused = None
+        self.state = "separate"
+        return joint
 
     def _go_separate(self, why: str) -> None:
         if why.startswith("the models do not vectorize"):  # structural: later groups need not try
@@ -630,11 +636,9 @@ class AdaptiveMember:
             for x, y, batch in self._kept:  # the batches the group has trained so far, in order
                 member.train_batch(x, y, batch)
             self.trainers[t] = member
-        self.trainers = {t: self.trainers[t] for t in self._order if t in self.trainers}
-        self._steppers, joint = joint_trainers(list(self.trainers.values()), self.cse)
-        self.fused, self._timing, self._timing_step, self._snapshot, self._kept = None, None, None, None, []
+        joint = self._train_separately(self.trainers)
+        self._timing, self._timing_step, self._snapshot, self._kept = None, None, None, []
         self.wasted_seconds = self._spent["fused"]
-        self.state = "separate"
         self.decision = f"not fused: {why}; trained separately on one data pipeline" + (f" ({joint})" if joint else "")
         log.info("batching: trials %s %s", self.trial_ids(), self.decision)
 

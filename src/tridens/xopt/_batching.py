@@ -634,9 +634,9 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
             measured, where = cache.get(stored), f"an earlier run on this machine ({cache.path})"
             if measured:
                 _SPEEDUPS[key] = list(measured)
-                steps = cache.get(stored + SEPARATE_STEP)
-                if steps:  # what the stack compares its steps with if trials leave it
-                    _SEPARATE_STEPS.setdefault(decision_key(skey, setup, 1, cfg.device), statistics.median(steps))
+                separate = cache.get(stored + SEPARATE_STEP)
+                if separate:  # what the stack compares its steps with if trials leave it
+                    _SEPARATE_STEPS.setdefault(decision_key(skey, setup, 1, cfg.device), statistics.median(separate))
         speedup = settled_speedup(measured, settings)
         if len(measured) > 1:
             where = f"{where}, the median of {len(measured)}"
