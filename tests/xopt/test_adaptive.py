@@ -100,7 +100,8 @@ def test_separate_decision_after_fused_steps_equals_separate(data, monkeypatch, 
         decided = run(unit, stop={1: 1})
     member = unit.member
     assert member.state == "separate" and member.fused is None and member._fused_calls >= 4
-    assert "not fused: settings.override_speedup: 0.50x (below 1.10x)" in caplog.text
+    assert "not fused: settings.override_speedup: 0.50x; 0.54x from here (separate would train the 4 batches " \
+        "taken again) (below 1.10x)" in caplog.text
     assert "trained separately on one data pipeline" in caplog.text
     # stepped as the planner's separate training steps them: one backward, the exact max-pool kernel
     assert "joint step (one backward) for trials [0, 1, 2, 3]" in member.decision
@@ -214,16 +215,53 @@ def test_a_decision_holds_for_groups_of_another_data_order_and_under_other_threa
 def test_more_rounds_only_to_confirm_fusing_just_above_the_bar(data):
     """Just above the bar (an injected 1.2x; the bar is 1.1x) the group times twice the rounds before
     fusing; just below it (1.0x) it goes separate after ``measure_rounds``, throwing away no more
-    fused steps than those."""
-    ev = evaluator(data, "sgd", epochs=1)
+    fused steps than those. (Budgets of 20 epochs, stopped after one: the steps taken weigh
+    little against what is left.)"""
+    ev = evaluator(data, "sgd", epochs=20)
+    stop = {t: 1 for t in range(len(SAMPLES))}
     rounds = auto().batching.measure_rounds
     above = adaptive(make_jobs(SAMPLES, mlp), ev, auto(1.2))
-    run(above)
+    run(above, stop=stop)
     assert above.member.state == "fused" and len(above.member._fused_steps) == 2 * rounds
     _batching.clear_cache()
     below = adaptive(make_jobs(SAMPLES, mlp), ev, auto(1.0))
-    run(below)
+    run(below, stop=stop)
     assert below.member.state == "separate" and len(below.member._fused_steps) == rounds
+
+
+@pytest.mark.parametrize("epochs", [1, 20])
+def test_a_short_run_keeps_the_fused_steps_it_took(data, caplog, epochs):
+    """Fusion measured at 1.0x, under the 1.1x bar: with one epoch of 23 steps to train, going
+    separate would train the kept batches again on three of the four models, so fused is cheaper
+    from here and the group stays fused; with budgets of 20 epochs (stopped after one) it goes
+    separate. Either way the cache keeps the measured 1.0x for later groups."""
+    ev = evaluator(data, "sgd", epochs=epochs)
+    unit = adaptive(make_jobs(SAMPLES, mlp), ev, auto(1.0))
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        run(unit, stop={t: 1 for t in range(len(SAMPLES))})
+    member = unit.member
+    assert member.speedup == 1.0 and _batching._SPEEDUPS[member.key] == [1.0]
+    here = member.decision.split("; ")[1].split("x from here")[0]
+    if epochs == 1:
+        assert member.state == "fused" and float(here) >= auto().batching.min_speedup
+    else:
+        assert member.state == "separate" and 1.0 < float(here) < auto().batching.min_speedup
+
+
+def test_the_speedup_from_here_counts_the_batches_to_train_again(data):
+    """Injected step times: one model's separate step 10 ms, fused 10 ms per model (1.0x); 6 kept
+    batches of a 23-step epoch with 6 validation batches (8 and 4 ms per model), 4 models, one
+    epoch: going separate trains 3 x 6 batches again (0.18 s) on top of what is left."""
+    member = adaptive(make_jobs(SAMPLES, mlp), evaluator(data, "sgd", epochs=1)).member
+    member._separate, member._fused_steps = [0.010] * 3, [(0.040, 4)] * 3
+    member._eval = (0.008, 0.004)
+    member._kept = [None] * 6
+    left_separate = 17 * 0.010 + 6 * 0.008          # one model, the rest of the epoch
+    ratio = member._ratio()
+    assert ratio == pytest.approx((23 * 0.010 + 6 * 0.008) / (23 * 0.010 + 6 * 0.004))
+    expected = ratio * (3 * 6 * 0.010 + 4 * left_separate) / (4 * left_separate)
+    assert member._from_here(ratio) == pytest.approx(expected)
+    assert ratio < auto().batching.min_speedup <= expected  # measured under the bar, over it from here
 
 
 def test_the_speedup_is_the_ratio_of_median_step_times(data):
