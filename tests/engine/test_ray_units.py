@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import tridens as td
-from tridens.engine import DynamicFluid
+from tridens.engine import DynamicFluid, StaticFluid
 from tridens.trial import Decision, TrialStatus
 
 from .spaces import Groups, MLPSpace, TinyMLP
@@ -153,12 +153,19 @@ def fluid_pair(tmp_path, digits_data, group, name, allocation):
                 allocation=allocation)
 
 
+def step_time(sample):
+    """A fixed profile (seconds per step), so that the shares do not depend on measured times: a
+    trial's work is then its steps."""
+    return 1e-3
+
+
 def test_static_fluid_shares_are_the_ray_tasks_resource_requests(local_ray, digits_data, tmp_path, caplog):
-    # four similar trials on two CPUs, none with half the work: each gets half a CPU (Ray packs two
+    # four similar trials on two CPUs, none with half the work (a fixed profile: shares from
+    # measured step times depend on the machine's load): each gets half a CPU (Ray packs two
     # tasks on one)
     group = [{"hidden": h, "epochs": e} for h in (4, 64) for e in (1, 2)]
     with caplog.at_level(logging.INFO, logger="tridens"):
-        inline, on_ray = fluid_pair(tmp_path, digits_data, group, "static", "static")
+        inline, on_ray = fluid_pair(tmp_path, digits_data, group, "static", StaticFluid(profile=step_time))
     assert_close(inline, on_ray)
     for t in on_ray:
         assert [a["share"] for a in t.info["allocation"]] == [0.5]
@@ -174,12 +181,6 @@ def test_share_above_one_is_one_task_running_ddp(local_ray, digits_data, tmp_pat
     assert t.info["allocation"][0]["share"] == 2.0 and t.info["ray"]["resources"] == {"CPU": 2.0}
     assert "torch DDP over 2 local processes" in caplog.text
     assert sorted(os.listdir(t.info["storage"])) == ["epoch-2.pt", "final.pt"]
-
-
-def step_time(sample):
-    """A fixed profile (seconds per step), so that the shares do not depend on measured times: the
-    12-epoch trial gets one CPU, the others half of the other."""
-    return 1e-3
 
 
 @pytest.mark.slow
