@@ -5,6 +5,8 @@ from __future__ import annotations
 import gzip
 import hashlib
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +48,13 @@ def test_digits_shapes_sizes_and_classes():
     assert torch.equal(train.images, expected) and torch.equal(train.labels, torch.from_numpy(raw.target[tr]))
     assert isinstance(train, torch.utils.data.TensorDataset)
     assert repr(train) == "ImageDataset('digits:train:val_fraction=0.2,seed=0,normalize=0', n=1438, shape=(1, 8, 8))"
+
+
+def test_digits_load_without_importing_scikit_learn():
+    """The data file is read directly: scikit-learn imports SciPy, a second of every process's start."""
+    code = "import sys, tridens as td; td.datasets.digits(); print('sklearn' in sys.modules, 'scipy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "False"]
 
 
 def test_splits_are_deterministic_cached_and_seeded():
