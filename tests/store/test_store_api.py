@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import signal
 import threading
 
 import numpy as np
@@ -166,6 +167,28 @@ def test_checkpoint_files_beside_the_database(store, tmp_path):
     store.save_checkpoint(t.id, {"epoch": 4})  # replaces the final one, atomically
     assert store.load_checkpoint(path) == {"epoch": 4} and store.trial(t.id).checkpoint == str(path)
     assert sorted(p.name for p in path.parent.iterdir()) == [f"trial-{t.id}-step-1.pt", f"trial-{t.id}.pt"]
+
+
+def test_ctrl_c_while_a_checkpoint_is_written_is_a_keyboard_interrupt_and_leaves_the_last_one(store, tmp_path):
+    """SIGINT lands inside torch.save (40,000 small tensors: about a second to write; the alarm
+    after 0.2 s): the caller sees KeyboardInterrupt, whatever torch's zip writer raised after it,
+    the previous checkpoint stays and no temporary file is left."""
+    t = store.add_trial("exp", new_trial())
+    path = store.save_checkpoint(t.id, {"epoch": 1})
+    state = {f"t{i}": torch.zeros(4) for i in range(40_000)}
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            store.save_checkpoint(t.id, state)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert os.listdir(path.parent) == [path.name] and store.load_checkpoint(path) == {"epoch": 1}
 
 
 def test_checkpoint_errors(store, tmp_path):

@@ -744,6 +744,14 @@ class Store:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise StoreError(f"cannot write the checkpoint {final} of trial {trial_id}: {e}") from e
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            # Ctrl-C inside torch.save can surface as its zip writer's RuntimeError, the interrupt
+            # its context: the run then stops as on any Ctrl-C, not with that error
+            if isinstance(e, RuntimeError) and isinstance(e.__context__, KeyboardInterrupt):
+                raise e.__context__ from None
+            raise
         return final
 
     def load_checkpoint(self, path: str | os.PathLike[str], *, map_location: Any = "cpu") -> Any:
