@@ -79,6 +79,17 @@ def test_run_ls_show_top_export(tmp_path, searched, tridens_here):
     assert "torch.Size([3, 10])" in res.stdout, res.stderr
 
 
+def test_reading_a_store_does_not_import_torch(searched):
+    """ls, show and top answer from the store alone: importing PyTorch would take them 1.5 s."""
+    code = ("import sys; from tridens.cli import main\n"
+            "for args in (['ls'], ['show', 'cli-search'], ['top', 'cli-search'], ['show', 'cli-search', '0']):\n"
+            f"    assert main([*args, '--db', {str(searched)!r}]) == 0\n"
+            "print('torch' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "False"
+
+
 def test_kill_then_resume_completes_the_budget_without_retraining(tmp_path):
     db = tmp_path / "crash.db"
     env = {**os.environ, "TRIDENS_DB": str(db)}

@@ -26,7 +26,7 @@ def test_docstring_examples(module: str) -> None:
 def test_public_names() -> None:
     assert sorted(tridens.strategy.__all__) == sorted(
         ["Strategy", "Random", "GridSearch", "RegularizedEvolution", "TPE", "Hyperband", "BOHB", "ASHA",
-         "SS", "AsyncSS", "BOSS", "MedianStopping", "PBT", "Constraint", "pareto_front"])
+         "SS", "AsyncSS", "BOSS", "MedianStopping", "PBT", "Constraint", "pareto_front", "best_first"])
 
 
 SCRIPT = """

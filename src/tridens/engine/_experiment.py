@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import re
 import sys
@@ -230,18 +229,10 @@ class Experiment:
     def top(self, k: int = 5) -> list[Trial]:
         """The ``k`` best finished trials, best first. With ``second_objective`` set, the Pareto
         front (objective vs. e.g. ``("params", "min")``) comes first, ordered by the objective."""
-        objective = self._objective()
-        scored = [t for t in self.trials()
-                  if t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED) and t.metric is not None
-                  and not math.isnan(t.metric)]
-        scored.sort(key=lambda t: (-objective.score(t.metric), t.id))
-        if self.second_objective:
-            from ..strategy import pareto_front
+        from ..strategy import best_first
 
-            front = pareto_front(scored, [objective, Objective(*self.second_objective)])
-            front_ids = {t.id for t in front}
-            scored = front + [t for t in scored if t.id not in front_ids]
-        return scored[:k]
+        second = Objective(*self.second_objective) if self.second_objective else None
+        return best_first(self.trials(), self._objective(), second)[:k]
 
     def best(self) -> Trial | None:
         """The best finished trial (``None`` before any)."""

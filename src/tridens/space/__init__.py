@@ -1,10 +1,27 @@
-"""Model spaces: inline choices, search-space description, freezing (see ``tridens.nn`` too)."""
+"""Model spaces: inline choices, search-space description, freezing (see ``tridens.nn`` too).
+
+The model-space names are imported on first use: strategies and the store's readers need only
+the search-space description, and should not load PyTorch.
+"""
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from ._choice import Choice, Expr, choice, labels_in, loguniform, randint, resolve_value, uniform
-from ._model_space import BaseSpace, ModelSpace, Mutation
-from ._mutator import Mutator, MutatorSpace
 from ._domain import Categorical, Condition, Domain, LabelSpec, LogUniform, RandInt, SampleRule, SearchSpace, Uniform
-from ._recipe import RecipeError, build_space, import_object, object_path, space_recipe
+
+if TYPE_CHECKING:
+    from ._model_space import BaseSpace, ModelSpace, Mutation
+    from ._mutator import Mutator, MutatorSpace
+    from ._recipe import RecipeError, build_space, import_object, object_path, space_recipe
+
+# public name -> the module that defines it (each imports torch)
+_LAZY = {
+    "BaseSpace": "_model_space", "ModelSpace": "_model_space", "Mutation": "_model_space",
+    "Mutator": "_mutator", "MutatorSpace": "_mutator",
+    "RecipeError": "_recipe", "build_space": "_recipe", "import_object": "_recipe", "object_path": "_recipe",
+    "space_recipe": "_recipe",
+}
 
 __all__ = [
     "BaseSpace", "ModelSpace", "Mutation", "Mutator", "MutatorSpace",
@@ -12,3 +29,16 @@ __all__ = [
     "Domain", "Categorical", "Uniform", "LogUniform", "RandInt", "Condition", "LabelSpec", "SampleRule", "SearchSpace",
     "RecipeError", "build_space", "import_object", "object_path", "space_recipe",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tridens.space' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -13,7 +13,7 @@ from ._asha import ASHA
 from ._base import Strategy
 from ._bohb import BOHB
 from ._boss import BOSS
-from ._constraints import Constraint, pareto_front
+from ._constraints import Constraint, best_first, pareto_front
 from ._evolution import RegularizedEvolution
 from ._grid import GridSearch
 from ._hyperband import Hyperband
@@ -27,5 +27,5 @@ __all__ = [
     "Strategy",
     "Random", "GridSearch", "RegularizedEvolution", "TPE",
     "Hyperband", "BOHB", "ASHA", "SS", "AsyncSS", "BOSS", "MedianStopping", "PBT",
-    "Constraint", "pareto_front",
+    "Constraint", "pareto_front", "best_first",
 ]

@@ -139,3 +139,24 @@ def pareto_front(trials: Sequence[Trial], objectives: Sequence[Objective | tuple
         return all(x >= y for x, y in zip(a, b)) and any(x > y for x, y in zip(a, b))
 
     return [t for t, p in points if not any(dominates(q, p) for _, q in points)]
+
+
+def best_first(trials: Sequence[Trial], objective: Objective,
+               second_objective: Objective | tuple[str, str] | None = None) -> list[Trial]:
+    """The finished trials (completed or early-stopped, with a value) best first by ``objective``,
+    ties by id. With ``second_objective`` the Pareto front of the two comes first, ordered by the
+    objective, then the others. What ``Experiment.top`` and ``tridens top`` show.
+
+    >>> a = Trial(0, {}, 0, TrialStatus.COMPLETED, metric=0.8)
+    >>> b = Trial(1, {}, 0, TrialStatus.STOPPED, metric=0.9)
+    >>> [t.id for t in best_first([a, b, Trial(2, {}, 0, TrialStatus.FAILED)], Objective("val_acc", "max"))]
+    [1, 0]
+    """
+    scored = [t for t in trials if t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED)
+              and t.metric is not None and not math.isnan(t.metric)]
+    scored.sort(key=lambda t: (-objective.score(t.metric), t.id))  # type: ignore[arg-type]
+    if second_objective is None:
+        return scored
+    front = pareto_front(scored, [objective, second_objective])
+    front_ids = {t.id for t in front}
+    return front + [t for t in scored if t.id not in front_ids]
