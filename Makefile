@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-# One pytest worker per core; a test file stays on one worker (its module fixtures, e.g. one local Ray, start once).
-PYTEST_WORKERS := -n auto --dist loadfile
+# One pytest worker per core; a test file stays on one worker (its module fixtures, e.g. one local Ray, start
+# once); files are handed out in collection order, the longest first (tests/conftest.py).
+PYTEST_WORKERS := -n auto --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP) chromium lint
 	$(BIN)/python -m pytest $(PYTEST_WORKERS)
