@@ -39,6 +39,16 @@ def misbehave(model, x):
     return float(x)
 
 
+def report_environment(model, x):
+    """The driver's TRIDENS_TEST_MARK as the worker sees it, and whether torch was imported before
+    this worker started (forked from the forkserver that preloaded it)."""
+    import sys
+
+    preloaded = "torch._dynamo" in sys.modules
+    td.report({"value": float(os.environ.get("TRIDENS_TEST_MARK", "-1")), "pid": os.getpid(),
+               "preloaded": float(preloaded)}, step=0)
+
+
 def set_weights(model, x):
     with torch.no_grad():
         for p in model.parameters():
@@ -78,6 +88,17 @@ def test_many_quick_trials_reuse_the_workers(tmp_path):
     pids = set().union(*(_pids(t) for t in trials))
     assert len(pids) == 2 and os.getpid() not in pids  # 12 trials, two worker processes
     assert all(t.metrics["value"] == [t.sample["x"], t.sample["x"] + 1] for t in trials)
+
+
+def test_workers_start_preloaded_and_see_the_drivers_environment(tmp_path, monkeypatch):
+    """Workers fork from a server that imported torch once; a run's workers still see the driver's
+    environment as it is when they start, not as it was when the server started."""
+    ev = td.evaluators.FunctionalEvaluator(report_environment, x=td.choice("x", [0, 1]))
+    for mark in (1, 2):
+        monkeypatch.setenv("TRIDENS_TEST_MARK", str(mark))
+        trials = _run(tmp_path, ev, f"env-{mark}", max_trials=2).trials()
+        assert [t.metric for t in trials] == [mark, mark]
+        assert all(t.metrics["preloaded"] == [1.0] for t in trials)
 
 
 def test_a_misbehaving_trial_fails_alone_and_its_worker_is_replaced(tmp_path):
