@@ -4,8 +4,9 @@ Names are imported on first use, so that reading a store (``tridens ls``, the da
 leftover checks) does not load PyTorch.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
 
 from ._leftovers import find_abandoned, mark_abandoned
 
@@ -20,11 +21,11 @@ if TYPE_CHECKING:
 
 # public name -> the module that defines it
 _LAZY = {
-    "Executor": "_execution", "InlineExecutor": "_execution", "ProcessExecutor": "_execution",
-    "RunContext": "_execution", "Experiment": "_experiment", "load": "_export",
-    "DynamicFluid": "_fluid", "FluidScheduler": "_fluid", "StaticFluid": "_fluid", "fluid_shares": "_fluid",
-    "TrialProtocol": "_protocol", "Verdict": "_protocol", "ThreadPlan": "_threads", "ThreadPolicy": "_threads",
-    "RayExecutor": "_ray",  # Ray is optional: imported when asked for
+    "Executor": "._execution", "InlineExecutor": "._execution", "ProcessExecutor": "._execution",
+    "RunContext": "._execution", "Experiment": "._experiment", "load": "._export",
+    "DynamicFluid": "._fluid", "FluidScheduler": "._fluid", "StaticFluid": "._fluid", "fluid_shares": "._fluid",
+    "TrialProtocol": "._protocol", "Verdict": "._protocol", "ThreadPlan": "._threads", "ThreadPolicy": "._threads",
+    "RayExecutor": "._ray",  # Ray is optional: imported when asked for
 }
 
 __all__ = ["Experiment", "Executor", "InlineExecutor", "ProcessExecutor", "RayExecutor", "RunContext", "load",
@@ -32,18 +33,7 @@ __all__ = ["Experiment", "Executor", "InlineExecutor", "ProcessExecutor", "RayEx
            "StaticFluid", "DynamicFluid", "FluidScheduler", "fluid_shares",
            "ThreadPolicy", "ThreadPlan", "runs_started"]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tridens.engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals(), __all__)
 
 
 def runs_started() -> int:

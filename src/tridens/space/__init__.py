@@ -4,9 +4,9 @@ The model-space names are imported on first use: strategies and the store's read
 the search-space description, and should not load PyTorch.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from .._lazy import lazy_names
 from ._choice import Choice, Expr, choice, labels_in, loguniform, randint, resolve_value, uniform
 from ._domain import Categorical, Condition, Domain, LabelSpec, LogUniform, RandInt, SampleRule, SearchSpace, Uniform
 
@@ -17,10 +17,10 @@ if TYPE_CHECKING:
 
 # public name -> the module that defines it (each imports torch)
 _LAZY = {
-    "BaseSpace": "_model_space", "ModelSpace": "_model_space", "Mutation": "_model_space",
-    "Mutator": "_mutator", "MutatorSpace": "_mutator",
-    "RecipeError": "_recipe", "build_space": "_recipe", "import_object": "_recipe", "object_path": "_recipe",
-    "space_recipe": "_recipe",
+    "BaseSpace": "._model_space", "ModelSpace": "._model_space", "Mutation": "._model_space",
+    "Mutator": "._mutator", "MutatorSpace": "._mutator",
+    "RecipeError": "._recipe", "build_space": "._recipe", "import_object": "._recipe", "object_path": "._recipe",
+    "space_recipe": "._recipe",
 }
 
 __all__ = [
@@ -30,15 +30,4 @@ __all__ = [
     "RecipeError", "build_space", "import_object", "object_path", "space_recipe",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tridens.space' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals(), __all__)
