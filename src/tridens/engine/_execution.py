@@ -469,9 +469,7 @@ def _exit_with_driver(driver: int) -> None:
     def alive(pid: int) -> bool:
         try:
             os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # (a pid reused by another user's process: the driver is gone)
+        except (ProcessLookupError, PermissionError):  # (PermissionError: the pid reused by another user)
             return False
         return True
 
