@@ -192,17 +192,20 @@ def test_fused_equals_separate_float64_to_rounding(data, optimizer, engine):
 @pytest.mark.parametrize("optimizer", ["adam", "adamw"])
 def test_fused_adam_kernel_equals_separate_float64(data, optimizer):
     """Models sharing Adam's beta1 update through torch's fused Adam kernel (each model's lr applied
-    to its rows after): the same training as torch.optim's Adam per model, to rounding."""
+    to its rows after): the same training as torch.optim's Adam per model, to rounding, also after
+    a model leaves the stack."""
     samples = [dict(s, m=0.9, lr=s["lr"] / 2) for s in SAMPLES]
 
     def build(p):
         return mlp(p, torch.float64)
 
-    ev = evaluator(data, optimizer, epochs=1)
+    ev = evaluator(data, optimizer, epochs=2)
     unit = BatchedUnit(make_jobs(samples, build), ev)
-    fused = run(unit)
-    assert_close_runs(run(SeparateUnit(make_jobs(samples, build), ev)), fused, 1e-9, weight_tol=1e-9)
-    steps = math.ceil(len(data[0]) / 64)
+    fused = run(unit, stop={1: 1})
+    separate = run(SeparateUnit(make_jobs(samples, build), ev), stop={1: 1})
+    assert [len(fused[0][t]) for t in range(4)] == [2, 1, 2, 2]
+    assert_close_runs(separate, fused, 1e-9, weight_tol=1e-9)
+    steps = 2 * math.ceil(len(data[0]) / 64)
     assert float(unit.member.optimizer._step_count) == steps  # the fused kernel took every step
 
 
