@@ -327,16 +327,17 @@ class _PackedProgram:
         if len(runs) == 1:
             return runs[0][2](v)
         # one split, not a slice per run: its backward is one concatenation, where each slice's
-        # writes its gradient into zeros of the whole input
+        # backward writes its gradient into zeros of the whole input
         if src == "M":
             transposed = v.transpose(1, 2).is_contiguous()
-            parts = [m(part) for part, (_, _, m) in zip(v.split([end - start for start, end, _ in runs]), runs)]
+            rows = v.split([end - start for start, end, _ in runs])
+            parts = [m(part) for part, (_, _, m) in zip(rows, runs)]
             if transposed:
                 return torch.cat([part.transpose(1, 2) for part in parts]).transpose(1, 2)
             return torch.cat(parts)
         c = v.shape[1] // k
-        return torch.cat([m(part) for part, (_, _, m) in zip(v.split([(end - start) * c for start, end, _ in runs], dim=1),
-                                                             runs)], dim=1)
+        blocks = v.split([(end - start) * c for start, end, _ in runs], dim=1)
+        return torch.cat([m(part) for part, (_, _, m) in zip(blocks, runs)], dim=1)
 
     @staticmethod
     def _pool2x2(node: Any, v: torch.Tensor, info: Mapping[str, Any]) -> torch.Tensor:

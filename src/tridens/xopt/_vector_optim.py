@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import torch
-from torch.optim.adam import adam as fused_adam_step
+from torch.optim.adam import adam as functional_adam
 
 from ..evaluators._supervised import TrainConfig
 
@@ -182,7 +182,7 @@ class _VectorOptimizer:
                 if self._step_count.device != g.device:
                     self._step_count = torch.zeros((), device=g.device)
                 self._step_count.fill_(counts[0] - 1)  # adam() adds this step
-                fused_adam_step([layout.update], [g], [exp_avg], [exp_avg_sq], [], [self._step_count],
+                functional_adam([layout.update], [g], [exp_avg], [exp_avg_sq], [], [self._step_count],
                                 fused=True, amsgrad=False, beta1=self.momentum[0], beta2=self.BETA2, lr=1.0,
                                 weight_decay=0.0, eps=self.EPS, maximize=False)
                 torch._foreach_addcmul_(ps, layout.update_views, self._columns("lr", lrs))
