@@ -175,7 +175,8 @@ class _VectorOptimizer:
             torch._foreach_addcmul_(ps, g_views, self._rows("-lr", [-a for a in lrs], views=True))  # p - lr * g
         elif kind in ("adam", "adamw"):
             exp_avg, exp_avg_sq = self._state("exp_avg", layout), self._state("exp_avg_sq", layout)
-            if len(set(counts)) == 1 and len(set(self.momentum)) == 1 and g.device.type in _FUSED_ADAM_DEVICES:
+            if (len(set(counts)) == 1 and len(set(self.momentum)) == 1 and g.device.type in _FUSED_ADAM_DEVICES
+                    and g.is_floating_point()):
                 # torch's fused Adam kernel in one pass with lr 1 writes -m_hat / (sqrt(v_hat) + eps)
                 # into the zeroed update; each model's rows are then added scaled by its own lr
                 layout.update.zero_()
