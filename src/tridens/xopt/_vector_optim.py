@@ -5,7 +5,7 @@ stacked parameters, per-model hyperparameters broadcast over the model dimension
 from __future__ import annotations
 
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch.optim.adam import adam as functional_adam
@@ -101,21 +101,23 @@ class _VectorOptimizer:
     def _rows(self, what: str, values: Sequence[float], views: bool = False) -> Any:
         """The per-model ``values`` as a vector over the layout (or its views shaped as the
         parameters), cached while the values stay."""
-        key, values = (what, views), tuple(values)
-        hit = self._row_cache.get(key)
-        if hit is None or hit[0] != values:
-            assert self._layout is not None
-            vector = self._layout.per_model(values)
-            hit = self._row_cache[key] = (values, self._layout.views(vector) if views else vector)
-        return hit[1]
+        def build(layout: _FlatLayout) -> Any:
+            vector = layout.per_model(values)
+            return layout.views(vector) if views else vector
+
+        return self._cached((what, views), values, build)
 
     def _columns(self, what: str, values: Sequence[float]) -> list[torch.Tensor]:
         """The per-model ``values`` as one ``(K, 1, ...)`` column per parameter, cached while they stay."""
-        key, values = (what, "columns"), tuple(values)
+        return self._cached((what, "columns"), values, lambda layout: layout.columns(values))
+
+    def _cached(self, key: tuple[str, Any], values: Sequence[float], build: Callable[[_FlatLayout], Any]) -> Any:
+        """``build(layout)`` for these per-model values, rebuilt only when they change."""
+        values = tuple(values)
         hit = self._row_cache.get(key)
         if hit is None or hit[0] != values:
             assert self._layout is not None
-            hit = self._row_cache[key] = (values, self._layout.columns(values))
+            hit = self._row_cache[key] = (values, build(self._layout))
         return hit[1]
 
     def _use(self, names: tuple[str, ...], ps: list[torch.Tensor]) -> _FlatLayout:
