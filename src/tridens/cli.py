@@ -232,12 +232,13 @@ def _cmd_top(args: argparse.Namespace) -> int:
     # from the store alone: importing the engine would import torch (1.4 s) to sort a table
     from .engine._progress import trials_table
     from .strategy import best_first
+    from .trial import Objective
 
     with _store(args.db) as db:
         record = db.get_experiment(args.name)
         trials = db.trials(args.name)
     objective, second = record.objective(), record.config.get("second_objective")
-    top = best_first(trials, objective, tuple(second) if second else None)[:args.k]  # type: ignore[arg-type]
+    top = best_first(trials, objective, Objective(*second) if second else None)[:args.k]
     if args.json or args.csv:
         return _print_trials(top, trials, args)
     _console().print(trials_table(top, objective, title=f"top {args.k} of {args.name}",

@@ -1,9 +1,12 @@
+import contextlib
+import io
 import json
 
 import pytest
 import torch
 
 import tridens as td
+from tridens.cli import main
 from tridens.engine import Experiment, load
 from tridens.store import Store
 from tridens.trial import TrialStatus
@@ -123,6 +126,10 @@ def test_pareto_front_in_top(tmp_path, classification):
     top = exp.top(8)
     front = td.strategy.pareto_front(exp.trials(), [td.Objective("val_acc", "max"), td.Objective("params", "min")])
     assert [t.id for t in top[:len(front)]] == sorted((t.id for t in front), key=lambda i: -next(t.metric for t in front if t.id == i))
+    # `tridens top` ranks from the store alone, the same way
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main(["top", "exp", "-k", "8", "--json", "--db", str(tmp_path / "t.db")]) == 0
+    assert [r["id"] for r in json.loads(out.getvalue())] == [t.id for t in top]
 
 
 def test_asha_stops_trials_in_lockstep(tmp_path, digits_data):
