@@ -5,6 +5,8 @@ MlflowClient from a local SQLite store); `tridens export-optuna` read back with 
 import math
 
 import pytest
+import torch
+from torch import nn
 
 import tridens as td
 from tridens.cli import main
@@ -97,3 +99,69 @@ def test_export_optuna_reads_back(tiny_store, tmp_path, capsys):
 def test_a_callback_that_is_not_one_is_refused(tmp_path):
     with pytest.raises(ValueError, match="'callbacks' parameter of Experiment"):
         tiny_search.experiment(tmp_path / "x.db", 1, callbacks=["tb"]).run()
+
+
+def test_export_optuna_keeps_the_declared_distributions_so_optuna_continues(tmp_path):
+    """The exported study holds the space's declared domains (log scale, integer step, the
+    categorical choices), not bounds of the values seen: Optuna continues it with the same
+    suggest calls, and its sampler reads the stored trials."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution, FloatDistribution
+
+    train, val = td.datasets.digits()
+    evaluator = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=256,
+                                             lr=td.loguniform("lr", 1e-4, 1e-1),
+                                             momentum=td.uniform("momentum", 0.5, 0.95))
+    space = tiny_search.TinyNet()
+    db = tmp_path / "tridens.db"
+    td.Experiment(space, evaluator, td.strategy.Random(), max_trials=3, store=db, name="declared", seed=3,
+                  verbose=False).run()
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    assert main(["export-optuna", "declared", "--to", url, "--db", str(db)]) == 0
+    study = optuna.load_study(study_name="declared", storage=url)
+    assert study.trials[0].distributions == {
+        "hidden": CategoricalDistribution([4, 8, 16, 32]), "lr": FloatDistribution(1e-4, 1e-1, log=True),
+        "momentum": FloatDistribution(0.5, 0.95)}
+
+    def objective(trial):
+        hidden = trial.suggest_categorical("hidden", [4, 8, 16, 32])
+        lr = trial.suggest_float("lr", 1e-4, 1e-1, log=True)
+        momentum = trial.suggest_float("momentum", 0.5, 0.95)
+        return hidden * lr * momentum
+
+    study.sampler = optuna.samplers.TPESampler(seed=0, n_startup_trials=1)
+    study.optimize(objective, n_trials=2)
+    assert [t.state for t in study.trials[3:]] == [optuna.trial.TrialState.COMPLETE] * 2
+
+
+def test_export_optuna_declared_integer_and_index_choices(tmp_path):
+    """A randint label is an IntDistribution over its declared range; a choice among modules (stored
+    as indices) a CategoricalDistribution of every index, seen or not."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution, IntDistribution
+
+    from tridens import nn as tnn
+
+    class Net(tnn.ModelSpace):
+        def __init__(self):
+            super().__init__()
+            hidden = td.randint("hidden", 4, 40)
+            self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), tnn.LayerChoice(
+                [nn.ReLU(), nn.Tanh(), nn.Sigmoid()], label="act"), nn.Linear(hidden, 10))
+            self.example_inputs = (torch.zeros(2, 1, 8, 8),)
+
+        def forward(self, x):
+            return self.body(x)
+
+    train, val = td.datasets.digits()
+    evaluator = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=256, lr=0.1)
+    db = tmp_path / "tridens.db"
+    td.Experiment(Net(), evaluator, td.strategy.Random(), max_trials=2, store=db, name="ints", seed=1,
+                  verbose=False).run()
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    assert main(["export-optuna", "ints", "--to", url, "--db", str(db)]) == 0
+    study = optuna.load_study(study_name="ints", storage=url)
+    assert study.trials[0].distributions == {"hidden": IntDistribution(4, 40),
+                                             "act": CategoricalDistribution([0, 1, 2])}
+    study.optimize(lambda t: t.suggest_int("hidden", 4, 40) + t.suggest_categorical("act", [0, 1, 2]), n_trials=1)
+    assert len(study.trials) == 3

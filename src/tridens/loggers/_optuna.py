@@ -1,10 +1,12 @@
 """tridens trials as Optuna trials: an Optuna study of an experiment, for ``optuna-dashboard``,
 Optuna's plots and :mod:`optuna.importance`.
 
-The store keeps samples, not the search space's domains, so each label's distribution is inferred
-from the values the trials took: numbers become an ``IntDistribution``/``FloatDistribution`` over
-their range, anything else a ``CategoricalDistribution`` of the values seen (lists and dicts as
-their JSON text). Completed trials become ``COMPLETE`` (their objective value, and the second
+Each label's distribution is the domain the space declared, as the experiment stored it
+(:func:`declared_distributions`): a choice becomes a ``CategoricalDistribution`` of every candidate,
+``td.loguniform`` a ``FloatDistribution(log=True)``, ``td.uniform`` a ``FloatDistribution``,
+``td.randint`` an ``IntDistribution``; so Optuna continues the study with the same ``suggest_*``
+calls. A label the stored space does not describe (a store written before it kept the space) is
+inferred from the values the trials took (:func:`infer_distributions`). Completed trials become ``COMPLETE`` (their objective value, and the second
 objective's when the experiment has one), trials stopped early ``PRUNED`` with their per-step
 objective values as intermediate values, failed trials ``FAIL``; pending, running and duplicate
 trials are left out.
@@ -23,11 +25,11 @@ import datetime
 import json
 import math
 import warnings
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 from ..trial import Trial, TrialStatus
 
-__all__ = ["optuna_trials", "infer_distributions", "export_optuna"]
+__all__ = ["optuna_trials", "declared_distributions", "infer_distributions", "export_optuna"]
 
 Direction = Literal["maximize", "minimize"]
 
@@ -68,6 +70,39 @@ def infer_distributions(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def declared_distributions(described: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Optuna distributions of the labels of a described search space (what
+    :meth:`tridens.space.SearchSpace.describe` gives and the store keeps as ``search_space``); a
+    label of another kind (a domain Optuna has no distribution for) is left out.
+
+    >>> declared_distributions({"lr": {"type": "loguniform", "low": 1e-4, "high": 0.1}})["lr"]
+    FloatDistribution(high=0.1, log=True, low=0.0001, step=None)
+    """
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    out: dict[str, Any] = {}
+    for label, domain in (described or {}).items():
+        kind = domain.get("type") if isinstance(domain, Mapping) else None
+        if kind == "categorical" and domain.get("values"):
+            out[label] = CategoricalDistribution([_param_value(v) for v in domain["values"]])
+        elif kind in ("uniform", "loguniform"):
+            out[label] = FloatDistribution(float(domain["low"]), float(domain["high"]), log=kind == "loguniform")
+        elif kind == "randint":
+            out[label] = IntDistribution(int(domain["low"]), int(domain["high"]))
+    return out
+
+
+def _holds(distribution: Any, value: Any) -> bool:
+    """Whether the Optuna ``distribution`` contains the sample value ``value``."""
+    from optuna.distributions import CategoricalDistribution
+
+    value = _param_value(value)
+    if isinstance(distribution, CategoricalDistribution):
+        return any(value == c and type(value) is type(c) for c in distribution.choices)
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and distribution.low <= value <= distribution.high)
+
+
 def _second_value(trial: Trial, name: str) -> float | None:
     key = "latency_ms" if name == "latency" else name
     if trial.info.get(key) is not None:
@@ -81,9 +116,11 @@ def _when(timestamp: float | None) -> datetime.datetime | None:
 
 
 def optuna_trials(trials: Sequence[Trial], objective: tuple[str, str],
-                  second_objective: tuple[str, str] | None = None) -> tuple[list[Any], list[Direction]]:
+                  second_objective: tuple[str, str] | None = None,
+                  search_space: Mapping[str, Any] | None = None) -> tuple[list[Any], list[Direction]]:
     """``(frozen trials, directions)``: the finished ``trials`` as :class:`optuna.trial.FrozenTrial`
-    objects numbered from 0, and ``"maximize"``/``"minimize"`` per objective."""
+    objects numbered from 0, and ``"maximize"``/``"minimize"`` per objective. ``search_space``: the
+    described space (:func:`declared_distributions`); labels it leaves out are inferred."""
     import optuna
     from optuna.trial import TrialState
 
@@ -92,6 +129,10 @@ def optuna_trials(trials: Sequence[Trial], objective: tuple[str, str],
     directions: list[Direction] = ["maximize" if m == "max" else "minimize" for _, m in objectives]
     kept = [t for t in trials if t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED, TrialStatus.FAILED)]
     distributions = infer_distributions([t.sample for t in kept])
+    declared = declared_distributions(search_space)
+    for label, distribution in declared.items():  # the declared domain, where every value seen lies in it
+        if all(_holds(distribution, t.sample[label]) for t in kept if label in t.sample):
+            distributions[label] = distribution
     frozen = []
     for number, t in enumerate(kept):
         params = {k: _param_value(v) for k, v in t.sample.items()}
@@ -143,7 +184,7 @@ def export_optuna(store: str, name: str, storage: str, study_name: str | None = 
     objective = config.get("objective") or {"metric": "val_acc", "mode": "max"}
     second = config.get("second_objective")
     frozen, directions = optuna_trials(trials, (objective["metric"], objective["mode"]),
-                                       tuple(second) if second else None)
+                                       tuple(second) if second else None, config.get("search_space"))
     target = study_name or name
     if target in optuna.study.get_all_study_names(storage=storage):
         raise StoreError(f"the Optuna storage {storage} already holds a study {target!r}; pass another study name "
