@@ -389,12 +389,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reader_left() -> int:
+    """The reader of stdout closed it (``tridens top --json | head``): end quietly with SIGPIPE's
+    status, as Unix tools do; stdout points at the null device so that the interpreter's last flush
+    does not fail again."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.close(null)
+    return 128 + 13
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from .text import printable
 
     args = _parser().parse_args(argv)
     try:
-        return int(args.fn(args) or 0)
+        code = int(args.fn(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        return code
+    except BrokenPipeError:
+        return _reader_left()
     except (TridensError, OSError) as err:
         message = printable(" ".join(str(err).split()))
         print(f"tridens: error: {message}", file=sys.stderr)

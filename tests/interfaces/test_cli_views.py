@@ -183,3 +183,14 @@ def test_dashboard_command_serves_the_store_until_ctrl_c(tiny_store):
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
     assert f"on http://127.0.0.1:{port}" in out and "Traceback" not in err
+
+
+def test_top_into_a_closed_pipe_ends_quietly(tiny_store):
+    """`tridens top --json | head`: the reader closed its end before tridens wrote; tridens stops
+    without a traceback or an error line (as Unix tools do) and exits with SIGPIPE's status."""
+    proc = subprocess.Popen([sys.executable, "-m", "tridens.cli", "top", "tiny", "-k", "4", "--json", "--db",
+                             str(tiny_store)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the command has imported anything, let alone written
+    _, err = proc.communicate(timeout=120)
+    assert err.decode() == ""
+    assert proc.returncode == 141
