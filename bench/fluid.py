@@ -23,6 +23,8 @@ Three parts:
          each run in a fresh process, interleaved, wall time and CPU-seconds (children included).
          ``--workload fashion-sh``: Fashion-MNIST (3,000 images) rungs 6 x 1, 2 x 2, 1 x 6 epochs
          (``FASHION_GROUPS``), whose long last rungs leave one worker idle under one trial per worker.
+         ``--executor ray --device cuda``: the same on a local Ray with the evaluator on the GPU, where
+         a Fluid share below 1 is a fractional ``num_gpus`` (trials packed on the one GPU).
 ``random-search`` The 64-trial 1-epoch random search of ``bench/random_search.py`` with
          ``tridens-process`` (the pool) beside ``tridens-functional`` (in-process), interleaved, with
          CPU-seconds.
@@ -211,7 +213,7 @@ class FashionCNNSpace(tnn.ModelSpace):
         return self.fc(x.flatten(1))
 
 
-def one_real(allocation: str, workload: str = "digits") -> dict[str, Any]:
+def one_real(allocation: str, workload: str = "digits", executor: str = "process", device: str = "cpu") -> dict[str, Any]:
     from tridens.trial import TrialGroup
 
     torch.set_num_threads(1)
@@ -237,10 +239,12 @@ def one_real(allocation: str, workload: str = "digits") -> dict[str, Any]:
         train, val = td.datasets.fashion_mnist(limit=3000, val_limit=500)
         space, lr = FashionCNNSpace(), 2e-3
     ev = td.evaluators.Classification(train=train, val=val, epochs=td.choice("epochs", epochs), batch_size=128,
-                                      optimizer="adam", lr=lr)
+                                      optimizer="adam", lr=lr, device=device)
+    # on Ray with a CUDA evaluator the workers are the GPU's shares: a Fluid share below 1 is a fractional num_gpus
+    pool = td.executors.Ray(workers=2) if executor == "ray" else td.executors.Process(workers=2)
     with tempfile.TemporaryDirectory() as d:
         exp = td.Experiment(space, ev, FixedGroups(), store=os.path.join(d, "f.db"), name="fluid", verbose=False,
-                            executor=td.executors.Process(workers=2), allocation=None if allocation == "none" else allocation)
+                            executor=pool, allocation=None if allocation == "none" else allocation)
         t0 = time.perf_counter()
         exp.run()
         seconds = time.perf_counter() - t0
@@ -260,8 +264,8 @@ def run_real(args: argparse.Namespace) -> None:
 
     def one(name: str, r: int) -> dict[str, Any]:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        out = C.run_worker(script, ["--one", name, "--workload", args.workload], env={"OMP_NUM_THREADS": "1"},
-                           timeout=1800)
+        out = C.run_worker(script, ["--one", name, "--workload", args.workload, "--executor", args.executor,
+                                    "--device", args.device], env={"OMP_NUM_THREADS": "1"}, timeout=1800)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         out["cpu_s"] = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
         out["load"] = os.getloadavg()[0]
@@ -281,7 +285,7 @@ def run_real(args: argparse.Namespace) -> None:
                      C.median(r["cpu_s"] for r in runs), C.median(ratios), C.median(cpu_ratios),
                      C.median(r["best"] for r in runs), f"{diff:.1e}"])
     groups = WORKLOADS[args.workload]
-    print(f"\n2 CPU workers, {args.workload}, groups {[[(s['width'], s['epochs']) for s in g] for g in groups]}, "
+    print(f"\n2 {'Ray' if args.executor == 'ray' else 'pool'} workers on {args.device}, {args.workload}, groups {[[(s['width'], s['epochs']) for s in g] for g in groups]}, "
           f"median of {args.rounds} interleaved rounds, load average {min(r['load'] for v in res.values() for r in v):.1f}"
           f"-{max(r['load'] for v in res.values() for r in v):.1f}:")
     print(C.table(["allocation", "wall s", "min", "max", "CPU s (all processes)", "paired speed-up vs one-per-worker",
@@ -327,11 +331,14 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=64)
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="digits",
                    help="real: digits (the first sessions' groups) or fashion-sh (long last rungs)")
+    p.add_argument("--executor", choices=["process", "ray"], default="process",
+                   help="real: the process pool, or a local Ray (fractional GPUs with --device cuda)")
+    p.add_argument("--device", default="cpu", help="real: the evaluator's device (cpu, cuda)")
     p.add_argument("--one", help="(internal) one real run with this allocation, JSON out")
     p.add_argument("--json")
     args = p.parse_args()
     if args.one:
-        C.emit(one_real(args.one, args.workload))
+        C.emit(one_real(args.one, args.workload, args.executor, args.device))
     elif args.part == "sim":
         run_sim(args)
     elif args.part == "real":

@@ -47,6 +47,10 @@ CPU-seconds the trials' arithmetic needs at that rate. Rounds are interleaved (A
     /work/bin/quiet .venv/bin/python bench/headline.py --workload hpo --rounds 3       # a figure
     .venv/bin/python bench/headline.py --one optuna --workload nas --size tiny --round 0   # one JSON
 
+``--device cuda`` trains every system on the GPU (tridens' evaluators and Optuna's plain loop, its
+tensors and model moved there); the CPU-seconds then count the host's side only, the wall time is
+what to compare.
+
 Sizes (``--size``): ``small`` (the default, what BENCHMARKS.md records: the full trial counts
 on subsets of the data so that one workload's rounds fit in a few minutes of this 2-core machine),
 ``tiny`` (development), ``full`` (6,000 training images for the Fashion-MNIST workloads). Individual numbers
@@ -79,6 +83,7 @@ SYSTEMS = ["tridens", "tridens-noopt", "optuna", "ray"]
 # the planner's options forced (``--systems`` may add them): operator batching everywhere it applies / nowhere
 FORCED = {"tridens-fused": {"TRIDENS_BATCHING": "force"}, "tridens-unfused": {"TRIDENS_BATCHING": "off"}}
 WORKLOADS = ["hpo", "nas", "finetune", "mlp"]
+DEVICE = "cpu"  # --device: where every system trains
 QUALITY_POINTS = 0.5  # "within 0.5 points (of accuracy, in %) of the best any system reached"
 
 # workload -> size -> (train images, val images, epochs)
@@ -304,15 +309,36 @@ def trial_flops(workload: str, config: dict[str, Any], epochs: int, n_train: int
 
 
 # -- the plain PyTorch loop (Optuna's objective and Ray's trainable call it) ----------------------------
+class GpuBatches:
+    """Shuffled batches of tensors on a GPU, in the order a shuffling DataLoader with the same
+    generator gives (its index batches), indexed on the device."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, generator: torch.Generator) -> None:
+        self.x, self.y = x, y
+        self.indices = torch.utils.data.DataLoader(torch.arange(len(x)), batch_size=batch_size, shuffle=True,
+                                                   generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __iter__(self) -> Any:
+        for idx in self.indices:
+            idx = idx.to(self.x.device)
+            yield self.x[idx], self.y[idx]
+
+
 def fit(workload: str, config: dict[str, Any], tensors: tuple[torch.Tensor, ...], epochs: int,
         report: Callable[[int, float], bool], seed: int) -> float:
     """Train ``build(workload, config)`` for up to ``epochs`` epochs with a DataLoader, validating after
-    each; ``report(epoch, val_acc)`` returns True to stop (pruned). Returns the last accuracy."""
+    each; ``report(epoch, val_acc)`` returns True to stop (pruned). Returns the last accuracy. The
+    model trains on the tensors' device."""
     torch.manual_seed(seed)
     x, y, xv, yv = tensors
-    model = build(workload, config)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH[workload],
-                                         shuffle=True, generator=torch.Generator().manual_seed(seed))
+    model = build(workload, config).to(x.device)
+    loader: Any = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH[workload],
+                                              shuffle=True, generator=torch.Generator().manual_seed(seed))
+    if x.is_cuda:  # tensors already on the GPU: batches by index, in the DataLoader's order, no per-item copies
+        loader = GpuBatches(x, y, BATCH[workload], torch.Generator().manual_seed(seed))
     params = [p for p in model.parameters() if p.requires_grad]
     if workload == "hpo":
         opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=config["lr"], momentum=config["momentum"],
@@ -383,6 +409,7 @@ def run_tridens(workload: str, data: tuple[Any, Any], epochs: int, trials: int, 
         ev = td.evaluators.Classification(train=train, val=val, epochs=epochs, batch_size=bs, optimizer="adam",
                                           lr=td.choice("lr", LRS_MLP))
         strategy = td.strategy.GridSearch()
+    ev.device = DEVICE
     with tempfile.TemporaryDirectory() as d:
         exp = td.Experiment(space, ev, strategy, max_trials=trials, store=os.path.join(d, "headline.db"),
                             name=workload, seed=seed, verbose=False, optimize=optimize, warm_start=warm_start,
@@ -407,7 +434,7 @@ def run_optuna(workload: str, data: tuple[Any, Any], epochs: int, trials: int, s
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     torch.set_num_threads(1)
     train, val = data
-    tensors = (*train.tensors, *val.tensors)
+    tensors = tuple(t.to(DEVICE) for t in (*train.tensors, *val.tensors))
     grid: dict[str, list[Any]] = {
         "hpo": {"lr": LRS_HPO, "momentum": MOMENTA, "weight_decay": WEIGHT_DECAYS, "dropout": DROPOUTS,
                 "schedule": SCHEDULES},
@@ -636,7 +663,10 @@ def main() -> None:
     p.add_argument("--backbone", help="(finetune, --one) the pretrained backbone's file")
     p.add_argument("--json", help="append every raw result here (JSON lines)")
     p.add_argument("--merge", help="summarize the rounds appended to this --json file (several runs), run nothing")
+    p.add_argument("--device", default="cpu", help="where every system trains: cpu (the default), cuda")
     args = p.parse_args()
+    global DEVICE
+    DEVICE = args.device
     if args.merge:
         merged: dict[str, dict[str, list[dict[str, Any]]]] = {}
         for line in open(args.merge):
@@ -655,7 +685,7 @@ def main() -> None:
     C.print_machine()
     systems = [s for s in args.systems.split(",") if s]
     script = os.path.abspath(__file__)
-    extra = [f"--{k}={v}" for k, v in overrides.items()]
+    extra = [f"--{k}={v}" for k, v in overrides.items()] + [f"--device={args.device}"]
     with tempfile.TemporaryDirectory() as d:
         for workload in [w for w in args.workload.split(",") if w]:
             n_train, n_val, epochs = SIZES[workload][args.size]
