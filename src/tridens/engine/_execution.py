@@ -482,8 +482,8 @@ def _exit_with_driver(driver: int) -> None:
 
 
 # What pool workers import before they serve: multiprocessing's forkserver imports them once, and
-# each worker forked from it starts in ~0.04 s instead of ~3 CPU-s (torch, the evaluators, and
-# torch._dynamo, which the first torch.optim optimizer imports).
+# each worker forked from it starts without re-importing torch, the evaluators, and torch._dynamo
+# (which the first torch.optim optimizer imports): seconds of CPU per worker otherwise.
 WORKER_PRELOAD = ["tridens.engine._execution", "torch._dynamo"]
 
 

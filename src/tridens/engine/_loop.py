@@ -67,7 +67,7 @@ _VERIFIED_HITS = 2
 def _cpu_only() -> bool:
     """Whether ``torch.manual_seed`` seeds only the CPU generator in this process (no CUDA, MPS,
     XPU, MTIA or custom device available). On such a build it also queues lazy seeding for each
-    absent accelerator, formatting a Python stack trace every time: ~0.1-0.2 ms a call here."""
+    absent accelerator, formatting a Python stack trace every time, a cost per trial worth skipping."""
     try:
         return not (torch.cuda.is_available() or torch.backends.mps.is_available()
                     or (hasattr(torch, "xpu") and torch.xpu.is_available())

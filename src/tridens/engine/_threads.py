@@ -3,14 +3,13 @@
 On a CPU, the intra-op threads torch starts by default (one per core) pay only for large steps.
 A small model's step is a few milliseconds of many short kernels: a second OpenMP thread adds
 synchronization to every kernel and, on a machine with other work on it, a thread that waits for a
-descheduled partner spins. Measured here (2 cores, load average 7-10): 8 tiny MLP trials took 33-44
-wall seconds with torch's 2 threads and 1.1 s with one. :class:`ThreadPolicy` therefore gives each
+descheduled partner spins, so a loaded machine can take many times longer with several threads
+than with one (BENCHMARKS.md, "Figures behind choices in the code"). :class:`ThreadPolicy` therefore gives each
 unit one thread when its training step is small or the machine has no idle core, and every idle
 core otherwise. Units may also run several at a time (``concurrent``): the in-process executor
 then trains them side by side in forked processes (:mod:`._forked`). That is off by default
-(``concurrent=1``): measured on this 2-core machine, it cut a search's wall time by 13-21% for
-18-34% more CPU-seconds (tiny MLPs, LeNet-5s under ASHA) and slowed a NAS search on both counts;
-``concurrent=None`` runs one unit per idle core when steps are small. The size of a step is its
+(``concurrent=1``): on a small machine it trades more CPU-seconds for less wall time on small
+models and can lose on both counts for a NAS search (BENCHMARKS.md); ``concurrent=None`` runs one unit per idle core when steps are small. The size of a step is its
 training FLOPs (3x the matmul-like forward FLOPs of one example, counted as it runs by
 :func:`tridens.graph.forward_flops`, times the batch size, summed over the unit's models).
 
@@ -86,8 +85,8 @@ class ThreadPolicy:
 
     ``threads`` fixes the torch threads per unit (None: decided); ``concurrent`` the units at once
     (default 1; None: one per idle core, when a unit takes one thread); ``large_step_flops`` is the
-    training step, in FLOPs, from which a unit gets every idle core (default 2 GFLOP: ~20 ms of
-    this machine's one-thread peak, where kernels are long enough for threads to pay).
+    training step, in FLOPs, from which a unit gets every idle core (default 2 GFLOP: tens of
+    milliseconds at one CPU thread's peak, where kernels are long enough for threads to pay).
 
     >>> ThreadPolicy(concurrent=None).decide(step_flops=1e7, units=4, total=8, load=0.0)
     ThreadPlan(threads=1, concurrent=4, reason='small steps (10 MFLOP < 2000 MFLOP): one thread per unit, 4 at once on 8 idle cores')

@@ -495,7 +495,7 @@ class BatchSource:
         if isinstance(tensors, (tuple, list)) and len(tensors) >= 2 and all(isinstance(t, torch.Tensor) for t in tensors):
             self.tensors = tuple((t if index is None else t[index]).to(device) for t in tensors[:2])
         # whether reading a batch draws from the global generators: found on the first seeded
-        # batch; a dataset that does not is then read without seeding them (~0.1 ms a batch)
+        # batch; a dataset that does not is then read without seeding them (a cost on every batch)
         self.random: bool | None = None
 
     def __len__(self) -> int:

@@ -39,7 +39,7 @@ def _math_tables() -> tuple[dict[str, Any], dict[str, Any], frozenset[int]] | No
 
     Like every ``fx.Tracer``, ours records ``math.sqrt(proxy)`` (and ``from math import sqrt``) as a
     call_function node. fx does it by wrapping each of math's ~60 functions anew at every trace
-    (~0.2-0.3 ms here, a tenth of tracing a small model); its wrappers keep no state (they find
+    (a noticeable share of tracing a small model); its wrappers keep no state (they find
     the tracer through their Proxy arguments), so the same ones serve every trace. ``None`` if this
     torch lacks the (private) helper: then fx wraps as usual.
     """

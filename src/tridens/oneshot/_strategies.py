@@ -207,8 +207,8 @@ class DARTS(OneShotStrategy):
     cheaper: a warm-up step is one forward/backward instead of two, and the architecture step
     costs about as much as the weight step (its backward to ``alpha`` goes through every layer
     and, through the soft kernel masks, needs the masked convolutions' weight gradients too), so
-    ``warmup=0.5`` trains the supernet in about 75-80 % of the CPU time (measured on the
-    digits CNN of ``bench/oneshot.py``). ``warmup=0`` is the paper's schedule.
+    ``warmup=0.5`` trains the supernet in less CPU time than ``warmup=0`` (BENCHMARKS.md,
+    "One-shot"). ``warmup=0`` is the paper's schedule.
 
     >>> strategy = td.oneshot.DARTS(arch_lr=3e-4, retrain=True)   # doctest: +SKIP
     """

@@ -12,7 +12,7 @@ and decides on the way, with nothing thrown away that it does not have to:
    batches. The batches are kept (references; a few MiB at most). From the CPU time of those
    steps and the model's FLOPs (counted once per group at planning) the member records how close one model already runs to the peak fp32
    matmul rate (:func:`tridens.xopt._batching.peak_matmul_flops`, once per process): logged with
-   the decision, never deciding it (near the peak, fusion still measured 1.2-2.9x on small CNNs).
+   the decision, never deciding it (near the peak, fusion of small CNNs can still pay).
 2. Then the **fused** stack (built at planning from the untouched initial models: a
    :class:`~tridens.xopt._batching.BatchedMember` stacks copies) trains the kept batches, then
    every further batch, each fused step followed by the timing trial's separate step, timed in
@@ -23,8 +23,7 @@ and decides on the way, with nothing thrown away that it does not have to:
    step time per model, plus its validation batches at the evaluation forwards' times (one
    model's and the fused stack's on a kept batch, timed once). Medians: one model stepping alone
    varies more from step to step than the fused stack, so least times favoured separate
-   training; validation: fused evaluation can gain more than a training step (four
-   Fashion-MNIST CNNs: 3.5 against 8.6 ms per model). The bar is met **from here**: the speed-up
+   training; validation: fused evaluation can gain more than a training step. The bar is met **from here**: the speed-up
    over what is left of the trials' training, counting that going separate trains the kept
    batches again on every other model (:meth:`AdaptiveMember._from_here`; on a short run this
    outweighs a small measured difference). At ``min_speedup`` or more the group stays **fused**:
@@ -468,7 +467,7 @@ class AdaptiveMember:
     def _eval_times(self) -> tuple[float, ...]:
         """One model's and the fused stack's (per model) evaluation forward on a kept batch, CPU s,
         medians of 3 after a warm-up; timed once. Validation gains from fusion too, and more than
-        a training step on some models (four Fashion-MNIST CNNs: 3.5 against 8.6 ms per model)."""
+        a training step on some models (compute-bound CNNs)."""
         if self._eval is not None:
             return self._eval
         self._eval = ()

@@ -222,7 +222,7 @@ class BatchedMember:
             per["val_loss"] = [v * size for v in _stacked_loss(cfg.loss, out, y).tolist()]
         if "val_acc" in names:
             # max's indices are argmax's (the first maximum, NaN first), and over the class dim of
-            # the grouped program's (K, C, B) outputs 11x faster (argmax walks it per element)
+            # the grouped program's (K, C, B) outputs much faster (argmax walks it per element)
             per["val_acc"] = [float(c) for c in (out.max(dim=2).indices == y).sum(dim=1).tolist()]
         if "val_mse" in names or "val_mae" in names:
             diff = vmap(lambda o: align_output(o, y) - y.to(o.dtype))(out)
@@ -333,8 +333,7 @@ class BatchedMember:
 
     def _check_program(self, x: torch.Tensor) -> None:
         """Use the packed program only if it reproduces the vmapped forward (eval mode) on ``x``'s
-        first examples (the whole batch costs a vmapped forward of every model: 0.15 s for 16
-        LeNet-5s at batch 64)."""
+        first examples (the whole batch would cost a vmapped forward of every model)."""
         self._program_checked = True
         assert self._program is not None
         x = x[:_CHECKED_EXAMPLES]
@@ -376,7 +375,7 @@ class BatchedMember:
             # F.dropout's mask is bernoulli_(1 - p) / (1 - p), and bernoulli_ compares one double
             # uniform per element (torch.rand's draw) with 1 - p: drawing the uniforms per model,
             # then comparing and scaling every row in one op each, gives the same masks bit for
-            # bit in ~60% of the time (16 masks of 64x64: 0.62 -> 0.37 ms)
+            # bit in less time than one bernoulli_ per model
             u = torch.empty((len(ps), *shape), dtype=torch.float64)
             for r, (i, p) in enumerate(zip(self.ids, ps)):
                 if 0 < p < 1 and numel:
@@ -509,8 +508,8 @@ class BatchedMember:
 def _stacked_loss(loss: Callable[..., torch.Tensor], out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Each model's loss on stacked outputs ``(K, B, ...)``: vmapped, except the default
     classification loss, computed as ONE cross entropy over the K*B rows, averaged per model (the
-    same gradients as per-model ``F.cross_entropy`` here, values within an ulp, in a third less
-    time than vmap: 0.37 vs 0.57 ms forward + backward for 16 models). Outputs of the grouped
+    same gradients as per-model ``F.cross_entropy`` here, values within an ulp, in less time than
+    vmap). Outputs of the grouped
     program are ``(K, C, B)`` tensors seen as ``(K, B, C)``: their cross entropy runs over the
     class dim of ``(K, C, B)`` as it lies (log-softmax vectorized along B)."""
     if loss is F.cross_entropy and out.dim() == 3 and y.dim() == 1 and not y.is_floating_point():

@@ -47,8 +47,8 @@ separate trainer) and leaves the stack before the optimizer step; a model the st
 leaves through :meth:`BatchedUnit.drop`; the others' arithmetic is independent of both.
 
 **When it pays.** On a CPU, vmapped convolutions become grouped convolutions, which can be slower
-than K ordinary ones (4 Fashion-MNIST CNNs: 6.4 s separate, 11.0 s vmapped), while small models
-gain a lot. So a group whose fusion has not been measured yet becomes an
+than K ordinary ones (compute-bound CNNs can train slower fused than separately), while small
+models gain a lot (BENCHMARKS.md, "Operator batching"). So a group whose fusion has not been measured yet becomes an
 :class:`~tridens.xopt._adaptive.AdaptiveUnit`, which decides from its OWN first real training steps
 (no throwaway steps; see :mod:`tridens.xopt._adaptive`): one model's first separate steps (a
 roofline check against the peak matmul rate first), then fused steps interleaved with them, and
@@ -82,31 +82,28 @@ the :class:`~tridens.xopt.Settings` the planner is given):
   marginal fusion; below the bar the group goes separate at once).
 * No rule of thumb decides: one model's separate step rate against the peak fp32 matmul rate
   (:func:`peak_matmul_flops`) is recorded and logged beside the measured speed-up, but a group
-  whose models already run near the peak still measures (a rule that skipped fusion at 20% of the
-  peak turned down measured speed-ups of 1.2-2.9x on small CNNs).
+  whose models already run near the peak still measures (a rule that skipped fusion near the
+  peak turned down fusions of small CNNs that paid).
 * ``override_speedup`` (default None): replaces the measured speed-up in the decision
   (tests drive both paths with it on real training).
 * ``packed`` (default True): use the grouped-kernel engine where it applies.
 * ``keep_freed_memory`` (default True, Linux/glibc): a fused step allocates and frees
   activations of several MiB each; glibc returns such blocks to the system and takes them back at
-  the next step, page fault by page fault (thousands per step measured here, up to a quarter of
-  a step's CPU time). The first batched member sets ``mallopt`` so blocks up to 64 MiB come from
+  the next step, page fault by page fault (a large share of a small step's CPU time). The first batched member sets ``mallopt`` so blocks up to 64 MiB come from
   the heap and up to 512 MiB of freed heap is kept for reuse (process-wide; numerics unchanged).
 * ``channels_last`` (default False): run the grouped engine's 2-d feature maps
   channels-last (convolution weights too, so outputs stay channels-last without copies). Pooling
-  and BatchNorm over K*C channels are 3-5x faster so on 8x8 maps and whole fused steps of 16
-  digits CNNs ~15% faster, but the native channels-last BatchNorm adds rows one after another in
-  float (mean/var ~6e-6 relative off the NCHW kernel's double accumulation, against ~5e-8) and
-  training amplifies it (val_loss 1.8e-3 apart after two epochs in one test; float64: equal), so
-  it stays off -- fused must equal separate.
+  and BatchNorm over K*C channels are faster so on small maps, but the native channels-last
+  BatchNorm adds rows one after another in float (mean/var further off the NCHW kernel's double
+  accumulation) and training amplifies the difference (float64: equal), so it stays off -- fused
+  must equal separate.
 
 2x2 max-pools on per-model maps run as :class:`_MaxPool2x2` (two passes, bit-identical values and
-gradients, ~3x faster forward than the NCHW kernel on 8x8 maps), taking over a ReLU right before
+gradients, faster forward than the NCHW kernel on small maps), taking over a ReLU right before
 them (exact: max commutes with ReLU); without gradients (validation) only the maxima are computed.
 Training BatchNorm of packed maps of >= 256 Ki values runs as :class:`~tridens.xopt._kernels.
 BatchNormTrain` (vectorized plane sums with float64 over the batch, as accurate as the native
-kernel; its forward ~2.5x faster on ``(64, 256, 8, 8)``, whole fused steps of 16 digits CNNs
-~6-8% faster), with a ReLU right after it folded in.
+kernel and faster on packed small maps), with a ReLU right after it folded in.
 """
 
 from __future__ import annotations
@@ -331,9 +328,9 @@ _EFFICIENCY: dict[tuple[Any, ...], tuple[float, float, float]] = {}
 
 def peak_matmul_flops(device: torch.device) -> float:
     """FLOPs per CPU second of a 256x256 fp32 matmul on ``device`` (a warm-up, then the best of
-    eight; cached per process and thread count): the roof one model's step is compared with. ~3 ms
-    (the 512x512 probe it replaces took ~14 ms, a tenth of the planner's cost for 16 small MLPs, and
-    read 81-87 GFLOP/s where this one reads 80-99: close enough for a bar at 20% of it)."""
+    eight; cached per process and thread count): the roof one model's step is compared with. Small
+    on purpose: a larger probe costs a noticeable share of planning small models and reads about
+    the same rate."""
     key = (device.type, torch.get_num_threads())
     if key not in _PEAKS:
         a, b = torch.randn(256, 256, device=device), torch.randn(256, 256, device=device)
@@ -376,8 +373,8 @@ class _SeesMaxPools(TorchFunctionMode):
 def _model_costs(model: nn.Module, x: torch.Tensor, cfg: TrainConfig) -> tuple[int, float, bool]:
     """``(bytes one model adds to a unit, training FLOPs of one step, whether it max-pools)`` from
     ONE evaluation-mode forward of the model on 8 examples of ``x`` under ``no_grad`` with copies of its buffers (nothing
-    of the model changed, no random numbers drawn; ~0.3 ms where a meta-device forward took 2-6 ms
-    and ``torch.utils.flop_counter`` 1-2 ms more): parameters, gradients, optimizer state and
+    of the model changed, no random numbers drawn; cheaper than a meta-device forward or
+    ``torch.utils.flop_counter``): parameters, gradients, optimizer state and
     buffers, plus twice the outputs of its leaf modules scaled to the batch (as
     :func:`_per_model_bytes`). FLOPs are those of its ``Linear`` and ``Conv`` layers (the matmul-like
     work the roofline compares with the peak matmul rate; other layers count 0, which can only

@@ -1,6 +1,6 @@
 """Measured fused-or-not speed-ups kept across processes, like cuDNN's benchmark cache: a group of
 a model structure measured on this machine once is planned from that measurement in later runs,
-with no timing steps (whose fixed cost, 0.15-0.5 s, is most of a short run's planning).
+with no timing steps (whose fixed cost is most of a short run's planning).
 
 A decision is stored under a digest of what its speed depends on -- the model structure (graph
 fingerprint and tensor shapes), the optimizer, loss, task, input batch shape and dtype, K, device

@@ -49,9 +49,9 @@ class _MaxPool2x2(torch.autograd.Function):
     ReLU, in two passes (column pairs, then row pairs) with the same values and gradients as
     ``F.max_pool2d(F.relu(x), 2)`` bit for bit.
 
-    Written by hand because the NCHW max-pool kernel is per-element bound on 8x8 maps (~5 ns per
-    input element here, the largest single op of a fused step of 16 digits CNNs): this is ~3x
-    faster forward. Ties: max_pool2d's gradient goes to the first maximum of a window in row-major
+    Written by hand because the NCHW max-pool kernel is per-element bound on small maps (the
+    largest single op of a fused step of small CNNs); two vectorized passes are faster forward
+    (BENCHMARKS.md, "Figures behind choices in the code"). Ties: max_pool2d's gradient goes to the first maximum of a window in row-major
     order; taking the first of equal values across columns, then across rows, picks that same
     element. ReLU after the pool instead of before is exact: ``max`` commutes with it, and where
     the maximum is <= 0 both give a zero gradient."""
@@ -288,8 +288,8 @@ class _PackedProgram:
                 # Outputs are (K, B, O) views of contiguous (K, O, B) tensors: activations and
                 # dropout then run on contiguous memory, the next Linear is a plain bmm and a
                 # classifier's cross entropy runs over the class dim of (K, C, B) (vectorized
-                # along B; over rows of 10 classes it is per-row bound): fused forward + backward
-                # of 16 digits MLPs 1.33 -> 0.69 ms
+                # along B; over rows of 10 classes it is per-row bound), which roughly halves a
+                # fused MLP step (BENCHMARKS.md)
                 if v.dim() == 2 and info["src"] == "S":  # shared (B, F): one matmul with K*O outputs
                     wf = w.reshape(-1, w.shape[-1])
                     out = torch.mm(wf, v.t()) if b is None else torch.addmm(b.reshape(-1, 1), wf, v.t())
@@ -371,7 +371,7 @@ class _PackedProgram:
         if model_major and v.dim() != 3:
             raise _Unsupported(f"{name}: BatchNorm on a {v.dim() - 1}-d per-model input")
         if use_batch and not model_major and batch_norm_supported(v) and batch_norm_pays(v):
-            # the native NCHW kernel is per-element bound on packed small maps: ~2.5x slower forward
+            # the native NCHW kernel is per-element bound on packed small maps, slower forward
             return BatchNormTrain.apply(v, None if weight is None else weight.reshape(-1),
                                         None if bias is None else bias.reshape(-1),
                                         None if mean is None or not training else mean.view(-1),

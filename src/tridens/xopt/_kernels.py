@@ -3,8 +3,8 @@
 Written with ordinary torch ops, because the native NCHW kernels they replace are per-element bound
 on the small feature maps of many packed models (e.g. ``(64, 16*16, 8, 8)`` for 16 digits CNNs):
 the native training BatchNorm forward reduces each channel's ``N`` planes of ``H*W`` values one
-plane at a time with double accumulation (~2.7 ms on ``(64, 256, 8, 8)`` here, ~10 ns per element),
-where a few vectorized passes over the whole map take ~1 ms.
+plane at a time with double accumulation, where a few vectorized passes over the whole map take a
+fraction of that time (BENCHMARKS.md, "Figures behind choices in the code").
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ def batch_norm_supported(x: torch.Tensor) -> bool:
 
 def batch_norm_pays(x: torch.Tensor) -> bool:
     """Whether :class:`BatchNormTrain` is faster than the native kernels on ``x`` (forward +
-    backward, measured here): on maps of >= 256 Ki values with planes of >= 32 values (1.1-1.7x on
-    ``(64, 128..256, 8, 8)`` and ``(64, 128, 14, 14)``, ~1x on larger maps); on small maps or
-    planes its extra ops cost more than the native per-plane loops (0.7x on ``(64, 16, 8, 8)``
-    and ``(64, 256, 2, 2)``)."""
+    backward): on maps of >= 256 Ki values with planes of >= 32 values; on larger maps the two
+    are level, and on small maps or planes its extra ops cost more than the native per-plane loops
+    (the thresholds come from the timings in BENCHMARKS.md)."""
     return x.numel() >= 1 << 18 and x.numel() // (x.shape[0] * x.shape[1]) >= 32
 
 
@@ -37,8 +36,8 @@ class BatchNormTrain(torch.autograd.Function):
     The forward computes the statistics as vectorized float sums over each plane (``H*W``
     values) followed by float64 sums over the batch, the variance from ``x - mean`` (two-pass):
     as accurate as the native kernel's double accumulation (~1e-7 relative, the same as native
-    against a float64 reference) and ~2.5x faster on ``(64, 256, 8, 8)``, where the native
-    forward loops plane by plane. The backward is the native kernel
+    against a float64 reference) and faster on packed small maps, where the native forward loops
+    plane by plane. The backward is the native kernel
     (``native_batch_norm_backward`` with the saved mean and ``1/sqrt(var + eps)``): a hand-written
     one with the same number of passes was no faster. ReLU runs in place on the output and its
     mask comes from the output in backward (exact: the gradient is zero where the output is 0):

@@ -109,8 +109,8 @@ def _first_layer(a: _Analysis) -> _First | None:
     else:
         # a convolution's bias gradient is reduced inside oneDNN's backward, which rounds
         # differently over the wide op's output than over one member's; before BatchNorm that
-        # gradient is rounding noise only, which Adam scales to lr-sized steps (val_acc moved by
-        # one example in two epochs here): such layers keep their own op
+        # gradient is rounding noise only, which Adam scales to lr-sized steps (enough to move
+        # validation accuracy): such layers keep their own op
         if layer.groups != 1 or layer.padding_mode != "zeros" or bias is not None:
             return None
         key = ("conv2d", layer.in_channels, tuple(layer.kernel_size), tuple(layer.stride),
@@ -135,7 +135,7 @@ def _check_member(a: _Analysis, first: _First | None,
     def seeded(f: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Any:
         for b, value in saved:
             b.copy_(value)
-        torch.default_generator.manual_seed(0)  # the CPU stream alone (torch.manual_seed costs ~0.1 ms)
+        torch.default_generator.manual_seed(0)  # the CPU stream alone (torch.manual_seed also queues every accelerator's)
         return f(x)
 
     try:
