@@ -417,6 +417,10 @@ class InlineExecutor(Executor):
         except Exception as err:  # a user's loop may raise anything; the run continues
             life.fail(err)
             return
+        except SystemExit as err:  # sys.exit() inside the loop ends the trial, not the process
+            life.fail(f"{error_text(err)}\ntrial {job.trial.label} called sys.exit({err.code!r}) inside its loop; "
+                      "return (or raise) from the function instead")
+            return
         life.finish(value, weights(job.model))
 
     def _lockstep(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, hooks: GroupHooks) -> None:
