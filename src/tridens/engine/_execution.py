@@ -513,6 +513,10 @@ def _worker_main(conn: Connection, index: int, driver: int | None = None,
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
+    # Ctrl-C and SIGTERM reach the whole process group: the driver alone stops the run (its trials
+    # interrupted, not failed) and then ends its workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if driver is not None:
         _exit_with_driver(driver)
     torch.set_num_threads(1)
@@ -710,6 +714,15 @@ class ProcessExecutor(Executor):
             return
         queue = list(jobs)
         running: dict[int, _Running] = {}  # slot -> its trial
+        try:
+            self._serve(queue, running, evaluator, hooks)
+        except BaseException:  # the run stops (Ctrl-C, SIGTERM, a store fault): the busy workers end now
+            for index in running:
+                self.replace(index)
+            raise
+
+    def _serve(self, queue: list[Job], running: dict[int, _Running], evaluator: Evaluator, hooks: GroupHooks) -> None:
+        """Run the ``queue``'s trials, one per worker (``running``: slot -> its trial)."""
         while queue or running:
             for index in range(self.workers):
                 if queue and index not in running:

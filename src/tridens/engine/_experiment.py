@@ -9,7 +9,9 @@ import contextlib
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, NoReturn, Sequence
@@ -71,6 +73,32 @@ class ExperimentFailed(TridensError):
 class ExperimentInterrupted(KeyboardInterrupt):
     """Ctrl-C stopped a run; the message is one line naming the command that resumes it
     (finished trials are kept)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a batch scheduler preempting the job) stopped a run: handled as Ctrl-C."""
+
+
+@contextlib.contextmanager
+def _sigterm_stops_cleanly() -> Iterator[None]:
+    """While the block runs, SIGTERM stops the run as Ctrl-C does: its trials still running are
+    ``interrupted`` (not charged a death, so a job preempted any number of times resumes to the
+    end) and it says so in one line. Only in the main thread, and only where SIGTERM still has its
+    default action (a handler the user installed is kept). Later SIGTERMs, while the run stops,
+    are ignored."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the run is stopping: once is enough
+        raise Terminated("SIGTERM")
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _print_interrupt_as_one_line() -> None:
@@ -428,14 +456,17 @@ class Experiment:
             log.info("%s: %s", name, ", ".join(f"{k} {config.get(k)!r} -> {v!r}" for k, v in changed.items()))
             db.update_experiment(name, config={**config, **changed})
 
-    def _interrupted(self, db: Store, name: str, path: Path) -> NoReturn:
-        """Ctrl-C stopped a run of ``name`` (multi-trial or one-shot): the one line saying what was
-        kept and how to finish it becomes the stop reason, raised as :class:`ExperimentInterrupted`
-        (printed as that line, not a traceback, when it ends a script)."""
+    def _interrupted(self, db: Store, name: str, path: Path, err: BaseException | None = None) -> NoReturn:
+        """Ctrl-C (or SIGTERM: ``err`` is :class:`Terminated`) stopped a run of ``name`` (multi-trial
+        or one-shot): the one line saying what was kept and how to finish it becomes the stop
+        reason, raised as :class:`ExperimentInterrupted` (printed as that line, not a traceback,
+        when it ends a script)."""
         try:
             self.stop_reason = interrupted_text(db, name, path)
         except StoreError:  # stopped before the experiment was stored
             self.stop_reason = f"{name!r} interrupted before anything was stored"
+        if isinstance(err, Terminated):
+            self.stop_reason = f"SIGTERM: {self.stop_reason}"
         _print_interrupt_as_one_line()
         raise ExperimentInterrupted(self.stop_reason) from None
 
@@ -448,7 +479,13 @@ class Experiment:
 
     def run(self) -> "Experiment":
         """Run (or resume) the exploration until ``max_trials`` trials finished, ``max_duration``
-        passed, or the strategy is done. Returns the experiment."""
+        passed, or the strategy is done. Returns the experiment. Ctrl-C or SIGTERM stops it
+        cleanly (:class:`ExperimentInterrupted`): finished trials are kept, the running ones run
+        again on the next run."""
+        with _sigterm_stops_cleanly():
+            return self._run()
+
+    def _run(self) -> "Experiment":
         global RUN_COUNT
         self._check()
         RUN_COUNT += 1
@@ -466,7 +503,7 @@ class Experiment:
                     raise
                 with Store(self._store_path()) as db:
                     mark_interrupted(db, self._name())  # the supernet's checkpoint and the scored subnets stay
-                    self._interrupted(db, self._name(), self._store_path())
+                    self._interrupted(db, self._name(), self._store_path(), err)
             self._stopped(self._name(), reason)
             return self
         from ._no_model import NoModelSpace
@@ -507,7 +544,7 @@ class Experiment:
                 else:
                     mark_interrupted(db, name)
                 if isinstance(err, KeyboardInterrupt) and not isinstance(err, ExperimentInterrupted):
-                    self._interrupted(db, name, path)
+                    self._interrupted(db, name, path, err)
                 raise
             run.progress.close()
             self._stopped(name, run.stop_reason)

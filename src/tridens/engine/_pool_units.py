@@ -143,6 +143,14 @@ class UnitRun:
     def run(self) -> None:
         queue = list(self.placements)
         running: dict[int, _Placement] = {}
+        try:
+            self._serve(queue, running)
+        except BaseException:  # the run stops (Ctrl-C, SIGTERM, a store fault): the busy workers end now
+            for slot in running:
+                self.executor.replace(slot)
+            raise
+
+    def _serve(self, queue: list[_Placement], running: dict[int, _Placement]) -> None:
         while queue or running:
             for slot in range(self.executor.workers):
                 if queue and slot not in running:
