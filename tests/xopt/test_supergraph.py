@@ -41,14 +41,16 @@ CHILDREN = [  # (trial id, sample, seed): another kernel, the same structure, an
 ]
 
 
-def _setup(space):
+def _setup(space, dtype=torch.float32):
     train, val = td.datasets.digits()
+    if dtype != torch.float32:
+        train, val = (torch.utils.data.TensorDataset(d.tensors[0].to(dtype), d.tensors[1]) for d in (train, val))
     ev = td.evaluators.Classification(train=train, val=val, epochs=EPOCHS, batch_size=64,
                                       lr=td.choice("lr", [0.05, 0.1]))
     torch.manual_seed(0)
-    parent = space.freeze({"width": 8, "op": 0})
+    parent = space.freeze({"width": 8, "op": 0}).to(dtype)
     ev.trainer(parent, {"lr": 0.05}, seed=0).train_epoch()  # a trained parent
-    return space, ev, {k: v.clone() for k, v in parent.state_dict().items()}, describe(parent, X)
+    return space, ev, {k: v.clone() for k, v in parent.state_dict().items()}, describe(parent, X.to(dtype))
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +59,15 @@ def setup():
 
 
 def _child(setup, tid, sample, seed):
-    """A child as the engine makes it: seeded init, fingerprint, the parent's shared layers."""
+    """A child as the engine makes it: seeded init, fingerprint, the parent's shared layers (in the
+    parent's float type)."""
     space, _ev, parent_state, parent_desc = setup
+    dtype = parent_state["stem.weight"].dtype
     torch.manual_seed(seed)
-    model = space.freeze(space.restrict(sample))
-    record = inherit(model, parent_state, describe(model, X), parent_desc)
+    model = space.freeze(space.restrict(sample)).to(dtype)
+    record = inherit(model, parent_state, describe(model, X.to(dtype)), parent_desc)
     trial = Trial(id=tid, sample=dict(sample), seed=seed, info={"inherit": {"parent": 0, **record}},
-                  fingerprint=td.graph.trace(model, X).fingerprint())
+                  fingerprint=td.graph.trace(model, X.to(dtype)).fingerprint())
     return Job(trial, model)
 
 
@@ -285,7 +289,11 @@ def test_a_stopped_child_leaves_without_disturbing_the_others(setup):
     assert not torch.equal(final[2]["stem.weight"], final[1]["stem.weight"])  # its checkpoint: its own end
 
 
-def test_a_child_whose_loss_turns_nan_fails_alone(setup):
+def test_a_child_whose_loss_turns_nan_fails_alone():
+    # float64: in float32 the summed backward's rounding flips ties in max-pooling and ReLU (zeros of
+    # the digits' background) once the step changes at the NaN, and the curves part by ~1e-3
+    setup = _setup(Net(), torch.float64)
+
     def jobs():
         made = _children(setup)
         made[2].model.head = NaNAt(made[2].model.head, n=30)  # child 3, epoch 1 (23 batches an epoch), batch 6
@@ -299,7 +307,11 @@ def test_a_child_whose_loss_turns_nan_fails_alone(setup):
     err = metrics[3][1]
     assert isinstance(err, NonFiniteLoss) and (err.epoch, err.batch) == (1, 6)
     assert "epoch 1, batch 6" in str(err)
-    _close(metrics, reference)      # the others: as if child 3's loss had left the sum at that step
+    for tid in (1, 2):              # the others: as if child 3's loss had left the sum at that step
+        for ma, mb in zip(metrics[tid], reference[tid], strict=True):
+            assert ma.keys() >= mb.keys()
+            for key, value in mb.items():   # the training loss is summed in float32 by both
+                assert ma[key] == pytest.approx(value, rel=1e-7 if key == "train_loss" else 1e-12), (tid, key)
     assert [len(metrics[t]) for t in (1, 2)] == [EPOCHS, EPOCHS]
     assert all(isinstance(m, dict) for t in (1, 2) for m in metrics[t])
 
