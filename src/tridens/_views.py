@@ -216,12 +216,14 @@ def trial_details(trial: Trial, trials: Sequence[Trial], objective: Objective) -
                                                   + (" ..." if len(mates) > 30 else "") if mates else " (alone)")))
     unit = trial.info.get("unit")
     if isinstance(unit, dict):  # the planner's record: kind, the trials trained with it, why, decisions
-        with_ = [ref(t) for t in unit.get("trials") or [] if t != trial.id]
+        members = unit.get("ids") or unit.get("trials") or []  # store ids ("trials" by number where "ids" is kept)
+        with_ = [ref(t) for t in members if t != trial.id]
         text = f"{unit.get('kind', '?')} unit" + (f" with {', '.join(with_[:30])}" + (" ..." if len(with_) > 30 else "")
                                                    if with_ else " (alone)")
         text += "".join(f"; {part}" for part in [unit.get("reason"), *(unit.get("shared") or [])] if part)
         text += "".join(f"; measured {e['speedup']:.2f}x, {'fused' if e.get('fused') else 'trained separately'}"
-                        for e in unit.get("speedups") or [] if trial.id in (e.get("trials") or []))
+                        for e in unit.get("speedups") or []
+                        if (trial.label if "ids" in unit else trial.id) in (e.get("trials") or []))
         rows.append(("execution unit", text))
     elif unit:
         rows.append(("execution unit", json.dumps(unit)))

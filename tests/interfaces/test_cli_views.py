@@ -7,11 +7,13 @@ import json
 import re
 import subprocess
 import sys
-
+from pathlib import Path
 
 from tridens.cli import _parser, main
 from tridens.store import Store
 from tridens.trial import Trial, TrialStatus
+
+from . import tiny_search
 
 
 def _trials(db):
@@ -194,3 +196,27 @@ def test_top_into_a_closed_pipe_ends_quietly(tiny_store):
     _, err = proc.communicate(timeout=120)
     assert err.decode() == ""
     assert proc.returncode == 141
+
+
+def test_trials_are_named_by_number_everywhere_a_user_reads_them(tmp_path, capsys):
+    """In a store whose second experiment's trials have store ids 4.. and numbers 0..: the plan a
+    trial records (``info.unit`` in ``show --json``: its trials, groups and the why text), the
+    ``tridens show`` text and the checkpoint files all name trials by number."""
+    db = tmp_path / "tridens.db"
+    tiny_search.experiment(db, 3, epochs=1, name="first").run()
+    tiny_search.experiment(db, 4, epochs=1, name="second").run()
+    assert main(["show", "second", "--json", "--db", str(db)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [t["number"] for t in shown] == [0, 1, 2, 3] and [t["id"] for t in shown] == [4, 5, 6, 7]
+    for trial in shown:
+        unit = trial["info"]["unit"]
+        assert trial["number"] in unit["trials"] and set(unit["trials"]) <= {0, 1, 2, 3}
+        assert unit["ids"] == [t + 4 for t in unit["trials"]]
+        assert all(set(g) <= {0, 1, 2, 3} for g in unit["groups"])
+        named = [int(n) for group in re.findall(r"trials? \[([0-9, ]+)\]", unit["reason"] + unit["text"])
+                 for n in group.split(",")]
+        assert named and set(named) <= {0, 1, 2, 3}, unit["reason"]
+        assert Path(trial["checkpoint"]).name == f"trial-{trial['number']}.pt"
+    assert main(["show", "second", "1", "--db", str(db)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "store id 5" in text and not re.search(r"trials? \[[0-9, ]*[4-7]", text)

@@ -25,12 +25,12 @@ class TinyNet(tnn.ModelSpace):
         return self.body(x)
 
 
-def experiment(db, trials, callbacks=(), epochs=3):
+def experiment(db, trials, callbacks=(), epochs=3, name=NAME):
     """``trials`` random samples of the hidden width and the learning rate, ``epochs`` epochs each."""
     train, val = td.datasets.digits()
     evaluator = td.evaluators.Classification(train=train, val=val, epochs=epochs, batch_size=256,
                                              lr=td.choice("lr", [0.01, 0.03, 0.1]))
-    return td.Experiment(TinyNet(), evaluator, td.strategy.Random(), max_trials=trials, store=db, name=NAME,
+    return td.Experiment(TinyNet(), evaluator, td.strategy.Random(), max_trials=trials, store=db, name=name,
                          seed=5, verbose=False, callbacks=list(callbacks))
 
 

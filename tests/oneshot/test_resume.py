@@ -43,7 +43,7 @@ def _kill_and_resume(tmp_path):
                 supernet, _ = _supernet(db)
             except Exception:
                 continue
-            checkpoint = db.parent / (db.name + ".files") / "resume" / f"trial-{supernet.id}-supernet.pt" if supernet else None
+            checkpoint = db.parent / (db.name + ".files") / "resume" / f"trial-{supernet.number}-supernet.pt" if supernet else None
             if supernet and checkpoint.exists() and len(supernet.metrics.get("train_loss", [])) >= 2:
                 done_before = len(supernet.metrics["train_loss"])
                 break

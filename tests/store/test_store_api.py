@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import sqlite3
 import threading
 
 import numpy as np
@@ -154,18 +155,18 @@ def test_checkpoint_files_beside_the_database(store, tmp_path):
     state = {"model": torch.nn.Linear(3, 2).state_dict(), "epoch": 3, "shape": torch.Size([2, 3]),
              "dtype": torch.float16, "opt": {"lr": [0.1, 0.01]}}
     path = store.save_checkpoint(t.id, state)
-    assert path == tmp_path / "tridens.db.files" / "exp" / f"trial-{t.id}.pt"
+    assert path == tmp_path / "tridens.db.files" / "exp" / f"trial-{t.number}.pt"
     loaded = store.load_checkpoint(path)
     assert torch.equal(loaded["model"]["weight"], state["model"]["weight"])
     assert (loaded["epoch"], loaded["shape"], loaded["dtype"]) == (3, torch.Size([2, 3]), torch.float16)
-    assert torch.equal(store.load_checkpoint(f"exp/trial-{t.id}.pt")["model"]["bias"], state["model"]["bias"])
+    assert torch.equal(store.load_checkpoint(f"exp/trial-{t.number}.pt")["model"]["bias"], state["model"]["bias"])
     assert store.trial(t.id).checkpoint == str(path)
     branch = store.save_checkpoint(t.id, {"step": 1}, kind="step-1")
-    assert branch.name == f"trial-{t.id}-step-1.pt"
+    assert branch.name == f"trial-{t.number}-step-1.pt"
     assert store.trials("exp")[0].checkpoint == str(branch)  # the latest one
     store.save_checkpoint(t.id, {"epoch": 4})  # replaces the final one, atomically
     assert store.load_checkpoint(path) == {"epoch": 4} and store.trial(t.id).checkpoint == str(path)
-    assert sorted(p.name for p in path.parent.iterdir()) == [f"trial-{t.id}-step-1.pt", f"trial-{t.id}.pt"]
+    assert sorted(p.name for p in path.parent.iterdir()) == [f"trial-{t.number}-step-1.pt", f"trial-{t.number}.pt"]
 
 
 class InterruptsWhenSaved(torch.Tensor):
@@ -286,7 +287,7 @@ def test_relative_path_gives_absolute_checkpoint_paths(tmp_path, monkeypatch):
         s.create_experiment("e")
         t = s.add_trial("e", new_trial())
         path = s.save_checkpoint(t.id, {"x": 1})
-    assert path.is_absolute() and path == tmp_path / "rel.db.files" / "e" / "trial-1.pt"
+    assert path.is_absolute() and path == tmp_path / "rel.db.files" / "e" / "trial-0.pt"
 
 
 def test_forked_child_reopens_instead_of_sharing_the_connection(store):
@@ -304,3 +305,26 @@ def test_forked_child_reopens_instead_of_sharing_the_connection(store):
     assert os.waitstatus_to_exitcode(status) == 0
     assert [(t.seed, t.metrics) for t in store.trials("exp")] == [(0, {}), (5, {"acc": [1.0]})]
     store.add_trial("exp", new_trial())  # the parent's connection is unharmed
+
+
+def test_checkpoint_files_are_named_by_trial_number_and_old_names_stay_readable(store, tmp_path):
+    """Files are named after the number a user reads in tables (``trial-1.pt`` for #1, whatever its
+    store id); a store written when files were named by store id keeps them readable, and a new
+    file never replaces an old one that another trial's row names."""
+    store.create_experiment("other")
+    store.add_trial("other", new_trial())  # store ids and numbers differ from here on
+    first, second = store.add_trial("exp", new_trial()), store.add_trial("exp", new_trial())
+    assert (first.id, first.number, second.id, second.number) == (2, 0, 3, 1)
+    path = store.save_checkpoint(second.id, {"w": torch.ones(1)})
+    assert path.name == "trial-1.pt" and store.save_checkpoint(second.id, {}, kind="step-1").name == "trial-1-step-1.pt"
+    # as an older tridens wrote it: trial #0 (store id 2) in a file named after its id
+    old = tmp_path / "tridens.db.files" / "exp" / "trial-2.pt"
+    torch.save({"w": torch.full((1,), 2.0)}, old)
+    with sqlite3.connect(tmp_path / "tridens.db") as conn:
+        conn.execute("INSERT INTO checkpoints (trial_id, kind, path, saved_at) VALUES (?, 'final', ?, 0)",
+                     (first.id, "exp/trial-2.pt"))
+    assert store.load_checkpoint(store.trial(first.id).checkpoint)["w"].item() == 2.0
+    third = store.add_trial("exp", new_trial())  # trial #2: its number's name is taken by #0's old file
+    path = store.save_checkpoint(third.id, {"w": torch.full((1,), 3.0)})
+    assert path.name == f"trial-2-id{third.id}.pt"
+    assert store.load_checkpoint(old)["w"].item() == 2.0 and store.load_checkpoint(path)["w"].item() == 3.0

@@ -23,7 +23,7 @@ def test_finish_writes_checkpoint_then_trial(store, tmp_path):
     t.status, t.metric, t.fingerprint = TrialStatus.COMPLETED, 0.75, "abc"
     state = torch.nn.Linear(3, 2).state_dict()
     path = store.finish_trial(t, state)
-    assert path == tmp_path / "tridens.db.files" / "exp" / f"trial-{t.id}.pt" and t.checkpoint == str(path)
+    assert path == tmp_path / "tridens.db.files" / "exp" / f"trial-{t.number}.pt" and t.checkpoint == str(path)
     with Store(tmp_path / "tridens.db", readonly=True) as other:  # committed: another connection sees it
         back = other.trial(t.id)
         assert (back.status, back.metric, back.fingerprint, back.checkpoint) == (TrialStatus.COMPLETED, 0.75, "abc", str(path))

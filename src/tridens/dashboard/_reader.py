@@ -318,8 +318,11 @@ class StoreReader:
             "SELECT id FROM trials WHERE experiment_id = ? AND group_id = ? ORDER BY id LIMIT 200",
             (eid, trial["group"]))]
         unit = trial["info"].get("unit")
-        trial["unit_members"] = [self.number_of(eid, int(t)) for t in (unit.get("trials") or [])[:200]
-                                 if isinstance(t, int)] if isinstance(unit, dict) else []
+        if isinstance(unit, dict) and "ids" in unit:  # recorded by number
+            trial["unit_members"] = [t for t in (unit.get("trials") or [])[:200] if isinstance(t, int)]
+        else:
+            trial["unit_members"] = [self.number_of(eid, int(t)) for t in (unit.get("trials") or [])[:200]
+                                     if isinstance(t, int)] if isinstance(unit, dict) else []
         trial["stages"] = self._trial_stages(trial["id"], trial["info"].get("stages"), trial["epochs"])
         return trial
 
@@ -459,8 +462,12 @@ class StoreReader:
                     "t.experiment_id = ? AND json_extract(t.info, '$.unit.kind') = 'stage tree'", (eid,)):
                 trees.setdefault(key, []).append((json.loads(stages) if stages else [], epochs or 0))
         out = []
+        ids_of = {n: t for t, n in numbers.items()}
         for trials_json, _, count, unit_text, seconds, spent_json, speedups_json in reversed(rows):
             unit = json.loads(unit_text)
+            # a unit recorded with "ids" names its trials by number; an older record by store id
+            number = (lambda t: t) if "ids" in unit else numbers.get
+            store_id = ids_of.get if "ids" in unit else (lambda t: t)
             trained, alone, saved = None, None, None
             if unit.get("kind") == "stage tree":
                 trained, alone = _tree_epochs(trees.get(trials_json, []))
@@ -471,13 +478,13 @@ class StoreReader:
             speedups = _speedups({"speedups": e} for e in json.loads(speedups_json))
             if speedups and unit.get("kind") != "stage tree":
                 spent = {int(t): float(v or 0.0) for t, v in json.loads(spent_json).items()}
-                saved = sum(sum(spent.get(t, 0.0) for t in e["trials"]) * (e["speedup"] - 1.0)
+                saved = sum(sum(spent.get(store_id(t), 0.0) for t in e["trials"]) * (e["speedup"] - 1.0)
                             for e in speedups if e["fused"])
             out.append({
-                "kind": unit.get("kind"), "trials": [numbers.get(t) for t in json.loads(trials_json) or []],
+                "kind": unit.get("kind"), "trials": [number(t) for t in json.loads(trials_json) or []],
                 "shared": unit.get("shared") or [], "reason": unit.get("reason"), "text": unit.get("text"),
                 "batching": unit.get("batching"), "recorded": count,
-                "speedups": [{**e, "trials": [numbers.get(t) for t in e["trials"]]} for e in speedups],
+                "speedups": [{**e, "trials": [number(t) for t in e["trials"]]} for e in speedups],
                 "train_seconds": seconds, "epochs_trained": trained, "trial_epochs": alone,
                 "saved_seconds": _finite(saved),
             })

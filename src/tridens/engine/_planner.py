@@ -55,8 +55,8 @@ def plan(jobs: Sequence[Job], evaluator: StepwiseEvaluator, optimize: Any, *,
     if rest:
         units.append(SeparateUnit(rest, evaluator, reason="" if optimize else "optimize=False"))
     for unit in units:
-        log.info("%s", unit.summary())
         described = unit.describe()   # recorded with each trial: the store and dashboard show the plan
+        log.info("%s", described["text"])
         for job in unit.jobs.values():
             job.trial.info["unit"] = described
     return units
@@ -103,7 +103,7 @@ def spread_units(units: Sequence[ExecutionUnit], evaluator: StepwiseEvaluator, o
                     job.trial.info["unit"] = described
             units.extend(parts)
             continue
-        groups = unit.describe()["groups"] or [list(unit.jobs)]
+        groups = unit.groups() or [list(unit.jobs)]
         order = [t for group in sorted(groups, key=len, reverse=True) for t in group]
         order += [t for t in unit.jobs if t not in order]
         halves = [order[:(len(order) + 1) // 2], order[(len(order) + 1) // 2:]]

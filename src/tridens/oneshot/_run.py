@@ -4,12 +4,13 @@ What goes to the store (the experiment's SQLite file), so ``exp.trials()``, ``to
 ``export()`` and the ``tridens`` command work as for a multi-trial search:
 
 * one *supernet* trial (``info["oneshot"]["role"] == "supernet"``, no metric, so it never ranks):
-  ``train_loss`` per epoch, and its checkpoint ``trial-<id>-supernet.pt`` beside the database,
+  ``train_loss`` per epoch, and its checkpoint ``trial-<number>-supernet.pt`` beside the database,
   rewritten after every epoch (weights, optimizers, architecture parameters, random state);
 * one completed trial per subnet scored with inherited weights (``role == "subnet"``,
-  ``inherited: True``): the validation metrics, and the subnet's own weights as its checkpoint;
+  ``inherited: True``, ``supernet``: the supernet trial's number): the validation metrics, and the
+  subnet's own weights as its checkpoint;
 * with ``retrain=True``, one trial of the best architecture trained from scratch by the
-  evaluator (``role == "retrain"``).
+  evaluator (``role == "retrain"``, ``of``: the number of the subnet trial it retrains).
 
 Running the same script again resumes: from the last supernet checkpoint if training was cut,
 with the subnets already scored kept (the search replays, scoring only new ones).
@@ -146,8 +147,9 @@ class _OneShotRun:
                 + (f", {retrained} retrained from scratch" if retrained else ""))
 
     # -- supernet training ---------------------------------------------------------------------
-    def _checkpoint_path(self, trial: Trial) -> Path:
-        return self.db.files_dir / self.name / f"trial-{trial.id}-supernet.pt"
+    def _checkpoint_path(self, trial: Trial) -> Path | None:
+        """The supernet's latest checkpoint, as the store records it (whatever the file's name)."""
+        return Path(trial.checkpoint) if trial.checkpoint else None
 
     def _split(self) -> tuple[Any, Any | None]:
         """The training examples for weights and (for DARTS/ENAS) the held-out ones for architecture steps."""
@@ -193,7 +195,7 @@ class _OneShotRun:
             strategy.begin(net, cfg, total, rng)
         start_epoch, step = 0, 0
         ckpt = self._checkpoint_path(trial)
-        if ckpt.is_file():
+        if ckpt is not None and ckpt.is_file():
             state = self.db.load_checkpoint(ckpt)
             if state.get("format") != CHECKPOINT_FORMAT:
                 raise StoreError(f"{ckpt} is not a tridens supernet checkpoint")
@@ -320,7 +322,7 @@ class _OneShotRun:
         model = self.net.extract(sample, seed=self.seed)
         trial = Trial(id=-1, sample={**sample, **self.hparams}, seed=self.seed, group=1, experiment=self.name,
                       info={"oneshot": {"role": "subnet", "strategy": type(self.strategy).__name__, "inherited": True,
-                                        "supernet": supernet.id, "eval_cpu_s": cpu},
+                                        "supernet": supernet.label, "eval_cpu_s": cpu},
                             "params": sum(p.numel() for p in model.parameters())})
         trial.fingerprint = _fingerprint(model, self.exp.space.example_inputs, sample)
         trial = self.db.add_trial(self.name, trial)
@@ -359,10 +361,10 @@ class _OneShotRun:
         if trial is None:
             trial = self.db.add_trial(self.name, Trial(
                 id=-1, sample={**sample, **self.hparams}, seed=self.seed, group=2, experiment=self.name,
-                info={"oneshot": {"role": "retrain", "strategy": type(self.strategy).__name__, "of": best.id}}))
+                info={"oneshot": {"role": "retrain", "strategy": type(self.strategy).__name__, "of": best.label}}))
         else:
             self.db.delete_metrics(trial.id)
-            trial.info["oneshot"]["of"] = best.id
+            trial.info["oneshot"]["of"] = best.label
         cpu0 = time.process_time()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(trial.seed)

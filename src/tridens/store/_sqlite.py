@@ -4,7 +4,7 @@ Layout on disk, for ``Store("runs/tridens.db")``::
 
     runs/tridens.db                               experiments, trials, metrics, checkpoints (SQLite)
     runs/tridens.db-wal, runs/tridens.db-shm      SQLite's write-ahead log, while the store is open
-    runs/tridens.db.files/<experiment>/trial-<id>.pt   checkpoints (torch.save, atomic os.replace)
+    runs/tridens.db.files/<experiment>/trial-<n>.pt    checkpoints, by trial number (torch.save, atomic os.replace)
 
 Every write method commits before it returns (unless inside :meth:`Store.transaction`), so a trial
 is on disk before the engine reports it done, and a process killed at any point leaves every
@@ -496,8 +496,8 @@ class Store:
     # -- trials -----------------------------------------------------------------------------------
 
     def add_trial(self, experiment: str, trial: Trial) -> Trial:
-        """Write a new trial and give it its id; returns ``trial`` itself, with ``.id`` and
-        ``.experiment`` set. The incoming ``.id`` is ignored. Per-step values already in
+        """Write a new trial and give it its id; returns ``trial`` itself, with ``.id``, ``.number``
+        and ``.experiment`` set. The incoming ``.id`` is ignored. Per-step values already in
         ``trial.metrics`` are written as steps 0, 1, ...; ``trial.checkpoint`` is not (see
         :meth:`save_checkpoint`)."""
         with self._lock:
@@ -515,7 +515,10 @@ class Store:
                 trial_id = conn.execute(_INSERT_TRIAL, values).lastrowid
                 if rows:
                     conn.executemany(_INSERT_METRIC, [(trial_id, n, s, _float_or_nan(v)[0]) for n, s, v in rows])
+                number = conn.execute("SELECT COUNT(*) FROM trials WHERE experiment_id = ? AND id < ?",
+                                      (eid, trial_id)).fetchone()[0]
             trial.id = int(trial_id)  # type: ignore[arg-type]
+            trial.number = int(number)
             trial.experiment = experiment
             return trial
 
@@ -638,8 +641,9 @@ class Store:
     def save_checkpoint(self, trial_id: int, state: Any, *, kind: str = "final") -> Path:
         """Save ``state`` (tensors, numbers, strings and dicts/lists of them: a ``state_dict()``)
         for a trial, atomically; returns the file's absolute path. The file is
-        ``<db name>.files/<experiment>/trial-<id>.pt`` (``trial-<id>-<kind>.pt`` for another
-        ``kind``, e.g. a stage-tree branch point); saving the same kind again replaces it.
+        ``<db name>.files/<experiment>/trial-<number>.pt``, the trial's number in its experiment
+        (``trial-<number>-<kind>.pt`` for another ``kind``, e.g. a stage-tree branch point); saving
+        the same kind again replaces it.
 
         >>> import tempfile, os, torch
         >>> from tridens.trial import Trial
@@ -648,7 +652,7 @@ class Store:
         >>> t = store.add_trial("e", Trial(id=-1, sample={}, seed=0))
         >>> p = store.save_checkpoint(t.id, {"w": torch.ones(2)})
         >>> p.name, store.load_checkpoint(p)["w"].tolist()
-        ('trial-1.pt', [1.0, 1.0])
+        ('trial-0.pt', [1.0, 1.0])
         """
         rel = self._checkpoint_rel(trial_id, kind, state, None)
         final = self._write_checkpoint_file(trial_id, rel, state)
@@ -671,7 +675,7 @@ class Store:
         >>> t = store.add_trial("e", Trial(id=-1, sample={}, seed=0))
         >>> t.status, t.metric = TrialStatus.COMPLETED, 0.5
         >>> store.finish_trial(t, {"w": torch.ones(2)}).name
-        'trial-1.pt'
+        'trial-0.pt'
         >>> store.trial(t.id).status, store.trial(t.id).checkpoint == t.checkpoint
         (<TrialStatus.COMPLETED: 'completed'>, True)
         """
@@ -705,14 +709,23 @@ class Store:
         if self.readonly:
             raise StoreError(f"the store {self.path} is open read-only; cannot save a checkpoint of trial {trial_id}")
         _check_state(state, "the checkpoint state", torch)
-        if experiment is None or not _NAME_RE.fullmatch(experiment):
-            with self._reading(f"finding trial {trial_id}") as conn:
-                row = conn.execute("SELECT e.name FROM trials t JOIN experiments e ON e.id = t.experiment_id "
-                                   "WHERE t.id = ?", (trial_id,)).fetchone()
-            if row is None:
+        with self._reading(f"finding trial {trial_id}") as conn:
+            row = conn.execute("SELECT e.name, (SELECT COUNT(*) FROM trials u WHERE u.experiment_id = t.experiment_id "
+                               "AND u.id < t.id) FROM trials t JOIN experiments e ON e.id = t.experiment_id "
+                               "WHERE t.id = ?", (trial_id,)).fetchone()
+            known = experiment is not None and _NAME_RE.fullmatch(experiment)
+            if row is None and not known:
                 raise StoreError(f"no trial with id {trial_id} in the store {self.path}; cannot save its checkpoint")
-            experiment = row[0]
-        return f"{experiment}/trial-{trial_id}.pt" if kind == "final" else f"{experiment}/trial-{trial_id}-{kind}.pt"
+            if row is None:  # finish_trial says which row it misses
+                return f"{experiment}/trial-id{trial_id}.pt"
+            if not known:
+                experiment = row[0]
+            # named by the trial's number in its experiment, as tables show it; a store written when
+            # files were named by store id may hold that name for another trial: then the id is added
+            name = f"trial-{row[1]}" if kind == "final" else f"trial-{row[1]}-{kind}"
+            taken = conn.execute("SELECT 1 FROM checkpoints WHERE path = ? AND trial_id != ? LIMIT 1",
+                                 (f"{experiment}/{name}.pt", trial_id)).fetchone()
+        return f"{experiment}/{name}-id{trial_id}.pt" if taken else f"{experiment}/{name}.pt"
 
     def _write_checkpoint_file(self, trial_id: int, rel: str, state: Any) -> Path:
         """Write the file atomically (a temporary file, then ``os.replace``). With

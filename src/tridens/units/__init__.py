@@ -16,9 +16,9 @@ from ._memory import (ENV_MAX_UNIT_MEMORY, MAX_UNIT_MEMORY, configured_max_unit_
                       parse_memory, resolve_max_unit_memory, unit_memory_limit)
 from ._planning import Optimization, Pass, Planner, UnitPass
 from ._separate import SeparateUnit
-from ._unit import ExecutionUnit, UnitResult
+from ._unit import ExecutionUnit, UnitResult, numbered, numbered_text
 
-__all__ = ["Job", "ExecutionUnit", "UnitResult", "SeparateUnit",
+__all__ = ["Job", "ExecutionUnit", "UnitResult", "SeparateUnit", "numbered", "numbered_text",
            "parse_memory", "resolve_max_unit_memory", "default_max_unit_memory", "unit_memory_limit",
            "configured_max_unit_memory", "ENV_MAX_UNIT_MEMORY", "MAX_UNIT_MEMORY",
            "Planner", "Pass", "Optimization", "UnitPass"]

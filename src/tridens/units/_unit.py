@@ -8,13 +8,17 @@ difference.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping, Sequence
 
 from ..evaluators import StepwiseEvaluator
 from ..trial import Objective
 from ._job import Job
 
-__all__ = ["ExecutionUnit", "UnitResult"]
+__all__ = ["ExecutionUnit", "UnitResult", "numbered", "numbered_text"]
+
+_TRIAL_LIST = re.compile(r"\b(trials?(?:\(s\))? \[)([0-9, ]*)\]")
+_ONE_TRIAL = re.compile(r"\b(trial )([0-9]+)\b")
 
 # One trial's outcome of an epoch: its metrics (objective first), or the error that failed it.
 UnitResult = Mapping[str, float] | BaseException
@@ -37,6 +41,7 @@ class ExecutionUnit:
 
     def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator):
         self.jobs = {job.trial.id: job for job in jobs}
+        self.numbers = {job.trial.id: job.trial.label for job in jobs}  # store id -> number in the experiment
         self.evaluator = evaluator
         self.objective: Objective = evaluator.objective
         self.reason = ""
@@ -148,16 +153,28 @@ class ExecutionUnit:
 
     def describe(self) -> dict[str, Any]:
         """The unit as plain data (JSON) for logs, the store and a dashboard: its ``kind``, its
-        ``trials`` and ``groups``, ``reason`` (why fused, or why not), ``shared`` parts,
-        ``memory`` (bytes), ``batching``, ``splittable``, ``speedups`` (:meth:`speedups`) and
-        ``text`` (:meth:`summary`).
+        ``trials`` and ``groups`` (by number in the experiment, as a user reads trials; ``ids``: the
+        same trials by store id), ``reason`` (why fused, or why not), ``shared`` parts, ``memory``
+        (bytes), ``batching``, ``splittable``, ``speedups`` (:meth:`speedups`, by number) and
+        ``text`` (:meth:`summary`). Planners name trials in their text by store id, as ``trial 3``
+        and ``trials [3, 4]``; the record shows them by number (:func:`numbered_text`).
 
         >>> unit.describe()["kind"], unit.describe()["trials"]  # doctest: +SKIP
-        ('batched', [3, 4, 5])
+        ('batched', [2, 3, 4])
         """
-        return {"kind": self.kind, "trials": self.trial_ids(), "groups": self.groups(), "reason": self.reason,
-                "shared": self.shared(), "memory": self.memory_estimate(), "batching": self.batching(),
-                "splittable": self.splittable, "speedups": self.speedups(), "text": self.summary()}
+        numbers = self.trial_numbers()
+        ids = self.trial_ids()
+        return {"kind": self.kind, "trials": [numbers.get(t, t) for t in ids], "ids": ids,
+                "groups": [[numbers.get(t, t) for t in group] for group in self.groups()],
+                "reason": numbered_text(self.reason, numbers), "shared": self.shared(),
+                "memory": self.memory_estimate(), "batching": self.batching(), "splittable": self.splittable,
+                "speedups": [numbered(e, numbers) for e in self.speedups()],
+                "text": numbered_text(self.summary(), numbers)}
+
+    def trial_numbers(self) -> dict[int, int]:
+        """Each member's number in its experiment, by store id (members that left included)."""
+        self.numbers.update({job.trial.id: job.trial.label for job in self.jobs.values()})
+        return self.numbers
 
     def summary(self) -> str:
         """One log line: what this unit trains and why (anything not fused says why not)."""
@@ -171,3 +188,34 @@ class ExecutionUnit:
 def reseeded(state: Mapping[str, Any], seed: int) -> dict[str, Any]:
     """A trainer checkpoint that a trainer with ``seed`` accepts (a fork to a trial with its own seed)."""
     return {**state, "seed": seed} if "seed" in state else dict(state)
+
+
+def numbered(entry: Mapping[str, Any], numbers: Mapping[int, int]) -> dict[str, Any]:
+    """A decision record (``{"trials": [store ids], ...}``, :meth:`ExecutionUnit.speedups`) with its
+    trials by number in the experiment.
+
+    >>> numbered({"trials": [7, 8], "speedup": 1.5}, {7: 0, 8: 1})
+    {'trials': [0, 1], 'speedup': 1.5}
+    """
+    return {**entry, "trials": [numbers.get(t, t) for t in entry.get("trials") or []]}
+
+
+def numbered_text(text: str, numbers: Mapping[int, int]) -> str:
+    """``text`` with the trials it names by store id (``trial 7``, ``trials [7, 8]``, ``trial(s) [7]``)
+    named by their number in the experiment instead, as every table shows them; ids ``numbers``
+    does not hold stay as they are.
+
+    >>> numbered_text("trials [7, 8] as one batched model; forked from trial 8", {7: 0, 8: 1})
+    'trials [0, 1] as one batched model; forked from trial 1'
+    """
+    if not text or not numbers:
+        return text
+
+    def one(match: re.Match[str]) -> str:
+        return match.group(1) + str(numbers.get(int(match.group(2)), match.group(2)))
+
+    def many(match: re.Match[str]) -> str:
+        items = [i.strip() for i in match.group(2).split(",") if i.strip()]
+        return match.group(1) + ", ".join(str(numbers.get(int(i), i)) for i in items) + "]"
+
+    return _ONE_TRIAL.sub(one, _TRIAL_LIST.sub(many, text))

@@ -72,7 +72,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..units import ExecutionUnit, Job
+from ..units import ExecutionUnit, Job, numbered
 from ..evaluators._base import StepwiseEvaluator
 from ._decision_cache import SEPARATE_STEP, DecisionCache
 from ._batching import (_SEPARATE_STEPS, _SETUP_FIELDS, BatchedMember, BatchedUnit, _EFFICIENCY, peak_matmul_flops,
@@ -555,6 +555,8 @@ class AdaptiveMember:
         """Add this group's decision (:meth:`measured`) to what each of its trials records of its
         unit (``info["unit"]["speedups"]``, set by the planner), so the store keeps it."""
         entry = self.measured()
+        if entry is not None:  # recorded by number in the experiment, as the planner records the unit
+            entry = numbered(entry, {t: job.trial.label for t, job in self.jobs.items()})
         for job in self.jobs.values():
             unit = job.trial.info.get("unit")
             if entry is not None and isinstance(unit, dict):

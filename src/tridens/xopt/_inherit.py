@@ -117,8 +117,9 @@ def inherit_from_trial(store: Any, space: Any, trial: Any, model: nn.Module) -> 
     t0 = time.perf_counter()
     try:
         parent = store.trial(trial.parent)
+        info["parent_number"] = parent.label
         if parent.checkpoint is None:
-            info["reason"] = f"parent trial {parent.id} has no checkpoint ({parent.status.value})"
+            info["reason"] = f"parent trial {parent.label} has no checkpoint ({parent.status.value})"
             return info
         parent_state = store.load_checkpoint(parent.checkpoint)
         parent_desc = _parent_description(str(store.path), space, parent)

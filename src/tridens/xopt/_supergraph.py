@@ -403,6 +403,8 @@ class SuperGraphUnit(SharedPipelineUnit):
         self.inherited_tensors = {pk: list(ids) for pk, ids in {**share.buffers, **share.params}.items()}
         parents = {(job.trial.info.get("inherit") or {}).get("parent") for job in jobs}
         self.parent = next(iter(parents)) if len(parents) == 1 else None
+        numbers = {(job.trial.info.get("inherit") or {}).get("parent_number") for job in jobs}
+        parent_number = next(iter(numbers)) if len(numbers) == 1 and None not in numbers else None
         member = SuperGraphMember(children, trainers, ident, share)
         if children:
             member._merged(member.trial_ids())
@@ -413,7 +415,8 @@ class SuperGraphUnit(SharedPipelineUnit):
         if memory is None and children:
             memory = supergraph_memory(children, ident, _batch_bytes(children[0].cfg, _example_batch(children[0].cfg)))
         if not reason:
-            reason = (f"children of trial {self.parent}: {len(self.inherited_tensors)} inherited tensor(s) stored once "
+            parent_name = f"#{parent_number}" if parent_number is not None else f"the trial of store id {self.parent}"
+            reason = (f"children of {parent_name}: {len(self.inherited_tensors)} inherited tensor(s) stored once "
                       f"({self.saved_elements} elements not duplicated); {member.nodes} nodes per batch for the "
                       f"children's {member.child_nodes} (shared prefixes computed once); one backward, one step "
                       f"per shared tensor")
