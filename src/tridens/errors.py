@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TridensError", "InvalidSpace", "InvalidSample", "GraphError", "StoreError"]
+__all__ = ["TridensError", "InvalidSpace", "InvalidSample", "GraphError", "StoreError", "StorageFault"]
 
 
 class TridensError(Exception):
@@ -25,3 +25,9 @@ class GraphError(TridensError, RuntimeError):
 class StoreError(TridensError, RuntimeError):
     """The experiment store cannot be opened, read or written: corrupt, locked, read-only, written
     by a newer tridens, or asked for an experiment or trial it does not hold (names the file)."""
+
+
+class StorageFault(StoreError):
+    """The store's storage failed under a write: the disk (or a quota, or the file size limit) is
+    full, the disk failed, or the store file was deleted or replaced while open. Nothing committed
+    is lost; a run stops with this one line, and its running trials run again on the next run."""

@@ -10,7 +10,11 @@ import os
 import sys
 import time
 
+import torch
+from torch import nn
+
 import tridens as td
+from tridens import nn as tnn
 
 
 def steps(x):
@@ -24,6 +28,39 @@ def steps(x):
     return float(x * 10 + 3)
 
 
+class Wide(tnn.ModelSpace):
+    """One architecture with ~150 KB of weights: a checkpoint that a nearly full disk cannot take."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 10))
+        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def fills_the_disk(model, x, room):
+    """Trial x=1 fills the disk of the folder ``FILL`` (once: a marker remembers it), leaving
+    ``room`` bytes free, then reports: the store's next write (its metrics with no room, the
+    checkpoint with a little) meets a full disk."""
+    folder = os.environ["FILL"]
+    marker = os.path.join(folder, "filled")
+    if x == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        filler = os.path.join(folder, "filler")
+        try:
+            with open(filler, "wb") as f:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+        except OSError:
+            pass
+        os.truncate(filler, max(0, os.path.getsize(filler) - room))
+    td.report({"value": float(x)}, step=0)
+    return float(x)
+
+
 def executor(kind):
     return td.executors.Inline() if kind == "inline" else td.executors.Process(workers=2)
 
@@ -33,6 +70,11 @@ def main() -> None:
     if scenario == "steps":
         evaluator = td.evaluators.FunctionalEvaluator(steps, x=td.choice("x", list(range(8))))
         td.Experiment(None, evaluator, td.strategy.GridSearch(), max_trials=8, store=store, name="steps",
+                      executor=executor(kind), verbose=False).run()
+    elif scenario.startswith("fill-"):   # fill-<room in bytes>
+        evaluator = td.evaluators.FunctionalEvaluator(fills_the_disk, x=td.choice("x", [0, 1, 2, 3]),
+                                                      room=int(scenario.split("-")[1]))
+        td.Experiment(Wide(), evaluator, td.strategy.GridSearch(), max_trials=4, store=store, name="fill",
                       executor=executor(kind), verbose=False).run()
 
 

@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Any, Mapping, NoReturn, Sequence
 from ..errors import InvalidSpace, TridensError
 from ..evaluators import Evaluator, StepwiseEvaluator
 from ..space import BaseSpace, RecipeError, space_recipe
-from ..store import Store, StoreError
+from ..store import StorageFault, Store, StoreError
 from ..strategy import Strategy
 from ..trial import Objective, Trial, TrialStatus
 from ..units import parse_memory, unit_memory_limit
 from ._execution import Executor, InlineExecutor, RunContext, check_forks, make_executor
 from ._leftovers import claim, interrupted_text, mark_interrupted
 from ._loop import _Run, _parse_duration
+from ._protocol import RunHalted
 from ._progress import print_stopped
 
 if TYPE_CHECKING:
@@ -102,15 +103,16 @@ def _sigterm_stops_cleanly() -> Iterator[None]:
 
 
 def _print_interrupt_as_one_line() -> None:
-    """An :class:`ExperimentInterrupted` that ends a script (``python search.py``, Ctrl-C) is
-    printed as its one line, not as a traceback through the engine: ``sys.excepthook`` is
-    wrapped once, and passes every other exception to the hook it wrapped."""
+    """An :class:`ExperimentInterrupted` (Ctrl-C, SIGTERM) or a :class:`~tridens.errors.StorageFault`
+    (a full disk, the store file gone) that ends a script (``python search.py``) is printed as its
+    one line, not as a traceback through the engine: ``sys.excepthook`` is wrapped once, and passes
+    every other exception to the hook it wrapped."""
     previous = sys.excepthook
     if getattr(previous, "prints_interrupts", False):
         return
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        if isinstance(value, ExperimentInterrupted):
+        if isinstance(value, (ExperimentInterrupted, StorageFault)):
             print(f"tridens: {value}", file=sys.stderr, flush=True)
         else:
             previous(kind, value, tb)
@@ -539,12 +541,23 @@ class Experiment:
                     run.loop(resumed)  # fused units bounded in memory; stage trees stored (tridens.xopt)
             except BaseException as err:
                 run.progress.close()
-                if not resumed and not db.trials(name):
-                    db.delete_experiment(name)  # a start that failed leaves nothing behind
-                else:
-                    mark_interrupted(db, name)
+                # A storage fault (full disk, the store file gone) stops the run: its running
+                # trials stay unfinished, to run again on the next run.
+                halted = err.cause if isinstance(err, RunHalted) else err if isinstance(err, StorageFault) else None
+                try:
+                    if not resumed and not db.trials(name):
+                        db.delete_experiment(name)  # a start that failed leaves nothing behind
+                    else:
+                        mark_interrupted(db, name, quiet=halted is not None)
+                except StoreError:
+                    if halted is None:
+                        raise
                 if isinstance(err, KeyboardInterrupt) and not isinstance(err, ExperimentInterrupted):
                     self._interrupted(db, name, path, err)
+                if halted is not None:
+                    self.stop_reason = str(halted)
+                    _print_interrupt_as_one_line()
+                    raise halted from None
                 raise
             run.progress.close()
             self._stopped(name, run.stop_reason)

@@ -80,10 +80,10 @@ def claim(db: Store, name: str) -> None:
     db.update_experiment(name, status="running", config={**record.config, "driver": _driver()})
 
 
-def mark_interrupted(db: Store, name: str) -> None:
+def mark_interrupted(db: Store, name: str, *, quiet: bool = False) -> None:
     """A clean stop (Ctrl-C, an error): the experiment and its trials still running are
     ``interrupted``, no death charged. Best effort: a store that cannot be written (full disk) is
-    settled on the next open instead."""
+    settled on the next open instead (said in the log unless ``quiet``: the run's own line says why)."""
     try:
         with db.transaction():
             for trial in db.trials(name, status=TrialStatus.RUNNING):
@@ -91,7 +91,8 @@ def mark_interrupted(db: Store, name: str) -> None:
                 db.update_trial(trial)
             db.update_experiment(name, status="interrupted")
     except StoreError as err:
-        log.warning("%s could not be marked interrupted (%s); the next open of the store does it", name, err)
+        if not quiet:
+            log.warning("%s could not be marked interrupted (%s); the next open of the store does it", name, err)
 
 
 def interrupted_text(db: Store, name: str, store: Path) -> str:

@@ -19,12 +19,13 @@ import re
 import sys
 import time
 from collections import OrderedDict
+from functools import wraps
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 
-from ..errors import InvalidSample, InvalidSpace, TridensError
+from ..errors import InvalidSample, InvalidSpace, StorageFault, TridensError
 from ..evaluators import Evaluator, StepwiseEvaluator
 from ..space import BaseSpace
 from ..store import Store
@@ -33,7 +34,7 @@ from ..trial import Decision, Fork, Objective, Trial, TrialGroup, TrialStatus
 from ..units import Job
 from ._execution import Executor
 from ._leftovers import FINISHED_COUNTED, fail_repeated_deaths
-from ._protocol import error_text
+from ._protocol import RunHalted, error_text
 
 if TYPE_CHECKING:
     from ._experiment import Experiment
@@ -89,6 +90,23 @@ def _structure_cached(space: BaseSpace) -> bool:
     return isinstance(space, MutatorSpace) and not space.mutators
 
 
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+def _halts_on_storage_fault(hook: _Hook) -> _Hook:
+    """A hook of the trial protocol whose store write meets a storage fault (full disk, the store
+    file gone) raises :class:`~._protocol.RunHalted`: the run stops; the trial is not failed."""
+
+    @wraps(hook)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return hook(*args, **kwargs)
+        except StorageFault as err:
+            raise RunHalted(err) from err
+
+    return guarded  # type: ignore[return-value]
+
+
 class _Run:
     """The state of one ``run()``: the engine loop and the hooks executors call."""
 
@@ -129,11 +147,13 @@ class _Run:
         self.meta_first = any(getattr(c, "key", None) != "latency_ms" for c in exp.constraints)
 
     # -- hooks for the trial protocol ----------------------------------------------------------
+    @_halts_on_storage_fault
     def started(self, trial: Trial) -> None:
         if trial.status is not TrialStatus.RUNNING:  # (trials trained together are marked as a group)
             trial.status, trial.started_at = TrialStatus.RUNNING, time.time()
             self.db.update_trial(trial)
 
+    @_halts_on_storage_fault
     def record(self, trial: Trial, step: int, metrics: Mapping[str, float]) -> None:
         values = {k: float(v) for k, v in metrics.items()}
         self.db.add_metrics(trial.id, step, values)
@@ -161,6 +181,7 @@ class _Run:
     def fork(self, trial: Trial, step: int) -> Fork | None:
         return self.strategy.fork(trial, step)
 
+    @_halts_on_storage_fault
     def forked(self, trial: Trial) -> None:
         self.db.update_trial(trial)  # its lineage (info["schedule"], info["exploits"])
 
@@ -170,6 +191,7 @@ class _Run:
             trial.status = TrialStatus.STOPPED
         return decision
 
+    @_halts_on_storage_fault
     def finish(self, trial: Trial, status: TrialStatus, *, error: str | None = None,
                weights: Mapping[str, Any] | None = None, value: float | None = None) -> None:
         trial.status = status

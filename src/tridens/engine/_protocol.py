@@ -32,12 +32,24 @@ from typing import Any, Mapping, Protocol
 from ..trial import Decision, Fork, Trial, TrialStatus
 from ..units import Job
 
-__all__ = ["Verdict", "TrialProtocol", "GroupHooks", "TrialTimeout", "error_text", "timeout_error", "SILENCE_GRACE"]
+__all__ = ["Verdict", "TrialProtocol", "GroupHooks", "TrialTimeout", "RunHalted", "error_text", "timeout_error",
+           "SILENCE_GRACE"]
 
 
 class TrialTimeout(BaseException):
     """Raised inside a user's loop that ran longer than ``trial_timeout``. A BaseException, so
     that a loop catching ``Exception`` does not swallow it."""
+
+
+class RunHalted(BaseException):
+    """A fault outside every trial stops the run: the store's disk is full, its file is gone
+    (``cause``, a :class:`tridens.errors.StorageFault`). Raised through the trial protocol as a
+    BaseException, so that neither an executor nor a user's loop takes it for the trial's own
+    failure: the trial stays unfinished and runs again on the next run."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 class GroupHooks(Protocol):

@@ -11,11 +11,11 @@
 {'val_acc': [0.91]}
 """
 
-from ..errors import StoreError
+from ..errors import StorageFault, StoreError
 from ._records import ExperimentRecord
 from ._schema import CURRENT_VERSION
 from ._sqlite import Store
 from ._stages import StageArchive, StageHit, StagePolicy, StageRecord, stage_tree
 
-__all__ = ["Store", "ExperimentRecord", "StoreError", "CURRENT_VERSION", "StageArchive", "StageHit", "StagePolicy",
+__all__ = ["Store", "ExperimentRecord", "StoreError", "StorageFault", "CURRENT_VERSION", "StageArchive", "StageHit", "StagePolicy",
            "StageRecord", "stage_tree"]

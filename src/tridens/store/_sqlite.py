@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import json
 import math
 import os
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from ..errors import StoreError
+from ..errors import StorageFault, StoreError
 from ..trial import Trial, TrialStatus
 from ._records import ExperimentRecord
 from ._schema import CURRENT_VERSION, check_not_newer, read_version, upgrade
@@ -48,6 +49,32 @@ _UPDATE_TRIAL = (
     "WHERE id = ?")
 _INSERT_METRIC = "INSERT OR REPLACE INTO metrics (trial_id, name, step, value) VALUES (?, ?, ?, ?)"
 _INSERT_CHECKPOINT = "INSERT OR REPLACE INTO checkpoints (trial_id, kind, path, saved_at) VALUES (?, ?, ?, ?)"
+
+
+_FULL = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EFBIG: "file size limit reached"}
+"""The storage faults named in a message (any other OSError under a write is a disk fault too)."""
+
+
+def storage_cause(err: BaseException) -> OSError | None:
+    """The OSError in ``err``'s chain (itself, its cause or context): torch's zip writer raises a
+    RuntimeError ("unexpected pos ...") with the ENOSPC it met attached, or the other way round."""
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError) and cur.errno is not None:
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def _disk_full(folder: Path) -> bool:
+    """Whether the file system of ``folder`` has (almost) no space left for us."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < (1 << 20)
 
 
 def _json_default(obj: Any) -> Any:
@@ -113,6 +140,7 @@ class Store:
         self._made_dirs: set[Path] = set()  # checkpoint folders known to exist (one mkdir each)
         self._orphans: list[sqlite3.Connection] = []
         self._run_locks: dict[str, int] = {}  # experiment -> the descriptor of its held run lock
+        self._identity: tuple[int, int] | None = None  # (device, inode) of the file this connection writes
         self._conn: sqlite3.Connection | None = self._open()
         self._pid = os.getpid()
 
@@ -155,6 +183,7 @@ class Store:
                     raise StoreError(f"cannot put the store {path} in WAL mode (SQLite answered {mode!r})")
                 conn.execute(f"PRAGMA synchronous={self.synchronous}")
                 upgrade(conn, str(path))
+                self._identity = self._file_identity()
             conn.execute("PRAGMA foreign_keys=ON")
             return conn
         except sqlite3.Error as e:
@@ -221,6 +250,39 @@ class Store:
 
     # -- error translation, reads and writes ----------------------------------------------------
 
+    def _file_identity(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def _check_file(self, what: str) -> None:
+        """The file this connection writes is still the store's file: a store deleted or replaced
+        while open would take every later write into a file nobody reads."""
+        if self._identity is None:
+            return
+        now = self._file_identity()
+        if now != self._identity:
+            how = "deleted" if now is None else "replaced by another file"
+            raise StorageFault(f"the store {self.path} was {how} while this process wrote it (while {what}); "
+                               f"nothing more is written: restore the file to keep this run's results")
+
+    def _fault(self, err: BaseException, target: Path, what: str) -> StorageFault | None:
+        """A storage fault (full disk, quota, file size limit, failing disk) behind ``err``, raised
+        while writing ``target``; None when ``err`` is something else."""
+        cause = storage_cause(err)
+        if cause is not None and cause.errno in _FULL:
+            name = _FULL[cause.errno]
+        elif cause is not None and cause.errno in (errno.EIO, errno.EROFS):
+            name = "disk error"
+        elif isinstance(err, RuntimeError) and _disk_full(target.parent):
+            name = "disk full"
+        else:
+            return None
+        return StorageFault(f"{name}: cannot write {target} (while {what}); nothing committed was lost: "
+                            f"free space and run again (the trials running now run again)")
+
     def _translate(self, e: sqlite3.Error, what: str) -> StoreError:
         msg = str(e)
         low = msg.lower()
@@ -229,6 +291,13 @@ class Store:
             return StoreError(f"the store {p} is locked by another process or connection (waited "
                               f"{self.timeout:g} s while {what}); retry later, raise timeout=, or stop the "
                               f"other writer")
+        if "disk is full" in low or getattr(e, "sqlite_errorname", "") == "SQLITE_FULL":
+            name = "disk full" if _disk_full(p.parent) else "database or disk is full"
+            return StorageFault(f"{name}: cannot write the store {p} (while {what}); nothing committed was lost: "
+                                f"free space and run again (the trials running now run again)")
+        if "disk i/o error" in low:
+            return StorageFault(f"disk error: cannot write the store {p} (SQLite: {msg}, while {what}); nothing "
+                                f"committed was lost: check the disk and run again")
         if "not a database" in low or "malformed" in low or "corrupt" in low:
             return StoreError(f"{p} is not a tridens store or is corrupt (SQLite: {msg}, while {what}); move "
                               f"it aside or pass another path")
@@ -261,12 +330,17 @@ class Store:
             raise StoreError(f"the store {self.path} is open read-only; cannot write while {what}")
         with self._lock, self._guard(what, integrity):
             conn = self._connection()
-            if self._depth or single:
+            if self._depth:
+                yield conn
+                return
+            if single:
+                self._check_file(what)
                 yield conn
                 return
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
+                self._check_file(what)
             except BaseException:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
@@ -320,6 +394,7 @@ class Store:
             self._depth = 1
             try:
                 yield self
+                self._check_file("committing a transaction")
             except BaseException:
                 self._depth = 0
                 self._experiment_ids.clear()
@@ -756,6 +831,9 @@ class Store:
             self._made_dirs.discard(final.parent)  # removed behind our back? make it again next time
             with contextlib.suppress(OSError):
                 tmp.unlink()
+            fault = self._fault(e, final, f"saving the checkpoint of trial {trial_id}")
+            if fault is not None:
+                raise fault from e
             raise StoreError(f"cannot write the checkpoint {final} of trial {trial_id}: {e}") from e
         except BaseException as e:
             with contextlib.suppress(OSError):
@@ -764,6 +842,9 @@ class Store:
             # its context: the run then stops as on any Ctrl-C, not with that error
             if isinstance(e, RuntimeError) and isinstance(e.__context__, KeyboardInterrupt):
                 raise e.__context__ from None
+            fault = self._fault(e, final, f"saving the checkpoint of trial {trial_id}") if isinstance(e, RuntimeError) else None
+            if fault is not None:  # torch's zip writer met a full disk
+                raise fault from e
             raise
         return final
 

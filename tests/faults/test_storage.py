@@ -1,0 +1,73 @@
+"""Storage faults never fail a trial for good: a full disk under the store's metrics or a
+checkpoint stops the run with one line saying "disk full", the trial runs again once there is
+space; a store file deleted or replaced mid-run stops the run with one line."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tridens as td
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _removes_the_store(x, db, how):
+    if x == 1:
+        if how == "deleted":
+            os.remove(db)
+        else:
+            shutil.copy(db, db + ".copy")
+            os.replace(db + ".copy", db)
+    td.report({"value": float(x)}, step=0)
+    return float(x)
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_store_deleted_or_replaced_mid_run_stops_the_run_with_one_line(tmp_path, how):
+    db = tmp_path / "t.db"
+    evaluator = td.evaluators.FunctionalEvaluator(_removes_the_store, x=td.choice("x", [0, 1, 2, 3]), db=str(db), how=how)
+    exp = td.Experiment(None, evaluator, td.strategy.GridSearch(), max_trials=4, store=str(db), name="gone",
+                        verbose=False)
+    with pytest.raises(td.store.StorageFault, match=how) as info:
+        exp.run()
+    assert "\n" not in str(info.value) and str(db) in str(info.value)
+
+
+def _mountable():
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _mountable(),
+                    reason="needs a private small tmpfs (unshare -rm and mount)")
+@pytest.mark.parametrize("room", [0, 96 * 1024], ids=["metrics", "checkpoint"])
+def test_a_full_disk_stops_the_run_with_one_line_and_the_trial_runs_again_once_there_is_space(tmp_path, room):
+    """On a 6 MB tmpfs of its own: trial 1 fills the disk; the run stops saying "disk full";
+    the filler is removed (space freed) and the next run completes every trial, trial 1 included."""
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir()
+    out.mkdir()
+    run = f"{sys.executable} -m tests.faults.fault_script fill-{room} inline {disk}/t.db"
+    script = (f"mount -t tmpfs -o size=6m tmpfs {disk} || exit 99\n"
+              f"{run} > {out}/first.txt 2>&1; echo $? > {out}/first.rc\n"
+              f"rm -f {disk}/filler\n"
+              f"{run} > {out}/second.txt 2>&1; echo $? > {out}/second.rc\n"
+              f"cp {disk}/t.db {out}/t.db\n")
+    subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=ROOT, check=True, timeout=600,
+                   env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "FILL": str(disk)})
+    first = (out / "first.txt").read_text()
+    assert (out / "first.rc").read_text().strip() != "0"
+    lines = [line for line in first.splitlines() if line.strip()]
+    assert len(lines) == 1 and "disk full" in lines[0], first
+    assert (out / "second.rc").read_text().strip() == "0", (out / "second.txt").read_text()
+    with td.store.Store(out / "t.db", readonly=True) as db:
+        trials = db.trials("fill")
+    assert len(trials) == 4 and all(t.status is td.TrialStatus.COMPLETED for t in trials), [t.error for t in trials]
+    assert sorted(t.metric for t in trials) == [0.0, 1.0, 2.0, 3.0]
