@@ -250,7 +250,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from .engine import Experiment
 
     exp = Experiment.load(args.db, args.name)
-    for path in exp.export(args.to, top=args.top, trust_code=args.trust_code, force=args.force):
+    for path in exp.export(args.to, top=args.top, trust_code=args.trust_code, force=args.force,
+                           allow_modules=args.allow_module):
         print(path)
     return 0
 
@@ -363,6 +364,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-code", action="store_true",
                    help="import the script the store names as the experiment's space (it runs that file) to "
                         "export a self-contained program; only for a store whose code you trust")
+    p.add_argument("--allow-module", action="append", default=[], metavar="MODULE",
+                   help="a module (with its submodules) the stored space may be imported from, to export a "
+                        "self-contained program (repeatable); no other module the store names is imported")
     p.set_defaults(fn=_cmd_export)
     p = sub.add_parser("resume", parents=[common], help="finish an interrupted experiment")
     p.add_argument("name", help="the experiment's name (see tridens ls)")

@@ -269,17 +269,21 @@ class Experiment:
         top = self.top(1)
         return top[0] if top else None
 
-    def export(self, directory: str | os.PathLike[str], top: int = 1, trust_code: bool = False, *, force: bool = False) -> list[Path]:
+    def export(self, directory: str | os.PathLike[str], top: int = 1, trust_code: bool = False, *, force: bool = False,
+               allow_modules: Sequence[str] = ()) -> list[Path]:
         """Write the ``top`` best models to ``directory``, one ``rank{r}-trial{n}/`` folder each, with
         what :func:`tridens.load` needs to rebuild them: weights, sample, space recipe, metrics.
-        A non-empty ``directory`` is refused unless ``force`` (which replaces the exports in it)."""
+        A non-empty ``directory`` is refused unless ``force`` (which replaces the exports in it).
+        The space's modules are imported only when already imported, in ``allow_modules``, or with
+        ``trust_code`` (:func:`tridens.space.build_space`)."""
         from ._export import export_trials
 
         with Store(self._store_path(), readonly=True) as db:
             record = db.get_experiment(self._name())
             trials = self.top(top)
             # trust_code: the recorded space may name a script; importing it runs it (tridens.space.build_space)
-            return export_trials(db, record.config, trials, Path(directory), trust_code=trust_code, force=force)
+            return export_trials(db, record.config, trials, Path(directory), trust_code=trust_code, force=force,
+                                 allow_modules=allow_modules)
 
     # -- running ------------------------------------------------------------------------------
     def _check(self) -> None:

@@ -46,10 +46,10 @@ def _clear_for_export(directory: Path, force: bool) -> None:
 
 
 def export_trials(db: Store, config: dict[str, Any], trials: Sequence[Trial], directory: Path, *,
-                  force: bool = False, trust_code: bool = False) -> list[Path]:
+                  force: bool = False, trust_code: bool = False, allow_modules: Sequence[str] = ()) -> list[Path]:
     """Write ``trials`` (best first) to ``directory/rank{r}-trial{n}/``, whatever their number.
-    The space is rebuilt (for the exported program) from already importable code only, unless
-    ``trust_code`` (see :func:`tridens.space.build_space`)."""
+    The space is rebuilt (for the exported program) from already imported modules only, or those
+    in ``allow_modules``, unless ``trust_code`` (see :func:`tridens.space.build_space`)."""
     if not trials:
         raise TridensError("no finished trial to export")
     for trial in trials:  # checked before anything is written
@@ -74,7 +74,7 @@ def export_trials(db: Store, config: dict[str, Any], trials: Sequence[Trial], di
         }
         if config.get("space") is not None:
             try:
-                space = build_space(config["space"], trust_code=trust_code)
+                space = build_space(config["space"], trust_code=trust_code, allow_modules=allow_modules)
                 model = space.freeze(space.restrict(trial.sample), check=False)
                 model.load_state_dict(weights)
                 inputs = space.example_inputs
@@ -129,7 +129,7 @@ def _model_folder(path: Path, rank: int) -> Path:
 
 
 def load(directory: str | os.PathLike[str], *, prefer: str = "module", rank: int = 1,
-         trust_code: bool = False) -> nn.Module:
+         trust_code: bool = False, allow_modules: Sequence[str] = ()) -> nn.Module:
     """Rebuild an exported model: the ``rank``-th best of an export directory, or the model of
     one ``rank*-trial*`` folder.
 
@@ -139,11 +139,13 @@ def load(directory: str | os.PathLike[str], *, prefer: str = "module", rank: int
     always takes it).
 
     An export may come from someone else, so loading it runs none of its code unless
-    ``trust_code=True``: the recipe resolves only to model-space / ``nn.Module`` classes already
-    importable (never a script, nor a module inside the export folder), and the program is loaded
-    only if it holds no pickled data and no guard code (:func:`check_program`).
+    ``trust_code=True``: the recipe resolves only to model-space / ``nn.Module`` classes in
+    modules this process has already imported, or in ``allow_modules`` (never a script, nor a
+    module inside the export folder; checked before any import), and the program is loaded only
+    if it holds no pickled data and no guard code (:func:`check_program`).
 
     >>> model = td.load("best-model")             # doctest: +SKIP
+    >>> model = td.load("best-model", allow_modules=["my_models"])   # doctest: +SKIP
     >>> second = td.load("best-model", rank=2)    # doctest: +SKIP
     """
     path = _model_folder(Path(directory), rank)
@@ -157,7 +159,8 @@ def load(directory: str | os.PathLike[str], *, prefer: str = "module", rank: int
     weights = torch.load(path / "weights.pt", weights_only=True)
     if prefer == "module" and manifest.get("space") is not None:
         try:
-            space = build_space(manifest["space"], trust_code=trust_code, untrusted_dir=path)
+            space = build_space(manifest["space"], trust_code=trust_code, untrusted_dir=path,
+                                allow_modules=allow_modules)
             model = space.freeze(space.restrict(manifest["sample"]), check=False)
             model.load_state_dict(weights)
             return model

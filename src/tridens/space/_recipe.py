@@ -9,9 +9,11 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import re
 import sys
+import types
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -22,6 +24,9 @@ from ._model_space import ModelSpace
 from ._mutator import Mutator, MutatorSpace
 
 __all__ = ["object_path", "import_object", "space_recipe", "build_space", "RecipeError"]
+
+
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 class RecipeError(TridensError):
@@ -47,15 +52,20 @@ def object_path(obj: Any) -> dict[str, Any]:
 
 
 def import_object(ref: dict[str, Any], *, expect: type | None = None, trust_code: bool = False,
-                  untrusted_dir: str | os.PathLike[str] | None = None) -> Any:
+                  untrusted_dir: str | os.PathLike[str] | None = None,
+                  allow_modules: Sequence[str] = ()) -> Any:
     """The object a reference made by :func:`object_path` points to.
 
-    A reference read from a store or an export may have been written by someone else, so by
-    default it resolves only to code this process could already import: a module found on
-    ``sys.path`` (never one inside ``untrusted_dir``, e.g. the export folder being loaded) or a
-    script this process already runs. A script file is imported (which runs it) only with
-    ``trust_code=True``. With ``expect``, the object must be a class deriving from it; this is
-    checked before anything is called, so ``"os:system"`` is refused, not run.
+    A reference read from a store or an export may have been written by someone else, and
+    importing a module runs it (``venv.__main__`` builds a virtualenv, ``antigravity`` opens a
+    browser). So by default it resolves only to code this process has already imported: a
+    module in ``sys.modules`` or a script this process already runs. Before anything is
+    imported, any other module is refused unless the user allows it: ``allow_modules`` names
+    modules (each with its submodules, ``"mypkg"`` allows ``"mypkg.models"``) that may be
+    imported from ``sys.path`` (never from inside ``untrusted_dir``, e.g. the export folder
+    being loaded); ``trust_code=True`` allows every module and a script file (importing it runs
+    it). With ``expect``, the object must be a class deriving from it; this is checked before
+    anything is called, so ``"os:system"`` is refused, not run.
 
     >>> import_object({"path": "torch.nn:Linear", "file": None}, expect=nn.Module).__name__
     'Linear'
@@ -66,6 +76,7 @@ def import_object(ref: dict[str, Any], *, expect: type | None = None, trust_code
     """
     if not isinstance(ref, dict) or not isinstance(ref.get("path"), str) or ":" not in ref["path"]:
         raise RecipeError(f"{_short(ref)} is not a reference to code (a dict with a 'path' like 'pkg.module:Name')")
+    allow_modules = _module_names(allow_modules)
     module_name, _, qualname = ref["path"].partition(":")
     file = ref.get("file")
     if file is not None and not isinstance(file, str):
@@ -79,6 +90,15 @@ def import_object(ref: dict[str, Any], *, expect: type | None = None, trust_code
                     f"tridens does so only when you trust it: pass trust_code=True (tridens --trust-code)")
             module = _import_script(file)
     else:
+        if not _MODULE_NAME.fullmatch(module_name):
+            raise RecipeError(f"{ref['path']!r} does not name a module (a dotted name like 'pkg.module')")
+        if not trust_code and module_name not in sys.modules:
+            if not any(module_name == m or module_name.startswith(m + ".") for m in allow_modules):
+                raise RecipeError(
+                    f"{ref['path']!r} names the module {module_name!r}, which this process has not imported; "
+                    f"importing a module runs it, so tridens imports one a file names only when you allow it: "
+                    f"import it first, or pass allow_modules=[{module_name.split('.')[0]!r}] "
+                    f"(tridens --allow-module {module_name.split('.')[0]}) or trust_code=True")
         if untrusted_dir is not None and not trust_code:
             _refuse_module_inside(module_name, Path(untrusted_dir), ref["path"])
         try:
@@ -87,6 +107,9 @@ def import_object(ref: dict[str, Any], *, expect: type | None = None, trust_code
             raise RecipeError(f"cannot import {module_name!r} for {ref['path']!r}: {err}") from err
     obj: Any = module
     for part in qualname.split("."):
+        # A module's own names only: a module-level __getattr__ may import more code.
+        if isinstance(obj, types.ModuleType) and not trust_code and part not in vars(obj):
+            raise RecipeError(f"{ref['path']!r} no longer exists ({file or module_name} defines no {part!r})")
         try:
             obj = getattr(obj, part)
         except AttributeError as err:
@@ -95,6 +118,12 @@ def import_object(ref: dict[str, Any], *, expect: type | None = None, trust_code
         raise RecipeError(f"{ref['path']!r} names a {type(obj).__name__}, not a subclass of {expect.__name__}; "
                           f"a recipe only names model spaces, modules and mutators")
     return obj
+
+
+def _module_names(names: Any) -> tuple[str, ...]:
+    if isinstance(names, str) or not all(isinstance(n, str) and _MODULE_NAME.fullmatch(n) for n in names):
+        raise RecipeError(f"The 'allow_modules' parameter must be a list of module names. Got {_short(names)} instead.")
+    return tuple(names)
 
 
 def _short(value: Any) -> str:
@@ -217,11 +246,13 @@ def _json_to_placeholders(obj: Any) -> Any:
 
 
 def build_space(recipe: Any, *, trust_code: bool = False,
-                untrusted_dir: str | os.PathLike[str] | None = None) -> Any:
+                untrusted_dir: str | os.PathLike[str] | None = None,
+                allow_modules: Sequence[str] = ()) -> Any:
     """The space (or plain module) a recipe describes.
 
-    Every class a recipe names is resolved as :func:`import_object` does (already importable code
-    only, unless ``trust_code=True``) and must be a :class:`ModelSpace`, an ``nn.Module`` (a
+    Every class a recipe names is resolved as :func:`import_object` does (already imported
+    modules only, or those in ``allow_modules``, unless ``trust_code=True``; checked before any
+    import) and must be a :class:`ModelSpace`, an ``nn.Module`` (a
     mutator space's base) or a :class:`Mutator`; a malformed recipe raises :class:`RecipeError`.
 
     >>> build_space({"kind": "module", "path": "os:system", "file": None, "args": ["touch x"], "kwargs": {}})
@@ -232,7 +263,8 @@ def build_space(recipe: Any, *, trust_code: bool = False,
     if not isinstance(recipe, dict):
         raise RecipeError(f"a space recipe must be a JSON object, got {_short(recipe)}")
     kind = recipe.get("kind")
-    opts: dict[str, Any] = {"trust_code": trust_code, "untrusted_dir": untrusted_dir}
+    opts: dict[str, Any] = {"trust_code": trust_code, "untrusted_dir": untrusted_dir,
+                            "allow_modules": _module_names(allow_modules)}
     if kind == "mutators":
         mutators, shapes = recipe.get("mutators"), recipe.get("example_inputs")
         if not isinstance(mutators, list) or not all(isinstance(m, dict) and isinstance(m.get("args", {}), dict)

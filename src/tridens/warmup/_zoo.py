@@ -18,7 +18,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -234,13 +234,13 @@ class Zoo:
         return self.add_description(desc, state, accuracy=accuracy, name=name or type(model).__name__, **meta)
 
     def add_experiment(self, name: str, store: str | os.PathLike[str] | None = None, *,
-                       trust_code: bool = False) -> list[Entry]:
+                       trust_code: bool = False, allow_modules: Sequence[str] = ()) -> list[Entry]:
         """Add every finished trial (with a checkpoint) of experiment ``name`` of ``store`` (default:
         this zoo's store) that is not in the zoo yet: the experiment's space is rebuilt from its
         stored recipe, frozen with the trial's sample, and described. Trials whose checkpoint no
         longer loads are skipped with a :class:`ZooWarning`. The store may come from someone else:
-        its recipe resolves to already importable classes only, unless ``trust_code=True`` (see
-        :func:`tridens.space.build_space`)."""
+        its recipe resolves to classes in already imported modules (or ``allow_modules``) only,
+        unless ``trust_code=True`` (see :func:`tridens.space.build_space`)."""
         from ..space import build_space
         from ..store import Store
         from ..trial import TrialStatus
@@ -251,7 +251,7 @@ class Zoo:
             trials = db.trials(name)
             if not record.config.get("space"):
                 raise ZooError(f"experiment {name!r} has no space recipe in {path}: its trials cannot be rebuilt")
-            space = build_space(record.config["space"], trust_code=trust_code)
+            space = build_space(record.config["space"], trust_code=trust_code, allow_modules=allow_modules)
             objective = record.objective()
             have = {(e.meta.get("store"), e.meta.get("trial")) for e in self.entries.values()}
             added = []
