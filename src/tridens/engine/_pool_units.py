@@ -80,6 +80,7 @@ class _Placement:
     worker: PoolWorker | None = None
     round: list[tuple[Any, ...]] | None = None   # a reported round waiting for the others (forks)
     last_message: float = field(default_factory=time.monotonic)
+    deaths: int = 0                      # workers that died under it (it is retried once)
 
 
 class UnitRun:
@@ -91,6 +92,7 @@ class UnitRun:
                  models: Mapping[int, bytes], placements: list[_Placement], forks: bool, archive: Any):
         self.executor, self.evaluator, self.hooks = executor, evaluator, hooks
         self.models, self.placements, self.forks, self.archive = models, placements, forks, archive
+        self.retry: list[_Placement] = []   # placements whose worker died, to launch again first
 
     @classmethod
     def plan(cls, executor: ProcessExecutor, jobs: Sequence[Job], evaluator: StepwiseEvaluator, hooks: GroupHooks,
@@ -151,7 +153,8 @@ class UnitRun:
             raise
 
     def _serve(self, queue: list[_Placement], running: dict[int, _Placement]) -> None:
-        while queue or running:
+        while queue or running or self.retry:
+            queue[:0], self.retry = self.retry, []
             for slot in range(self.executor.workers):
                 if queue and slot not in running:
                     running[slot] = self._launch(queue.pop(0), slot)
@@ -195,10 +198,27 @@ class UnitRun:
         try:
             message = p.worker.conn.recv()
         except (EOFError, OSError):
-            code = p.worker.exit_code()
-            self._lost(p, "the worker process of trial {trial} died (exit code %s)" % code)
+            self._died(p, p.worker.exit_code())
             return False
         return self._handle(p, message)
+
+    def _died(self, p: _Placement, code: int | None) -> None:
+        """What the death of ``p``'s worker means for each member: the members that had not left
+        lost only their in-memory state, so the placement is retried once on a fresh worker (a
+        stage tree resumes from the stages it stored; steps recorded before are not recorded
+        again); a second death fails them. A population that forks (PBT) trains in lockstep with
+        the other workers' members, so its lost members fail."""
+        p.deaths += 1
+        if p.deaths > 1 or self.forks or not p.lives:
+            times = "twice" if p.deaths > 1 else ""
+            self._lost(p, f"the worker process of trial {{trial}} died {times} (exit code {code})".replace("  ", " "))
+            return
+        assert p.slot is not None
+        self.executor.replace(p.slot)
+        p.round, p.worker, p.slot = None, None, None
+        log.warning("the worker process of trials %s died (exit code %s); they are retried once on a fresh worker",
+                    ", ".join(str(life.trial.label) for life in p.lives.values()), code)
+        self.retry.append(p)
 
     def _handle(self, p: _Placement, message: tuple[Any, ...]) -> bool:
         assert p.worker is not None
