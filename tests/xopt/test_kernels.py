@@ -68,14 +68,14 @@ def test_batch_norm_supported():
 def test_packed_pooling_without_gradients_matches_max_pool():
     """The grouped engine's 2x2 max-pool (validation path: no gradient masks) equals
     ``F.max_pool2d(F.relu(x), 2)`` bit for bit, ties and NaN included."""
-    from tridens.xopt._grouped import _PackedProgram
+    from tridens.xopt._grouped import grouped_max_pool2x2
 
     x = torch.randn(3, 4, 6, 8)
     x[0, 0] = 1.0  # a constant plane: ties everywhere
     x[1, 2, 3, 5] = float("nan")
     for relu in (False, True):
         with torch.no_grad():
-            got = _PackedProgram._pool2x2(None, x, {"relu": relu})
+            got = grouped_max_pool2x2(x, relu=relu)
         ref = F.max_pool2d(F.relu(x) if relu else x, 2)
         assert torch.equal(got.isnan(), ref.isnan())
         assert torch.equal(got.nan_to_num(), ref.nan_to_num())
@@ -105,6 +105,7 @@ def test_fused_with_the_batch_norm_kernel_everywhere_equals_separate(optimizer, 
     fused = run(unit)
     assert unit.member.engine == "grouped kernels"
     assert {s[1] for s in used} == {4 * 8, 4 * 16}  # both BatchNorms (the first one with its ReLU)
-    assert any(info.get("relu") for kind, _, _, info in unit.member._program.steps if kind == "bn")
+    assert any(n.target is _grouped.grouped_batch_norm and n.kwargs["relu"]
+               for n in unit.member._program.module.graph.nodes)
     tol = TOL if dtype == torch.float32 else 1e-9
     assert_close_runs(run(SeparateUnit(make_jobs(samples, build), ev)), fused, tol, weight_tol=2e-3 if tol == TOL else 1e-9)

@@ -23,8 +23,8 @@ from ..units import ExecutionUnit, Job, UnitResult
 from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._errors import NonFiniteLoss
 from ..evaluators._supervised import BatchSource, SupervisedEvaluator, align_output
-from ._grouped import _PackedProgram, _Unsupported
-from ._stacked import _DROPOUTS, _ForwardState, _MaskDropout, _dropout_names, _dropout_ps, _first_line, _forward_state, _keep_freed_memory, _skeleton
+from ._grouped import GroupedProgram, _Unsupported
+from ._stacked import _DROPOUTS, _ForwardState, _MaskDropout, _dropout_names, _dropout_ps, _forward_state, _keep_freed_memory, _skeleton
 from ._settings import BatchingSettings, Settings
 from ._variants import order_by_variant, runs, sites, variant
 from ._vector_optim import _VectorOptimizer, _resolved_momentum
@@ -100,12 +100,12 @@ class BatchedMember:
         self._dropout_dims = {n: _DROPOUTS[type(m)] for n, m in first.named_modules() if type(m) in _DROPOUTS}
         self._mask_shapes: dict[tuple[Any, ...], tuple[int, ...]] = {}
         self._scales: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._program: _PackedProgram | None = None
+        self._program: GroupedProgram | None = None
         self._program_checked = False
         self.why_vmap = "" if settings.packed else "settings.packed is False"
         if settings.packed:
             try:
-                self._program = _PackedProgram(copy.deepcopy(first).to("meta"), channels_last=settings.channels_last,
+                self._program = GroupedProgram(copy.deepcopy(first).to("meta"), channels_last=settings.channels_last,
                                                mixed=self._mixed_sites)
             except _Unsupported as err:
                 self.why_vmap = str(err)
@@ -345,7 +345,7 @@ class BatchedMember:
                 try:
                     got = self._program.run(self, x, training=False)
                 except Exception as err:
-                    self.why_vmap, self._program = _first_line(err), None
+                    self.why_vmap, self._program = self._program.describe_error(err), None
                     return
                 if got.shape != reference.shape or not torch.allclose(got, reference, rtol=1e-4, atol=1e-5):
                     self.why_vmap, self._program = "the grouped program disagreed with vmap", None

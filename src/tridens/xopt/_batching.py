@@ -12,7 +12,7 @@ broadcast over the model dimension, and the optimizer step (SGD, Adam, AdamW, RM
 
 Two engines run the stacked forward (``BatchedMember.engine`` says which; the unit's log line too):
 
-* **grouped kernels** (default where it applies, :class:`_PackedProgram`): for models whose fx
+* **grouped kernels** (default where it applies, :class:`~._grouped.GroupedProgram`, an fx pass): for models whose fx
   graph is a chain (with adds) of Conv1d/2d, Linear, BatchNorm1d/2d, pooling, activations,
   Flatten and dropout, the K models run without vmap on packed tensors: ``(B, K*C, H, W)`` for
   feature maps (the first convolution as ONE convolution with K*O outputs on the shared input,

@@ -2,17 +2,26 @@
 
 ``(B, K*C, H, W)`` feature maps (the first convolution as ONE convolution with K*O outputs on the
 shared input, later ones as grouped convolutions, BatchNorm over K*C channels) and ``(K, B, F)``
-after Flatten (Linear as one ``baddbmm``). Built as an fx interpretation of the model's graph and
-used only after it reproduced the vmapped forward; 2x2 max-pools run as :class:`_MaxPool2x2`.
+after Flatten (Linear as one ``baddbmm``). Built as an fx pass: :class:`_Grouping`, a
+``torch.fx.Transformer``, rewrites the model's traced graph node by node into a ``GraphModule`` of
+grouped ops (one handler function per op kind, chosen from a rule table by module class, each node's
+layout in ``node.meta["layout"]``); then fx rewrites fold a ReLU into the 2x2 max-pool or the
+BatchNorm it feeds, and the graph is linted. The program prints as code, a node it cannot cover
+is named in the error (and the unit uses vmap), and it is used only after it reproduced the
+vmapped forward; 2x2 max-pools run as :class:`_MaxPool2x2`.
 """
 
 from __future__ import annotations
 
 
+import linecache
+import operator
+import traceback
 import warnings
-from typing import TYPE_CHECKING, Any, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -88,14 +97,305 @@ class _MaxPool2x2(torch.autograd.Function):
         return pairs.view(b, c, h, 2 * half), None
 
 
-def _is_pool2x2(kind: str, node: Any, info: Mapping[str, Any]) -> bool:
+# -- the grouped ops: one handler per op kind, called by the generated program ----------------------------
+class GroupedRun:
+    """What one call of a grouped program needs besides its input: the member (stacked parameters,
+    buffers, dropout streams, activation variants), K, train/eval mode and the memory format."""
+
+    __slots__ = ("member", "params", "buffers", "k", "training", "channels_last")
+
+    def __init__(self, member: "BatchedMember", training: bool, channels_last: bool):
+        self.member = member
+        self.params: Mapping[str, torch.Tensor] = member.params
+        self.buffers: Mapping[str, torch.Tensor] = member.buffers
+        self.k = len(member.ids)
+        self.training = training
+        self.channels_last = channels_last
+
+
+def grouped_input(x: torch.Tensor, run: GroupedRun) -> torch.Tensor:
+    """The shared input, channels-last for a model with 2-d convolutions run so (pooling,
+    BatchNorm and grouped convolutions over K*C channels run several times faster on CPU)."""
+    if run.channels_last and x.dim() == 4:
+        return x.contiguous(memory_format=torch.channels_last)
+    return x
+
+
+def grouped_conv(v: torch.Tensor, run: GroupedRun, *, name: str, dims: int, in_channels: int, stride: Any,
+                 padding: Any, dilation: Any, groups: int) -> torch.Tensor:
+    """Conv1d/2d of K models: on the shared input ONE convolution with K*O outputs, on packed
+    ``(B, K*C, ...)`` maps one convolution with ``K * groups`` groups."""
+    k = run.k
+    w = run.params[f"{name}.weight"]
+    w = w.reshape(k * w.shape[1], *w.shape[2:])
+    b = run.params.get(f"{name}.bias")
+    b = None if b is None else b.reshape(-1)
+    shared = v.shape[1] == in_channels and v.dim() == w.dim()
+    if not shared and v.shape[1] != k * in_channels:
+        raise ValueError(f"{name}: {v.shape[1]} input channels, expected {in_channels} or {k * in_channels}")
+    last = dims == 2 and run.channels_last
+    if last:  # a channels-last weight gives a channels-last output
+        w = w.contiguous(memory_format=torch.channels_last)
+    fn = F.conv2d if dims == 2 else F.conv1d
+    out = fn(v, w, b, stride, padding, dilation, groups if shared else k * groups)
+    if last:  # (a 1-channel input does not say its format)
+        out = out.contiguous(memory_format=torch.channels_last)
+    return out
+
+
+def grouped_linear(v: torch.Tensor, run: GroupedRun, *, name: str, src: str) -> torch.Tensor:
+    """Linear of K models: on a shared ``(B, F)`` input one matmul with K*O outputs, on ``(K, B, F)``
+    one batched matmul. Outputs are ``(K, B, O)`` views of contiguous ``(K, O, B)`` tensors:
+    activations and dropout then run on contiguous memory, the next Linear is a plain bmm and a
+    classifier's cross entropy runs over the class dim of ``(K, C, B)`` (vectorized along B)."""
+    k = run.k
+    w, b = run.params[f"{name}.weight"], run.params.get(f"{name}.bias")
+    if v.dim() == 2 and src == "S":
+        wf = w.reshape(-1, w.shape[-1])
+        out = torch.mm(wf, v.t()) if b is None else torch.addmm(b.reshape(-1, 1), wf, v.t())
+        return out.view(k, w.shape[1], v.shape[0]).transpose(1, 2)
+    if v.dim() == 3 and v.shape[0] == k:
+        vt = v.transpose(1, 2)
+        out = torch.bmm(w, vt) if b is None else torch.baddbmm(b.unsqueeze(2), w, vt)
+        return out.transpose(1, 2)
+    raise ValueError(f"{name}: Linear on a {v.dim()}-d input")
+
+
+def grouped_batch_norm(v: torch.Tensor, run: GroupedRun, *, name: str, src: str, momentum: float | None,
+                       eps: float, track_running_stats: bool, relu: bool = False) -> torch.Tensor:
+    """BatchNorm1d/2d of K models over K*C channels (the stacked running statistics as views);
+    ``relu``: a ReLU after it folded in (:func:`fuse_bn_relu`)."""
+    params, buffers, k, training = run.params, run.buffers, run.k, run.training
+    weight, bias = params.get(f"{name}.weight"), params.get(f"{name}.bias")
+    mean, var = buffers.get(f"{name}.running_mean"), buffers.get(f"{name}.running_var")
+    tracked = buffers.get(f"{name}.num_batches_tracked")
+    factor = 0.0 if momentum is None else momentum
+    if training and track_running_stats and tracked is not None:
+        tracked.add_(1)
+        if momentum is None:
+            factor = 1.0 / float(tracked[0])
+    use_batch = training or (mean is None and var is None)
+    model_major = src == "M"
+    if model_major and v.dim() != 3:
+        raise ValueError(f"{name}: BatchNorm on a {v.dim() - 1}-d per-model input")
+    if use_batch and not model_major and batch_norm_supported(v) and batch_norm_pays(v):
+        # the native NCHW kernel is per-element bound on packed small maps: ~2.5x slower forward
+        return BatchNormTrain.apply(v, None if weight is None else weight.reshape(-1),
+                                    None if bias is None else bias.reshape(-1),
+                                    None if mean is None or not training else mean.view(-1),
+                                    None if var is None or not training else var.view(-1), factor, eps, relu)
+    x = v.transpose(0, 1).reshape(v.shape[1], -1) if model_major else v
+    out = F.batch_norm(x, None if mean is None else mean.view(-1), None if var is None else var.view(-1),
+                       None if weight is None else weight.reshape(-1), None if bias is None else bias.reshape(-1),
+                       use_batch, factor, eps)
+    if model_major:
+        out = out.view(v.shape[1], k, -1).transpose(0, 1)
+    return F.relu(out) if relu else out  # (eval mode with running statistics, CUDA: native kernels)
+
+
+def grouped_max_pool2x2(v: torch.Tensor, *, relu: bool = False) -> torch.Tensor:
+    """``max_pool2d(x, 2)`` (after a ReLU folded in: :func:`fuse_pool_relu`) of packed maps, as
+    :class:`_MaxPool2x2` on contiguous maps of even size, else as torch's kernel."""
+    if v.dim() == 4 and v.shape[-1] % 2 == 0 and v.shape[-2] % 2 == 0 and v.is_contiguous():
+        if torch.is_grad_enabled() and v.requires_grad:
+            return _MaxPool2x2.apply(v, relu)
+        # validation: the same maxima without the gradient-routing masks (a third of the passes)
+        b, c, h, w = v.shape
+        pairs = v.view(b, c, h, w // 2, 2)
+        rows = torch.maximum(pairs[..., 0], pairs[..., 1]).view(b, c, h // 2, 2, w // 2)
+        out = torch.maximum(rows[:, :, :, 0], rows[:, :, :, 1])
+        return out.clamp_min_(0) if relu else out
+    return F.max_pool2d(F.relu(v) if relu else v, 2)  # odd sizes, channels-last
+
+
+def grouped_flatten(v: torch.Tensor, run: GroupedRun, *, src: str) -> torch.Tensor:
+    """``flatten(1)``: shared stays shared; packed maps become model-major ``(K, B, F)``."""
+    if src == "S":
+        return v.flatten(1)
+    if src == "M":
+        return v.flatten(2)
+    return v.reshape(v.shape[0], run.k, -1).transpose(0, 1)
+
+
+def grouped_dropout(v: torch.Tensor, run: GroupedRun, *, name: str, src: str) -> torch.Tensor:
+    """Dropout with masks drawn per model from each trial's own stream (training only)."""
+    return run.member._packed_dropout(v, name, src) if run.training else v
+
+
+def grouped_mixed(v: torch.Tensor, run: GroupedRun, *, name: str, src: str) -> torch.Tensor:
+    """Each run of rows' own activation at site ``name`` (:mod:`._variants`) on its slice of ``v``:
+    "M" ``(K, B, F)`` along the model dim (kept a view of a ``(K, F, B)`` tensor where ``v`` is
+    one, as Linear makes them), "C" ``(B, K*C, ...)`` in blocks of C channels."""
+    runs = run.member.site_runs(name)
+    if len(runs) == 1:
+        return runs[0][2](v)
+    # one split, not a slice per run: its backward is one concatenation, where each slice's
+    # backward writes its gradient into zeros of the whole input
+    if src == "M":
+        transposed = v.transpose(1, 2).is_contiguous()
+        rows = v.split([end - start for start, end, _ in runs])
+        parts = [m(part) for part, (_, _, m) in zip(rows, runs)]
+        if transposed:
+            return torch.cat([part.transpose(1, 2) for part in parts]).transpose(1, 2)
+        return torch.cat(parts)
+    c = v.shape[1] // run.k
+    blocks = v.split([(end - start) * c for start, end, _ in runs], dim=1)
+    return torch.cat([m(part) for part, (_, _, m) in zip(blocks, runs)], dim=1)
+
+
+# -- building the program: an fx Transformer of the model's graph -----------------------------------------
+_Rule = Callable[["_Grouping", fx.Node, Any, nn.Module | None], tuple[Any, str]]
+
+
+def _flatten_args(node: fx.Node) -> bool:
+    return tuple(node.args[1:]) in ((1,), (1, -1)) and not node.kwargs
+
+
+class _Grouping(fx.Transformer):
+    """The model's graph rewritten over K models: each node becomes the grouped op of its layout
+    (``node.meta["layout"]``: "S" shared, "C" channel-packed, "M" model-major), from the rule
+    table :data:`_MODULE_RULES`; a node no rule covers raises :class:`_Unsupported` naming it."""
+
+    def __init__(self, traced: fx.GraphModule, mixed: Collection[str]):
+        super().__init__(traced)
+        self.mixed = mixed
+        self.modules = dict(traced.named_modules())
+        self.run_arg: fx.Proxy | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op == "output":
+            return super().run_node(n)
+        inputs = [a for a in n.args if isinstance(a, fx.Node)]
+        if any(isinstance(v, fx.Node) for v in n.kwargs.values()) or any(
+                isinstance(a, (list, tuple)) and any(isinstance(b, fx.Node) for b in a) for a in n.args):
+            raise _Unsupported(f"node {n.name}: nested inputs")
+        if n.op == "placeholder":
+            if self.run_arg is not None:
+                raise _Unsupported("more than one input")
+            x = super().run_node(n)
+            self.run_arg = self.tracer.create_proxy("placeholder", "run", (), {})
+            out = self.tracer.create_proxy("call_function", grouped_input, (x, self.run_arg), {})
+            return self._laid(out, "S")
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        layouts = [self.layout(a) for a in args if isinstance(a, fx.Proxy)]
+        if n.target in (operator.add, torch.add, "add") and n.op in ("call_function", "call_method"):
+            if len(inputs) != 2 or len(n.args) != 2 or layouts[0] != layouts[1] or n.kwargs:
+                raise _Unsupported(f"node {n.name}: add of differently laid-out values")
+            return self._laid(self.tracer.create_proxy("call_function", operator.add, tuple(args), {}, name=n.name),
+                              layouts[0])
+        if len(inputs) != 1 or n.args[0] is not inputs[0]:
+            raise _Unsupported(f"node {n.name}: not a chain of single-input ops")
+        v, src = args[0], layouts[0]
+        if n.op == "call_module" and str(n.target) in self.mixed:
+            if src not in "CM":
+                raise _Unsupported(f"module {n.target}: activations differ on the shared input")
+            return self._call(grouped_mixed, v, src, node=n, name=str(n.target), src=src)
+        if n.op == "call_module":
+            m = self.modules[str(n.target)]
+            rule = _MODULE_RULES.get(type(m))
+            if rule is None:
+                raise _Unsupported(f"node {n.name}: module {n.target} ({type(m).__name__})")
+            proxy, layout = rule(self, n, v, m)
+            return self._laid(proxy, layout)
+        if n.op == "call_function" and n.target in _ELEMENTWISE_FUNCTIONS or \
+                n.op == "call_function" and n.target in _POOL_FUNCTIONS and src in "SC" or \
+                n.op == "call_method" and n.target in _ELEMENTWISE_METHODS:
+            if n.op == "call_function" and n.target is F.max_pool2d and src == "C" and _is_pool2x2(n, None):
+                return self._call(grouped_max_pool2x2, v, src, node=n)
+            return self._laid(self.tracer.create_proxy(n.op, n.target, tuple(args), dict(kwargs), name=n.name), src)
+        if (n.op, n.target) in (("call_function", torch.flatten), ("call_method", "flatten")) and _flatten_args(n):
+            return self._call(grouped_flatten, v, "S" if src == "S" else "M", node=n, src=src)
+        raise _Unsupported(f"node {n.name}: {n.op} {getattr(n.target, '__name__', n.target)}")
+
+    def layout(self, value: Any) -> str:
+        return str(value.node.meta["layout"])
+
+    def _laid(self, proxy: fx.Proxy, layout: str) -> fx.Proxy:
+        proxy.node.meta["layout"] = layout
+        return proxy
+
+    def _call(self, handler: Callable[..., torch.Tensor], v: fx.Proxy, layout: str, *, node: fx.Node,
+              **kwargs: Any) -> fx.Proxy:
+        """A node named as ``node`` calling ``handler(v, run, **kwargs)`` (without ``run`` if it takes none)."""
+        takes_run = handler is not grouped_max_pool2x2
+        args = (v, self.run_arg) if takes_run else (v,)
+        return self._laid(self.tracer.create_proxy("call_function", handler, args, kwargs, name=node.name), layout)
+
+    def apply_module(self, n: fx.Node, v: fx.Proxy, src: str) -> fx.Proxy:
+        """The module itself (activations, pooling: no parameters) on the value as laid out."""
+        return self._laid(self.tracer.create_proxy("call_module", n.target, (v,), {}, name=n.name), src)
+
+
+def _conv_rule(g: _Grouping, n: fx.Node, v: Any, m: nn.Module | None) -> tuple[Any, str]:
+    src = g.layout(v)
+    if not isinstance(m, (nn.Conv1d, nn.Conv2d)) or m.padding_mode != "zeros" or src not in "SC":
+        raise _Unsupported(f"node {n.name}: module {n.target} ({type(m).__name__}) on a per-model input")
+    dims = 2 if isinstance(m, nn.Conv2d) else 1
+    return g._call(grouped_conv, v, "C", node=n, name=str(n.target), dims=dims, in_channels=m.in_channels,
+                   stride=m.stride, padding=m.padding, dilation=m.dilation, groups=m.groups), "C"
+
+
+def _linear_rule(g: _Grouping, n: fx.Node, v: Any, m: nn.Module | None) -> tuple[Any, str]:
+    src = g.layout(v)
+    if src not in "SM":
+        raise _Unsupported(f"node {n.name}: module {n.target} (Linear) on packed maps")
+    return g._call(grouped_linear, v, "M", node=n, name=str(n.target), src=src), "M"
+
+
+def _batch_norm_rule(g: _Grouping, n: fx.Node, v: Any, m: nn.Module | None) -> tuple[Any, str]:
+    src = g.layout(v)
+    assert isinstance(m, nn.modules.batchnorm._BatchNorm)
+    if src not in "CM":
+        raise _Unsupported(f"node {n.name}: module {n.target} ({type(m).__name__}) on a shared input")
+    return g._call(grouped_batch_norm, v, src, node=n, name=str(n.target), src=src, momentum=m.momentum, eps=m.eps,
+                   track_running_stats=m.track_running_stats), src
+
+
+def _elementwise_rule(g: _Grouping, n: fx.Node, v: Any, m: nn.Module | None) -> tuple[Any, str]:
+    src = g.layout(v)
+    return g.apply_module(n, v, src), src
+
+
+def _pool_rule(g: _Grouping, n: fx.Node, v: Any, m: nn.Module | None) -> tuple[Any, str]:
+    src = g.layout(v)
+    if src not in "SC":
+        raise _Unsupported(f"node {n.name}: module {n.target} ({type(m).__name__}) on a per-model input")
+    if src == "C" and _is_pool2x2(n, m):
+        return g._call(grouped_max_pool2x2, v, src, node=n), src
+    return g.apply_module(n, v, src), src
+
+
+def _flatten_rule(g: _Grouping, n: fx.Node, v: Any, m: nn.Module | None) -> tuple[Any, str]:
+    assert isinstance(m, nn.Flatten)
+    if m.start_dim != 1 or m.end_dim != -1:
+        raise _Unsupported(f"node {n.name}: Flatten({m.start_dim}, {m.end_dim})")
+    src = g.layout(v)
+    return g._call(grouped_flatten, v, "S" if src == "S" else "M", node=n, src=src), "S" if src == "S" else "M"
+
+
+def _dropout_rule(g: _Grouping, n: fx.Node, v: Any, m: nn.Module | None) -> tuple[Any, str]:
+    src = g.layout(v)
+    if src not in "CM":
+        raise _Unsupported(f"node {n.name}: module {n.target} ({type(m).__name__}) on a shared input")
+    return g._call(grouped_dropout, v, src, node=n, name=str(n.target), src=src), src
+
+
+# module class -> how the grouped program runs it (new layers: a rule and a handler here)
+_MODULE_RULES: dict[type, _Rule] = {
+    nn.Conv1d: _conv_rule, nn.Conv2d: _conv_rule, nn.Linear: _linear_rule,
+    nn.BatchNorm1d: _batch_norm_rule, nn.BatchNorm2d: _batch_norm_rule, nn.Flatten: _flatten_rule,
+    **{t: _elementwise_rule for t in _ELEMENTWISE_MODULES}, **{t: _pool_rule for t in _POOL_MODULES},
+    **{t: _dropout_rule for t in _DROPOUTS},
+}
+
+
+def _is_pool2x2(node: fx.Node, m: nn.Module | None) -> bool:
     """A 2x2, stride-2 max-pool without padding, dilation, ceil mode or indices."""
-    if kind == "apply":
-        m = info["module"]
+    if m is not None:
         if type(m) is not nn.MaxPool2d:
             return False
         k, s, p, d, ceil, idx = m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode, m.return_indices
-    elif kind == "call" and info["fn"] is F.max_pool2d:
+    else:
         names = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
         given = dict(zip(names, node.args[1:]), **node.kwargs)
         if set(given) - set(names):
@@ -105,281 +405,124 @@ def _is_pool2x2(kind: str, node: Any, info: Mapping[str, Any]) -> bool:
         s = k if s is None or s == [] else s
         p = 0 if p is None else p
         d = 1 if d is None else d
-    else:
-        return False
     pair = lambda v: tuple(v) if isinstance(v, (tuple, list)) else (v, v)  # noqa: E731
     return pair(k) == (2, 2) and pair(s) == (2, 2) and pair(p) == (0, 0) and pair(d) == (1, 1) and \
         not ceil and not idx
 
 
-def _is_relu(kind: str, node: Any, info: Mapping[str, Any]) -> bool:
-    if kind == "apply":
-        return type(info["module"]) is nn.ReLU
-    if kind == "call":
-        return info["fn"] in (torch.relu, F.relu) and len(node.args) == 1
-    return kind == "method" and node.target == "relu" and len(node.args) == 1 and not node.kwargs
+# -- rewrites of the grouped graph ------------------------------------------------------------------------
+def _is_relu(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op == "call_module":
+        return type(gm.get_submodule(str(node.target))) is nn.ReLU
+    if node.op == "call_function":
+        return node.target in (torch.relu, F.relu) and len(node.args) == 1 and \
+            not node.kwargs.get("inplace", False) and set(node.kwargs) <= {"inplace"}
+    return node.op == "call_method" and node.target == "relu" and len(node.args) == 1 and not node.kwargs
 
 
-class _PackedProgram:
-    """The model's forward over the K stacked models without vmap, for chains (and adds) of common
+def fuse_pool_relu(gm: fx.GraphModule) -> int:
+    """A ReLU of packed maps whose only user is a 2x2 max-pool runs inside the pool
+    (:func:`grouped_max_pool2x2` ``relu=True``: ReLU on a quarter of the elements; exact, since
+    max commutes with ReLU). Returns the number of rewrites."""
+    done = 0
+    for node in list(gm.graph.nodes):
+        if node.target is not grouped_max_pool2x2 or node.kwargs.get("relu"):
+            continue
+        before = node.args[0]
+        if isinstance(before, fx.Node) and len(before.users) == 1 and before.meta.get("layout") == "C" \
+                and _is_relu(gm, before):
+            node.args = (before.args[0],)
+            node.kwargs = {**node.kwargs, "relu": True}
+            gm.graph.erase_node(before)
+            done += 1
+    return done
+
+
+def fuse_bn_relu(gm: fx.GraphModule) -> int:
+    """A ReLU right after a BatchNorm of packed maps (its only user) runs inside it
+    (:class:`~tridens.xopt._kernels.BatchNormTrain`: in place on its output, no extra map).
+    Returns the number of rewrites."""
+    done = 0
+    for node in list(gm.graph.nodes):
+        if node.target is not grouped_batch_norm or node.kwargs.get("src") != "C" or len(node.users) != 1:
+            continue
+        after = next(iter(node.users))
+        if after.args == (node,) and _is_relu(gm, after):
+            node.kwargs = {**node.kwargs, "relu": True}
+            after.replace_all_uses_with(node)
+            gm.graph.erase_node(after)
+            done += 1
+    return done
+
+
+class GroupedProgram:
+    """The model's forward over K stacked models without vmap, for chains (and adds) of common
     layers: Conv1d/2d, Linear, BatchNorm1d/2d, pooling, activations, Flatten, dropout (masks drawn
-    per model in call order, as separate training draws them). Built from the model's fx graph;
-    anything else raises :class:`_Unsupported` and the unit uses vmap. ``channels_last``: run 2-d
-    maps channels-last (``BatchingSettings.channels_last``). ``mixed``: the activation sites where
-    the models' activations differ (:mod:`._variants`): each run of rows applies its own there."""
+    per model in call order, as separate training draws them). ``module`` is a
+    :class:`torch.fx.GraphModule` of grouped ops (:func:`grouped_conv`, :func:`grouped_batch_norm`,
+    ...) called as ``module(x, run)``; print it to read the program. Anything the rules do not
+    cover raises :class:`_Unsupported` naming the node, and the unit uses vmap. ``channels_last``:
+    2-d maps run channels-last (``BatchingSettings.channels_last``). ``mixed``: the activation
+    sites where the models' activations differ (:mod:`._variants`).
+
+    >>> import torch.nn as nn
+    >>> program = GroupedProgram(nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.MaxPool2d(2),
+    ...                                        nn.Flatten(), nn.Linear(4, 2)))
+    >>> [n.target.__name__ for n in program.module.graph.nodes if n.op == "call_function"]
+    ['grouped_input', 'grouped_conv', 'grouped_max_pool2x2', 'grouped_flatten', 'grouped_linear']
+    """
 
     def __init__(self, model: nn.Module, *, channels_last: bool = False, mixed: Collection[str] = ()):
-        import operator
-
-        import torch.fx as fx
-
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                graph = fx.symbolic_trace(model).graph
+                traced = fx.symbolic_trace(model)
         except Exception as err:
             raise _Unsupported(f"fx: {_first_line(err)}") from err
-        modules = dict(model.named_modules())
-        self.channels_last = channels_last
-        self.conv2d = False
-        self.steps: list[tuple[str, Any, list[Any], dict[str, Any]]] = []
-        layout: dict[fx.Node, str] = {}
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        if len(placeholders) != 1:
-            raise _Unsupported("more than one input")
-        for node in graph.nodes:
-            inputs = [a for a in node.args if isinstance(a, fx.Node)]
-            if any(isinstance(v, fx.Node) for v in node.kwargs.values()) or any(
-                    isinstance(a, (list, tuple)) and any(isinstance(b, fx.Node) for b in a) for a in node.args):
-                raise _Unsupported(f"node {node.name}: nested inputs")
-            ins = [layout[a] for a in inputs]
-            if node.op == "placeholder":
-                layout[node] = "S"
-                self.steps.append(("input", node, [], {}))
-                continue
-            if node.op == "output":
-                if ins != ["M"]:
-                    raise _Unsupported("the output is not a (batch, features) tensor per model")
-                self.steps.append(("output", node, inputs, {}))
-                continue
-            if node.op in ("call_function", "call_method") and node.target in (operator.add, torch.add, "add"):
-                if len(inputs) != 2 or len(node.args) != 2 or ins[0] != ins[1] or node.kwargs:
-                    raise _Unsupported(f"node {node.name}: add of differently laid-out values")
-                layout[node] = ins[0]
-                self.steps.append(("add", node, inputs, {}))
-                continue
-            if len(inputs) != 1 or node.args[0] is not inputs[0]:
-                raise _Unsupported(f"node {node.name}: not a chain of single-input ops")
-            src = ins[0]
-            if node.op == "call_module" and str(node.target) in mixed:
-                if src not in "CM":
-                    raise _Unsupported(f"module {node.target}: activations differ on the shared input")
-                layout[node] = src
-                self.steps.append(("mixed", node, inputs, {"name": str(node.target), "src": src}))
-            elif node.op == "call_module":
-                m = modules[str(node.target)]
-                kind, out = self._module(m, src, str(node.target))
-                layout[node] = out
-                self.steps.append((kind, node, inputs, {"module": m, "name": str(node.target), "src": src}))
-            elif node.op == "call_function" and node.target in _ELEMENTWISE_FUNCTIONS:
-                layout[node] = src
-                self.steps.append(("call", node, inputs, {"fn": node.target, "src": src}))
-            elif node.op == "call_function" and node.target in _POOL_FUNCTIONS and src in "SC":
-                layout[node] = src
-                self.steps.append(("call", node, inputs, {"fn": node.target, "src": src}))
-            elif node.op == "call_method" and node.target in _ELEMENTWISE_METHODS:
-                layout[node] = src
-                self.steps.append(("method", node, inputs, {"src": src}))
-            elif (node.op, node.target) in (("call_function", torch.flatten), ("call_method", "flatten")) and \
-                    tuple(node.args[1:]) in ((1,), (1, -1)) and not node.kwargs:
-                layout[node] = "S" if src == "S" else "M"
-                self.steps.append(("flatten", node, inputs, {"src": src}))
-            else:
-                raise _Unsupported(f"node {node.name}: {node.op} {getattr(node.target, '__name__', node.target)}")
-        self._fuse_pooling()
-        self._fuse_bn_relu()
+        grouping = _Grouping(traced, mixed)
+        try:
+            module = grouping.transform()
+        except _Unsupported as err:  # (fx added "While executing <node>" below the first line)
+            raise _Unsupported(_first_line(err)) from err
+        out = [n for n in module.graph.nodes if n.op == "output"][0]
+        if not isinstance(out.args[0], fx.Node) or out.args[0].meta.get("layout") != "M":
+            raise _Unsupported("the output is not a (batch, features) tensor per model")
+        fuse_pool_relu(module)
+        fuse_bn_relu(module)
+        module.graph.eliminate_dead_code()
+        module.graph.lint()
+        module.recompile()
+        self.module = module
+        self.channels_last = channels_last and any(
+            n.target is grouped_conv and n.kwargs["dims"] == 2 for n in module.graph.nodes)
 
-    def _fuse_pooling(self) -> None:
-        """2x2 max-pools on per-model maps run as :class:`_MaxPool2x2`, taking over a ReLU right
-        before them when the pool is its only user (ReLU then runs on a quarter of the elements)."""
-        for i, (kind, node, inputs, info) in enumerate(self.steps):
-            if info.get("src") != "C" or not _is_pool2x2(kind, node, info):
-                continue
-            relu = False
-            if i and self.steps[i - 1][1] is inputs[0] and len(inputs[0].users) == 1:
-                before, before_node, before_inputs, before_info = self.steps[i - 1]
-                if _is_relu(before, before_node, before_info) and before_info.get("src") == "C":
-                    self.steps[i - 1] = ("alias", before_node, before_inputs, {})
-                    relu = True
-            self.steps[i] = ("pool2x2", node, inputs, {"relu": relu, "fallback": (kind, info)})
+    def __str__(self) -> str:
+        return str(self.module.graph)
 
-    def _fuse_bn_relu(self) -> None:
-        """A ReLU right after a BatchNorm of per-model maps (its only user) runs inside it
-        (:class:`~tridens.xopt._kernels.BatchNormTrain`: in place on its output, no extra map)."""
-        for i, (kind, node, inputs, info) in enumerate(self.steps):
-            if kind != "bn" or info["src"] != "C" or len(node.users) != 1 or i + 1 == len(self.steps):
-                continue
-            after, after_node, after_inputs, after_info = self.steps[i + 1]
-            if after_inputs == [node] and _is_relu(after, after_node, after_info):
-                self.steps[i + 1] = ("alias", after_node, after_inputs, {})
-                info["relu"] = True
+    def run(self, member: "BatchedMember", x: torch.Tensor, training: bool,
+            channels_last: bool | None = None) -> torch.Tensor:
+        """The K models' outputs ``(K, B, ...)`` on the shared input ``x``. An error names the
+        node that raised it ("While executing %conv1 : ...", a note on the exception)."""
+        run = GroupedRun(member, training, self.channels_last if channels_last is None else channels_last)
+        try:
+            return self.module(x, run)  # type: ignore[no-any-return]
+        except Exception as err:
+            node = self.failed_node(err)
+            if node is not None:
+                err.add_note(f"While executing {node.format_node()}")
+            raise
 
-    def _module(self, m: nn.Module, src: str, name: str) -> tuple[str, str]:
-        t = type(m)
-        if t in (nn.Conv1d, nn.Conv2d) and m.padding_mode == "zeros" and src in "SC":
-            self.conv2d = self.conv2d or t is nn.Conv2d
-            return "conv", "C"
-        if t is nn.Linear and src in "SM":
-            return "linear", "M"
-        if t in (nn.BatchNorm1d, nn.BatchNorm2d) and src in "CM":
-            return "bn", src
-        if t in _ELEMENTWISE_MODULES:
-            return "apply", src
-        if t in _POOL_MODULES and src in "SC":
-            return "apply", src
-        if t is nn.Flatten and m.start_dim == 1 and m.end_dim == -1:
-            return "flatten", "S" if src == "S" else "M"
-        if t in _DROPOUTS and src in "CM":
-            return "dropout", src
-        raise _Unsupported(f"module {name} ({t.__name__}) on a {'shared' if src == 'S' else 'per-model'} input")
+    def failed_node(self, err: BaseException) -> fx.Node | None:
+        """The node of the generated forward where ``err`` was raised (None if not in it)."""
+        filename = type(self.module).forward.__code__.co_filename
+        found: fx.Node | None = None
+        for frame, lineno in traceback.walk_tb(err.__traceback__):
+            if frame.f_code.co_filename == filename:
+                target = linecache.getline(filename, lineno).split("=", 1)[0].strip()
+                found = next((n for n in self.module.graph.nodes if n.name == target), None) or found
+        return found
 
-    def run(self, member: "BatchedMember", x: torch.Tensor, training: bool) -> torch.Tensor:
-        params, buffers, k = member.params, member.buffers, len(member.ids)
-        env: dict[Any, torch.Tensor] = {}
-        for kind, node, inputs, info in self.steps:
-            if kind == "input":
-                # channels-last: pooling, BatchNorm and grouped convolutions over K*C channels run
-                # several times faster on CPU than in NCHW
-                env[node] = x.contiguous(memory_format=torch.channels_last) if (
-                    self.conv2d and self.channels_last and x.dim() == 4) else x
-                continue
-            if kind == "output":
-                return env[inputs[0]]
-            if kind == "add":
-                env[node] = env[inputs[0]] + env[inputs[1]]
-                continue
-            if kind == "alias":  # a ReLU folded into the pooling after it
-                env[node] = env[inputs[0]]
-                continue
-            if kind == "pool2x2":
-                env[node] = self._pool2x2(node, env[inputs[0]], info)
-                continue
-            v = env[inputs[0]]
-            if kind == "conv":
-                m, name = info["module"], info["name"]
-                w = params[f"{name}.weight"]
-                w = w.reshape(k * w.shape[1], *w.shape[2:])
-                b = params.get(f"{name}.bias")
-                b = None if b is None else b.reshape(-1)
-                shared = v.shape[1] == m.in_channels and v.dim() == w.dim()
-                fn = F.conv1d if type(m) is nn.Conv1d else F.conv2d
-                if fn is F.conv2d and self.channels_last:  # a channels-last weight gives a channels-last output
-                    w = w.contiguous(memory_format=torch.channels_last)
-                groups = m.groups if shared else k * m.groups
-                if not shared and v.shape[1] != k * m.in_channels:
-                    raise _Unsupported(f"{name}: {v.shape[1]} input channels")
-                out = fn(v, w, b, m.stride, m.padding, m.dilation, groups)
-                if fn is F.conv2d and self.channels_last:  # (a 1-channel input does not say its format)
-                    out = out.contiguous(memory_format=torch.channels_last)
-                env[node] = out
-            elif kind == "linear":
-                name = info["name"]
-                w, b = params[f"{name}.weight"], params.get(f"{name}.bias")
-                # Outputs are (K, B, O) views of contiguous (K, O, B) tensors: activations and
-                # dropout then run on contiguous memory, the next Linear is a plain bmm and a
-                # classifier's cross entropy runs over the class dim of (K, C, B) (vectorized
-                # along B; over rows of 10 classes it is per-row bound), which roughly halves a
-                # fused MLP step (BENCHMARKS.md)
-                if v.dim() == 2 and info["src"] == "S":  # shared (B, F): one matmul with K*O outputs
-                    wf = w.reshape(-1, w.shape[-1])
-                    out = torch.mm(wf, v.t()) if b is None else torch.addmm(b.reshape(-1, 1), wf, v.t())
-                    env[node] = out.view(k, w.shape[1], v.shape[0]).transpose(1, 2)
-                elif v.dim() == 3 and v.shape[0] == k:
-                    vt = v.transpose(1, 2)
-                    out = torch.bmm(w, vt) if b is None else torch.baddbmm(b.unsqueeze(2), w, vt)
-                    env[node] = out.transpose(1, 2)
-                else:
-                    raise _Unsupported(f"{name}: Linear on a {v.dim()}-d input")
-            elif kind == "bn":
-                env[node] = self._batch_norm(info["module"], info["name"], v, params, buffers, k, training,
-                                             info["src"] == "M", info.get("relu", False))
-            elif kind == "apply":
-                env[node] = info["module"](v)
-            elif kind == "mixed":
-                env[node] = self._mixed(member.site_runs(info["name"]), v, info["src"], k)
-            elif kind == "call":
-                env[node] = info["fn"](v, *node.args[1:], **node.kwargs)
-            elif kind == "method":
-                env[node] = getattr(v, node.target)(*node.args[1:], **node.kwargs)
-            elif kind == "flatten":
-                src = info["src"]
-                env[node] = v.flatten(1) if src == "S" else v.flatten(2) if src == "M" else \
-                    v.reshape(v.shape[0], k, -1).transpose(0, 1)
-            elif kind == "dropout":
-                env[node] = member._packed_dropout(v, info["name"], info["src"]) if training else v
-        raise RuntimeError("the packed program has no output")  # pragma: no cover
-
-    @staticmethod
-    def _mixed(runs: Sequence[tuple[int, int, nn.Module]], v: torch.Tensor, src: str, k: int) -> torch.Tensor:
-        """Each run of rows' own activation on its slice of ``v``: "M" ``(K, B, F)`` along the
-        model dim (kept a view of a ``(K, F, B)`` tensor where ``v`` is one, as Linear makes them),
-        "C" ``(B, K*C, ...)`` in blocks of C channels."""
-        if len(runs) == 1:
-            return runs[0][2](v)
-        # one split, not a slice per run: its backward is one concatenation, where each slice's
-        # backward writes its gradient into zeros of the whole input
-        if src == "M":
-            transposed = v.transpose(1, 2).is_contiguous()
-            rows = v.split([end - start for start, end, _ in runs])
-            parts = [m(part) for part, (_, _, m) in zip(rows, runs)]
-            if transposed:
-                return torch.cat([part.transpose(1, 2) for part in parts]).transpose(1, 2)
-            return torch.cat(parts)
-        c = v.shape[1] // k
-        blocks = v.split([(end - start) * c for start, end, _ in runs], dim=1)
-        return torch.cat([m(part) for part, (_, _, m) in zip(blocks, runs)], dim=1)
-
-    @staticmethod
-    def _pool2x2(node: Any, v: torch.Tensor, info: Mapping[str, Any]) -> torch.Tensor:
-        if v.dim() == 4 and v.shape[-1] % 2 == 0 and v.shape[-2] % 2 == 0 and v.is_contiguous():
-            if torch.is_grad_enabled() and v.requires_grad:
-                return _MaxPool2x2.apply(v, info["relu"])
-            # validation: the same maxima without the gradient-routing masks (a third of the passes)
-            b, c, h, w = v.shape
-            pairs = v.view(b, c, h, w // 2, 2)
-            rows = torch.maximum(pairs[..., 0], pairs[..., 1]).view(b, c, h // 2, 2, w // 2)
-            out = torch.maximum(rows[:, :, :, 0], rows[:, :, :, 1])
-            return out.clamp_min_(0) if info["relu"] else out
-        kind, fallback = info["fallback"]  # odd sizes, channels-last: the module/function itself
-        if info["relu"]:
-            v = F.relu(v)
-        return fallback["module"](v) if kind == "apply" else fallback["fn"](v, *node.args[1:], **node.kwargs)
-
-    @staticmethod
-    def _batch_norm(m: nn.Module, name: str, v: torch.Tensor, params: Mapping[str, torch.Tensor],
-                    buffers: Mapping[str, torch.Tensor], k: int, training: bool, model_major: bool,
-                    relu: bool = False) -> torch.Tensor:
-        weight, bias = params.get(f"{name}.weight"), params.get(f"{name}.bias")
-        mean, var = buffers.get(f"{name}.running_mean"), buffers.get(f"{name}.running_var")
-        tracked = buffers.get(f"{name}.num_batches_tracked")
-        factor = 0.0 if m.momentum is None else m.momentum
-        if training and m.track_running_stats and tracked is not None:
-            tracked.add_(1)
-            if m.momentum is None:
-                factor = 1.0 / float(tracked[0])
-        use_batch = training or (mean is None and var is None)
-        if model_major and v.dim() != 3:
-            raise _Unsupported(f"{name}: BatchNorm on a {v.dim() - 1}-d per-model input")
-        if use_batch and not model_major and batch_norm_supported(v) and batch_norm_pays(v):
-            # the native NCHW kernel is per-element bound on packed small maps, slower forward
-            return BatchNormTrain.apply(v, None if weight is None else weight.reshape(-1),
-                                        None if bias is None else bias.reshape(-1),
-                                        None if mean is None or not training else mean.view(-1),
-                                        None if var is None or not training else var.view(-1), factor, m.eps, relu)
-        x = v.transpose(0, 1).reshape(v.shape[1], -1) if model_major else v
-        out = F.batch_norm(x, None if mean is None else mean.view(-1), None if var is None else var.view(-1),
-                           None if weight is None else weight.reshape(-1), None if bias is None else bias.reshape(-1),
-                           use_batch, factor, m.eps)
-        if model_major:
-            return out.view(v.shape[1], k, -1).transpose(0, 1)
-        return F.relu(out) if relu else out  # (eval mode with running statistics, CUDA: native kernels)
+    def describe_error(self, err: BaseException) -> str:
+        """One line: the node where ``err`` was raised and the error's first line."""
+        node = self.failed_node(err)
+        return f"{node.name}: {_first_line(err)}" if node is not None else _first_line(err)

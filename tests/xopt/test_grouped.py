@@ -1,0 +1,75 @@
+"""The grouped program as an fx pass: a printable, linted GraphModule of grouped ops whose
+errors name the node, with the ReLU fusions as graph rewrites."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tridens as td
+from tridens.units import SeparateUnit
+from tridens.xopt import _grouped
+from tridens.xopt._batching import BatchedUnit
+
+from .test_batching import SAMPLES, assert_close_runs, evaluator, make_jobs, run
+
+
+def bn_cnn(p: float) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(6, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(p),
+                         nn.Flatten(), nn.Linear(8 * 4 * 4, 10))
+
+
+def test_the_program_is_a_linted_graph_module_of_grouped_ops_with_relus_folded():
+    program = _grouped.GroupedProgram(bn_cnn(0.1))
+    graph = program.module.graph
+    graph.lint()
+    targets = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert targets == [_grouped.grouped_input, _grouped.grouped_conv, _grouped.grouped_batch_norm,
+                       _grouped.grouped_max_pool2x2, _grouped.grouped_conv, _grouped.grouped_batch_norm,
+                       _grouped.grouped_dropout, _grouped.grouped_flatten, _grouped.grouped_linear]
+    # both ReLUs are gone: the first into the pool it feeds, the second into its BatchNorm
+    assert not any(n.op == "call_module" for n in graph.nodes)
+    pool = next(n for n in graph.nodes if n.target is _grouped.grouped_max_pool2x2)
+    bns = [n for n in graph.nodes if n.target is _grouped.grouped_batch_norm]
+    assert pool.kwargs["relu"] and not bns[0].kwargs.get("relu") and bns[1].kwargs["relu"]
+    assert [n.meta["layout"] for n in graph.nodes if n.op == "call_function"] == list("SCCCCCCMM")
+    text = str(program)
+    assert "grouped_conv" in text and "%_0" in text  # node names are the model's
+    assert "def forward(self, input, run)" in program.module.code
+
+
+def test_an_op_without_a_rule_names_its_node():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(1, 4, 3)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(torch.cumsum(self.conv(x), 1).mean((2, 3)))
+
+    with pytest.raises(_grouped._Unsupported, match="node cumsum: call_function cumsum"):
+        _grouped.GroupedProgram(Odd())
+    with pytest.raises(_grouped._Unsupported, match=r"node _1: module 1 \(LSTM\)"):
+        _grouped.GroupedProgram(nn.Sequential(nn.Flatten(), nn.LSTM(4, 4)))
+
+
+def test_a_runtime_error_names_the_node_and_training_matches_separate():
+    """Digits through the program: an input with the wrong channel count fails in the node that
+    read it (a note "While executing %_4 ..."); real inputs train as separate models do."""
+    data = td.datasets.digits()
+    ev = evaluator(data, "sgd", epochs=1)
+    unit = BatchedUnit(make_jobs(SAMPLES, bn_cnn), ev)
+    fused = run(unit)
+    assert unit.member.engine == "grouped kernels"
+    assert_close_runs(run(SeparateUnit(make_jobs(SAMPLES, bn_cnn), ev)), fused, 1e-4)
+    member = BatchedUnit(make_jobs(SAMPLES, bn_cnn), ev).member
+    program = _grouped.GroupedProgram(bn_cnn(0.0))
+    x = data[0].tensors[0][:4]
+    assert program.run(member, x, training=False).shape == (4, 4, 10)
+    with pytest.raises(ValueError, match="0: 3 input channels, expected 1 or 4") as info:
+        program.run(member, x.expand(4, 3, 8, 8).contiguous(), training=False)
+    assert any(note.startswith("While executing %_0 : ") for note in info.value.__notes__)
+    assert program.describe_error(info.value) == "_0: ValueError: 0: 3 input channels, expected 1 or 4"
