@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TridensError", "InvalidSpace", "InvalidSample", "GraphError", "StoreError", "StorageFault"]
+__all__ = ["TridensError", "InvalidSpace", "InvalidSample", "GraphError", "StoreError", "StorageFault", "UnknownMetric"]
 
 
 class TridensError(Exception):
@@ -31,3 +31,10 @@ class StorageFault(StoreError):
     """The store's storage failed under a write: the disk (or a quota, or the file size limit) is
     full, the disk failed, or the store file was deleted or replaced while open. Nothing committed
     is lost; a run stops with this one line, and its running trials run again on the next run."""
+
+
+class UnknownMetric(TridensError, ValueError):
+    """An objective, second objective or constraint names a metric the evaluator never reports (or
+    a fact tridens does not measure). Raised before the run where the evaluator declares its
+    metrics, else at the first report, which then stops the run: it is the run's mistake, not
+    the trial's, so a user's loop catching ``Exception`` does not turn it into a failed trial."""

@@ -30,6 +30,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from ..errors import UnknownMetric
 from ..evaluators import Evaluator, StepwiseEvaluator, drive
 from ..trial import Decision, Fork
 from ..units import ExecutionUnit, Job, SeparateUnit
@@ -414,6 +415,8 @@ class InlineExecutor(Executor):
         except TrialTimeout:
             life.time_out("and was interrupted")
             return
+        except UnknownMetric:  # the run's objective names a metric the loop does not report: the run stops
+            raise
         except Exception as err:  # a user's loop may raise anything; the run continues
             life.fail(err)
             return

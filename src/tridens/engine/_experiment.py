@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, NoReturn, Sequence
 
 
-from ..errors import InvalidSpace, TridensError
+from ..errors import InvalidSpace, TridensError, UnknownMetric
 from ..evaluators import Evaluator, StepwiseEvaluator
 from ..space import BaseSpace, RecipeError, space_recipe
 from ..store import StorageFault, Store, StoreError
@@ -521,7 +521,10 @@ class Experiment:
         space = self.space if self.space is not None else NoModelSpace()
         fill_max_steps(strategy, self.evaluator)  # type: ignore[arg-type]
         # The evaluator's and the strategy's settings, before anything is written or trained.
-        described = describe_space(check_before_run(space, self.evaluator, strategy, objective, self.seed))  # type: ignore[arg-type]
+        measured = self.space is not None and getattr(self.evaluator, "needs_model", True)  # params, flops, latency
+        described = describe_space(check_before_run(space, self.evaluator, strategy, objective, self.seed,  # type: ignore[arg-type]
+                                                    constraints=self.constraints, second_objective=self.second_objective,
+                                                    measured=measured))
         with Store(path) as db:
             db.lock_run(name)  # a second process running this experiment is refused, naming this one
             try:
@@ -549,7 +552,9 @@ class Experiment:
                 # trials stay unfinished, to run again on the next run.
                 halted = err.cause if isinstance(err, RunHalted) else err if isinstance(err, StorageFault) else None
                 try:
-                    if not resumed and not db.trials(name):
+                    trials = db.trials(name)
+                    if not resumed and (not trials or (isinstance(err, UnknownMetric)
+                                                       and not any(t.status.finished for t in trials))):
                         db.delete_experiment(name)  # a start that failed leaves nothing behind
                     else:
                         mark_interrupted(db, name, quiet=halted is not None)

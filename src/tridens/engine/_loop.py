@@ -117,10 +117,13 @@ class _Run:
         self.exp, self.db, self.name, self.strategy, self.objective = exp, db, name, strategy, objective
         self.trial_timeout = exp.trial_timeout
         self.evaluator: Evaluator = exp.evaluator  # type: ignore[assignment]
+        if exp.objective is not None:  # the objective the user named: a user's loop reports it first
+            self.evaluator = self.evaluator.for_objective(objective.metric)
         self.space = space
         self.no_model = exp.space is None  # a hyperparameter-only search: the function builds its model
         # A user's loop reporting dicts names the objective by their first key: learned at the first report.
         self.naming_objective = exp.objective is None and self.evaluator.objective_from_reports
+        self.names_checked = False  # the first report checks the objectives' names (check_reported_names)
         self.stop_reason = "the run ended"
         self.deadline = None
         duration = _parse_duration(exp.max_duration)
@@ -156,12 +159,17 @@ class _Run:
     @_halts_on_storage_fault
     def record(self, trial: Trial, step: int, metrics: Mapping[str, float]) -> None:
         values = {k: float(v) for k, v in metrics.items()}
+        if self.naming_objective and values:
+            self._name_objective(next(iter(values)))
+        if not self.names_checked:
+            from ._preflight import check_reported_names
+
+            check_reported_names(self.name, trial, values, self.objective, self.exp.second_objective)
+            self.names_checked = True
         self.db.add_metrics(trial.id, step, values)
         for key, value in values.items():
             trial.metrics.setdefault(key, []).append(value)
-        if self.naming_objective and values:
-            self._name_objective(next(iter(values)))
-        value = values.get(self.objective.metric, next(iter(values.values()), math.nan))
+        value = values.get(self.objective.metric, math.nan)  # (a later report without it: no value, never another metric)
         self.strategy.report(trial, step, value)
         self.progress.step(trial, step, value)
         self._notify("on_trial_step", trial, step, values)

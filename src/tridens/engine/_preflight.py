@@ -11,15 +11,15 @@ from __future__ import annotations
 import copy
 import json
 import random
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
-from ..errors import InvalidSample, TridensError
+from ..errors import InvalidSample, TridensError, UnknownMetric
 from ..evaluators import Evaluator
 from ..space import BaseSpace, Categorical, SearchSpace
 from ..strategy import Strategy
-from ..trial import Objective
+from ..trial import Objective, Trial
 
-__all__ = ["SpaceChanged", "check_before_run", "check_same_space", "describe_space", "explain_failure", "fill_max_steps"]
+__all__ = ["SpaceChanged", "MEASURED", "check_reported_names", "check_names", "check_before_run", "check_same_space", "describe_space", "explain_failure", "fill_max_steps"]
 
 # Candidates tried per label: every categorical candidate (up to this many), and both bounds of a range.
 _MAX_CANDIDATES = 64
@@ -29,14 +29,73 @@ class SpaceChanged(TridensError):
     """A resumed experiment's search space differs from the one its trials were run with."""
 
 
+MEASURED = ("params", "flops", "latency", "latency_ms")
+"""The facts of a model tridens measures before training it (``trial.info``): what a
+:class:`~tridens.strategy.Constraint` can bound, and a second objective can name besides a metric."""
+
+
+def _second_name(second_objective: Any) -> str | None:
+    if second_objective is None:
+        return None
+    return second_objective.metric if isinstance(second_objective, Objective) else str(second_objective[0])
+
+
+def check_names(constraints: Any, second_objective: Any, objective: Objective, declared: list[str] | None,
+                *, measured: bool = True) -> None:
+    """The constraints bound facts tridens measures before training (:data:`MEASURED`; none when
+    it builds no model: ``measured`` False); the second objective is one of those or a metric in
+    ``declared`` (what the evaluator reports, ``None`` when only its first report will say), and
+    neither repeats the objective. Raises :class:`UnknownMetric` naming the value and the valid ones.
+
+    >>> check_names([], ("flop", "min"), Objective(), ["val_acc", "val_loss"])
+    Traceback (most recent call last):
+    ...
+    tridens.errors.UnknownMetric: The 'second_objective' of Experiment is 'flop', which is neither a measured fact ('params', 'flops', 'latency') nor a metric the evaluator reports ('val_acc', 'val_loss').
+    """
+    facts = MEASURED if measured else ()
+    shown = ", ".join(repr(f) for f in facts if f != "latency_ms") or "none: there is no model to measure"
+    for constraint in constraints:
+        key = getattr(constraint, "key", None)
+        if key not in facts:
+            raise UnknownMetric(f"The 'constraints' of Experiment hold {constraint!r}, which bounds "
+                                f"{getattr(constraint, 'metric', key)!r}; the facts measured before training are {shown}.")
+    second = _second_name(second_objective)
+    if second is None or second in facts or declared is None or second in declared:
+        return
+    metrics = ", ".join(map(repr, declared))
+    raise UnknownMetric(f"The 'second_objective' of Experiment is {second!r}, which is neither a measured fact "
+                        f"({shown}) nor a metric the evaluator reports ({metrics}).")
+
+
+def check_reported_names(name: str, trial: Trial, values: Mapping[str, float], objective: Objective,
+                         second_objective: Any) -> None:
+    """At the first report of a run whose evaluator does not declare its metrics: the objective
+    (and a second objective that is no measured fact) must be among the names reported.
+    Raises :class:`UnknownMetric` naming them, which stops the run; never falls back to another metric."""
+    reported = ", ".join(map(repr, values)) or "nothing"
+    plain = list(values) == ["value"]
+    if objective.metric not in values:
+        hint = (" (a number passed to td.report is named 'value': report a dict, or give "
+                f"FunctionalEvaluator(metric={objective.metric!r}))" if plain else
+                ": pass objective= one of them")
+        raise UnknownMetric(f"The objective of experiment {name!r} is {objective.metric!r}, which its evaluator "
+                            f"does not report: trial {trial.label} reported {reported}{hint}.")
+    second = _second_name(second_objective)
+    if second is not None and second not in MEASURED and second not in values:
+        raise UnknownMetric(f"The 'second_objective' of experiment {name!r} is {second!r}, which is neither a "
+                            f"measured fact ('params', 'flops', 'latency') nor a metric its evaluator reports: "
+                            f"trial {trial.label} reported {reported}.")
+
+
 def fill_max_steps(strategy: Strategy, evaluator: Evaluator) -> None:
     """A multi-fidelity strategy built without ``max_steps`` (``strategy="asha"``) trains trials
     for the evaluator's ``epochs``: the most steps a trial can take."""
-    if getattr(strategy, "max_steps", 0) is not None:
-        return
     epochs = getattr(evaluator, "epochs", None)
-    if isinstance(epochs, int) and not isinstance(epochs, bool) and epochs >= 1:
-        strategy.max_steps = epochs  # type: ignore[attr-defined]
+    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+        return
+    for policy in _policies(strategy):
+        if getattr(policy, "max_steps", 0) is None:
+            policy.max_steps = epochs
 
 
 def _evaluator_samples(space: SearchSpace) -> Iterator[dict[str, Any]]:
@@ -54,33 +113,38 @@ def _evaluator_samples(space: SearchSpace) -> Iterator[dict[str, Any]]:
                 yield {**base, label: value}
 
 
-def _check_evaluator(evaluator: Evaluator, objective: Objective) -> None:
-    """Every candidate of the evaluator's hyperparameters gives valid settings (optimizer,
-    schedule, metric names...), and the objective's metric is one the evaluator reports."""
+def _declared_metrics(evaluator: Evaluator) -> list[str] | None:
+    """The metrics the evaluator reports, checking its settings for every candidate of its
+    hyperparameters (optimizer, schedule, metric names...); ``None`` when only its reports say
+    (a user's loop)."""
     config = getattr(evaluator, "config", None)
     if callable(config):
         cfg = None
         for sample in _evaluator_samples(evaluator.search_space()):
             cfg = config(sample)
-        reported = [*getattr(cfg, "metrics", ()), "train_loss"]
-        if cfg is not None and objective.metric not in reported:
-            raise TridensError(f"The 'objective' of the experiment is {objective.metric!r}, which "
-                               f"{type(evaluator).__name__} does not report; it reports {reported!r}.")
-        return
+        return None if cfg is None else [*getattr(cfg, "metrics", ()), "train_loss"]
     check = getattr(evaluator, "_check", None)
     if callable(check):
         check()
+    return None
 
 
 def check_before_run(space: BaseSpace, evaluator: Evaluator, strategy: Strategy, objective: Objective,
-                     seed: int) -> SearchSpace:
-    """Validate the evaluator's settings and the strategy's against the merged search space;
-    returns that space. Raises the evaluator's or strategy's one-line error.
+                     seed: int, *, constraints: Sequence[Any] = (), second_objective: Any = None,
+                     measured: bool = True) -> SearchSpace:
+    """Validate the evaluator's settings, the names the objectives and constraints read, and the
+    strategy's settings against the merged search space and the evaluator's epochs; returns that
+    space. Raises the evaluator's or strategy's one-line error.
 
     >>> check_before_run(space, evaluator, td.strategy.ASHA(), evaluator.objective, 0)  # doctest: +SKIP
     """
     search_space = space.search_space().merged(evaluator.search_space())
-    _check_evaluator(evaluator, objective)
+    declared = _declared_metrics(evaluator)
+    if declared is not None and objective.metric not in declared:
+        raise UnknownMetric(f"The 'objective' of the experiment is {objective.metric!r}, which "
+                            f"{type(evaluator).__name__} does not report; it reports {declared!r}.")
+    check_names(constraints, second_objective, objective, declared, measured=measured)
+    _check_steps(strategy, evaluator)
     # Constructors only store parameters, so a copy is cheap; the run starts the strategy itself.
     try:
         copy.deepcopy(strategy).start(search_space, objective, random.Random(seed), ())
@@ -92,6 +156,29 @@ def check_before_run(space: BaseSpace, evaluator: Evaluator, strategy: Strategy,
                          f"td.strategy.{kind}(max_steps=N), N being the most steps (td.report calls) a trial "
                          "makes.") from None
     return search_space
+
+
+def _check_steps(strategy: Strategy, evaluator: Evaluator) -> None:
+    """A multi-fidelity strategy's (or a stopping rule's) ``max_steps`` is at most the evaluator's
+    fixed ``epochs``: its rungs past the last epoch would never be reached."""
+    epochs = getattr(evaluator, "epochs", None)
+    if not isinstance(epochs, int) or isinstance(epochs, bool):
+        return
+    for policy in _policies(strategy):
+        steps = getattr(policy, "max_steps", None)
+        if isinstance(steps, int) and not isinstance(steps, bool) and steps > epochs:
+            raise ValueError(f"The 'max_steps' parameter of {type(policy).__name__} is {steps}, more than the "
+                             f"evaluator's epochs={epochs}: pass max_steps in the range [1, {epochs}] "
+                             "(or leave it out to take the epochs).")
+
+
+def _policies(strategy: Any) -> Iterator[Any]:
+    """The strategy and the policies it composes (a sampler and a stopping rule)."""
+    yield strategy
+    for attr in ("base", "sampler", "stopping"):
+        inner = getattr(strategy, attr, None)
+        if isinstance(inner, Strategy):
+            yield from _policies(inner)
 
 
 def describe_space(search_space: SearchSpace) -> dict[str, Any]:

@@ -126,6 +126,12 @@ class Evaluator:
     def objective(self) -> Objective:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def for_objective(self, metric: str) -> "Evaluator":
+        """This evaluator for an experiment whose objective is ``metric``: one whose reports name
+        their metrics by what they compute returns itself (the default); a user's loop reporting
+        dicts returns a copy that reports ``metric`` first (:class:`FunctionalEvaluator`)."""
+        return self
+
     def evaluate(self, model: nn.Module | None, sample: Mapping[str, Any], seed: int,
                  reporter: Reporter | None = None, *, max_steps: int | None = None) -> float | None:
         """Train and score ``model`` under ``sample``'s hyperparameters; return the objective's

@@ -10,6 +10,7 @@ variable: report from the thread that ``evaluate`` called, or run the thread in
 from __future__ import annotations
 
 import contextlib
+import copy
 import contextvars
 import inspect
 import warnings
@@ -31,8 +32,9 @@ _DEFAULT_METRIC = "value"
 class _Sink:
     """Routes one trial's ``td.report`` calls to its reporter."""
 
-    def __init__(self, reporter: Reporter, metric: str | None, max_steps: int | None):
+    def __init__(self, reporter: Reporter, metric: str | None, max_steps: int | None, first: str | None = None):
         self.reporter, self.metric, self.max_steps = reporter, metric, max_steps
+        self.first = first  # the experiment's objective: reported first where present
         self.last: float | None = None
         self.next_step = 0
         self.reports = 0
@@ -41,13 +43,15 @@ class _Sink:
     def metrics_of(self, value: Any, where: str) -> dict[str, float]:
         """``{objective name: objective value, other metrics...}`` from a number (named
         ``metric``, else ``"value"``) or a dict (its first key is the objective unless ``metric`` names it)."""
-        name = self.metric or _DEFAULT_METRIC
+        name = self.metric or self.first or _DEFAULT_METRIC
         if isinstance(value, Mapping):
             if not value:
                 raise InvalidParameter(f"{where} got an empty dict; report a number or a dict of metrics")
             metrics = {str(k): _number(v, f"{where} metric {k!r}") for k, v in value.items()}
             if self.metric is None:
-                return metrics
+                if self.first in metrics:
+                    return {self.first: metrics[self.first], **metrics}
+                return metrics  # (the engine refuses an objective that is not reported, at the first report)
             if self.metric not in metrics:
                 raise InvalidParameter(f"{where} got metrics {sorted(metrics)} without the objective metric "
                                        f"{self.metric!r} (the evaluator's 'metric' parameter)")
@@ -150,6 +154,7 @@ class FunctionalEvaluator(Evaluator):
         self.metric = metric
         self.mode = mode
         self.hparams = params
+        self._objective: str | None = None  # set by for_objective
 
     def params(self) -> dict[str, Any]:
         return {"fn": self.fn, "metric": self.metric, "mode": self.mode, **self.hparams}
@@ -163,6 +168,15 @@ class FunctionalEvaluator(Evaluator):
     def objective_from_reports(self) -> bool:  # type: ignore[override]
         """With no ``metric`` given, the first report names the objective (a dict's first key)."""
         return self.metric is None
+
+    def for_objective(self, metric: str) -> "FunctionalEvaluator":
+        """A copy whose reports put ``metric`` first when they hold it (the trial's value is then
+        that metric's, never a dict's first key), and name a reported number ``metric``."""
+        if self.metric is not None:
+            return self
+        other = copy.copy(self)
+        other._objective = metric
+        return other
 
     def _check(self) -> None:
         check(type(self).__name__, {"fn": self.fn, "metric": self.metric, "mode": self.mode}, {
@@ -185,7 +199,8 @@ class FunctionalEvaluator(Evaluator):
             hparams.pop(name)
         if "seed" not in hparams and _accepts(self.fn, "seed"):
             hparams["seed"] = seed
-        sink = _Sink(reporter if reporter is not None else NullReporter(), self.metric, max_steps)
+        sink = _Sink(reporter if reporter is not None else NullReporter(), self.metric, max_steps,
+                     self._objective)
         result: Any = None
         token = _SINK.set(sink)
         try:
