@@ -16,7 +16,7 @@ import tridens as td
 import tridens.nn as tnn
 from tridens.engine import ThreadPolicy
 from tridens.trial import TrialStatus
-from tridens.xopt import Settings, measurement_mark, measurements_since
+from tridens.xopt import Settings
 
 from .spaces import TinyMLP
 
@@ -32,9 +32,10 @@ def evaluator(data, epochs=3, lrs=(0.01, 0.003)):
                                         lr=td.choice("lr", list(lrs)))
 
 
-def run(space, ev, strategy, tmp_path, name, policy, optimize, trials):
+def run(space, ev, strategy, tmp_path, name, policy, optimize, trials, executor=None):
+    executor = executor if executor is not None else td.executors.Inline(threads=policy)
     exp = td.Experiment(space, ev, strategy, max_trials=trials, store=str(tmp_path / f"{name}.db"), name=name,
-                        verbose=False, optimize=optimize, executor=td.executors.Inline(threads=policy))
+                        verbose=False, optimize=optimize, executor=executor)
     exp.run()
     return {t.id: t for t in exp.trials()}
 
@@ -101,15 +102,16 @@ def test_a_mixed_unit_splits_by_members_and_trains_as_in_one_process(digits_data
 
 
 def test_measured_decisions_and_log_records_come_back_from_the_children(digits_data, tmp_path, caplog):
-    mark = measurement_mark()
     auto = Settings().with_batching(mode="auto", override_speedup=3.0)
+    executor = td.executors.Inline(threads=SIDE_BY_SIDE)
     with caplog.at_level(logging.INFO, logger="tridens"):
         side = run(TinyMLP(), evaluator(digits_data, epochs=1), td.strategy.GridSearch(), tmp_path, "side",
-                   SIDE_BY_SIDE, auto, 4)
+                   SIDE_BY_SIDE, auto, 4, executor)
     assert all(t.status is TrialStatus.COMPLETED for t in side.values())
     # decided in the children: their log lines reach the driver's handlers, their ratios its planner
     assert caplog.text.count("settings.override_speedup: 3.00x") == 2
-    assert [m[0] for m in measurements_since(mark)].count("speedup") == 2
+    # as data, added to the run's plan context
+    assert [v for values in executor.context.plan.decisions.speedups.values() for v in values] == [3.0, 3.0]
 
 
 class DyingSpace(TinyMLP):

@@ -13,12 +13,13 @@ from torch import nn
 
 import tridens as td
 from tridens.engine._planner import plan
-from tridens.units import SeparateUnit
+from tridens.units import PlanContext, SeparateUnit
 from tridens.evaluators import NonFiniteLoss
 from tridens.trial import TrialStatus
 from tridens.xopt import Settings, _batching
 from tridens.xopt._adaptive import AdaptiveMember, AdaptiveUnit
-from tridens.xopt._batching import BatchedUnit, plan_batching
+from tridens.xopt._batching import BatchedUnit
+from tridens.xopt._batching import plan_batching as plan_batching_in
 from tridens.xopt._cse import SharedPipelineUnit
 
 from .test_batching import SAMPLES, TOL, HpSpace, assert_close_runs, assert_same_trials, cnn, evaluator, json_key, make_jobs, mlp, plain, run
@@ -30,12 +31,25 @@ def data():
     return td.datasets.digits()
 
 
+RUN: list[PlanContext] = [PlanContext()]   # the plan context of the test's current run
+
+
+def new_run() -> None:
+    """Later planning belongs to a new run: nothing measured before it is known."""
+    RUN[0] = PlanContext()
+
+
+def plan_batching(jobs, ev, **kw):
+    """The batching planner in the current run's plan context."""
+    return plan_batching_in(jobs, ev, context=RUN[0], **kw)
+
+
 @pytest.fixture(autouse=True)
 def clean_cache():
     """No speed-up measured by an earlier test."""
-    _batching.clear_cache()
+    new_run()
     yield
-    _batching.clear_cache()
+    new_run()
 
 
 def auto(speedup=None):
@@ -120,7 +134,7 @@ def test_a_model_near_the_peak_still_decides_by_its_measurement(data, monkeypatc
         decided = run(unit)
     assert unit.member.state == "fused" and unit.member._fused_calls > 0
     assert "of the peak matmul rate" in unit.member.decision
-    fraction, rate, seconds = next(iter(_batching._EFFICIENCY.values()))
+    fraction, rate, seconds = next(iter(RUN[0].decisions.efficiency.values()))
     assert fraction > 0 and rate > 0 and seconds > 0
     assert_equal_runs(run(BatchedUnit(make_jobs(SAMPLES, mlp), ev)), decided)
     units, rest = plan_batching(make_jobs(SAMPLES, mlp), ev, settings=settings)
@@ -146,8 +160,8 @@ def test_measured_decision_is_cached(data, caplog):
     unit = adaptive(make_jobs(SAMPLES, mlp), ev)
     run(unit)
     assert unit.member.state in ("fused", "separate") and "measured from" in unit.member.decision
-    assert len(_batching._SPEEDUPS) == 1
-    [speedup] = next(iter(_batching._SPEEDUPS.values()))
+    assert len(RUN[0].decisions.speedups) == 1
+    [speedup] = next(iter(RUN[0].decisions.speedups.values()))
     assert 0 < speedup < float("inf")
     assert unit.member.state == ("fused" if speedup >= auto().batching.min_speedup else "separate")
     with caplog.at_level(logging.INFO, logger="tridens"):
@@ -170,7 +184,7 @@ def test_a_decision_near_the_bar_is_measured_again_until_three_agree(data, caplo
         unit = adaptive(make_jobs(SAMPLES, mlp), ev, auto(ratio))  # measured again: an adaptive unit
         run(unit)
     run(adaptive(make_jobs(SAMPLES, mlp), ev, auto(third)))
-    assert next(iter(_batching._SPEEDUPS.values())) == [first, second, third]
+    assert next(iter(RUN[0].decisions.speedups.values())) == [first, second, third]
     with caplog.at_level(logging.INFO, logger="tridens"):
         units, rest = plan_batching(make_jobs(SAMPLES, mlp), ev, settings=auto())
     median = sorted([first, second, third])[1]
@@ -179,12 +193,12 @@ def test_a_decision_near_the_bar_is_measured_again_until_three_agree(data, caplo
         assert f"measured {median:.2f}x on an earlier unit's first steps, the median of 3" in units[0].summary()
     else:
         assert units == [] and f"measured {median:.2f}x on an earlier unit's first steps, the median of 3" in caplog.text
-    _batching.clear_cache()
+    new_run()
     run(adaptive(make_jobs(SAMPLES, mlp), ev, auto(5.0)))
     units, _ = plan_batching(make_jobs(SAMPLES, mlp), ev, settings=auto())
     assert planned_fused(units)
     once = Settings().with_batching(mode="auto", marginal_measurements=1)
-    _batching.clear_cache()
+    new_run()
     run(adaptive(make_jobs(SAMPLES, mlp), ev, auto(first)))
     units, rest = plan_batching(make_jobs(SAMPLES, mlp), ev, settings=once)
     if first >= 1.1:  # one measurement decides: no deciding steps either way
@@ -223,7 +237,7 @@ def test_more_rounds_only_to_confirm_fusing_just_above_the_bar(data):
     above = adaptive(make_jobs(SAMPLES, mlp), ev, auto(1.2))
     run(above, stop=stop)
     assert above.member.state == "fused" and len(above.member._fused_steps) == 2 * rounds
-    _batching.clear_cache()
+    new_run()
     below = adaptive(make_jobs(SAMPLES, mlp), ev, auto(1.0))
     run(below, stop=stop)
     assert below.member.state == "separate" and len(below.member._fused_steps) == rounds
@@ -240,7 +254,7 @@ def test_a_short_run_keeps_the_fused_steps_it_took(data, caplog, epochs):
     with caplog.at_level(logging.INFO, logger="tridens"):
         run(unit, stop={t: 1 for t in range(len(SAMPLES))})
     member = unit.member
-    assert member.speedup == 1.0 and _batching._SPEEDUPS[member.key] == [1.0]
+    assert member.speedup == 1.0 and RUN[0].decisions.speedups[member.key] == [1.0]
     here = member.decision.split("; ")[1].split("x from here")[0]
     if epochs == 1:
         assert member.state == "fused" and float(here) >= auto().batching.min_speedup
@@ -383,7 +397,7 @@ def test_cheap_structure_keys(data):
     ev = evaluator(data, "sgd", epochs=1)
     jobs = make_jobs(SAMPLES[:3], mlp)
     jobs[0].model, jobs[1].model, jobs[2].model = a, c, d
-    keys = _batching._structure_keys(jobs)
+    keys = _batching._structure_keys(jobs, RUN[0].decisions)
     assert isinstance(keys[0], str) and keys[0] == keys[1] and keys[2] is None  # d: no partner, not traced
     assert keys[0] == _batching._structure_key(b)
     bytes_, flops, pools = _batching._model_costs(a, data[0].tensors[0][:64], ev.config(SAMPLES[0]))

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tridens.units import PlanContext
 from tridens.xopt import CSESettings, Settings
 from tridens.xopt._decision_cache import SEPARATE_STEP, DecisionCache, default_path
 
@@ -91,7 +92,6 @@ def test_a_group_planned_from_the_file_knows_the_separate_step_to_compare_with(t
     """A group planned fused from an earlier run's file starts fused with that run's separate step,
     so it measures again if its stack shrinks (tests/xopt/test_adaptive.py runs that path)."""
     import tridens as td
-    from tridens.xopt import _batching
     from tridens.xopt._batching import plan_batching
 
     from .test_batching import SAMPLES, evaluator, make_jobs, mlp
@@ -100,16 +100,12 @@ def test_a_group_planned_from_the_file_knows_the_separate_step_to_compare_with(t
     ev = evaluator(data, "sgd", epochs=1)
     settings = Settings().with_batching(decision_cache=str(tmp_path / "c.sqlite"))
     cache = DecisionCache(tmp_path / "c.sqlite")
-    _batching.clear_cache()
-    try:
-        [unit], _ = plan_batching(make_jobs(SAMPLES, mlp), ev, settings=settings)
-        key = unit.member.stored_key
-        cache.put(key, 4.0)  # a clear speed-up, as an earlier run stored it
-        cache.put(key + SEPARATE_STEP, 0.002)
-        _batching.clear_cache()  # a new process
-        [planned], _ = plan_batching(make_jobs(SAMPLES, mlp), ev, settings=settings)
-        assert planned.member.state == "fused" and "earlier run on this machine" in planned.summary()
-        assert planned.member._separate_step == 0.002
-        assert isinstance(planned.member.cse, CSESettings)  # how its trials step if it goes separate
-    finally:
-        _batching.clear_cache()
+    [unit], _ = plan_batching(make_jobs(SAMPLES, mlp), ev, settings=settings, context=PlanContext())
+    key = unit.member.stored_key
+    cache.put(key, 4.0)  # a clear speed-up, as an earlier run stored it
+    cache.put(key + SEPARATE_STEP, 0.002)
+    # a new run: its own plan context
+    [planned], _ = plan_batching(make_jobs(SAMPLES, mlp), ev, settings=settings, context=PlanContext())
+    assert planned.member.state == "fused" and "earlier run on this machine" in planned.summary()
+    assert planned.member._separate_step == 0.002
+    assert isinstance(planned.member.cse, CSESettings)  # how its trials step if it goes separate

@@ -12,7 +12,7 @@ from torch import nn
 import tridens as td
 from tridens import nn as tnn
 from tridens.engine._planner import plan
-from tridens.units import SeparateUnit, parse_memory, resolve_max_unit_memory, unit_memory_limit
+from tridens.units import PlanContext, SeparateUnit, parse_memory, resolve_max_unit_memory
 from tridens.trial import TrialStatus
 from tridens.xopt import Settings
 from tridens.xopt._batching import BatchedMember, BatchedUnit
@@ -51,10 +51,10 @@ def test_one_bound_resolved_in_order(monkeypatch):
     assert default > 0
     monkeypatch.setenv("TRIDENS_MAX_UNIT_MEMORY", "3MiB")
     assert resolve_max_unit_memory(None) == 3 * 2**20
-    with unit_memory_limit("1KiB"):  # the experiment's value wins over the environment
-        assert resolve_max_unit_memory(None) == 1024
-        assert resolve_max_unit_memory(77) == 77  # an explicit argument wins over both
-    assert resolve_max_unit_memory(None) == 3 * 2**20
+    run = PlanContext(max_unit_memory=1024)  # the experiment's value wins over the environment
+    assert run.memory_bound("cpu") == 1024
+    assert run.memory_bound("cpu", 77) == 77  # an explicit argument wins over both
+    assert PlanContext().memory_bound("cpu") == 3 * 2**20
 
 
 def test_experiment_validates_max_unit_memory(data, tmp_path):

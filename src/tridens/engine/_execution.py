@@ -23,7 +23,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -33,7 +33,7 @@ from torch import nn
 from ..errors import UnknownMetric
 from ..evaluators import Evaluator, StepwiseEvaluator, drive
 from ..trial import Decision, Fork
-from ..units import ExecutionUnit, Job, SeparateUnit
+from ..units import ExecutionUnit, Job, PlanContext, SeparateUnit
 from ._protocol import GroupHooks, TrialProtocol, TrialTimeout, Verdict, error_text
 from ._threads import ThreadPolicy
 
@@ -48,7 +48,9 @@ class RunContext:
     """What an experiment tells its executor before the first group: its name, where workers may
     write checkpoints (a folder beside the store unless the executor has its own), whether to
     fuse trials (``optimize``: True, False or a :class:`tridens.xopt.Settings`), the Fluid
-    ``allocation`` policy (None: one trial per worker) and whether the strategy ``forks`` members.
+    ``allocation`` policy (None: one trial per worker), whether the strategy ``forks`` members,
+    and the run's :class:`~tridens.units.PlanContext` (``plan``: memory bound, decisions measured
+    so far, stage archive), which every planning of the run is given.
 
     >>> RunContext(experiment="mnist").optimize
     True
@@ -59,6 +61,7 @@ class RunContext:
     optimize: Any = True
     allocation: Any = None
     forks: bool = False   # the strategy forks running trials (PBT): a group's members train at once, in lockstep
+    plan: PlanContext = field(default_factory=PlanContext)
 
 
 class Executor:
@@ -431,10 +434,11 @@ class InlineExecutor(Executor):
         lives = {job.trial.id: TrialProtocol(job, hooks, clock="train") for job in jobs}
         for life in lives.values():
             life.start()
-        units, failed = plan_units(jobs, evaluator, optimize)
+        context = _context(self)
+        units, failed = plan_units(jobs, evaluator, optimize, context=context.plan)
         for job, err in failed:
             lives[job.trial.id].fail(err)
-        forks = bool(getattr(_context(self), "forks", False))
+        forks = bool(getattr(context, "forks", False))
         plan = self.threads.decide_units(units, parts=0 if forks else len(jobs) - len(failed))
         if plan.concurrent > 1 and not forks:
             from ._forked import forkable, run_forked
@@ -444,10 +448,12 @@ class InlineExecutor(Executor):
             why = forkable(units)
             if not why:
                 order = [tid for unit in units for tid in unit.jobs]
-                units = spread_units(units, evaluator, optimize, plan.concurrent, where="processes")
+                units = spread_units(units, evaluator, optimize, plan.concurrent, where="processes",
+                                     context=context.plan)
                 if len(units) > 1:
                     with plan.applied():
-                        run_forked(shares(units, plan.concurrent), lives, hooks, plan.threads, order)
+                        run_forked(shares(units, plan.concurrent), lives, hooks, plan.threads, order,
+                                   decisions=context.plan.decisions)
                     return
             else:
                 log.info("units one at a time in this process: %s", why)

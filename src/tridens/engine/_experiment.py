@@ -23,7 +23,7 @@ from ..space import BaseSpace, RecipeError, space_recipe
 from ..store import StorageFault, Store, StoreError
 from ..strategy import Strategy
 from ..trial import Objective, Trial, TrialStatus
-from ..units import parse_memory, unit_memory_limit
+from ..units import PlanContext, parse_memory
 from ._execution import Executor, InlineExecutor, RunContext, check_forks, make_executor
 from ._leftovers import claim, interrupted_text, mark_interrupted
 from ._loop import _Run, _parse_duration
@@ -377,13 +377,15 @@ class Experiment:
                 raise ValueError("The 'executor' parameter of Experiment is 'ray', but Ray is not installed "
                                  "(pip install 'ray==2.58.0').") from None
 
-    def _executor(self, store_path: Path, name: str) -> Executor:
-        """The executor object, started for this run (the old string names built here)."""
+    def _executor(self, store_path: Path, name: str, plan: PlanContext | None = None) -> Executor:
+        """The executor object, started for this run (the old string names built here) with the
+        run's plan context ``plan``."""
         executor = self.executor if self.executor is not None else "inline"
         executor = make_executor(executor, self.workers, ray_address=self.ray_address, max_retries=self.max_retries,
                                  storage=self.storage)
         executor.start(RunContext(experiment=name, storage=self._storage(store_path), optimize=self._settings(),
-                                  allocation=self.allocation, forks=bool(getattr(self.strategy, "forks", False))))
+                                  allocation=self.allocation, forks=bool(getattr(self.strategy, "forks", False)),
+                                  plan=plan if plan is not None else self._plan_context()))
         return executor
 
     def _settings(self) -> Any:
@@ -395,21 +397,26 @@ class Experiment:
 
         return resolve_settings(self.optimize) or False
 
+    def _plan_context(self) -> PlanContext:
+        """A new run's plan context: its settings and memory bound, nothing measured yet."""
+        return PlanContext(settings=self._settings() or None,
+                           max_unit_memory=parse_memory(self.max_unit_memory, "max_unit_memory", "Experiment"))
+
     @contextlib.contextmanager
-    def _stage_archive(self, db: Store, name: str) -> Iterator[None]:
+    def _stage_archive(self, db: Store, name: str, plan: PlanContext) -> Iterator[None]:
         """Stage trees store their stages in ``db`` and start from stored ones (``stage_policy``),
-        while the block runs; then the checkpoints the policy does not keep are removed."""
+        through ``plan.archive`` while the block runs; then the checkpoints the policy does not
+        keep are removed."""
         if not self.optimize or not isinstance(self.evaluator, StepwiseEvaluator):
             yield
             return
         from ..store import StageArchive
-        from ..xopt import stage_archive
 
-        archive = StageArchive(db, name, self.stage_policy)
+        archive = plan.archive = StageArchive(db, name, self.stage_policy)
         try:
-            with stage_archive(self.evaluator, archive):
-                yield
+            yield
         finally:
+            plan.archive = None
             with contextlib.suppress(StoreError):
                 archive.collect()
 
@@ -541,11 +548,12 @@ class Experiment:
             else:
                 self._record_new_limits(db, name, record.config)
             claim(db, name)  # settles what a killed earlier driver left running
-            run = _Run(self, db, name, strategy, objective, space)
+            plan = self._plan_context()   # this run's planning state, nothing shared with another run
+            run = _Run(self, db, name, strategy, objective, space, plan)
             self.stop_reason = None
             try:
-                with unit_memory_limit(self.max_unit_memory), self._stage_archive(db, name):
-                    run.loop(resumed)  # fused units bounded in memory; stage trees stored (tridens.xopt)
+                with self._stage_archive(db, name, plan):
+                    run.loop(resumed)  # stage trees stored (tridens.xopt)
             except BaseException as err:
                 run.progress.close()
                 # A storage fault (full disk, the store file gone) stops the run: its running

@@ -16,8 +16,9 @@ the user's classes as they are in the driver, so nothing is pickled but metrics,
 (``torch.save`` bytes, loaded with ``weights_only``) and log records. The driver stays the only
 writer of the store. A child's log records go to the driver's handlers through the pipe (a
 ``logging.handlers.QueueHandler`` on the pipe), never to a handler's lock or console copied in a
-locked state by the fork; its batching measurements come back at its end
-(:func:`tridens.xopt.measurements_since`), so later groups plan from them.
+locked state by the fork; what its units measured comes back at its end as data
+(:meth:`~tridens.units.ExecutionUnit.measurements`), added to the run's plan context so later
+groups plan from it.
 
 :func:`forkable` says when this applies: a platform with ``fork`` (not macOS), no CUDA context
 in the driver (a CUDA context does not survive a fork), and units that use no stage store (stage
@@ -42,7 +43,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..units import ExecutionUnit
+from ..units import Decisions, ExecutionUnit
 from ._execution import run_lockstep
 from ._pool_units import PipeJudge, settle_left
 from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text, timeout_error
@@ -93,14 +94,11 @@ class _PipeQueue:
 
 def _child(conn: Connection, units: Sequence[ExecutionUnit], threads: int) -> None:
     """A child's whole life: log through the pipe, train the share in lockstep, hand back the
-    batching measurements, say "end"."""
-    from .. import xopt
-
+    units' measurements, say "end"."""
     # records go to the driver's handlers; the loggers' levels, copied by the fork, still filter them
     logging.getLogger().handlers = [logging.handlers.QueueHandler(_PipeQueue(conn))]  # type: ignore[arg-type]
     logging.getLogger("tridens").handlers = []
     torch.set_num_threads(threads)
-    mark = xopt.measurement_mark()
     trials = {tid: job.trial for unit in units for tid, job in unit.jobs.items()}
     judge = PipeJudge(conn, units[0].evaluator, trials)
     try:
@@ -113,17 +111,18 @@ def _child(conn: Connection, units: Sequence[ExecutionUnit], threads: int) -> No
             except OSError:
                 break
     try:
-        conn.send(("measured", xopt.measurements_since(mark)))
+        conn.send(("measured", [m for unit in units for m in unit.measurements()]))
         conn.send(("end",))
     except OSError:
         pass
 
 
 def run_forked(shares: Sequence[Sequence[ExecutionUnit]], lives: Mapping[int, TrialProtocol], hooks: GroupHooks,
-               threads: int, order: Sequence[int] = ()) -> None:
+               threads: int, order: Sequence[int] = (), decisions: Decisions | None = None) -> None:
     """Train each share of units in a forked child with ``threads`` torch threads, in lockstep
     across the shares (see the module docstring); every trial's outcome goes through its protocol
     in ``lives``. ``order``: the trials in the order the units were planned (the verdicts' order).
+    ``decisions``: the run's (:class:`~tridens.units.PlanContext`), given what the children measured.
 
     >>> run_forked(shares(units, 2), lives, hooks, threads=1)       # doctest: +SKIP
     """
@@ -145,7 +144,7 @@ def run_forked(shares: Sequence[Sequence[ExecutionUnit]], lives: Mapping[int, Tr
             ready = wait([c.conn for c in children if c.open], timeout=0.2)
             for child in children:
                 if child.open and child.conn in ready:
-                    _receive(child)
+                    _receive(child, decisions)
             _barrier(children, rank)
             for child in children:
                 if child.open and child.round is None and \
@@ -160,7 +159,7 @@ def run_forked(shares: Sequence[Sequence[ExecutionUnit]], lives: Mapping[int, Tr
             child.conn.close()
 
 
-def _receive(child: _Share) -> None:
+def _receive(child: _Share, decisions: Decisions | None = None) -> None:
     """Every message ``child`` has sent so far."""
     while child.open:
         try:
@@ -180,9 +179,8 @@ def _receive(child: _Share) -> None:
         elif kind == "log":
             logging.getLogger(message[1].name).handle(message[1])
         elif kind == "measured":
-            from .. import xopt
-
-            xopt.replay_measurements(message[1])
+            if decisions is not None:
+                decisions.add(message[1])
         elif kind == "end":
             for tid, life in list(child.lives.items()):
                 life.fail(f"the unit of trial {tid} ended in its forked process without an outcome for it")

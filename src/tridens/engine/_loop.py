@@ -31,7 +31,7 @@ from ..space import BaseSpace
 from ..store import Store
 from ..strategy import Strategy
 from ..trial import Decision, Fork, Objective, Trial, TrialGroup, TrialStatus
-from ..units import Job
+from ..units import Job, PlanContext
 from ._execution import Executor
 from ._leftovers import FINISHED_COUNTED, fail_repeated_deaths
 from ._protocol import RunHalted, error_text
@@ -111,7 +111,7 @@ class _Run:
     """The state of one ``run()``: the engine loop and the hooks executors call."""
 
     def __init__(self, exp: Experiment, db: Store, name: str, strategy: Strategy, objective: Objective,
-                 space: BaseSpace):
+                 space: BaseSpace, plan: PlanContext | None = None):
         from ._progress import Progress
 
         self.exp, self.db, self.name, self.strategy, self.objective = exp, db, name, strategy, objective
@@ -120,6 +120,7 @@ class _Run:
         if exp.objective is not None:  # the objective the user named: a user's loop reports it first
             self.evaluator = self.evaluator.for_objective(objective.metric)
         self.space = space
+        self.plan = plan if plan is not None else PlanContext()  # the run's planning state (tridens.units)
         self.no_model = exp.space is None  # a hyperparameter-only search: the function builds its model
         # A user's loop reporting dicts names the objective by their first key: learned at the first report.
         self.naming_objective = exp.objective is None and self.evaluator.objective_from_reports
@@ -266,7 +267,7 @@ class _Run:
         search_space = self.space.search_space().merged(self.evaluator.search_space())
         self.search_space = search_space
         self.strategy.start(search_space, self.objective, random.Random(self.exp.seed), finished)
-        executor = self.executor = self.exp._executor(self.db.path, self.name)
+        executor = self.executor = self.exp._executor(self.db.path, self.name, self.plan)
         self.group_index = max((t.group or 0 for t in trials), default=-1) + 1
         self.position = len(trials)
         before = sum(t.status in FINISHED_COUNTED for t in finished)
@@ -450,7 +451,7 @@ class _Run:
         from ..xopt._supergraph import inherit_from_trial
 
         self.warmed.add(trial.id)
-        trial.info["inherit"] = inherit_from_trial(self.db, self.space, trial, model)
+        trial.info["inherit"] = inherit_from_trial(self.db, self.space, trial, model, self.plan.decisions)
 
     def _warm_start(self, trial: Trial, model: Any) -> None:
         """Load the best zoo parent's transformed weights into ``model``; never fails the trial."""

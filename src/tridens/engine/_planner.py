@@ -6,32 +6,34 @@ runs the passes of :data:`tridens.xopt.PASSES` over the planned units (the share
 batched units that read the same data into one pipeline: mixed units). Whatever is left trains in
 one :class:`~tridens.units.SeparateUnit`. With ``optimize=False`` every trial trains separately
 (the A/B baseline); otherwise every optimization and pass is given the run's frozen
-:class:`tridens.xopt.Settings`. Every unit is bounded by one memory value (:mod:`tridens.units`).
+:class:`tridens.xopt.Settings` and its :class:`tridens.units.PlanContext` (one memory bound for
+every unit, the decisions earlier groups measured, the stage archive).
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import logging
 from typing import Any, Sequence
 
 from ..evaluators import StepwiseEvaluator
-from ..units import (ENV_MAX_UNIT_MEMORY, MAX_UNIT_MEMORY, ExecutionUnit, Job, Optimization, SeparateUnit,
-                     UnitPass, default_max_unit_memory, parse_memory, resolve_max_unit_memory, unit_memory_limit)
+from ..units import (ENV_MAX_UNIT_MEMORY, ExecutionUnit, Job, Optimization, PlanContext, SeparateUnit, UnitPass,
+                     default_max_unit_memory, parse_memory, resolve_max_unit_memory)
 
-__all__ = ["plan", "spread_units", "parse_memory", "resolve_max_unit_memory", "default_max_unit_memory", "unit_memory_limit",
-           "ENV_MAX_UNIT_MEMORY", "MAX_UNIT_MEMORY"]
+__all__ = ["plan", "spread_units", "parse_memory", "resolve_max_unit_memory", "default_max_unit_memory",
+           "ENV_MAX_UNIT_MEMORY"]
 
 log = logging.getLogger("tridens")
 
 
 def plan(jobs: Sequence[Job], evaluator: StepwiseEvaluator, optimize: Any, *,
          max_unit_memory: int | str | None = None, optimizations: Sequence[Optimization] | None = None,
-         passes: Sequence[UnitPass] | None = None) -> list[ExecutionUnit]:
+         passes: Sequence[UnitPass] | None = None, context: PlanContext | None = None) -> list[ExecutionUnit]:
     """Execution units for ``jobs``: fused where the optimizations find it pays, the rest in one
     :class:`~tridens.units.SeparateUnit`. ``optimize``: a :class:`tridens.xopt.Settings`, True (the
     environment's, :meth:`~tridens.xopt.Settings.from_env`) or False (no fusion). ``optimizations`` and ``passes`` default
-    to :data:`tridens.xopt.OPTIMIZATIONS` and :data:`tridens.xopt.PASSES`. Logs one line per unit.
+    to :data:`tridens.xopt.OPTIMIZATIONS` and :data:`tridens.xopt.PASSES`. ``context``: the run's
+    plan context (None: a fresh one; ``max_unit_memory`` replaces its bound). Logs one line per unit.
 
     >>> units = plan(jobs, evaluator, optimize=True, max_unit_memory="2GiB")   # doctest: +SKIP
     """
@@ -42,16 +44,17 @@ def plan(jobs: Sequence[Job], evaluator: StepwiseEvaluator, optimize: Any, *,
         from .. import xopt  # the optimizations' code is loaded when a group is first planned
 
         settings = xopt.resolve_settings(optimize)
-        with contextlib.ExitStack() as stack:
-            if limit is not None:
-                stack.enter_context(unit_memory_limit(limit))
-            for optimization in xopt.OPTIMIZATIONS if optimizations is None else optimizations:
-                if not rest:
-                    break
-                made, rest = optimization.plan(rest, evaluator, settings=settings)
-                units.extend(made)
-            for unit_pass in xopt.PASSES if passes is None else passes:
-                units, rest = unit_pass.run(units, rest, evaluator, settings=settings)
+        context = context if context is not None else PlanContext(settings=settings)
+        if limit is not None and limit != context.max_unit_memory:
+            xopt.prefix_cache(context)  # made first, so that the copy shares it
+            context = dataclasses.replace(context, max_unit_memory=limit)
+        for optimization in xopt.OPTIMIZATIONS if optimizations is None else optimizations:
+            if not rest:
+                break
+            made, rest = optimization.plan(rest, evaluator, settings=settings, context=context)
+            units.extend(made)
+        for unit_pass in xopt.PASSES if passes is None else passes:
+            units, rest = unit_pass.run(units, rest, evaluator, settings=settings, context=context)
     if rest:
         units.append(SeparateUnit(rest, evaluator, reason="" if optimize else "optimize=False"))
     for unit in units:
@@ -63,7 +66,8 @@ def plan(jobs: Sequence[Job], evaluator: StepwiseEvaluator, optimize: Any, *,
 
 
 def spread_units(units: Sequence[ExecutionUnit], evaluator: StepwiseEvaluator, optimize: Any, count: int, *,
-                 separate_tasks: bool = False, by_members: bool = True, where: str = "") -> list[ExecutionUnit]:
+                 separate_tasks: bool = False, by_members: bool = True, where: str = "",
+                 context: PlanContext | None = None) -> list[ExecutionUnit]:
     """Units for ``count`` workers: while there are fewer than ``count``, the biggest unit that may
     be split (``splittable``, or a separate unit) is split in two: by its members as they are where
     it can (:meth:`~tridens.units.ExecutionUnit.split`), else planned again as two equal halves,
@@ -72,7 +76,7 @@ def spread_units(units: Sequence[ExecutionUnit], evaluator: StepwiseEvaluator, o
     ``separate_tasks``: a separate unit's trials count one worker each and are not split (an
     executor that gives each of them its own task). ``by_members=False``: always planned again (an
     executor whose workers plan a unit's trials again from its kind). ``where`` names the workers
-    in the log line.
+    in the log line; ``context``: the run's plan context, for units planned again.
     One unit of a whole group costs nothing when units run one at a time; side by side it would
     leave workers idle.
 
@@ -110,5 +114,5 @@ def spread_units(units: Sequence[ExecutionUnit], evaluator: StepwiseEvaluator, o
         log.info("the %s unit of trials %s is planned again as two units for the %d %s", unit.kind, list(unit.jobs),
                  count, where or "workers")
         for half in halves:
-            units.extend(plan([unit.jobs[t] for t in half], evaluator, optimize))
+            units.extend(plan([unit.jobs[t] for t in half], evaluator, optimize, context=context))
     return units

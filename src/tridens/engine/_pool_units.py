@@ -43,11 +43,11 @@ import torch
 
 from ..evaluators import Evaluator, StepwiseEvaluator
 from ..trial import Fork, Trial
-from ..units import ExecutionUnit, Job
+from ..units import ExecutionUnit, Job, PlanContext
 from ._execution import (LockstepJudge, UnitReport, handed_source, load_bytes, model_bytes, plan_units, run_lockstep,
                          state_bytes)
 from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text, timeout_error
-from ._stage_relay import ArchiveRelay, PlanningView, answer_archive_call, archive_of
+from ._stage_relay import ArchiveRelay, PlanningView, answer_archive_call
 
 if TYPE_CHECKING:
     from ._execution import PoolWorker, ProcessExecutor
@@ -111,7 +111,8 @@ class UnitRun:
             from ..xopt import resolve_settings
 
             settings = resolve_settings(optimize)
-        archive = archive_of(evaluator) if settings else None
+        planning: PlanContext = getattr(context, "plan", None) or PlanContext()   # the run's
+        archive = planning.archive if settings else None
         models = {job.trial.id: model_bytes(job.model) for job in jobs}   # before planning may touch them
         lives = {job.trial.id: TrialProtocol(job, hooks, clock="train") for job in jobs}
         plain = None if settings is None else settings.as_dict()
@@ -126,13 +127,11 @@ class UnitRun:
                         for i in range(count)], True, archive)
         fresh = [job for job in jobs if job.start_from is None]
         placements = [alone(job) for job in jobs if job.start_from is not None]
-        from ..xopt import stage_archive
-
         rest, fused = list(fresh), []
-        with stage_archive(evaluator, None if archive is None else PlanningView(archive)):
-            for optimization in _optimizations():
-                made, rest = optimization.plan(rest, evaluator, settings=settings)
-                fused.extend(made)
+        view = planning.with_archive(None if archive is None else PlanningView(archive))
+        for optimization in _optimizations():
+            made, rest = optimization.plan(rest, evaluator, settings=settings, context=view)
+            fused.extend(made)
         if not fused:
             return None
         for unit in fused:
@@ -441,11 +440,11 @@ def serve_unit(conn: Connection, message: tuple[Any, ...], evaluators: Mapping[i
         chosen = [o for o in xopt.OPTIMIZATIONS if o.name in optimizations]
         relay = None if experiment is None else ArchiveRelay(lambda name, args, kwargs: _call(conn, name, args, kwargs),
                                                              experiment, state_bytes, load_bytes)
-        with xopt.stage_archive(evaluator, relay) if relay is not None else contextlib.nullcontext():
-            units, failed = plan_units(jobs, evaluator, optimize, optimizations=chosen, passes=())
-            for job, err in failed:
-                judge.failed(None, job.trial.id, err)
-            run_lockstep(units, judge)
+        planning = PlanContext(settings=optimize or None, archive=relay)   # the worker's own, for these units
+        units, failed = plan_units(jobs, evaluator, optimize, optimizations=chosen, passes=(), context=planning)
+        for job, err in failed:
+            judge.failed(None, job.trial.id, err)
+        run_lockstep(units, judge)
     except Exception as err:  # planning failed, or the pipe broke: every member still here fails with it
         text = error_text(err)
         for job in jobs:

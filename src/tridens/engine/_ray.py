@@ -47,15 +47,15 @@ from typing import Any, Mapping, Sequence
 import ray
 
 from ..evaluators import Evaluator, StepwiseEvaluator
-from ..units import Job
-from ._execution import Executor, RunContext
+from ..units import Job, PlanContext
+from ._execution import Executor, RunContext, _context
 from ..trial import Fork
 from ._protocol import GroupHooks, TrialProtocol, Verdict, timeout_error
 from ._ray_fluid import FluidOnRay
 from ._ray_hub import POLL_S, Hub, record_outcome
 from ._ray_storage import CheckpointStorage
 from ._ray_trials import UserLoopGroup
-from ._stage_relay import PlanningView, answer_archive_call, archive_of
+from ._stage_relay import PlanningView, answer_archive_call
 
 __all__ = ["RayExecutor"]
 
@@ -251,14 +251,13 @@ class RayExecutor(Executor):
         tracks = [alone(job) for job in jobs if job.start_from is not None]
         if not self.optimize or self.allocation is not None:
             return tracks + [alone(job) for job in fresh]
-        from ..xopt import stage_archive
         from ._planner import plan
 
         # stage trees are planned from the stored rows (PlanningView); the tasks load and store
         # stages through the hub (answered by _handle_unit)
-        with stage_archive(evaluator, None if self._archive is None else PlanningView(self._archive)):
-            units = plan(fresh, evaluator, self.optimize) if fresh else []
-            units = self._spread(units, evaluator)
+        planning = self._planning().with_archive(None if self._archive is None else PlanningView(self._archive))
+        units = plan(fresh, evaluator, self.optimize, context=planning) if fresh else []
+        units = self._spread(units, evaluator, planning)
         for unit in units:
             described = unit.describe()
             if described["kind"] == "separate":  # nothing shared: each trial its own task, in parallel
@@ -271,16 +270,21 @@ class RayExecutor(Executor):
                                      planned=described["kind"], settings=settings))
         return tracks
 
-    def _spread(self, units: list[Any], evaluator: StepwiseEvaluator) -> list[Any]:
+    def _spread(self, units: list[Any], evaluator: StepwiseEvaluator, planning: PlanContext) -> list[Any]:
         """Fewer tasks than workers: units split until every worker has a task (a separate unit's
         trials are a task each)."""
         from ._planner import spread_units
 
-        return spread_units(units, evaluator, self.optimize, self.workers, separate_tasks=True, by_members=False)
+        return spread_units(units, evaluator, self.optimize, self.workers, separate_tasks=True, by_members=False,
+                            context=planning)
+
+    def _planning(self) -> PlanContext:
+        """The run's plan context (:class:`~tridens.units.PlanContext`)."""
+        return _context(self).plan
 
     def _run_units(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, evaluator_ref: Any, storage: CheckpointStorage,
                    hooks: GroupHooks) -> None:
-        self._archive = archive_of(evaluator) if self.optimize else None
+        self._archive = self._planning().archive if self.optimize else None
         fluid = None
         lives = {job.trial.id: TrialProtocol(job, hooks, clock="train") for job in jobs}
         tracks = self._units(jobs, evaluator, lives)
@@ -347,7 +351,7 @@ class RayExecutor(Executor):
         spec = {"attempt": track.attempt, "root": storage.root, "cpus": track.resources.get("num_cpus", 1.0),
                 "stages": self._archive.experiment if stages else None, "experiment": str(self.experiment),
                 "optimize": track.optimize and not track.resume, "resume": track.resume, "members": members,
-                "max_unit_memory": configured_max_unit_memory(), "world": track.world, "planned": track.planned,
+                "max_unit_memory": configured_max_unit_memory(self._planning().max_unit_memory), "world": track.world, "planned": track.planned,
                 "settings": track.settings,
                 "limit": next(iter(track.members.values())).limit}
         track.started = track.last_message = math.inf

@@ -44,7 +44,7 @@ import ray
 import torch
 
 from ..evaluators import StepwiseEvaluator
-from ..units import ExecutionUnit, Job, SeparateUnit
+from ..units import ExecutionUnit, Job, PlanContext, SeparateUnit
 from ..trial import Fork
 from ._execution import LockstepJudge, UnitReport, handed_source, plan_units, run_lockstep
 from ._protocol import Verdict, error_text
@@ -195,15 +195,17 @@ def _resume(worker: _Worker, jobs: Sequence[Job], evaluator: StepwiseEvaluator, 
     return unit
 
 
-def _plan(jobs: Sequence[Job], evaluator: StepwiseEvaluator, spec: Mapping[str, Any]) -> list[Any]:
+def _plan(jobs: Sequence[Job], evaluator: StepwiseEvaluator, spec: Mapping[str, Any], archive: Any = None) -> list[Any]:
     """The unit the driver planned, planned again here with the driver's settings (its batching
-    decision included), sent as plain data in the spec."""
+    decision included) and memory bound, sent as plain data in the spec; stage trees store and
+    load stages through ``archive`` (the driver's, relayed)."""
     if not spec["optimize"]:
         return plan_units(jobs, evaluator, False)[0]
     from ..xopt import Settings
 
     settings = Settings.from_dict(spec["settings"])
-    units, _ = plan_units(jobs, evaluator, settings, max_unit_memory=spec["max_unit_memory"])
+    planning = PlanContext(settings=settings, max_unit_memory=spec["max_unit_memory"], archive=archive)
+    units, _ = plan_units(jobs, evaluator, settings, context=planning)
     if (len(units) != 1 or units[0].kind != spec["planned"]) and settings.batching.mode != "auto":
         # (with "auto", an adaptive unit's decision cached in this worker may plan it otherwise)
         log.warning("trials %s: the driver planned one %s unit, this worker planned %s (trained as planned here)",
@@ -232,10 +234,7 @@ def run_unit(evaluator: StepwiseEvaluator, spec: dict[str, Any], hub: Any) -> di
         else:
             for job in jobs:  # a new run of these trials (after a driver crash too) starts afresh
                 worker.storage.clear(worker.directories[job.trial.id])
-            from ..xopt import stage_archive
-
-            with stage_archive(evaluator, worker.relay()):   # stage trees load and store stages through the driver
-                units = _plan(jobs, evaluator, spec)
+            units = _plan(jobs, evaluator, spec, worker.relay())   # stages loaded and stored through the driver
     except Exception as err:  # planning or a checkpoint failed: every member fails with it
         text = error_text(err)
         for job in jobs:

@@ -14,20 +14,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence
 
-__all__ = ["ArchiveRelay", "PlanningView", "answer_archive_call", "archive_of"]
+__all__ = ["ArchiveRelay", "PlanningView", "answer_archive_call"]
 
 log = logging.getLogger("tridens")
 
 ARCHIVE_CALLS = {"has_root": False, "deepest": 0, "load": None, "save": None, "fail": None, "link": None}
 """The stage-store calls a worker may make, and what each returns when the store cannot answer."""
-
-
-def archive_of(evaluator: Any) -> Any:
-    """The stage store the experiment attached to ``evaluator`` for this run (None: none)."""
-    from ..xopt import prefix_cache
-
-    cache = prefix_cache(evaluator)
-    return None if cache is None else cache.archive
 
 
 class PlanningView:

@@ -1,30 +1,24 @@
 """The memory bound of an execution unit: one value that every planner bounds its units by.
 
 Resolved by :func:`resolve_max_unit_memory`: the ``max_unit_memory`` of the experiment
-(``td.Experiment(..., max_unit_memory="2GiB")``, set for its run by :func:`unit_memory_limit`),
-else the environment variable ``TRIDENS_MAX_UNIT_MEMORY``, else :func:`default_max_unit_memory`
+(``td.Experiment(..., max_unit_memory="2GiB")``, carried by the run's
+:class:`~tridens.units.PlanContext`), else the environment variable ``TRIDENS_MAX_UNIT_MEMORY``, else :func:`default_max_unit_memory`
 (half of the physical memory for CPU training, 80% of the free memory of a CUDA device).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import os
 import re
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-__all__ = ["parse_memory", "resolve_max_unit_memory", "default_max_unit_memory", "unit_memory_limit",
-           "configured_max_unit_memory", "ENV_MAX_UNIT_MEMORY", "MAX_UNIT_MEMORY"]
+__all__ = ["parse_memory", "resolve_max_unit_memory", "default_max_unit_memory", "configured_max_unit_memory",
+           "ENV_MAX_UNIT_MEMORY"]
 
 ENV_MAX_UNIT_MEMORY = "TRIDENS_MAX_UNIT_MEMORY"
 """The environment variable that bounds a unit's memory when the experiment sets no bound."""
-
-MAX_UNIT_MEMORY: contextvars.ContextVar[int | None] = contextvars.ContextVar("tridens_max_unit_memory",
-                                                                               default=None)
-"""The running experiment's ``max_unit_memory`` in bytes (None: not set); set by :func:`unit_memory_limit`."""
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
@@ -65,41 +59,27 @@ def default_max_unit_memory(device: torch.device | str = "cpu") -> int:
 
 
 def resolve_max_unit_memory(value: int | str | None, device: torch.device | str = "cpu") -> int:
-    """The bound a planner uses: ``value``, else the running experiment's ``max_unit_memory``,
-    else ``$TRIDENS_MAX_UNIT_MEMORY``, else :func:`default_max_unit_memory` of ``device``."""
+    """The bound a planner uses: ``value`` (the run's ``max_unit_memory``), else
+    ``$TRIDENS_MAX_UNIT_MEMORY``, else :func:`default_max_unit_memory` of ``device``.
+
+    >>> resolve_max_unit_memory("1GiB")
+    1073741824
+    """
     resolved = parse_memory(value, "max_unit_memory", "the planner")
-    if resolved is None:
-        resolved = MAX_UNIT_MEMORY.get()
     if resolved is None and os.environ.get(ENV_MAX_UNIT_MEMORY):
         resolved = parse_memory(os.environ[ENV_MAX_UNIT_MEMORY], ENV_MAX_UNIT_MEMORY, "the environment")
     return default_max_unit_memory(device) if resolved is None else resolved
 
 
-@contextlib.contextmanager
-def unit_memory_limit(value: int | str | None) -> Iterator[None]:
-    """Plan with ``value`` as the bound of every unit (None: the default) inside the block.
-
-    >>> with unit_memory_limit("1GiB"):
-    ...     resolve_max_unit_memory(None)
-    1073741824
-    """
-    token = MAX_UNIT_MEMORY.set(parse_memory(value))
-    try:
-        yield
-    finally:
-        MAX_UNIT_MEMORY.reset(token)
-
-
-def configured_max_unit_memory() -> int | None:
-    """The bound set for this run, without the device default: the experiment's
-    ``max_unit_memory``, else ``$TRIDENS_MAX_UNIT_MEMORY``, else None (what a remote worker
+def configured_max_unit_memory(value: int | str | None = None) -> int | None:
+    """The bound set for a run, without the device default: ``value`` (the experiment's
+    ``max_unit_memory``), else ``$TRIDENS_MAX_UNIT_MEMORY``, else None (what a remote worker
     needs to resolve the same bound on its own device).
 
-    >>> with unit_memory_limit(4096):
-    ...     configured_max_unit_memory()
+    >>> configured_max_unit_memory(4096)
     4096
     """
-    bound = MAX_UNIT_MEMORY.get()
+    bound = parse_memory(value, "max_unit_memory", "the planner")
     if bound is None and os.environ.get(ENV_MAX_UNIT_MEMORY):
         bound = parse_memory(os.environ[ENV_MAX_UNIT_MEMORY], ENV_MAX_UNIT_MEMORY, "the environment")
     return bound

@@ -18,26 +18,28 @@ __all__ = ["Planner", "Pass", "Optimization", "UnitPass"]
 
 
 class Planner(Protocol):
-    """``planner(jobs, evaluator, settings=...) -> (units, leftover jobs)``; bounds its units by
-    :func:`~tridens.units.resolve_max_unit_memory`. ``settings`` is the run's frozen
-    :class:`tridens.xopt.Settings` (None: the planner's defaults); it reaches the units the
-    planner builds through their constructors."""
+    """``planner(jobs, evaluator, settings=..., context=...) -> (units, leftover jobs)``.
+    ``settings`` is the run's frozen :class:`tridens.xopt.Settings` (None: the planner's
+    defaults); ``context`` the run's :class:`~tridens.units.PlanContext`, whose memory bound
+    (:meth:`~tridens.units.PlanContext.memory_bound`) bounds the units and whose decisions the
+    units read and record into (None: a fresh one). Both reach the units the planner builds through
+    their constructors."""
 
-    def __call__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, /, *, settings: Any = None
-                 ) -> tuple[list[ExecutionUnit], list[Job]]: ...
+    def __call__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, /, *, settings: Any = None,
+                 context: Any = None) -> tuple[list[ExecutionUnit], list[Job]]: ...
 
 
 class Pass(Protocol):
-    """``fn(units, leftover jobs, evaluator, settings=...) -> (units to run, jobs still left)``."""
+    """``fn(units, leftover jobs, evaluator, settings=..., context=...) -> (units to run, jobs still left)``."""
 
     def __call__(self, units: list[ExecutionUnit], jobs: list[Job], evaluator: StepwiseEvaluator, /, *,
-                 settings: Any = None) -> tuple[list[ExecutionUnit], list[Job]]: ...
+                 settings: Any = None, context: Any = None) -> tuple[list[ExecutionUnit], list[Job]]: ...
 
 
 class Optimization(NamedTuple):
     """A named planner, as listed in :data:`tridens.xopt.OPTIMIZATIONS`.
 
-    >>> Optimization("nothing", lambda jobs, evaluator, settings=None: ([], list(jobs))).name
+    >>> Optimization("nothing", lambda jobs, evaluator, settings=None, context=None: ([], list(jobs))).name
     'nothing'
     """
 

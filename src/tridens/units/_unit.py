@@ -151,6 +151,12 @@ class ExecutionUnit:
         "speedup", "fused"}`` (none by default). The dashboard tells the seconds saved from them."""
         return []
 
+    def measurements(self) -> list[Any]:
+        """What this unit measured while it trained, as data (:class:`~tridens.units.Measurement`,
+        also recorded in the run's :class:`~tridens.units.PlanContext`): a process that trained it
+        elsewhere hands these back to the driver (none by default)."""
+        return []
+
     def describe(self) -> dict[str, Any]:
         """The unit as plain data (JSON) for logs, the store and a dashboard: its ``kind``, its
         ``trials`` and ``groups`` (by number in the experiment, as a user reads trials; ``ids``: the

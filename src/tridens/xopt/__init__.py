@@ -19,7 +19,9 @@ rewrite the planned units.
 
 Their knobs are one frozen :class:`Settings` (``td.Experiment(optimize=Settings(...))``; with
 ``optimize=True`` the defaults and the environment, :meth:`Settings.from_env`), given by the
-planner to every optimization and pass as ``settings=``.
+planner to every optimization and pass as ``settings=``, with the run's
+:class:`tridens.units.PlanContext` as ``context=`` (memory bound, decisions measured so far, the
+stage trees' prefix cache and archive): nothing of a run is kept in a module.
 
 >>> import tridens.xopt as xopt
 >>> [optimization.name for optimization in xopt.OPTIMIZATIONS]
@@ -29,10 +31,10 @@ planner to every optimization and pass as ``settings=``.
 from ..units import Optimization, UnitPass
 from . import _batching as batching
 from . import _cse as cse
-from ._batching import BatchedUnit, measurement_mark, measurements_since, plan_batching, replay_measurements
+from ._batching import BatchedUnit, plan_batching
 from ._cse import (PipelineMember, SharedPipelineUnit, SharedPrefix, TrainerMember, merge_pipelines, plan_cse,
                    plan_frozen_prefixes)
-from ._stages import StageTreeUnit, plan_stage_trees, prefix_cache, stage_archive
+from ._stages import StageTreeUnit, plan_stage_trees, prefix_cache
 from ._settings import BatchingSettings, CSESettings, Settings, resolve_settings
 from ._supergraph import plan_supergraph
 
@@ -50,6 +52,6 @@ PASSES: tuple[UnitPass, ...] = (
 )
 """The passes over the planned units, in order."""
 
-__all__ = ["OPTIMIZATIONS", "PASSES", "Settings", "BatchingSettings", "CSESettings", "resolve_settings", "StageTreeUnit", "plan_stage_trees", "stage_archive", "prefix_cache", "BatchedUnit", "plan_batching", "batching",
+__all__ = ["OPTIMIZATIONS", "PASSES", "Settings", "BatchingSettings", "CSESettings", "resolve_settings", "StageTreeUnit", "plan_stage_trees", "prefix_cache", "BatchedUnit", "plan_batching", "batching",
            "SharedPipelineUnit", "PipelineMember", "TrainerMember", "SharedPrefix", "plan_cse", "plan_frozen_prefixes", "merge_pipelines",
-           "plan_supergraph", "cse", "measurement_mark", "measurements_since", "replay_measurements"]
+           "plan_supergraph", "cse"]

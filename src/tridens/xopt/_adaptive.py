@@ -72,11 +72,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..units import ExecutionUnit, Job, numbered
+from ..units import Decisions, ExecutionUnit, Job, Measurement, numbered
 from ..evaluators._base import StepwiseEvaluator
 from ._decision_cache import SEPARATE_STEP, DecisionCache
-from ._batching import (_SEPARATE_STEPS, _SETUP_FIELDS, BatchedMember, BatchedUnit, _EFFICIENCY, peak_matmul_flops,
-                        record_separate_step, record_speedup)
+from ._batching import _SETUP_FIELDS, BatchedMember, BatchedUnit, peak_matmul_flops
 from ._cse import TrainerMember, joint_trainers, with_fast_kernels
 from ._pipeline import PipelineMember
 from ._settings import BatchingSettings, CSESettings
@@ -111,8 +110,14 @@ class AdaptiveMember:
 
     def __init__(self, fused: BatchedMember, jobs: Sequence[Job], evaluator: StepwiseEvaluator, *,
                  skey: str = "", setup: tuple[Any, ...] = (), flops: float = 0.0, cse: CSESettings | None = None,
-                 stored_key: str | None = None, known: tuple[float, str] | None = None):
+                 stored_key: str | None = None, known: tuple[float, str] | None = None,
+                 decisions: Decisions | None = None, max_unit_memory: int | None = None):
         self.fused: BatchedMember | None = fused
+        self.max_unit_memory = max_unit_memory  # the run's bound, for separate trainers stepped jointly
+        # the run's decisions (tridens.units.PlanContext) this group reads and records into; what it
+        # measured is also kept as data (``recorded``) for a driver in another process
+        self.decisions = decisions if decisions is not None else Decisions()
+        self.recorded: list[Measurement] = []
         self.settings = fused.settings  # the knobs of the decision
         self.cse = cse if cse is not None else CSESettings()  # how separate trainers step (joint, exact kernels)
         self.jobs = {job.trial.id: job for job in jobs}
@@ -167,7 +172,7 @@ class AdaptiveMember:
             self.state, self.speedup = "fused", speedup
             self.decision = f"fused: measured {speedup:.2f}x on {where}"
             self._decided_k = len(self.jobs)
-            self._separate_step = _SEPARATE_STEPS.get(decision_key(skey, setup, 1, self.device))
+            self._separate_step = self.decisions.separate_steps.get(decision_key(skey, setup, 1, self.device))
 
     # -- the member protocol ---------------------------------------------------------------------
     def trial_ids(self) -> list[int]:
@@ -378,12 +383,12 @@ class AdaptiveMember:
 
     def _roofline(self) -> str:
         """How close one model's separate step runs to the peak matmul rate ('' where unknown):
-        recorded in ``_EFFICIENCY`` and logged with the decision; the measured ratio decides."""
+        recorded in the run's ``decisions.efficiency`` and logged with the decision; the measured ratio decides."""
         if not (self.device.type == "cpu" and self.flops > 0 and self._separate):
             return ""
         rate = self.flops / max(min(self._separate), 1e-9)
         fraction = rate / peak_matmul_flops(self.device)
-        _EFFICIENCY[(self.skey, self.setup, torch.get_num_threads())] = (fraction, rate, min(self._separate))
+        self.decisions.efficiency[(self.skey, self.setup, torch.get_num_threads())] = (fraction, rate, min(self._separate))
         return f"one model's step at {100 * fraction:.0f}% of the peak matmul rate"
 
     def _start_fused(self) -> bool:
@@ -524,11 +529,12 @@ class AdaptiveMember:
             else:
                 self._go_separate("every model failed")
             return
-        record_speedup(self.key, ratio)
+        self.recorded.append(self.decisions.record_speedup(self.key, ratio))
         self._store(ratio)
         if self._separate:  # (measured also where the ratio is overridden)
             step = self._separate_step = statistics.median(self._separate)
-            record_separate_step(decision_key(self.skey, self.setup, 1, self.device), step)
+            self.recorded.append(self.decisions.record_separate_step(decision_key(self.skey, self.setup, 1, self.device),
+                                                                     step))
             if self.stored_key is not None and self.settings.override_speedup is None:
                 DecisionCache(self.settings.decision_cache).put(self.stored_key + SEPARATE_STEP, step)
         self.speedup = ratio
@@ -647,14 +653,15 @@ class AdaptiveMember:
         """From now on ``trainers`` (in the trials' order) train the models, stepping as the CSE
         settings say; returns how they step jointly ("" when they do not)."""
         self.trainers = {t: trainers[t] for t in self._order if t in trainers}
-        self._steppers, joint = joint_trainers(list(self.trainers.values()), self.cse)
+        self._steppers, joint = joint_trainers(list(self.trainers.values()), self.cse,
+                                               max_unit_memory=self.max_unit_memory, decisions=self.decisions)
         self.fused = None
         self.state = "separate"
         return joint
 
     def _go_separate(self, why: str) -> None:
         if why.startswith("the models do not vectorize"):  # structural: later groups need not try
-            record_speedup(self.key, 0.0, replace=True)
+            self.recorded.append(self.decisions.record_speedup(self.key, 0.0, replace=True))
             self._store(0.0, replace=True)
         timing = self._timing
         for t in self.trial_ids():
@@ -691,12 +698,14 @@ class AdaptiveUnit(BatchedUnit):
     def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, reason: str = "", *,
                  shared_input: bool | None = None, skey: str = "", setup: tuple[Any, ...] = (),
                  flops: float = 0.0, settings: BatchingSettings | None = None, cse: CSESettings | None = None,
-                 stored_key: str | None = None, known: tuple[float, str] | None = None):
+                 stored_key: str | None = None, known: tuple[float, str] | None = None,
+                 decisions: Decisions | None = None, max_unit_memory: int | None = None):
         super().__init__(jobs, evaluator, reason, shared_input=shared_input, settings=settings)
         fused = self.member
         assert isinstance(fused, BatchedMember)
         self.member: AdaptiveMember = AdaptiveMember(fused, jobs, evaluator, skey=skey, setup=setup,  # type: ignore[assignment]
-                                                     flops=flops, cse=cse, stored_key=stored_key, known=known)
+                                                     flops=flops, cse=cse, stored_key=stored_key, known=known,
+                                                     decisions=decisions, max_unit_memory=max_unit_memory)
 
     def summary(self) -> str:
         return ExecutionUnit.summary(self) + f" ({self.member.engine})"

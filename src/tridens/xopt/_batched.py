@@ -8,8 +8,8 @@ outside vmap from each trial's own random stream, so fused equals separate. The 
 
 from __future__ import annotations
 
-
 import copy
+import functools
 import math
 import time
 from typing import Any, Callable, Sequence
@@ -520,18 +520,14 @@ def _stacked_loss(loss: Callable[..., torch.Tensor], out: torch.Tensor, y: torch
     return vmap(loss, in_dims=(0, None))(out, y)
 
 
-_UNIFORM_DROPOUT: list[bool] = []
-
-
+@functools.lru_cache(maxsize=None)  # a fact of this torch build, not of a run
 def _uniform_dropout() -> bool:
     """Whether this build's CPU ``bernoulli_(q)`` is ``torch.rand(dtype=float64) < q`` (its default
     kernel; with MKL on Intel CPUs it draws from an MKL stream instead): checked once per process."""
-    if not _UNIFORM_DROPOUT:
-        a, b = torch.Generator().manual_seed(20261123), torch.Generator().manual_seed(20261123)
-        drawn = torch.empty(1000).bernoulli_(0.7, generator=a)
-        compared = torch.rand(1000, dtype=torch.float64, generator=b).lt(0.7).float()
-        _UNIFORM_DROPOUT.append(torch.equal(drawn, compared) and torch.equal(a.get_state(), b.get_state()))
-    return _UNIFORM_DROPOUT[0]
+    a, b = torch.Generator().manual_seed(20261123), torch.Generator().manual_seed(20261123)
+    drawn = torch.empty(1000).bernoulli_(0.7, generator=a)
+    compared = torch.rand(1000, dtype=torch.float64, generator=b).lt(0.7).float()
+    return torch.equal(drawn, compared) and torch.equal(a.get_state(), b.get_state())
 
 
 def _state_keys(model: nn.Module) -> list[tuple[str, str]]:
@@ -588,6 +584,9 @@ class BatchedUnit(ExecutionUnit):
     def speedups(self) -> list[dict[str, Any]]:
         measured = self.member.measured()
         return [measured] if measured else []
+
+    def measurements(self) -> list[Any]:
+        return list(getattr(self.member, "recorded", ()))
 
     def batching(self) -> str:
         return "auto" if self.member.batching() == "auto" else "force"

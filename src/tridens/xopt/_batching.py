@@ -58,11 +58,11 @@ with the same key are planned fused (an adaptive unit that starts fused and meas
 stack shrinks) or left to the next optimization and separate training directly, from the median of
 the measurements -- except while that median is within 25% of ``min_speedup`` and fewer than
 ``marginal_measurements`` were taken, where one noisy measurement may have landed on the wrong
-side: those groups measure again (:func:`settled_speedup`). Kept in this process, and in later
-ones on the same machine through the file ``BatchingSettings.decision_cache`` names
+side: those groups measure again (:func:`settled_speedup`). Kept for the run in its plan context
+(:class:`tridens.units.PlanContext`, ``decisions``), and in later runs on the same machine through the file ``BatchingSettings.decision_cache`` names
 (:mod:`tridens.xopt._decision_cache`). Grouping traces a model's graph only where another model
 shares its module tree and tensor shapes, and once per set of models whose modules agree in class
-and plain attributes (:func:`_attribute_key`), for the process's lifetime. Knobs (:class:`~tridens.xopt.BatchingSettings`, the ``batching`` part of
+and plain attributes (:func:`_attribute_key`), once per run. Knobs (:class:`~tridens.xopt.BatchingSettings`, the ``batching`` part of
 the :class:`~tridens.xopt.Settings` the planner is given):
 
 * ``mode`` (``$TRIDENS_BATCHING``): ``"auto"`` (decide from real steps, default),
@@ -109,6 +109,7 @@ kernel and faster on packed small maps), with a ReLU right after it folded in.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
@@ -122,81 +123,23 @@ import torch.nn as nn
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
-from ..units import ExecutionUnit, Job, resolve_max_unit_memory
+from ..units import Decisions, ExecutionUnit, Job, PlanContext
 from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._supervised import TrainConfig, BatchSource, SupervisedEvaluator
 from ._batched import BatchedMember, BatchedUnit
-from ._decision_cache import KEPT, SEPARATE_STEP, DecisionCache, stored_key
+from ._decision_cache import SEPARATE_STEP, DecisionCache, stored_key
 from ._settings import BatchingSettings, CSESettings, Settings
 from ._stacked import _DROPOUTS, _ForwardState, _first_line, _forward_state
 from ._variants import is_hook_attribute, is_site, order_by_variant, sites_as_placeholders
 
-__all__ = ["BatchedUnit", "BatchingSettings", "plan_batching", "group_key", "clear_cache"]
+__all__ = ["BatchedUnit", "BatchingSettings", "plan_batching", "group_key"]
 
 log = logging.getLogger("tridens")
 
 
-# (group key, K, device type) -> the measured speed-ups of fused over separate training, oldest first
-_SPEEDUPS: dict[tuple[Any, ...], list[float]] = {}
-# (group key, 1, device type) -> one model's separate step, CPU s (the median its timing trial measured):
-# what a fused stack that shrank compares its steps with
-_SEPARATE_STEPS: dict[tuple[Any, ...], float] = {}
 MARGIN = 1.25
 """A speed-up within this factor of ``min_speedup`` (either side) is *marginal*: one measurement
 of it may fall on the wrong side, so later groups measure again (:func:`settled_speedup`)."""
-
-
-# every measurement this process recorded, in order: ("speedup" | "separate step", key, value, replace);
-# a forked process hands the ones since its fork back to its parent (:func:`measurements_since`)
-_RECORDED: list[tuple[str, tuple[Any, ...], float, bool]] = []
-_RECORDED_MAX = 4096
-_recorded_before = [0]   # measurements dropped from the front of _RECORDED
-
-
-def record_speedup(key: tuple[Any, ...], speedup: float, *, replace: bool = False) -> None:
-    """Keep a measured speed-up for later groups of ``key`` (``replace``: instead of the earlier
-    ones, e.g. 0 for models that do not vectorize); the latest :data:`KEPT` are kept."""
-    values = [] if replace else _SPEEDUPS.get(key, [])
-    _SPEEDUPS[key] = (values + [float(speedup)])[-KEPT:]
-    _log_measurement("speedup", key, speedup, replace)
-
-
-def record_separate_step(key: tuple[Any, ...], seconds: float) -> None:
-    """Keep one model's measured separate step (CPU s) for later stacks of ``key`` that shrink."""
-    _SEPARATE_STEPS[key] = float(seconds)
-    _log_measurement("separate step", key, seconds, True)
-
-
-def _log_measurement(kind: str, key: tuple[Any, ...], value: float, replace: bool) -> None:
-    if len(_RECORDED) >= _RECORDED_MAX:
-        half = _RECORDED_MAX // 2
-        del _RECORDED[:half]
-        _recorded_before[0] += half
-    _RECORDED.append((kind, key, float(value), replace))
-
-
-def measurement_mark() -> int:
-    """A position in this process's measurements: :func:`measurements_since` returns the later ones."""
-    return _recorded_before[0] + len(_RECORDED)
-
-
-def measurements_since(mark: int) -> list[tuple[str, tuple[Any, ...], float, bool]]:
-    """The measurements (speed-ups, separate steps) recorded after ``mark``, in order: what a forked
-    process that trained units hands back to its parent, plain data.
-
-    >>> mark = measurement_mark(); record_speedup(("demo",), 2.5); measurements_since(mark)
-    [('speedup', ('demo',), 2.5, False)]
-    """
-    return list(_RECORDED[max(0, mark - _recorded_before[0]):])
-
-
-def replay_measurements(measurements: Sequence[tuple[str, tuple[Any, ...], float, bool]]) -> None:
-    """Record measurements another process took (:func:`measurements_since`), as if taken here."""
-    for kind, key, value, replace in measurements:
-        if kind == "speedup":
-            record_speedup(tuple(key), value, replace=replace)
-        elif kind == "separate step":
-            record_separate_step(tuple(key), value)
 
 
 def settled_speedup(measured: Sequence[float], settings: BatchingSettings) -> float | None:
@@ -215,23 +158,6 @@ def settled_speedup(measured: Sequence[float], settings: BatchingSettings) -> fl
     if len(measured) < settings.marginal_measurements and bar / MARGIN <= ratio <= bar * MARGIN:
         return None
     return ratio
-
-
-# (attribute key, module classes) -> structure key (or the error tracing raised): later groups of a
-# search plan models of the same kind, traced once per process
-_TRACED: dict[tuple[Any, ...], str | BaseException] = {}
-_TRACED_MAX = 4096
-
-
-def clear_cache() -> None:
-    """Forget the measured speed-ups, separate-step rates and traced structure keys (kept for the
-    process's lifetime)."""
-    _SPEEDUPS.clear()
-    _SEPARATE_STEPS.clear()
-    _EFFICIENCY.clear()
-    _TRACED.clear()
-    _recorded_before[0] += len(_RECORDED)
-    _RECORDED.clear()
 
 
 # -- grouping ----------------------------------------------------------------------------------------
@@ -320,28 +246,24 @@ def _first_batch(cfg: TrainConfig, seed: int) -> tuple[torch.Tensor, torch.Tenso
     return cfg.augment(x, seed, 0, 0), y
 
 
-_PEAKS: dict[tuple[str, int], float] = {}
-# (structure key, setup key, threads) -> (fraction of the peak, FLOPs per CPU second, CPU seconds) of
-# one model's separate step, from the first real steps of an adaptive unit
-_EFFICIENCY: dict[tuple[Any, ...], tuple[float, float, float]] = {}
-
-
 def peak_matmul_flops(device: torch.device) -> float:
     """FLOPs per CPU second of a 256x256 fp32 matmul on ``device`` (a warm-up, then the best of
     eight; cached per process and thread count): the roof one model's step is compared with. Small
     on purpose: a larger probe costs a noticeable share of planning small models and reads about
     the same rate."""
-    key = (device.type, torch.get_num_threads())
-    if key not in _PEAKS:
-        a, b = torch.randn(256, 256, device=device), torch.randn(256, 256, device=device)
+    return _peak_matmul_flops(device.type, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=None)  # a fact of this machine and thread count, not of a run
+def _peak_matmul_flops(device_type: str, threads: int) -> float:
+    a, b = torch.randn(256, 256, device=device_type), torch.randn(256, 256, device=device_type)
+    a @ b
+    best = 0.0
+    for _ in range(8):
+        t0 = time.process_time()
         a @ b
-        best = 0.0
-        for _ in range(8):
-            t0 = time.process_time()
-            a @ b
-            best = max(best, 2 * 256 ** 3 / max(time.process_time() - t0, 1e-6))
-        _PEAKS[key] = best
-    return _PEAKS[key]
+        best = max(best, 2 * 256 ** 3 / max(time.process_time() - t0, 1e-6))
+    return best
 
 
 def _probe(jobs: Sequence[Job], evaluator: SupervisedEvaluator, x: torch.Tensor, y: torch.Tensor,
@@ -469,10 +391,10 @@ def _attribute_key(model: nn.Module) -> tuple[Any, ...] | None:
     return tuple(parts)
 
 
-def _structure_keys(jobs: Sequence[Job]) -> list[str | BaseException | None]:
+def _structure_keys(jobs: Sequence[Job], decisions: Decisions) -> list[str | BaseException | None]:
     """The structure key (:func:`_structure_key`, a graph trace) of each job whose model shares its
     module tree and tensor shapes with another job's; models with equal attribute keys and module
-    classes share one trace, in this call and later ones (:data:`_TRACED`). None for a job with no
+    classes share one trace, in this call and later ones of the run (``decisions.traced``). None for a job with no
     partner to stack with (in ``jobs``' order)."""
     by_shape: dict[tuple[Any, ...], list[int]] = {}
     for index, job in enumerate(jobs):
@@ -486,8 +408,8 @@ def _structure_keys(jobs: Sequence[Job]) -> list[str | BaseException | None]:
             attrs = _attribute_key(job.model)
             # the classes themselves (not their names): a class defined again, e.g. in a notebook, is traced again
             cached = None if attrs is None else (attrs, tuple(type(m) for m in job.model.modules()))
-            if cached is not None and cached in _TRACED:
-                keys[index] = _TRACED[cached]
+            if cached is not None and cached in decisions.traced:
+                keys[index] = decisions.traced[cached]
                 continue
             try:
                 key: str | BaseException = _structure_key(job.model)
@@ -495,9 +417,7 @@ def _structure_keys(jobs: Sequence[Job]) -> list[str | BaseException | None]:
                 key = err
             keys[index] = key
             if cached is not None:
-                if len(_TRACED) >= _TRACED_MAX:
-                    _TRACED.clear()
-                _TRACED[cached] = key
+                decisions.remember_traced(cached, key)
     return keys
 
 
@@ -509,19 +429,24 @@ def _differing(a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
 
 
 def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings: Settings | None = None,
-                  max_unit_memory: int | str | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
+                  max_unit_memory: int | str | None = None, context: PlanContext | None = None
+                  ) -> tuple[list[ExecutionUnit], list[Job]]:
     """Group ``jobs`` by (structure, training setup) and fuse each group of two or more, within
-    ``max_unit_memory`` (bytes or e.g. ``"2GiB"``; default: the experiment's bound, see
-    :func:`tridens.units.resolve_max_unit_memory`): as a :class:`BatchedUnit` where
+    ``max_unit_memory`` (bytes or e.g. ``"2GiB"``; default: the run's bound,
+    :meth:`tridens.units.PlanContext.memory_bound`): as a :class:`BatchedUnit` where
     ``settings.batching.mode == "force"``; as an :class:`~tridens.xopt._adaptive.AdaptiveUnit` that
     starts fused where earlier groups with the same key measured that fusion pays, and one that
     decides from its own first real steps where nothing (or too little, near the bar) was measured;
     not at all where groups with the same key measured that it does not pay. Returns the units
     and the jobs left for other optimizations /
     separate training. Logs one line per group that is not fused, saying why (fused units log
-    their own line through the planner). ``settings`` (None: :meth:`Settings.from_env`) holds the
-    knobs (see the module docstring)."""
-    full = settings if settings is not None else Settings.from_env()
+    their own line through the planner). ``settings`` (None: the context's, else
+    :meth:`Settings.from_env`) holds the knobs (see the module docstring); ``context`` is the
+    run's :class:`~tridens.units.PlanContext`, whose decisions earlier groups measured (None: a
+    fresh one, nothing known)."""
+    context = context if context is not None else PlanContext()
+    full = settings if settings is not None else context.settings if context.settings is not None else \
+        Settings.from_env()
     knobs = full.batching
     if knobs.mode == "off" or not isinstance(evaluator, SupervisedEvaluator):
         return [], list(jobs)
@@ -544,7 +469,7 @@ def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings
             leftover.append(job)
             continue
         candidates.append((job, cfg))
-    keys = _structure_keys([job for job, _ in candidates])
+    keys = _structure_keys([job for job, _ in candidates], context.decisions)
     structures: dict[str, list[tuple[tuple[Any, ...], Job, TrainConfig]]] = {}
     for (job, cfg), key in zip(candidates, keys):
         if key is None:
@@ -570,9 +495,9 @@ def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings
                 log.info("batching: trial %d not fused: %s", ids[0], why)
                 leftover.extend(group)
                 continue
-            budget = resolve_max_unit_memory(max_unit_memory, evaluator.config(group[0].trial.sample).device)
+            budget = context.memory_bound(evaluator.config(group[0].trial.sample).device, max_unit_memory)
             group = [group[i] for i in order_by_variant([job.model for job in group])]
-            made, rest = _plan_group(skey, setup, group, evaluator, budget, knobs, full.cse)
+            made, rest = _plan_group(skey, setup, group, evaluator, budget, knobs, full.cse, context.decisions)
             units.extend(made)
             leftover.extend(rest)
     order = {id(job): i for i, job in enumerate(jobs)}
@@ -588,8 +513,9 @@ def _chunks(group: list[Job], size: int) -> list[list[Job]]:
 
 
 def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: SupervisedEvaluator,
-                budget: int, settings: BatchingSettings,
-                cse: CSESettings | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
+                budget: int, settings: BatchingSettings, cse: CSESettings | None = None,
+                decisions: Decisions | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
+    decisions = decisions if decisions is not None else Decisions()
     ids = [j.trial.id for j in group]
     cfg = evaluator.config(group[0].trial.sample)
     try:
@@ -622,7 +548,7 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
     for chunk in _chunks(group, size):
         k, chunk_ids = len(chunk), [j.trial.id for j in chunk]
         key = decision_key(skey, setup, k, cfg.device)
-        measured, where = _SPEEDUPS.get(key, []), "an earlier unit's first steps"
+        measured, where = decisions.speedups.get(key, []), "an earlier unit's first steps"
         stored = stored_key(skey, cfg.optimizer, (cfg.batch_size, cfg.batch_schedule), cfg.loss, cfg.task, x, k,
                             cfg.device, torch.get_num_threads(),
                             (settings.packed, settings.channels_last, steps.joint, steps.fast_pools)) \
@@ -630,10 +556,11 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
         if not measured and cache is not None and stored is not None:
             measured, where = cache.get(stored), f"an earlier run on this machine ({cache.path})"
             if measured:
-                _SPEEDUPS[key] = list(measured)
+                decisions.speedups[key] = list(measured)
                 separate = cache.get(stored + SEPARATE_STEP)
                 if separate:  # what the stack compares its steps with if trials leave it
-                    _SEPARATE_STEPS.setdefault(decision_key(skey, setup, 1, cfg.device), statistics.median(separate))
+                    decisions.separate_steps.setdefault(decision_key(skey, setup, 1, cfg.device),
+                                                        statistics.median(separate))
         speedup = settled_speedup(measured, settings)
         if len(measured) > 1:
             where = f"{where}, the median of {len(measured)}"
@@ -646,11 +573,12 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
             if speedup is not None:  # fused from the start; re-measured if trials leave (see AdaptiveMember)
                 unit: BatchedUnit = AdaptiveUnit(chunk, evaluator, reason=f"{k} trials, fused: measured {speedup:.2f}x "
                                                  f"on {where}", skey=skey, setup=setup, flops=flops, settings=settings,
-                                                 cse=steps, stored_key=stored, known=(speedup, where))
+                                                 cse=steps, stored_key=stored, known=(speedup, where),
+                                                 decisions=decisions, max_unit_memory=budget)
             else:
                 unit = AdaptiveUnit(chunk, evaluator, reason=f"{k} trials, fused or not as measured on their first "
                                     "real steps", skey=skey, setup=setup, flops=flops, settings=settings, cse=steps,
-                                    stored_key=stored)
+                                    stored_key=stored, decisions=decisions, max_unit_memory=budget)
         except Exception as err:
             log.info("batching: trials %s not fused: the models do not vectorize (%s)", chunk_ids, _first_line(err))
             rest.extend(chunk)

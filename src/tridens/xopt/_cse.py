@@ -24,8 +24,8 @@ A member that modifies its input in place is detected (version counters) and get
 **Memory.** A unit's estimate -- every member's parameters, buffers, gradients and optimizer
 state, plus the largest member's activations at the batch size (shapes from the graph IR), the
 shared prefixes' activations and the shared batches -- is kept under ``max_unit_memory`` (the
-experiment's, one bound for every optimization: :func:`tridens.units.
-resolve_max_unit_memory`; or the ``max_unit_memory=`` argument of :func:`plan_cse`); a group
+run's, one bound for every optimization: :meth:`tridens.units.PlanContext.memory_bound`; or
+the ``max_unit_memory=`` argument of :func:`plan_cse`); a group
 over it is split into several units, each with its own pipeline. Members train one at a time, so a
 unit never holds more than separate training of the same trials would, plus the shared batches.
 
@@ -70,7 +70,7 @@ from typing import Any, Sequence
 
 import torch.nn as nn
 
-from ..units import ExecutionUnit, Job, default_max_unit_memory, resolve_max_unit_memory
+from ..units import Decisions, ExecutionUnit, Job, PlanContext, default_max_unit_memory, resolve_max_unit_memory
 from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._supervised import TrainConfig, SupervisedEvaluator
 from ._joint import JointMember
@@ -124,22 +124,24 @@ def unit_memory(parts: Sequence[tuple[int, int]], shared: int = 0) -> int:
 # the planner
 # ------------------------------------------------------------------------------------------------
 def plan_cse(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings: Settings | None = None,
-             max_unit_memory: int | str | None = None,
-             prefix_only: bool = False) -> tuple[list[ExecutionUnit], list[Job]]:
+             max_unit_memory: int | str | None = None, prefix_only: bool = False,
+             context: PlanContext | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
     """Group ``jobs`` whose data pipelines agree into :class:`SharedPipelineUnit`\\ s, with shared
     frozen prefixes where found; return the units and the jobs left to train separately.
 
     Only the declarative supervised evaluators (``Classification``, ``Regression``) are fused. A
     job alone in its pipeline is left over; the first unit's log line says why ("different batch
     size (32, not 64)", "different data seed (7, not 0)", ...). ``max_unit_memory`` (bytes or
-    e.g. ``"2GiB"``) defaults to the experiment's bound (:func:`tridens.units.
-    resolve_max_unit_memory`). ``settings.cse`` (None: :meth:`Settings.from_env`) holds the joint
-    step's knobs. ``prefix_only``: only the trials that share a frozen prefix are fused, the others
+    e.g. ``"2GiB"``) defaults to the run's bound (:meth:`tridens.units.PlanContext.memory_bound`
+    of ``context``, the run's plan context). ``settings.cse`` (None: the context's, else
+    :meth:`Settings.from_env`) holds the joint step's knobs. ``prefix_only``: only the trials that share a frozen prefix are fused, the others
     are left over (:func:`plan_frozen_prefixes`).
     """
     if not isinstance(evaluator, SupervisedEvaluator):
         return [], list(jobs)
-    knobs = (settings if settings is not None else Settings.from_env()).cse
+    context = context if context is not None else PlanContext()
+    knobs = (settings if settings is not None else context.settings if context.settings is not None else
+             Settings.from_env()).cse
     groups: dict[tuple[Any, ...], list[tuple[Job, TrainConfig]]] = {}
     leftover: list[Job] = []
     for job in jobs:
@@ -170,7 +172,8 @@ def plan_cse(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings: Set
     units: list[ExecutionUnit] = []
     for index, (_key, group) in enumerate(shared):
         extra = ("not shared: " + ", ".join(notes)) if index == 0 and notes and not prefix_only else ""
-        made, rest = _plan_group(group, evaluator, max_unit_memory, extra, knobs, prefix_only=prefix_only)
+        made, rest = _plan_group(group, evaluator, max_unit_memory, extra, knobs, prefix_only=prefix_only,
+                                 context=context)
         units.extend(made)
         leftover.extend(rest)
     order = {job.trial.id: i for i, job in enumerate(jobs)}
@@ -179,7 +182,8 @@ def plan_cse(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings: Set
 
 
 def plan_frozen_prefixes(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings: Settings | None = None,
-                         max_unit_memory: int | str | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
+                         max_unit_memory: int | str | None = None, context: PlanContext | None = None
+                         ) -> tuple[list[ExecutionUnit], list[Job]]:
     """The trials of ``jobs`` whose models start with a frozen prefix shared with another trial
     (a pretrained backbone in a fine-tuning space), in :class:`SharedPipelineUnit` units that compute
     each prefix once per batch; the other jobs are returned untouched for the next optimization.
@@ -194,14 +198,17 @@ def plan_frozen_prefixes(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, s
               and any(not p.requires_grad for p in j.model.parameters())]
     if len(frozen) < 2:
         return [], list(jobs)
-    units, rest = plan_cse(frozen, evaluator, settings=settings, max_unit_memory=max_unit_memory, prefix_only=True)
+    units, rest = plan_cse(frozen, evaluator, settings=settings, max_unit_memory=max_unit_memory, prefix_only=True,
+                           context=context)
     taken = {job.trial.id for unit in units for job in unit.jobs.values()}
     return units, [j for j in jobs if j.trial.id not in taken]
 
 
 def _plan_group(group: list[tuple[Job, TrainConfig]], evaluator: StepwiseEvaluator,
                 max_unit_memory: int | str | None, extra: str, settings: CSESettings,
-                prefix_only: bool = False) -> tuple[list[ExecutionUnit], list[Job]]:
+                prefix_only: bool = False, context: PlanContext | None = None
+                ) -> tuple[list[ExecutionUnit], list[Job]]:
+    context = context if context is not None else PlanContext()
     cfg0 = group[0][1]
     example = _example_batch(cfg0)
     hasher = _Hasher()
@@ -240,7 +247,7 @@ def _plan_group(group: list[tuple[Job, TrainConfig]], evaluator: StepwiseEvaluat
         acts = sum(b for n, b in rep.activations.items() if rep.key_of.get(n) in plan.keys)
         state = sum(t.numel() * t.element_size() for t in plan.prefix.module.state_dict().values())
         prefix_bytes[plan.prefix.key] = 2 * acts + state
-    limit = resolve_max_unit_memory(max_unit_memory, cfg0.device)
+    limit = context.memory_bound(cfg0.device, max_unit_memory)
 
     def estimate(chunk: list[tuple[_Analysis, int, int]]) -> int:
         keys = {split_of[a.job.trial.id].prefix.key for a, _, _ in chunk if a.job.trial.id in split_of}
@@ -263,7 +270,7 @@ def _plan_group(group: list[tuple[Job, TrainConfig]], evaluator: StepwiseEvaluat
     used: set[str] = set()
     for i, chunk in enumerate(chunks):
         units.append(_make_unit(chunk, evaluator, split_of, notes, estimate(chunk), limit, len(chunks),
-                                over, extra if i == 0 else "", cfg0, used, settings))
+                                over, extra if i == 0 else "", cfg0, used, settings, context.decisions))
     return units, rest
 
 
@@ -288,12 +295,14 @@ def _analysed(members: Sequence[TrainerMember]) -> tuple[list[tuple[_Analysis, i
     return chunk, cfg0, unit_memory([(r, t) for _, r, t in chunk], 3 * batch_bytes)
 
 
-def joint_trainers(members: Sequence[TrainerMember], settings: CSESettings) -> tuple[list[PipelineMember], str]:
+def joint_trainers(members: Sequence[TrainerMember], settings: CSESettings, *, max_unit_memory: int | None = None,
+                   decisions: Decisions | None = None) -> tuple[list[PipelineMember], str]:
     """Whole-model trainers of one data pipeline stepped as the planner's shared-pipeline units step
     them: one :class:`~tridens.xopt._joint.JointMember` (one backward; first layers as one wide op
     and 2x2 max-pools by the exact kernel where they pay and the checks on real data pass), or as
     given where they cannot join; with the planner's log text ('' if nothing joined). A batched
-    group that measured that fusion does not pay trains its trials this way.
+    group that measured that fusion does not pay trains its trials this way, within its run's
+    ``max_unit_memory`` and recording into its run's ``decisions``.
 
     >>> steppers, text = joint_trainers([TrainerMember(job, evaluator.trainer(job.model, {}, 0))  # doctest: +SKIP
     ...                                  for job in jobs], CSESettings())
@@ -301,8 +310,8 @@ def joint_trainers(members: Sequence[TrainerMember], settings: CSESettings) -> t
     if len(members) < 2 or not settings.joint:
         return list(members), ""
     chunk, cfg0, estimate = _analysed(members)
-    limit = resolve_max_unit_memory(None, cfg0.device)
-    out, text, _ = _joint_member(list(members), chunk, estimate, limit, cfg0, settings)
+    limit = resolve_max_unit_memory(max_unit_memory, cfg0.device)
+    out, text, _ = _joint_member(list(members), chunk, estimate, limit, cfg0, settings, decisions)
     return out, text
 
 
@@ -326,7 +335,7 @@ def with_fast_kernels(member: TrainerMember, settings: CSESettings) -> PipelineM
 def _make_unit(chunk: list[tuple[_Analysis, int, int]], evaluator: StepwiseEvaluator,
                split_of: dict[int, _PrefixPlan], notes: dict[int, str], estimate: int, limit: int,
                n_chunks: int, over: list[int], extra: str, cfg0: TrainConfig, used: set[str],
-               settings: CSESettings) -> SharedPipelineUnit:
+               settings: CSESettings, decisions: Decisions) -> SharedPipelineUnit:
     jobs = [a.job for a, _, _ in chunk]
     members: list[PipelineMember] = []
     errors: dict[int, BaseException] = {}
@@ -356,7 +365,7 @@ def _make_unit(chunk: list[tuple[_Analysis, int, int]], evaluator: StepwiseEvalu
             members.append(TrainerMember(job, trainer, inputs=split.inputs, prefix_buffers=buffers))
         except Exception as err:  # reported as the trial's failure at its first epoch
             errors[trial_id] = err
-    members, joint, estimate = _joint_member(members, chunk, estimate, limit, cfg0, settings)
+    members, joint, estimate = _joint_member(members, chunk, estimate, limit, cfg0, settings, decisions)
     unit = SharedPipelineUnit(jobs, evaluator, members=members, prefixes=list(prefixes.values()), memory=estimate)
     unit.errors.update(errors)
     # the log line: what is shared, what is not and why
@@ -402,8 +411,8 @@ def _unit_pipeline(unit: ExecutionUnit) -> tuple[Any, ...] | None:
 
 
 def merge_pipelines(units: Sequence[ExecutionUnit], rest: Sequence[Job], evaluator: StepwiseEvaluator, *,
-                    settings: Settings | None = None,
-                    max_unit_memory: int | str | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
+                    settings: Settings | None = None, max_unit_memory: int | str | None = None,
+                    context: PlanContext | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
     """Put batched units (:class:`~tridens.xopt._batching.BatchedUnit`) that read the same data
     pipeline as other batched or shared-pipeline units, or as leftover jobs, into ONE
     :class:`SharedPipelineUnit` (a mixed unit: each batch read and augmented once, fed to every
@@ -447,7 +456,7 @@ def merge_pipelines(units: Sequence[ExecutionUnit], rest: Sequence[Job], evaluat
             continue
         cfg = group[0].member.cfg if isinstance(group[0], BatchedUnit) else group[0].config
         assert cfg is not None
-        limit = resolve_max_unit_memory(max_unit_memory, cfg.device)
+        limit = (context or PlanContext()).memory_bound(cfg.device, max_unit_memory)
         chunks: list[list[ExecutionUnit]] = []
         total = 0
         for unit in group:  # fill mixed units in order, each under the bound

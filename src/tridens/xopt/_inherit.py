@@ -12,18 +12,14 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections import OrderedDict
 from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
 
+from ..units import Decisions
 
 log = logging.getLogger("tridens")
-
-
-_DESCRIPTIONS: "OrderedDict[tuple[str, int], dict[str, Any]]" = OrderedDict()  # parents' IR descriptions
-_CACHE_SIZE = 64
 
 
 def _join(prefix: str | None, rel: str) -> str:
@@ -91,27 +87,20 @@ def _describe(model: nn.Module, inputs: Any) -> dict[str, Any]:
         return describe(model, inputs)
 
 
-def _parent_description(store_path: str, space: Any, parent: Any) -> dict[str, Any]:
+def _parent_description(space: Any, parent: Any) -> dict[str, Any]:
     """The parent's IR description, from its structure built on the meta device (no weights
-    initialised); cached per (store, trial)."""
-    key = (store_path, parent.id)
-    if key in _DESCRIPTIONS:
-        _DESCRIPTIONS.move_to_end(key)
-        return _DESCRIPTIONS[key]
+    initialised)."""
     structure = space.freeze(space.restrict(parent.sample), check=False, device="meta")
-    desc = _describe(structure, space.example_inputs)
-    _DESCRIPTIONS[key] = desc
-    while len(_DESCRIPTIONS) > _CACHE_SIZE:
-        _DESCRIPTIONS.popitem(last=False)
-    return desc
+    return _describe(structure, space.example_inputs)
 
 
-def inherit_from_trial(store: Any, space: Any, trial: Any, model: nn.Module) -> dict[str, Any]:
+def inherit_from_trial(store: Any, space: Any, trial: Any, model: nn.Module, decisions: Decisions | None = None
+                       ) -> dict[str, Any]:
     """Load the trained weights of ``trial.parent`` (its checkpoint in ``store``) into ``model``
     for the layers they share; returns the record kept in ``trial.info["inherit"]``. Never raises:
     a parent without a checkpoint, or a model that cannot be matched, leaves ``model`` as
     initialised and the record says why (``reason``). ``seconds`` is the time it took. The torch
-    random state is left untouched."""
+    random state is left untouched. ``decisions``: the run's, which keep parents' descriptions."""
     info: dict[str, Any] = {"parent": trial.parent}
     rng = torch.get_rng_state()
     t0 = time.perf_counter()
@@ -122,7 +111,8 @@ def inherit_from_trial(store: Any, space: Any, trial: Any, model: nn.Module) -> 
             info["reason"] = f"parent trial {parent.label} has no checkpoint ({parent.status.value})"
             return info
         parent_state = store.load_checkpoint(parent.checkpoint)
-        parent_desc = _parent_description(str(store.path), space, parent)
+        parent_desc = (decisions or Decisions()).description(
+            (str(store.path), parent.id), lambda: _parent_description(space, parent))  # kept per run
         child_desc = _describe(model, space.example_inputs)
         if child_desc.get("opaque") or parent_desc.get("opaque"):
             # an opaque node is matched whole: still exact, usually all or nothing

@@ -301,6 +301,7 @@ class SharedPipelineUnit(ExecutionUnit):
                 built.append(TrainerMember(job, trainer))
             members = built
         self.members: list[PipelineMember] = list(members)
+        self._ever: list[PipelineMember] = list(members)  # members that left too: what they measured stays
         self._by_trial: dict[int, PipelineMember] = {t: m for m in self.members for t in m.trial_ids()}
         self.config: TrainConfig | None = None
         self._seed = jobs[0].trial.seed if jobs else 0
@@ -375,6 +376,9 @@ class SharedPipelineUnit(ExecutionUnit):
 
     def shared(self) -> list[str]:
         return ["one data pipeline"] + [f"frozen prefix {key}" for key in self.prefixes]
+
+    def measurements(self) -> list[Any]:
+        return [m for member in self._ever for m in getattr(member, "recorded", ())]
 
     def speedups(self) -> list[dict[str, Any]]:
         out = []

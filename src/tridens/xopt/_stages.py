@@ -16,8 +16,8 @@ by the strategy leaves its node; a node with no trial left is freed with what it
 trained. The tree a trial took is in ``trial.info["stages"]``: ``[node, parent, first epoch]`` per
 stage, node ids ``"<tree>.<n>"`` with ``<tree>`` the lowest trial id of the tree.
 
-With a stage store (:class:`tridens.store.StageArchive`, set on the evaluator's
-:class:`PrefixCache` by the engine for a run), each stage's end -- where the tree forks, or trials
+With a stage store (:class:`tridens.store.StageArchive`, the ``archive`` of the run's
+:class:`~tridens.units.PlanContext`), each stage's end -- where the tree forks, or trials
 finish, stop or leave -- is stored: its range, hyperparameters, the trials that went through it and
 a checkpoint of the trainer there. A trial then starts from the longest stored prefix of its
 :func:`~tridens.evaluators.stage_record` path: a resumed run does not train its finished stages
@@ -30,26 +30,24 @@ training raises (a NaN loss) is stored as failed; its siblings and parent are no
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import logging
 import time
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterator, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 from torch import nn
 
 from ..evaluators import (CHECKPOINT_FORMAT, StepwiseEvaluator, SupervisedTrainer, TrainConfig, record_digest,
                           stage_record)
-from ..units import ExecutionUnit, Job, UnitResult
+from ..units import ExecutionUnit, Job, PlanContext, UnitResult
 
 log = logging.getLogger("tridens")
 
-__all__ = ["StageTreeUnit", "PrefixCache", "plan_stage_trees", "prefix_cache", "stage_archive", "MIN_SAVED_FRACTION"]
+__all__ = ["StageTreeUnit", "PrefixCache", "plan_stage_trees", "prefix_cache", "MIN_SAVED_FRACTION"]
 
 MIN_SAVED_FRACTION = 0.2
 """A group trains as a stage tree when the tree skips at least this fraction of its trial-epochs."""
@@ -91,10 +89,9 @@ class PrefixCache:
         self.entries: OrderedDict[tuple[Any, ...], tuple[dict[str, Any], list[dict[str, float]], str, int,
                                                          tuple[int | None, int]]] = OrderedDict()
         self.size = 0
-        self.archive: Any = None   # a tridens.store.StageArchive while a run with a store uses it
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"max_bytes": self.max_bytes, "entries": OrderedDict(), "size": 0, "archive": None}
+        return {"max_bytes": self.max_bytes, "entries": OrderedDict(), "size": 0}
 
     def put(self, root: tuple[Any, ...], path: tuple[Hashable, ...], state: dict[str, Any],
             history: list[dict[str, float]], node: str, stage: tuple[int | None, int] = (None, 0)) -> None:
@@ -132,34 +129,13 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-_CACHES: "weakref.WeakKeyDictionary[Any, PrefixCache]" = weakref.WeakKeyDictionary()
-
-
-def prefix_cache(evaluator: StepwiseEvaluator) -> PrefixCache | None:
-    """The prefix cache of an experiment's evaluator (one per evaluator object, freed with it)."""
-    try:
-        return _CACHES.setdefault(evaluator, PrefixCache())
-    except TypeError:  # an evaluator that cannot be weakly referenced: no reuse across groups
-        return None
-
-
-@contextlib.contextmanager
-def stage_archive(evaluator: StepwiseEvaluator, archive: Any) -> Iterator[None]:
-    """Stage trees of ``evaluator`` store and reuse stages through ``archive`` (a
-    :class:`tridens.store.StageArchive`, or None for none) inside the block.
-
-    >>> with stage_archive(evaluator, StageArchive(store, "search")):   # doctest: +SKIP
-    ...     ...   # the run's groups are planned and trained here
-    """
-    cache = prefix_cache(evaluator)
-    if cache is None:
-        yield
-        return
-    previous, cache.archive = cache.archive, archive
-    try:
-        yield
-    finally:
-        cache.archive = previous
+def prefix_cache(context: PlanContext) -> PrefixCache:
+    """The prefix cache of a run (its plan context's ``stages``, made on first use): the states of
+    trained prefixes that later groups of the run start from."""
+    if context.stages is None:
+        context.stages = PrefixCache()
+    cache: PrefixCache = context.stages
+    return cache
 
 
 def _weights_digest(model: nn.Module) -> str:
@@ -238,7 +214,7 @@ class StageTreeUnit(ExecutionUnit):
     kind = "stage tree"
 
     def __init__(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, reason: str = "",
-                 cache: PrefixCache | None = None):
+                 cache: PrefixCache | None = None, archive: Any = None):
         super().__init__(jobs, evaluator)
         self.reason = reason
         self.cache = cache
@@ -253,7 +229,7 @@ class StageTreeUnit(ExecutionUnit):
         self.trained_epochs = 0
         self.reused_epochs = 0
         self.stored_epochs = 0   # of those, epochs loaded from the stage store (earlier runs)
-        self.archive = None if cache is None else cache.archive
+        self.archive = archive   # a tridens.store.StageArchive (or a view of it) where the run stores stages
         self.archive_root = None if self.archive is None else _archive_root(jobs[0], self.root)
         self.paths: dict[int, list[str] | None] = {}
         starts: dict[tuple[Hashable, ...], list[Job]] = {}
@@ -475,9 +451,10 @@ class StageTreeUnit(ExecutionUnit):
 
 
 def plan_stage_trees(jobs: Sequence[Job], evaluator: StepwiseEvaluator, min_saved: float = MIN_SAVED_FRACTION, *,
-                     settings: Any = None) -> tuple[list[ExecutionUnit], list[Job]]:
+                     settings: Any = None, context: PlanContext | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
     """Stage-tree units for the jobs that share training prefixes, among themselves or with trials
-    of earlier groups (the evaluator's :func:`prefix_cache`); the rest are left.
+    of earlier groups of the run (its ``context``'s :func:`prefix_cache`) or with stages stored by
+    earlier runs (``context.archive``); the rest are left.
 
     Jobs group by seed, module structure and initial weights; a group becomes one
     :class:`StageTreeUnit` when it trains at least ``min_saved`` fewer epochs than its trials alone.
@@ -485,7 +462,9 @@ def plan_stage_trees(jobs: Sequence[Job], evaluator: StepwiseEvaluator, min_save
     """
     if not callable(getattr(evaluator, "config", None)):
         return [], list(jobs)
-    cache = prefix_cache(evaluator)
+    context = context if context is not None else PlanContext()
+    cache = prefix_cache(context)
+    archive = context.archive
     groups: dict[tuple[Any, ...], list[Job]] = {}
     rest: list[Job] = []
     for job in jobs:
@@ -500,11 +479,10 @@ def plan_stage_trees(jobs: Sequence[Job], evaluator: StepwiseEvaluator, min_save
             groups.setdefault(key, []).append(job)
     units: list[ExecutionUnit] = []
     for root, members in groups.items():
-        archive = None if cache is None else cache.archive
         stored_root = None if archive is None else _archive_root(members[0], root)
         if stored_root is not None and not archive.has_root(stored_root):
             stored_root = None
-        if len(members) < 2 and stored_root is None and (cache is None or not any(key[0] == root for key in cache.entries)):
+        if len(members) < 2 and stored_root is None and not any(key[0] == root for key in cache.entries):
             rest.extend(members)   # nothing to share (the default per-trial seeds): skip the stage keys
             continue
         configs = [evaluator.config(job.trial.sample) for job in members]  # type: ignore[attr-defined]
@@ -513,7 +491,7 @@ def plan_stage_trees(jobs: Sequence[Job], evaluator: StepwiseEvaluator, min_save
         alone = sum(limits)
         prefixes = {tuple(keys[:e + 1]) for cfg, limit in zip(configs, limits)
                     for keys in [_keys(cfg, limit)] for e in range(limit)}
-        cached = set() if cache is None else {p for p in prefixes if (root, p) in cache.entries}
+        cached = {p for p in prefixes if (root, p) in cache.entries}
         if stored_root is not None:   # prefixes stored by earlier runs count as trained
             for cfg, limit in zip(configs, limits):
                 paths = _record_paths(cfg, limit)
@@ -521,7 +499,7 @@ def plan_stage_trees(jobs: Sequence[Job], evaluator: StepwiseEvaluator, min_save
                 cached.update(tuple(_keys(cfg, e)) for e in range(1, depth + 1))
         needed = len(prefixes) - len(cached)
         if alone and 1 - needed / alone >= min_saved:
-            units.append(StageTreeUnit(members, evaluator, cache=cache, reason=(
+            units.append(StageTreeUnit(members, evaluator, cache=cache, archive=archive, reason=(
                 f"shared prefixes skip {1 - needed / alone:.0%} of the trial-epochs")))
         else:
             rest.extend(members)

@@ -69,7 +69,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..units import ExecutionUnit, Job, resolve_max_unit_memory
+from ..units import ExecutionUnit, Job, PlanContext
 from ..evaluators._base import StepwiseEvaluator
 from ..evaluators._errors import NonFiniteLoss
 from ..evaluators._supervised import SupervisedTrainer, TrainConfig, ValidationSums, SupervisedEvaluator
@@ -434,18 +434,21 @@ class SuperGraphUnit(SharedPipelineUnit):
 # the planner
 # ------------------------------------------------------------------------------------------------
 def plan_supergraph(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings: Settings | None = None,
-                    max_unit_memory: int | str | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
+                    max_unit_memory: int | str | None = None, context: PlanContext | None = None
+                    ) -> tuple[list[ExecutionUnit], list[Job]]:
     """Merge the children of one parent (``trial.info["inherit"]``) that read the same data
     pipeline, use the same optimizer kind, momentum and weight decay (their shared tensors take
     one optimizer's steps) and share inherited tensors with each other into
     :class:`SuperGraphUnit` s, each under ``max_unit_memory`` (bytes or e.g. ``"2GiB"``; default:
-    the experiment's bound, :func:`tridens.units.resolve_max_unit_memory`): a group
+    the run's bound, :meth:`tridens.units.PlanContext.memory_bound` of ``context``): a group
     over it is split, in trial order. Return the units and the jobs left for the other
     optimizations. One child per architecture (graph fingerprint) joins a super-graph: siblings
     of the same architecture -- a mutation of the learning rate only -- would share all their
     inherited layers and hide the hyperparameter's effect, so the others train apart (each still
     from the parent's weights). Only the declarative supervised evaluators are merged (the engine
     owns their training loop). ``settings.supergraph=False`` merges none."""
+    context = context if context is not None else PlanContext()
+    settings = settings if settings is not None else context.settings
     if (settings is not None and not settings.supergraph) or not isinstance(evaluator, SupervisedEvaluator):
         return [], list(jobs)
     groups: dict[tuple[Any, ...], list[tuple[Job, TrainConfig]]] = {}
@@ -491,7 +494,7 @@ def plan_supergraph(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settin
         example = _example_batch(cfg0)
         batch = _batch_bytes(cfg0, example)
         children = [_analyse(job, cfg, example, ident[job.trial.id]) for job, cfg in group]
-        limit = resolve_max_unit_memory(max_unit_memory, cfg0.device)
+        limit = context.memory_bound(cfg0.device, max_unit_memory)
         chunks: list[list[_Child]] = []
         for child in children:  # fill units in trial order, each under the bound
             if chunks and supergraph_memory(chunks[-1] + [child], ident, batch) <= limit:

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..evaluators._supervised import TrainConfig
+from ..units import Decisions
 from ..graph import Graph
 from ..graph import meta
 from ._joint import JointMember, _WideLayer
@@ -304,19 +305,16 @@ def _fast_after(a: _Analysis, first: _First) -> nn.Module | None:
     return gm if exact else None
 
 
-# (layer key, widths, batch shape, threads, device type) -> measured speed-up of the wide op
-_WIDE_SPEEDUP: dict[tuple[Any, ...], float] = {}
-
-
-def _wide_speedup(firsts: Sequence[_First], x: torch.Tensor, measure_rounds: int) -> float:
+def _wide_speedup(firsts: Sequence[_First], x: torch.Tensor, measure_rounds: int, decisions: Decisions) -> float:
     """The wide op's speed-up over the members' own layers, forward and backward on the real batch
     (copies of the layers, the same upstream gradients), ``measure_rounds`` interleaved rounds after
-    one warm-up, CPU time on a CPU; cached."""
+    one warm-up, CPU time on a CPU; kept in the run's ``decisions.wide`` by (layer key, widths,
+    batch shape, threads, device type)."""
     f0 = firsts[0]
     widths = tuple(int(f.layer.weight.shape[0]) for f in firsts)
     cache_key = (f0.key, widths, tuple(x.shape), torch.get_num_threads(), x.device.type)
-    if cache_key in _WIDE_SPEEDUP:
-        return _WIDE_SPEEDUP[cache_key]
+    if cache_key in decisions.wide:
+        return decisions.wide[cache_key]
     layers = {i: copy.deepcopy(f.layer) for i, f in enumerate(firsts)}
     wide = _WideLayer(f0.kind, f0.flatten, layers)
     inp = x.flatten(1) if f0.flatten else x
@@ -345,17 +343,19 @@ def _wide_speedup(firsts: Sequence[_First], x: torch.Tensor, measure_rounds: int
             if round_:  # the first round warms up both
                 times[name].append(clock() - t0)
     ratio = statistics.median(times["own"]) / max(statistics.median(times["fused"]), 1e-9)
-    _WIDE_SPEEDUP[cache_key] = ratio
+    decisions.wide[cache_key] = ratio
     return ratio
 
 
 def _joint_member(members: list[PipelineMember], chunk: list[tuple[_Analysis, int, int]], estimate: int,
-                  limit: int, cfg0: TrainConfig, settings: CSESettings) -> tuple[list[PipelineMember], str, int]:
+                  limit: int, cfg0: TrainConfig, settings: CSESettings,
+                  decisions: Decisions | None = None) -> tuple[list[PipelineMember], str, int]:
     """Replace the unit's whole-model trainer members by one :class:`JointMember` (with wide first
     layers where they pay), if the memory bound and ``settings`` allow; returns the members, the
     log text and the unit's memory estimate."""
     if not settings.joint:
         return members, "", estimate
+    decisions = decisions if decisions is not None else Decisions()
     by_id = {a.job.trial.id: (a, t) for a, _, t in chunk}
     whole = [m for m in members if type(m) is TrainerMember and m.inputs == (BATCH,) and not m.prefix_buffers
              and m.trainer.model is m.job.model and m.trial_id in by_id]
@@ -402,7 +402,7 @@ def _joint_member(members: list[PipelineMember], chunk: list[tuple[_Analysis, in
             continue
         batch = x[:1].expand(cfg0.batch_size, *x.shape[1:]).contiguous().to(cfg0.device)
         if settings.wide == "auto":  # measured first (cached): the models are split only if it pays
-            speedup = _wide_speedup([firsts[t] for t in trial_ids], batch, settings.measure_rounds)
+            speedup = _wide_speedup([firsts[t] for t in trial_ids], batch, settings.measure_rounds, decisions)
             if speedup < settings.wide_min_speedup:
                 group = _WideLayer(key[0], firsts[trial_ids[0]].flatten, {t: firsts[t].layer for t in trial_ids})
                 notes.append(f"first layers of trials [{', '.join(map(str, trial_ids))}] kept apart "
@@ -416,7 +416,7 @@ def _joint_member(members: list[PipelineMember], chunk: list[tuple[_Analysis, in
         ids_text = ", ".join(str(t) for t in kept)
         if settings.wide == "auto":
             if kept != trial_ids:
-                speedup = _wide_speedup([firsts[t] for t in kept], batch, settings.measure_rounds)
+                speedup = _wide_speedup([firsts[t] for t in kept], batch, settings.measure_rounds, decisions)
                 if speedup < settings.wide_min_speedup:
                     notes.append(f"first layers of trials [{ids_text}] kept apart ({group.describe()} as one op "
                                  f"measured {speedup:.2f}x)")
