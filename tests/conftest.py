@@ -18,6 +18,7 @@ _LONGEST_FILES = {
     "tests/engine/test_ray_units.py": 50,
     "tests/cli/test_cli.py": 45,
     "tests/engine/test_ray.py": 44,
+    "tests/engine/test_ray_cluster.py": 36,
     "tests/interfaces/test_dashboard_browser.py": 41,
     "tests/engine/test_first_day.py": 37,
     "tests/examples/test_examples.py": 34,

@@ -151,6 +151,7 @@ def test_worker_killed_more_often_than_max_retries_fails_the_trial(local_ray, cl
     (trial,) = exp.trials()
     assert trial.status is TrialStatus.FAILED
     assert "died 2 time(s)" in trial.error and "max_retries=1" in trial.error
+    assert f"on node {trial.info['ray']['node']}" in trial.error and "\n" not in trial.error  # one line: where, and why
     assert len(trial.metrics["val_acc"]) == 2  # steps 0 and 1, each recorded once
 
 

@@ -52,7 +52,7 @@ from ._execution import Executor, RunContext, _context
 from ..trial import Fork
 from ._protocol import GroupHooks, TrialProtocol, Verdict, timeout_error
 from ._ray_fluid import FluidOnRay
-from ._ray_hub import POLL_S, Hub, record_outcome
+from ._ray_hub import POLL_S, death_cause, record_outcome, start_hub
 from ._ray_storage import CheckpointStorage
 from ._ray_trials import UserLoopGroup
 from ._stage_relay import PlanningView, answer_archive_call
@@ -195,7 +195,7 @@ class RayExecutor(Executor):
                 ray.init(address=self.address, include_dashboard=False, logging_level=logging.ERROR,
                          configure_logging=True)
             self._started_ray = True  # ours to stop (a local Ray) or to disconnect from (a cluster)
-        self._hub = Hub.remote()
+        self._hub = start_hub()
 
     def _resources(self) -> dict[str, float]:
         gpus = float(ray.cluster_resources().get("GPU", 0.0))
@@ -478,8 +478,8 @@ class RayExecutor(Executor):
             self._fail_unfinished(track, fluid, str(err).replace("{", "{{").replace("}", "}}"))
             return True
         except ray.exceptions.RayError as err:  # the worker process or its node died
-            text = str(err).strip()
-            track.deaths.append(f"{type(err).__name__}: {text.splitlines()[0] if text else ''}")
+            unfinished = track.unfinished()
+            track.deaths.append(death_cause(err, unfinished[0].job.trial.info if unfinished else {}))
             ids = [m.job.trial.id for m in track.unfinished() if not m.yielded]
             for member in track.unfinished():
                 member.job.trial.info["ray_restarts"] = len(track.deaths)

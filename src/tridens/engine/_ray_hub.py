@@ -27,7 +27,7 @@ import ray
 from ._protocol import TrialProtocol
 from ._ray_storage import CheckpointStorage
 
-__all__ = ["Hub", "HubActor", "POLL_S", "record_outcome"]
+__all__ = ["Hub", "HubActor", "POLL_S", "death_cause", "record_outcome", "start_hub"]
 
 POLL_S = 0.05  # how long one drain of the hub waits for messages (the driver's reaction time)
 
@@ -76,6 +76,10 @@ class HubActor:
     async def answer(self, trial_id: int, attempt: int, step: int, decision: str) -> None:
         await self.reply((trial_id, attempt, step), decision)
 
+    async def node_id(self) -> str:
+        """The Ray node this hub runs on (hex)."""
+        return ray.get_runtime_context().get_node_id()
+
     async def drain(self, timeout: float) -> list[tuple[Any, ...]]:
         if not self.messages:
             try:
@@ -88,6 +92,26 @@ class HubActor:
 
 
 Hub = ray.remote(num_cpus=0)(HubActor)  # the actor class: ``Hub.remote()`` starts one (it uses no CPU)
+
+
+def start_hub() -> Any:
+    """A hub on the driver's own node (not soft): the search's state stays with the driver, so
+    losing any other node loses only the tasks that ran there."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        here = ray.get_runtime_context().get_node_id()
+    except Exception:  # a driver without a node of its own (Ray Client): wherever Ray places it
+        return Hub.remote()
+    return Hub.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
+
+
+def death_cause(err: BaseException, trial_info: Mapping[str, Any]) -> str:
+    """One line for a task whose worker or node died: the error's kind, the node the trial last
+    ran on (from its ``"started"`` message) and the first line of Ray's text."""
+    text = str(err).strip()
+    node = (trial_info.get("ray") or {}).get("node")
+    return f"{type(err).__name__}{f' on node {node}' if node else ''}: {text.splitlines()[0] if text else ''}"
 
 
 def record_outcome(life: TrialProtocol, outcome: Mapping[str, Any], storage: CheckpointStorage) -> None:

@@ -25,7 +25,7 @@ from ..evaluators import Evaluator
 from ..trial import Decision
 from ..units import Job
 from ._protocol import GroupHooks, TrialProtocol, TrialTimeout, Verdict, error_text
-from ._ray_hub import POLL_S, record_outcome
+from ._ray_hub import POLL_S, death_cause, record_outcome
 from ._ray_storage import CheckpointStorage
 
 __all__ = ["HubReporter", "UserLoopGroup", "run_trial"]
@@ -175,7 +175,7 @@ class UserLoopGroup:
             life.fail(str(err))
             return True
         except ray.exceptions.RayError as err:  # the worker process or its node died
-            task.deaths.append(f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
+            task.deaths.append(death_cause(err, life.trial.info))
             life.trial.info["ray_restarts"] = len(task.deaths)
             if len(task.deaths) <= self.max_retries:
                 log.warning("trial %d: its worker died (%s); restarting it from its last checkpoint (retry %d of %d)",

@@ -1,0 +1,83 @@
+"""A search on a real multi-node Ray cluster (``ray.cluster_utils.Cluster``: a head and worker
+raylets on this machine) survives losing a worker node: the actor the search talks through stays
+on the driver's node, the lost node's trials restart on another node from their last checkpoints,
+and every trial ends exactly as in an undisturbed run."""
+
+from __future__ import annotations
+
+import pytest
+
+import tridens as td
+from tridens.trial import TrialStatus
+
+from .spaces import TinyMLP
+
+ray = pytest.importorskip("ray")
+cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+
+@pytest.fixture
+def cluster():
+    """A head with no CPUs (the driver and its hub live there; no task runs there) and one worker
+    node with two CPUs."""
+    if ray.is_initialized():
+        ray.shutdown()
+    made = cluster_utils.Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False})
+    made.first_worker = made.add_node(num_cpus=2)
+    made.wait_for_nodes()
+    yield made
+    ray.shutdown()
+    made.shutdown()
+
+
+RUNNING = {}  # the test's cluster and what happened to it (the experiment works on a copy of its strategy)
+
+
+class LoseTheWorkerNode(td.strategy.GridSearch):
+    """Grid search that, when the first trial reports epoch ``at``, removes the node every task runs
+    on and adds a fresh one: a node lost mid-search, at a known point."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at = at
+
+    def decide(self, trial, step):
+        if step == self.at and not RUNNING["lost"]:
+            RUNNING["lost"].append(trial.id)
+            cluster = RUNNING["cluster"]
+            cluster.remove_node(cluster.first_worker)
+            cluster.add_node(num_cpus=2)
+        return super().decide(trial, step)
+
+
+def test_a_lost_worker_node_restarts_its_trials_elsewhere_from_their_checkpoints(cluster, digits_data, tmp_path):
+    train, val = digits_data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=4, batch_size=128, optimizer="adam",
+                                      lr=td.choice("lr", [0.01, 0.003]))
+    RUNNING.update(cluster=cluster, lost=[])
+    strategy = LoseTheWorkerNode(at=1)
+    executor = td.executors.Ray(workers=2, address=cluster.address, storage=tmp_path / "ckpt", max_retries=2)
+    exp = td.Experiment(TinyMLP(), ev, strategy, seed=5, executor=executor, optimize=False,
+                        store=tmp_path / "lost.db", name="lost", verbose=False)
+    trials = exp.run().trials()
+    assert RUNNING["lost"], "the node was never removed"
+    assert len(trials) == 4 and all(t.status is TrialStatus.COMPLETED for t in trials), [t.error for t in trials]
+    restarted = [t for t in trials if t.info.get("ray_restarts")]
+    assert restarted and all(t.info["ray_restarts"] == 1 for t in restarted)
+    # each epoch recorded once, and the metrics of a run that lost nothing
+    undisturbed = td.Experiment(TinyMLP(), ev, td.strategy.GridSearch(), seed=5, optimize=False, verbose=False,
+                                store=tmp_path / "inline.db", name="lost").run().trials()
+    by_sample = {tuple(sorted(t.sample.items())): t for t in undisturbed}
+    for trial in trials:
+        assert trial.metrics == by_sample[tuple(sorted(trial.sample.items()))].metrics
+
+
+def test_the_hub_lives_on_the_drivers_node(cluster, tmp_path):
+    executor = td.executors.Ray(workers=2, address=cluster.address, storage=tmp_path / "ckpt")
+    try:
+        executor._connect()
+        driver = ray.get_runtime_context().get_node_id()
+        assert ray.get(executor._hub.node_id.remote()) == driver
+    finally:
+        executor.close()
