@@ -20,9 +20,12 @@ import io
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import signal
+import sys
 import threading
 import time
+import types
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Iterator, Mapping, Sequence
@@ -30,7 +33,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..errors import UnknownMetric
+from ..errors import TridensError, UnknownMetric
 from ..evaluators import Evaluator, StepwiseEvaluator, drive
 from ..trial import Decision, Fork
 from ..units import ExecutionUnit, Job, PlanContext, SeparateUnit
@@ -92,13 +95,52 @@ def weights(model: nn.Module | None) -> dict[str, Any] | None:
     return None if model is None else {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
-def model_bytes(model: nn.Module | None) -> bytes:
-    """A model pickled by value for a worker. Sent as an object instead, its tensors would travel
-    as handles to shared memory that torch moves the driver's own tensors into: every worker
-    would then train the driver's copy in place (two DDP ranks would step the same weights twice)."""
-    import pickle
+class _MainSpotter(pickle.Pickler):
+    """A pickler that notes the first class or function of ``__main__`` it pickles by reference."""
 
-    return pickle.dumps(model)
+    main: str | None = None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if self.main is None and isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
+            self.main = getattr(obj, "__qualname__", repr(obj))
+        return NotImplemented
+
+
+def worker_payload(obj: Any, what: str) -> bytes:
+    """``obj`` pickled for a pool worker. Workers never import the driver's ``__main__`` (a script
+    without a ``__main__`` guard would run its search again there; ``python -c`` and a notebook
+    have no file to import), so what ``obj`` holds from ``__main__`` -- an evaluator function, a
+    space, a dataset class defined there -- travels by value through cloudpickle (installed with
+    Ray), as does a lambda or a local function. ``what`` names ``obj`` in the one-line error
+    raised when that is needed and cloudpickle is not installed.
+
+    >>> import pickle
+    >>> pickle.loads(worker_payload({"lr": 0.1}, "a sample"))
+    {'lr': 0.1}
+    """
+    buffer = io.BytesIO()
+    spotter = _MainSpotter(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+        spotter.dump(obj)
+        if spotter.main is None:
+            return buffer.getvalue()
+        reason = f"{spotter.main} is defined in __main__ (python -c, a notebook, a script), which pool workers do not import"
+    except (pickle.PicklingError, AttributeError, TypeError) as err:  # a lambda, a local function
+        reason = f"it cannot be pickled by reference ({err})"
+    try:
+        import cloudpickle
+    except ImportError:
+        raise TridensError(f"{what} cannot reach td.executors.Process's workers: {reason}; move it to an importable "
+                           "module, or install cloudpickle (pip install cloudpickle) to send it by value") from None
+    return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def model_bytes(model: nn.Module | None) -> bytes:
+    """A model pickled by value for a worker (:func:`worker_payload`). Sent as an object instead,
+    its tensors would travel as handles to shared memory that torch moves the driver's own
+    tensors into: every worker would then train the driver's copy in place (two DDP ranks would
+    step the same weights twice)."""
+    return worker_payload(model, "the model" if model is None else f"the model {type(model).__name__}")
 
 
 def state_bytes(state: Any) -> bytes | None:
@@ -581,6 +623,20 @@ def _serve_trial(conn: Connection, evaluator: Evaluator, trial_id: int, model: n
             raise
 
 
+@contextlib.contextmanager
+def _main_not_imported() -> Iterator[None]:
+    """While a worker starts, ``__main__`` is a bare module: multiprocessing then tells the worker
+    to import no main module (a script without a ``__main__`` guard would run its search again
+    there). What the worker needs from ``__main__`` travels by value (:func:`worker_payload`)."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
 class PoolWorker:
     """One long-lived worker process of the pool and the driver's end of its pipe."""
 
@@ -589,7 +645,8 @@ class PoolWorker:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_worker_main, args=(child, index, os.getpid(), dict(os.environ)),
                                    daemon=True, name=f"tridens-worker-{index}")
-        self.process.start()
+        with _main_not_imported():
+            self.process.start()
         child.close()
         self.evaluators: set[int] = set()  # tokens of the evaluators this worker holds
 
@@ -625,8 +682,9 @@ class ProcessExecutor(Executor):
     driver dies. State a user loop leaves at module level in a worker (globals, caches) is seen by
     the next trial that worker runs; the random state is re-seeded for every trial by the evaluator.
 
-    The evaluator and the models are pickled to the workers, so they must be importable (define
-    them at module level and guard the script's main code with ``if __name__ == "__main__":``).
+    The evaluator and the models are pickled to the workers: by reference when they live in an
+    importable module, by value (cloudpickle) when they are defined in ``__main__`` (``python -c``,
+    a notebook, a script with or without a ``__main__`` guard), which workers never import.
     With the experiment's ``allocation`` (a :class:`~tridens.engine.StaticFluid` or
     :class:`~tridens.engine.DynamicFluid` policy) a declarative evaluator's TrialGroups are placed
     by Fluid: several trials packed on a worker, or one trial data-parallel over several.
@@ -674,11 +732,9 @@ class ProcessExecutor(Executor):
 
     def ship(self, worker: PoolWorker, evaluator: Evaluator) -> int:
         """Send ``evaluator`` to ``worker`` unless it holds it already; returns its token."""
-        import pickle
-
         token = id(evaluator)
         if token not in self._payloads:
-            self._payloads[token] = (evaluator, pickle.dumps(evaluator))
+            self._payloads[token] = (evaluator, worker_payload(evaluator, f"the evaluator {type(evaluator).__name__}"))
         if token not in worker.evaluators:
             worker.conn.send(("evaluator", token, self._payloads[token][1]))
             worker.evaluators.add(token)
