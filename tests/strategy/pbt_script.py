@@ -1,6 +1,7 @@
-"""PBT on digits for the kill-and-resume test: `python pbt_script.py DB PAUSE [process]` (PAUSE
+"""PBT on digits for the kill-and-resume test: `python pbt_script.py DB PAUSE [process|ray]` (PAUSE
 seconds after every recorded epoch, so that a kill lands inside the second population; ``process``:
-on the process pool, the population over two workers)."""
+on the process pool, the population over two workers; ``ray``: over two Ray tasks of a local Ray,
+checkpoints under ``DB``'s folder)."""
 
 import sys
 import time
@@ -36,6 +37,9 @@ def evaluator():
 
 if __name__ == "__main__":
     db, pause = sys.argv[1], float(sys.argv[2])
-    executor = td.executors.Process(workers=2) if sys.argv[3:] == ["process"] else td.executors.Inline()
+    kind = sys.argv[3] if len(sys.argv) > 3 else "inline"
+    executor = {"process": lambda: td.executors.Process(workers=2),
+                "ray": lambda: td.executors.Ray(workers=2, storage=db + ".ray"),
+                "inline": td.executors.Inline}[kind]()
     td.Experiment(MLP(), evaluator(), td.strategy.PBT(population=4, interval=2), max_trials=8, seed=3, store=db,
                   name="pbt", verbose=False, callbacks=[Pause(pause)], executor=executor).run()

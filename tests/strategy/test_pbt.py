@@ -101,7 +101,8 @@ def _trials(db):
                 for t in store.trials("pbt")]
 
 
-@pytest.mark.parametrize("executor", ["inline", pytest.param("process", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("executor", ["inline", pytest.param("process", marks=pytest.mark.slow),
+                                      pytest.param("ray", marks=pytest.mark.slow)])
 def test_a_killed_pbt_run_resumes_to_the_uninterrupted_result(tmp_path, executor):
     whole = tmp_path / "whole.db"
     subprocess.run([sys.executable, str(SCRIPT), str(whole), "0", executor], check=True, timeout=300)
