@@ -161,3 +161,25 @@ def test_memory_bound_keeps_batched_units_apart(data, force):
                  + make_jobs([dict(lr=0.05, m=0.9, wd=0.0, s="constant", p=0.1)] * 2, cnn), ev, optimize=force,
                  max_unit_memory=first.memory)
     assert [type(u).__name__ for u in units] == ["BatchedUnit", "BatchedUnit"]
+
+
+def test_a_jobs_config_is_resolved_once_from_the_sample_it_trains_with(data):
+    """``job.config(evaluator)``: resolved once (the same object every time), from the fork's
+    hyperparameters after a PBT fork (``job.hparams``), an invalid sample's error raised each time."""
+    from tridens.errors import InvalidSample
+    from tridens.trial import Trial
+    from tridens.units import Job
+
+    train, val = data
+    ev = td.evaluators.Classification(train, val, epochs=2, lr=td.choice("lr", [0.1, 0.5]),
+                                      optimizer=td.choice("optimizer", ["sgd", "adam"]))
+    job = Job(Trial(id=1, sample={"lr": 0.1, "optimizer": "sgd"}, seed=0), model=None)
+    job.resolve_config(ev)   # what the engine does when it makes the job
+    cfg = job.config(ev)
+    assert cfg.lr == 0.1 and job.config(ev) is cfg
+    job.hparams = {"lr": 0.5, "optimizer": "adam"}   # a PBT fork continues with other hyperparameters
+    assert (job.config(ev).lr, job.config(ev).optimizer) == (0.5, "adam")
+    bad = Job(Trial(id=2, sample={"lr": 0.1, "optimizer": "lbfgs"}, seed=0), model=None)
+    for _ in range(2):
+        with pytest.raises(InvalidSample, match="lbfgs"):
+            bad.config(ev)

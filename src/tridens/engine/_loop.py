@@ -503,7 +503,9 @@ class _Run:
         except Exception as err:
             self.finish(trial, TrialStatus.FAILED, error=error_text(err) if not isinstance(err, InvalidSample) else str(err))
             return None
-        return Job(trial, model, trial.max_steps)
+        job = Job(trial, model, trial.max_steps)
+        job.resolve_config(self.evaluator)  # once: planners and units read job.config(evaluator)
+        return job
 
     def _seed_of(self, sample: Mapping[str, Any]) -> int:
         """The new trial's seed: from its position in the experiment (ids are global to the
@@ -557,7 +559,9 @@ class _Run:
             self.seen.setdefault(key, trial)  # the same model would violate it again
             return None
         # What _materialize added (warm start, inheritance) is written by _run_jobs, next.
-        return Job(trial, model, group.max_steps)
+        job = Job(trial, model, group.max_steps)
+        job.resolve_config(self.evaluator)  # once: planners and units read job.config(evaluator)
+        return job
 
 
 def _latency_ms(model: Any, inputs: Sequence[Any] | None) -> float:

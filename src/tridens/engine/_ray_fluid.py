@@ -54,7 +54,7 @@ class FluidOnRay:
         if tracks:
             try:
                 job = next(iter(tracks[0].members.values())).job
-                gpu = evaluator.config(job.trial.sample).device.type == "cuda"  # type: ignore[attr-defined]
+                gpu = job.config(evaluator).device.type == "cuda"
             except Exception:  # not a supervised evaluator (Tabular): CPUs
                 gpu = False
         devices = int(ray.cluster_resources().get("GPU", 0)) if gpu else workers
@@ -69,7 +69,7 @@ class FluidOnRay:
                 trial = member.job.trial
                 try:
                     if policy.profile is not None:  # the user's step times: nothing to measure
-                        cfg = evaluator.config(trial.sample)  # type: ignore[attr-defined]
+                        cfg = member.job.config(evaluator)
                         step_time, per_epoch, epochs = policy.step_time(trial.sample), cfg.steps_per_epoch, cfg.epochs
                     else:
                         step_time, per_epoch, epochs = profile_step_time(evaluator, member.job.model, trial.sample,

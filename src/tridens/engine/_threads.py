@@ -177,7 +177,7 @@ def _model_step_flops(unit: Any) -> tuple[float | None, int]:
         return None, len(jobs)
     job = max(jobs, key=lambda j: sum(p.numel() for p in j.model.parameters()))
     try:
-        cfg = evaluator.config(job.trial.sample)
+        cfg = job.config(evaluator)
         example = cfg.train[0][0]
         if not isinstance(example, torch.Tensor):
             return None, len(jobs)

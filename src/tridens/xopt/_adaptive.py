@@ -331,7 +331,7 @@ class AdaptiveMember:
             return
         job = self.jobs[ids[0]]
         try:
-            trainer = self.evaluator.trainer(job.model, job.trial.sample, job.trial.seed)  # type: ignore[attr-defined]
+            trainer = self.evaluator.trainer(job.model, job.sample, job.trial.seed)  # type: ignore[attr-defined]
         except Exception:  # the separate trainers will report it; decide on the fused stack alone
             return
         # its first steps train the real model: kept if the group goes separate, undone otherwise
@@ -634,7 +634,7 @@ class AdaptiveMember:
                 state = fused.state_dict(t, job, self.evaluator)
                 if state is None:  # (CUDA: no trainer checkpoint from the stack)
                     return
-                trainer = self.evaluator.trainer(job.model, job.trial.sample, job.trial.seed)  # type: ignore[attr-defined]
+                trainer = self.evaluator.trainer(job.model, job.sample, job.trial.seed)  # type: ignore[attr-defined]
                 trainer.load_state_dict(state)
                 trainers[t] = TrainerMember(job, trainer)
         except Exception as err:  # stay fused: it trains them as it did
@@ -670,7 +670,7 @@ class AdaptiveMember:
                 continue
             job = self.jobs[t]
             try:
-                trainer = self.evaluator.trainer(job.model, job.trial.sample, job.trial.seed)  # type: ignore[attr-defined]
+                trainer = self.evaluator.trainer(job.model, job.sample, job.trial.seed)  # type: ignore[attr-defined]
             except Exception as err:  # reported as the trial's failure at the epoch's end
                 self._errors[t] = err
                 continue

@@ -62,7 +62,7 @@ class BatchedMember:
             _keep_freed_memory()
         self.jobs = {job.trial.id: job for job in jobs}
         self.speedup: float | None = None  # fused on this measured speed-up (set by the planner), if known
-        self.configs = {job.trial.id: evaluator.config(job.trial.sample) for job in jobs}
+        self.configs = {job.trial.id: job.config(evaluator) for job in jobs}
         self.cfg = cfg = self.configs[jobs[0].trial.id]
         self.owner = type(evaluator).__name__
         self.device = cfg.device
@@ -271,7 +271,7 @@ class BatchedMember:
             if adaptive:
                 entry["step"] = torch.tensor(float(opt.steps[name]))
             state[i] = entry
-        cfg = evaluator.config(job.trial.sample)  # type: ignore[attr-defined]
+        cfg = job.config(evaluator)
         groups = cfg.make_optimizer(job.model.parameters()).state_dict()["param_groups"]
         return {"format": CHECKPOINT_FORMAT, "model": self.weights(trial_id),
                 "optimizer": {"state": state, "param_groups": groups},

@@ -461,7 +461,7 @@ def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings
             leftover.append(job)
             continue
         try:
-            cfg = evaluator.config(job.trial.sample)
+            cfg = job.config(evaluator)
             if cfg.optimizer not in ("sgd", "adam", "adamw", "rmsprop"):
                 raise ValueError(f"no vectorized optimizer {cfg.optimizer!r}")
         except Exception as err:  # the separate trainer reports invalid setups as the trial's error
@@ -495,7 +495,7 @@ def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings
                 log.info("batching: trial %d not fused: %s", ids[0], why)
                 leftover.extend(group)
                 continue
-            budget = context.memory_bound(evaluator.config(group[0].trial.sample).device, max_unit_memory)
+            budget = context.memory_bound(group[0].config(evaluator).device, max_unit_memory)
             group = [group[i] for i in order_by_variant([job.model for job in group])]
             made, rest = _plan_group(skey, setup, group, evaluator, budget, knobs, full.cse, context.decisions)
             units.extend(made)
@@ -517,7 +517,7 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
                 decisions: Decisions | None = None) -> tuple[list[ExecutionUnit], list[Job]]:
     decisions = decisions if decisions is not None else Decisions()
     ids = [j.trial.id for j in group]
-    cfg = evaluator.config(group[0].trial.sample)
+    cfg = group[0].config(evaluator)
     try:
         x, y = _first_batch(cfg, group[0].trial.seed)
     except Exception as err:

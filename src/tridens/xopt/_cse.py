@@ -149,7 +149,7 @@ def plan_cse(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings: Set
             leftover.append(job)
             continue
         try:
-            cfg = evaluator.config(job.trial.sample)
+            cfg = job.config(evaluator)
         except Exception:  # the separate unit reports it as the trial's failure
             leftover.append(job)
             continue
@@ -347,7 +347,7 @@ def _make_unit(chunk: list[tuple[_Analysis, int, int]], evaluator: StepwiseEvalu
         plan = split_of.get(trial_id)
         try:
             if plan is None:
-                trainer = evaluator.trainer(job.model, job.trial.sample, job.trial.seed)
+                trainer = evaluator.trainer(job.model, job.sample, job.trial.seed)
                 members.append(TrainerMember(job, trainer))
                 whole.append(trial_id)
                 continue
@@ -359,7 +359,7 @@ def _make_unit(chunk: list[tuple[_Analysis, int, int]], evaluator: StepwiseEvalu
                 prefixes[prefix.key] = prefix
                 used.add(prefix.key)
             split = plan.members[trial_id]
-            trainer = evaluator.trainer(split.suffix, job.trial.sample, job.trial.seed)
+            trainer = evaluator.trainer(split.suffix, job.sample, job.trial.seed)
             state = prefix.module.state_dict(keep_vars=True)
             buffers = {k: state[r] for k, r in split.buffers.items() if r in state}
             members.append(TrainerMember(job, trainer, inputs=split.inputs, prefix_buffers=buffers))
@@ -436,7 +436,7 @@ def merge_pipelines(units: Sequence[ExecutionUnit], rest: Sequence[Job], evaluat
         key = None
         if isinstance(evaluator, SupervisedEvaluator) and isinstance(job.model, nn.Module):
             try:
-                cfg = evaluator.config(job.trial.sample)
+                cfg = job.config(evaluator)
                 key = _pipeline_key(cfg, job.trial.seed)
             except Exception:  # the separate unit reports it as the trial's failure
                 key = None

@@ -208,7 +208,7 @@ class TrainerMember(PipelineMember):
         index = {id(p): i for i, p in enumerate(job.model.parameters())}
         params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
         inner = state["optimizer"]["state"]
-        cfg = evaluator.config(job.trial.sample)  # type: ignore[attr-defined]
+        cfg = job.config(evaluator)
         state["optimizer"] = {"state": {index[id(params[i])]: s for i, s in inner.items()},
                               "param_groups": cfg.make_optimizer(job.model.parameters()).state_dict()["param_groups"]}
         # (weights() may hand out the live tensors: a checkpoint must not change as training goes on)
@@ -294,7 +294,7 @@ class SharedPipelineUnit(ExecutionUnit):
             built: list[PipelineMember] = []
             for job in jobs:
                 try:
-                    trainer = evaluator.trainer(job.model, job.trial.sample, job.trial.seed)
+                    trainer = evaluator.trainer(job.model, job.sample, job.trial.seed)
                 except Exception as err:  # reported as the trial's failure at its first epoch
                     self.errors[job.trial.id] = err
                     continue
@@ -307,7 +307,7 @@ class SharedPipelineUnit(ExecutionUnit):
         self._seed = jobs[0].trial.seed if jobs else 0
         if jobs and isinstance(evaluator, SupervisedEvaluator):
             try:  # the pipeline every member shares (the planner checked they agree)
-                self.config = evaluator.config(jobs[0].trial.sample)
+                self.config = jobs[0].config(evaluator)
             except Exception:  # the trials' own trainers failed too: reported per trial
                 self.config = None
         self._train: BatchSource | None = None

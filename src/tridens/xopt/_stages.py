@@ -218,7 +218,7 @@ class StageTreeUnit(ExecutionUnit):
         super().__init__(jobs, evaluator)
         self.reason = reason
         self.cache = cache
-        self.configs: dict[int, TrainConfig] = {job.trial.id: evaluator.config(job.trial.sample)  # type: ignore[attr-defined]
+        self.configs: dict[int, TrainConfig] = {job.trial.id: job.config(evaluator)
                                                 for job in jobs}
         self.root = _root_key(jobs[0])
         self.tree_id = min(job.trial.id for job in jobs)   # node ids "tree.n" are unique in the store
@@ -254,7 +254,7 @@ class StageTreeUnit(ExecutionUnit):
             ids = [job.trial.id for job in members]
             first = members[0]
             trainer = evaluator.trainer(first.model if entry is None and path not in stored  # type: ignore[attr-defined]
-                                        else copy.deepcopy(first.model), first.trial.sample, first.trial.seed)
+                                        else copy.deepcopy(first.model), first.sample, first.trial.seed)
             if path in stored:   # a stage stored by an earlier run: loaded once for its trials
                 hit = self.archive.load(self.archive_root, stored[path][1], stored[path][0])
                 try:
@@ -265,7 +265,7 @@ class StageTreeUnit(ExecutionUnit):
                     hit = None
                 if hit is None:
                     path, entry = (), None
-                    trainer = evaluator.trainer(first.model, first.trial.sample, first.trial.seed)  # type: ignore[attr-defined]
+                    trainer = evaluator.trainer(first.model, first.sample, first.trial.seed)  # type: ignore[attr-defined]
                 else:
                     entry = (hit.state, hit.history, hit.label, (hit.stage, hit.epochs))
                     self.archive.link(hit.stage, ids)
@@ -333,7 +333,7 @@ class StageTreeUnit(ExecutionUnit):
     def _fork(self, node: _Node, members: list[int]) -> _Node:
         """A new branch of ``node`` for ``members``, continuing from a copy of its whole state."""
         job = self.jobs[members[0]]
-        trainer = self.evaluator.trainer(copy.deepcopy(node.trainer.model), job.trial.sample,  # type: ignore[attr-defined]
+        trainer = self.evaluator.trainer(copy.deepcopy(node.trainer.model), job.sample,  # type: ignore[attr-defined]
                                          job.trial.seed)
         trainer.load_state_dict(node.trainer.state_dict())
         node.members = [m for m in node.members if m not in members]
@@ -470,7 +470,7 @@ def plan_stage_trees(jobs: Sequence[Job], evaluator: StepwiseEvaluator, min_save
     for job in jobs:
         try:
             key = _root_key(job)
-            config = evaluator.config(job.trial.sample)  # type: ignore[attr-defined]
+            config = job.config(evaluator)
         except Exception:  # an invalid sample fails in its own unit, with its own message
             key, config = None, None
         if key is None or not isinstance(config, TrainConfig):
@@ -485,7 +485,7 @@ def plan_stage_trees(jobs: Sequence[Job], evaluator: StepwiseEvaluator, min_save
         if len(members) < 2 and stored_root is None and not any(key[0] == root for key in cache.entries):
             rest.extend(members)   # nothing to share (the default per-trial seeds): skip the stage keys
             continue
-        configs = [evaluator.config(job.trial.sample) for job in members]  # type: ignore[attr-defined]
+        configs = [job.config(evaluator) for job in members]
         limits = [cfg.epochs if job.max_steps is None else min(cfg.epochs, job.max_steps)
                   for cfg, job in zip(configs, members)]
         alone = sum(limits)

@@ -382,7 +382,7 @@ class SuperGraphUnit(SharedPipelineUnit):
         errors: dict[int, BaseException] = {}
         for job in jobs:
             try:  # built first: moving a model to its device may replace its buffers
-                trainers[job.trial.id] = evaluator.trainer(job.model, job.trial.sample, job.trial.seed)
+                trainers[job.trial.id] = evaluator.trainer(job.model, job.sample, job.trial.seed)
             except Exception as err:  # reported as the trial's failure at its first epoch
                 errors[job.trial.id] = err
         ok = [job for job in jobs if job.trial.id in trainers]
@@ -457,7 +457,7 @@ def plan_supergraph(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settin
         if not isinstance(job.model, nn.Module) or not record.get("shared"):
             continue
         try:
-            cfg = evaluator.config(job.trial.sample)
+            cfg = job.config(evaluator)
         except Exception:  # the separate unit reports it as the trial's failure
             continue
         key = (record.get("parent"), _pipeline_key(cfg, job.trial.seed), cfg.optimizer, cfg.momentum, cfg.weight_decay)
