@@ -208,6 +208,8 @@ def trial_details(trial: Trial, trials: Sequence[Trial], objective: Objective) -
         ("epochs", str(trial.steps)),
         ("duration", "-" if trial.duration is None else f"{trial.duration:.2f} s"),
     ]
+    if trial.info.get("precision") is not None:
+        rows.append(("precision", str(trial.info["precision"])))
     if trial.info.get("train_seconds") is not None:
         rows.append(("training seconds", f"{trial.info['train_seconds']:.2f}"))
     if trial.group is not None:

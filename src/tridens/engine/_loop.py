@@ -347,6 +347,7 @@ class _Run:
                 for job in jobs:
                     job.trial.status = TrialStatus.RUNNING
                     job.trial.started_at = now
+                    job.trial.info.update(self.evaluator.trial_info(job.trial.sample))
                     self.db.update_trial(job.trial)
         executor.run_group(jobs, self.evaluator, self)  # (one at a time: each running when it starts)
 

@@ -25,7 +25,10 @@ def trials_table(trials: list[Trial], objective: Objective, title: str = "", *, 
     table = Table(title=title or None, show_lines=False)
     warm = any("warm_start" in t.info for t in trials)  # the column only for warm-started experiments
     dropped = ("epochs", "fingerprint") if compact else ()
-    columns = ("trial", "status", objective.metric, "epochs", "params", "fingerprint") + (("warm start",) if warm else ()) + ("sample",)
+    # the precision column only where some trial trains in a mixed precision
+    mixed = any(t.info.get("precision", "32-true") != "32-true" for t in trials)
+    columns = ("trial", "status", objective.metric, "epochs", "params", "fingerprint") + (("warm start",) if warm else ()) + \
+        (("precision",) if mixed else ()) + ("sample",)
     for col in columns:
         if col not in dropped:
             table.add_column(col, overflow="fold")
@@ -36,6 +39,8 @@ def trials_table(trials: list[Trial], objective: Objective, title: str = "", *, 
                (t.fingerprint or "")[:10]]
         if warm:
             row.append(warm_start_text(t))
+        if mixed:
+            row.append(str(t.info.get("precision", "-")))
         if compact:
             del row[5], row[3]  # fingerprint, epochs
         table.add_row(*row, _short_sample(t.sample, None if full_samples else 90))

@@ -152,6 +152,11 @@ class StepwiseEvaluator(Evaluator):
     def trainer(self, model: nn.Module | None, sample: Mapping[str, Any], seed: int) -> Trainer:  # pragma: no cover
         raise NotImplementedError
 
+    def trial_info(self, sample: Mapping[str, Any]) -> dict[str, Any]:
+        """What the engine records in the trial's ``info`` about how it is trained (e.g. its
+        ``precision``) before it trains; nothing by default."""
+        return {}
+
     def evaluate(self, model: nn.Module | None, sample: Mapping[str, Any], seed: int,
                  reporter: Reporter | None = None, *, max_steps: int | None = None) -> float | None:
         trainer = self.trainer(model, sample, seed)

@@ -22,6 +22,12 @@ bit-identical. Three things make that so:
   only, so trainers interleaved in one process don't disturb one another (nor the caller's
   global random state);
 * the learning rate is a pure function of the optimizer step (see ``lr_factor``).
+
+Precision (``precision=``, Lightning's names, off by default): ``"32-true"`` trains as the model
+is; ``"bf16-mixed"`` runs every forward (training and validation, separate and fused alike) under
+``torch.autocast`` in bfloat16 on the trial's device (matmuls and convolutions in bfloat16, weights,
+optimizer state and the loss in float32); ``"16-mixed"`` is float16 autocast with a gradient scaler,
+CUDA only. The precision is recorded in each trial's ``info["precision"]``.
 """
 
 from __future__ import annotations
@@ -46,9 +52,11 @@ from ._params import Constraint, Interval, Options, Satisfies, check, labels_of
 from ._schedules import SCHEDULES, scheduled_lr
 
 __all__ = ["Classification", "Regression", "TrainConfig", "SupervisedTrainer", "OPTIMIZERS", "SupervisedEvaluator",
-           "BatchSource", "CHECKPOINT_FORMAT", "correct_count", "align_output"]
+           "BatchSource", "CHECKPOINT_FORMAT", "correct_count", "align_output", "PRECISIONS"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+_AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 CHECKPOINT_FORMAT = 1
 """Version of a trainer checkpoint's layout (``SupervisedTrainer.state_dict``), checked on load."""
 
@@ -153,6 +161,28 @@ class TrainConfig:
     gamma: float = 0.1
     warmup_epochs: int = 0
     batch_schedule: tuple[tuple[int, int], ...] = ()
+    precision: str = "32-true"
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The context a forward runs in: ``torch.autocast`` on the device for a mixed precision.
+
+        >>> import torch, tridens as td
+        >>> ds = torch.utils.data.TensorDataset(torch.zeros(4, 3), torch.zeros(4, dtype=torch.long))
+        >>> cfg = td.evaluators.Classification(ds, ds, precision="bf16-mixed", device="cpu").config()
+        >>> with cfg.autocast():
+        ...     torch.nn.Linear(3, 2)(ds.tensors[0]).dtype
+        torch.bfloat16
+        """
+        dtype = _AUTOCAST_DTYPES.get(self.precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def loss_of(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of a batch's outputs, computed in float32 when autocast gave half-precision outputs."""
+        if out.dtype in (torch.bfloat16, torch.float16):
+            out = out.float()
+        return self.loss(out, y)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -215,7 +245,8 @@ class TrainConfig:
         first, last = self.epoch_steps(epoch)
         lrs = tuple(self.lr_at(step) for step in range(first, last))
         return (self.optimizer, self.momentum, self.weight_decay, self.batch_size_at(epoch), self.data_seed, lrs,
-                id(self.train), id(self.val), self.loss, self.transforms, self.task, self.metrics, str(self.device))
+                id(self.train), id(self.val), self.loss, self.transforms, self.task, self.metrics, str(self.device),
+                self.precision)
 
 
     def data_seed_of(self, seed: int) -> int:
@@ -272,7 +303,7 @@ class SupervisedEvaluator(StepwiseEvaluator):
                  device: str | torch.device = "auto",
                  transforms: Callable[[torch.Tensor], torch.Tensor] | None = None, data_seed: int | None = 0,
                  milestones: Sequence[int] | None = None, gamma: float = 0.1, warmup_epochs: int = 0,
-                 batch_schedule: Sequence[Sequence[int]] | None = None):
+                 batch_schedule: Sequence[Sequence[int]] | None = None, precision: str = "32-true"):
         self.train = train
         self.val = val
         self.epochs = epochs
@@ -292,6 +323,7 @@ class SupervisedEvaluator(StepwiseEvaluator):
         self.gamma = gamma
         self.warmup_epochs = warmup_epochs
         self.batch_schedule = batch_schedule
+        self.precision = precision
 
     # -- what is reported -------------------------------------------------------------------
     def _metric_names(self, metrics: Sequence[str] | None) -> tuple[str, ...]:
@@ -333,6 +365,7 @@ class SupervisedEvaluator(StepwiseEvaluator):
             "warmup_epochs": [Interval("int", 0, None)],
             "batch_schedule": [Satisfies(_is_batch_schedule, "None or a list of [first epoch >= 1, batch size >= 1] "
                                                              "pairs in increasing epochs")],
+            "precision": [Options(PRECISIONS)],
         }
 
     def config(self, sample: Mapping[str, Any] | None = None) -> TrainConfig:
@@ -367,6 +400,9 @@ class SupervisedEvaluator(StepwiseEvaluator):
         device = values["device"]
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if values["precision"] == "16-mixed" and torch.device(device).type != "cuda":
+            raise InvalidParameter(f"The 'precision' parameter of {owner} is '16-mixed' (float16 with a gradient "
+                                   f"scaler), which needs CUDA; on {device} use 'bf16-mixed'.")
         return TrainConfig(
             train=values["train"], val=values["val"], epochs=values["epochs"], batch_size=values["batch_size"],
             optimizer=values["optimizer"], lr=float(values["lr"]),
@@ -376,9 +412,15 @@ class SupervisedEvaluator(StepwiseEvaluator):
             data_seed=values["data_seed"],
             milestones=None if values["milestones"] is None else tuple(int(m) for m in values["milestones"]),
             gamma=float(values["gamma"]), warmup_epochs=values["warmup_epochs"],
-            batch_schedule=tuple((int(e), int(b)) for e, b in values["batch_schedule"] or ()))
+            batch_schedule=tuple((int(e), int(b)) for e, b in values["batch_schedule"] or ()),
+            precision=values["precision"])
 
     # -- training ---------------------------------------------------------------------------
+    def trial_info(self, sample: Mapping[str, Any]) -> dict[str, Any]:
+        """``{"precision": ...}``: the trial's training precision (``"32-true"`` unless set)."""
+        precision = self.resolved(sample).get("precision", "32-true")
+        return {"precision": precision if isinstance(precision, str) else "32-true"}
+
     def trainer(self, model: nn.Module | None, sample: Mapping[str, Any], seed: int) -> "SupervisedTrainer":
         """A trainer at epoch 0 for ``model`` under ``sample``'s hyperparameters.
 
@@ -412,7 +454,9 @@ class Classification(SupervisedEvaluator):
     ``metrics`` chooses among ``"acc"`` and ``"loss"``; ``metric`` the objective (default
     ``val_acc``); ``transforms`` is applied to each training input batch (augmentation).
     ``data_seed`` fixes the data order and augmentation shared by every trial (``None``: each
-    trial's own seed); a trial's seed decides its initialization and dropout.
+    trial's own seed); a trial's seed decides its initialization and dropout. ``precision``:
+    ``"32-true"`` (default), ``"bf16-mixed"`` (bfloat16 autocast, loss in float32) or
+    ``"16-mixed"`` (float16 autocast with a gradient scaler, CUDA only).
 
     >>> import tridens as td
     >>> ev = td.evaluators.Classification(train=train_ds, val=val_ds, epochs=3, batch_size=64,  # doctest: +SKIP
@@ -557,10 +601,11 @@ class ValidationSums:
         size = len(y)
         self.n += size
         if "val_loss" in sums:
-            sums["val_loss"] += float(cfg.loss(out, y).item()) * size
+            sums["val_loss"] += float(cfg.loss_of(out, y).item()) * size
         if "val_acc" in sums:
             sums["val_acc"] += correct_count(out, y)
         if "val_mse" in sums or "val_mae" in sums:
+            out = out.float() if out.dtype in (torch.bfloat16, torch.float16) else out
             diff = align_output(out, y) - y.to(out.dtype)
             self.elements += diff.numel()
             if "val_mse" in sums:
@@ -589,6 +634,8 @@ class SupervisedTrainer:
         self._train = BatchSource(config.train, config.device)
         self._val = BatchSource(config.val, config.device)
         self._cuda = config.device.type == "cuda"
+        # float16 gradients underflow without scaling the loss ("16-mixed", CUDA only)
+        self.scaler = torch.amp.GradScaler("cuda") if config.precision == "16-mixed" else None
         g = torch.Generator().manual_seed(self.seed)   # the state torch.manual_seed(seed) gives
         self._rng: torch.Tensor = g.get_state()
         self._cuda_rng: torch.Tensor | None = None
@@ -659,12 +706,19 @@ class SupervisedTrainer:
             group["lr"] = lr
         with self._random_stream():
             self.optimizer.zero_grad(set_to_none=True)
-            loss = cfg.loss(self.model(x), y)
+            with cfg.autocast():
+                out = self.model(x)
+            loss = cfg.loss_of(out, y)
             value = float(loss.item())
             if not math.isfinite(value):
                 raise NonFiniteLoss.at(self.owner, value, epoch=self.epoch, batch=batch, step=self.step, lr=lr)
-            loss.backward()
-            self.optimizer.step()
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                loss.backward()
+                self.optimizer.step()
         self.step += 1
         return value
 
@@ -690,7 +744,9 @@ class SupervisedTrainer:
             with self._random_stream():
                 for i, (x, y) in enumerate(batches):
                     if i % world == rank:
-                        sums.add(self.model(x), y)
+                        with cfg.autocast():
+                            out = self.model(x)
+                        sums.add(out, y)
         finally:
             self.model.train(was_training)
         return sums
@@ -712,6 +768,8 @@ class SupervisedTrainer:
         }
         if self._cuda_rng is not None:
             state["cuda_rng"] = self._cuda_rng.clone()
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -733,6 +791,8 @@ class SupervisedTrainer:
         self._rng = state["rng"].clone().cpu()
         if self._cuda and "cuda_rng" in state:
             self._cuda_rng = state["cuda_rng"].clone().cpu()
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
 
     def __repr__(self) -> str:
         return f"SupervisedTrainer({self.owner}, epoch={self.epoch}/{self.epochs}, step={self.step}, seed={self.seed})"

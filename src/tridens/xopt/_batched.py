@@ -165,8 +165,9 @@ class BatchedMember:
             return {}
         cfg = self.cfg
         lrs = [self.configs[i].lr_at(self.step) for i in self.ids]
-        out = self._train_outputs(x)
-        losses = _stacked_loss(cfg.loss, out, y)
+        with cfg.autocast():  # the evaluator's precision, as its separate trainer runs it
+            out = self._train_outputs(x)
+        losses = _stacked_loss(cfg.loss, _full(out), y)
         values = losses.detach().tolist()
         bad = [r for r, v in enumerate(values) if not math.isfinite(v)]
         good = [r for r in range(len(values)) if r not in bad]
@@ -214,7 +215,8 @@ class BatchedMember:
         if not self.ids:
             return
         cfg, names = self.cfg, self.cfg.metrics
-        out = self._eval_outputs(x)
+        with cfg.autocast():
+            out = _full(self._eval_outputs(x))
         size = len(y)
         self._val_n += size
         per: dict[str, list[float]] = {}
@@ -321,7 +323,8 @@ class BatchedMember:
             if any(type(m) is _MaskDropout for m in self.base.modules()):
                 params = {n: p[0].detach() for n, p in self.params.items()}
                 buffers = {n: b[0].clone() for n, b in self.buffers.items()}
-                with torch.no_grad(), _forward_state(_ForwardState(record=record)):
+                # (under the precision's autocast: masks have the dtype the training forward gives)
+                with torch.no_grad(), _forward_state(_ForwardState(record=record)), self.cfg.autocast():
                     functional_call(self.base, (params, buffers), (x,))
             self._calls[key] = record
         return self._calls[key]
@@ -339,8 +342,8 @@ class BatchedMember:
         x = x[:_CHECKED_EXAMPLES]
         was_training = self.base.training
         self.base.eval()
-        try:
-            with torch.no_grad():
+        try:  # (in full precision: under autocast the two would differ by bf16 roundings)
+            with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
                 reference = self._outputs(x, ())
                 try:
                     got = self._program.run(self, x, training=False)
@@ -503,6 +506,11 @@ class BatchedMember:
             self.buffers = {n: b.index_select(0, index) for n, b in self.buffers.items()}
         self.optimizer.select(keep)
         self._update_runs()
+
+
+def _full(out: torch.Tensor) -> torch.Tensor:
+    """Outputs of a mixed-precision forward in float32 (the loss and metrics are computed so)."""
+    return out.float() if out.dtype in (torch.bfloat16, torch.float16) else out
 
 
 def _stacked_loss(loss: Callable[..., torch.Tensor], out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -201,6 +201,7 @@ _SETUP_FIELDS: tuple[tuple[str, Callable[[TrainConfig, int], Any]], ...] = (
     ("data order", lambda c, s: c.data_seed_of(s)),
     ("device", lambda c, s: str(c.device)),
     ("task", lambda c, s: c.task),
+    ("precision", lambda c, s: c.precision),
 )
 
 
@@ -464,6 +465,8 @@ def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings
             cfg = job.config(evaluator)
             if cfg.optimizer not in ("sgd", "adam", "adamw", "rmsprop"):
                 raise ValueError(f"no vectorized optimizer {cfg.optimizer!r}")
+            if cfg.precision == "16-mixed":
+                raise ValueError("precision '16-mixed' steps through a gradient scaler, which the fused step has not")
         except Exception as err:  # the separate trainer reports invalid setups as the trial's error
             log.info("batching: trial %d not fused: %s", job.trial.id, _first_line(err))
             leftover.append(job)

@@ -285,7 +285,9 @@ class JointMember(PipelineMember):
             model = self._model(m, after_first)
             try:
                 with t._random_stream():
-                    loss = t.config.loss(model(inp), y)
+                    with t.config.autocast():
+                        out = model(inp)
+                    loss = t.config.loss_of(out, y)
                 value = float(loss.item())
                 if not math.isfinite(value):
                     raise NonFiniteLoss.at(t.owner, value, epoch=t.epoch, batch=batch, step=t.step, lr=lrs[m.trial_id])

@@ -352,8 +352,8 @@ def _joint_member(members: list[PipelineMember], chunk: list[tuple[_Analysis, in
                   decisions: Decisions | None = None) -> tuple[list[PipelineMember], str, int]:
     """Replace the unit's whole-model trainer members by one :class:`JointMember` (with wide first
     layers where they pay), if the memory bound and ``settings`` allow; returns the members, the
-    log text and the unit's memory estimate."""
-    if not settings.joint:
+    log text and the unit's memory estimate. Trainers with a gradient scaler ("16-mixed") step alone."""
+    if not settings.joint or cfg0.precision == "16-mixed":
         return members, "", estimate
     decisions = decisions if decisions is not None else Decisions()
     by_id = {a.job.trial.id: (a, t) for a, _, t in chunk}
