@@ -24,12 +24,19 @@ class TrialStatus(str, enum.Enum):
     def finished(self) -> bool:
         return self not in (TrialStatus.PENDING, TrialStatus.RUNNING, TrialStatus.INTERRUPTED)
 
+    def __str__(self) -> str:
+        """The status as users read and write it: ``str(TrialStatus.COMPLETED) == 'completed'``."""
+        return self.value
+
 
 class Decision(str, enum.Enum):
     """A strategy's answer after an intermediate result."""
 
     CONTINUE = "continue"
     STOP = "stop"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -120,7 +127,7 @@ class Objective:
         return value if self.mode == "max" else -value
 
 
-@dataclass
+@dataclass(repr=False)
 class Trial:
     """One model of the space trained (or looked up) once.
 
@@ -161,7 +168,33 @@ class Trial:
 
     @property
     def steps(self) -> int:
+        """The steps (epochs, or ``td.report`` calls) the trial trained: its longest metric curve."""
         return max((len(v) for v in self.metrics.values()), default=0)
+
+    @property
+    def epochs(self) -> int:
+        """The epochs the trial trained (its steps; what the tables' ``epochs`` column shows)."""
+        return self.steps
+
+    def __repr__(self) -> str:
+        """One short line: number, status, final value, epochs, sample (not every curve and fact).
+
+        >>> Trial(id=7, sample={"lr": 0.1}, seed=3, status=TrialStatus.COMPLETED, metric=0.91,
+        ...       metrics={"val_acc": [0.8, 0.91]}, number=2)
+        Trial(number=2, status='completed', metric=0.91, epochs=2, sample={'lr': 0.1})
+        """
+        parts = [f"number={self.label}", f"status={str(self.status)!r}"]
+        if self.metric is not None:
+            parts.append(f"metric={self.metric:.6g}")
+        if self.metrics:
+            parts.append(f"epochs={self.epochs}")
+        sample = repr(self.sample)
+        parts.append(f"sample={sample if len(sample) <= 120 else sample[:117] + '...'}")
+        if self.status is TrialStatus.FAILED and self.error:
+            lines = self.error.strip().splitlines()
+            last = lines[-1] if lines else ""
+            parts.append(f"error={last if len(last) <= 80 else last[:77] + '...'!r}")
+        return f"Trial({', '.join(parts)})"
 
     def schedule(self) -> Schedule:
         """The hyperparameters this trial's weights were trained with, epoch by epoch: its own

@@ -126,3 +126,63 @@ def test_the_right_names_still_run(tmp_path, data):
                         second_objective=("val_loss", "min"), verbose=False)
     exp.run()
     assert len(exp.trials()) == 2 and exp.best().metric > 0.3  # (two widths)
+
+
+# -- errors under plain `python script.py` -------------------------------------------------------------
+
+SCRIPT = '''
+import sys
+import tridens as td
+from torch import nn
+from tridens import nn as tnn
+
+
+class Net(tnn.ModelSpace):
+    def __init__(self):
+        super().__init__()
+        w = td.choice("width", [16, 32])
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, w), nn.ReLU(), nn.Linear(w, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+train, val = td.datasets.digits()
+evaluator = td.evaluators.Classification(train, val, epochs=1, batch_size=128, optimizer="adam", lr=0.01)
+if sys.argv[1] == "typo":
+    td.Experiment(Net(), evaluator, td.strategy.ASHA(max_steps=50), max_trials=2, store="s.db").run()
+else:
+    td.Experiment(Net(), evaluator, "random", max_trials=1, store="s.db", verbose=False).run()
+    raise ValueError("my own bug")
+'''
+
+
+def test_a_pre_run_error_under_plain_python_prints_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "search.py").write_text(SCRIPT)
+    typo = subprocess.run([sys.executable, "search.py", "typo"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert typo.returncode == 1
+    assert typo.stderr.strip().splitlines() == [
+        "tridens: error: The 'max_steps' parameter of ASHA is 50, more than the evaluator's epochs=1: pass max_steps "
+        "in the range [1, 1] (or leave it out to take the epochs). (TRIDENS_DEBUG=1 shows the traceback)"]
+    own = subprocess.run([sys.executable, "search.py", "own"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert own.returncode == 1 and "Traceback" in own.stderr and own.stderr.strip().endswith("ValueError: my own bug")
+    debug = subprocess.run([sys.executable, "search.py", "typo"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300, env={**__import__("os").environ, "TRIDENS_DEBUG": "1"})
+    assert "Traceback" in debug.stderr
+
+
+# -- trials as a user reads them ------------------------------------------------------------------------
+
+def test_a_trial_reads_short_with_its_epochs_and_status(tmp_path):
+    exp = td.Experiment(None, loop_evaluator(), "random", max_trials=2, store=tmp_path / "r.db", name="r",
+                        objective="acc", verbose=False)
+    exp.run()
+    best = exp.best()
+    assert best.epochs == 2 == len(best.metrics["acc"])
+    assert str(best.status) == "completed" and f"{best.status}" == "completed"
+    text = repr(best)
+    assert text.startswith(f"Trial(number={best.number}, status='completed', metric=") and "epochs=2" in text
+    assert "\n" not in text and len(text) < 160 and "metrics=" not in text

@@ -33,7 +33,7 @@ from ._progress import print_stopped
 if TYPE_CHECKING:
     from ..xopt import Settings
 
-__all__ = ["Experiment", "ExperimentFailed", "ExperimentInterrupted", "default_store_path"]
+__all__ = ["Experiment", "ExperimentFailed", "ExperimentInterrupted", "NoFinishedTrial", "default_store_path"]
 
 log = logging.getLogger("tridens")
 
@@ -71,6 +71,10 @@ class ExperimentFailed(TridensError):
     """Every trial of a run failed: nothing was learned (the trials and their errors are stored)."""
 
 
+class NoFinishedTrial(TridensError, ValueError):
+    """``Experiment.best()`` of an experiment with no finished trial (none ran, or every one failed)."""
+
+
 class ExperimentInterrupted(KeyboardInterrupt):
     """Ctrl-C stopped a run; the message is one line naming the command that resumes it
     (finished trials are kept)."""
@@ -102,18 +106,43 @@ def _sigterm_stops_cleanly() -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+_TRIDENS_SOURCE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _mark_user_error(err: BaseException) -> None:
+    """Mark an error a user caused that :meth:`Experiment.run` raises -- a :class:`TridensError`,
+    or a ``ValueError`` raised by tridens' own checks (the innermost frame is tridens' code, not
+    the user's) -- so that, if it ends a script, it prints as one line (:func:`_print_interrupt_as_one_line`)."""
+    if not isinstance(err, (TridensError, ValueError)):
+        return
+    if not isinstance(err, TridensError):
+        tb = err.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is None or not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_TRIDENS_SOURCE + os.sep):
+            return
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(err, "tridens_one_line", True)
+
+
 def _print_interrupt_as_one_line() -> None:
-    """An :class:`ExperimentInterrupted` (Ctrl-C, SIGTERM) or a :class:`~tridens.errors.StorageFault`
-    (a full disk, the store file gone) that ends a script (``python search.py``) is printed as its
-    one line, not as a traceback through the engine: ``sys.excepthook`` is wrapped once, and passes
-    every other exception to the hook it wrapped."""
+    """An error that ends a script (``python search.py``) and that a run stopped with on purpose
+    -- :class:`ExperimentInterrupted` (Ctrl-C), or a user's mistake marked by
+    :func:`_mark_user_error` -- is printed as its one line, as ``tridens run`` prints it, not as a
+    traceback through the engine: ``sys.excepthook`` is wrapped once, and passes every other
+    exception (and every one, with ``TRIDENS_DEBUG=1``) to the hook it wrapped. Interactive
+    shells (IPython, Jupyter) do not call ``sys.excepthook`` for a cell: there the exception
+    shows as usual, and can be caught like any other."""
     previous = sys.excepthook
     if getattr(previous, "prints_interrupts", False):
         return
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        if isinstance(value, (ExperimentInterrupted, StorageFault)):
+        if isinstance(value, ExperimentInterrupted):
             print(f"tridens: {value}", file=sys.stderr, flush=True)
+        elif getattr(value, "tridens_one_line", False) and not os.environ.get("TRIDENS_DEBUG"):
+            message = " ".join(str(value).split())
+            print(f"tridens: error: {message} (TRIDENS_DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
         else:
             previous(kind, value, tb)
 
@@ -264,10 +293,22 @@ class Experiment:
         second = Objective(*self.second_objective) if self.second_objective else None
         return best_first(self.trials(), self._objective(), second)[:k]
 
-    def best(self) -> Trial | None:
-        """The best finished trial (``None`` before any)."""
+    def best(self) -> Trial:
+        """The best finished trial. Raises :class:`NoFinishedTrial` (a ``ValueError``, as Optuna's
+        ``study.best_trial``) when none finished with a value: none ran yet, or every one failed.
+
+        >>> exp.best().sample                                             # doctest: +SKIP
+        {'width': 32, 'lr': 0.05}
+        """
         top = self.top(1)
-        return top[0] if top else None
+        if not top:
+            trials = self.trials()
+            failed = sum(t.status is TrialStatus.FAILED for t in trials)
+            done = any(t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED) for t in trials)
+            why = (f"every trial failed ({failed} failed; their errors: tridens show {self._name()})"
+                   if failed and not done else f"none of its {len(trials)} trials finished with a value")
+            raise NoFinishedTrial(f"experiment {self._name()!r} has no best trial: {why}")
+        return top[0]
 
     def export(self, directory: str | os.PathLike[str], top: int = 1, trust_code: bool = False, *, force: bool = False,
                allow_modules: Sequence[str] = ()) -> list[Path]:
@@ -495,8 +536,13 @@ class Experiment:
         passed, or the strategy is done. Returns the experiment. Ctrl-C or SIGTERM stops it
         cleanly (:class:`ExperimentInterrupted`): finished trials are kept, the running ones run
         again on the next run."""
-        with _sigterm_stops_cleanly():
-            return self._run()
+        _print_interrupt_as_one_line()
+        try:
+            with _sigterm_stops_cleanly():
+                return self._run()
+        except (TridensError, ValueError) as err:
+            _mark_user_error(err)
+            raise
 
     def _run(self) -> "Experiment":
         global RUN_COUNT

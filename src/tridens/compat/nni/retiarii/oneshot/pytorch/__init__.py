@@ -84,10 +84,9 @@ class _Trainer:
 
     def export(self) -> dict[str, Any]:
         """The best architecture (the sample: label -> index, key or value)."""
-        best = self.experiment.best() if self.experiment is not None else None
-        if best is None:
+        if self.experiment is None:
             raise td.TridensError(f"{type(self).__name__}.export() needs fit() first")
-        return self.model.restrict(best.sample)
+        return self.model.restrict(self.experiment.best().sample)
 
 
 class DartsTrainer(_Trainer):
