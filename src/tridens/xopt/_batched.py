@@ -105,7 +105,9 @@ class BatchedMember:
         self.why_vmap = "" if settings.packed else "settings.packed is False"
         if settings.packed:
             try:
-                self._program = GroupedProgram(copy.deepcopy(first).to("meta"), channels_last=settings.channels_last,
+                # channels-last where asked, and under a mixed precision as the separate trainer runs it
+                last = settings.channels_last or cfg.precision != "32-true"
+                self._program = GroupedProgram(copy.deepcopy(first).to("meta"), channels_last=last,
                                                mixed=self._mixed_sites)
             except _Unsupported as err:
                 self.why_vmap = str(err)

@@ -37,7 +37,8 @@ class BatchingSettings:
     ``override_speedup`` replaces the measurement, for tests), ``"force"`` fuses every compatible
     group, ``"off"`` none. ``max_unit_size``: the most models in one unit. ``packed``: the
     grouped-kernel engine where it applies (else vmap). ``channels_last``: that engine's 2-d maps
-    channels-last (faster, but not bit-equal to separate training). ``keep_freed_memory``: keep
+    channels-last in float32 too (faster, but not bit-equal to separate training; under a mixed
+    ``precision`` they run channels-last regardless, as the separate trainer runs them). ``keep_freed_memory``: keep
     freed heap blocks for the next fused step (glibc ``mallopt``, process-wide). ``decision_cache``:
     the SQLite file keeping measured speed-ups across processes (:mod:`tridens.xopt._decision_cache`;
     ``""``: this process only; :meth:`Settings.from_env` gives the user's cache file).
