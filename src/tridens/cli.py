@@ -203,7 +203,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
     from rich.markup import escape
 
-    from .engine._progress import trials_table
+    from .engine import trials_table
 
     with _store(args.db) as db:
         record = db.get_experiment(args.name)
@@ -230,7 +230,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 def _cmd_top(args: argparse.Namespace) -> int:
     # from the store alone: importing the engine would import torch (seconds) to sort a table
-    from .engine._progress import trials_table
+    from .engine import trials_table
     from .strategy import best_first
     from .trial import Objective
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from ._experiment import Experiment
     from ._export import load
     from ._fluid import DynamicFluid, FluidScheduler, StaticFluid, fluid_shares
+    from ._progress import trials_table
     from ._protocol import TrialProtocol, Verdict
     from ._ray import RayExecutor
     from ._threads import ThreadPlan, ThreadPolicy
@@ -26,12 +27,13 @@ _LAZY = {
     "DynamicFluid": "._fluid", "FluidScheduler": "._fluid", "StaticFluid": "._fluid", "fluid_shares": "._fluid",
     "TrialProtocol": "._protocol", "Verdict": "._protocol", "ThreadPlan": "._threads", "ThreadPolicy": "._threads",
     "RayExecutor": "._ray",  # Ray is optional: imported when asked for
+    "trials_table": "._progress",
 }
 
 __all__ = ["Experiment", "Executor", "InlineExecutor", "ProcessExecutor", "RayExecutor", "RunContext", "load",
            "TrialProtocol", "Verdict", "find_abandoned", "mark_abandoned",
            "StaticFluid", "DynamicFluid", "FluidScheduler", "fluid_shares",
-           "ThreadPolicy", "ThreadPlan", "runs_started"]
+           "ThreadPolicy", "ThreadPlan", "runs_started", "trials_table"]
 
 __getattr__, __dir__ = lazy_names(__name__, _LAZY, globals(), __all__)
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..evaluators._errors import NonFiniteLoss
+from ..evaluators import NonFiniteLoss
 
 __all__ = ["free_port", "init_group", "close_group", "train_epoch", "validate", "broadcast"]
 

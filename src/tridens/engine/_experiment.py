@@ -551,7 +551,7 @@ class Experiment:
         strategy = _strategy_by_name(self.strategy) if isinstance(self.strategy, str) or self.strategy is None else self.strategy
         if getattr(strategy, "one_shot", False):  # tridens.oneshot: one supernet instead of separate trials
             from ..oneshot import OneShotStrategy
-            from ..oneshot._run import run_oneshot
+            from ..oneshot import run_oneshot
 
             assert isinstance(strategy, OneShotStrategy)  # its one_shot marker says so
             self.stop_reason = None

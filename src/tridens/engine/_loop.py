@@ -83,7 +83,7 @@ def _structure_cached(space: BaseSpace) -> bool:
     no build: inline-choice spaces (``__init__`` re-run with the sample fixed) and bases without
     mutators. Graph mutators run arbitrary code on the traced graph, so theirs is always built."""
     from ..space import ModelSpace
-    from ..space._mutator import MutatorSpace
+    from ..space import MutatorSpace
 
     if isinstance(space, ModelSpace):
         return True
@@ -449,7 +449,7 @@ class _Run:
         the child shares with it (:mod:`tridens.xopt._supergraph`); such a child gets no zoo warm start."""
         if trial.parent is None or "warm_start" in trial.info or trial.id in self.warmed:
             return
-        from ..xopt._supergraph import inherit_from_trial
+        from ..xopt import inherit_from_trial
 
         self.warmed.add(trial.id)
         trial.info["inherit"] = inherit_from_trial(self.db, self.space, trial, model, self.plan.decisions)

@@ -22,12 +22,13 @@ from ._replay import replay
 from ._schedules import SCHEDULES, lr_factor, scheduled_lr
 from ._stage_records import dataset_digest, record_digest, stage_record
 from ._supervised import (CHECKPOINT_FORMAT, OPTIMIZERS, BatchSource, Classification, Regression, SupervisedEvaluator,
-                          SupervisedTrainer, TrainConfig, align_output, correct_count)
+                          SupervisedTrainer, TrainConfig, ValidationSums, align_output, correct_count)
 from ._tabular import CurveTable, MemoryTable, SimulatedClock, Table, TableTrainer, Tabular
 
 __all__ = [
     "Evaluator", "StepwiseEvaluator", "Reporter", "NullReporter", "RecordingReporter", "Trainer", "drive",
     "Classification", "Regression", "SupervisedEvaluator", "TrainConfig", "SupervisedTrainer", "BatchSource",
+    "ValidationSums",
     "CHECKPOINT_FORMAT", "correct_count", "align_output", "OPTIMIZERS", "SCHEDULES", "lr_factor", "scheduled_lr",
     "FunctionalEvaluator", "report", "replay",
     "Tabular", "Table", "MemoryTable", "CurveTable", "SimulatedClock", "TableTrainer", "nasbench201",

@@ -7,8 +7,8 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 import torch.nn as nn
 
 from ..errors import TridensError
-from ..space._choice import labels_in, resolve_value
-from ..space._domain import SearchSpace
+from ..space import labels_in, resolve_value
+from ..space import SearchSpace
 from ..trial import Decision, Objective
 
 __all__ = ["Reporter", "NullReporter", "RecordingReporter", "Trainer", "Evaluator", "StepwiseEvaluator"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Sequence
 
-from ..space._choice import Placeholder
+from ..space import Placeholder
 from ._errors import InvalidParameter
 
 __all__ = ["Constraint", "Options", "Interval", "Satisfies", "check", "labels_of"]

@@ -31,7 +31,7 @@ from torch import nn
 
 from .. import nn as tnn
 from ..errors import InvalidSample
-from ..space._domain import Categorical, LabelSpec, SearchSpace
+from ..space import Categorical, LabelSpec, SearchSpace
 from ._errors import InvalidParameter
 
 __all__ = ["OPS", "EDGES", "LABELS", "DATASETS", "arch_str", "from_arch_str", "search_space",

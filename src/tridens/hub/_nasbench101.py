@@ -25,7 +25,7 @@ from ..space import SampleRule, choice
 
 from .. import nn as tnn
 from ..errors import InvalidSample, InvalidSpace
-from ..space._context import FixedResolver, active_resolver
+from ..space import FixedResolver, active_resolver
 
 __all__ = ["NasBench101Cell", "NasBench101", "NasBench101EdgeBudget", "NASBENCH101_OPS", "nasbench101_edges"]
 

@@ -3,8 +3,9 @@
 >>> from tridens import nn as tnn
 """
 
-from ..space._model_space import ModelSpace
+from ..space import ModelSpace
 from ._cell import Cell, FrozenCell
-from ._choices import ChosenInputs, InputChoice, LayerChoice, Repeat
+from ._choices import ChosenInputs, InputChoice, LayerChoice, Repeat, instantiate_candidate
 
-__all__ = ["ModelSpace", "LayerChoice", "InputChoice", "Repeat", "Cell", "ChosenInputs", "FrozenCell"]
+__all__ = ["ModelSpace", "LayerChoice", "InputChoice", "Repeat", "Cell", "ChosenInputs", "FrozenCell",
+           "instantiate_candidate"]

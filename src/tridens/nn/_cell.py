@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from ..errors import InvalidSpace
-from ..space._context import active_resolver, resolve
-from ..space._domain import Categorical
+from ..space import active_resolver, resolve
+from ..space import Categorical
 from ._choices import _label
 
 __all__ = ["Cell", "FrozenCell"]

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from ..errors import InvalidSpace
-from ..space._context import active_resolver, resolve
-from ..space._domain import Categorical, RandInt
+from ..space import active_resolver, resolve
+from ..space import Categorical, RandInt
 
 __all__ = ["LayerChoice", "InputChoice", "Repeat", "ChosenInputs", "instantiate_candidate"]
 

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import InvalidSample, InvalidSpace
-from ..space._domain import same_value
+from ..space import same_value
 from ._traced import traced_labels, value_at
 
 Sample = Mapping[str, Any]

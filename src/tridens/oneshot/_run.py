@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import Subset
 
 from ..errors import TridensError
-from ..evaluators._supervised import SupervisedEvaluator, BatchSource
+from ..evaluators import SupervisedEvaluator, BatchSource
 from ..store import Store, StoreError
 from ..trial import Objective, Trial, TrialStatus
 from ._search import evaluate_path, evolution, random_search, sample_key

@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from ..evaluators._supervised import TrainConfig, ValidationSums, BatchSource
-from ..space._domain import SearchSpace
+from ..evaluators import TrainConfig, ValidationSums, BatchSource
+from ..space import SearchSpace
 from ._supernet import Supernet
 
 __all__ = ["evaluate_path", "recalibrate", "evolution", "random_search", "sample_key"]

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..evaluators._supervised import TrainConfig, ValidationSums
+from ..evaluators import TrainConfig, ValidationSums
 from ._search import complete
 from ._supernet import Supernet
 

@@ -41,10 +41,10 @@ import torch
 from torch import nn
 
 from ..errors import InvalidSample, InvalidSpace
-from ..nn._choices import ChosenInputs, instantiate_candidate
-from ..space._context import Resolver, using
-from ..space._domain import Categorical, Domain, SearchSpace, same_value
-from ..space._model_space import BaseSpace, ModelSpace
+from ..nn import ChosenInputs, instantiate_candidate
+from ..space import Resolver, using
+from ..space import Categorical, Domain, SearchSpace, same_value
+from ..space import BaseSpace, ModelSpace
 from ._arch import ArchState, Sample, not_one_shot
 from ._entangled import _ENTANGLED, _Entangled
 from ._traced import TracedFloat, TracedInt, is_traced, plain, traced_labels, value_at

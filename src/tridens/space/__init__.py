@@ -7,8 +7,10 @@ the search-space description, and should not load PyTorch.
 from typing import TYPE_CHECKING
 
 from .._lazy import lazy_names
-from ._choice import Choice, Expr, choice, labels_in, loguniform, randint, resolve_value, uniform
-from ._domain import Categorical, Condition, Domain, LabelSpec, LogUniform, RandInt, SampleRule, SearchSpace, Uniform
+from ._choice import Choice, Expr, Placeholder, choice, labels_in, loguniform, randint, resolve_value, uniform
+from ._context import FixedResolver, RecordingResolver, Resolver, active_resolver, resolve, using
+from ._domain import (Categorical, Condition, Domain, LabelSpec, LogUniform, RandInt, SampleRule, SearchSpace, Uniform,
+                      same_value)
 
 if TYPE_CHECKING:
     from ._model_space import BaseSpace, ModelSpace, Mutation
@@ -27,6 +29,9 @@ __all__ = [
     "BaseSpace", "ModelSpace", "Mutation", "Mutator", "MutatorSpace",
     "Choice", "Expr", "choice", "uniform", "loguniform", "randint", "resolve_value", "labels_in",
     "Domain", "Categorical", "Uniform", "LogUniform", "RandInt", "Condition", "LabelSpec", "SampleRule", "SearchSpace",
+    "same_value", "Placeholder",
+    # the one context through which a choice resolves (set by discovery and by freeze; nn's blocks read it)
+    "Resolver", "FixedResolver", "RecordingResolver", "active_resolver", "resolve", "using",
     "RecipeError", "build_space", "import_object", "object_path", "space_recipe",
 ]
 

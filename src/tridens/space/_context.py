@@ -22,7 +22,7 @@ from typing import Any, Iterator, Mapping
 from ..errors import InvalidSample, InvalidSpace
 from ._domain import Domain, SampleRule
 
-__all__ = ["Resolver", "FixedResolver", "RecordingResolver", "active_resolver", "using"]
+__all__ = ["Resolver", "FixedResolver", "RecordingResolver", "active_resolver", "resolve", "using"]
 
 _ACTIVE: contextvars.ContextVar["Resolver | None"] = contextvars.ContextVar("tridens_resolver", default=None)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any, Sequence
 
-from ..space._domain import SearchSpace
+from ..space import SearchSpace
 from ..trial import Decision, Fork, Objective, Trial, TrialGroup
 
 __all__ = ["Strategy"]

@@ -18,7 +18,7 @@ import random
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import InvalidSample
-from ..space._domain import SearchSpace
+from ..space import SearchSpace
 from ..trial import Objective, Trial, TrialGroup, TrialStatus
 from ._base import Strategy
 

@@ -7,7 +7,7 @@ import random
 import statistics
 from typing import Sequence
 
-from ..space._domain import SearchSpace
+from ..space import SearchSpace
 from ..trial import Decision, Objective, Trial, TrialGroup
 from ._base import Strategy
 from ._common import check_int, curve_of

@@ -31,7 +31,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from ..space._domain import Categorical, Domain, LogUniform, RandInt, SearchSpace, Uniform
+from ..space import Categorical, Domain, LogUniform, RandInt, SearchSpace, Uniform
 from ..trial import Objective, Trial, TrialGroup, TrialStatus
 from ._common import SearchBase, cap, check_bool, check_int, curve_of, derive_seed, final_value, sample_key
 

@@ -36,7 +36,7 @@ from ._cse import (PipelineMember, SharedPipelineUnit, SharedPrefix, TrainerMemb
                    plan_frozen_prefixes)
 from ._stages import StageTreeUnit, plan_stage_trees, prefix_cache
 from ._settings import BatchingSettings, CSESettings, Settings, resolve_settings
-from ._supergraph import plan_supergraph
+from ._supergraph import inherit_from_trial, plan_supergraph
 
 OPTIMIZATIONS: tuple[Optimization, ...] = (
     Optimization("supergraph", plan_supergraph),  # first: a child merged with its parent stays with it
@@ -54,4 +54,4 @@ PASSES: tuple[UnitPass, ...] = (
 
 __all__ = ["OPTIMIZATIONS", "PASSES", "Settings", "BatchingSettings", "CSESettings", "resolve_settings", "StageTreeUnit", "plan_stage_trees", "prefix_cache", "BatchedUnit", "plan_batching", "batching",
            "SharedPipelineUnit", "PipelineMember", "TrainerMember", "SharedPrefix", "plan_cse", "plan_frozen_prefixes", "merge_pipelines",
-           "plan_supergraph", "cse"]
+           "plan_supergraph", "inherit_from_trial", "cse"]

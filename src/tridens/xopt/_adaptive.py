@@ -73,7 +73,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..units import Decisions, ExecutionUnit, Job, Measurement, numbered
-from ..evaluators._base import StepwiseEvaluator
+from ..evaluators import StepwiseEvaluator
 from ._decision_cache import SEPARATE_STEP, DecisionCache
 from ._batching import _SETUP_FIELDS, BatchedMember, BatchedUnit, peak_matmul_flops
 from ._cse import TrainerMember, joint_trainers, with_fast_kernels

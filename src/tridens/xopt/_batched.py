@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch.func import functional_call, vmap
 
 from ..units import ExecutionUnit, Job, UnitResult
-from ..evaluators._base import StepwiseEvaluator
-from ..evaluators._errors import NonFiniteLoss
-from ..evaluators._supervised import BatchSource, SupervisedEvaluator, align_output
+from ..evaluators import StepwiseEvaluator
+from ..evaluators import NonFiniteLoss
+from ..evaluators import BatchSource, SupervisedEvaluator, align_output
 from ._grouped import GroupedProgram, _Unsupported
 from ._stacked import _DROPOUTS, _ForwardState, _MaskDropout, _dropout_names, _dropout_ps, _forward_state, _keep_freed_memory, _skeleton
 from ._settings import BatchingSettings, Settings

@@ -124,8 +124,8 @@ from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
 from ..units import Decisions, ExecutionUnit, Job, PlanContext
-from ..evaluators._base import StepwiseEvaluator
-from ..evaluators._supervised import TrainConfig, BatchSource, SupervisedEvaluator
+from ..evaluators import StepwiseEvaluator
+from ..evaluators import TrainConfig, BatchSource, SupervisedEvaluator
 from ._batched import BatchedMember, BatchedUnit
 from ._decision_cache import SEPARATE_STEP, DecisionCache, stored_key
 from ._settings import BatchingSettings, CSESettings, Settings

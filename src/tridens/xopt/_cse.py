@@ -71,8 +71,8 @@ from typing import Any, Sequence
 import torch.nn as nn
 
 from ..units import Decisions, ExecutionUnit, Job, PlanContext, default_max_unit_memory, resolve_max_unit_memory
-from ..evaluators._base import StepwiseEvaluator
-from ..evaluators._supervised import TrainConfig, SupervisedEvaluator
+from ..evaluators import StepwiseEvaluator
+from ..evaluators import TrainConfig, SupervisedEvaluator
 from ._joint import JointMember
 from ._pipeline import BATCH, PipelineMember, SharedPipelineUnit, SharedPrefix, TrainerMember, _difference, _mib, _pipeline_key
 from ._prefix import (MIN_PREFIX_SHARE, _Analysis, _Hasher, _PrefixPlan, _analyse, _example_batch, _find_prefixes,

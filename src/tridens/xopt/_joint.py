@@ -17,8 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..units import Job
-from ..evaluators._base import StepwiseEvaluator
-from ..evaluators._errors import NonFiniteLoss
+from ..evaluators import StepwiseEvaluator
+from ..evaluators import NonFiniteLoss
 from ._pipeline import BATCH, PipelineMember, TrainerMember
 
 # ------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..units import Job
-from ..evaluators._supervised import SupervisedTrainer, TrainConfig
+from ..evaluators import SupervisedTrainer, TrainConfig
 from ..graph import meta, trace
 from ._cse import _optimizer_states
 from ._prefix import _RANDOM_FUNCTIONS, _RANDOM_METHODS, _RANDOM_MODULES, _bytes, example_bytes, example_tensor

@@ -16,8 +16,8 @@ import torch
 import torch.fx as fx
 
 from ..units import ExecutionUnit, Job, UnitResult
-from ..evaluators._base import StepwiseEvaluator
-from ..evaluators._supervised import SupervisedTrainer, TrainConfig, ValidationSums, BatchSource, SupervisedEvaluator
+from ..evaluators import StepwiseEvaluator
+from ..evaluators import SupervisedTrainer, TrainConfig, ValidationSums, BatchSource, SupervisedEvaluator
 
 #: The key of the shared (augmented) input batch among a unit's shared tensors.
 BATCH = "batch"

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.data import default_collate
 
 from ..units import Job
-from ..evaluators._supervised import TrainConfig
+from ..evaluators import TrainConfig
 from ..graph import Graph, trace
 from ..graph import meta
 from ._pipeline import BATCH, SharedPrefix

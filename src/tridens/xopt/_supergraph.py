@@ -70,9 +70,9 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..units import ExecutionUnit, Job, PlanContext
-from ..evaluators._base import StepwiseEvaluator
-from ..evaluators._errors import NonFiniteLoss
-from ..evaluators._supervised import SupervisedTrainer, TrainConfig, ValidationSums, SupervisedEvaluator
+from ..evaluators import StepwiseEvaluator
+from ..evaluators import NonFiniteLoss
+from ..evaluators import SupervisedTrainer, TrainConfig, ValidationSums, SupervisedEvaluator
 from ._pipeline import PipelineMember, SharedPipelineUnit, _mib, _pipeline_key
 from ._prefix import _example_batch, example_to
 from ._inherit import inherit, inherit_from_trial, shared_tensors

@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch.optim.adam import adam as functional_adam
 
-from ..evaluators._supervised import TrainConfig
+from ..evaluators import TrainConfig
 
 # -- the vectorized optimizers ----------------------------------------------------------------------
 def _per_model(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..evaluators._supervised import TrainConfig
+from ..evaluators import TrainConfig
 from ..units import Decisions
 from ..graph import Graph
 from ..graph import meta
