@@ -478,3 +478,25 @@ def test_a_fused_stack_that_shrinks_measures_again_and_may_go_on_separately(data
     # a later group of the same key starts fused, with the separate step to compare with
     units, _ = plan_batching(make_jobs(SAMPLES, build), ev, settings=auto())
     assert planned_fused(units) and units[0].member._separate_step == member._separate_step
+
+
+def test_the_unit_size_is_chosen_by_measurement(data, caplog):
+    """K by measurement: a group of 8 whose fusion 8 at a time measured below the bar is tried 4 at
+    a time next (measured on those units' first real steps); once fusing 4 at a time measured
+    better, later groups are planned as units of 4, fused from the start."""
+    ev = evaluator(data, "sgd", epochs=1)
+    eight = SAMPLES + [dict(s, lr=s["lr"] / 2) for s in SAMPLES]
+    run(adaptive(make_jobs(eight, mlp), ev, auto(0.5)))          # 8 at a time: 0.5x, goes separate
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        units, rest = plan_batching(make_jobs(eight, mlp), ev, settings=auto(1.6))
+    assert rest == [] and [len(u.trial_ids()) for u in units] == [4, 4]
+    assert all(u.member.state == "deciding" for u in units)
+    assert "in units of at most 4: fused 8 at a time measured 0.50x, below 1.10x: trying 4" in caplog.text
+    for unit in units:
+        run(unit)                                                 # 4 at a time: 1.6x (the override)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        units, rest = plan_batching(make_jobs(eight, mlp), ev, settings=auto())
+    assert rest == [] and [len(u.trial_ids()) for u in units] == [4, 4]
+    assert all(u.member.state == "fused" for u in units)
+    assert "fused 4 at a time measured 1.60x, the best per model (8: 0.50x)" in caplog.text

@@ -541,6 +541,11 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
         return [], list(group)
     from ._adaptive import AdaptiveUnit, decision_key
 
+    size, why = measured_unit_size(min(size, len(group)), lambda k: decisions.speedups.get(
+        decision_key(skey, setup, k, cfg.device), []), settings)
+    if why:
+        log.info("batching: trials %s in units of at most %d: %s", ids, size, why)
+
     steps = cse if cse is not None else CSESettings()  # how the group's trials step if not fused
     if not pools:  # nothing for the exact max-pool kernel: no model check for it
         steps = dataclasses.replace(steps, fast_pools=False)
@@ -589,6 +594,45 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
         unit.memory = per_model * k
         units.append(unit)
     return units, rest
+
+
+def measured_unit_size(size: int, measured: Callable[[int], Sequence[float]],
+                       settings: BatchingSettings) -> tuple[int, str]:
+    """The models per unit for a group that memory allows ``size`` of, from the speed-ups
+    ``measured(k)`` of this structure and setup fused ``k`` at a time, for ``k`` = size, size/2,
+    size/4, ... >= 2 (a larger stack is not always faster per model: memory bandwidth caps
+    float32 convolutions of many models). The ``k`` whose settled speed-up is best; where even the
+    best is below the bar, the next smaller ``k`` of at least 4 nobody measured yet (measured by
+    its first group; pairs are not tried); ``size`` where nothing is settled. Returns it with the reason ('' for ``size``).
+
+    >>> measured = {8: [0.6], 4: [], 2: []}
+    >>> measured_unit_size(8, lambda k: measured[k], BatchingSettings())
+    (4, 'fused 8 at a time measured 0.60x, below 1.10x: trying 4')
+    >>> measured.update({4: [1.6]})
+    >>> measured_unit_size(8, lambda k: measured[k], BatchingSettings())
+    (4, 'fused 4 at a time measured 1.60x, the best per model (8: 0.60x)')
+    """
+    sizes = []
+    k = size
+    while k >= 2:
+        sizes.append(k)
+        k //= 2
+    settled = {k: settled_speedup(measured(k), settings) for k in sizes}
+    known = {k: v for k, v in settled.items() if v is not None}
+    if not known:
+        return size, ""
+    best = max(known, key=lambda k: (known[k], k))
+    if known[best] < settings.min_speedup:
+        untried = [k for k in sizes if 4 <= k < min(known) and not measured(k)]
+        if untried:
+            smallest = min(known)
+            return untried[0], (f"fused {smallest} at a time measured {known[smallest]:.2f}x, below "
+                                f"{settings.min_speedup:.2f}x: trying {untried[0]}")
+        return size, ""
+    if best == size:
+        return size, ""
+    others = ", ".join(f"{k}: {v:.2f}x" for k, v in known.items() if k != best)
+    return best, f"fused {best} at a time measured {known[best]:.2f}x, the best per model ({others})"
 
 
 def _unit_size(ids: list[int], per_model: int, budget: int, max_unit_size: int) -> int:
