@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from .text import printable
+from .text import markup_text, plot_text, printable
 from .trial import Objective, Trial, TrialStatus, warm_start_parent
 
 __all__ = ["trial_record", "csv_text", "trials_csv", "metrics_csv", "sparkline", "trial_details", "plot_experiment",
@@ -42,7 +42,6 @@ def stage_tree_view(stages: Sequence[Any], numbers: dict[int, int], experiment: 
     >>> stage_tree_view([], {}, "search").label
     'stage tree: no stages'
     """
-    from rich.markup import escape
     from rich.tree import Tree
 
     if not stages:
@@ -66,12 +65,12 @@ def stage_tree_view(stages: Sequence[Any], numbers: dict[int, int], experiment: 
                  ("bs " + "/".join(str(b) for b in bs)) if bs else "",
                  _numbers_text(sorted(numbers[t] for t in s.trials if t in numbers))]
         if s.status == "failed":
-            parts.append(f"[red]failed[/]: {escape(str(s.error or ''))}")
+            parts.append(f"[red]failed[/]: {markup_text(s.error or '')}")
         elif s.checkpoint is None:
             parts.append("[dim]checkpoint removed[/]")
         if s.experiment != experiment:
-            parts.append(f"[cyan]from {escape(repr(s.experiment))}[/]")
-        return " · ".join(escape(p) if i < 4 else p for i, p in enumerate(parts) if p)
+            parts.append(f"[cyan]from {markup_text(repr(s.experiment))}[/]")
+        return " · ".join(markup_text(p) if i < 4 else p for i, p in enumerate(parts) if p)
 
     def add(branch: Any, parent: Any) -> None:
         nonlocal count
@@ -185,7 +184,6 @@ def sparkline(values: Sequence[float]) -> str:
 def trial_details(trial: Trial, trials: Sequence[Trial], objective: Objective) -> list[Any]:
     """Rich renderables that show one trial in full: facts, sample, per-step metrics with
     sparklines, what it trained with or started from, checkpoint and error traceback."""
-    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
@@ -258,19 +256,19 @@ def trial_details(trial: Trial, trials: Sequence[Trial], objective: Objective) -
         rows.append(("duplicate of", ref(trial.info["duplicate_of"])))
     rows.append(("checkpoint", trial.checkpoint or "-"))
     for key, value in rows:
-        facts.add_row(key, escape(value))
+        facts.add_row(markup_text(key), markup_text(value))
     sample = Table(title="sample", show_header=False, box=None, title_justify="left")
     sample.add_column(style="bold", no_wrap=True)
     sample.add_column(overflow="fold")
     for key, value in trial.sample.items():
-        sample.add_row(escape(key), escape(json.dumps(value)))
-    out: list[Any] = [Text(f"trial #{number} of {trial.experiment}", style="bold"), facts, sample]
+        sample.add_row(markup_text(key), markup_text(json.dumps(value)))
+    out: list[Any] = [Text(printable(f"trial #{number} of {trial.experiment}"), style="bold"), facts, sample]
     if trial.metrics:
         names = sorted(trial.metrics, key=lambda n: (n != objective.metric, n))
         curves = Table(title="metrics per step", title_justify="left")
         curves.add_column("step", justify="right")
         for name in names:
-            curves.add_column(escape(name), justify="right")
+            curves.add_column(markup_text(name), justify="right")
         for step in range(trial.steps):
             cells = []
             for name in names:
@@ -282,10 +280,10 @@ def trial_details(trial: Trial, trials: Sequence[Trial], objective: Objective) -
         spark.add_column(style="bold", no_wrap=True)
         spark.add_column(overflow="fold")
         for name in names:
-            spark.add_row(escape(name), sparkline(trial.metrics[name]))
+            spark.add_row(markup_text(name), sparkline(trial.metrics[name]))
         out.append(spark)
     if trial.error:
-        out += [Text("error", style="bold red"), Text(trial.error.rstrip())]
+        out += [Text("error", style="bold red"), Text(printable(trial.error.rstrip()))]
     return out
 
 
@@ -323,7 +321,7 @@ def plot_experiment(trials: Sequence[Trial], objective: Objective, path: str | P
             ax.plot([len(values) - 1], [values[-1]], "x", color="black", markersize=5)
         drawn += 1
     ax.set_xlabel("step (epoch)")
-    ax.set_ylabel(metric)
+    ax.set_ylabel(plot_text(metric))
     ax.set_title("learning curves (dashed, x: stopped early)", fontsize=9)
     if drawn:
         ax.legend(fontsize=7, ncol=2)
@@ -337,13 +335,13 @@ def plot_experiment(trials: Sequence[Trial], objective: Objective, path: str | P
         else:
             cats = sorted({json.dumps(x) for x, _ in kept})
             ax.scatter([cats.index(json.dumps(x)) for x, _ in kept], [y for _, y in kept], s=12, alpha=0.7)
-            ax.set_xticks(range(len(cats)), cats, rotation=30, fontsize=7)
-        ax.set_xlabel(label)
-        ax.set_ylabel(objective.metric)
+            ax.set_xticks(range(len(cats)), [plot_text(c) for c in cats], rotation=30, fontsize=7)
+        ax.set_xlabel(plot_text(label))
+        ax.set_ylabel(plot_text(objective.metric))
     for j in range(panels, rows * cols):
         axes[j // cols][j % cols].set_visible(False)
     if title:
-        fig.suptitle(title)
+        fig.suptitle(plot_text(title))
     fig.tight_layout()
     target = Path(path)
     fig.savefig(target, dpi=110)

@@ -176,13 +176,13 @@ def _cmd_resume(args: argparse.Namespace) -> int:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from rich.markup import escape
     from rich.table import Table
 
+    from .text import markup_text
     from .trial import TrialStatus
 
     with _store(args.db) as db:
-        table = Table(title=f"experiments in {args.db}")
+        table = Table(title=f"experiments in {markup_text(args.db)}")
         for col in ("name", "status", "trials", "best", "objective"):
             table.add_column(col)
         for record in db.experiments():
@@ -190,8 +190,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             objective = record.objective()
             scores = [t.metric for t in trials if t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED) and t.metric is not None]
             best = max(scores, key=objective.score) if scores else None
-            table.add_row(escape(record.name), record.status, str(len(trials)), "-" if best is None else f"{best:.4f}",
-                          f"{objective.metric} ({objective.mode})")
+            table.add_row(*map(markup_text, [record.name, record.status, len(trials), "-" if best is None else f"{best:.4f}",
+                                             f"{objective.metric} ({objective.mode})"]))
     _console().print(table)
     return 0
 
@@ -201,21 +201,20 @@ def _cmd_show(args: argparse.Namespace) -> int:
         return _show_data(args)
     import json
 
-    from rich.markup import escape
-
     from .engine import trials_table
+    from .text import markup_text
 
     with _store(args.db) as db:
         record = db.get_experiment(args.name)
         trials = db.trials(args.name)
     console = _console()
     config = record.config
-    console.print(f"[bold]{escape(record.name)}[/] ({record.status}), {len(trials)} trials")
+    console.print(f"[bold]{markup_text(record.name)}[/] ({markup_text(record.status)}), {len(trials)} trials")
     for key in ("script", "strategy", "evaluator", "max_trials", "seed", "objective"):
         if config.get(key) is not None:
             value = config[key]
             text = value.get("repr", value) if isinstance(value, dict) and "repr" in value else json.dumps(value)
-            console.print(f"  {key}: {escape(str(text))}")  # stored text, not rich markup
+            console.print(f"  {key}: {markup_text(text)}")  # stored text, not rich markup
     objective = record.objective()
     console.print(trials_table(trials, objective, full_samples=not sys.stdout.isatty()))
     if any(t.info.get("stages") for t in trials):   # trained through stage trees: the tree, compactly

@@ -76,11 +76,19 @@ def test_a_submodule_of_an_imported_package_is_not_imported(tmp_path):
     assert "json.tool" not in sys.modules
 
 
-def test_a_name_a_module_getattr_would_import_is_refused(tmp_path):
-    # tridens itself resolves some names lazily through a module __getattr__ (it imports code)
-    folder = export_folder(tmp_path / "export", _recipe("tridens", "module", "Experiment"))
-    with pytest.raises(TridensError, match="defines no 'Experiment'"):
+def test_a_name_a_module_getattr_would_import_is_refused(tmp_path, monkeypatch):
+    # an imported module whose __getattr__ runs code (lazy imports do): only its own names resolve
+    marker = tmp_path / "imported"
+    name = f"tridens_lazy_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(f"def __getattr__(attr):\n    open({str(marker)!r}, 'w').close()\n"
+                                         "    raise AttributeError(attr)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    __import__(name)
+    folder = export_folder(tmp_path / "export", _recipe(name, "module", "Net"))
+    with pytest.raises(TridensError, match="defines no 'Net'"):
         td.load(folder)
+    assert not marker.exists()
+    sys.modules.pop(name)
 
 
 def test_export_zoo_resume_and_dashboard_import_no_module_a_store_names(tmp_path, marker_module):

@@ -31,6 +31,7 @@ from ..space import BaseSpace
 from ..store import Store
 from ..strategy import Strategy
 from ..trial import Decision, Fork, Objective, Trial, TrialGroup, TrialStatus
+from ..text import printable
 from ..units import Job, PlanContext
 from ._execution import Executor
 from ._leftovers import FINISHED_COUNTED, fail_repeated_deaths
@@ -221,7 +222,8 @@ class _Run:
             trial.error = error = explain_failure(self.space, trial.sample, error)  # the failing layer, as freeze() names it
         self.db.finish_trial(trial, state)
         if status is TrialStatus.FAILED:
-            log.warning("trial %d failed: %s", trial.label, (error or "").strip().splitlines()[-1] if error else "")
+            log.warning("trial %d failed: %s", trial.label,
+                        printable((error or "").strip().splitlines()[-1]) if error and error.strip() else "")
         else:
             self.seen.setdefault(self._dedup_key(trial), trial)
         self.strategy.tell(trial)

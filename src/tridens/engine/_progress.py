@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Any, Sequence
 
+from ..text import markup_text, printable
 from ..trial import Objective, Trial, TrialStatus, warm_start_parent
 
 __all__ = ["Progress", "format_value", "print_stopped", "trials_table", "warm_start_text"]
@@ -22,7 +23,7 @@ def trials_table(trials: list[Trial], objective: Objective, title: str = "", *, 
     that samples keep room at 80 columns (they wrap between labels)."""
     from rich.table import Table
 
-    table = Table(title=title or None, show_lines=False)
+    table = Table(title=markup_text(title) if title else None, show_lines=False)
     warm = any("warm_start" in t.info for t in trials)  # the column only for warm-started experiments
     dropped = ("epochs", "fingerprint") if compact else ()
     # the precision column only where some trial trains in a mixed precision
@@ -31,7 +32,7 @@ def trials_table(trials: list[Trial], objective: Objective, title: str = "", *, 
         (("precision",) if mixed else ()) + ("sample",)
     for col in columns:
         if col not in dropped:
-            table.add_column(col, overflow="fold")
+            table.add_column(markup_text(col), overflow="fold")
     for t in trials:
         metric = "-" if t.metric is None or (isinstance(t.metric, float) and math.isnan(t.metric)) else f"{t.metric:.4f}"
         params = t.info.get("params")
@@ -43,7 +44,7 @@ def trials_table(trials: list[Trial], objective: Objective, title: str = "", *, 
             row.append(str(t.info.get("precision", "-")))
         if compact:
             del row[5], row[3]  # fingerprint, epochs
-        table.add_row(*row, _short_sample(t.sample, None if full_samples else 90))
+        table.add_row(*map(markup_text, [*row, _short_sample(t.sample, None if full_samples else 90)]))
     return table
 
 
@@ -90,7 +91,8 @@ class _TrainingLine:
     def __rich__(self) -> Any:
         from rich.text import Text
 
-        return Text(str(self.bar.tasks[0].fields.get("training", "")) if self.bar.tasks else "", overflow="fold")
+        return Text(printable(str(self.bar.tasks[0].fields.get("training", ""))) if self.bar.tasks else "",
+                    overflow="fold")
 
 
 class Progress:
@@ -117,7 +119,7 @@ class Progress:
 
         self.console = Console(stderr=True)
         if resumed:
-            self.console.print(f"[bold]tridens[/]: resuming {name!r} with {done} finished trials")
+            self.console.print(f"[bold]tridens[/]: resuming {markup_text(repr(name))} with {done} finished trials")
         if self.console.is_terminal:
             from rich.live import Live
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
@@ -126,7 +128,7 @@ class Progress:
             from rich.table import Column
 
             # The training status on a line of its own: at 80 columns the bar keeps its width.
-            self.bar = Bar(TextColumn(f"[bold]{name}", table_column=Column(overflow="fold", max_width=24)),
+            self.bar = Bar(TextColumn(f"[bold]{markup_text(name)}", table_column=Column(overflow="fold", max_width=24)),
                            BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn())
             self.task = self.bar.add_task(name, total=self.total, completed=done, training="")
             self._live = Live(self._render(), console=self.console, refresh_per_second=4)
@@ -148,7 +150,8 @@ class Progress:
         elif time.monotonic() - self._last_line >= self.STEP_LINE_S:
             self._last_line = time.monotonic()
             total = "?" if self.total is None else self.total
-            print(f"[{self.name}] {self.done}/{total} trials done; {self._training_text()}", file=sys.stderr, flush=True)
+            print(printable(f"[{self.name}] {self.done}/{total} trials done; {self._training_text()}"),
+                  file=sys.stderr, flush=True)
 
     def _training_text(self) -> str:
         if not self._training:
@@ -175,8 +178,8 @@ class Progress:
             total = "?" if self.total is None else self.total
             best = self.best[0].metric if self.best else None
             warm = f" warm-start {warm_start_text(trial)}" if "warm_start" in trial.info else ""
-            print(f"[{self.name}] {self.done}/{total} trial {trial.label} {trial.status.value} "
-                  f"{self.objective.metric}={metric} best={'-' if best is None else f'{best:.4f}'}{warm}",
+            print(printable(f"[{self.name}] {self.done}/{total} trial {trial.label} {trial.status.value} "
+                            f"{self.objective.metric}={metric} best={'-' if best is None else f'{best:.4f}'}{warm}"),
                   file=sys.stderr, flush=True)
 
     def close(self, reason: str | None = None) -> None:
@@ -190,7 +193,7 @@ class Progress:
 
 def print_stopped(name: str, reason: str) -> None:
     """The last line of a run, multi-trial or one-shot: why experiment ``name`` stopped."""
-    print(f"[{name}] stopped: {reason}", file=sys.stderr, flush=True)
+    print(printable(f"[{name}] stopped: {reason}"), file=sys.stderr, flush=True)
 
 
 def _best(trials: list[Trial], objective: Objective, k: int = 5) -> list[Trial]:

@@ -92,6 +92,8 @@ def import_object(ref: dict[str, Any], *, expect: type | None = None, trust_code
     else:
         if not _MODULE_NAME.fullmatch(module_name):
             raise RecipeError(f"{ref['path']!r} does not name a module (a dotted name like 'pkg.module')")
+        if untrusted_dir is not None and not trust_code:
+            _refuse_module_inside(module_name, Path(untrusted_dir), ref["path"])
         if not trust_code and module_name not in sys.modules:
             if not any(module_name == m or module_name.startswith(m + ".") for m in allow_modules):
                 raise RecipeError(
@@ -99,8 +101,6 @@ def import_object(ref: dict[str, Any], *, expect: type | None = None, trust_code
                     f"importing a module runs it, so tridens imports one a file names only when you allow it: "
                     f"import it first, or pass allow_modules=[{module_name.split('.')[0]!r}] "
                     f"(tridens --allow-module {module_name.split('.')[0]}) or trust_code=True")
-        if untrusted_dir is not None and not trust_code:
-            _refuse_module_inside(module_name, Path(untrusted_dir), ref["path"])
         try:
             module = importlib.import_module(module_name)
         except ImportError as err:
