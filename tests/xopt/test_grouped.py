@@ -73,3 +73,25 @@ def test_a_runtime_error_names_the_node_and_training_matches_separate():
         program.run(member, x.expand(4, 3, 8, 8).contiguous(), training=False)
     assert any(note.startswith("While executing %_0 : ") for note in info.value.__notes__)
     assert program.describe_error(info.value) == "_0: ValueError: 0: 3 input channels, expected 1 or 4"
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-13)])
+def test_grouped_convolution_against_separate_ones_differs_by_summation_order_only(dtype, tol):
+    """One convolution with groups=K over packed maps against K separate convolutions, on digits
+    through a first convolution: float32 within 1e-5 relative (another summation order), float64
+    to ~1e-13 (the same products summed in another order, 53-bit accumulation)."""
+    import torch.nn.functional as F
+
+    x = td.datasets.digits()[0].tensors[0][:64].to(dtype)
+    k = 4
+    torch.manual_seed(0)
+    w1 = torch.randn(k, 6, 1, 3, 3, dtype=dtype)
+    w2 = torch.randn(k, 8, 6, 3, 3, dtype=dtype)
+    packed = F.conv2d(x, w1.reshape(k * 6, 1, 3, 3), padding=1)                 # (B, K*6, 8, 8)
+    grouped = F.conv2d(packed, w2.reshape(k * 8, 6, 3, 3), padding=1, groups=k)  # (B, K*8, 8, 8)
+    for m in range(k):
+        alone = F.conv2d(F.conv2d(x, w1[m], padding=1), w2[m], padding=1)
+        got = grouped[:, m * 8:(m + 1) * 8]
+        assert torch.equal(packed[:, m * 6:(m + 1) * 6], F.conv2d(x, w1[m], padding=1)) or dtype == torch.float32
+        scale = alone.abs().max()
+        assert (got - alone).abs().max() <= tol * scale, (m, float((got - alone).abs().max() / scale))

@@ -74,7 +74,10 @@ the :class:`~tridens.xopt.Settings` the planner is given):
   ``$TRIDENS_MAX_UNIT_MEMORY``, else half the RAM / 80% of free GPU memory; or
   ``plan_batching(..., max_unit_memory=)``); larger groups are split. The estimate comes from one
   evaluation-mode forward of one model on 8 examples (:func:`_model_costs`).
-* ``max_unit_size`` (default 64): the most models in one unit.
+* ``max_unit_size`` (default 64): the most models in one unit. Within it the size is measured
+  (:func:`measured_unit_size`): later groups use the stack size ``k`` (size, size/2, ...) whose
+  settled speed-up was best, and a group whose fusion ``k`` at a time measured below the bar
+  tries ``k/2`` (at least 4) next.
 * ``min_speedup`` (default 1.1): the measured speed-up a group must reach to stay fused
   (measured on real, different batches in CPU time).
 * ``measure_rounds`` (default 3): timed fused steps (after one warm-up) before deciding;
@@ -91,7 +94,7 @@ the :class:`~tridens.xopt.Settings` the planner is given):
   activations of several MiB each; glibc returns such blocks to the system and takes them back at
   the next step, page fault by page fault (a large share of a small step's CPU time). The first batched member sets ``mallopt`` so blocks up to 64 MiB come from
   the heap and up to 512 MiB of freed heap is kept for reuse (process-wide; numerics unchanged).
-* ``channels_last`` (default False): run the grouped engine's 2-d feature maps
+* ``channels_last`` (default False; under a mixed ``precision`` always on): run the grouped engine's 2-d feature maps
   channels-last (convolution weights too, so outputs stay channels-last without copies). Pooling
   and BatchNorm over K*C channels are faster so on small maps, but the native channels-last
   BatchNorm adds rows one after another in float (mean/var further off the NCHW kernel's double
