@@ -34,20 +34,38 @@ def cluster():
 RUNNING = {}  # the test's cluster and what happened to it (the experiment works on a copy of its strategy)
 
 
+def lose_the_worker_node(trial_id: int) -> None:
+    """Remove the node every task runs on and add a fresh one: a node lost mid-search."""
+    if not RUNNING["lost"]:
+        RUNNING["lost"].append(trial_id)
+        cluster = RUNNING["cluster"]
+        cluster.remove_node(cluster.first_worker)
+        cluster.add_node(num_cpus=2)
+
+
 class LoseTheWorkerNode(td.strategy.GridSearch):
-    """Grid search that, when the first trial reports epoch ``at``, removes the node every task runs
-    on and adds a fresh one: a node lost mid-search, at a known point."""
+    """Grid search that loses the worker node when the first trial reports epoch ``at``."""
 
     def __init__(self, at: int):
         super().__init__()
         self.at = at
 
     def decide(self, trial, step):
-        if step == self.at and not RUNNING["lost"]:
-            RUNNING["lost"].append(trial.id)
-            cluster = RUNNING["cluster"]
-            cluster.remove_node(cluster.first_worker)
-            cluster.add_node(num_cpus=2)
+        if step == self.at:
+            lose_the_worker_node(trial.id)
+        return super().decide(trial, step)
+
+
+class PBTLosingTheWorkerNode(td.strategy.PBT):
+    """PBT that loses the worker node when the first member reports epoch ``at``."""
+
+    def __init__(self, at: int, **kw):
+        super().__init__(**kw)
+        self.at = at
+
+    def decide(self, trial, step):
+        if step == self.at:
+            lose_the_worker_node(trial.id)
         return super().decide(trial, step)
 
 
@@ -81,3 +99,42 @@ def test_the_hub_lives_on_the_drivers_node(cluster, tmp_path):
         assert ray.get(executor._hub.node_id.remote()) == driver
     finally:
         executor.close()
+
+
+def _search(kind, digits_data):
+    """(evaluator, strategy class and its arguments, experiment options) of one unit kind."""
+    train, val = digits_data
+    if kind == "stage tree":   # one initial model; trials part at their milestones: a tree of stages
+        ev = td.evaluators.Classification(
+            train=train, val=val, epochs=4, batch_size=128, optimizer="sgd", lr=0.05, momentum=0.9, schedule="step",
+            milestones=td.choice("milestones", [[1], [2]]), gamma=td.choice("gamma", [0.1, 0.5]))
+        return ev, (LoseTheWorkerNode, td.strategy.GridSearch, {}), {"seeds": "per-architecture", "optimize": True}
+    ev = td.evaluators.Classification(train=train, val=val, epochs=4, batch_size=128, optimizer="sgd",
+                                      lr=td.choice("lr", [0.05, 0.02]), momentum=td.choice("momentum", [0.5, 0.9]))
+    if kind == "pbt":
+        return ev, (PBTLosingTheWorkerNode, td.strategy.PBT, {"population": 4, "interval": 2}), {"max_trials": 8}
+    options = {"fused": {"optimize": td.xopt.Settings().with_batching(mode="force")},
+               "fluid": {"optimize": False, "allocation": "static"}}[kind]
+    return ev, (LoseTheWorkerNode, td.strategy.GridSearch, {}), options
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["fused", "stage tree", "pbt", "fluid"])
+def test_every_unit_kind_survives_a_lost_node(cluster, digits_data, tmp_path, kind):
+    ev, (losing, plain, args), options = _search(kind, digits_data)
+    RUNNING.update(cluster=cluster, lost=[])
+    executor = td.executors.Ray(workers=2, address=cluster.address, storage=tmp_path / "ckpt", max_retries=2)
+    trials = td.Experiment(TinyMLP(), ev, losing(at=1, **args), seed=5, executor=executor, store=tmp_path / "lost.db",
+                           name="lost", verbose=False, **options).run().trials()
+    assert RUNNING["lost"], "the node was never removed"
+    assert all(t.status is TrialStatus.COMPLETED for t in trials), [t.error for t in trials]
+    assert any(t.info.get("ray_restarts") for t in trials)
+    inline = {k: v for k, v in options.items() if k != "allocation"}   # Fluid places trials; training is the same
+    undisturbed = td.Experiment(TinyMLP(), ev, plain(**args), seed=5, store=tmp_path / "inline.db", name="lost",
+                                verbose=False, **inline).run().trials()
+    assert len(trials) == len(undisturbed)
+    for trial, alone in zip(sorted(trials, key=lambda t: t.number), sorted(undisturbed, key=lambda t: t.number)):
+        assert trial.sample == alone.sample
+        assert trial.metrics.keys() == alone.metrics.keys()
+        for name, values in trial.metrics.items():   # restarted members train on as separate trainers: rounding
+            assert values == pytest.approx(alone.metrics[name], abs=1e-4), (trial.number, name)

@@ -153,6 +153,9 @@ class RayExecutor(Executor):
         self._hub: Any = None
         self._evaluator: tuple[Any, Any] | None = None  # (evaluator, its object ref): one copy for all groups
         self._archive: Any = None  # the run's stage store (tridens.store.StageArchive) while a group runs
+        # a population's last answer per member: (step, answer, handed source or None), given again
+        # when a restarted task asks for that step again
+        self._answered: dict[int, tuple[int, Any, tuple[Any, ...] | None]] = {}
 
     @property
     def parallelism(self) -> int:  # type: ignore[override]
@@ -289,6 +292,7 @@ class RayExecutor(Executor):
         lives = {job.trial.id: TrialProtocol(job, hooks, clock="train") for job in jobs}
         tracks = self._units(jobs, evaluator, lives)
         held: dict[int, tuple[_UnitTrack, int, int, Verdict]] | None = {} if self._forks() else None
+        self._answered = {}
         if self.allocation is not None and held is None:
             fluid, tracks = FluidOnRay.profile(self.allocation, self.workers, tracks, evaluator)
         queue = list(tracks) if fluid is None else []
@@ -391,6 +395,10 @@ class RayExecutor(Executor):
         step, metrics, last, seconds = message[4:]
         verdict = life.report(step, metrics, last=last, seconds=seconds)
         if held is not None and verdict is not Verdict.DROP:   # answered with the whole population's round
+            given = self._answered.get(trial_id)
+            if given is not None and given[0] == step:   # asked again by a restarted task: the same answer
+                self._hub.answer.remote(trial_id, attempt, step, self._answer(given, storage))
+                return
             held[trial_id] = (track, attempt, step, verdict)
             return
         if fluid is not None:
@@ -413,7 +421,8 @@ class RayExecutor(Executor):
         """Once every training member of the population has reported its step: the strategy's
         forks, then every member's answer. A fork of a member of another task names the source's
         checkpoint of that step (written to ``storage=`` before it reported), copied for the
-        forking task to take, with the source's seed, sample and model."""
+        forking task to take, with the source's seed, sample and model. Each member's answer is kept
+        until its next round: a task restarted after its node died asks for that step again."""
         members = [m for t in running for m in t.unfinished() if not m.yielded]
         if not members or any(m.job.trial.id not in held for m in members):
             return
@@ -424,6 +433,7 @@ class RayExecutor(Executor):
             if fork is not None:
                 forks[tid] = fork
         answers: dict[int, Any] = {tid: verdict.value for tid, (_, _, _, verdict) in rounds.items()}
+        handed: dict[int, tuple[Any, ...]] = {}
         for tid, fork in forks.items():
             source = rounds.get(fork.source)
             if source is None or source[3] is not Verdict.CONTINUE or fork.source in forks:
@@ -440,11 +450,20 @@ class RayExecutor(Executor):
                     log.info("trial %d not forked from trial %d: its checkpoint %s (%s)", tid, fork.source, path, err)
                 if state is None:
                     continue
-                answer["handed"] = (origin.job.trial.seed, origin.job.trial.sample, origin.model,
-                                    storage.hand(str(self.experiment), state))
+                handed[tid] = (origin.job.trial.seed, origin.job.trial.sample, origin.model, state)
             answers[tid] = answer
         for tid, (track, attempt, step, _) in rounds.items():
-            self._hub.answer.remote(tid, attempt, step, answers[tid])
+            self._answered[tid] = (step, answers[tid], handed.get(tid))
+            self._hub.answer.remote(tid, attempt, step, self._answer(self._answered[tid], storage))
+
+    def _answer(self, given: tuple[int, Any, tuple[Any, ...] | None], storage: CheckpointStorage) -> Any:
+        """A population member's answer; a source in another task handed over as a fresh file (the
+        task takes it, and a restarted task takes its own)."""
+        _step, answer, handed = given
+        if handed is None:
+            return answer
+        seed, sample, model, state = handed
+        return {**answer, "handed": (seed, sample, model, storage.hand(str(self.experiment), state))}
 
     @staticmethod
     def _fluid_finish(fluid: FluidOnRay | None, trial_id: int) -> None:

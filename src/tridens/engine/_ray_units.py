@@ -46,7 +46,7 @@ import torch
 from ..evaluators import StepwiseEvaluator
 from ..units import ExecutionUnit, Job, PlanContext, SeparateUnit
 from ..trial import Fork
-from ._execution import LockstepJudge, UnitReport, handed_source, plan_units, run_lockstep
+from ._execution import LockstepJudge, UnitReport, fork_members, handed_source, plan_units, run_lockstep
 from ._protocol import Verdict, error_text
 from ._ray_storage import CheckpointStorage
 
@@ -169,9 +169,10 @@ class _RayJudge(LockstepJudge):
             self.worker.leave(tid, "stopped" if verdict is Verdict.STOP else "done", value, unit.weights(tid))
 
 
-def _resume(worker: _Worker, jobs: Sequence[Job], evaluator: StepwiseEvaluator, judge: _RayJudge) -> ExecutionUnit:
-    """A separate unit of ``jobs``, each from its last checkpoint; members whose last checkpointed
-    step is answered STOP (or that were out of budget) leave at once."""
+def _resume(worker: _Worker, jobs: Sequence[Job], evaluator: StepwiseEvaluator, judge: _RayJudge) -> list[ExecutionUnit]:
+    """A separate unit of ``jobs``, each from its last checkpoint, asked again for its last
+    checkpointed step: members answered STOP (or out of budget) leave at once, members answered
+    with a fork (PBT) move onto their source's state, as the lost task would have done."""
     unit = SeparateUnit(jobs, evaluator, reason=f"restarted (attempt {worker.attempt}) from the members' checkpoints")
     log.info("%s", unit.summary())
     storage = worker.storage
@@ -188,11 +189,18 @@ def _resume(worker: _Worker, jobs: Sequence[Job], evaluator: StepwiseEvaluator, 
         unit.load_state_dict(tid, saved["trainer"])
         # the report may not have reached the driver before the old worker died
         reports.append(UnitReport(unit, tid, saved["step"], saved["metrics"], unit.epoch(tid) >= unit.limit(tid), 0.0))
+    going = []
     for report, verdict in zip(reports, judge.judge(reports, checkpoint=False)):
         if verdict is not Verdict.CONTINUE:
             judge.finished(report, verdict)
             unit.drop(report.trial_id)
-    return unit
+        elif report.metrics is not None:
+            going.append(report)
+    units: list[ExecutionUnit] = [unit]
+    forks = judge.forks(going)
+    if forks:
+        fork_members(units, forks, judge)
+    return units
 
 
 def _plan(jobs: Sequence[Job], evaluator: StepwiseEvaluator, spec: Mapping[str, Any], archive: Any = None) -> list[Any]:
@@ -230,7 +238,7 @@ def run_unit(evaluator: StepwiseEvaluator, spec: dict[str, Any], hub: Any) -> di
             _run_ddp(worker, jobs[0], evaluator, spec)
             return worker.outcomes
         if spec["resume"]:
-            units = [_resume(worker, jobs, evaluator, judge)]
+            units = _resume(worker, jobs, evaluator, judge)
         else:
             for job in jobs:  # a new run of these trials (after a driver crash too) starts afresh
                 worker.storage.clear(worker.directories[job.trial.id])
