@@ -6,8 +6,10 @@ torchvision is not installed and nothing is downloaded, so CIFAR-10 is a stand-i
 form -- 3x32x32 images of 10 classes -- made of Fashion-MNIST images padded and repeated over three
 channels), and the settings the tutorial itself names for a machine without a GPU
 (`# changed: no GPU`: gpus=0, cuda=False) or for offline use (`# changed: no download`).
-The tutorial's last part (a custom LightningModule with an auxiliary loss, gradient clipping) is
-run up to the point where tridens refuses it, and the refusals are printed.
+The tutorial's last part (a custom LightningModule with an auxiliary loss, drop path and gradient
+clipping) runs under PyTorch Lightning for the retraining (``evaluator.fit``); searching with it one-shot
+is refused (tridens' one-shot strategies train the supernet with their own loop), and that refusal is
+printed.
 """
 
 import numpy as np
@@ -154,8 +156,8 @@ evaluator = Classification(
 
 print('retrained:', evaluator.fit(final_model))
 
-# The tutorial's "Reproduce results in DARTS paper": what tridens does with it.
-from tridens.compat.nni.nas.evaluator.pytorch import ClassificationModule, Lightning, Trainer  # changed import
+# The tutorial's "Reproduce results in DARTS paper": a custom LightningModule, run by PyTorch Lightning.
+from tridens.compat.nni.nas.evaluator.pytorch import ClassificationModule  # changed import
 
 
 class DartsClassificationModule(ClassificationModule):
@@ -167,24 +169,93 @@ class DartsClassificationModule(ClassificationModule):
         max_epochs: int = 600
     ):
         self.auxiliary_loss_weight = auxiliary_loss_weight
+        # Training length will be used in LR scheduler
         self.max_epochs = max_epochs
         super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, export_onnx=False)
 
     def configure_optimizers(self):
-        optimizer = torch.optim.SGD(self.parameters(), momentum=0.9, lr=self.hparams.learning_rate,
-                                    weight_decay=self.hparams.weight_decay)
-        return {'optimizer': optimizer,
-                'lr_scheduler': torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, self.max_epochs, eta_min=1e-3)}
+        """Customized optimizer with momentum, as well as a scheduler."""
+        optimizer = torch.optim.SGD(
+            self.parameters(),
+            momentum=0.9,
+            lr=self.hparams.learning_rate,
+            weight_decay=self.hparams.weight_decay
+        )
+        return {
+            'optimizer': optimizer,
+            'lr_scheduler': torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, self.max_epochs, eta_min=1e-3)
+        }
+
+    def training_step(self, batch, batch_idx):
+        """Training step, customized with auxiliary loss."""
+        x, y = batch
+        if self.auxiliary_loss_weight:
+            y_hat, y_aux = self(x)
+            loss_main = self.criterion(y_hat, y)
+            loss_aux = self.criterion(y_aux, y)
+            self.log('train_loss_main', loss_main)
+            self.log('train_loss_aux', loss_aux)
+            loss = loss_main + self.auxiliary_loss_weight * loss_aux
+        else:
+            y_hat = self(x)
+            loss = self.criterion(y_hat, y)
+        self.log('train_loss', loss, prog_bar=True)
+        for name, metric in self.metrics.items():
+            self.log('train_' + name, metric(y_hat, y), prog_bar=True)
+        return loss
+
+    def on_train_epoch_start(self):
+        # Set drop path probability before every epoch. This has no effect if drop path is not enabled in model.
+        self.model.set_drop_path_prob(self.model.drop_path_prob * self.current_epoch / self.max_epochs)
+
+        # Logging learning rate at the beginning of every epoch
+        self.log('lr', self.trainer.optimizers[0].param_groups[0]['lr'])
 
 
+from tridens.compat.nni.nas.evaluator.pytorch import Lightning, Trainer  # changed import
+
+max_epochs = 50
+
+evaluator = Lightning(
+    DartsClassificationModule(0.025, 3e-4, 0., max_epochs),
+    Trainer(
+        gpus=0,  # changed: no GPU
+        max_epochs=max_epochs,
+        fast_dev_run=fast_dev_run,
+    ),
+    train_dataloaders=search_train_loader,
+    val_dataloaders=search_valid_loader
+)
+
+# The search with this evaluator: what tridens does with it (one-shot training is tridens' own loop).
 for what, step in (
-    ('Lightning(DartsClassificationModule(...), Trainer(...))',
-     lambda: Lightning(DartsClassificationModule(0.025, 3e-4, 0., 50), Trainer(gpus=0, max_epochs=50, fast_dev_run=fast_dev_run),  # changed: no GPU
-                       train_dataloaders=search_train_loader, val_dataloaders=search_valid_loader)),
     ('DartsStrategy(gradient_clip_val=5.)', lambda: DartsStrategy(gradient_clip_val=5.)),
+    ('NasExperiment(..., Lightning(DartsClassificationModule(...)), DartsStrategy()).run()',
+     lambda: NasExperiment(DartsSpace(width=16, num_cells=8, dataset='cifar'), evaluator, DartsStrategy()).run()),
 ):
     try:
         step()
         print(f'{what}: accepted')
     except Exception as err:
         print(f'{what}: refused: {type(err).__name__}: {err}')
+
+with model_context(exported_arch):
+    final_model = DartsSpace(width=36, num_cells=20, dataset='cifar', auxiliary_loss=True, drop_path_prob=0.2)
+
+max_epochs = 600
+
+train_loader_cutout = train_loader  # changed data: no cutout transform (torchvision.transforms is not installed)
+
+evaluator = Lightning(
+    DartsClassificationModule(0.025, 3e-4, 0.4, max_epochs),
+    trainer=Trainer(
+        gpus=0,  # changed: no GPU
+        gradient_clip_val=5.,
+        max_epochs=max_epochs,
+        fast_dev_run=fast_dev_run
+    ),
+    train_dataloaders=train_loader_cutout,
+    val_dataloaders=valid_loader,
+)
+
+print('final retrained:', evaluator.fit(final_model))

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -22,7 +22,7 @@ import tridens as td
 from tridens.compat.nni._common import NotSupported
 from tridens.compat.nni.nas import strategy as nni3
 from tridens.compat.nni.nas.evaluator import FunctionalEvaluator
-from tridens.compat.nni.nas.evaluator.pytorch import Classification, DataLoader, Lightning, Regression, Trainer
+from tridens.compat.nni.nas.evaluator.pytorch import Classification, DataLoader, Regression
 from tridens.compat.nni.nas.experiment import NasExperiment
 from tridens.compat.nni.nas.space import model_context
 from tridens.compat.nni.retiarii import fixed_arch, model_wrapper
@@ -187,8 +187,8 @@ def test_nni2_plain_module_other_trainers(tmp_path: Path, mode: str) -> None:
 def test_nni3_darts_tutorial(tmp_path: Path) -> None:
     """NNI 3.0's DARTS tutorial (condensed, see darts_tutorial_nni3.py) with its own fast_dev_run:
     the pre-searched DARTS-V2 evaluated, DartsSpace(16, 8) searched by DARTS, the exported cells
-    in the form the tutorial draws, the final model retrained by evaluator.fit; its last part is
-    refused with the alternatives named."""
+    in the form the tutorial draws, the final model retrained by evaluator.fit; its last part's
+    DartsClassificationModule retrains the final model under Lightning, its one-shot search is refused."""
     stdout, db = _script("darts_tutorial_nni3.py", "run", tmp_path)
     assert re.search(r"^Accuracy: [\d.]+$", stdout, re.M)
     arch = ast.literal_eval(re.search(r"^exported_arch: (.*)$", stdout, re.M).group(1))
@@ -201,8 +201,9 @@ def test_nni3_darts_tutorial(tmp_path: Path) -> None:
     assert arch in [t.sample for t in trials if _role(t) == "subnet"]
     retrained = ast.literal_eval(re.search(r"^retrained: (.*)$", stdout, re.M).group(1))
     assert set(retrained) == {"train_loss", "val_acc", "val_loss"} and 0 <= retrained["val_acc"] <= 1
-    assert "Trainer(...)): refused: NotSupported: " in stdout and "FunctionalEvaluator(fn)" in stdout
-    assert re.search(r"gradient_clip_val=5\.\): refused: NotSupported: The 'gradient_clip_val' parameter", stdout)
+    assert re.search(r"DartsStrategy\(\)\)\.run\(\): refused: NotSupported: The one-shot strategy DARTS needs", stdout)
+    final = ast.literal_eval(re.search(r"^final retrained: (.*)$", stdout, re.M).group(1))  # under Lightning
+    assert {"train_loss_main", "train_loss_aux", "val_acc", "lr"} <= set(final)
 
 
 def test_plain_module_is_rebuilt_as_a_space_from_its_arguments() -> None:
@@ -277,7 +278,8 @@ def test_warmup_epochs_freeze_alpha_for_that_many_epochs(tmp_path: Path, data) -
 
 
 @pytest.mark.parametrize("make, name, hint", [
-    (lambda: nni3.DARTS(gradient_clip_val=5.0), "gradient_clip_val", "learning_rate"),
+    (lambda: nni3.DARTS(gradient_clip_val="5"), "gradient_clip_val", "number"),
+    (lambda: nni2.ENAS(ctrl_grad_clip=1.0), "ctrl_grad_clip", "ctrl_lr"),
     (lambda: nni3.DARTS(warmup_epochs=1.5), "warmup_epochs", "int"),
     (lambda: nni3.ENAS(warmup_epochs=2), "warmup_epochs", "RandomOneShot"),
     (lambda: nni3.DARTS(penalty={"profiler": None}), "penalty", "Constraint"),
@@ -294,6 +296,49 @@ def test_arguments_without_tridens_meaning_are_refused(make, name: str, hint: st
     with pytest.raises(NotSupported) as err:
         make()
     assert name in str(err.value) and hint in str(err.value)
+
+
+def _grad_norm(strategy: Any) -> float:
+    grads = [p.grad for group in strategy.optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+
+def test_gradient_clipping_of_the_one_shot_trainers_is_applied(tmp_path: Path, data) -> None:
+    """NNI 3's gradient_clip_val and 2.x's grad_clip become td.oneshot's grad_clip: the weights'
+    gradient norm at the last step is the clip value (unclipped it is larger)."""
+    from tridens.compat.nni.retiarii.oneshot.pytorch import DartsTrainer
+
+    assert nni3.DARTS(gradient_clip_val=5.0).grad_clip == 5.0 and nni3.GumbelDARTS(gradient_clip_val=2).grad_clip == 2.0
+    assert nni3.DARTS().grad_clip is None
+    train, val = data
+    ev = Classification(learning_rate=1e-2, train_dataloaders=DataLoader(Subset(train, range(256)), batch_size=64),
+                        val_dataloaders=DataLoader(Subset(val, range(64)), batch_size=64), max_epochs=1)
+    norms = {}
+    for clip in (None, 1e-3):
+        strategy = nni3.DARTS(gradient_clip_val=clip, samples=1)
+        td.Experiment(_Tiny(), ev, strategy, store=tmp_path / "c.db", name=f"clip-{clip}", verbose=False).run()
+        norms[clip] = _grad_norm(strategy)
+    assert norms[1e-3] == pytest.approx(1e-3, rel=1e-3) < norms[None]
+    trainer = DartsTrainer(_Tiny(), torch.nn.CrossEntropyLoss(), None, torch.optim.SGD(torch.nn.Linear(1, 1).parameters(),
+                           lr=0.01), 1, Subset(train, range(256)), grad_clip=1e-3, batch_size=64)
+    trainer.fit()
+    assert trainer.experiment.strategy.grad_clip == 1e-3 and _grad_norm(trainer.experiment.strategy) == pytest.approx(
+        1e-3, rel=1e-3)
+    with pytest.raises(ValueError, match="grad_clip"):
+        td.oneshot.RandomOneShot(grad_clip=0).validate()
+
+
+def test_average_meter_group() -> None:
+    from tridens.compat.nni.retiarii.oneshot.pytorch.utils import AverageMeterGroup
+
+    meters = AverageMeterGroup()
+    for loss, acc in ((2.0, 0.5), (1.0, 0.7)):
+        meters.update({"loss": loss, "acc": acc})
+    assert (meters.loss.avg, meters["acc"].val, meters.acc.count) == (1.5, 0.7, 2)
+    assert str(meters) == "loss 1.000000 (1.500000)  acc 0.700000 (0.600000)"
+    assert meters.summary() == "loss: 1.500000  acc: 0.600000"
+    with pytest.raises(AttributeError):
+        meters.missing
 
 
 def test_proxyless_and_policy_rl_name_the_alternatives() -> None:
@@ -400,10 +445,6 @@ def test_lightning_arguments_tridens_cannot_honour_are_refused(data, kwargs: dic
     args = {"train_dataloaders": DataLoader(train, batch_size=32), "val_dataloaders": DataLoader(val), **kwargs}
     with pytest.raises(NotSupported, match=name):
         Classification(**args)
-    with pytest.raises(NotSupported, match="FunctionalEvaluator"):
-        Lightning(torch.nn.Linear(1, 1), Trainer(max_epochs=1))
-    with pytest.raises(NotSupported, match="Trainer.fit"):
-        Trainer(max_epochs=1).fit(None)
 
 
 class _Tiny(td.ModelSpace):

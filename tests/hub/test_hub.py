@@ -155,7 +155,7 @@ def test_a_small_configuration_trains_on_digits(name):
 def test_a_hub_space_is_searched_one_shot_by_an_experiment(tmp_path):
     train, val = td.datasets.digits()
     space = hub.DARTS(width=4, num_cells=3, in_channels=1)
-    evaluator = td.evaluators.Classification(train, val, epochs=1, batch_size=128, lr=0.05)
+    evaluator = td.evaluators.Classification(train, val, epochs=2, batch_size=128, lr=0.05)
     exp = td.Experiment(space, evaluator, td.oneshot.DARTS(samples=2), store=str(tmp_path / "t.db"), name="hub darts")
     exp.run()
     best = exp.top(1)[0]

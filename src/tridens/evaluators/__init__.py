@@ -3,6 +3,7 @@
 * :class:`Classification` / :class:`Regression`: declarative supervised training that the engine
   drives epoch by epoch (``evaluator.trainer(model, sample, seed)``) and may fuse across models.
 * :class:`FunctionalEvaluator`: the user's own loop, reporting with :func:`report` (``td.report``).
+* :class:`Lightning`: a user's ``LightningModule`` under a Lightning ``Trainer`` (``tridens[lightning]``).
 * :class:`Tabular`: results looked up in a benchmark table (:mod:`.nasbench201`; learning curves
   recorded by ``bench/record_curves.py`` in a :class:`CurveTable`, charged to a :class:`SimulatedClock`).
 
@@ -18,6 +19,7 @@ from . import nasbench201
 from ._base import Evaluator, NullReporter, RecordingReporter, Reporter, StepwiseEvaluator, Trainer, drive
 from ._errors import InvalidParameter, NonFiniteLoss, NothingReported, TrialFailed, TrialStopped
 from ._functional import FunctionalEvaluator, report
+from ._lightning import LIGHTNING_MISSING, Lightning, lightning_package
 from ._replay import replay
 from ._schedules import SCHEDULES, lr_factor, scheduled_lr
 from ._stage_records import dataset_digest, record_digest, stage_record
@@ -30,7 +32,7 @@ __all__ = [
     "Classification", "Regression", "SupervisedEvaluator", "TrainConfig", "SupervisedTrainer", "BatchSource",
     "ValidationSums",
     "CHECKPOINT_FORMAT", "correct_count", "align_output", "OPTIMIZERS", "SCHEDULES", "lr_factor", "scheduled_lr",
-    "FunctionalEvaluator", "report", "replay",
+    "FunctionalEvaluator", "report", "replay", "Lightning", "lightning_package", "LIGHTNING_MISSING",
     "Tabular", "Table", "MemoryTable", "CurveTable", "SimulatedClock", "TableTrainer", "nasbench201",
     "InvalidParameter", "TrialFailed", "NonFiniteLoss", "NothingReported", "TrialStopped",
     "stage_record", "record_digest", "dataset_digest",

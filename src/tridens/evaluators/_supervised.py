@@ -400,6 +400,9 @@ class SupervisedEvaluator(StepwiseEvaluator):
         device = values["device"]
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise InvalidParameter(f"The 'device' parameter of {owner} is {str(device)!r}, but this machine has no "
+                                   f"CUDA device (torch.cuda.is_available() is False): give device='auto' or 'cpu'.")
         if values["precision"] == "16-mixed" and torch.device(device).type != "cuda":
             raise InvalidParameter(f"The 'precision' parameter of {owner} is '16-mixed' (float16 with a gradient "
                                    f"scaler), which needs CUDA; on {device} use 'bf16-mixed'.")

@@ -30,14 +30,14 @@ from ..evaluators.nasbench201 import NasBench201
 from ._autoformer import AutoFormer, TransformerBlock
 from ._mobile import MOBILENETV3_LARGE, InvertedResidual, MobileNetV3Space, ProxylessNAS, SqueezeExcite, make_divisible
 from ._nasbench101 import NASBENCH101_OPS, NasBench101, NasBench101Cell, NasBench101EdgeBudget, nasbench101_edges
-from ._nds import DARTS, DARTS_V2, ENAS, NDS, PNAS, AmoebaNet, AuxiliaryHead, NASNet
+from ._nds import DARTS, DARTS_V2, ENAS, NDS, PNAS, AmoebaNet, AuxiliaryHead, DropPath, NASNet
 from ._ops import OPS
 from ._shufflenet import ShuffleNetBlock, ShuffleNetSpace
 
 __all__ = [
     "NasBench201", "NasBench201Cell", "NasBench101", "NasBench101Cell", "NasBench101EdgeBudget", "NASBENCH101_OPS",
     "nasbench101_edges",
-    "NDS", "DARTS", "PNAS", "NASNet", "ENAS", "AmoebaNet", "DARTS_V2", "OPS", "AuxiliaryHead",
+    "NDS", "DARTS", "PNAS", "NASNet", "ENAS", "AmoebaNet", "DARTS_V2", "OPS", "AuxiliaryHead", "DropPath",
     "ProxylessNAS", "MobileNetV3Space", "MOBILENETV3_LARGE", "InvertedResidual", "SqueezeExcite", "make_divisible",
     "ShuffleNetSpace", "ShuffleNetBlock", "AutoFormer", "TransformerBlock",
 ]

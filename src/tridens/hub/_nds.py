@@ -27,7 +27,7 @@ from .. import nn as tnn
 from ..errors import InvalidSpace
 from ._ops import OPS, FactorizedReduce, ReLUConvBN
 
-__all__ = ["NDS", "NASNet", "ENAS", "AmoebaNet", "PNAS", "DARTS", "DARTS_V2", "AuxiliaryHead"]
+__all__ = ["NDS", "NASNet", "ENAS", "AmoebaNet", "PNAS", "DARTS", "DARTS_V2", "AuxiliaryHead", "DropPath"]
 
 
 class AuxiliaryHead(nn.Module):
@@ -46,19 +46,40 @@ class AuxiliaryHead(nn.Module):
         return self.classifier(self.features(x).flatten(1))
 
 
+class DropPath(nn.Module):
+    """Drops a whole operation's output for a random subset of the batch in training (probability
+    ``drop_prob``, the kept samples scaled by ``1 / (1 - drop_prob)``): DARTS' drop-path regularizer."""
+
+    def __init__(self, drop_prob: float = 0.0):
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.drop_prob <= 0.0:
+            return x
+        keep = 1.0 - self.drop_prob
+        mask = torch.empty(x.shape[0], *([1] * (x.dim() - 1)), device=x.device, dtype=x.dtype).bernoulli_(keep)
+        return x / keep * mask
+
+
 class NDSCell(nn.Module):
     """One cell: the two inputs aligned to ``channels`` (a ``FactorizedReduce`` when the cell
     before the previous one has the larger resolution), then the chosen ``tnn.Cell``."""
 
     def __init__(self, ops: Sequence[str], c_pprev: int, c_prev: int, channels: int, num_nodes: int, merge_op: str,
-                 reduction: bool, reduction_prev: bool):
+                 reduction: bool, reduction_prev: bool, drop_path_prob: float = 0.0):
         super().__init__()
         self.preprocess0 = FactorizedReduce(c_pprev, channels) if reduction_prev else ReLUConvBN(c_pprev, channels, 1)
         self.preprocess1 = ReLUConvBN(c_prev, channels, 1)
 
-        def factory(name: str) -> Any:
+        def build(name: str, source: int) -> nn.Module:
             # an op on one of the cell's two inputs of a reduction cell has stride 2
-            return lambda node, k, source: OPS[name](channels, 2 if reduction and source < 2 else 1, True)
+            op = OPS[name](channels, 2 if reduction and source < 2 else 1, True)
+            return nn.Sequential(op, DropPath(drop_path_prob)) if drop_path_prob > 0 and not isinstance(
+                op, nn.Identity) else op
+
+        def factory(name: str) -> Any:
+            return lambda node, k, source: build(name, source)
 
         self.cell = tnn.Cell({name: factory(name) for name in ops}, num_nodes=num_nodes, num_ops_per_node=2,
                              num_predecessors=2, merge_op=merge_op, label="reduce" if reduction else "normal")
@@ -76,7 +97,8 @@ class NDS(tnn.ModelSpace):
     the three stages, the reductions included) are ints or tuples (choices ``width``/``depth``).
     ``dataset="cifar"`` has a one-convolution stem for 32x32 inputs, ``"imagenet"`` three strided
     ones. ``auxiliary_loss=True`` adds the auxiliary head; in training the model then returns
-    ``(logits, auxiliary_logits)``.
+    ``(logits, auxiliary_logits)``. ``drop_path_prob > 0`` follows every operation but the identity
+    with a :class:`DropPath`, whose probability ``set_drop_path_prob(p)`` changes (a schedule).
 
     >>> space = NDS(["sep_conv_3x3", "skip_connect"], width=8, num_cells=3, in_channels=1)   # doctest: +SKIP
     """
@@ -85,7 +107,8 @@ class NDS(tnn.ModelSpace):
 
     def __init__(self, op_candidates: Sequence[str], merge_op: str = "all", num_nodes_per_cell: int = 4,
                  width: int | Sequence[int] = 16, num_cells: int | Sequence[int] = 20, dataset: str = "cifar",
-                 auxiliary_loss: bool = False, *, num_classes: int | None = None, in_channels: int = 3):
+                 auxiliary_loss: bool = False, *, num_classes: int | None = None, in_channels: int = 3,
+                 drop_path_prob: float = 0.0):
         super().__init__()
         unknown = [op for op in op_candidates if op not in OPS]
         if unknown:
@@ -96,7 +119,7 @@ class NDS(tnn.ModelSpace):
                                f"Got {dataset!r} instead.")
         c = choice("width", list(width)) if isinstance(width, Sequence) else width
         depth = choice("depth", list(num_cells)) if isinstance(num_cells, Sequence) else num_cells
-        self.dataset, self.auxiliary_loss = dataset, auxiliary_loss
+        self.dataset, self.auxiliary_loss, self.drop_path_prob = dataset, auxiliary_loss, drop_path_prob
         num_classes = num_classes if num_classes is not None else (10 if dataset == "cifar" else 1000)
         if dataset == "imagenet":
             self.stem0 = nn.Sequential(nn.Conv2d(in_channels, c // 2, 3, stride=2, padding=1, bias=False),
@@ -118,7 +141,7 @@ class NDS(tnn.ModelSpace):
             for i in range((stage + 1) * depth // 3 - stage * depth // 3):
                 reduction = stage > 0 and i == 0
                 cell = NDSCell(op_candidates, c_pprev, c_prev, c_curr, num_nodes_per_cell, merge_op, reduction,
-                               reduction_prev)
+                               reduction_prev, drop_path_prob)
                 cells.append(cell)
                 c_pprev, c_prev, reduction_prev = c_prev, cell.out_channels, reduction
                 if stage == 2 and i == 0:  # the auxiliary head reads the last stage's first (reduction) cell
@@ -128,6 +151,12 @@ class NDS(tnn.ModelSpace):
             self.auxiliary_head = AuxiliaryHead(c_aux, num_classes, dataset)
         self.global_pooling = nn.AdaptiveAvgPool2d(1)
         self.classifier = nn.Linear(c_prev, num_classes)
+
+    def set_drop_path_prob(self, drop_prob: float) -> None:
+        """Set the probability of every :class:`DropPath` (built when ``drop_path_prob > 0``)."""
+        for module in self.modules():
+            if isinstance(module, DropPath):
+                module.drop_prob = drop_prob
 
     def forward(self, x: torch.Tensor) -> Any:
         if self.dataset == "imagenet":
@@ -194,15 +223,15 @@ class PNAS(NDS):
 
 
 class DARTS(NDS):
-    """DARTS' space (Liu et al. 2019): 8 operations (``none`` included), 4 nodes, every node
-    concatenated. Its cells are one-shot trainable (``td.oneshot.DARTS``) with a fixed width and
+    """DARTS' space (Liu et al. 2019) as NNI defines it: 7 operations (the paper's ``none`` is left
+    out of the candidates, as NNI leaves it out), 4 nodes, every node concatenated. Its cells are one-shot trainable (``td.oneshot.DARTS``) with a fixed width and
     depth. ``space.freeze(hub.DARTS_V2)`` with ``width=36, num_cells=20`` is DARTS (2nd order),
     3.3 M parameters on CIFAR-10 (the auxiliary head not counted, as in the paper).
 
     >>> model = DARTS(width=36, num_cells=20).freeze(DARTS_V2)     # doctest: +SKIP
     """
 
-    OPS = ["none", "max_pool_3x3", "avg_pool_3x3", "skip_connect", "sep_conv_3x3", "sep_conv_5x5", "dil_conv_3x3",
+    OPS = ["max_pool_3x3", "avg_pool_3x3", "skip_connect", "sep_conv_3x3", "sep_conv_5x5", "dil_conv_3x3",
            "dil_conv_5x5"]
 
     def __init__(self, width: int | Sequence[int] = _DEFAULTS["width"], num_cells: int | Sequence[int] = _DEFAULTS["num_cells"],

@@ -54,7 +54,9 @@ class OneShotStrategy:
       is scored;
     * ``retrain``: train the best architecture (``True``) or the ``k`` best (an int) from scratch
       with the evaluator, each as a normal trial (subnets rank by the objective, ties broken by
-      the lower validation loss).
+      the lower validation loss);
+    * ``grad_clip``: clip the norm of the supernet weights' gradient to this value before each
+      weight step (``None``: no clipping).
 
     Subclasses implement :meth:`begin`, :meth:`step` and may add :meth:`proposals`.
     """
@@ -63,7 +65,8 @@ class OneShotStrategy:
     arch_fraction = 0.0       # share of the training set held out for architecture updates
 
     def __init__(self, *, epochs: int | None = None, search: str = "evolution", samples: int = 64,
-                 population: int = 16, tournament: int = 4, bn_batches: int = 4, retrain: bool | int = False) -> None:
+                 population: int = 16, tournament: int = 4, bn_batches: int = 4, retrain: bool | int = False,
+                 grad_clip: float | None = None) -> None:
         self.epochs = epochs
         self.search = search
         self.samples = samples
@@ -71,6 +74,7 @@ class OneShotStrategy:
         self.tournament = tournament
         self.bn_batches = bn_batches
         self.retrain = retrain
+        self.grad_clip = grad_clip
 
     # -- validation ---------------------------------------------------------------------------
     def validate(self) -> None:
@@ -86,6 +90,9 @@ class OneShotStrategy:
                 raise _param_error(owner, name, f"an int in the range [{low}, inf)", value)
         if not isinstance(self.retrain, (bool, int)) or self.retrain < 0:
             raise _param_error(owner, "retrain", "a bool or an int in the range [0, inf)", self.retrain)
+        clip = self.grad_clip
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+            raise _param_error(owner, "grad_clip", "None or a number in the range (0, inf)", clip)
 
     def params(self) -> dict[str, Any]:
         return {k: v for k, v in vars(self).items() if not k.startswith("_")}
@@ -110,8 +117,15 @@ class OneShotStrategy:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.cfg.loss(self.net.model(x), y)
         loss.backward()
+        self._clip()
         self.optimizer.step()
         return float(loss.item())
+
+    def _clip(self) -> None:
+        """Clip the norm of the weight optimizer's gradients to ``grad_clip`` (architecture parameters apart)."""
+        if self.grad_clip is not None:
+            params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, float(self.grad_clip))
 
     def proposals(self) -> list[dict[str, Any]]:
         """Architectures the strategy itself proposes for the search (e.g. DARTS' argmax)."""
@@ -167,6 +181,7 @@ class RandomOneShot(OneShotStrategy):
             loss = self.cfg.loss(self.net.model(x), y) / len(paths)
             loss.backward()
             total += float(loss.item())
+        self._clip()
         self.optimizer.step()
         return total
 

@@ -1,14 +1,16 @@
-"""NNI's Lightning evaluators (``nni.nas.evaluator.pytorch``) as tridens' declarative evaluators.
+"""NNI's Lightning evaluators (``nni.nas.evaluator.pytorch``) on tridens.
 
 ``Classification(criterion, learning_rate, weight_decay, optimizer, train_dataloaders,
 val_dataloaders, ..., max_epochs=...)`` becomes ``td.evaluators.Classification(train, val,
 epochs, batch_size, optimizer, lr, weight_decay, loss)``: the datasets and batch size are read
 from the DataLoaders, the optimizer class becomes its name, the criterion class its loss. Being
 declarative, it serves both the multi-trial strategies (the engine owns the loop, so it can fuse
-trials) and the one-shot ones (which need it). No PyTorch Lightning is involved: a custom
-``Lightning(module, trainer)`` evaluator is refused, pointing to ``FunctionalEvaluator``.
+trials) and the one-shot ones (which need it), and needs no PyTorch Lightning. So does
+``Lightning(ClassificationModule(...), Trainer(...))``. A custom LightningModule (a subclass of
+``LightningModule``, ``ClassificationModule`` or ``RegressionModule``) is run by PyTorch Lightning
+itself (``td.evaluators.Lightning``, the extra ``tridens[lightning]``), one trial at a time.
 
-The Lightning ``Trainer`` arguments honoured: ``max_epochs`` (Lightning's default: 1000),
+The Lightning ``Trainer`` arguments the declarative evaluators honour: ``max_epochs`` (Lightning's default: 1000),
 ``accelerator`` / ``devices`` (one device), ``fast_dev_run``, ``limit_train_batches`` /
 ``limit_val_batches`` (a fixed subset: the first ``n`` batches' worth of examples, or the first
 fraction); logging and progress arguments are accepted and ignored; anything else is refused.
@@ -25,10 +27,12 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, Subse
 
 from tridens import evaluators as _ev
 
+from tridens.errors import TridensError
+
 from ._common import NotSupported, only_default, refuse
 
 __all__ = ["Classification", "Regression", "DataLoader", "Lightning", "LightningModule", "Trainer",
-           "ClassificationModule", "RegressionModule"]
+           "ClassificationModule", "RegressionModule", "LightningEvaluator"]
 
 _OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw", torch.optim.RMSprop: "rmsprop"}
 _LOSSES = {nn.CrossEntropyLoss: "cross_entropy", nn.NLLLoss: "nll", nn.MSELoss: "mse", nn.L1Loss: "l1",
@@ -114,9 +118,32 @@ def _device(owner: str, accelerator: Any, devices: Any) -> str:
     if kind is None:
         raise NotSupported(f"The 'accelerator' parameter of {owner} must be one of 'auto', 'cpu', 'gpu', 'cuda', 'mps'. "
                            f"Got {accelerator!r} instead.")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise NotSupported(_no_gpu(owner, "accelerator", accelerator))
     if kind == "cuda" and isinstance(devices, (list, tuple)):
         return f"cuda:{int(devices[0])}"
     return kind
+
+
+def _no_gpu(owner: str, name: str, value: Any) -> str:
+    return (f"The {name!r} parameter of {owner} asks for a GPU ({name}={value!r}), but this machine has no CUDA device "
+            f"(torch.cuda.is_available() is False): give gpus=0 or accelerator='cpu' (or 'auto').")
+
+
+def _gpus(owner: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Lightning 1.x's ``gpus`` (gone in 2.x) as ``accelerator`` / ``devices``: 0 (or []) is the CPU,
+    ``n`` or ``[i, ...]`` that many GPUs or those GPUs; on a machine without CUDA a GPU request is an error."""
+    kwargs = dict(kwargs)
+    gpus = kwargs.pop("gpus", None)
+    if gpus is None:
+        return kwargs
+    if gpus in (0, "0") or (isinstance(gpus, (list, tuple)) and not gpus):
+        kwargs["accelerator"] = "cpu"
+        return kwargs
+    if not torch.cuda.is_available():
+        raise NotSupported(_no_gpu(owner, "gpus", gpus))
+    kwargs["accelerator"], kwargs["devices"] = "gpu", (list(gpus) if isinstance(gpus, (list, tuple)) else gpus)
+    return kwargs
 
 
 def _training(owner: str, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -147,6 +174,8 @@ def _training(owner: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     if gpus is not None:  # Lightning 1.x: gpus=0 is the CPU, gpus=1 (or [i]) one GPU
         if gpus in (0, "0") or (isinstance(gpus, (list, tuple)) and not gpus):
             accelerator = "cpu"
+        elif not torch.cuda.is_available():
+            raise NotSupported(_no_gpu(owner, "gpus", gpus))
         else:
             accelerator, devices = "gpu", ([int(gpus[0])] if isinstance(gpus, (list, tuple)) and len(gpus) == 1 else gpus)
             if devices not in (1, "1", -1) and not isinstance(devices, list):
@@ -228,62 +257,189 @@ class Regression(_Fit, _ev.Regression):
                                       train_dataloaders, val_dataloaders, train_dataloader, datamodule, trainer_kwargs))
 
 
-class _Refused:
-    """An NNI/Lightning class tridens does not provide: constructing it raises, naming the alternative."""
+def _lightning_base() -> type:
+    """``LightningModule``'s base: Lightning's own when installed, else a stand-in whose subclasses
+    (other than the plain ``ClassificationModule`` / ``RegressionModule``) refuse to be built."""
+    try:
+        return _ev.lightning_package().LightningModule  # type: ignore[no-any-return]
+    except TridensError:
+        return nn.Module
 
-    _message = ""
+
+_Base: Any = _lightning_base()
+
+
+class LightningModule(_Base):
+    """``nni.nas.evaluator.pytorch.LightningModule``: a ``LightningModule`` (PyTorch Lightning's, from
+    ``pip install tridens[lightning]``) whose ``model`` is the trial's model, set by ``set_model``.
+
+    >>> class Module(LightningModule):                       # doctest: +SKIP
+    ...     def training_step(self, batch, batch_idx):
+    ...         x, y = batch
+    ...         return nn.functional.cross_entropy(self.model(x), y)
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotSupported(self._message)
+        if _Base is nn.Module and type(self) not in (ClassificationModule, RegressionModule):
+            raise NotSupported(f"{type(self).__name__} is a custom LightningModule, which tridens runs with PyTorch "
+                               f"Lightning: {_ev.LIGHTNING_MISSING}")
+        super().__init__(*args, **kwargs)
+
+    @property
+    def model(self) -> nn.Module:
+        """The trial's model (after :meth:`set_model`)."""
+        model = self.__dict__.get("_modules", {}).get("_model")
+        if model is None:
+            raise NotSupported("The LightningModule has no model yet: call set_model(model) first (the evaluator "
+                               "does so for every trial).")
+        return model  # type: ignore[no-any-return]
+
+    def set_model(self, model: nn.Module) -> None:
+        """Make ``model`` the module's ``model`` (a submodule, so its parameters are trained)."""
+        if not isinstance(model, nn.Module):
+            raise NotSupported(f"set_model needs an nn.Module. Got {type(model).__name__} instead.")
+        self._model = model
 
 
-_CUSTOM = ("Lightning(module, trainer) with a custom LightningModule is not supported (tridens does not run PyTorch "
-           "Lightning): write the training loop as a function and use FunctionalEvaluator(fn) "
-           "(nni.report_intermediate_result / report_final_result work inside it) for a multi-trial search, or "
-           "ClassificationModule / RegressionModule (tridens' declarative trainer, needed by the one-shot strategies).")
+class _Accuracy(nn.Module):
+    """The fraction of a batch whose highest logit is the target (Lightning averages it over the epoch,
+    weighted by batch size): NNI's ``acc`` metric, without torchmetrics' ``num_classes``."""
+
+    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (output.argmax(dim=-1) == target).float().mean()
 
 
-class LightningModule(_Refused):
-    """A custom LightningModule: refused when constructed (see ``Lightning``)."""
+class _MeanSquaredError(nn.Module):
+    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((output.reshape(target.shape) - target) ** 2).mean()
 
-    _message = _CUSTOM
+
+class _SupervisedModule(LightningModule):
+    """NNI's ``SupervisedLearningModule``: ``criterion``, ``metrics``, ``hparams.learning_rate`` /
+    ``weight_decay``, the optimizer class; logs ``train_loss``, ``val_loss`` and ``{train,val}_{metric}``."""
+
+    _METRICS: dict[str, type[nn.Module]] = {}
+
+    def __init__(self, criterion: Any, learning_rate: float, weight_decay: float, optimizer: Any) -> None:
+        super().__init__()
+        self.settings = {"criterion": criterion, "learning_rate": learning_rate, "weight_decay": weight_decay,
+                         "optimizer": optimizer}
+        self.criterion = criterion() if isinstance(criterion, type) else criterion
+        self.optimizer = optimizer
+        self.metrics = nn.ModuleDict({name: cls() for name, cls in self._METRICS.items()})
+        if _Base is not nn.Module:
+            self.save_hyperparameters({"learning_rate": learning_rate, "weight_decay": weight_decay})
+
+    def forward(self, x: Any) -> Any:
+        return self.model(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        y_hat = self(x)
+        loss = self.criterion(y_hat, y)
+        self.log("train_loss", loss, prog_bar=True)
+        for name, metric in self.metrics.items():
+            self.log("train_" + name, metric(y_hat, y), prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        y_hat = self(x)
+        self.log("val_loss", self.criterion(y_hat, y), prog_bar=True)
+        for name, metric in self.metrics.items():
+            self.log("val_" + name, metric(y_hat, y), prog_bar=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        y_hat = self(x)
+        self.log("test_loss", self.criterion(y_hat, y), prog_bar=True)
+        for name, metric in self.metrics.items():
+            self.log("test_" + name, metric(y_hat, y), prog_bar=True)
+
+    def configure_optimizers(self) -> Any:
+        return self.optimizer(self.parameters(), lr=self.hparams.learning_rate,  # type: ignore[attr-defined]
+                              weight_decay=self.hparams.weight_decay)  # type: ignore[attr-defined]
 
 
-class ClassificationModule:
-    """``ClassificationModule(criterion, learning_rate, weight_decay, optimizer, ...)``: the training
-    settings of ``Lightning(module, trainer, ...)``, which becomes a :class:`Classification`."""
+class ClassificationModule(_SupervisedModule):
+    """``ClassificationModule(criterion, learning_rate, weight_decay, optimizer, ...)``. As given to
+    ``Lightning(module, trainer, ...)`` it becomes a :class:`Classification` (tridens' declarative trainer,
+    fusable, no Lightning needed); a subclass of it (overriding ``training_step``,
+    ``configure_optimizers``...) is a LightningModule run by Lightning, reporting ``val_acc``."""
+
+    _METRICS = {"acc": _Accuracy}
 
     def __init__(self, criterion: Any = nn.CrossEntropyLoss, learning_rate: float = 0.001, weight_decay: float = 0.0,
                  optimizer: Any = torch.optim.Adam, export_onnx: bool = True, num_classes: int | None = None) -> None:
-        self.settings = {"criterion": criterion, "learning_rate": learning_rate, "weight_decay": weight_decay,
-                         "optimizer": optimizer}
+        super().__init__(criterion, learning_rate, weight_decay, optimizer)
 
 
-class RegressionModule:
-    """``RegressionModule(criterion, learning_rate, weight_decay, optimizer, ...)``: see ``ClassificationModule``."""
+class RegressionModule(_SupervisedModule):
+    """``RegressionModule(criterion, learning_rate, weight_decay, optimizer, ...)``: see ``ClassificationModule``;
+    a subclass reports ``val_mse`` (minimized)."""
+
+    _METRICS = {"mse": _MeanSquaredError}
 
     def __init__(self, criterion: Any = nn.MSELoss, learning_rate: float = 0.001, weight_decay: float = 0.0,
                  optimizer: Any = torch.optim.Adam, export_onnx: bool = True) -> None:
-        self.settings = {"criterion": criterion, "learning_rate": learning_rate, "weight_decay": weight_decay,
-                         "optimizer": optimizer}
+        super().__init__(criterion, learning_rate, weight_decay, optimizer)
 
 
 class Trainer:
-    """``Trainer(max_epochs=..., accelerator=..., ...)``: its arguments, for ``Lightning(module, trainer, ...)``
-    (they are checked there as ``Classification``'s are); tridens' evaluators run the loop themselves."""
+    """``Trainer(max_epochs=..., accelerator=..., ...)``: Lightning's Trainer arguments. With a plain
+    ``ClassificationModule`` / ``RegressionModule`` they are checked as ``Classification``'s are; with a
+    custom LightningModule every trial gets a fresh Lightning ``Trainer`` built from them (1.x's ``gpus``
+    becomes ``accelerator`` / ``devices``)."""
 
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
 
-    def fit(self, *args: Any, **kwargs: Any) -> None:
-        raise NotSupported("Trainer.fit is not run by tridens: pass the Trainer to Lightning(module, trainer, "
-                           "train_dataloaders=, val_dataloaders=) and the evaluator to an experiment.")
+    def fit(self, model: Any, train_dataloaders: Any = None, val_dataloaders: Any = None, **kwargs: Any) -> Any:
+        """Lightning's ``trainer.fit(module, ...)`` with these arguments."""
+        trainer = _ev.lightning_package().Trainer(**{**_QUIET_FIT, **_gpus("Trainer", self.kwargs)})
+        return trainer.fit(model, train_dataloaders, val_dataloaders, **kwargs)
+
+
+_QUIET_FIT = {"logger": False, "enable_checkpointing": False}
+
+
+class LightningEvaluator(_ev.Lightning):
+    """NNI's ``Lightning(module, trainer, ...)`` over a custom LightningModule: ``td.evaluators.Lightning``,
+    with ``nni.report_final_result`` (from the module's hooks) taken as the trial's final value and
+    ``fit(model)`` / ``evaluate(model)`` training ``model`` in place."""
+
+    def evaluate(self, model: Any, sample: Any = None, seed: int = 0, reporter: Any = None, *,
+                 max_steps: int | None = None) -> Any:
+        if sample is None and reporter is None:  # NNI's evaluator.evaluate(model)
+            return self.fit(model)
+        from . import _FINAL
+
+        final: list[float] = []
+        token = _FINAL.set(final)
+        try:
+            value = super().evaluate(model, sample, seed, reporter, max_steps=max_steps)
+        finally:
+            _FINAL.reset(token)
+        return final[-1] if final else value
+
+    def fit(self, model: Any) -> Any:
+        """Train ``model`` in place with the module and a fresh Trainer (NNI's ``evaluator.fit(model)``);
+        returns the logged metrics of the last epoch."""
+        self._check()
+        self.module.set_model(model) if hasattr(self.module, "set_model") else setattr(self.module, "model", model)
+        trainer = self.trainer()
+        self.run_fit(trainer, self.module)
+        return {k: float(v) for k, v in trainer.callback_metrics.items()
+                if isinstance(v, torch.Tensor) and v.numel() == 1}
 
 
 def Lightning(lightning_module: Any, trainer: Any, train_dataloaders: Any = None, val_dataloaders: Any = None,
-              datamodule: Any = None, fit_kwargs: Any = None, train_dataloader: Any = None) -> Any:
+              datamodule: Any = None, fit_kwargs: Any = None, train_dataloader: Any = None,
+              detect_interrupt: bool = True) -> Any:
     """``Lightning(ClassificationModule(...) | RegressionModule(...), Trainer(...), train_dataloaders, val_dataloaders)``
-    = ``Classification`` / ``Regression`` with those settings; a custom LightningModule is refused.
+    = ``Classification`` / ``Regression`` with those settings; a custom LightningModule (a subclass of
+    ``LightningModule``, ``ClassificationModule`` or ``RegressionModule``) is run by PyTorch Lightning,
+    one trial at a time (``td.evaluators.Lightning``).
 
     >>> evaluator = Lightning(ClassificationModule(learning_rate=1e-3), Trainer(max_epochs=2),
     ...                       train_dataloaders=DataLoader(train, batch_size=64), val_dataloaders=DataLoader(val))  # doctest: +SKIP
@@ -291,10 +447,25 @@ def Lightning(lightning_module: Any, trainer: Any, train_dataloaders: Any = None
     if not isinstance(trainer, Trainer):
         raise NotSupported(f"The 'trainer' parameter of Lightning must be this module's Trainer(...). "
                            f"Got {type(trainer).__name__} instead.")
-    kind = {ClassificationModule: Classification, RegressionModule: Regression}.get(type(lightning_module))
-    if kind is None:
-        raise NotSupported(_CUSTOM)
     if fit_kwargs:
         raise refuse("Lightning", "fit_kwargs", fit_kwargs, "Give the dataloaders as train_dataloaders= / val_dataloaders=.")
-    return kind(**lightning_module.settings, train_dataloaders=train_dataloaders, val_dataloaders=val_dataloaders,
-                train_dataloader=train_dataloader, datamodule=datamodule, **trainer.kwargs)
+    if train_dataloader is not None:  # NNI's deprecated spelling
+        train_dataloaders = train_dataloaders if train_dataloaders is not None else train_dataloader
+    kind = {ClassificationModule: Classification, RegressionModule: Regression}.get(type(lightning_module))
+    if kind is not None:
+        return kind(**lightning_module.settings, train_dataloaders=train_dataloaders, val_dataloaders=val_dataloaders,
+                    datamodule=datamodule, **trainer.kwargs)
+    if _Base is nn.Module or not isinstance(lightning_module, _Base):
+        if _Base is nn.Module:
+            raise NotSupported(f"Lightning(module, trainer) with a custom LightningModule runs PyTorch Lightning: "
+                               f"{_ev.LIGHTNING_MISSING}")
+        raise NotSupported(f"The 'lightning_module' parameter of Lightning must be a LightningModule (derive it from "
+                           f"tridens.compat.nni.nas.evaluator.pytorch.LightningModule). Got "
+                           f"{type(lightning_module).__name__} instead.")
+    metric, mode = None, "max"
+    if isinstance(lightning_module, ClassificationModule):
+        metric = "val_acc"
+    elif isinstance(lightning_module, RegressionModule):
+        metric, mode = "val_mse", "min"
+    return LightningEvaluator(lightning_module, train_dataloaders=train_dataloaders, val_dataloaders=val_dataloaders,
+                              datamodule=datamodule, metric=metric, mode=mode, **_gpus("Lightning", trainer.kwargs))

@@ -26,7 +26,7 @@ __all__ = ["DARTS", "GumbelDARTS", "ENAS", "RandomOneShot", "Proxyless",
 _HOOKS = ("tridens builds the supernet from the space itself: LayerChoice/InputChoice/Repeat, and an int "
           "choice in a Conv/Linear/BatchNorm constructor argument (sliced from the largest weight); a space it "
           "cannot make one-shot is refused with the label named, and td.strategy.* searches it multi-trial.")
-_CLIP = "tridens' one-shot training does not clip gradients; lower the evaluator's learning_rate instead."
+_CLIP = "tridens' ENAS controller does not clip its gradient; lower ctrl_lr (controller_lr) instead."
 _WARMUP = ("tridens' ENAS updates its controller from the first step; to pre-train the shared weights, "
            "run RandomOneShot first or give more epochs (epochs= on the strategy).")
 _PENALTY = ("tridens' one-shot search has no cost penalty; search with a multi-trial strategy and "
@@ -61,7 +61,12 @@ def _darts(owner: str, arc_learning_rate: float, gradient_clip_val: Any, warmup_
            **defaults: Any) -> Any:
     """The tridens DARTS/GumbelDARTS for NNI's arguments (``defaults``: mapped NNI values that an
     explicit tridens option overrides)."""
-    only_default(owner, "gradient_clip_val", gradient_clip_val, None, _CLIP)
+    if gradient_clip_val is not None and (isinstance(gradient_clip_val, bool) or
+                                          not isinstance(gradient_clip_val, (int, float)) or gradient_clip_val < 0):
+        raise NotSupported(f"The 'gradient_clip_val' parameter of {owner} must be None or a number >= 0. "
+                           f"Got {gradient_clip_val!r} instead.")
+    if gradient_clip_val:  # NNI clips the weights' gradient norm before each weight step
+        defaults = {"grad_clip": float(gradient_clip_val), **defaults}
     only_default(owner, "penalty", penalty, None, _PENALTY)
     only_default(owner, "mutation_hooks", mutation_hooks, None, _HOOKS)
     if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int) or warmup_epochs < 0:

@@ -13,8 +13,8 @@
 * ``metrics`` is not called: tridens reports ``val_acc`` and ``val_loss`` (classification).
 * ``export()`` is DARTS' argmax / ENAS' greedy controller choice (as NNI), and for SPOS the best of
   the subnets scored on ``dataset_valid`` with the supernet's weights (NNI: a random sample).
-* ``workers`` and ``log_frequency`` are ignored; gradients are not clipped (``grad_clip`` at its
-  default is accepted with a warning, another value refused).
+* ``workers`` and ``log_frequency`` are ignored; ``grad_clip`` clips the weights' gradient norm
+  (``td.oneshot.*(grad_clip=)``; 0 or None: no clipping).
 ``ProxylessTrainer`` raises, naming the alternatives.
 """
 
@@ -56,10 +56,13 @@ def _device(device: Any) -> Any:
     return "auto" if device is None else str(device)
 
 
-def _grad_clip(owner: str, value: Any, default: float) -> None:
-    only_default(owner, "grad_clip", value, default, "tridens' one-shot training does not clip gradients.")
-    if value:
-        log.warning("%s: grad_clip=%s is not applied (tridens' one-shot training does not clip gradients)", owner, value)
+def _grad_clip(owner: str, value: Any) -> float | None:
+    """NNI's ``grad_clip`` (the norm the weights' gradient is clipped to; 0 or None: none) for ``td.oneshot``."""
+    if value is None or value == 0:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise NotSupported(f"The 'grad_clip' parameter of {owner} must be a number >= 0. Got {value!r} instead.")
+    return float(value)
 
 
 class _Trainer:
@@ -109,12 +112,11 @@ class DartsTrainer(_Trainer):
 
     def fit(self) -> None:
         """Train the supernet; the architecture weights' argmax is scored (on ``dataset``) and stored."""
-        _grad_clip("DartsTrainer", self.grad_clip, 5.0)
         evaluator = td.evaluators.Classification(self.dataset, self.dataset, epochs=self.num_epochs,
                                                  batch_size=self.batch_size, loss=self.loss, device=_device(self.device),
                                                  **_optimizer_settings("DartsTrainer", self.optimizer))
         self._run(self.model, evaluator, _os.DARTS(arch_lr=self.arc_learning_rate, second_order=self.unrolled, samples=1,
-                                                            warmup=0.0))
+                                                            warmup=0.0, grad_clip=_grad_clip("DartsTrainer", self.grad_clip)))
 
     def export(self) -> dict[str, Any]:
         """DARTS' choice: the most probable candidate of every label."""
@@ -143,7 +145,6 @@ class EnasTrainer(_Trainer):
 
     def fit(self) -> None:
         """Train the supernet and its controller; the controller's greedy choice is scored and stored."""
-        _grad_clip("EnasTrainer", self.grad_clip, 5.0)
         only_default("EnasTrainer", "skip_weight", self.skip_weight, 0.8,
                      "tridens' controller has no skip-connection penalty (entropy_weight= is its regularizer).")
         hidden = 32
@@ -160,7 +161,8 @@ class EnasTrainer(_Trainer):
         n = int(self.ctrl_steps_aggregate)
         self._run(self.model, evaluator, _os.ENAS(controller_lr=self.ctrl_lr, controller_hidden=hidden,
                                                   entropy_weight=self.entropy_weight, baseline_decay=self.baseline_decay,
-                                                  controller_every=n, controller_samples=n, samples=1))
+                                                  controller_every=n, controller_samples=n, samples=1,
+                                                  grad_clip=_grad_clip("EnasTrainer", self.grad_clip)))
 
     def export(self) -> dict[str, Any]:
         """The controller's greedy architecture."""

@@ -1,0 +1,58 @@
+"""NNI's own files, read from a local snapshot of its repository when one is present.
+
+The snapshot is a bare git directory (``$TRIDENS_NNI_SNAPSHOT``, by default the one the
+developers' machines keep); CI has none and no network, so every test that reads it skips
+cleanly, and a condensed copy committed beside the tests covers the same item.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SNAPSHOT = Path(os.environ.get("TRIDENS_NNI_SNAPSHOT", "/work/.mirror/microsoft+nni/repo"))
+NNI3 = "HEAD"                 # NNI 3.0's last snapshot
+NNI2 = "refs/tags/v2.10.1"    # NNI 2.10.1
+
+
+def read(path: str, ref: str = NNI3) -> str | None:
+    """The text of ``path`` at ``ref`` in the snapshot, or None when there is no snapshot (or no such file)."""
+    if not (SNAPSHOT / "HEAD").exists():
+        return None
+    done = subprocess.run(["git", f"--git-dir={SNAPSHOT}", "show", f"{ref}:{path}"], capture_output=True, text=True)
+    return done.stdout if done.returncode == 0 else None
+
+
+def require(path: str, ref: str = NNI3) -> str:
+    """:func:`read`, skipping the test when the file is not there."""
+    text = read(path, ref)
+    if text is None:
+        pytest.skip(f"NNI's {path} ({ref}) is not on this machine (no snapshot of microsoft/nni)")
+    return text
+
+
+def definitions(source: str, *names: str) -> str:
+    """The source of the top-level classes / functions ``names`` of ``source``, in file order."""
+    tree = ast.parse(source)
+    lines = source.splitlines()
+    out = []
+    for node in tree.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in names:
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+            out.append("\n".join(lines[start:node.end_lineno]))
+    missing = set(names) - {n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+    assert not missing, f"not in the upstream file: {sorted(missing)}"
+    return "\n\n".join(out) + "\n"
+
+
+def class_lists(source: str, cls: str) -> dict[str, list[str]]:
+    """The list-valued class attributes of ``cls`` in ``source`` (e.g. NNI's ``DARTS_OPS``)."""
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            return {t.id: ast.literal_eval(stmt.value) for stmt in node.body if isinstance(stmt, ast.Assign)
+                    for t in stmt.targets if isinstance(t, ast.Name) and isinstance(stmt.value, ast.List)}
+    raise AssertionError(f"no class {cls} in the upstream file")
