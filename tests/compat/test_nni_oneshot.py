@@ -318,7 +318,7 @@ def test_gradient_clipping_of_the_one_shot_trainers_is_applied(tmp_path: Path, d
         strategy = nni3.DARTS(gradient_clip_val=clip, samples=1)
         td.Experiment(_Tiny(), ev, strategy, store=tmp_path / "c.db", name=f"clip-{clip}", verbose=False).run()
         norms[clip] = _grad_norm(strategy)
-    assert norms[1e-3] == pytest.approx(1e-3, rel=1e-3) < norms[None]
+    assert norms[1e-3] == pytest.approx(1e-3, rel=1e-3) and norms[None] > 1e-2
     trainer = DartsTrainer(_Tiny(), torch.nn.CrossEntropyLoss(), None, torch.optim.SGD(torch.nn.Linear(1, 1).parameters(),
                            lr=0.01), 1, Subset(train, range(256)), grad_clip=1e-3, batch_size=64)
     trainer.fit()
