@@ -51,6 +51,22 @@ def evaluator(digits_data, epochs=3):
                                         lr=td.choice("lr", [0.01, 0.003]))
 
 
+class SeenInStorage(td.loggers.Callback):
+    """What each trial's folder under storage= holds when the trial ends (the folder is removed
+    once its group ends): its files, and its last per-epoch checkpoint."""
+
+    def __init__(self):
+        self.files, self.saved = {}, {}
+
+    def on_trial_end(self, trial):
+        folder = trial.info.get("storage")
+        if folder and os.path.isdir(folder):
+            self.files[trial.id] = sorted(os.listdir(folder))
+            epochs = [name for name in self.files[trial.id] if name.startswith("epoch-")]
+            if epochs:
+                self.saved[trial.id] = torch.load(os.path.join(folder, epochs[-1]), weights_only=True)
+
+
 def both(tmp_path, space, ev, strategy_factory, name, max_trials, on_ray, **ray_kw):
     """The same search in-process (optimize=True) and on ``on_ray`` (a ``td.executors.Ray``, with the
     experiment options ``ray_kw``); returns the two trial lists."""
@@ -66,15 +82,17 @@ def both(tmp_path, space, ev, strategy_factory, name, max_trials, on_ray, **ray_
 # -- planner units -------------------------------------------------------------------------------------
 def test_fused_unit_is_one_ray_task_with_the_in_process_metrics(local_ray, force, digits_data, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="tridens"):
+        seen = SeenInStorage()
         inline, on_ray = both(tmp_path, TinyMLP(), evaluator(digits_data), td.strategy.GridSearch, "fused", 4,
-                              td.executors.Ray(workers=1))
+                              td.executors.Ray(workers=1), callbacks=[seen])
     assert caplog.text.count("mixed unit, one data pipeline for 2 planned units") == 2  # in-process, then on Ray
     assert_close(inline, on_ray)
     assert all(t.status is TrialStatus.COMPLETED for t in on_ray)
     assert len({t.info["ray"]["pid"] for t in on_ray}) == 1  # the four trials trained in one task
     for t in on_ray:
-        assert sorted(os.listdir(t.info["storage"])) == ["epoch-3.pt", "final.pt"]  # a checkpoint per member
-        saved = torch.load(os.path.join(t.info["storage"], "epoch-3.pt"), weights_only=True)
+        assert seen.files[t.id] == ["epoch-3.pt", "final.pt"]  # a checkpoint per member
+        saved = seen.saved[t.id]
+        assert not os.path.exists(t.info["storage"])   # removed once the group ended
         assert saved["trainer"]["epoch"] == 3 and saved["metrics"]["val_acc"] == t.metrics["val_acc"][-1]
 
 
@@ -88,14 +106,15 @@ class StopTrial2(td.strategy.GridSearch):
 def test_stop_reaches_one_member_of_a_fused_unit(local_ray, force, digits_data, tmp_path, caplog):
     # two workers: the mixed unit is planned again as two batched units, one task each
     with caplog.at_level(logging.INFO, logger="tridens"):
+        seen = SeenInStorage()
         inline, on_ray = both(tmp_path, TinyMLP(), evaluator(digits_data), StopTrial2, "stop", 4,
-                              td.executors.Ray(workers=2))
+                              td.executors.Ray(workers=2), callbacks=[seen])
     assert "is planned again as two units for the 2 workers" in caplog.text
     assert caplog.text.count("batched unit of 2 trial(s)") == 2
     assert_close(inline, on_ray)
     stopped = next(t for t in on_ray if t.id == 2)
     assert stopped.status is TrialStatus.STOPPED and len(stopped.metrics["val_acc"]) == 1
-    assert sorted(os.listdir(stopped.info["storage"])) == ["epoch-1.pt", "final.pt"]  # left after one epoch
+    assert seen.files[stopped.id] == ["epoch-1.pt", "final.pt"]  # left after one epoch
     others = [t for t in on_ray if t.id != 2]
     assert all(t.status is TrialStatus.COMPLETED and len(t.metrics["val_acc"]) == 3 for t in others)
     pids = {t.id: t.info["ray"]["pid"] for t in on_ray}
@@ -145,12 +164,12 @@ def test_killed_unit_worker_restarts_its_members_from_their_checkpoints(local_ra
 # -- Fluid ----------------------------------------------------------------------------------------------
 
 
-def fluid_pair(tmp_path, digits_data, group, name, allocation):
+def fluid_pair(tmp_path, digits_data, group, name, allocation, **kw):
     train, val = digits_data
     ev = td.evaluators.Classification(train=train, val=val, epochs=td.choice("epochs", [1, 2, 12]),
                                       batch_size=96, optimizer="adam", lr=0.01)
     return both(tmp_path, MLPSpace(), ev, lambda: Groups([group]), name, None, td.executors.Ray(workers=2),
-                allocation=allocation)
+                allocation=allocation, **kw)
 
 
 def step_time(sample):
@@ -175,12 +194,14 @@ def test_static_fluid_shares_are_the_ray_tasks_resource_requests(local_ray, digi
 
 def test_share_above_one_is_one_task_running_ddp(local_ray, digits_data, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="tridens"):
-        inline, on_ray = fluid_pair(tmp_path, digits_data, [{"hidden": 64, "epochs": 2}], "ddp", "static")
+        seen = SeenInStorage()
+        inline, on_ray = fluid_pair(tmp_path, digits_data, [{"hidden": 64, "epochs": 2}], "ddp", "static",
+                                    callbacks=[seen])
     assert_close(inline, on_ray)  # DDP over two processes trains as one process does
     (t,) = on_ray
     assert t.info["allocation"][0]["share"] == 2.0 and t.info["ray"]["resources"] == {"CPU": 2.0}
     assert "torch DDP over 2 local processes" in caplog.text
-    assert sorted(os.listdir(t.info["storage"])) == ["epoch-2.pt", "final.pt"]
+    assert seen.files[t.id] == ["epoch-2.pt", "final.pt"]
 
 
 @pytest.mark.slow

@@ -164,6 +164,7 @@ class RayExecutor(Executor):
     def start(self, context: RunContext) -> None:
         """Take the run's name, checkpoint folder, optimizations and allocation where none was given here."""
         super().start(context)
+        self._stale = True  # what an earlier run of the experiment left under storage= goes first
         if self.experiment is None:
             self.experiment = context.experiment
         if self.storage is None:
@@ -223,6 +224,24 @@ class RayExecutor(Executor):
     def run_group(self, jobs: Sequence[Job], evaluator: Evaluator, hooks: GroupHooks) -> None:
         self._connect()
         storage = CheckpointStorage(os.fspath(self.storage))  # type: ignore[arg-type]
+        if getattr(self, "_stale", False):  # a crashed run's checkpoints and hand-offs: never read again
+            storage.discard(storage.join(str(self.experiment)))
+            self._stale = False
+        try:
+            self._run_group(jobs, evaluator, hooks, storage)
+        finally:
+            self._tidy(jobs, storage)
+
+    def _tidy(self, jobs: Sequence[Job], storage: CheckpointStorage) -> None:
+        """After a group: the folders of its finished trials (their weights are in the store) and
+        the hand-offs no task will read any more are removed."""
+        experiment = str(self.experiment)
+        for job in jobs:
+            if job.trial.status.finished:
+                storage.discard(storage.trial_directory(experiment, job.trial.id))
+        storage.discard(storage.join(experiment, "handoff"))
+
+    def _run_group(self, jobs: Sequence[Job], evaluator: Evaluator, hooks: GroupHooks, storage: CheckpointStorage) -> None:
         if self._evaluator is None or self._evaluator[0] is not evaluator:
             self._evaluator = (evaluator, ray.put(evaluator))  # its datasets travel to the object store once
         evaluator_ref = self._evaluator[1]

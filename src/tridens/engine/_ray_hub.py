@@ -123,7 +123,6 @@ def record_outcome(life: TrialProtocol, outcome: Mapping[str, Any], storage: Che
         life.fail(outcome["error"])
         return
     weights = None
-    if outcome["final"] is not None:
-        life.trial.info["final_weights"] = outcome["final"]
+    if outcome["final"] is not None:  # (the trial's folder is removed once its group ends)
         weights = storage.load(outcome["final"])
     life.finish(outcome["value"], weights)

@@ -5,6 +5,11 @@ Layout (``<root>`` is the executor's ``storage``)::
 
     <root>/<experiment>/trial-<id>/epoch-<n>.pt   the latest per-epoch trainer checkpoint (step-wise evaluators)
     <root>/<experiment>/trial-<id>/final.pt       the final (or stopped) weights
+    <root>/<experiment>/handoff/<uuid>.pt         a state on its way between a task and the driver
+
+A trial's folder is removed once the driver has its outcome (its weights are then in the store),
+the hand-offs once its group ends, and the experiment's whole folder when a run of it starts:
+a resumed trial trains again from its start, so nothing an earlier (crashed) run left is read.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import shutil
 from typing import Any
 
 import torch
@@ -115,3 +121,12 @@ class CheckpointStorage:
     def clear(self, directory: str) -> None:
         for name in self.listdir(directory):
             self.remove(self.child(directory, name))
+
+    def discard(self, directory: str) -> None:
+        """Remove ``directory`` and everything under it (nothing if it does not exist)."""
+        if self.remote:
+            fs = self._fs()
+            if fs.exists(directory):
+                fs.rm(directory, recursive=True)
+            return
+        shutil.rmtree(directory, ignore_errors=True)
