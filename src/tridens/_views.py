@@ -99,6 +99,7 @@ def trial_record(trial: Trial, number: int | None = None) -> dict[str, Any]:
     """
     return _clean({
         "number": number, "id": trial.id, "experiment": trial.experiment, "status": trial.status.value,
+        "role": trial.role,
         "metric": trial.metric, "sample": trial.sample, "seed": trial.seed, "fingerprint": trial.fingerprint,
         "epochs": trial.steps, "metrics": trial.metrics, "params": trial.info.get("params"),
         "flops": trial.info.get("flops"), "group": trial.group, "parent": trial.parent,
@@ -130,21 +131,21 @@ def csv_text(text: str) -> str:
 
 def trials_csv(trials: Sequence[Trial], numbers: dict[int, int]) -> str:
     """One CSV row per trial: number, id, status, metric, epochs, params, flops, seed, fingerprint,
-    duration, the last line of its error, then one column per label (values as JSON)."""
+    duration, the last line of its error, its one-shot role, then one column per label (values as JSON)."""
     labels: list[str] = []
     for t in trials:
         labels += [k for k in t.sample if k not in labels]
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(["number", "id", "status", "metric", "epochs", "params", "flops", "seed", "fingerprint",
-                     "duration", "error", *[csv_text(label) for label in labels]])
+                     "duration", "error", "role", *[csv_text(label) for label in labels]])
     for t in trials:
         metric = None if t.metric is None or math.isnan(t.metric) else t.metric
         error = t.error.strip().splitlines()[-1] if t.error and t.error.strip() else ""
         writer.writerow([numbers.get(t.id), t.id, t.status.value, "" if metric is None else repr(metric), t.steps,
                          csv_text(str(t.info.get("params", ""))), csv_text(str(t.info.get("flops", ""))), t.seed,
                          csv_text(t.fingerprint or ""), "" if t.duration is None else f"{t.duration:.3f}",
-                         csv_text(error), *["" if k not in t.sample else csv_text(json.dumps(t.sample[k]))
+                         csv_text(error), t.role or "", *["" if k not in t.sample else csv_text(json.dumps(t.sample[k]))
                                             for k in labels]])
     return out.getvalue()
 
@@ -288,10 +289,32 @@ def trial_details(trial: Trial, trials: Sequence[Trial], objective: Objective) -
 
 
 def plot_experiment(trials: Sequence[Trial], objective: Objective, path: str | Path, *, metric: str | None = None,
-                    title: str = "") -> Path:
-    """Write a figure of an experiment to ``path`` (format from its suffix: png, pdf, svg): the
-    learning curves of ``metric`` (default: the objective's) of every trial, stopped trials
-    dashed and failed ones dotted, and the objective against each label."""
+                    title: str = "", log_labels: Sequence[str] = ()) -> Path:
+    """Write a figure of an experiment to ``path`` (format from its suffix: png, pdf, svg):
+    :func:`experiment_figure`."""
+    import matplotlib.pyplot as plt
+
+    fig = experiment_figure(trials, objective, metric=metric, title=title, log_labels=log_labels)
+    target = Path(path)
+    fig.savefig(target, dpi=110)
+    plt.close(fig)
+    return target
+
+
+# Up to this many curves each gets its own legend entry; more are coloured by their final value.
+LEGEND_CURVES = 12
+
+
+def experiment_figure(trials: Sequence[Trial], objective: Objective, *, metric: str | None = None,
+                      title: str = "", log_labels: Sequence[str] = ()) -> Any:
+    """A matplotlib figure of an experiment: the learning curves of ``metric`` (default: the
+    objective's) of every trial, stopped trials dashed and failed ones dotted, and the objective
+    against each label, on a log axis for ``log_labels`` (``td.loguniform`` labels). With more than
+    :data:`LEGEND_CURVES` curves, each is coloured by its final value (a colour bar says which) and
+    the legend names the five best and how many more there are.
+
+    >>> fig = experiment_figure(exp.trials(), Objective("val_acc", "max"), log_labels=["lr"])  # doctest: +SKIP
+    """
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -310,21 +333,38 @@ def plot_experiment(trials: Sequence[Trial], objective: Objective, path: str | P
     ax = axes[0][0]
     numbers = number_trials(trials)
     styles = {TrialStatus.COMPLETED: "-", TrialStatus.STOPPED: "--", TrialStatus.FAILED: ":"}
-    drawn = 0
-    for t in trials:
-        values = t.metrics.get(metric)
-        if not values:
-            continue
-        ax.plot(range(len(values)), values, styles.get(t.status, "-"), marker="." if len(values) < 30 else None,
-                linewidth=1, alpha=0.8, label=f"#{numbers[t.id]}" if drawn < 10 else None)
+    drawn = [t for t in trials if t.metrics.get(metric)]
+    many = len(drawn) > LEGEND_CURVES
+    finals = [t.metrics[metric][-1] for t in drawn]
+    shown = [v for v in finals if v is not None and math.isfinite(v)]
+    norm = matplotlib.colors.Normalize(min(shown, default=0.0), max(shown, default=1.0))
+    cmap = matplotlib.colormaps["viridis"]
+    best = {t.id for t in sorted(drawn, key=lambda t: -objective.score(t.metrics[metric][-1]))[:5]} if many else set()
+    named: list[tuple[float, Any]] = []
+    for t in sorted(drawn, key=lambda t: t.id in best):  # the named best drawn last, on top
+        values = t.metrics[metric]
+        final = values[-1]
+        color = (cmap(norm(final)) if final is not None and math.isfinite(final) else "grey") if many else None
+        name = f"#{numbers[t.id]} ({final:.4g})" if many else f"#{numbers[t.id]}"
+        line, = ax.plot(range(len(values)), values, styles.get(t.status, "-"), color=color,
+                        marker="." if len(values) < 30 else None, linewidth=1.6 if t.id in best else 1,
+                        alpha=0.9 if t.id in best or not many else 0.5,
+                        label=name if not many or t.id in best else None)
+        if t.id in best:
+            named.append((objective.score(final), line))
         if t.status is TrialStatus.STOPPED:
             ax.plot([len(values) - 1], [values[-1]], "x", color="black", markersize=5)
-        drawn += 1
     ax.set_xlabel("step (epoch)")
     ax.set_ylabel(plot_text(metric))
     ax.set_title("learning curves (dashed, x: stopped early)", fontsize=9)
-    if drawn:
-        ax.legend(fontsize=7, ncol=2)
+    if many:
+        fig.colorbar(matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label=f"final {plot_text(metric)}")
+        lines = [line for _, line in sorted(named, key=lambda e: -e[0])]
+        extra = matplotlib.lines.Line2D([], [], color="grey", alpha=0.5, label=f"{len(drawn) - len(best)} more trials")
+        ax.legend(lines + [extra], [line.get_label() for line in lines] + [extra.get_label()],
+                  fontsize=7, title=f"best {len(best)} of {len(drawn)}", title_fontsize=7)
+    elif drawn:
+        ax.legend(fontsize=7, ncol=2 if len(drawn) > 6 else 1)
     for i, label in enumerate(labels, start=1):
         ax = axes[i // cols][i % cols]
         xs = [t.sample.get(label) for t in finished]
@@ -332,18 +372,17 @@ def plot_experiment(trials: Sequence[Trial], objective: Objective, path: str | P
         kept = [(x, y) for x, y in zip(xs, ys) if x is not None]
         if kept and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x, _ in kept):
             ax.scatter([x for x, _ in kept], [y for _, y in kept], s=12, alpha=0.7)
+            if label in log_labels and all(x > 0 for x, _ in kept):
+                ax.set_xscale("log")
         else:
             cats = sorted({json.dumps(x) for x, _ in kept})
             ax.scatter([cats.index(json.dumps(x)) for x, _ in kept], [y for _, y in kept], s=12, alpha=0.7)
             ax.set_xticks(range(len(cats)), [plot_text(c) for c in cats], rotation=30, fontsize=7)
-        ax.set_xlabel(plot_text(label))
+        ax.set_xlabel(plot_text(label) + (" (log scale)" if ax.get_xscale() == "log" else ""))
         ax.set_ylabel(plot_text(objective.metric))
     for j in range(panels, rows * cols):
         axes[j // cols][j % cols].set_visible(False)
     if title:
         fig.suptitle(plot_text(title))
     fig.tight_layout()
-    target = Path(path)
-    fig.savefig(target, dpi=110)
-    plt.close(fig)
-    return target
+    return fig

@@ -249,9 +249,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from .engine import Experiment
 
     exp = Experiment.load(args.db, args.name)
+    import json
+
     for path in exp.export(args.to, top=args.top, trust_code=args.trust_code, force=args.force,
                            allow_modules=args.allow_module):
-        print(path)
+        note = json.loads((path / "tridens.json").read_text()).get("note")
+        print(f"{path}  ({note})" if note else path)
     return 0
 
 
@@ -300,7 +303,8 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
     from .dashboard import serve
 
     if not Path(args.db).exists():
-        raise TridensError(f"no store at {args.db} (run an experiment first, or pass --db PATH)")
+        print(f"tridens: no store at {Path(args.db).absolute()} yet; the dashboard shows its experiments once a run "
+              "creates it (or pass --db PATH)", file=sys.stderr, flush=True)
     serve(args.db, host=args.host, port=args.port)
     return 0
 
@@ -312,7 +316,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         record = db.get_experiment(args.name)
         trials = db.trials(args.name)
     objective = record.objective()
-    print(_views.plot_experiment(trials, objective, args.to, metric=args.metric, title=args.name))
+    from .dashboard import log_scale_labels
+
+    print(_views.plot_experiment(trials, objective, args.to, metric=args.metric, title=args.name,
+                                 log_labels=log_scale_labels(record.config.get("search_space"))))
     return 0
 
 

@@ -127,6 +127,10 @@ class Objective:
         return value if self.mode == "max" else -value
 
 
+# one-shot roles (``info["oneshot"]["role"]``) as tables name them
+_ROLES = {"subnet": "supernet-scored", "retrain": "retrained"}
+
+
 @dataclass(repr=False)
 class Trial:
     """One model of the space trained (or looked up) once.
@@ -159,6 +163,19 @@ class Trial:
     def label(self) -> int:
         """The trial's number in its experiment (its store id when the number is unknown)."""
         return self.number if self.number is not None else self.id
+
+    @property
+    def role(self) -> str | None:
+        """A one-shot run's trial: ``"supernet"``, ``"supernet-scored"`` (a subnet scored with weights
+        inherited from the supernet: a proxy, ranked after trained models) or ``"retrained"`` (an
+        architecture trained from scratch); ``None`` for every other trial.
+
+        >>> Trial(id=3, sample={}, seed=0, info={"oneshot": {"role": "subnet", "inherited": True}}).role
+        'supernet-scored'
+        """
+        one = self.info.get("oneshot")
+        role = one.get("role") if isinstance(one, dict) else None
+        return _ROLES.get(role, role) if isinstance(role, str) else None
 
     @property
     def duration(self) -> float | None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from . import tiny_search
+from . import tiny_search, views_search
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +26,11 @@ def tiny_copy(tiny_store, tmp_path) -> Path:
     if files.exists():
         shutil.copytree(files, Path(str(target) + ".files"))
     return target
+
+
+@pytest.fixture(scope="session")
+def views_store(tmp_path_factory) -> Path:
+    """The plan/stage-tree/ASHA/one-shot/log-scale searches of :mod:`views_search`, run for real."""
+    db = tmp_path_factory.mktemp("views") / "views.db"
+    views_search.build(db)
+    return db

@@ -220,3 +220,27 @@ def test_trials_are_named_by_number_everywhere_a_user_reads_them(tmp_path, capsy
     assert main(["show", "second", "1", "--db", str(db)]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "store id 5" in text and not re.search(r"trials? \[[0-9, ]*[4-7]", text)
+
+
+def test_plot_draws_log_labels_on_a_log_axis_and_a_readable_legend_of_40_curves(views_store, tmp_path):
+    """`tridens plot` of 40 trials over a log-uniform lr: lr's panel is on a log axis; the curves are
+    coloured by their final value (a colour bar) and the legend names the five best and the rest's count."""
+    import matplotlib.pyplot as plt
+
+    from tridens._views import experiment_figure
+    from tridens.dashboard import log_scale_labels
+
+    with Store(views_store, readonly=True) as store:
+        record, trials = store.get_experiment("logscale"), store.trials("logscale")
+    fig = experiment_figure(trials, record.objective(), log_labels=log_scale_labels(record.config["search_space"]))
+    curves, *panels = [ax for ax in fig.axes if ax.get_label() != "<colorbar>"]
+    by_label = {ax.get_xlabel().split(" ")[0]: ax for ax in panels}
+    assert by_label["lr"].get_xscale() == "log" and by_label["hidden"].get_xscale() == "linear"
+    assert len([line for line in curves.get_lines() if len(line.get_xdata()) == 2]) == 40
+    legend = [text.get_text() for text in curves.get_legend().get_texts()]
+    assert len(legend) == 6 and legend[-1] == "35 more trials", legend
+    best = sorted(trials, key=lambda t: -t.metric)[:5]
+    assert legend[0].startswith(f"#{best[0].number} (")
+    assert any(ax.get_label() == "<colorbar>" for ax in fig.axes)
+    plt.close(fig)
+    assert main(["plot", "logscale", "--to", str(tmp_path / "p.png"), "--db", str(views_store)]) == 0

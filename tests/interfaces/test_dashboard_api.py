@@ -5,6 +5,7 @@ import hashlib
 import json
 import math
 import random
+import shutil
 
 import pytest
 
@@ -95,7 +96,8 @@ def test_pages_of_ten_thousand_trials(big_store):
     hparams = client.get("/api/experiments/big/hparams").json()
     assert len(hparams["values"]) == len(hparams["samples"]) == 8000
     importance = client.get("/api/experiments/big/importance?evaluator=ped-anova").json()
-    assert set(importance["importances"]) == {"width", "op", "lr"} and importance["trials"] == 6000
+    assert set(importance["importances"]) == {"width", "op", "lr"}
+    assert importance["trials"] == 8000 and "step 2" in importance["basis"]  # completed and stopped, at step 2
     plan = client.get("/api/experiments/big/plan").json()
     assert len(plan["groups"]) == 200 and plan["groups"][-1] == {"group": N // 16 - 1, "trials": 16, "train_seconds": 8.0}
     assert plan["units_recorded"] is False and math.isclose(plan["train_seconds"], 0.5 * N)
@@ -282,3 +284,37 @@ def test_a_fused_units_measured_speedup_reaches_the_plan(tmp_path):
         assert unit["kind"] == "batched" and unit["speedups"] == [{"trials": [0, 1, 2, 3], "speedup": 3.0, "fused": True}]
         assert math.isclose(unit["saved_seconds"], 2.0 * unit["train_seconds"]) and unit["saved_seconds"] > 0
     assert "as measured on their first real steps" in unit["reason"]  # the second run measured again
+
+
+def test_importance_under_early_stopping_counts_the_stopped_trials(views_store):
+    """ASHA stopped most trials at its first rung: importance compares every finished trial at the
+    step all of them reached, and says so, instead of ranking labels on the few completed ones."""
+    client = starlette_testclient.TestClient(create_app(views_store))
+    counts = client.get("/api/experiments/asha").json()["by_status"]
+    assert counts.get("stopped", 0) >= 2
+    result = client.get("/api/experiments/asha/importance?evaluator=fanova").json()
+    assert result["trials"] == counts["completed"] + counts["stopped"], result
+    assert "step 0" in result["basis"] and "stopped" in result["basis"]
+
+
+def test_log_labels_progress_of_a_run_without_a_limit_and_the_favicon(views_store):
+    client = starlette_testclient.TestClient(create_app(views_store))
+    assert client.get("/api/experiments/logscale/hparams").json()["log_labels"] == ["lr"]
+    assert client.get("/api/experiments/asha/hparams").json()["log_labels"] == []
+    oneshot = next(e for e in client.get("/api/experiments").json()["experiments"] if e["name"] == "oneshot")
+    assert oneshot["max_trials"] is None and oneshot["status"] == "done" and oneshot["progress"] == 1.0
+    icon = client.get("/favicon.ico")
+    assert icon.status_code == 200 and icon.headers["content-type"].startswith("image/svg+xml")
+
+
+def test_a_store_not_created_yet_is_waited_for(tiny_store, tmp_path):
+    """The dashboard starts before its store exists: the experiment list is empty (and says it
+    waits), and fills once a run creates the store, without a restart."""
+    later = tmp_path / "later.db"
+    client = starlette_testclient.TestClient(create_app(later))
+    body = client.get("/api/experiments").json()
+    assert body == {"store": str(later), "exists": False, "experiments": []}
+    assert client.get("/api/experiments/tiny").status_code == 404
+    shutil.copy(tiny_store, later)
+    assert [e["name"] for e in client.get("/api/experiments").json()["experiments"]] == ["tiny"]
+    assert client.get("/api/experiments/tiny").json()["finished"] == 4

@@ -4,6 +4,7 @@ running experiment appears without a reload; the plan, the stage tree, stopped a
 curves and a one-shot run drawn from real searches. Screenshots of each page and view go to the
 test's tmp dir (``screenshots/``; the path is printed)."""
 
+import math
 import re
 import shutil
 import subprocess
@@ -15,7 +16,6 @@ import pytest
 from tridens.dashboard import Server
 from tridens.store import Store
 
-from . import views_search
 from .test_dashboard_api import big_store  # noqa: F401  (10,000 trials written through the store's API)
 
 webdriver = pytest.importorskip("selenium.webdriver")
@@ -144,20 +144,12 @@ def _section_shot(driver, section_id, path):
     assert path.stat().st_size > 5_000
 
 
-@pytest.fixture(scope="module")
-def views_store(tmp_path_factory):
-    """The plan/stage-tree/ASHA/one-shot searches of :mod:`views_search`, run for real."""
-    db = tmp_path_factory.mktemp("views") / "views.db"
-    views_search.build(db)
-    return db
-
-
 def test_plan_stage_tree_and_promoted_curves_in_chromium(browser, views_store, tmp_path):
     shots = tmp_path / "screenshots"
     shots.mkdir()
     with Server(views_store, port=0) as server:
         browser.get(server.url + "/")
-        _wait(browser, lambda d: len(d.find_elements("css selector", "#experiments-table tbody tr")) == 3)
+        _wait(browser, lambda d: len(d.find_elements("css selector", "#experiments-table tbody tr")) == 4)
         browser.save_screenshot(str(shots / "experiments.png"))
 
         browser.get(server.url + "/experiments/stages")
@@ -220,14 +212,90 @@ def test_plan_stage_tree_and_promoted_curves_in_chromium(browser, views_store, t
         _wait(browser, lambda d: d.find_elements("css selector", "#subnets tr")
               and d.execute_script("const p = document.getElementById('supernet-curves'); return p && p.data && p.data.length > 0"))
         subnets = browser.find_elements("css selector", "#subnets tr")
-        assert len(subnets) == 5  # the header and the 4 scored subnets
+        assert len(subnets) == 6  # the header, the 4 scored subnets and the best one retrained
         assert all("hidden=" in r.text and "act=" in r.text for r in subnets[1:])
-        assert [r.find_element("tag name", "a").text for r in subnets[1:]] == ["#1", "#2", "#3", "#4"]
+        assert [r.find_element("tag name", "a").text for r in subnets[1:]] == ["#1", "#2", "#3", "#4", "#5"]
         assert browser.execute_script("return document.getElementById('supernet-curves').data[0].y.length") == 3
         _section_shot(browser, "oneshot-section", shots / "oneshot.png")
     for name in ("experiments", "plan", "stage-tree", "trial-of-a-stage-tree", "curves-stopped-promoted", "plan-fused",
                  "oneshot"):
         assert (shots / f"{name}.png").stat().st_size > 5_000
+    print(f"screenshots in {shots}")
+
+
+_BROKEN_WORDS = """
+const broken = [];
+for (const td of document.querySelectorAll(arguments[0])) {
+  const walker = document.createTreeWalker(td, NodeFilter.SHOW_TEXT);
+  let node;
+  while ((node = walker.nextNode())) {
+    const re = /[^\\s-]+/g;  // words; a hyphen is a place to wrap
+    let m;
+    while ((m = re.exec(node.textContent))) {
+      if (m[0].length > 24) continue;  // a token longer than a column may wrap where it must
+      const r = document.createRange();
+      r.setStart(node, m.index);
+      r.setEnd(node, m.index + m[0].length);
+      if (new Set([...r.getClientRects()].map(x => Math.round(x.top))).size > 1) broken.push(m[0]);
+    }
+  }
+}
+return broken;
+"""
+
+
+def test_log_axes_many_curves_and_one_shot_roles_in_chromium(browser, views_store, tmp_path):
+    """A log-uniform label on log axes (objective vs label, parallel coordinates); 40 ticked
+    curves all in a legend that scrolls; a one-shot run's roles in the trial table, the subnets and
+    the relations (as sentences, not JSON); the plan's "why" text never broken inside a word."""
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    with Server(views_store, port=0) as server:
+        browser.get(server.url + "/experiments/logscale")
+        _wait(browser, lambda d: len(_rows(d)) == 40 and d.execute_script(
+            "const s = document.querySelector('#scatters .scatter[data-label=lr]');"
+            " const p = document.getElementById('parcoords'); return s && s.layout && p.data && p.data.length === 1"))
+        assert browser.execute_script(
+            "return document.querySelector('#scatters .scatter[data-label=lr]').layout.xaxis.type") == "log"
+        assert browser.execute_script(
+            "return document.querySelector('#scatters .scatter[data-label=hidden]').layout.xaxis.type") != "log"
+        with Store(views_store, readonly=True) as store:
+            lrs = [t.sample["lr"] for t in store.trials("logscale")]
+        dim = browser.execute_script("return document.getElementById('parcoords').data[0].dimensions"
+                                     ".find(d => d.label.startsWith('lr'))")
+        assert dim["label"] == "lr (log)" and dim["values"] == pytest.approx([math.log10(v) for v in lrs])
+        assert dim["ticktext"][0] == "0.001" and dim["ticktext"][-1] == "1"
+        _section_shot(browser, "hyperparameters", shots / "log-axes.png")
+        browser.execute_script("document.querySelectorAll('#trials-table input.select-trial').forEach(b => b.click())")
+        _wait(browser, lambda d: d.execute_script(
+            "const c = document.getElementById('curves'); return c.data && c.data.length === 40"
+            " && c.querySelectorAll('.legend .traces').length === 40"))
+        legend = browser.execute_script(
+            "const c = document.getElementById('curves'); const l = c.querySelector('.legend .bg').getBoundingClientRect();"
+            " const p = c.getBoundingClientRect(); return [l.top >= p.top - 1, l.bottom <= p.bottom + 1,"
+            " c.querySelector('.legend .scrollbar') !== null, c.layout.legend.orientation]")
+        assert legend == [True, True, True, "v"], legend  # inside the plot, scrolling through all 40
+        _section_shot(browser, "learning-curves", shots / "forty-curves.png")
+
+        browser.get(server.url + "/experiments/oneshot")
+        _wait(browser, lambda d: d.find_elements("css selector", "#subnets tr[data-role=retrained]")
+              and d.find_elements("css selector", "#plan-relations tr") and len(_rows(d)) == 6)
+        roles = browser.execute_script("return [...document.querySelectorAll('#trials-table tbody td.role')]"
+                                       ".map(td => td.textContent)")
+        assert roles == ["supernet"] + ["supernet-scored"] * 4 + ["retrained"]
+        retrained = browser.find_element("css selector", "#subnets tr[data-role=retrained]").text
+        assert "retrained from scratch (the architecture of #" in retrained
+        scored = browser.find_elements("css selector", "#subnets tr[data-role=supernet-scored]")
+        assert len(scored) == 4 and all("weights inherited from the supernet #0" in r.text for r in scored)
+        relations = browser.find_element("id", "plan-relations").text
+        assert "{" not in relations and "supernet-scored" in relations and "retrained" in relations
+        _section_shot(browser, "oneshot-section", shots / "oneshot-roles.png")
+
+        browser.set_window_size(1100, 2600)  # the width at which "pipeline" was broken as "pipelin e"
+        for name in ("stages", "asha"):
+            browser.get(server.url + f"/experiments/{name}")
+            _wait(browser, lambda d: d.find_elements("css selector", "#plan-units td.sample"))
+            assert browser.execute_script(_BROKEN_WORDS, "#plan-units td.sample, #plan-relations td.sample") == []
     print(f"screenshots in {shots}")
 
 

@@ -1,6 +1,7 @@
 """Real small searches on digits for the dashboard's plan, stage-tree, curve and one-shot views:
 a grid over learning-rate schedules (one stage tree: trials share their first epochs), ASHA (trials
-stopped at a rung, others promoted past it) and a one-shot search (a supernet and scored subnets).
+stopped at a rung, others promoted past it), a one-shot search (a supernet, scored subnets and the
+best one retrained) and 40 random trials over a log-uniform learning rate (log axes, many curves).
 """
 
 import torch
@@ -41,7 +42,7 @@ class TwoOps(tnn.ModelSpace):
 
 
 def build(db) -> None:
-    """Three experiments in the store ``db``: ``stages``, ``asha`` and ``oneshot``."""
+    """Four experiments in the store ``db``: ``stages``, ``asha``, ``oneshot`` and ``logscale``."""
     train, val = td.datasets.digits()
     schedules = td.evaluators.Classification(train, val, batch_size=128, lr=0.05, schedule="step",
                                              epochs=td.choice("epochs", [2, 3]),
@@ -53,5 +54,8 @@ def build(db) -> None:
     td.Experiment(TinyNet(), asha, td.strategy.ASHA(max_steps=3, reduction_factor=3, batch_size=6), max_trials=6,
                   store=db, name="asha", seed=3, verbose=False).run()
     oneshot = td.evaluators.Classification(train, val, epochs=3, batch_size=128, optimizer="adam", lr=0.01)
-    td.Experiment(TwoOps(), oneshot, td.oneshot.RandomOneShot(samples=4, population=4), store=db, name="oneshot",
+    td.Experiment(TwoOps(), oneshot, td.oneshot.RandomOneShot(samples=4, population=4, retrain=1), store=db,
+                  name="oneshot", verbose=False).run()
+    logscale = td.evaluators.Classification(train, val, epochs=2, batch_size=256, lr=td.loguniform("lr", 1e-3, 1.0))
+    td.Experiment(TinyNet(), logscale, td.strategy.Random(), max_trials=40, store=db, name="logscale", seed=2,
                   verbose=False).run()

@@ -65,7 +65,8 @@ def test_retrain_trains_the_best_architecture_from_scratch(tmp_path, evaluator):
     # ranked by accuracy, ties broken by the lower validation loss
     subnets = sorted((t for t in trials if _role(t) == "subnet"), key=lambda t: (-t.metric, t.metrics["val_loss"][-1], t.id))
     retrained = [t for t in trials if _role(t) == "retrain"]
-    assert [r.info["oneshot"]["of"] for r in retrained] == [subnets[0].id, subnets[1].id]  # the two best
+    assert [r.info["oneshot"]["of"] for r in retrained] == [subnets[0].number, subnets[1].number]  # the two best
+    assert {s.info["oneshot"]["supernet"] for s in subnets} == {0}  # the supernet is trial #0 (store id 1)
     assert [r.sample for r in retrained] == [subnets[0].sample, subnets[1].sample]
     r = retrained[0]
     assert r.status is TrialStatus.COMPLETED and len(r.metrics["val_acc"]) == evaluator.epochs
@@ -233,3 +234,29 @@ def test_experiment_options_a_one_shot_search_does_not_apply_are_named(tmp_path,
                   trial_timeout=60).run()
     ignored = [r.getMessage() for r in caplog.records if "is not applied to a one-shot search" in r.getMessage()]
     assert [m.split("=")[0] for m in ignored] == ["one-shot: max_duration", "one-shot: executor", "one-shot: trial_timeout"]
+
+
+def test_retrained_models_rank_first_and_say_so(tmp_path, evaluator, capsys, monkeypatch):
+    """With ``retrain``, the models trained from scratch come before every subnet scored with the
+    supernet's weights (a proxy) in ``top``, ``tridens top`` and ``export --top``; each names its role,
+    and an export of a supernet-scored subnet records that its weights are inherited."""
+    from tridens.cli import main
+
+    db = tmp_path / "t.db"
+    exp = td.Experiment(DigitsCNN(), evaluator, td.oneshot.RandomOneShot(samples=4, search="random", retrain=1),
+                        store=db, name="roles", verbose=False).run()
+    top = exp.top(5)
+    assert [t.role for t in top] == ["retrained"] + ["supernet-scored"] * 4
+    assert exp.best().role == "retrained"
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["top", "roles", "-k", "3", "--db", str(db)]) == 0
+    table = capsys.readouterr().out
+    assert "role" in table and "retrained" in table and "supernet-scored" in table
+    assert table.index("retrained") < table.index("supernet-scored")
+    assert main(["top", "roles", "-k", "2", "--json", "--db", str(db)]) == 0
+    assert [t["role"] for t in json.loads(capsys.readouterr().out)] == ["retrained", "supernet-scored"]
+    assert main(["export", "roles", "--top", "2", "--to", str(tmp_path / "out"), "--db", str(db)]) == 0
+    first, second = sorted((tmp_path / "out").iterdir())
+    manifests = [json.loads((p / "tridens.json").read_text()) for p in (first, second)]
+    assert [(m["role"], m["inherited_weights"]) for m in manifests] == [("retrained", False), ("supernet-scored", True)]
+    assert "inherited from the one-shot supernet" in manifests[1]["note"]

@@ -12,6 +12,6 @@ without a reload. It never writes to the store.
 """
 
 from ._app import Server, create_app, serve
-from ._reader import StoreReader
+from ._reader import StoreReader, log_scale_labels
 
-__all__ = ["create_app", "serve", "Server", "StoreReader"]
+__all__ = ["create_app", "serve", "Server", "StoreReader", "log_scale_labels"]

@@ -63,7 +63,7 @@ def create_app(db: str | os.PathLike[str]) -> Any:
             raise ValueError(f"the query parameter {key!r} must be an integer, got {value!r}") from None
 
     def experiments(request: Request) -> Any:
-        return {"store": str(reader.path), "experiments": reader.experiments()}
+        return {"store": str(reader.path), "exists": reader.exists(), "experiments": reader.experiments()}
 
     def experiment(request: Request, name: str) -> Any:
         return reader.experiment(name)
@@ -92,7 +92,7 @@ def create_app(db: str | os.PathLike[str]) -> Any:
         return reader.curves(numbers, request.query_params.get("metric") or None)
 
     def hparams(request: Request, name: str) -> Any:
-        return {"labels": reader.labels(name), **reader.finished_points(name)}
+        return {"labels": reader.labels(name), "log_labels": reader.log_labels(name), **reader.finished_points(name)}
 
     def importance_view(request: Request, name: str) -> Any:
         return importance(name, request.query_params.get("evaluator", "ped-anova"))
@@ -120,7 +120,7 @@ def create_app(db: str | os.PathLike[str]) -> Any:
                 plotly_js.append(_plotly_js())
             return Response(plotly_js[0], media_type="text/javascript",
                             headers={"Cache-Control": "max-age=86400"})
-        kinds = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+        kinds = {"dashboard.js": "text/javascript", "dashboard.css": "text/css", "favicon.svg": "image/svg+xml"}
         if file not in kinds:
             return Response("not found", status_code=404)
         return Response((STATIC / file).read_bytes(), media_type=kinds[file])
@@ -129,6 +129,7 @@ def create_app(db: str | os.PathLike[str]) -> Any:
     routes = [
         Route("/", page), Route("/experiments/{name}", page), Route("/experiments/{name}/trials/{number}", page),
         Route("/static/{file}", static),
+        Route("/favicon.ico", lambda request: Response((STATIC / "favicon.svg").read_bytes(), media_type="image/svg+xml")),
         Route("/api/experiments", api(experiments)),
         Route(prefix, api(experiment)),
         Route(prefix + "/trials", api(trials)),

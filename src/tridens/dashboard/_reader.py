@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..store import CURRENT_VERSION, StoreError
+from ..trial import Trial
 
-__all__ = ["StoreReader", "SORT_KEYS", "MAX_PAGE", "MAX_CURVES"]
+__all__ = ["StoreReader", "SORT_KEYS", "MAX_PAGE", "MAX_CURVES", "log_scale_labels"]
 
 MAX_PAGE = 500  # rows in one page of the trial table
 MAX_CURVES = 50  # trials in one learning-curve request
@@ -87,6 +88,18 @@ def _speedups(units: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
+def log_scale_labels(described: Any) -> list[str]:
+    """The labels of a described search space (``SearchSpace.describe()``, as the store keeps it)
+    that are drawn on a log scale: ``td.loguniform`` ones.
+
+    >>> log_scale_labels({"lr": {"type": "loguniform", "low": 1e-4, "high": 0.1}, "width": {"type": "categorical"}})
+    ['lr']
+    """
+    if not isinstance(described, Mapping):
+        return []
+    return [label for label, d in described.items() if isinstance(d, Mapping) and d.get("type") == "loguniform"]
+
+
 def _finite(value: Any) -> Any:
     """JSON has no NaN or infinity: such a float becomes None."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -97,27 +110,44 @@ def _finite(value: Any) -> Any:
 class StoreReader:
     """Queries over the store at ``path``, opened read-only (``mode=ro``); one connection per thread.
 
-    Raises :class:`~tridens.errors.StoreError` naming the file when it is missing, not a tridens
-    store, or written by a newer tridens.
+    A store that does not exist yet is waited for (:meth:`exists`; the experiment list is empty
+    until an experiment creates it). Raises :class:`~tridens.errors.StoreError` naming the file when
+    it is not a tridens store, or written by a newer tridens.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path).absolute()
-        if not self.path.is_file():
-            raise StoreError(f"no store at {self.path} (run an experiment first, or pass --db PATH)")
-        self._uri = self.path.resolve().as_uri() + "?mode=ro"
+        self._uri: str | None = None
         self._local = threading.local()
-        version = self._version()
-        if version > CURRENT_VERSION:
-            raise StoreError(f"{self.path} was written by a newer tridens (store schema version {version}); this "
-                             f"tridens reads schema versions up to {CURRENT_VERSION}. Upgrade tridens to read it.")
+        self._opening = threading.Lock()
+        if self.path.exists():
+            self._open()
+
+    def exists(self) -> bool:
+        """Whether the store file exists (an experiment created it)."""
+        return self.path.is_file()
+
+    def _open(self) -> str:
+        """The store's read-only URI, once its file exists and is checked to be a tridens store."""
+        with self._opening:
+            if self._uri is None:
+                if not self.path.is_file():
+                    raise StoreError(f"no store at {self.path} yet (run an experiment that writes it, or pass --db PATH)")
+                uri = self.path.resolve().as_uri() + "?mode=ro"
+                version = self._version(sqlite3.connect(uri, uri=True, timeout=5.0, isolation_level=None))
+                if version > CURRENT_VERSION:
+                    raise StoreError(f"{self.path} was written by a newer tridens (store schema version {version}); "
+                                     f"this tridens reads schema versions up to {CURRENT_VERSION}. Upgrade tridens "
+                                     "to read it.")
+                self._uri = uri
+            return self._uri
 
     # -- connections -------------------------------------------------------------------------------
 
     def _conn(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = sqlite3.connect(self._uri, uri=True, timeout=5.0, isolation_level=None, check_same_thread=False)
+            conn = sqlite3.connect(self._open(), uri=True, timeout=5.0, isolation_level=None, check_same_thread=False)
             self._local.conn = conn
         return conn
 
@@ -127,11 +157,16 @@ class StoreReader:
         except sqlite3.Error as err:
             raise StoreError(f"cannot read the store {self.path}: {err}") from err
 
-    def _version(self) -> int:
-        tables = {r[0] for r in self._rows("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        if "schema_version" not in tables:
-            raise StoreError(f"{self.path} is not a tridens store (no schema_version table)")
-        return int(self._rows("SELECT version FROM schema_version")[0][0])
+    def _version(self, conn: sqlite3.Connection) -> int:
+        try:
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if "schema_version" not in tables:
+                raise StoreError(f"{self.path} is not a tridens store (no schema_version table)")
+            return int(conn.execute("SELECT version FROM schema_version").fetchone()[0])
+        except sqlite3.Error as err:
+            raise StoreError(f"cannot read the store {self.path}: {err}") from err
+        finally:
+            conn.close()
 
     # -- experiments --------------------------------------------------------------------------------
 
@@ -151,7 +186,10 @@ class StoreReader:
         return {"metric": objective.get("metric", "val_acc"), "mode": objective.get("mode", "max")}
 
     def experiments(self) -> list[dict[str, Any]]:
-        """Every experiment with its trial counts by status, progress and best value."""
+        """Every experiment with its trial counts by status, progress and best value (none while
+        the store does not exist yet)."""
+        if self._uri is None and not self.exists():
+            return []
         rows = self._rows("SELECT id, name, status, config, created_at, updated_at FROM experiments ORDER BY id")
         counts: dict[int, dict[str, int]] = {}
         for eid, status, n in self._rows("SELECT experiment_id, status, COUNT(*) FROM trials "
@@ -175,7 +213,8 @@ class StoreReader:
             "name": name, "status": status, "created_at": created, "updated_at": updated,
             "objective": objective, "second_objective": config.get("second_objective"),
             "trials": sum(counts.values()), "by_status": counts, "finished": finished, "max_trials": max_trials,
-            "progress": None if not max_trials else min(1.0, finished / max_trials),
+            # a run without a trial limit (a one-shot search, a strategy that ends itself) is done when it says so
+            "progress": (min(1.0, finished / max_trials) if max_trials else 1.0 if status == "done" else None),
             "best": _finite(best.get((eid, objective["mode"]))),
             "strategy": (config.get("strategy") or {}).get("repr"),
             "evaluator": (config.get("evaluator") or {}).get("repr"),
@@ -235,6 +274,12 @@ class StoreReader:
                                            "WHERE t.experiment_id = ? ORDER BY j.key", (eid,))]
         return ordered + [k for k in others if k not in ordered]
 
+    def log_labels(self, name: str) -> list[str]:
+        """The labels the space declared on a log scale (``td.loguniform``), as the experiment
+        recorded its search space: plots draw them on log axes."""
+        config = json.loads(self._experiment_row(name)[3])
+        return log_scale_labels(config.get("search_space"))
+
     # -- trials -------------------------------------------------------------------------------------
 
     def trials_page(self, name: str, *, offset: int = 0, limit: int = 50, sort: str = "number",
@@ -291,6 +336,7 @@ class StoreReader:
             "started_at": started, "finished_at": finished,
             "duration": None if started is None or finished is None else finished - started,
             "epochs": epochs or 0, "error": error, "info": info,
+            "role": Trial(id=tid, sample={}, seed=0, info=info).role,
         }
 
     def trial(self, name: str, number: int) -> dict[str, Any]:
@@ -367,6 +413,31 @@ class StoreReader:
             series["steps"].append(step)
             series["values"].append(value)
         return out
+
+    def values_at_common_step(self, name: str) -> dict[str, Any]:
+        """The objective's value of every finished (completed or stopped) trial at one step all of
+        them reached: the last step of the trial that stopped first. With early stopping (ASHA,
+        Hyperband, median stopping) that compares every trial at the same budget, stopped ones
+        included. ``{"ids", "samples", "values", "step"}`` (``step`` None without finished trials)."""
+        eid, _, _, config_text, _, _ = self._experiment_row(name)
+        metric = self.objective(json.loads(config_text))["metric"]
+        rows = self._rows("SELECT id, sample FROM trials WHERE experiment_id = ? AND status IN "
+                          "('completed', 'stopped') ORDER BY id", (eid,))
+        curves: dict[int, dict[int, float]] = {tid: {} for tid, _ in rows}
+        for tid, step, value in self._rows(
+                "SELECT m.trial_id, m.step, m.value FROM metrics m JOIN trials t ON t.id = m.trial_id WHERE "
+                "t.experiment_id = ? AND t.status IN ('completed', 'stopped') AND m.name = ?", (eid, metric)):
+            curves[tid][step] = value
+        reached = [max(c) for c in curves.values() if c]
+        step = min(reached) if reached else None
+        ids, samples, values = [], [], []
+        for tid, sample in rows:
+            value = curves[tid].get(step) if step is not None else None
+            if value is not None and math.isfinite(value):
+                ids.append(tid)
+                samples.append(json.loads(sample))
+                values.append(value)
+        return {"ids": ids, "samples": samples, "values": values, "step": step}
 
     def finished_points(self, name: str, extra: str | None = None) -> dict[str, Any]:
         """Samples and objective values of finished (completed or stopped) trials, as columns, for

@@ -39,20 +39,42 @@ def _study(reader: StoreReader, name: str, second: tuple[str, str] | None) -> tu
     return study, points
 
 
+def _study_at_common_step(reader: StoreReader, name: str) -> tuple[Any, int | None]:
+    """An in-memory Optuna study of every finished trial, each COMPLETE with its objective's value
+    at the step all of them reached, and that step."""
+    import optuna
+
+    from ..loggers import optuna_trials
+
+    objective = reader.experiment(name)["objective"]
+    points = reader.values_at_common_step(name)
+    trials = [Trial(id=tid, sample=sample, seed=0, status=TrialStatus.COMPLETED, metric=value)
+              for tid, sample, value in zip(points["ids"], points["samples"], points["values"])]
+    frozen, directions = optuna_trials(trials, (objective["metric"], objective["mode"]))
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(directions=directions)
+    study.add_trials(frozen)
+    return study, points["step"]
+
+
 class Importance:
-    """Hyperparameter importance with :mod:`optuna.importance` (PED-ANOVA or fANOVA), computed on
-    the completed trials and kept until the number of finished trials changes."""
+    """Hyperparameter importance with :mod:`optuna.importance` (PED-ANOVA or fANOVA), kept until the
+    number of finished trials changes. Computed on the completed trials' final values; where an
+    early-stopping strategy stopped trials, on every finished trial's value at one step all of them
+    reached (:meth:`StoreReader.values_at_common_step`), so the stopped ones count too. ``basis``
+    says which."""
 
     def __init__(self, reader: StoreReader) -> None:
         self.reader = reader
-        self._cache: dict[tuple[str, str], tuple[int, dict[str, Any]]] = {}
+        self._cache: dict[tuple[str, str], tuple[tuple[int, int], dict[str, Any]]] = {}
         self._lock = threading.Lock()
 
     def __call__(self, name: str, evaluator: str = "ped-anova") -> dict[str, Any]:
         """``{"evaluator", "trials", "importances": {label: value}}`` or ``{"message": why not}``."""
         if evaluator not in IMPORTANCE_EVALUATORS:
             raise ValueError(f"unknown importance evaluator {evaluator!r}; known: {', '.join(IMPORTANCE_EVALUATORS)}")
-        finished = self.reader.experiment(name)["by_status"].get("completed", 0)
+        counts = self.reader.experiment(name)["by_status"]
+        finished = (counts.get("completed", 0), counts.get("stopped", 0))
         key = (name, evaluator)
         with self._lock:
             cached = self._cache.get(key)
@@ -66,14 +88,21 @@ class Importance:
         import optuna
         from optuna.importance import FanovaImportanceEvaluator, PedAnovaImportanceEvaluator
 
-        study, _ = _study(self.reader, name, None)
+        stopped = self.reader.experiment(name)["by_status"].get("stopped", 0)
+        if stopped:
+            study, step = _study_at_common_step(self.reader, name)
+            basis = (f"completed and stopped trials compared at step {step}, the last step every one of them "
+                     f"reached (early stopping ended {stopped} trial(s) there or later)")
+        else:
+            study, _ = _study(self.reader, name, None)
+            basis = "completed trials, final values"
         complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
         varied = {p for p in study.trials[0].distributions} if study.trials else set()
         varied = {p for p in varied if len({repr(t.params.get(p)) for t in complete}) > 1}
         if len(complete) < 4 or not varied:
-            return {"evaluator": evaluator, "trials": len(complete), "importances": {},
-                    "message": f"importance needs at least 4 completed trials with a varied label "
-                               f"({len(complete)} completed)"}
+            return {"evaluator": evaluator, "trials": len(complete), "importances": {}, "basis": basis,
+                    "message": f"importance needs at least 4 finished trials with a varied label "
+                               f"({len(complete)} on this basis: {basis})"}
         chosen = (PedAnovaImportanceEvaluator() if evaluator == "ped-anova"
                   else FanovaImportanceEvaluator(seed=0))
         try:
@@ -81,9 +110,9 @@ class Importance:
                 warnings.simplefilter("ignore")
                 values = optuna.importance.get_param_importances(study, evaluator=chosen, params=sorted(varied))
         except (ValueError, RuntimeError) as err:
-            return {"evaluator": evaluator, "trials": len(complete), "importances": {},
+            return {"evaluator": evaluator, "trials": len(complete), "importances": {}, "basis": basis,
                     "message": f"optuna.importance could not rank these labels: {err}"}
-        return {"evaluator": evaluator, "trials": len(complete),
+        return {"evaluator": evaluator, "trials": len(complete), "basis": basis,
                 "importances": {k: float(v) for k, v in values.items()}}
 
 

@@ -71,7 +71,11 @@ def export_trials(db: Store, config: dict[str, Any], trials: Sequence[Trial], di
             "format": 1, "experiment": trial.experiment, "trial": trial.label, "sample": trial.sample,
             "seed": trial.seed, "fingerprint": trial.fingerprint, "metric": trial.metric, "metrics": trial.metrics,
             "objective": config.get("objective"), "space": config.get("space"), "program": None,
+            "role": trial.role, "inherited_weights": trial.role == "supernet-scored",
         }
+        if trial.role == "supernet-scored":
+            manifest["note"] = ("weights inherited from the one-shot supernet, not trained on their own: metric is "
+                                "the supernet's proxy score; retrain the architecture (td.retrain) before use")
         if config.get("space") is not None:
             try:
                 space = build_space(config["space"], trust_code=trust_code, allow_modules=allow_modules)

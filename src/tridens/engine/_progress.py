@@ -16,7 +16,7 @@ __all__ = ["Progress", "format_value", "print_stopped", "trials_table", "warm_st
 
 def trials_table(trials: list[Trial], objective: Objective, title: str = "", *, full_samples: bool = False,
                  compact: bool = False) -> Any:
-    """A rich Table of trials: id, status, objective, fingerprint, sample.
+    """A rich Table of trials: id, status, (a one-shot run's role,) objective, fingerprint, sample.
 
     A long sample is shortened with "..." unless ``full_samples`` (output that is not a terminal,
     read by scripts, shows it whole); ``compact`` leaves out the epochs and fingerprint columns so
@@ -25,11 +25,12 @@ def trials_table(trials: list[Trial], objective: Objective, title: str = "", *, 
 
     table = Table(title=markup_text(title) if title else None, show_lines=False)
     warm = any("warm_start" in t.info for t in trials)  # the column only for warm-started experiments
+    roles = any(t.role for t in trials)  # one-shot: supernet-scored or retrained
     dropped = ("epochs", "fingerprint") if compact else ()
     # the precision column only where some trial trains in a mixed precision
     mixed = any(t.info.get("precision", "32-true") != "32-true" for t in trials)
-    columns = ("trial", "status", objective.metric, "epochs", "params", "fingerprint") + (("warm start",) if warm else ()) + \
-        (("precision",) if mixed else ()) + ("sample",)
+    columns = (("trial", "status") + (("role",) if roles else ()) + (objective.metric, "epochs", "params", "fingerprint")
+               + (("warm start",) if warm else ()) + (("precision",) if mixed else ()) + ("sample",))
     for col in columns:
         if col not in dropped:
             table.add_column(markup_text(col), overflow="fold")
@@ -44,6 +45,8 @@ def trials_table(trials: list[Trial], objective: Objective, title: str = "", *, 
             row.append(str(t.info.get("precision", "-")))
         if compact:
             del row[5], row[3]  # fingerprint, epochs
+        if roles:
+            row.insert(2, t.role or "-")
         table.add_row(*map(markup_text, [*row, _short_sample(t.sample, None if full_samples else 90)]))
     return table
 

@@ -145,7 +145,9 @@ def best_first(trials: Sequence[Trial], objective: Objective,
                second_objective: Objective | tuple[str, str] | None = None) -> list[Trial]:
     """The finished trials (completed or early-stopped, with a value) best first by ``objective``,
     ties by id. With ``second_objective`` the Pareto front of the two comes first, ordered by the
-    objective, then the others. What ``Experiment.top`` and ``tridens top`` show.
+    objective, then the others. What ``Experiment.top`` and ``tridens top`` show. Subnets a one-shot
+    run scored with the supernet's weights (``role == "supernet-scored"``) come after every trained
+    model: their value is a proxy, not comparable with a model trained from scratch.
 
     >>> a = Trial(0, {}, 0, TrialStatus.COMPLETED, metric=0.8)
     >>> b = Trial(1, {}, 0, TrialStatus.STOPPED, metric=0.9)
@@ -155,8 +157,13 @@ def best_first(trials: Sequence[Trial], objective: Objective,
     scored = [t for t in trials if t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED)
               and t.metric is not None and not math.isnan(t.metric)]
     scored.sort(key=lambda t: (-objective.score(t.metric), t.id))  # type: ignore[arg-type]
+    trained = [t for t in scored if t.role != "supernet-scored"]
+    proxies = [t for t in scored if t.role == "supernet-scored"]
     if second_objective is None:
-        return scored
-    front = pareto_front(scored, [objective, second_objective])
-    front_ids = {t.id for t in front}
-    return front + [t for t in scored if t.id not in front_ids]
+        return trained + proxies
+    out: list[Trial] = []
+    for tier in (trained, proxies):
+        front = pareto_front(tier, [objective, second_objective])
+        front_ids = {t.id for t in front}
+        out += front + [t for t in tier if t.id not in front_ids]
+    return out

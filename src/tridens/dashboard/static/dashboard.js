@@ -34,6 +34,25 @@ function fmtSeconds(s) { return s === null || s === undefined ? "-" : s < 120 ? 
 function sampleText(sample) { return Object.entries(sample).map(([k, v]) => `${k}=${JSON.stringify(v)}`).join(", "); }
 function statusCell(s) { return el("td", {class: "status-" + s, text: s}); }
 function lastLine(text) { const lines = (text || "").trim().split("\n"); return lines[lines.length - 1]; }
+// finished trials against the trial limit; a run without one (one-shot, a strategy that ends itself) shows the count
+function progressText(e) { return e.max_trials === null ? `${e.finished}` : `${e.finished}/${e.max_trials}`; }
+// a warm start as a sentence: the zoo model it started from and the match score
+function warmText(w, name) {
+  if (!w) return "-";
+  if (w.parent === null || w.parent === undefined) return "cold (no zoo model matched)";
+  const from = w.parent_number === null || w.parent_number === undefined ? `zoo entry ${w.parent}`
+    : (w.parent_experiment && w.parent_experiment !== name ? `${w.parent_experiment} ` : "") + "#" + w.parent_number;
+  return `from ${from}` + (typeof w.score === "number" ? ` (match score ${w.score.toFixed(2)})` : "");
+}
+// a one-shot trial's role: the supernet, a subnet scored with its weights, or an architecture retrained from scratch
+const ROLES = {supernet: "supernet", subnet: "supernet-scored", retrain: "retrained"};
+function oneshotText(o) {
+  if (!o) return "-";
+  const role = ROLES[o.role] || o.role || "-";
+  if (o.role === "subnet") return `${role} (weights inherited from the supernet${o.supernet !== undefined ? " #" + o.supernet : ""})`;
+  if (o.role === "retrain") return `${role} from scratch${o.of !== undefined ? " (the architecture of #" + o.of + ")" : ""}`;
+  return role;
+}
 
 function section(id, title, ...children) {
   return el("section", {id}, el("h2", {text: title}), ...children);
@@ -66,6 +85,11 @@ function experimentsPage() {
   main.append(section("experiments", "Experiments", table), section("best", "Best so far over time", plot));
   poll(async () => {
     const data = await api("/api/experiments");
+    if (!data.exists) {
+      table.replaceChildren(el("tr", {}, el("td", {id: "waiting", class: "muted",
+        text: `no store at ${data.store} yet: its experiments appear here once a run creates it`})));
+      return;
+    }
     const head = el("tr", {}, ...["experiment", "status", "progress", "trials", "by status", "best", "objective", "strategy"]
       .map(h => el("th", {text: h})));
     const rows = data.experiments.map(e => {
@@ -74,7 +98,7 @@ function experimentsPage() {
         el("td", {}, el("a", {href: "/experiments/" + enc(e.name), text: e.name})),
         statusCell(e.status),
         el("td", {}, el("span", {class: "bar"}, el("span", {style: `width:${pct || 0}%`})),
-          ` ${e.finished}/${e.max_trials === null ? "?" : e.max_trials}`),
+          " " + progressText(e)),
         el("td", {class: "num", text: e.trials}),
         el("td", {text: Object.entries(e.by_status).map(([k, v]) => `${k} ${v}`).join(", ")}),
         el("td", {class: "num", text: fmt(e.best)}),
@@ -157,7 +181,7 @@ function experimentPage(name) {
     summary.replaceChildren(
       el("div", {}, el("b", {text: name}), " ", el("span", {class: "status-" + info.status, text: info.status}),
         " · ", el("span", {class: "bar"}, el("span", {style: `width:${pct}%`})),
-        ` ${info.finished}/${info.max_trials === null ? "?" : info.max_trials} finished · best ${info.objective.metric} `,
+        ` ${progressText(info)} finished · best ${info.objective.metric} `,
         el("b", {id: "best-value", text: fmt(info.best)}), ` (${info.objective.mode})`),
       el("div", {class: "muted", text: `strategy ${info.strategy || "-"} · evaluator ${info.evaluator || "-"}`}),
       el("div", {class: "muted", text: "by status: " + Object.entries(info.by_status).map(([k, v]) => `${k} ${v}`).join(", ")}));
@@ -187,7 +211,9 @@ function experimentPage(name) {
     const page = await api(`/api/experiments/${enc(name)}/trials?${params}`);
     lastRows = page.rows;
     filterText.textContent = Object.entries(state.filters).map(([k, v]) => `${k} = ${v}`).join(", ");
-    const columns = [["", null], ["trial", "number"], ["status", "status"], [info ? info.objective.metric : "metric", "metric"],
+    const roles = page.rows.some(t => t.role);  // a one-shot run: supernet-scored or retrained
+    const columns = [["", null], ["trial", "number"], ["status", "status"], ...(roles ? [["role", null]] : []),
+      [info ? info.objective.metric : "metric", "metric"],
       ["epochs", "epochs"], ["params", "params"], ["FLOPs", "flops"], ["seed", "seed"], ["duration", "duration"],
       ["group", "group"], ["sample", null], ["error", null]];
     const head = el("tr", {}, ...columns.map(([title, key]) => {
@@ -205,7 +231,8 @@ function experimentPage(name) {
       return el("tr", {"data-trial-id": t.id, "data-number": t.number},
         el("td", {}, box),
         el("td", {}, el("a", {href: `/experiments/${enc(name)}/trials/${t.number}`, text: "#" + t.number})),
-        statusCell(t.status), el("td", {class: "num", text: fmt(t.metric)}), el("td", {class: "num", text: t.epochs}),
+        statusCell(t.status), roles ? el("td", {class: "role", text: t.role || "-"}) : null,
+        el("td", {class: "num", text: fmt(t.metric)}), el("td", {class: "num", text: t.epochs}),
         el("td", {class: "num", text: fmt(t.params)}), el("td", {class: "num", text: fmt(t.flops)}),
         el("td", {class: "num", text: t.seed}), el("td", {class: "num", text: fmtSeconds(t.duration)}),
         el("td", {class: "num", text: fmt(t.group)}), el("td", {class: "sample", text: sampleText(t.sample)}),
@@ -246,8 +273,9 @@ function experimentPage(name) {
       return {x: s.steps, y: s.values, mode: "lines+markers", name: `${label} (${c.status}${promoted})`,
               line: {dash}, marker: {symbol: symbols, size: symbols.map(m => m === "circle" ? 5 : 11)}};
     });
-    Plotly.react(curves, traces, {...layoutBase, margin: {...layoutBase.margin, b: 70}, showlegend: true,
-      xaxis: {title: {text: "step (epoch)"}}, yaxis: {title: {text: state.metric}}}, config);
+    // a vertical legend beside the plot scrolls when it holds more curves than fit (40 ticked trials)
+    Plotly.react(curves, traces, {...layoutBase, showlegend: true, legend: {orientation: "v", x: 1.02, y: 1, font: {size: 10}},
+      margin: {...layoutBase.margin, r: 180}, xaxis: {title: {text: "step (epoch)"}}, yaxis: {title: {text: state.metric}}}, config);
   }
 
   // Hyperparameter views, importance, Pareto front and plan: when trials finished, at most every 10 s.
@@ -257,8 +285,17 @@ function experimentPage(name) {
     state.slowAt = Date.now();
     const h = await api(`/api/experiments/${enc(name)}/hparams`);
     const metric = info.objective.metric;
+    const logs = new Set(h.log_labels || []);
     const dims = h.labels.map(label => {
       const vals = h.samples.map(s => s[label]);
+      if (logs.has(label) && vals.every(v => (typeof v === "number" && v > 0) || v === undefined)) {
+        // parallel coordinates have no log axis: the axis is log10 of the value, ticked at powers of ten
+        const present = vals.filter(v => v !== undefined);
+        const lo = Math.floor(Math.log10(Math.min(...present))), hi = Math.ceil(Math.log10(Math.max(...present)));
+        const ticks = [...Array(hi - lo + 1).keys()].map(i => lo + i);
+        return {label: label + " (log)", values: vals.map(v => v === undefined ? NaN : Math.log10(v)),
+                tickvals: ticks, ticktext: ticks.map(t => String(Number((10 ** t).toPrecision(1))))};
+      }
       if (vals.every(v => typeof v === "number" || v === undefined)) return {label, values: vals.map(v => v === undefined ? NaN : v)};
       const cats = [...new Set(vals.map(v => JSON.stringify(v)))];
       return {label, values: vals.map(v => cats.indexOf(JSON.stringify(v))), tickvals: cats.map((_, i) => i), ticktext: cats};
@@ -273,10 +310,11 @@ function experimentPage(name) {
       const xs = h.samples.map(s => typeof s[label] === "number" || s[label] === undefined ? s[label] : JSON.stringify(s[label]));
       Plotly.react(div, [{x: xs, y: h.values, mode: "markers", type: h.values.length > 2000 ? "scattergl" : "scatter",
         text: h.numbers.map(n => "#" + n), marker: {size: 5, opacity: 0.7}}],
-        {...layoutBase, height: 240, xaxis: {title: {text: label}}, yaxis: {title: {text: metric}}}, config);
+        {...layoutBase, height: 240, xaxis: {title: {text: label}, type: logs.has(label) ? "log" : "-"},
+         yaxis: {title: {text: metric}}}, config);
     }
     const imp = await api(`/api/experiments/${enc(name)}/importance?evaluator=${state.evaluator}`);
-    importanceNote.textContent = imp.message || `${imp.trials} completed trials, ${state.evaluator}`;
+    importanceNote.textContent = imp.message || `${imp.trials} trials (${imp.basis || "completed trials"}), ${state.evaluator}`;
     const entries = Object.entries(imp.importances).reverse();
     Plotly.react(importance, entries.length ? [{type: "bar", orientation: "h", x: entries.map(e => e[1]), y: entries.map(e => e[0])}] : [],
       {...layoutBase, margin: {...layoutBase.margin, l: 140}, height: 60 + 30 * Math.max(entries.length, 1),
@@ -317,10 +355,10 @@ function experimentPage(name) {
     const link = (n) => n === null || n === undefined ? "-" : el("a", {href: `/experiments/${enc(name)}/trials/${n}`, text: "#" + n});
     const rel = el("table", {id: "plan-relations"}, el("tr", {}, ...["trial", "parent", "warm start", "forked from (PBT)", "duplicate of", "one-shot"].map(h => el("th", {text: h}))),
       ...p.relations.map(r => el("tr", {}, el("td", {}, link(r.trial)), el("td", {}, link(r.parent)),
-        el("td", {class: "sample", text: r.warm_start ? JSON.stringify(r.warm_start) : "-"}),
+        el("td", {class: "sample", text: warmText(r.warm_start, name)}),
         el("td", {}, ...(r.exploits.length ? r.exploits.flatMap(e => [link(e.from), ` at epoch ${e.epoch} `]) : ["-"])),
         el("td", {}, link(r.duplicate_of)),
-        el("td", {class: "sample", text: r.oneshot ? JSON.stringify(r.oneshot) : "-"}))));
+        el("td", {class: "sample", text: oneshotText(r.oneshot)}))));
     const saved = p.saved_seconds === null ? "not measured" : p.saved_seconds.toFixed(2);
     plan.replaceChildren(el("div", {class: "muted", text: note}),
       el("div", {id: "plan-totals", text: `training seconds in all: ${secs(p.train_seconds)} · saved by the plan (estimate): ${saved}`}),
@@ -338,11 +376,14 @@ function experimentPage(name) {
     const traces = [];
     for (const s of o.supernets) for (const [m, c] of Object.entries(s.metrics))
       traces.push({x: c.steps, y: c.values, name: `supernet #${s.number}: ${m}`, mode: "lines+markers"});
-    const subs = el("table", {id: "subnets"}, el("tr", {}, ...["trial", "status", info ? info.objective.metric : "metric", "sample", "one-shot"].map(h => el("th", {text: h}))),
-      ...o.subnets.map(s => el("tr", {}, el("td", {}, link(s.number)), statusCell(s.status), el("td", {class: "num", text: fmt(s.metric)}),
-        el("td", {class: "sample", text: sampleText(s.sample)}), el("td", {class: "sample", text: JSON.stringify(s.oneshot)}))));
+    const subs = el("table", {id: "subnets"}, el("tr", {}, ...["trial", "status", "role", info ? info.objective.metric : "metric", "sample"].map(h => el("th", {text: h}))),
+      ...o.subnets.map(s => el("tr", {"data-role": ROLES[s.oneshot.role] || s.oneshot.role}, el("td", {}, link(s.number)), statusCell(s.status),
+        el("td", {class: "role", text: oneshotText(s.oneshot)}), el("td", {class: "num", text: fmt(s.metric)}),
+        el("td", {class: "sample", text: sampleText(s.sample)}))));
+    const retrained = o.subnets.filter(s => s.oneshot.role === "retrain").length;
     oneshot.replaceChildren(el("h2", {text: "Supernet training"}), plotDiv,
-      el("h2", {text: `Scored subnets (${o.subnets.length}; weights inherited from the supernet)`}), subs);
+      el("h2", {text: `Subnets (${o.subnets.length - retrained} scored with the supernet's weights` +
+        (retrained ? `, ${retrained} retrained from scratch: these rank first` : "") + ")"}), subs);
     Plotly.react(plotDiv, traces, {...layoutBase, margin: {...layoutBase.margin, b: 70}, showlegend: true,
       xaxis: {title: {text: "step (epoch)"}}}, config);
   }
@@ -404,7 +445,8 @@ function trialPage(name, number) {
       ["group", t.group === null ? "-" : `${t.group} (with ${t.group_members.filter(n => n !== t.number).map(n => "#" + n).join(", ") || "no other trial"})`],
       ["parent (warm start / inherited from)", link(t.parent_number)],
       ["children", t.children.length ? el("span", {}, ...t.children.flatMap(c => [link(c), " "])) : "-"],
-      ["warm start", t.info.warm_start ? JSON.stringify(t.info.warm_start) : "-"],
+      ["warm start", warmText(t.info.warm_start, name)],
+      ...(t.info.oneshot ? [["one-shot role", el("span", {id: "trial-role", text: oneshotText(t.info.oneshot)})]] : []),
       ["exploits (PBT)", t.info.exploits ? el("span", {}, ...t.info.exploits.flatMap(e => [`epoch ${e.epoch}: copied `,
         link(e.from_number), `, then ${JSON.stringify(e.sample)}`, el("br")])) : "-"],
       ["execution unit", t.info.unit ? el("span", {id: "trial-unit"}, `${t.info.unit.kind} unit with `,
