@@ -11,6 +11,7 @@ from torch import nn
 import tridens as td
 from tridens.units import Job
 from tridens.trial import Trial
+from tridens.xopt import BatchingSettings
 from tridens.xopt._batched import BatchedMember, _stacked_loss
 
 PS = [0.0, 0.3, 0.5, 1.0, 0.2]
@@ -20,7 +21,7 @@ def mlp(p: float, dtype: torch.dtype = torch.float32) -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(p), nn.Linear(32, 10)).to(dtype)
 
 
-def member(ps=PS, dtype=torch.float32) -> BatchedMember:
+def member(ps=PS, dtype=torch.float32, exact=True) -> BatchedMember:
     train, val = td.datasets.digits()
     ev = td.evaluators.Classification(train, val, epochs=1, batch_size=64, optimizer="sgd",
                                       lr=td.loguniform("lr", 1e-4, 1.0))
@@ -28,7 +29,7 @@ def member(ps=PS, dtype=torch.float32) -> BatchedMember:
     for i, p in enumerate(ps):
         torch.manual_seed(10 + i)
         jobs.append(Job(Trial(id=i, sample={"lr": 0.01 * (i + 1)}, seed=10 + i), mlp(p, dtype)))
-    return BatchedMember(jobs, ev)
+    return BatchedMember(jobs, ev, settings=BatchingSettings(exact=exact))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -47,8 +48,13 @@ def test_masks_are_f_dropouts_bit_for_bit(dtype):
 
 
 def test_grouped_outputs_are_class_major_and_their_loss_per_model():
-    m = member()
+    """Inexact settings: outputs (K, C, B) (one batched matmul); exact ones: each model's (B, C) as
+    the separate model's Linear lays it out."""
     x, y = torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,))
+    exact = member()
+    exact.begin_epoch()
+    assert exact._train_outputs(x).is_contiguous()
+    m = member(exact=False)
     m.begin_epoch()
     out = m._train_outputs(x)
     assert m.engine == "grouped kernels"

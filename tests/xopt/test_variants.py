@@ -74,7 +74,7 @@ def test_the_structure_key_leaves_the_model_as_it_was():
     assert [[type(m) for m in job.model.modules()] for job in jobs] == before
 
 
-@pytest.mark.parametrize("engine", ["grouped kernels", "vmap"])
+@pytest.mark.parametrize("engine", ["grouped kernels", "per model", "vmap"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_mixed_activations_fused_equal_separate(data, optimizer, engine):
     """float64: fused and separate agree to rounding (~1e-12), with a trial leaving after its
@@ -82,7 +82,7 @@ def test_mixed_activations_fused_equal_separate(data, optimizer, engine):
     builders = [mlp(nn.ReLU), mlp(nn.Tanh), mlp(nn.ReLU), mlp(nn.GELU)]
     ev = evaluator(data, optimizer, epochs=2)
     separate = run(SeparateUnit(make_jobs(SAMPLES, builders), ev), stop={0: 1})
-    unit = BatchedUnit(make_jobs(SAMPLES, builders), ev, settings=BatchingSettings(packed=engine == "grouped kernels"))
+    unit = BatchedUnit(make_jobs(SAMPLES, builders), ev, settings=BatchingSettings(packed=engine == "grouped kernels", exact=engine != "vmap"))
     assert unit.member.ids == [0, 2, 1, 3]  # each activation's rows together
     fused = run(unit, stop={0: 1})
     assert_close_runs(separate, fused, 1e-9, weight_tol=1e-9)
@@ -90,21 +90,21 @@ def test_mixed_activations_fused_equal_separate(data, optimizer, engine):
     assert [len(h) for _, h in sorted(fused[0].items())] == [1, 2, 2, 2]
 
 
-@pytest.mark.parametrize("engine", ["grouped kernels", "vmap"])
+@pytest.mark.parametrize("engine", ["grouped kernels", "per model", "vmap"])
 def test_mixed_activations_on_feature_maps(data, engine):
     builders = [cnn(nn.Tanh), cnn(nn.ReLU), cnn(nn.Tanh), cnn(nn.SiLU)]
     ev = evaluator(data, "sgd", epochs=1)
-    unit = BatchedUnit(make_jobs(SAMPLES, builders), ev, settings=BatchingSettings(packed=engine == "grouped kernels"))
+    unit = BatchedUnit(make_jobs(SAMPLES, builders), ev, settings=BatchingSettings(packed=engine == "grouped kernels", exact=engine != "vmap"))
     assert_close_runs(run(SeparateUnit(make_jobs(SAMPLES, builders), ev)), run(unit), 1e-9, weight_tol=1e-9)
     assert unit.member.engine == engine
 
 
-def test_mixed_activations_on_the_shared_input_run_vmapped(data):
+def test_mixed_activations_on_the_shared_input_run_per_model(data):
     builders = [on_input(nn.Tanh), on_input(nn.Sigmoid)]
     ev = evaluator(data, "sgd", epochs=1)
     unit = BatchedUnit(make_jobs(SAMPLES[:2], builders), ev)
     assert_close_runs(run(SeparateUnit(make_jobs(SAMPLES[:2], builders), ev)), run(unit), 1e-9, weight_tol=1e-9)
-    assert unit.member.engine == "vmap" and "shared input" in unit.member.why_vmap
+    assert unit.member.engine == "per model" and "shared input" in unit.member.why_vmap
 
 
 def test_planner_fuses_activation_variants_in_one_unit(data, caplog):

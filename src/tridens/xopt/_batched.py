@@ -16,7 +16,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.func import functional_call, vmap
 
 from ..units import ExecutionUnit, Job, UnitResult
@@ -108,7 +107,7 @@ class BatchedMember:
                 # channels-last where asked, and under a mixed precision as the separate trainer runs it
                 last = settings.channels_last or cfg.precision != "32-true"
                 self._program = GroupedProgram(copy.deepcopy(first).to("meta"), channels_last=last,
-                                               mixed=self._mixed_sites)
+                                               mixed=self._mixed_sites, exact=settings.exact)
             except _Unsupported as err:
                 self.why_vmap = str(err)
         self._generators = {job.trial.id: self._generator(job.trial.seed) for job in jobs}
@@ -318,23 +317,32 @@ class BatchedMember:
 
     def _dropout_calls(self, x: torch.Tensor) -> list[tuple[int, tuple[int, ...], torch.dtype]]:
         """The dropout calls of a training forward on ``x``: (dropout index, mask shape, dtype) in
-        call order, found once per input shape by a forward of one model that records them."""
+        call order, found once per input shape by a forward of one model that records them. A
+        forward run per model is checked there to draw no other random numbers (those would come
+        from the global stream, not the trial's: vmap refuses them with ``randomness="error"``)."""
         key = tuple(x.shape)
         if key not in self._calls:
             record: list[tuple[int, tuple[int, ...], torch.dtype]] = []
-            if any(type(m) is _MaskDropout for m in self.base.modules()):
+            per_model = self._program is None and self.settings.exact
+            if per_model or any(type(m) is _MaskDropout for m in self.base.modules()):
                 params = {n: p[0].detach() for n, p in self.params.items()}
                 buffers = {n: b[0].clone() for n, b in self.buffers.items()}
+                before = torch.get_rng_state()
                 # (under the precision's autocast: masks have the dtype the training forward gives)
                 with torch.no_grad(), _forward_state(_ForwardState(record=record)), self.cfg.autocast():
                     functional_call(self.base, (params, buffers), (x,))
+                if per_model and not torch.equal(before, torch.get_rng_state()):
+                    raise RuntimeError("the forward draws random numbers besides its dropout modules")
             self._calls[key] = record
         return self._calls[key]
 
     @property
     def engine(self) -> str:
-        """``"grouped kernels"`` (the packed program) or ``"vmap"``."""
-        return "vmap" if self._program is None else "grouped kernels"
+        """``"grouped kernels"`` (the packed program), else ``"per model"`` (exact settings: each
+        model's own forward on its rows) or ``"vmap"``."""
+        if self._program is not None:
+            return "grouped kernels"
+        return "per model" if self.settings.exact else "vmap"
 
     def _check_program(self, x: torch.Tensor) -> None:
         """Use the packed program only if it reproduces the vmapped forward (eval mode) on ``x``'s
@@ -353,7 +361,7 @@ class BatchedMember:
                     self.why_vmap, self._program = self._program.describe_error(err), None
                     return
                 if got.shape != reference.shape or not torch.allclose(got, reference, rtol=1e-4, atol=1e-5):
-                    self.why_vmap, self._program = "the grouped program disagreed with vmap", None
+                    self.why_vmap, self._program = f"the grouped program disagreed with {self.engine}", None
         finally:
             self.base.train(was_training)
 
@@ -441,7 +449,32 @@ class BatchedMember:
         return tuple(masks)
 
     def _outputs(self, x: torch.Tensor, masks: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
-        """The stacked outputs ``(K, ...)``. The input is shared (not batched) so the first layer
+        """The stacked outputs ``(K, ...)`` without the packed program: per model under exact
+        settings, else vmapped (:meth:`_vmapped_forward`)."""
+        if self.settings.exact:
+            return self._per_model_outputs(x, masks)
+        return self._vmapped_forward(x, masks)
+
+    def _per_model_outputs(self, x: torch.Tensor, masks: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+        """Each model's own forward (its variant's skeleton) on views of its rows of the stacked
+        parameters and buffers, its dropout masks its rows of ``masks``: the kernels, layouts and
+        values of separate training, so its outputs and gradients are that model's bit for bit
+        (BatchNorm's running statistics update the stacked buffers through the views)."""
+        outs = []
+        params = {n: p.unbind(0) for n, p in self.params.items()}
+        buffers = {n: b.unbind(0) for n, b in self.buffers.items()}
+        for r, i in enumerate(self.ids):
+            base = self._bases.get(self._variants[i], self.base) if self._mixed_sites else self.base
+            if base.training != self.base.training:
+                base.train(self.base.training)
+            row = tuple(None if m is None else m[r] for m in masks)
+            with _forward_state(_ForwardState(masks=row)):
+                outs.append(functional_call(base, ({n: p[r] for n, p in params.items()},
+                                                   {n: b[r] for n, b in buffers.items()}), (x,)))
+        return torch.stack(outs)
+
+    def _vmapped_forward(self, x: torch.Tensor, masks: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+        """The stacked outputs ``(K, ...)`` by vmap. The input is shared (not batched) so the first layer
         runs as one wide layer; if the models cannot take an unbatched input (BatchNorm on the raw
         input updates batched statistics from it), each gets its own expanded copy. A unit that
         mixes activation variants runs each variant's rows (a slice: views of the stacked
@@ -516,18 +549,12 @@ def _full(out: torch.Tensor) -> torch.Tensor:
 
 
 def _stacked_loss(loss: Callable[..., torch.Tensor], out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Each model's loss on stacked outputs ``(K, B, ...)``: vmapped, except the default
-    classification loss, computed as ONE cross entropy over the K*B rows, averaged per model (the
-    same gradients as per-model ``F.cross_entropy`` here, values within an ulp, in less time than
-    vmap). Outputs of the grouped
-    program are ``(K, C, B)`` tensors seen as ``(K, B, C)``: their cross entropy runs over the
-    class dim of ``(K, C, B)`` as it lies (log-softmax vectorized along B)."""
-    if loss is F.cross_entropy and out.dim() == 3 and y.dim() == 1 and not y.is_floating_point():
-        k, b = out.shape[:2]
-        if out.transpose(1, 2).is_contiguous():
-            return F.cross_entropy(out.transpose(1, 2), y.expand(k, b), reduction="none").mean(1)
-        return F.cross_entropy(out.reshape(k * b, -1), y.repeat(k), reduction="none").view(k, b).mean(1)
-    return vmap(loss, in_dims=(0, None))(out, y)
+    """Each model's loss on stacked outputs ``(K, B, ...)``: ``loss`` on each model's rows, laid
+    out in memory as the separate model's output (contiguous), so every value and gradient is the
+    separate model's bit for bit. (One cross entropy over the K*B rows averaged per model, or
+    over the class dim of the grouped program's ``(K, C, B)`` outputs as they lie, is a little
+    faster but sums in another order: an ulp off.)"""
+    return torch.stack([loss(o, y) for o in out.contiguous().unbind(0)])
 
 
 @functools.lru_cache(maxsize=None)  # a fact of this torch build, not of a run

@@ -562,7 +562,7 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
         measured, where = decisions.speedups.get(key, []), "an earlier unit's first steps"
         stored = stored_key(skey, cfg.optimizer, (cfg.batch_size, cfg.batch_schedule), cfg.loss, cfg.task, x, k,
                             cfg.device, torch.get_num_threads(),
-                            (settings.packed, settings.channels_last, steps.joint, steps.fast_pools)) \
+                            (settings.packed, settings.channels_last, settings.exact, steps.joint, steps.fast_pools)) \
             if cache is not None else None
         if not measured and cache is not None and stored is not None:
             measured, where = cache.get(stored), f"an earlier run on this machine ({cache.path})"

@@ -25,6 +25,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._exact import conv_per_model, linear_per_model
 from ._kernels import BatchNormTrain, batch_norm_pays, batch_norm_supported
 from ._stacked import _DROPOUTS, _first_line
 
@@ -100,11 +101,13 @@ class _MaxPool2x2(torch.autograd.Function):
 # -- the grouped ops: one handler per op kind, called by the generated program ----------------------------
 class GroupedRun:
     """What one call of a grouped program needs besides its input: the member (stacked parameters,
-    buffers, dropout streams, activation variants), K, train/eval mode and the memory format."""
+    buffers, dropout streams, activation variants), K, train/eval mode, the memory format and
+    whether kernels must be exact (per model where their rounding depends on K: :mod:`._exact`)."""
 
-    __slots__ = ("member", "params", "buffers", "k", "training", "channels_last")
+    __slots__ = ("member", "params", "buffers", "k", "training", "channels_last", "exact")
 
-    def __init__(self, member: "BatchedMember", training: bool, channels_last: bool):
+    def __init__(self, member: "BatchedMember", training: bool, channels_last: bool, exact: bool = False):
+        self.exact = exact
         self.member = member
         self.params: Mapping[str, torch.Tensor] = member.params
         self.buffers: Mapping[str, torch.Tensor] = member.buffers
@@ -124,8 +127,11 @@ def grouped_input(x: torch.Tensor, run: GroupedRun) -> torch.Tensor:
 def grouped_conv(v: torch.Tensor, run: GroupedRun, *, name: str, dims: int, in_channels: int, stride: Any,
                  padding: Any, dilation: Any, groups: int) -> torch.Tensor:
     """Conv1d/2d of K models: on the shared input ONE convolution with K*O outputs, on packed
-    ``(B, K*C, ...)`` maps one convolution with ``K * groups`` groups."""
+    ``(B, K*C, ...)`` maps one convolution with ``K * groups`` groups (exact runs: one per model)."""
     k = run.k
+    if run.exact:
+        return conv_per_model(v, run.params, k, name=name, dims=dims, in_channels=in_channels, stride=stride,
+                              padding=padding, dilation=dilation, groups=groups, channels_last=run.channels_last)
     w = run.params[f"{name}.weight"]
     w = w.reshape(k * w.shape[1], *w.shape[2:])
     b = run.params.get(f"{name}.bias")
@@ -147,8 +153,11 @@ def grouped_linear(v: torch.Tensor, run: GroupedRun, *, name: str, src: str) -> 
     """Linear of K models: on a shared ``(B, F)`` input one matmul with K*O outputs, on ``(K, B, F)``
     one batched matmul. Outputs are ``(K, B, O)`` views of contiguous ``(K, O, B)`` tensors:
     activations and dropout then run on contiguous memory, the next Linear is a plain bmm and a
-    classifier's cross entropy runs over the class dim of ``(K, C, B)`` (vectorized along B)."""
+    classifier's cross entropy runs over the class dim of ``(K, C, B)`` (vectorized along B).
+    Exact runs: one Linear per model, ``(K, B, O)`` contiguous."""
     k = run.k
+    if run.exact:
+        return linear_per_model(v, run.params, k, name=name, src=src)
     w, b = run.params[f"{name}.weight"], run.params.get(f"{name}.bias")
     if v.dim() == 2 and src == "S":
         wf = w.reshape(-1, w.shape[-1])
@@ -178,7 +187,7 @@ def grouped_batch_norm(v: torch.Tensor, run: GroupedRun, *, name: str, src: str,
     model_major = src == "M"
     if model_major and v.dim() != 3:
         raise ValueError(f"{name}: BatchNorm on a {v.dim() - 1}-d per-model input")
-    if use_batch and not model_major and batch_norm_supported(v) and batch_norm_pays(v):
+    if use_batch and not model_major and not run.exact and batch_norm_supported(v) and batch_norm_pays(v):
         # the native NCHW kernel is per-element bound on packed small maps: ~2.5x slower forward
         return BatchNormTrain.apply(v, None if weight is None else weight.reshape(-1),
                                     None if bias is None else bias.reshape(-1),
@@ -463,7 +472,8 @@ class GroupedProgram:
     ...) called as ``module(x, run)``; print it to read the program. Anything the rules do not
     cover raises :class:`_Unsupported` naming the node, and the unit uses vmap. ``channels_last``:
     2-d maps run channels-last (``BatchingSettings.channels_last``). ``mixed``: the activation
-    sites where the models' activations differ (:mod:`._variants`).
+    sites where the models' activations differ (:mod:`._variants`). ``exact``: kernels whose
+    rounding depends on K run per model (``BatchingSettings.exact``; see :class:`GroupedRun`).
 
     >>> import torch.nn as nn
     >>> program = GroupedProgram(nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.MaxPool2d(2),
@@ -472,7 +482,9 @@ class GroupedProgram:
     ['grouped_input', 'grouped_conv', 'grouped_max_pool2x2', 'grouped_flatten', 'grouped_linear']
     """
 
-    def __init__(self, model: nn.Module, *, channels_last: bool = False, mixed: Collection[str] = ()):
+    def __init__(self, model: nn.Module, *, channels_last: bool = False, mixed: Collection[str] = (),
+                 exact: bool = False):
+        self.exact = exact
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -503,7 +515,7 @@ class GroupedProgram:
             channels_last: bool | None = None) -> torch.Tensor:
         """The K models' outputs ``(K, B, ...)`` on the shared input ``x``. An error names the
         node that raised it ("While executing %conv1 : ...", a note on the exception)."""
-        run = GroupedRun(member, training, self.channels_last if channels_last is None else channels_last)
+        run = GroupedRun(member, training, self.channels_last if channels_last is None else channels_last, self.exact)
         try:
             return self.module(x, run)  # type: ignore[no-any-return]
         except Exception as err:

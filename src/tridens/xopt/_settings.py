@@ -35,10 +35,15 @@ class BatchingSettings:
     ``mode`` (``$TRIDENS_BATCHING``): ``"auto"`` fuses a group only where its first real steps
     measure a speed-up of ``min_speedup`` or more (``measure_rounds`` timed fused steps;
     ``override_speedup`` replaces the measurement, for tests), ``"force"`` fuses every compatible
-    group, ``"off"`` none. ``max_unit_size``: the most models in one unit. ``packed``: the
-    grouped-kernel engine where it applies (else vmap). ``channels_last``: that engine's 2-d maps
-    channels-last in float32 too (faster, but not bit-equal to separate training; under a mixed
-    ``precision`` they run channels-last regardless, as the separate trainer runs them). ``keep_freed_memory``: keep
+    group, ``"off"`` none. ``max_unit_size``: the most models in one unit. ``exact`` (default
+    True): every fused model trains bit for bit as it would alone (CPU; any stack, any
+    hyperparameters): the grouped-kernel engine runs convolutions and Linear layers per model, and
+    a model it does not cover runs its own forward per model; ``False`` allows kernels over all K
+    models at once (grouped convolutions, batched matmuls, vmap, channels-last maps), faster but
+    equal to separate training only to rounding, which training can amplify. ``packed``: the
+    grouped-kernel engine where it applies (else per model, or vmap when not exact).
+    ``channels_last``: that engine's 2-d maps channels-last in float32 too (needs ``exact=False``;
+    under a mixed ``precision`` they run channels-last regardless, as the separate trainer runs them). ``keep_freed_memory``: keep
     freed heap blocks for the next fused step (glibc ``mallopt``, process-wide). ``decision_cache``:
     the SQLite file keeping measured speed-ups across processes (:mod:`tridens.xopt._decision_cache`;
     ``""``: this process only; :meth:`Settings.from_env` gives the user's cache file).
@@ -54,6 +59,7 @@ class BatchingSettings:
 
     mode: str = "auto"
     max_unit_size: int = 64
+    exact: bool = True
     packed: bool = True
     channels_last: bool = False
     min_speedup: float = 1.1
@@ -68,6 +74,9 @@ class BatchingSettings:
         if not isinstance(self.marginal_measurements, int) or self.marginal_measurements < 1:
             raise ValueError(f"The 'marginal_measurements' parameter of BatchingSettings must be an int in the range "
                              f"[1, inf). Got {self.marginal_measurements!r} instead.")
+        if self.exact and self.channels_last:
+            raise ValueError("The 'channels_last' parameter of BatchingSettings must be False while 'exact' is True "
+                             "(channels-last BatchNorm rounds differently from separate training). Got True instead.")
         if not isinstance(self.max_unit_size, int) or self.max_unit_size < 2:
             raise ValueError(f"The 'max_unit_size' parameter of BatchingSettings must be an int in the range [2, inf). "
                              f"Got {self.max_unit_size!r} instead.")

@@ -1,243 +1,198 @@
-"""Vectorized optimizers: SGD, Adam, AdamW and RMSprop with ``torch.optim``'s semantics over
-stacked parameters, per-model hyperparameters broadcast over the model dimension.
+"""Vectorized optimizers: SGD, Adam, AdamW and RMSprop over stacked parameters, each model with its
+own lr, momentum (Adam's beta1) and weight decay, bit for bit what ``torch.optim`` gives each
+model alone.
+
+Exactness: a stacked parameter ``(K, *shape)`` is updated through its K row views, each shaped
+and laid out as the separate model's parameter, by the same elementwise operations, in the same
+order and with the same Python-float scalars as ``torch.optim``'s update of that parameter
+(``_single_tensor_*`` on CPU; the ``foreach`` form on CUDA is the same operations). The
+operations are ``torch._foreach_*`` calls over every row view at once: on CPU each runs the
+per-tensor kernel on each view, so each element sees the kernel, the scalar and the position in
+its tensor (vectorized body or scalar tail, which may round differently where the compiler fused
+a multiply-add) that separate training gives it. Scalars that differ per model are passed as
+per-tensor lists, or the views are grouped by value where ``torch`` takes one scalar (``alpha=``,
+``lerp``'s weight).
+
+Why not flatter: one elementwise pass over all parameters with per-element hyperparameter vectors
+(or torch's fused Adam kernel at lr 1, scaled per model after) computes the same rule with
+different rounding -- ``p.add_(g, alpha=-lr)`` is one multiply-add, a product with a vector of lrs
+followed by an add is two roundings. Adam and RMSprop divide by the root of a running square:
+where a gradient is pure rounding noise (a bias before BatchNorm, whose true gradient is zero),
+that noise becomes a step of about ``lr`` in its sign, so a one-ulp difference turns into an
+lr-sized one within a step and training diverges from the separate run.
 """
 
 from __future__ import annotations
 
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
-from torch.optim.adam import adam as functional_adam
 
 from ..evaluators import TrainConfig
 
-# -- the vectorized optimizers ----------------------------------------------------------------------
-def _per_model(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
-    """Per-model scalars as a tensor broadcast over a stacked tensor shaped like ``like``."""
-    return torch.tensor(values, dtype=like.dtype, device=like.device).view(-1, *([1] * (like.dim() - 1)))
+_ADAPTIVE = ("adam", "adamw", "rmsprop")
 
 
-class _FlatLayout:
-    """The parameters one step updates, laid end to end: each stacked parameter ``(K, *shape)``
-    flattened (row-major, so model k's elements are one block), then all of them concatenated.
-    Elementwise updates then run as one operation over every parameter at once."""
+def _groups(values: Sequence[float], rows: int, per: int, skip: float | None = None) -> dict[float, list[int]]:
+    """Indices of the views (param-major: view ``j`` is model ``j % rows``) per distinct value of
+    their model's ``values``, leaving out models whose value is ``skip``."""
+    out: dict[float, list[int]] = {}
+    for j in range(rows * per):
+        v = values[j % rows]
+        if skip is not None and v == skip:
+            continue
+        out.setdefault(v, []).append(j)
+    return out
 
-    def __init__(self, names: tuple[str, ...], params: list[torch.Tensor]):
-        self.names = names
-        self.shapes = [p.shape for p in params]
-        self.sizes = [p.numel() for p in params]
-        self.rows = params[0].shape[0]
-        self.like = params[0]
-        # each element's model (row): per-model values become a vector with one gather
-        self.model_index = torch.cat([torch.arange(self.rows, device=self.like.device).repeat_interleave(size // self.rows)
-                                      for size in self.sizes])
-        # an update is written here and added to the parameters through these views (made once)
-        self.update = torch.empty(sum(self.sizes), dtype=self.like.dtype, device=self.like.device)
-        self.update_views = self.views(self.update)
-        self.grad = torch.empty_like(self.update)  # the gradients, concatenated
-        self.grad_views = self.views(self.grad)
 
-    def flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([t.reshape(-1) for t in tensors])
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [part.view(shape) for part, shape in zip(flat.split(self.sizes), self.shapes)]
-
-    def per_model(self, values: Sequence[float]) -> torch.Tensor:
-        """Per-model scalars repeated over each model's elements of every parameter."""
-        return torch.tensor(values, dtype=self.like.dtype, device=self.like.device).index_select(0, self.model_index)
-
-    def columns(self, values: Sequence[float]) -> list[torch.Tensor]:
-        """Per-model scalars as one ``(K, 1, ...)`` view per parameter, broadcast over its rows."""
-        vector = torch.tensor(values, dtype=self.like.dtype, device=self.like.device)
-        return [vector.view(-1, *([1] * (len(shape) - 1))) for shape in self.shapes]
-
-    def per_parameter(self, values: Sequence[float]) -> torch.Tensor:
-        """Per-parameter scalars repeated over each parameter's elements."""
-        return torch.cat([torch.full((size,), v, dtype=self.like.dtype, device=self.like.device)
-                          for v, size in zip(values, self.sizes)])
+def _pick(tensors: Sequence[torch.Tensor], index: Sequence[int]) -> list[torch.Tensor]:
+    return [tensors[j] for j in index]
 
 
 class _VectorOptimizer:
-    """SGD / Adam / AdamW / RMSprop over stacked parameters, per-model lr, momentum (Adam's beta1)
-    and weight decay, with ``torch.optim``'s single-tensor (CPU) update rules: SGD with dampening 0,
-    no Nesterov; Adam/AdamW betas (momentum, 0.999), eps 1e-8; RMSprop alpha 0.99, eps 1e-8, not
-    centered. A parameter without a gradient is skipped, as torch.optim does.
+    """SGD / Adam / AdamW / RMSprop over stacked parameters with per-model lr, momentum (Adam's
+    beta1) and weight decay, reproducing ``torch.optim``'s update of each model bit for bit (see
+    the module docstring): SGD dampening 0, no Nesterov; Adam/AdamW betas (momentum, 0.999), eps
+    1e-8; RMSprop alpha 0.99, eps 1e-8, not centered. A parameter without a gradient is skipped,
+    as torch.optim does, and counts its own steps.
 
-    Every parameter of a step is updated at once: gradients concatenated into one vector, the
-    optimizer state kept as one vector per quantity (``state[name][key]`` are views into it), the
-    per-model hyperparameters as vectors of the same length. The operations are the single-tensor
-    rule's, elementwise, so the result is the same as updating the parameters one by one; a tiny
-    model's update is then a dozen operations instead of a dozen per parameter. Adam and AdamW
-    models that share beta1 take one pass of torch's fused Adam kernel instead (the same rule, to
-    rounding, in fewer passes over memory)."""
+    ``state[name][key]`` are stacked ``(K, *shape)`` tensors (``momentum_buffer``, ``exp_avg``,
+    ``exp_avg_sq``, ``square_avg``); ``steps[name]`` the parameter's step count.
+
+    >>> opt = _VectorOptimizer("adamw", momentum=[0.9, 0.9], weight_decay=[0.0, 1e-2])
+    >>> w = torch.zeros(2, 3, requires_grad=True); w.grad = torch.ones(2, 3)
+    >>> opt.step({"w": w}, lrs=[0.1, 0.01]); w[:, 0].tolist()
+    [-0.10000000149011612, -0.009999999776482582]
+    """
 
     BETA2, EPS, ALPHA = 0.999, 1e-8, 0.99
 
     def __init__(self, kind: str, momentum: list[float], weight_decay: list[float]):
+        if kind not in ("sgd", *_ADAPTIVE):
+            raise ValueError(f"no vectorized optimizer {kind!r}")
         self.kind = kind
         self.momentum, self.weight_decay = list(momentum), list(weight_decay)
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.steps: dict[str, int] = {}
-        self._layout: _FlatLayout | None = None
-        self._flat: dict[str, torch.Tensor] = {}  # state key -> the vector ``state[name][key]`` view
-        # per-model hyperparameters as vectors, rebuilt only when their values change (a schedule's
-        # lrs, models leaving)
-        self._row_cache: dict[tuple[str, Any], tuple[tuple[float, ...], Any]] = {}
-        self._step_count = torch.zeros(())  # fused Adam's step, as the kernel reads it
+        # row views of the stacked tensors, made once per tensor (they stay while it does)
+        self._views: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
 
     def select(self, rows: list[int]) -> None:
         """Keep only the models at ``rows`` (in that order)."""
         self.momentum = [self.momentum[r] for r in rows]
         self.weight_decay = [self.weight_decay[r] for r in rows]
-        self._row_cache.clear()
-        self._layout, self._flat = None, {}
-        for name, state in self.state.items():
+        self._views.clear()
+        for state in self.state.values():
             for key, value in state.items():
-                index = torch.tensor(rows, dtype=torch.long, device=value.device)
-                state[key] = value.index_select(0, index)
+                state[key] = value.index_select(0, torch.tensor(rows, dtype=torch.long, device=value.device))
 
-    def _rows(self, what: str, values: Sequence[float], views: bool = False) -> Any:
-        """The per-model ``values`` as a vector over the layout (or its views shaped as the
-        parameters), cached while the values stay."""
-        def build(layout: _FlatLayout) -> Any:
-            vector = layout.per_model(values)
-            return layout.views(vector) if views else vector
-
-        return self._cached((what, views), values, build)
-
-    def _columns(self, what: str, values: Sequence[float]) -> list[torch.Tensor]:
-        """The per-model ``values`` as one ``(K, 1, ...)`` column per parameter, cached while they stay."""
-        return self._cached((what, "columns"), values, lambda layout: layout.columns(values))
-
-    def _cached(self, key: tuple[str, Any], values: Sequence[float], build: Callable[[_FlatLayout], Any]) -> Any:
-        """``build(layout)`` for these per-model values, rebuilt only when they change."""
-        values = tuple(values)
-        hit = self._row_cache.get(key)
-        if hit is None or hit[0] != values:
-            assert self._layout is not None
-            hit = self._row_cache[key] = (values, build(self._layout))
+    def _rows(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``t``'s row views, cached by the tensor's identity."""
+        hit = self._views.get(id(t))
+        if hit is None or hit[0] is not t:
+            hit = self._views[id(t)] = (t, t.unbind(0))
         return hit[1]
 
-    def _use(self, names: tuple[str, ...], ps: list[torch.Tensor]) -> _FlatLayout:
-        """The layout of these parameters, the state vectors gathered into it when it changes."""
-        layout = self._layout
-        if layout is not None and layout.names == names:
-            return layout
-        layout = self._layout = _FlatLayout(names, ps)
-        self._row_cache.clear()
-        self._flat = {}
-        keys = {k for n in names for k in self.state.get(n, {})}
-        for key in keys:  # a quantity some parameter lacks starts at zero there, as torch.optim's does
-            flat = self._flat[key] = layout.flat([self.state.get(n, {}).get(key, torch.zeros_like(p))
-                                                  for n, p in zip(names, ps)])
-            for n, view in zip(names, layout.views(flat)):
-                self.state.setdefault(n, {})[key] = view
-        return layout
-
-    def _state(self, key: str, layout: _FlatLayout, init: torch.Tensor | None = None) -> torch.Tensor:
-        """The state vector ``key`` (zeros, or a copy of ``init``, the first time)."""
-        flat = self._flat.get(key)
-        if flat is None:
-            flat = self._flat[key] = (torch.zeros(sum(layout.sizes), dtype=layout.like.dtype,
-                                                  device=layout.like.device) if init is None else init.clone())
-            for n, view in zip(layout.names, layout.views(flat)):
-                self.state.setdefault(n, {})[key] = view
-        return flat
+    def _stacked(self, names: Sequence[str], key: str, params: Mapping[str, torch.Tensor],
+                 init: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The row views of state ``key`` of ``names`` (param-major), zeros (or a copy of
+        ``init``'s stacked tensors) where a parameter has none yet."""
+        out: list[torch.Tensor] = []
+        for i, n in enumerate(names):
+            state = self.state.setdefault(n, {})
+            if key not in state:
+                state[key] = torch.zeros_like(params[n]) if init is None else init[i].detach().clone()
+            out.extend(self._rows(state[key]))
+        return out
 
     @torch.no_grad()
     def step(self, params: Mapping[str, torch.Tensor], lrs: list[float]) -> None:
-        names = tuple(n for n, p in params.items() if p.grad is not None)
+        names = [n for n, p in params.items() if p.grad is not None]
         if not names:
             return
-        ps = [params[n] for n in names]
-        layout = self._use(names, ps)
+        k = len(lrs)
+        ps = [v for n in names for v in self._rows(params[n])]
+        stacked_grads = [params[n].grad for n in names]
+        gs = [v for g in stacked_grads for v in g.unbind(0)]  # type: ignore[union-attr]
         counts = []
         for n in names:
-            counts.append(self.steps.get(n, 0) + 1)
-            self.steps[n] = counts[-1]
-        kind = self.kind
-        g = torch.cat([p.grad.reshape(-1) for p in ps], out=layout.grad)
-        g_views = layout.grad_views
-        if any(w != 0 for w in self.weight_decay):
-            if kind == "adamw":
-                torch._foreach_mul_(ps, self._rows("decay", [1 - a * w for a, w in zip(lrs, self.weight_decay)],
-                                                   views=True))
-            else:  # g + wd * p
-                g.addcmul_(self._rows("wd", self.weight_decay), layout.flat(ps))
-        if kind == "sgd":
-            if any(m != 0 for m in self.momentum):
-                if "momentum_buffer" in self._flat:  # buf * momentum + g
-                    buf = self._flat["momentum_buffer"]
-                    torch.addcmul(g, buf, self._rows("momentum", self.momentum), out=buf)
-                else:
-                    self._state("momentum_buffer", layout, init=g)
-                g_views = [self.state[n]["momentum_buffer"] for n in names]
-            torch._foreach_addcmul_(ps, g_views, self._rows("-lr", [-a for a in lrs], views=True))  # p - lr * g
-        elif kind in ("adam", "adamw"):
-            exp_avg, exp_avg_sq = self._state("exp_avg", layout), self._state("exp_avg_sq", layout)
-            if (len(set(counts)) == 1 and len(set(self.momentum)) == 1 and g.device.type in _FUSED_ADAM_DEVICES
-                    and g.is_floating_point()):
-                # torch's fused Adam kernel in one pass with lr 1 writes -m_hat / (sqrt(v_hat) + eps)
-                # into the zeroed update; each model's rows are then added scaled by its own lr
-                layout.update.zero_()
-                if self._step_count.device != g.device:
-                    self._step_count = torch.zeros((), device=g.device)
-                self._step_count.fill_(counts[0] - 1)  # adam() adds this step
-                functional_adam([layout.update], [g], [exp_avg], [exp_avg_sq], [], [self._step_count],
-                                fused=True, amsgrad=False, beta1=self.momentum[0], beta2=self.BETA2, lr=1.0,
-                                weight_decay=0.0, eps=self.EPS, maximize=False)
-                torch._foreach_addcmul_(ps, layout.update_views, self._columns("lr", lrs))
-                return
-            exp_avg.lerp_(g, self._rows("1-beta1", [1 - m for m in self.momentum]))
-            exp_avg_sq.mul_(self.BETA2).addcmul_(g, g, value=1 - self.BETA2)
-            if len(set(counts)) == 1:
-                count = counts[0]
-                denom = (exp_avg_sq.sqrt() / (1 - self.BETA2 ** count) ** 0.5).add_(self.EPS)
-                # the step size changes every step (bias correction): scale each parameter's rows by
-                # their model's value in place of gathering a vector as long as the parameters
-                layout.update.copy_(exp_avg)
-                torch._foreach_mul_(layout.update_views, layout.columns(
-                    [-a / (1 - m ** count) for a, m in zip(lrs, self.momentum)]))
-                layout.update.div_(denom)
-            else:  # a parameter skipped on some steps (no gradient) counts its own steps
-                denom = (exp_avg_sq.sqrt() / layout.per_parameter([(1 - self.BETA2 ** c) ** 0.5 for c in counts])
-                         ).add_(self.EPS)
-                step_size = torch.cat([
-                    layout.per_model([-a / (1 - m ** c) for a, m in zip(lrs, self.momentum)])[start:start + size]
-                    for c, start, size in zip(counts, _starts(layout.sizes), layout.sizes)])
-                torch.mul(step_size, exp_avg, out=layout.update).div_(denom)
-            torch._foreach_add_(ps, layout.update_views)
-        elif kind == "rmsprop":
-            square_avg = self._state("square_avg", layout)
-            square_avg.mul_(self.ALPHA).addcmul_(g, g, value=1 - self.ALPHA)
-            avg = square_avg.sqrt().add_(self.EPS)
-            lr = self._rows("lr", lrs)
-            if any(m > 0 for m in self.momentum):
-                buf = self._state("momentum_buffer", layout)
-                buf.mul_(self._rows("momentum", self.momentum)).addcdiv_(g, avg)
-                torch.mul(lr, buf, out=layout.update)
-                torch._foreach_sub_(ps, layout.update_views)
-            else:
-                torch.mul(-lr, g, out=layout.update).div_(avg)
-                torch._foreach_add_(ps, layout.update_views)
-        else:  # pragma: no cover - planner checks the kind
-            raise ValueError(f"no vectorized optimizer {self.kind!r}")
+            self.steps[n] = self.steps.get(n, 0) + 1
+            counts.append(self.steps[n])
+        per = len(names)
+        wd = self.weight_decay
+        if self.kind == "adamw":  # decoupled: p * (1 - lr * wd)
+            decay = [j for j in range(k * per) if wd[j % k] != 0]
+            if decay:
+                torch._foreach_mul_(_pick(ps, decay), [1 - lrs[j % k] * wd[j % k] for j in decay])
+        else:  # g + wd * p (torch.optim's grad.add(param, alpha=wd), a new tensor: the grads are ours)
+            for value, index in _groups(wd, k, per, skip=0.0).items():
+                grads = _pick(gs, index)
+                torch._foreach_add_(grads, _pick(ps, index), alpha=value)
+        if self.kind == "sgd":
+            self._sgd(names, params, stacked_grads, ps, gs, lrs, k, per)
+        elif self.kind == "rmsprop":
+            self._rmsprop(names, params, ps, gs, lrs, k, per)
+        else:
+            self._adam(names, params, ps, gs, lrs, counts, k, per)
 
+    def _sgd(self, names: list[str], params: Mapping[str, torch.Tensor], stacked_grads: list[torch.Tensor | None],
+             ps: list[torch.Tensor], gs: list[torch.Tensor], lrs: list[float], k: int, per: int) -> None:
+        mom = self.momentum
+        direction = list(gs)
+        if any(m != 0 for m in mom):
+            fresh = [n not in self.state or "momentum_buffer" not in self.state[n] for n in names]
+            # buf = g.clone() on its first step, else buf * m + g
+            bufs = self._stacked(names, "momentum_buffer", params, init=[g for g in stacked_grads])  # type: ignore[misc]
+            moving = [j for j in range(k * per) if mom[j % k] != 0 and not fresh[j // k]]
+            if moving:
+                torch._foreach_mul_(_pick(bufs, moving), [mom[j % k] for j in moving])
+                torch._foreach_add_(_pick(bufs, moving), _pick(gs, moving))
+            for j in range(k * per):
+                if mom[j % k] != 0:
+                    direction[j] = bufs[j]
+        for lr, index in _groups(lrs, k, per).items():  # p - lr * d: one multiply-add, as torch's
+            torch._foreach_add_(_pick(ps, index), _pick(direction, index), alpha=-lr)
 
-# devices with torch's fused Adam kernel: one pass over the parameters where the elementwise rule
-# takes a dozen
-_FUSED_ADAM_DEVICES = frozenset({"cpu", "cuda"})
+    def _adam(self, names: list[str], params: Mapping[str, torch.Tensor], ps: list[torch.Tensor],
+              gs: list[torch.Tensor], lrs: list[float], counts: list[int], k: int, per: int) -> None:
+        mom, beta2 = self.momentum, self.BETA2
+        exp_avg = self._stacked(names, "exp_avg", params)
+        exp_avg_sq = self._stacked(names, "exp_avg_sq", params)
+        for beta1, index in _groups(mom, k, per).items():
+            torch._foreach_lerp_(_pick(exp_avg, index), _pick(gs, index), 1 - beta1)
+        torch._foreach_mul_(exp_avg_sq, beta2)
+        torch._foreach_addcmul_(exp_avg_sq, gs, gs, value=1 - beta2)
+        # torch.optim's step is a float tensor: its bias corrections use float(step)
+        steps = [float(counts[j // k]) for j in range(k * per)]
+        bias2_sqrt = [(1 - beta2 ** s) ** 0.5 for s in steps]
+        step_size = [-(lrs[j % k] / (1 - mom[j % k] ** s)) for j, s in enumerate(steps)]
+        denom = torch._foreach_sqrt(exp_avg_sq)
+        torch._foreach_div_(denom, bias2_sqrt)
+        torch._foreach_add_(denom, self.EPS)
+        torch._foreach_addcdiv_(ps, exp_avg, denom, step_size)
 
-
-def _starts(sizes: list[int]) -> list[int]:
-    out, at = [], 0
-    for size in sizes:
-        out.append(at)
-        at += size
-    return out
-
+    def _rmsprop(self, names: list[str], params: Mapping[str, torch.Tensor], ps: list[torch.Tensor],
+                 gs: list[torch.Tensor], lrs: list[float], k: int, per: int) -> None:
+        mom, alpha = self.momentum, self.ALPHA
+        square_avg = self._stacked(names, "square_avg", params)
+        torch._foreach_mul_(square_avg, alpha)
+        torch._foreach_addcmul_(square_avg, gs, gs, value=1 - alpha)
+        avg = torch._foreach_sqrt(square_avg)
+        torch._foreach_add_(avg, self.EPS)
+        plain = [j for j in range(k * per) if not mom[j % k] > 0]
+        if plain:  # p - lr * g / avg
+            torch._foreach_addcdiv_(_pick(ps, plain), _pick(gs, plain), _pick(avg, plain),
+                                    [-lrs[j % k] for j in plain])
+        moving = [j for j in range(k * per) if mom[j % k] > 0]
+        if moving:  # buf * m + g / avg, then p - lr * buf
+            bufs = self._stacked(names, "momentum_buffer", params)
+            torch._foreach_mul_(_pick(bufs, moving), [mom[j % k] for j in moving])
+            torch._foreach_addcdiv_(_pick(bufs, moving), _pick(gs, moving), _pick(avg, moving))
+            for lr, index in _groups(lrs, k, per).items():
+                chosen = [j for j in index if mom[j % k] > 0]
+                if chosen:
+                    torch._foreach_add_(_pick(ps, chosen), _pick(bufs, chosen), alpha=-lr)
 
 def _resolved_momentum(cfg: TrainConfig) -> float:
     if cfg.momentum is not None:

@@ -1,0 +1,165 @@
+"""Exact fusion: a model trained in a fused stack is the model separate training gives, bit for bit
+(CPU, float32 and float64), whatever the other models in the stack, for every fused optimizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tridens as td
+from tridens.evaluators._supervised import BatchSource
+from tridens.trial import Trial
+from tridens.units import Job
+from tridens.xopt import BatchingSettings
+from tridens.xopt._batched import BatchedMember
+from tridens.xopt._vector_optim import _VectorOptimizer
+
+OPTIMIZERS = ["sgd", "adam", "adamw", "rmsprop"]
+# different lrs, momenta (Adam's beta1), weight decays, schedules and dropout in one stack
+SAMPLES = [dict(lr=0.01, m=0.9, wd=0.0, s="constant", p=0.0),
+           dict(lr=0.003, m=0.5, wd=1e-3, s="cosine", p=0.25),
+           dict(lr=0.02, m=0.0, wd=1e-2, s="rex", p=0.5),
+           dict(lr=0.001, m=0.8, wd=1e-3, s="step", p=0.1)]
+
+
+@pytest.fixture(scope="module")
+def data():
+    return td.datasets.digits()
+
+
+def bn_cnn(p: float, dtype: torch.dtype) -> nn.Module:
+    """Three 3x3 convolutions with biases before BatchNorm (their true gradient is zero: pure
+    rounding noise, which Adam and RMSprop turn into lr-sized steps), max-pool, element-wise and
+    channel dropout, a linear head."""
+    return nn.Sequential(
+        nn.Conv2d(1, 12, 3, padding=1), nn.BatchNorm2d(12), nn.ReLU(), nn.Dropout2d(p / 2),
+        nn.Conv2d(12, 24, 3, padding=1), nn.BatchNorm2d(24), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(24, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Dropout(p), nn.Linear(32 * 2 * 2, 10)).to(dtype)
+
+
+def mlp(p: float, dtype: torch.dtype) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 48), nn.BatchNorm1d(48), nn.ReLU(), nn.Dropout(p),
+                         nn.Linear(48, 10)).to(dtype)
+
+
+def evaluator(data, optimizer, dtype, epochs=2):
+    train, val = (torch.utils.data.TensorDataset(d.tensors[0].to(dtype), d.tensors[1]) for d in data)
+    return td.evaluators.Classification(
+        train, val, epochs=epochs, batch_size=64, optimizer=optimizer, lr=td.loguniform("lr", 1e-6, 1.0),
+        momentum=td.uniform("m", 0.0, 0.99), weight_decay=td.uniform("wd", 0.0, 1.0),
+        schedule=td.choice("s", ["constant", "cosine", "rex", "step"]))
+
+
+def jobs(build, dtype, samples=SAMPLES):
+    out = []
+    for i, s in enumerate(samples):
+        torch.manual_seed(100 + i)
+        out.append(Job(Trial(id=i, sample=s, seed=100 + i), build(s["p"], dtype)))
+    return out
+
+
+def train_side_by_side(ev, build, dtype, settings, epochs, leave=None):
+    """Train the samples separately and fused on the same batches, comparing every model's loss,
+    parameters and buffers bit for bit after every step and its validation metrics every epoch.
+    ``leave``: (trial, epoch, batch) after which that trial leaves the stack. Returns the steps."""
+    separate = {j.trial.id: ev.trainer(j.model, j.sample, j.trial.seed) for j in jobs(build, dtype)}
+    member = BatchedMember(jobs(build, dtype), ev, settings=settings)
+    source = BatchSource(ev.config(SAMPLES[0]).train, torch.device("cpu"))
+    cfg = ev.config(SAMPLES[0])
+    steps = 0
+    for epoch in range(epochs):
+        member.begin_epoch()
+        for t in separate.values():
+            t.begin_epoch()
+        for batch, (x, y) in enumerate(source.epoch_batches(cfg, 0, epoch)):
+            fused = member.train_batch(x, y, batch)
+            assert set(fused) == set(member.ids)
+            for row, tid in enumerate(member.ids):
+                assert fused[tid] == separate[tid].train_batch(x, y, batch), (tid, epoch, batch)
+                model = separate[tid].model
+                for name, value in [*model.named_parameters(), *model.named_buffers()]:
+                    stacked = member.params.get(name, member.buffers.get(name))
+                    assert torch.equal(stacked[row], value), (tid, epoch, batch, name)
+            steps += 1
+            if leave is not None and (epoch, batch) == leave[1:]:
+                member.leave(leave[0])
+                del separate[leave[0]]
+        member.end_epoch()
+        member.begin_validation()
+        for x, y in BatchSource(cfg.val, cfg.device).validation_batches(cfg, 0):
+            member.validate_batch(x, y)
+        val = member.end_validation()
+        for tid, trainer in separate.items():
+            assert val[tid] == trainer.validate(), (tid, epoch)
+    return steps, member
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_fused_bn_cnn_is_separate_bit_for_bit(data, optimizer, dtype):
+    """The grouped-kernel engine: every step's loss, parameters and BatchNorm statistics equal;
+    a model leaving mid-epoch leaves the others' arithmetic as it was."""
+    ev = evaluator(data, optimizer, dtype)
+    steps, member = train_side_by_side(ev, bn_cnn, dtype, BatchingSettings(), epochs=2, leave=(1, 0, 11))
+    assert member.engine == "grouped kernels" and steps == 46 and member.ids == [0, 2, 3]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_fused_per_model_engine_is_separate_bit_for_bit(data, optimizer):
+    """Models the grouped program does not run (here: packed=False) run per model, still exact;
+    an MLP with BatchNorm1d on the grouped engine too."""
+    ev = evaluator(data, optimizer, torch.float32, epochs=1)
+    _, member = train_side_by_side(ev, bn_cnn, torch.float32, BatchingSettings(packed=False), epochs=1)
+    assert member.engine == "per model"
+    _, member = train_side_by_side(ev, mlp, torch.float32, BatchingSettings(), epochs=1, leave=(3, 0, 5))
+    assert member.engine == "grouped kernels"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_fused_bn_cnn_is_separate_bit_for_bit_over_hundreds_of_steps(data, optimizer):
+    ev = evaluator(data, optimizer, torch.float32, epochs=10)
+    steps, _ = train_side_by_side(ev, bn_cnn, torch.float32, BatchingSettings(), epochs=10)
+    assert steps == 230
+
+
+@pytest.mark.parametrize("momenta", ["mixed", "shared"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_vector_optimizer_is_torch_optim_bit_for_bit(data, optimizer, dtype, momenta):
+    """Given the same gradients (real ones, of each model on real batches), the vectorized step is
+    torch.optim's, per model: different lrs and weight decays, mixed or shared momenta (Adam's
+    beta1), a parameter without a gradient on some steps (its own step count), a model leaving."""
+    samples = SAMPLES if momenta == "mixed" else [dict(s, m=0.9) for s in SAMPLES]
+    models = [mlp(0.0, dtype) for _ in samples]
+    cfgs = [evaluator(data, optimizer, dtype).config(s) for s in samples]
+    opts = [c.make_optimizer(m.parameters()) for c, m in zip(cfgs, models)]
+    stacked = {n: torch.stack([dict(m.named_parameters())[n].detach() for m in models]).requires_grad_()
+               for n, _ in models[0].named_parameters()}
+    momentum = [c.momentum for c in cfgs]
+    vector = _VectorOptimizer(optimizer, momentum, [c.weight_decay for c in cfgs])
+    rows = list(range(len(models)))
+    x, y = data[0].tensors[0].to(dtype), data[0].tensors[1]
+    for step in range(30):
+        if step == 12:  # model 1 leaves
+            rows.remove(1)
+            vector.select([0, 2, 3])
+            stacked = {n: t.detach()[torch.tensor([0, 2, 3])].requires_grad_() for n, t in stacked.items()}
+        batch = slice(64 * step % 1400, 64 * step % 1400 + 64)
+        grads = []
+        for r in rows:
+            models[r].zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(models[r](x[batch]), y[batch]).backward()
+            if step % 3 == 1:  # the head's bias has no gradient on these steps
+                models[r][-1].bias.grad = None
+            grads.append({n: p.grad for n, p in models[r].named_parameters()})
+        for n, t in stacked.items():
+            t.grad = None if grads[0][n] is None else torch.stack([g[n] for g in grads])
+        for r in rows:
+            opts[r].step()
+        vector.step(stacked, [cfgs[r].lr for r in rows])
+        for row, r in enumerate(rows):
+            for n, p in models[r].named_parameters():
+                assert torch.equal(stacked[n][row], p.detach()), (optimizer, step, r, n)
