@@ -163,3 +163,33 @@ def test_vector_optimizer_is_torch_optim_bit_for_bit(data, optimizer, dtype, mom
         for row, r in enumerate(rows):
             for n, p in models[r].named_parameters():
                 assert torch.equal(stacked[n][row], p.detach()), (optimizer, step, r, n)
+
+
+class BnCnnSpace(td.nn.ModelSpace):
+    """The BatchNorm CNN with a dropout-rate choice (one structure for every sample)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = bn_cnn(td.choice("p", [0.0, 0.25]), torch.float32)
+        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_adamw_experiment_fused_twice_and_separate_give_the_same_trials(data, tmp_path):
+    """lr x weight decay x dropout with AdamW, fused (forced) twice and separately: every trial's
+    per-epoch metrics are equal, bit for bit."""
+    train, val = data
+    ev = td.evaluators.Classification(train, val, epochs=2, batch_size=64, optimizer="adamw",
+                                      lr=td.choice("lr", [1e-3, 1e-2]), weight_decay=td.choice("wd", [0.0, 1e-3]))
+    force = td.xopt.Settings().with_batching(mode="force")
+    runs = []
+    for i, optimize in enumerate((force, False, force)):
+        exp = td.Experiment(BnCnnSpace(), ev, td.strategy.GridSearch(), max_trials=8, store=tmp_path / f"{i}.db",
+                            name="adamw", optimize=optimize, verbose=False, seed=3)
+        exp.run()
+        runs.append({tuple(sorted(t.sample.items())): (t.seed, t.metrics) for t in exp.trials()})
+        if optimize:
+            assert all(t.info["unit"]["kind"] == "batched" for t in exp.trials())
+    assert len(runs[0]) == 8 and runs[0] == runs[1] == runs[2]

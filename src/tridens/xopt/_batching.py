@@ -38,9 +38,16 @@ Fused equals separate (CPU):
 * Per-model train loss and validation metrics every epoch, with the same names, reductions and
   Python-float accumulation as :meth:`SupervisedTrainer.validate`.
 
-What differs is floating-point rounding only (grouped/batched kernels instead of per-model
-kernels, the optimizer's products rounded separately instead of fused): the tests hold fused and
-separate per-epoch metrics within 1e-4.
+* Exact kernels (``BatchingSettings.exact``, default True): the vectorized optimizer repeats
+  ``torch.optim``'s per-parameter operations on each model's rows with its own scalars
+  (:mod:`._vector_optim`), each model's loss runs on its own contiguous rows, and the grouped
+  program runs convolutions and Linear layers per model (:mod:`._exact`): every model's values
+  and gradients are separate training's bit for bit (tests/xopt/test_exact.py, every step). A
+  model the grouped program does not cover runs its own forward per model ("per model" engine).
+  ``exact=False`` allows the kernels over all K models at once (one grouped convolution, one
+  ``baddbmm``, :class:`~tridens.xopt._kernels.BatchNormTrain`, vmap): what differs is then
+  floating-point rounding, which adaptive optimizers can amplify (the tests hold per-epoch
+  metrics within 1e-4 in float32).
 
 A model whose loss becomes NaN/inf fails alone (:class:`NonFiniteLoss`, same message as the
 separate trainer) and leaves the stack before the optimizer step; a model the strategy stops
