@@ -197,7 +197,8 @@ def _nasbench201_module(source: str):
     return namespace["NasBench201TrainingModule"], compat_pl
 
 
-def _run_nasbench201(source: str, loaders, tmp_path: Path) -> None:
+def _run_nasbench201(source: str, loaders, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("TRIDENS_DB", str(tmp_path / "nni.db"))
     from tridens.compat.nni.retiarii.experiment.pytorch import RetiariiExeConfig, RetiariiExperiment
     from tridens.compat.nni.retiarii.strategy import Random
 
@@ -217,13 +218,13 @@ def _run_nasbench201(source: str, loaders, tmp_path: Path) -> None:
         assert t.metric == t.metrics["value"][-1] and 0 < t.metric <= 1
 
 
-def test_nni2_nasbench201_training_module_condensed(loaders, tmp_path: Path) -> None:
-    _run_nasbench201(NASBENCH201_MODULE, loaders, tmp_path)
+def test_nni2_nasbench201_training_module_condensed(loaders, tmp_path: Path, monkeypatch) -> None:
+    _run_nasbench201(NASBENCH201_MODULE, loaders, tmp_path, monkeypatch)
 
 
-def test_nni2_nasbench201_training_module_upstream(loaders, tmp_path: Path) -> None:
+def test_nni2_nasbench201_training_module_upstream(loaders, tmp_path: Path, monkeypatch) -> None:
     source = _upstream.require("examples/nas/multi-trial/nasbench201/network.py", _upstream.NNI2)
-    _run_nasbench201(_upstream.definitions(source, "NasBench201TrainingModule"), loaders, tmp_path)
+    _run_nasbench201(_upstream.definitions(source, "NasBench201TrainingModule"), loaders, tmp_path, monkeypatch)
 
 
 class _Padded(Dataset):

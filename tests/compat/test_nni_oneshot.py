@@ -303,9 +303,10 @@ def _grad_norm(strategy: Any) -> float:
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
 
 
-def test_gradient_clipping_of_the_one_shot_trainers_is_applied(tmp_path: Path, data) -> None:
+def test_gradient_clipping_of_the_one_shot_trainers_is_applied(tmp_path: Path, data, monkeypatch) -> None:
     """NNI 3's gradient_clip_val and 2.x's grad_clip become td.oneshot's grad_clip: the weights'
     gradient norm at the last step is the clip value (unclipped it is larger)."""
+    monkeypatch.setenv("TRIDENS_DB", str(tmp_path / "trainer.db"))
     from tridens.compat.nni.retiarii.oneshot.pytorch import DartsTrainer
 
     assert nni3.DARTS(gradient_clip_val=5.0).grad_clip == 5.0 and nni3.GumbelDARTS(gradient_clip_val=2).grad_clip == 2.0
