@@ -11,7 +11,7 @@ from torch import nn
 
 import tridens as td
 from tridens import nn as tnn
-from tridens.units import Job, SeparateUnit
+from tridens.units import Decisions, Job, SeparateUnit
 from tridens.evaluators import NonFiniteLoss
 from tridens.trial import Trial, TrialStatus
 from tridens.xopt import _batching
@@ -365,9 +365,10 @@ def test_structure_keys_are_kept_across_plans_per_class(data, force):
     def jobs(cls, first):
         return [Job(Trial(id=first + i, sample={"lr": 0.1}, seed=i), cls()) for i in range(2)]
 
-    first = _batching._structure_keys(jobs(plain, 0))
-    again = _batching._structure_keys(jobs(plain, 2))
-    other = _batching._structure_keys(jobs(negated, 4))
+    decisions = Decisions()   # one run's
+    first = _batching._structure_keys(jobs(plain, 0), decisions)
+    again = _batching._structure_keys(jobs(plain, 2), decisions)
+    other = _batching._structure_keys(jobs(negated, 4), decisions)
     assert first[0] == first[1] == again[0] == again[1]
     assert other[0] == other[1] != first[0]
     ev = td.evaluators.Classification(*data, epochs=1, batch_size=64, lr=0.1)

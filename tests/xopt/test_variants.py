@@ -11,7 +11,7 @@ from torch import nn
 
 import tridens as td
 from tridens import nn as tnn
-from tridens.units import SeparateUnit
+from tridens.units import Decisions, SeparateUnit
 from tridens.xopt import BatchingSettings
 from tridens.xopt._batching import BatchedUnit, _structure_keys, plan_batching
 
@@ -55,7 +55,7 @@ class SlopedReLU(nn.ReLU):
 
 
 def keys(builders):
-    return _structure_keys(make_jobs((SAMPLES * 2)[:len(builders)], builders))
+    return _structure_keys(make_jobs((SAMPLES * 2)[:len(builders)], builders), Decisions())
 
 
 def test_models_differing_only_in_activations_share_a_structure_key():
@@ -70,7 +70,7 @@ def test_models_differing_only_in_activations_share_a_structure_key():
 def test_the_structure_key_leaves_the_model_as_it_was():
     jobs = make_jobs(SAMPLES[:2], [mlp(nn.Tanh), mlp(nn.ReLU)])
     before = [[type(m) for m in job.model.modules()] for job in jobs]
-    _structure_keys(jobs)
+    _structure_keys(jobs, Decisions())
     assert [[type(m) for m in job.model.modules()] for job in jobs] == before
 
 
