@@ -81,3 +81,11 @@ def test_a_script_without_a_main_guard_trains_its_dataset_and_space_on_the_pool_
     assert done.stdout.count("the script ran") == 1, done.stdout   # the workers did not run it again
     trials = _statuses(store, "s")
     assert len(trials) == 4 and all(status == "completed" for status, _ in trials.values()), trials
+
+
+def test_a_lambda_given_to_the_pool_travels_by_value(tmp_path):
+    evaluator = td.evaluators.FunctionalEvaluator(lambda x: float(x) * 2, x=td.choice("x", [1, 2]))
+    exp = td.Experiment(None, evaluator, td.strategy.GridSearch(), store=tmp_path / "l.db", name="l", verbose=False,
+                        executor=td.executors.Process(workers=1))
+    trials = exp.run().trials()
+    assert sorted((t.status.value, t.metric) for t in trials) == [("completed", 2.0), ("completed", 4.0)]
