@@ -138,3 +138,40 @@ def test_weights_come_back_and_stop_decisions_reach_the_loop(tmp_path):
             assert t.status is TrialStatus.STOPPED and t.steps == 2 and t.metric == 2 * t.sample["lr"]
         else:
             assert t.status is TrialStatus.COMPLETED and t.steps == 4
+
+
+def test_ctrl_c_stops_a_pool_run_and_the_interrupted_trials_resume(tmp_path):
+    """A real process-pool search (two workers busy training) gets SIGINT: it said on stderr that it
+    was starting its workers, it stops with one line (no traceback), the trials that were running
+    are interrupted (not failed), and running the script again trains them to the end."""
+    import subprocess
+    import sys
+
+    db = tmp_path / "pool.db"
+    command = [sys.executable, "-m", "tests.engine.pool_interrupt_script", str(db)]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([*command, "40"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 300
+    done = 0
+    while done < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.3)
+        try:
+            with Store(db, readonly=True) as store:
+                done = len(store.trials("pool", status="completed"))
+        except Exception:  # not created yet
+            continue
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=20)  # a generous bound, against a hang; the pool ends its workers at once
+    assert done >= 2, err
+    assert "starting 2 pool worker process(es)" in err and "Traceback" not in err
+    assert proc.returncode == 1 and "'pool' interrupted with" in err
+    with Store(db, readonly=True) as store:
+        trials = store.trials("pool")
+    interrupted = [t.id for t in trials if t.status is TrialStatus.INTERRUPTED]
+    assert interrupted and not [t for t in trials if t.status in (TrialStatus.RUNNING, TrialStatus.FAILED)]
+    again = subprocess.run([*command, str(len(trials))], cwd=root, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    with Store(db, readonly=True) as store:
+        after = {t.id: t for t in store.trials("pool")}
+    assert all(after[i].status is TrialStatus.COMPLETED and len(after[i].metrics["val_acc"]) == 2 for i in interrupted)

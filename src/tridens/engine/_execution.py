@@ -65,6 +65,12 @@ class RunContext:
     allocation: Any = None
     forks: bool = False   # the strategy forks running trials (PBT): a group's members train at once, in lockstep
     plan: PlanContext = field(default_factory=PlanContext)
+    verbose: bool = False  # the executor says on stderr what it does while it starts (workers, a local Ray)
+
+    def say(self, text: str) -> None:
+        """One line on stderr when the run is verbose: what an executor does before trials report."""
+        if self.verbose:
+            print(f"tridens: {text}", file=sys.stderr, flush=True)
 
 
 class Executor:
@@ -760,7 +766,12 @@ class ProcessExecutor(Executor):
 
     # -- running a group -------------------------------------------------------------------------
     def run_group(self, jobs: Sequence[Job], evaluator: Evaluator, hooks: GroupHooks) -> None:
-        for index in range(min(self.workers, len(jobs))):
+        wanted = min(self.workers, len(jobs))
+        starting = [i for i in range(wanted) if i not in self.pids()]
+        if starting:
+            _context(self).say(f"starting {len(starting)} pool worker process(es) ({self._ctx.get_start_method()}; "
+                               "the first start imports torch once); trials report once they run")
+        for index in range(wanted):
             # Start the interpreters together: a first send blocks until its worker has started.
             self.worker(index)
         allocation = self.allocation if self.allocation is not None else _context(self).allocation

@@ -426,7 +426,7 @@ class Experiment:
                                  storage=self.storage)
         executor.start(RunContext(experiment=name, storage=self._storage(store_path), optimize=self._settings(),
                                   allocation=self.allocation, forks=bool(getattr(self.strategy, "forks", False)),
-                                  plan=plan if plan is not None else self._plan_context()))
+                                  plan=plan if plan is not None else self._plan_context(), verbose=bool(self.verbose)))
         return executor
 
     def _settings(self) -> Any:

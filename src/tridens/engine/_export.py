@@ -75,7 +75,7 @@ def export_trials(db: Store, config: dict[str, Any], trials: Sequence[Trial], di
         }
         if trial.role == "supernet-scored":
             manifest["note"] = ("weights inherited from the one-shot supernet, not trained on their own: metric is "
-                                "the supernet's proxy score; retrain the architecture (td.retrain) before use")
+                                "the supernet's proxy score; train the architecture from scratch before use (retrain=True)")
         if config.get("space") is not None:
             try:
                 space = build_space(config["space"], trust_code=trust_code, allow_modules=allow_modules)

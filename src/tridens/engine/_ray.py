@@ -191,11 +191,17 @@ class RayExecutor(Executor):
 
             fluid_policy(self.allocation).scheduler(max(self.workers, 1))  # checks the policy's parameters
         if not ray.is_initialized():
+            say = getattr(getattr(self, "context", None), "say", lambda text: None)
+            t0 = time.perf_counter()
             if self.address is None:
                 from ._ray_local import start_local_ray
 
+                say(f"starting a local Ray for {self.workers} worker(s) on 127.0.0.1 (its processes take seconds "
+                    "to start)")
                 start_local_ray(self.workers)  # every process listening on 127.0.0.1 only
+                say(f"local Ray started in {time.perf_counter() - t0:.1f} s; starting its workers")
             else:
+                say(f"connecting to the Ray cluster at {self.address}")
                 ray.init(address=self.address, include_dashboard=False, logging_level=logging.ERROR,
                          configure_logging=True)
             self._started_ray = True  # ours to stop (a local Ray) or to disconnect from (a cluster)
