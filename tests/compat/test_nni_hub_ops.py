@@ -53,3 +53,19 @@ def test_drop_path_as_nni_schedules_it() -> None:
     assert set(kept.unique().tolist()) <= {0.0, float(torch.tensor(1 / 0.9))} and 0 < (kept == 0).sum() < 64
     drops[0].eval()
     assert torch.equal(drops[0](x), x)
+
+
+@pytest.mark.parametrize("module, name", [("nasbench101", "query_nb101_trial_stats"),
+                                          ("nasbench201", "query_nb201_trial_stats"),
+                                          ("nds", "query_nds_trial_stats")])
+def test_benchmark_queries_are_refused_in_one_line_naming_the_table_tridens_has(module: str, name: str) -> None:
+    import importlib
+
+    from tridens.compat.nni._common import NotSupported
+
+    for package in ("tridens.compat.nni.nas.benchmark", "tridens.compat.nni.nas.benchmarks"):
+        query = getattr(importlib.import_module(f"{package}.{module}"), name)
+        with pytest.raises(NotSupported) as err:
+            query({}, 200, "cifar10")
+        message = str(err.value)
+        assert "\n" not in message and name in message and "td.evaluators.nasbench201.table" in message
