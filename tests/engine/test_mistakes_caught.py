@@ -186,3 +186,113 @@ def test_a_trial_reads_short_with_its_epochs_and_status(tmp_path):
     text = repr(best)
     assert text.startswith(f"Trial(number={best.number}, status='completed', metric=") and "epochs=2" in text
     assert "\n" not in text and len(text) < 160 and "metrics=" not in text
+
+
+# -- labels checked against the loss before the first trial -------------------------------------------
+
+def _with_labels(data, cast):
+    from torch.utils.data import TensorDataset
+
+    return tuple(TensorDataset(ds.tensors[0], cast(ds.tensors[1])) for ds in data)
+
+
+@pytest.mark.parametrize("cast, match", [
+    (lambda y: y.float(), r"The 'train' data of Classification has float32 labels holding class indices, .* pass y\.long\(\)"),
+    (lambda y: nn.functional.one_hot(y, 10), r"The 'train' data of Classification has one-hot labels \(int64 rows of 10\).*y\.argmax\(dim=1\)"),
+    (lambda y: nn.functional.one_hot(y, 10).float(), r"one-hot labels \(float32 rows of 10\)"),
+])
+def test_labels_a_classification_loss_cannot_take_are_refused_before_training(tmp_path, data, cast, match):
+    store = tmp_path / "labels.db"
+    exp = td.Experiment(Net(), classification(_with_labels(data, cast)), "random", max_trials=2, store=store,
+                        name="labels", verbose=False)
+    with pytest.raises(ValueError, match=match) as info:
+        exp.run()
+    assert "\n" not in str(info.value) and _experiments(store) == []
+
+
+def test_narrow_integer_labels_train_as_int64_labels_do(tmp_path, data):
+    runs = {}
+    for name, dtype in (("int64", torch.int64), ("int32", torch.int32), ("uint8", torch.uint8)):
+        exp = td.Experiment(Net(), classification(_with_labels(data, lambda y: y.to(dtype))), "grid", max_trials=2,
+                            store=tmp_path / "n.db", name=name, verbose=False)
+        exp.run()
+        runs[name] = [(t.sample, t.metrics) for t in exp.trials()]
+    assert runs["int32"] == runs["int64"] == runs["uint8"] and len(runs["int64"]) == 2
+
+
+# -- a rerun after a failure trains; a changed evaluator is named --------------------------------------
+
+def train_with_labels(lr, labels="float", epochs=1):
+    """A user's loop whose first version passes float labels to cross entropy (every trial fails)."""
+    train, val = td.datasets.digits()
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    x, y = train.tensors
+    y = y.float() if labels == "float" else y
+    for epoch in range(epochs):
+        for i in range(0, len(x), 128):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x[i:i + 128]), y[i:i + 128]).backward()
+            opt.step()
+        with torch.no_grad():
+            acc = (model(val.tensors[0]).argmax(1) == val.tensors[1]).float().mean().item()
+        td.report({"val_acc": acc}, step=epoch)
+
+
+@pytest.mark.parametrize("retry_failed", [True, False])
+def test_a_rerun_after_every_trial_failed_trains(tmp_path, retry_failed):
+    store = tmp_path / "fix.db"
+
+    def experiment(labels, **kw):
+        evaluator = td.evaluators.FunctionalEvaluator(train_with_labels, lr=td.loguniform("lr", 1e-3, 3e-2), labels=labels)
+        return td.Experiment(None, evaluator, "random", max_trials=3, store=store, name="fix", verbose=False, **kw)
+
+    with pytest.raises(td.TridensError, match="every trial of 'fix' failed"):
+        experiment("float").run()
+    exp = experiment("long", retry_failed=retry_failed)  # the fix: a changed setting, but nothing trained to compare
+    exp.run()
+    trials = exp.trials()
+    done = [t for t in trials if t.status is td.TrialStatus.COMPLETED]
+    assert len(done) == 3 and all(t.metric > 0.2 for t in done)  # (one epoch)
+    if retry_failed:  # the failed trials trained again: same numbers, samples and seeds
+        assert [t.number for t in trials] == [0, 1, 2]
+    else:  # kept as they were; new trials took their place in the budget
+        assert [t.number for t in done] == [3, 4, 5] and sum(t.status is td.TrialStatus.FAILED for t in trials) == 3
+    assert "max_trials=3 reached" in exp.stop_reason
+
+
+def test_a_rerun_with_changed_epochs_or_data_is_refused_naming_the_change(tmp_path, data):
+    from tridens.engine._preflight import EvaluatorChanged
+    from torch.utils.data import Subset
+
+    store = tmp_path / "changed.db"
+
+    def experiment(evaluator, **kw):
+        return td.Experiment(Net(), evaluator, "grid", max_trials=2, store=store, name="c", verbose=False, **kw)
+
+    experiment(classification(data, epochs=1)).run()
+    with pytest.raises(EvaluatorChanged, match=r"another evaluator \(changed: epochs 1 -> 2\).*resume='force'"):
+        experiment(classification(data, epochs=2)).run()
+    train, val = data
+    with pytest.raises(EvaluatorChanged, match=r"changed: the 'val' data\)"):
+        experiment(classification((train, Subset(val, range(200))), epochs=1)).run()
+    exp = experiment(classification(data, epochs=1))
+    exp.run()  # the same evaluator (a new Classification object, the same data) resumes
+    assert len(exp.trials()) == 2
+
+
+def test_a_rerun_with_changed_training_code_is_refused(tmp_path):
+    from tridens.engine._preflight import EvaluatorChanged
+
+    def train_v2(lr, labels="long", epochs=1):
+        return train_with_labels(lr * 0.5, labels, epochs)  # the user changed what the loop computes
+
+    store = tmp_path / "code.db"
+    for fn, error in ((train_with_labels, None), (train_v2, r"changed: the code of .*train_v2")):
+        evaluator = td.evaluators.FunctionalEvaluator(fn, lr=td.loguniform("lr", 1e-3, 3e-2), labels="long")
+        exp = td.Experiment(None, evaluator, "random", max_trials=1, store=store, name="code", verbose=False)
+        if error is None:
+            exp.run()
+        else:
+            with pytest.raises(EvaluatorChanged, match=error):
+                exp.run()

@@ -191,7 +191,14 @@ class Experiment:
     >>> exp.top(5)                                                        # doctest: +SKIP
 
     Running the same script against the same store and name resumes the experiment: finished
-    trials are kept, interrupted ones are trained again, and the budget is completed.
+    trials are kept, interrupted ones are trained again, and the budget is completed. Trials an
+    earlier run failed do not use up the budget: with ``retry_failed=True`` (the default) they are
+    trained again first, with their sample and seed (as Optuna's ``RetryFailedCallback``); with
+    False they stay failed and new trials take their place (as Optuna's ``MaxTrialsCallback``
+    counting completed trials). A failure that is an outcome of the sample -- a constraint it
+    violates, a process it killed twice -- counts and is not retried. A resumed run whose search
+    space or evaluator (settings, data, the training function's code) changed is refused unless
+    ``resume="force"``.
     Parameters are only stored here; they are checked when :meth:`run` starts. ``optimize``: True
     fuses trials where it pays (cross-model optimizations, :mod:`tridens.xopt`, with the knobs of
     the environment), a :class:`tridens.xopt.Settings` gives the knobs, False trains every trial
@@ -206,7 +213,8 @@ class Experiment:
                  second_objective: tuple[str, str] | None = None, optimize: bool | Settings = True,
                  verbose: bool = True, warm_start: Any = False, max_unit_memory: int | str | None = None,
                  callbacks: Sequence[Any] = (), stage_policy: Any = None,
-                 allocation: Any = None, resume: str = "auto", **executor_options: Any) -> None:
+                 allocation: Any = None, resume: str = "auto", retry_failed: bool = True,
+                 **executor_options: Any) -> None:
         self.space = space
         self.evaluator = evaluator
         self.strategy = strategy
@@ -234,6 +242,8 @@ class Experiment:
         self.storage = options.get("storage")  # where Ray workers write checkpoints
         self.max_retries = options.get("max_retries", 0)  # a Ray unit whose worker died restarts
         self.resume = resume  # "auto": resume an experiment of the same search space; "force": any
+        # A resumed run trains the trials an earlier run failed again (True), or new ones in their place (False)
+        self.retry_failed = retry_failed
         self.stop_reason: str | None = None  # why the last run() stopped
         self.callbacks = list(callbacks)  # tridens.loggers.Callback objects, told what the run records
         self.stage_policy = stage_policy  # a td.store.StagePolicy: stage-tree checkpoints shared through the store
@@ -342,6 +352,8 @@ class Experiment:
             raise InvalidSpace(f"The 'space' parameter of Experiment must be a tridens space (a ModelSpace or "
                                f"ModelSpace.from_base(...)), or None for a search over the evaluator's "
                                f"hyperparameters only. Got {type(self.space).__name__} instead.")
+        if not isinstance(self.retry_failed, bool):
+            raise ValueError(f"The 'retry_failed' parameter of Experiment must be a bool. Got {self.retry_failed!r} instead.")
         if self.resume not in ("auto", "force"):
             raise ValueError(f"The 'resume' parameter of Experiment must be one of ['auto', 'force']. Got {self.resume!r} instead.")
         if isinstance(self.strategy, str):
@@ -566,7 +578,8 @@ class Experiment:
             self._stopped(self._name(), reason)
             return self
         from ._no_model import NoModelSpace
-        from ._preflight import check_before_run, check_same_space, describe_space, fill_max_steps
+        from ..evaluators import evaluator_fingerprint
+        from ._preflight import check_before_run, check_same_evaluator, check_same_space, describe_space, fill_max_steps
 
         objective = self._objective()
         path = self._store_path()
@@ -585,14 +598,22 @@ class Experiment:
                 resumed = True
             except StoreError:
                 record, resumed = None, False
+            computes = evaluator_fingerprint(self.evaluator)  # settings, data and code: what a trial computes
             if record is not None and self.resume != "force":
                 check_same_space(name, record.config.get("search_space"), described)
+                if any(t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED) for t in db.trials(name)):
+                    # (an experiment whose every trial failed has nothing to compare with: the fix trains)
+                    check_same_evaluator(name, record.config.get("evaluator_fingerprint"), computes)
             if record is not None and self.objective is None and self.evaluator.objective_from_reports:  # type: ignore[union-attr]
                 objective = record.objective()  # the name an earlier run's first report gave it
             if record is None:
-                db.create_experiment(name, {**self._config(objective), "search_space": described})
+                db.create_experiment(name, {**self._config(objective), "search_space": described,
+                                            "evaluator_fingerprint": computes})
             else:
                 self._record_new_limits(db, name, record.config)
+                if record.config.get("evaluator_fingerprint") != computes:  # (recorded by an older tridens, or forced)
+                    config = db.get_experiment(name).config
+                    db.update_experiment(name, config={**config, "evaluator_fingerprint": computes})
             claim(db, name)  # settles what a killed earlier driver left running
             plan = self._plan_context()   # this run's planning state, nothing shared with another run
             run = _Run(self, db, name, strategy, objective, space, plan)

@@ -26,7 +26,7 @@ from ..store import Store, StoreError
 from ..trial import Trial, TrialStatus
 
 __all__ = ["MAX_DEATHS", "FINISHED_COUNTED", "claim", "mark_interrupted", "interrupted_text", "find_abandoned", "mark_abandoned",
-           "fail_repeated_deaths", "driver_alive"]
+           "fail_repeated_deaths", "failure_settled", "driver_alive"]
 
 log = logging.getLogger("tridens")
 
@@ -157,6 +157,14 @@ def _settle(db: Store, name: str, running: Sequence[Trial], *, death: bool, expe
             db.update_trial(trial)
         if experiment:
             db.update_experiment(name, status="interrupted")
+
+
+def failure_settled(trial: Trial) -> bool:
+    """Whether a failed trial's failure is an outcome of its sample rather than an accident of its
+    run: a constraint it violates, or a process it killed :data:`MAX_DEATHS` times. Such a trial
+    counts toward ``max_trials`` on every run and is never retried; other failures (an error in
+    the loop, NaN, a timeout) are retried by a resumed run (``Experiment(retry_failed=True)``)."""
+    return (trial.error or "").startswith("constraint violated") or int(trial.info.get("deaths", 0)) >= MAX_DEATHS
 
 
 def fail_repeated_deaths(db: Store, trials: Sequence[Trial]) -> None:

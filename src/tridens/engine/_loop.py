@@ -34,7 +34,7 @@ from ..trial import Decision, Fork, Objective, Trial, TrialGroup, TrialStatus
 from ..text import printable
 from ..units import Job, PlanContext
 from ._execution import Executor
-from ._leftovers import FINISHED_COUNTED, fail_repeated_deaths
+from ._leftovers import FINISHED_COUNTED, fail_repeated_deaths, failure_settled
 from ._protocol import RunHalted, error_text
 
 if TYPE_CHECKING:
@@ -261,8 +261,13 @@ class _Run:
             callback.on_experiment_start(self.name, self.db.get_experiment(self.name).config)
         trials = self.db.trials(self.name)
         fail_repeated_deaths(self.db, trials)  # a trial that kills its process is not run a third time
-        finished = [t for t in trials if t.status.finished]
-        interrupted = [t for t in trials if not t.status.finished]
+        # An earlier run's failures (a bug since fixed, a crash) do not use up this run's budget:
+        # with retry_failed they train again first, else new trials take their place.
+        retried = [t for t in trials if self.exp.retry_failed and t.status is TrialStatus.FAILED and not failure_settled(t)]
+        finished = [t for t in trials if t.status.finished and t not in retried]
+        interrupted = [t for t in trials if not t.status.finished or t in retried]
+        for t in retried:
+            t.status, t.error, t.metric, t.checkpoint, t.finished_at = TrialStatus.PENDING, None, None, None, None
         for t in finished:
             if t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED):
                 self.seen.setdefault(self._dedup_key(t), t)
@@ -272,11 +277,12 @@ class _Run:
         executor = self.executor = self.exp._executor(self.db.path, self.name, self.plan)
         self.group_index = max((t.group or 0 for t in trials), default=-1) + 1
         self.position = len(trials)
-        before = sum(t.status in FINISHED_COUNTED for t in finished)
+        before = sum(t.status in FINISHED_COUNTED and (t.status is not TrialStatus.FAILED or failure_settled(t))
+                     for t in finished)
         self.progress.start(self.name, before, resumed, finished)
         if interrupted:
-            log.info("resuming %s: %d finished trials kept, %d interrupted trials run again",
-                     self.name, len(finished), len(interrupted))
+            log.info("resuming %s: %d finished trials kept, %d interrupted and %d failed trials run again",
+                     self.name, len(finished), len(interrupted) - len(retried), len(retried))
             for t in interrupted:
                 t.metrics = {}
                 t.forget_forks()  # trained again from its start

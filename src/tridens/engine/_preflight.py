@@ -19,7 +19,7 @@ from ..space import BaseSpace, Categorical, SearchSpace
 from ..strategy import Strategy
 from ..trial import Objective, Trial
 
-__all__ = ["SpaceChanged", "MEASURED", "check_reported_names", "check_names", "check_before_run", "check_same_space", "describe_space", "explain_failure", "fill_max_steps"]
+__all__ = ["SpaceChanged", "EvaluatorChanged", "check_same_evaluator", "MEASURED", "check_reported_names", "check_names", "check_before_run", "check_same_space", "describe_space", "explain_failure", "fill_max_steps"]
 
 # Candidates tried per label: every categorical candidate (up to this many), and both bounds of a range.
 _MAX_CANDIDATES = 64
@@ -120,8 +120,11 @@ def _declared_metrics(evaluator: Evaluator) -> list[str] | None:
     config = getattr(evaluator, "config", None)
     if callable(config):
         cfg = None
+        check_data = getattr(evaluator, "check_data", None)
         for sample in _evaluator_samples(evaluator.search_space()):
             cfg = config(sample)
+            if callable(check_data):
+                check_data(sample)  # labels against the loss (a dataset may be a choice too)
         return None if cfg is None else [*getattr(cfg, "metrics", ()), "train_loss"]
     check = getattr(evaluator, "_check", None)
     if callable(check):
@@ -198,6 +201,25 @@ def check_same_space(name: str, recorded: Mapping[str, Any] | None, current: Map
              (("new label", added), ("removed label", removed), ("changed label", changed)) if labels]
     raise SpaceChanged(f"experiment {name!r} was run with another search space ({'; '.join(parts)}): "
                        f"give this search a new name=, or pass resume='force' to add its trials to {name!r}")
+
+
+class EvaluatorChanged(SpaceChanged):
+    """A resumed experiment's evaluator computes something else than the one its trials were run
+    with: other settings (``epochs``), other data, other training code."""
+
+
+def check_same_evaluator(name: str, recorded: Mapping[str, str] | None, current: Mapping[str, str]) -> None:
+    """Raise :class:`EvaluatorChanged` when ``current`` (from
+    :func:`tridens.evaluators.evaluator_fingerprint`) differs from what experiment ``name``
+    recorded (nothing is checked when it recorded none), naming what changed."""
+    from ..evaluators import fingerprint_changes
+
+    if recorded is None or dict(recorded) == dict(current):
+        return
+    changes = fingerprint_changes(dict(recorded), dict(current))
+    raise EvaluatorChanged(f"experiment {name!r} was run with another evaluator (changed: {'; '.join(changes)}), so "
+                           f"its trials would not compare: give this search a new name=, or pass resume='force' to add "
+                           f"its trials to {name!r}")
 
 
 def explain_failure(space: BaseSpace, sample: Mapping[str, Any], error: str | None) -> str | None:

@@ -18,6 +18,7 @@ Objective(metric='val_acc', mode='max')
 from . import nasbench201
 from ._base import Evaluator, NullReporter, RecordingReporter, Reporter, StepwiseEvaluator, Trainer, drive
 from ._errors import InvalidParameter, NonFiniteLoss, NothingReported, TrialFailed, TrialStopped
+from ._fingerprint import evaluator_fingerprint, fingerprint_changes
 from ._functional import FunctionalEvaluator, report
 from ._lightning import LIGHTNING_MISSING, Lightning, lightning_package
 from ._replay import replay
@@ -35,5 +36,5 @@ __all__ = [
     "FunctionalEvaluator", "report", "replay", "Lightning", "lightning_package", "LIGHTNING_MISSING",
     "Tabular", "Table", "MemoryTable", "CurveTable", "SimulatedClock", "TableTrainer", "nasbench201",
     "InvalidParameter", "TrialFailed", "NonFiniteLoss", "NothingReported", "TrialStopped",
-    "stage_record", "record_digest", "dataset_digest",
+    "stage_record", "record_digest", "dataset_digest", "evaluator_fingerprint", "fingerprint_changes",
 ]

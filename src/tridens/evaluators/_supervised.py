@@ -468,6 +468,15 @@ class Classification(SupervisedEvaluator):
     0.93
     """
 
+    def check_data(self, sample: Mapping[str, Any] | None = None) -> None:
+        """Before the first trial: the labels of ``train`` and ``val`` are class indices, where the
+        loss is a built-in one (a loss of the user's own takes what it takes)."""
+        values = self.resolved(sample or {})
+        if values["loss"] is not None and not isinstance(values["loss"], str):
+            return
+        for name in ("train", "val"):
+            check_class_labels(values[name], name, type(self).__name__)
+
     task = "classification"
     _LOSSES = {"cross_entropy": F.cross_entropy, "nll": F.nll_loss}
     _METRICS = {"acc": "val_acc", "accuracy": "val_acc", "loss": "val_loss"}
@@ -524,6 +533,70 @@ def _to_device(x: Any, device: torch.device) -> Any:
     return x
 
 
+def _index_dtype(y: torch.Tensor) -> torch.Tensor:
+    """Integer labels (int32 from numpy, int16, uint8) as int64, the dtype losses take class
+    indices in: a lossless cast. Other labels as they are."""
+    if y.dtype in (torch.int8, torch.int16, torch.int32, torch.uint8):
+        return y.long()
+    return y
+
+
+def _labels_of(dataset: Any) -> tuple[torch.Tensor, bool] | None:
+    """The labels of a dataset: every one for a ``TensorDataset`` (or a ``Subset`` of one), else
+    the first item's, with a batch dimension added; and whether they are every label. ``None``
+    when they cannot be read as a tensor."""
+    base = dataset.dataset if isinstance(dataset, Subset) else dataset
+    tensors = getattr(base, "tensors", None)
+    if isinstance(tensors, (tuple, list)) and len(tensors) >= 2 and isinstance(tensors[1], torch.Tensor):
+        return tensors[1], True
+    try:
+        item = dataset[0]
+        return torch.as_tensor(item[1]).unsqueeze(0), False
+    except Exception:  # an item that is no (input, label) pair of numbers: the trial's error says it
+        return None
+
+
+def check_class_labels(dataset: Any, name: str, owner: str) -> None:
+    """The labels of ``dataset`` (the ``name`` parameter of ``owner``) are class indices, one per
+    example, as a classification loss takes them: integer labels of any width pass (they are cast
+    to int64 losslessly when read), float labels, one-hot rows and other shapes are refused with
+    one line saying what to pass instead.
+
+    >>> import torch
+    >>> ds = torch.utils.data.TensorDataset(torch.zeros(4, 2), torch.tensor([0.0, 1.0, 2.0, 1.0]))
+    >>> check_class_labels(ds, "train", "Classification")
+    Traceback (most recent call last):
+    ...
+    tridens.evaluators._errors.InvalidParameter: The 'train' data of Classification has float32 labels holding class indices, and a classification loss takes int64 class indices: pass y.long() as the labels (TensorDataset(x, y.long())).
+    """
+    found = _labels_of(dataset)
+    if found is None:
+        return
+    y, every = found
+    where = f"The {name!r} data of {owner} has"
+    dtype = str(y.dtype).replace("torch.", "")
+    one_hot = (y.dim() == 2 and y.shape[1] > 1 and bool(((y == 0) | (y == 1)).all())
+               and bool((y.sum(dim=1) == 1).all()))
+    if one_hot:
+        raise InvalidParameter(f"{where} one-hot labels ({dtype} rows of {y.shape[1]}), and a classification "
+                               "loss takes class indices: pass y.argmax(dim=1) as the labels.")
+    if y.dtype == torch.bool or y.is_complex():
+        raise InvalidParameter(f"{where} {dtype} labels, and a classification loss takes int64 class indices: "
+                               "pass y.long() as the labels.")
+    if y.dim() != 1:
+        shape = tuple(y.shape) if every else tuple(y.shape[1:])
+        raise InvalidParameter(f"{where} labels of shape {shape}{'' if every else ' per example'}, and a "
+                               "classification loss takes one class index per example (labels of shape (N,)); "
+                               "pass loss= a function of your own for other targets.")
+    if y.is_floating_point():
+        if bool((y == y.round()).all()) and bool((y >= 0).all()):
+            raise InvalidParameter(f"{where} {dtype} labels holding class indices, and a classification loss "
+                                   "takes int64 class indices: pass y.long() as the labels (TensorDataset(x, y.long())).")
+        raise InvalidParameter(f"{where} {dtype} labels that are not class indices (e.g. {float(y.flatten()[0])!r}), "
+                               "and a classification loss takes int64 class indices: use Regression for real-valued "
+                               "targets, or pass loss= a function of your own.")
+
+
 class BatchSource:
     """Batches of ``(input, target)`` from a dataset, on a device, in a given order.
 
@@ -540,7 +613,8 @@ class BatchSource:
             base, index = dataset.dataset, torch.as_tensor(list(dataset.indices), dtype=torch.long)
         tensors = getattr(base, "tensors", None)
         if isinstance(tensors, (tuple, list)) and len(tensors) >= 2 and all(isinstance(t, torch.Tensor) for t in tensors):
-            self.tensors = tuple((t if index is None else t[index]).to(device) for t in tensors[:2])
+            x, y = ((t if index is None else t[index]).to(device) for t in tensors[:2])
+            self.tensors = (x, _index_dtype(y))
         # whether reading a batch draws from the global generators: found on the first seeded
         # batch; a dataset that does not is then read without seeding them (a cost on every batch)
         self.random: bool | None = None
@@ -577,7 +651,7 @@ class BatchSource:
                     batch = next(loader)
                 self.random = drew[0] if drew else self.random
             x, y = batch[0], batch[1]
-            yield _to_device(x, self.device), y.to(self.device)
+            yield _to_device(x, self.device), _index_dtype(y.to(self.device))
 
     def epoch_batches(self, cfg: TrainConfig, seed: int, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The training batches of ``epoch`` for a trial with ``seed``: in the epoch's order, a
