@@ -305,7 +305,7 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
     if not Path(args.db).exists():
         print(f"tridens: no store at {Path(args.db).absolute()} yet; the dashboard shows its experiments once a run "
               "creates it (or pass --db PATH)", file=sys.stderr, flush=True)
-    serve(args.db, host=args.host, port=args.port)
+    serve(args.db, host=args.host, port=args.port, allowed_hosts=args.allow_host)
     return 0
 
 
@@ -385,6 +385,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="the address to listen on (default: %(default)s, this machine only; another address "
                         "lets others read the store and prints a warning)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="a name browsers reach the dashboard by, accepted as the Host header besides --host, "
+                        "localhost and 127.0.0.1 (repeatable); other Host headers get 403")
     p.set_defaults(fn=_cmd_dashboard)
     p = sub.add_parser("plot", parents=[common], help="learning curves and the objective vs each label, to an image file")
     p.add_argument("name", help="the experiment's name (see tridens ls)")

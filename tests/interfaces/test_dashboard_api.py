@@ -50,7 +50,7 @@ def _digest(path):
 
 def test_pages_of_ten_thousand_trials(big_store):
     before = _digest(big_store)
-    client = starlette_testclient.TestClient(create_app(big_store))
+    client = starlette_testclient.TestClient(create_app(big_store), base_url="http://localhost")
     listing = client.get("/api/experiments").json()["experiments"]
     assert [e["name"] for e in listing] == ["big"] and listing[0]["trials"] == N
     assert listing[0]["by_status"]["completed"] == 6000 and listing[0]["progress"] == 0.9
@@ -106,7 +106,7 @@ def test_pages_of_ten_thousand_trials(big_store):
 
 
 def test_errors_name_what_is_wrong(big_store):
-    client = starlette_testclient.TestClient(create_app(big_store))
+    client = starlette_testclient.TestClient(create_app(big_store), base_url="http://localhost")
     missing = client.get("/api/experiments/nope/trials")
     assert missing.status_code == 404 and "'nope'" in missing.json()["error"] and "'big'" in missing.json()["error"]
     bad_sort = client.get("/api/experiments/big/trials?sort=colour")
@@ -127,7 +127,7 @@ def test_pareto_front_and_relations(tmp_path):
                                         info={"params": params}, metrics={"val_acc": [acc]}))
         child = store.add_trial("mo", Trial(id=-1, sample={"w": 9}, seed=9, status=TrialStatus.COMPLETED, metric=0.5,
                                             parent=1, info={"params": 1000, "warm_start": {"parent": 1, "score": 0.75}}))
-    client = starlette_testclient.TestClient(create_app(db))
+    client = starlette_testclient.TestClient(create_app(db), base_url="http://localhost")
     front = client.get("/api/experiments/mo/pareto").json()
     on_front = {n for n, f in zip(front["numbers"], front["front"]) if f}
     assert on_front == {0, 1, 4}  # (0.85, 400) is dominated by (0.9, 300); (0.7, 100) by (0.8, 100)
@@ -140,7 +140,7 @@ def test_pareto_front_and_relations(tmp_path):
 
 
 def test_architecture_only_from_code_already_imported(tiny_store, tmp_path):
-    client = starlette_testclient.TestClient(create_app(tiny_store))
+    client = starlette_testclient.TestClient(create_app(tiny_store), base_url="http://localhost")
     arch = client.get("/api/experiments/tiny/trials/0/architecture").json()
     assert arch["available"] is True and "Linear" in arch["text"]  # tests.interfaces.tiny_search is imported here
     assert "no second objective" in client.get("/api/experiments/tiny/pareto").json()["message"]
@@ -149,7 +149,7 @@ def test_architecture_only_from_code_already_imported(tiny_store, tmp_path):
         store.create_experiment("foreign", {"space": {"kind": "model_space", "path": "someone_elses_module:Net",
                                                       "file": None, "args": [], "kwargs": {}}})
         store.add_trial("foreign", Trial(id=-1, sample={"w": 1}, seed=0, fingerprint="abc123"))
-    arch = starlette_testclient.TestClient(create_app(db)).get("/api/experiments/foreign/trials/0/architecture").json()
+    arch = starlette_testclient.TestClient(create_app(db), base_url="http://localhost").get("/api/experiments/foreign/trials/0/architecture").json()
     assert arch["available"] is False and "someone_elses_module:Net" in arch["reason"]
     assert arch["fingerprint"] == "abc123" and arch["sample"] == {"w": 1}
     import sys
@@ -157,7 +157,7 @@ def test_architecture_only_from_code_already_imported(tiny_store, tmp_path):
 
 
 def test_importance_with_either_optuna_evaluator(tiny_store):
-    client = starlette_testclient.TestClient(create_app(tiny_store))
+    client = starlette_testclient.TestClient(create_app(tiny_store), base_url="http://localhost")
     for evaluator in ("ped-anova", "fanova"):
         result = client.get(f"/api/experiments/tiny/importance?evaluator={evaluator}").json()
         assert result["evaluator"] == evaluator and result["trials"] == 4, result
@@ -190,7 +190,7 @@ def test_one_shot_supernet_curves_and_scored_subnets(tmp_path):
             store.add_trial("spos", Trial(id=-1, sample={"width": width}, seed=0, status=TrialStatus.COMPLETED, metric=acc,
                                           metrics={"val_acc": [acc]},
                                           info={"oneshot": {"role": "subnet", "strategy": "RandomOneShot", "inherited": True}}))
-    view = starlette_testclient.TestClient(create_app(db)).get("/api/experiments/spos/oneshot").json()
+    view = starlette_testclient.TestClient(create_app(db), base_url="http://localhost").get("/api/experiments/spos/oneshot").json()
     assert [s["id"] for s in view["supernets"]] == [supernet.id]
     assert view["supernets"][0]["metrics"]["train_loss"] == {"steps": [0, 1, 2], "values": [2.1, 1.4, 0.9]}
     assert [(s["sample"], s["metric"]) for s in view["subnets"]] == [({"width": 16}, 0.81), ({"width": 32}, 0.86)]
@@ -219,7 +219,7 @@ def test_plan_units_and_their_savings(tmp_path):
             store.update_trial(trial)
             for step, value in enumerate(trial.metrics["val_acc"]):
                 store.add_metrics(tid, step, {"val_acc": value})
-    plan = starlette_testclient.TestClient(create_app(db)).get("/api/experiments/plan/plan").json()
+    plan = starlette_testclient.TestClient(create_app(db), base_url="http://localhost").get("/api/experiments/plan/plan").json()
     by_kind = {u["kind"]: u for u in plan["units"]}
     assert [u["kind"] for u in plan["units"]] == ["stage tree", "batched", "separate"]
     assert by_kind["stage tree"]["trials"] == [0, 1, 2] and by_kind["stage tree"]["train_seconds"] == 3.0
@@ -244,7 +244,7 @@ def test_stage_tree_of_a_real_grid(tmp_path):
     db = tmp_path / "tree.db"
     td.Experiment(FixedNet(), evaluator, td.strategy.GridSearch(batch_size=16), store=db, name="tree",
                   seeds="per-architecture", verbose=False).run()
-    client = starlette_testclient.TestClient(create_app(db))
+    client = starlette_testclient.TestClient(create_app(db), base_url="http://localhost")
     tree = client.get("/api/experiments/tree/stages").json()
     stages = tree["stages"]
     roots = [s for s in stages if s["parent"] is None]
@@ -277,7 +277,7 @@ def test_a_fused_units_measured_speedup_reaches_the_plan(tmp_path):
     for name in ("first", "second"):
         td.Experiment(FixedNet(), evaluator, td.strategy.GridSearch(batch_size=16), store=db, name=name,
                       optimize=Settings().with_batching(mode="auto", override_speedup=3.0), verbose=False).run()
-    client = starlette_testclient.TestClient(create_app(db))
+    client = starlette_testclient.TestClient(create_app(db), base_url="http://localhost")
     for name in ("first", "second"):
         plan = client.get(f"/api/experiments/{name}/plan").json()
         [unit] = plan["units"]

@@ -104,7 +104,7 @@ def test_export_zoo_resume_and_dashboard_import_no_module_a_store_names(tmp_path
         Zoo(tmp_path / "zoo.db").add_experiment("e", db)
     assert not marker.exists()
 
-    client = starlette_testclient.TestClient(create_app(db))
+    client = starlette_testclient.TestClient(create_app(db), base_url="http://localhost")
     arch = client.get("/api/experiments/e/trials/0/architecture").json()
     assert arch["available"] is False and not marker.exists() and name not in sys.modules
 

@@ -192,3 +192,24 @@ def test_a_store_being_created_is_not_called_an_old_schema(tmp_path):
     res = tridens("ls", "--db", db)
     assert res.returncode == 1 and "holds no experiments yet" in res.stderr
     assert "schema version" not in res.stderr
+
+
+@pytest.mark.parametrize("plant", ["folder", "file"])
+def test_export_force_never_writes_through_a_planted_link(tmp_path, plant, tridens_here):
+    db = tmp_path / "runs.db"
+    make_store(db, {}).close()
+    out, other = tmp_path / "out", tmp_path / "someone_elses"
+    other.mkdir()
+    (other / "weights.pt").write_bytes(b"theirs")
+    (other / "tridens.json").write_text("{}")
+    out.mkdir()
+    if plant == "folder":  # the export's own folder name, linked to another folder
+        (out / "rank1-trial0").symlink_to(other, target_is_directory=True)
+    else:  # a folder without a manifest (kept by --force) holding a link where weights.pt goes
+        (out / "rank1-trial0").mkdir()
+        (out / "rank1-trial0" / "weights.pt").symlink_to(other / "weights.pt")
+    res = tridens_here("export", "e", "--to", out, "--db", db, "--force")
+    assert res.returncode == 0, res.stderr
+    assert (other / "weights.pt").read_bytes() == b"theirs" and (other / "tridens.json").read_text() == "{}"
+    weights = out / "rank1-trial0" / "weights.pt"
+    assert not weights.is_symlink() and set(torch.load(weights, weights_only=True)) == {"weight", "bias"}

@@ -4,11 +4,12 @@ draw it with Plotly.js, served from the installed ``plotly`` package (nothing fr
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ..errors import StoreError
 from ._reader import StoreReader
@@ -20,6 +21,47 @@ STATIC = Path(__file__).with_name("static")
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
+def _finite(value: Any) -> Any:
+    """JSON-safe: NaN and infinities (a metric that diverged) become null, containers recursively."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _host_name(header: str) -> str:
+    """The host of a ``Host:`` header, without its port: ``[::1]:80`` -> ``::1``."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+class _HostAllowList:
+    """ASGI middleware answering 403 to a request whose ``Host:`` is not one of ``hosts``: a web
+    page on another site that resolves its own name to this machine (DNS rebinding) reaches the
+    dashboard with its own name as the Host, and is refused."""
+
+    def __init__(self, app: Any, hosts: Sequence[str]) -> None:
+        self.app, self.hosts = app, {h.lower().strip("[]") for h in hosts}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            headers = dict(scope.get("headers") or [])
+            host = _host_name(headers.get(b"host", b"").decode("latin-1"))
+            if host not in self.hosts:
+                from starlette.responses import JSONResponse
+
+                response = JSONResponse({"error": f"Host {host!r} is not an address of this dashboard "
+                                                  f"({', '.join(sorted(self.hosts))})"}, status_code=403)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _plotly_js() -> bytes:
     """Plotly.js as the ``plotly`` Python package ships it."""
     import plotly.offline
@@ -27,8 +69,11 @@ def _plotly_js() -> bytes:
     return plotly.offline.get_plotlyjs().encode()
 
 
-def create_app(db: str | os.PathLike[str]) -> Any:
+def create_app(db: str | os.PathLike[str], *, allowed_hosts: Sequence[str] = LOCAL_HOSTS) -> Any:
     """The ASGI application over the store at ``db`` (opened read-only; nothing is ever written).
+    It answers only requests whose ``Host:`` header is one of ``allowed_hosts`` (403 otherwise),
+    so a page elsewhere cannot read the store through DNS rebinding; add the names you reach it
+    by when it listens beyond this machine.
 
     >>> app = create_app("tridens.db")                 # doctest: +SKIP
     >>> uvicorn.run(app, host="127.0.0.1", port=8765)  # doctest: +SKIP
@@ -50,7 +95,7 @@ def create_app(db: str | os.PathLike[str]) -> Any:
                 return JSONResponse({"error": " ".join(str(err).split())}, status_code=404)
             except ValueError as err:
                 return JSONResponse({"error": " ".join(str(err).split())}, status_code=400)
-            return Response(json.dumps(body, allow_nan=False, default=str), media_type="application/json")
+            return Response(json.dumps(_finite(body), allow_nan=False, default=str), media_type="application/json")
         return endpoint
 
     def _int(request: Request, key: str, default: int) -> int:
@@ -145,6 +190,7 @@ def create_app(db: str | os.PathLike[str]) -> Any:
     ]
     app = Starlette(routes=routes)
     app.state.reader = reader
+    app.add_middleware(_HostAllowList, hosts=list(allowed_hosts))
     return app
 
 
@@ -170,11 +216,12 @@ class Server:
     http://127.0.0.1:54321
     """
 
-    def __init__(self, db: str | os.PathLike[str], host: str = "127.0.0.1", port: int = 8765) -> None:
+    def __init__(self, db: str | os.PathLike[str], host: str = "127.0.0.1", port: int = 8765, *,
+                 allowed_hosts: Sequence[str] = ()) -> None:
         import uvicorn
 
         _check_host(host)
-        self.app = create_app(db)
+        self.app = create_app(db, allowed_hosts=(host, *LOCAL_HOSTS, *allowed_hosts))
         self.host = host
         self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning",
                                                     lifespan="off"))
@@ -212,16 +259,18 @@ class Server:
         self.stop()
 
 
-def serve(db: str | os.PathLike[str], host: str = "127.0.0.1", port: int = 8765) -> None:
+def serve(db: str | os.PathLike[str], host: str = "127.0.0.1", port: int = 8765, *,
+          allowed_hosts: Sequence[str] = ()) -> None:
     """Serve the dashboard of the store ``db`` until Ctrl-C (binds 127.0.0.1 unless ``host`` says
     otherwise, with a warning). Called from a search script, it can also draw the architectures of
-    that script's space (its code is imported there).
+    that script's space (its code is imported there). Requests are answered only for the
+    ``Host:`` names ``host``, ``localhost``, ``127.0.0.1`` and ``allowed_hosts``.
 
     >>> serve("tridens.db", port=8765)   # doctest: +SKIP
     """
     import uvicorn
 
     _check_host(host)
-    app = create_app(db)
+    app = create_app(db, allowed_hosts=(host, *LOCAL_HOSTS, *allowed_hosts))
     print(f"tridens dashboard of {Path(db).absolute()} on http://{host}:{port} (Ctrl-C to stop)", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -30,7 +30,8 @@ _EXPORT_FILES = (_MANIFEST, "weights.pt", "sample.json", "model.pt2")
 
 def _clear_for_export(directory: Path, force: bool) -> None:
     """Refuse a non-empty ``directory`` (two exports in one folder mix their models); with
-    ``force``, remove the tridens exports in it (other files stay)."""
+    ``force``, remove the tridens exports in it (other files stay). A symbolic link in it is
+    removed as a link, never followed: what it points to is not touched."""
     if directory.exists() and not directory.is_dir():
         raise TridensError(f"cannot export to {directory}: it is a file, not a directory")
     entries = sorted(directory.iterdir()) if directory.is_dir() else []
@@ -39,10 +40,21 @@ def _clear_for_export(directory: Path, force: bool) -> None:
         raise TridensError(f"cannot export to {directory}: it is not empty ({shown}); choose a new directory, or "
                            "pass --force (export(..., force=True)) to replace the tridens exports in it")
     for entry in entries:
-        if entry.is_dir() and (entry / _MANIFEST).exists():
+        if entry.is_symlink():
+            if entry.name in _EXPORT_FILES or entry.name.startswith("rank"):
+                entry.unlink()
+        elif entry.is_dir() and (entry / _MANIFEST).exists():
             shutil.rmtree(entry)
         elif entry.is_file() and entry.name in _EXPORT_FILES:
             entry.unlink()
+
+
+def _new_file(path: Path) -> Path:
+    """``path``, with whatever is there removed first (a link is removed, not followed), so that
+    writing it never writes through a link planted in the export directory."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    return path
 
 
 def export_trials(db: Store, config: dict[str, Any], trials: Sequence[Trial], directory: Path, *,
@@ -63,10 +75,13 @@ def export_trials(db: Store, config: dict[str, Any], trials: Sequence[Trial], di
     out = []
     for rank, trial in enumerate(trials, 1):
         target = directory / f"rank{rank}-trial{trial.label}"
+        if target.is_symlink():
+            raise TridensError(f"cannot export to {target}: it is a symbolic link (to {os.readlink(target)}); "
+                               "remove it, or choose a new directory")
         target.mkdir(parents=True, exist_ok=True)
         assert trial.checkpoint is not None  # checked above
         weights = db.load_checkpoint(trial.checkpoint)
-        torch.save(weights, target / "weights.pt")
+        torch.save(weights, _new_file(target / "weights.pt"))
         manifest = {
             "format": 1, "experiment": trial.experiment, "trial": trial.label, "sample": trial.sample,
             "seed": trial.seed, "fingerprint": trial.fingerprint, "metric": trial.metric, "metrics": trial.metrics,
@@ -88,12 +103,12 @@ def export_trials(db: Store, config: dict[str, Any], trials: Sequence[Trial], di
                     batch = tuple(torch.cat([x, x]) if x.shape[0] == 1 else x for x in inputs)
                     dims = tuple({0: torch.export.Dim.AUTO} for _ in batch)
                     program = torch.export.export(model, batch, dynamic_shapes=dims)
-                    torch.export.save(program, str(target / "model.pt2"))
+                    torch.export.save(program, str(_new_file(target / "model.pt2")))
                     manifest["program"] = "model.pt2"
             except Exception as err:  # the weights and recipe are exported even when the program is not
                 warnings.warn(f"trial {trial.label}: no self-contained program exported ({type(err).__name__}: {err})")
-        (target / "sample.json").write_text(json.dumps(trial.sample, indent=2))
-        (target / _MANIFEST).write_text(json.dumps(manifest, indent=2))
+        _new_file(target / "sample.json").write_text(json.dumps(trial.sample, indent=2))
+        _new_file(target / _MANIFEST).write_text(json.dumps(manifest, indent=2))
         out.append(target)
     return out
 

@@ -233,12 +233,13 @@ class TrialProtocol:
     # -- outcomes ----------------------------------------------------------------------------------
     def finish(self, value: float | None = None, weights: Mapping[str, Any] | None = None) -> None:
         """The training ended normally: COMPLETED with ``value`` (default: the last recorded one)
-        and the final ``weights``; STOPPED when the strategy stopped it; FAILED when the value is NaN."""
+        and the final ``weights``; STOPPED when the strategy stopped it; FAILED when the value is not
+        finite (NaN, or an infinity that would otherwise rank best or worst of all: a diverged run)."""
         if self.finished:
             return
         value = self.last if value is None else float(value)
-        if value is not None and math.isnan(value):
-            self._end(TrialStatus.FAILED, error="the final metric is NaN", value=value)
+        if value is not None and not math.isfinite(value):
+            self._end(TrialStatus.FAILED, error=f"the final metric is {value} (not a finite number)", value=value)
             return
         status = TrialStatus.STOPPED if self.trial.status is TrialStatus.STOPPED else TrialStatus.COMPLETED
         self._end(status, weights=weights, value=value)
