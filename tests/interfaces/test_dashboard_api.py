@@ -289,7 +289,7 @@ def test_a_fused_units_measured_speedup_reaches_the_plan(tmp_path):
 def test_importance_under_early_stopping_counts_the_stopped_trials(views_store):
     """ASHA stopped most trials at its first rung: importance compares every finished trial at the
     step all of them reached, and says so, instead of ranking labels on the few completed ones."""
-    client = starlette_testclient.TestClient(create_app(views_store))
+    client = starlette_testclient.TestClient(create_app(views_store), base_url="http://localhost")
     counts = client.get("/api/experiments/asha").json()["by_status"]
     assert counts.get("stopped", 0) >= 2
     result = client.get("/api/experiments/asha/importance?evaluator=fanova").json()
@@ -298,7 +298,7 @@ def test_importance_under_early_stopping_counts_the_stopped_trials(views_store):
 
 
 def test_log_labels_progress_of_a_run_without_a_limit_and_the_favicon(views_store):
-    client = starlette_testclient.TestClient(create_app(views_store))
+    client = starlette_testclient.TestClient(create_app(views_store), base_url="http://localhost")
     assert client.get("/api/experiments/logscale/hparams").json()["log_labels"] == ["lr"]
     assert client.get("/api/experiments/asha/hparams").json()["log_labels"] == []
     oneshot = next(e for e in client.get("/api/experiments").json()["experiments"] if e["name"] == "oneshot")
@@ -311,7 +311,7 @@ def test_a_store_not_created_yet_is_waited_for(tiny_store, tmp_path):
     """The dashboard starts before its store exists: the experiment list is empty (and says it
     waits), and fills once a run creates the store, without a restart."""
     later = tmp_path / "later.db"
-    client = starlette_testclient.TestClient(create_app(later))
+    client = starlette_testclient.TestClient(create_app(later), base_url="http://localhost")
     body = client.get("/api/experiments").json()
     assert body == {"store": str(later), "exists": False, "experiments": []}
     assert client.get("/api/experiments/tiny").status_code == 404

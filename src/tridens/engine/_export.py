@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import TridensError
+from ..files import MANIFEST_BYTES, check_archive, regular_file
 from ..store import Store
 from ..trial import Trial
 from ..space import RecipeError, build_space
@@ -168,14 +169,22 @@ def load(directory: str | os.PathLike[str], *, prefer: str = "module", rank: int
     >>> second = td.load("best-model", rank=2)    # doctest: +SKIP
     """
     path = _model_folder(Path(directory), rank)
-    manifest_path = path / _MANIFEST
+    # Files from someone else: regular files inside the folder only (a FIFO blocks, /dev/zero
+    # never ends), a bounded manifest, and no archive that inflates beyond its size (a zip bomb).
+    manifest_path = regular_file(path / _MANIFEST, inside=path, max_bytes=MANIFEST_BYTES, what="manifest")
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise TridensError(f"{manifest_path} is not a readable tridens manifest ({err})") from err
     if not isinstance(manifest, dict):
         raise TridensError(f"{manifest_path} is not a tridens manifest (a JSON {type(manifest).__name__})")
-    weights = torch.load(path / "weights.pt", weights_only=True)
+    weights_path = regular_file(path / "weights.pt", inside=path, what="weights file")
+    check_archive(weights_path, what="weights file")
+    try:
+        weights = torch.load(weights_path, weights_only=True)
+    except Exception as err:  # a damaged or crafted file: one line naming it
+        raise TridensError(f"cannot load the weights {weights_path}: {type(err).__name__}: "
+                           f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from err
     if prefer == "module" and manifest.get("space") is not None:
         try:
             space = build_space(manifest["space"], trust_code=trust_code, untrusted_dir=path,
@@ -191,6 +200,7 @@ def load(directory: str | os.PathLike[str], *, prefer: str = "module", rank: int
         program = path / str(manifest["program"])
         if program.parent.resolve() != path.resolve():
             raise TridensError(f"{manifest_path} names the program {manifest['program']!r}, outside its folder")
+        regular_file(program, inside=path, what="program")
         if not trust_code:
             check_program(program)
         return ExportedProgram(torch.export.load(str(program)).module(), path)

@@ -239,7 +239,7 @@ class TrialProtocol:
             return
         value = self.last if value is None else float(value)
         if value is not None and not math.isfinite(value):
-            self._end(TrialStatus.FAILED, error=f"the final metric is {value} (not a finite number)", value=value)
+            self._end(TrialStatus.FAILED, error=f"the final metric is {'NaN' if math.isnan(value) else value} (not a finite number)", value=value)
             return
         status = TrialStatus.STOPPED if self.trial.status is TrialStatus.STOPPED else TrialStatus.COMPLETED
         self._end(status, weights=weights, value=value)

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from ..errors import StorageFault, StoreError
+from ..errors import StorageFault, StoreError, TridensError
+from ..files import check_archive
 from ..trial import Trial, TrialStatus
 from ._records import ExperimentRecord
 from ._schema import CURRENT_VERSION, check_not_newer, read_version, upgrade
@@ -863,6 +864,10 @@ class Store:
             raise StoreError(f"refusing the checkpoint {str(p)!r}: it lies outside the store's folder {self.files_dir}")
         if not p.is_file():
             raise StoreError(f"no checkpoint file {p} (store {self.path})")
+        try:
+            check_archive(p)
+        except TridensError as err:
+            raise StoreError(str(err)) from err
         try:
             return torch.load(p, map_location=map_location, weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
