@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def local_ray():
     """One local Ray for the module (the executor uses a Ray already started in the process)."""
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

@@ -416,7 +416,7 @@ def test_adaptive_units_on_ray(monkeypatch, data, tmp_path, caplog):
     train, val = data
     ev = td.evaluators.Classification(train=train, val=val, epochs=2, batch_size=128, optimizer="adam",
                                       lr=td.choice("lr", [0.01, 0.003]))
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
         runs = []
         for kind, executor in (("inline", td.executors.Inline()), ("ray", td.executors.Ray(workers=1))):

@@ -9,7 +9,8 @@ single-machine Ray: the setting that ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` sel
 cannot serve here (Ray is imported before a run starts, and it would also turn a driver that
 joins a real cluster into a loopback one), so that setting is switched off for the one
 ``ray.init`` call that starts the local Ray, and put back right after; the processes it starts
-are handed ``127.0.0.1`` as their node address. No dashboard is started. A Ray whose node
+are handed ``127.0.0.1`` as their node address. ``address="local"``: always a Ray of its own, never
+a cluster some other process on the machine started (which ``ray.init()`` would join). No dashboard is started. A Ray whose node
 address still comes out otherwise (a Ray version without that setting) is logged as a warning
 naming the address it listens on.
 """
@@ -44,7 +45,7 @@ def start_local_ray(num_cpus: int, **options: Any) -> str:
     if cluster is not None:
         ray_constants.ENABLE_RAY_CLUSTER = False  # keep 127.0.0.1 as the node address (see the module docstring)
     try:
-        ray.init(num_cpus=num_cpus, _node_ip_address=LOOPBACK, **settings)
+        ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, **settings)
     finally:
         if cluster is not None:
             ray_constants.ENABLE_RAY_CLUSTER = cluster
