@@ -9,7 +9,8 @@ over the form's time per model (above 1: the form is faster).
 
 Forms: ``separate`` (K SupervisedTrainers, float32 NCHW: the baseline), ``separate-cl`` (the same
 channels-last), ``separate-cl-bf16`` (channels-last, ``precision="bf16-mixed"``), ``grouped``
-(tridens' grouped program, NCHW float32), ``grouped-cl`` (channels-last float32), ``grouped-cl-bf16``
+(tridens' grouped program, NCHW float32, exact: convolutions and Linear per model),
+``grouped-inexact`` (the same with ``exact=False``: one grouped convolution, one batched matmul), ``grouped-cl`` (channels-last float32), ``grouped-cl-bf16``
 (channels-last, bf16-mixed), ``vmap`` (``BatchingSettings(packed=False)``), and with ``--compile``
 ``grouped-compiled`` (``torch.compile`` of the grouped program; its compile time reported apart).
 
@@ -37,7 +38,8 @@ from tridens.units import Job  # noqa: E402
 from tridens.xopt import BatchingSettings  # noqa: E402
 from tridens.xopt._batched import BatchedMember  # noqa: E402
 
-FORMS = ["separate", "separate-cl", "separate-cl-bf16", "grouped", "grouped-cl", "grouped-cl-bf16", "vmap"]
+FORMS = ["separate", "separate-cl", "separate-cl-bf16", "grouped", "grouped-inexact", "grouped-cl", "grouped-cl-bf16",
+         "vmap"]
 
 
 def bn_cnn(dropout: float = 0.25) -> nn.Module:
@@ -86,7 +88,9 @@ def stepper(form: str, k: int, data: Any) -> Callable[[torch.Tensor, torch.Tenso
             for t in trainers:
                 t.train_batch(x, y, i)
         return separate
-    settings = BatchingSettings(packed=form != "vmap", channels_last="-cl" in form or form == "grouped-compiled")
+    # only "grouped" is exact (convolutions and Linear per model); the others take kernels over all K
+    settings = BatchingSettings(packed=form != "vmap", channels_last="-cl" in form or form == "grouped-compiled",
+                                exact=form == "grouped")
     member = BatchedMember(jobs(k), ev, settings=settings)
     assert member.engine == ("vmap" if form == "vmap" else "grouped kernels"), member.why_vmap
     member.begin_epoch()

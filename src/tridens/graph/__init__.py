@@ -17,6 +17,6 @@ graph Sequential(%input_1):
 from . import _meta as meta
 from ._flops import forward_flops
 from ._graph import Graph, Node
-from ._trace import OpaqueModuleWarning, trace
+from ._trace import OpaqueModuleWarning, ShapeSpecializedWarning, trace
 
-__all__ = ["trace", "Graph", "Node", "OpaqueModuleWarning", "meta", "forward_flops"]
+__all__ = ["trace", "Graph", "Node", "OpaqueModuleWarning", "ShapeSpecializedWarning", "meta", "forward_flops"]

@@ -5,14 +5,23 @@ through. When fx fails inside a user module's forward (data-dependent control fl
 module becomes a leaf -- an *opaque* node -- and tracing starts over, a few times at most. When the
 top-level forward itself fails, the whole model is one opaque node. Every opaque node is reported
 with ``warnings.warn`` (an :class:`OpaqueModuleWarning`) naming the module and the fx error.
+
+A condition on shapes (``if x.dim() == 2:``, ``x.ndim``, ``x.shape[1] != 64``, ``x.size(0) > 1``)
+cannot be decided on a symbolic value; with example inputs it is decided on them instead (the
+graph up to that point run on meta copies: no weights touched, no statistics updated), the branch
+taken is the one recorded, and a :class:`ShapeSpecializedWarning` names the line. Shapes used as
+values (``x.view(x.size(0), -1)``) stay symbolic; conditions on tensor values still fail.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import math
+import os
 import threading
+import traceback
 import warnings
 from typing import Any, Iterator, Sequence
 
@@ -24,7 +33,7 @@ from . import _meta
 from ._graph import Graph
 from ._shapes import as_inputs
 
-__all__ = ["trace", "OpaqueModuleWarning"]
+__all__ = ["trace", "OpaqueModuleWarning", "ShapeSpecializedWarning"]
 
 #: how many submodules may be made opaque before the whole model is
 _MAX_OPAQUE = 8
@@ -32,6 +41,24 @@ _MAX_OPAQUE = 8
 
 class OpaqueModuleWarning(UserWarning):
     """A module torch.fx could not trace through is kept as one opaque (still trainable) node."""
+
+
+class ShapeSpecializedWarning(UserWarning):
+    """A condition in a forward was decided from the example inputs' shapes while tracing: the
+    graph holds the branch those inputs take (inputs of another rank or size may need another)."""
+
+
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the tridens package
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _user_line() -> str:
+    """``file:line: code`` of the innermost frame outside torch and tridens (the user's forward)."""
+    for frame in reversed(traceback.extract_stack()):
+        name = os.path.abspath(frame.filename)
+        if not name.startswith((_HERE, _TORCH)):
+            return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
+    return "an unknown line"
 
 
 def _math_tables() -> tuple[dict[str, Any], dict[str, Any], frozenset[int]] | None:
@@ -86,7 +113,8 @@ class _Tracer(fx.Tracer):
     It remembers the innermost traced-through module whose forward raised (``failed_path``).
     """
 
-    def __init__(self, opaque: dict[str, str], leaf_types: tuple[type, ...]) -> None:
+    def __init__(self, opaque: dict[str, str], leaf_types: tuple[type, ...],
+                 example_inputs: tuple[Any, ...] | None = None) -> None:
         tables = _math_tables()
         if tables is None:
             super().__init__()
@@ -97,6 +125,67 @@ class _Tracer(fx.Tracer):
         self.opaque = opaque
         self.leaf_types = leaf_types
         self.failed_path: str | None = None
+        self.example_inputs = example_inputs
+        self._meta_root: nn.Module | None = None
+        self._values: dict[fx.Node, Any] = {}
+        self._evaluating = False  # running meta copies: module calls run as they are, untraced
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        """A condition on a traced value: decided on the example inputs when it depends on shapes
+        only (warned, naming the line), else fx's error."""
+        if self.example_inputs is None:
+            return super().to_bool(obj)
+        try:
+            value = self._evaluate(obj.node)
+        except Exception:
+            value = None
+        if isinstance(value, torch.Tensor) and value.device.type != "meta" and value.numel() == 1:
+            value = bool(value)
+        if not isinstance(value, (bool, int, float)):
+            return super().to_bool(obj)  # a condition on tensor values: fx's TraceError
+        decided = bool(value)
+        warnings.warn(f"tridens.graph.trace: a condition at {_user_line()} was decided from the example inputs "
+                      f"({decided}): the graph holds that branch only", ShapeSpecializedWarning, stacklevel=2)
+        return decided
+
+    def _evaluate(self, target: fx.Node) -> Any:
+        """``target``'s value on meta copies of the example inputs and of the model (the graph
+        traced so far, run once node by node; values kept for later conditions)."""
+        if self._meta_root is None:
+            self._meta_root = copy.deepcopy(self.root).to("meta")
+        self._evaluating = True
+        try:
+            return self._run_to(target)
+        finally:
+            self._evaluating = False
+
+    def _run_to(self, target: fx.Node) -> Any:
+        root, values = self._meta_root, self._values
+        assert root is not None
+        inputs = iter(self.example_inputs or ())
+        for node in self.graph.nodes:
+            if node in values:
+                if node is target:
+                    break
+                continue
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: values[n])
+            if node.op == "placeholder":
+                x = next(inputs)
+                values[node] = x.to("meta") if isinstance(x, torch.Tensor) else x
+            elif node.op == "get_attr":
+                value: Any = root
+                for part in str(node.target).split("."):
+                    value = getattr(value, part)
+                values[node] = value
+            elif node.op == "call_module":
+                values[node] = root.get_submodule(str(node.target))(*args, **kwargs)
+            elif node.op == "call_function":
+                values[node] = node.target(*args, **kwargs)  # type: ignore[operator]
+            elif node.op == "call_method":
+                values[node] = getattr(args[0], str(node.target))(*args[1:], **kwargs)
+            if node is target:
+                break
+        return values[target]
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return (
@@ -106,6 +195,8 @@ class _Tracer(fx.Tracer):
         )
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._evaluating:  # (fx patches Module.__call__ while tracing)
+            return forward(*args, **kwargs)
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception:
@@ -238,7 +329,7 @@ def trace(model: nn.Module, example_inputs: Any = None, *,
     fx_graph: fx.Graph | None = None
     root_error: BaseException | None = None
     for _ in range(_MAX_OPAQUE + 1):
-        tracer = _Tracer(opaque, leaf_types)
+        tracer = _Tracer(opaque, leaf_types, inputs)
         before = set(vars(model))
         try:
             with _math_wrapped(tracer.math_tables) if tracer.math_tables else contextlib.nullcontext():
