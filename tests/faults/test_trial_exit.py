@@ -2,7 +2,10 @@
 
 import sys
 
+import pytest
+
 import tridens as td
+from tridens.engine._experiment import ExperimentFailed
 
 
 def _exits_on_x_2(x):
@@ -25,6 +28,8 @@ def test_sys_exit_in_an_inline_trial_fails_that_trial_and_resume_does_not_loop(t
     assert by_x[2].status is td.TrialStatus.FAILED
     assert "sys.exit(3)" in by_x[2].error.splitlines()[-1]
     assert all(by_x[x].status is td.TrialStatus.COMPLETED for x in (1, 3, 4))
-    again = _search(db).run()   # nothing is left to run: the failed trial is not run again
+    with pytest.raises(ExperimentFailed, match="sys.exit"):   # the rerun tries it once more, in this process
+        _search(db).run()
+    again = td.Experiment.load(str(db), "exits")
     assert [t.status for t in again.trials()] == [t.status for t in exp.trials()]
     assert len(again.trials()) == 4

@@ -6,14 +6,17 @@ import time
 import tridens as td
 
 
-def score(x, y, pause):
-    time.sleep(pause)
+PAUSE = 0.0  # seconds per trial: not an evaluator setting, so the resumed run has the same evaluator
+
+
+def score(x, y):
+    time.sleep(PAUSE)
     return float(x) + y
 
 
 if __name__ == "__main__":
-    db, pause = sys.argv[1], float(sys.argv[2])
+    db, PAUSE = sys.argv[1], float(sys.argv[2])
     evaluator = td.evaluators.FunctionalEvaluator(score, x=td.choice("x", list(range(1000))),
-                                                  y=td.uniform("y", 0.0, 1.0), pause=pause)
+                                                  y=td.uniform("y", 0.0, 1.0))
     td.Experiment(None, evaluator, td.strategy.Random(batch_size=4), max_trials=16, seed=5, store=db,
                   name="sequence", verbose=False).run()
