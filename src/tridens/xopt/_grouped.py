@@ -188,7 +188,7 @@ def grouped_batch_norm(v: torch.Tensor, run: GroupedRun, *, name: str, src: str,
     if model_major and v.dim() != 3:
         raise ValueError(f"{name}: BatchNorm on a {v.dim() - 1}-d per-model input")
     if use_batch and not model_major and not run.exact and batch_norm_supported(v) and batch_norm_pays(v):
-        # the native NCHW kernel is per-element bound on packed small maps: ~2.5x slower forward
+        # the native NCHW kernel is per-element bound on packed small maps (BENCHMARKS.md: figures behind choices)
         return BatchNormTrain.apply(v, None if weight is None else weight.reshape(-1),
                                     None if bias is None else bias.reshape(-1),
                                     None if mean is None or not training else mean.view(-1),
