@@ -9,6 +9,11 @@ def digits_data():
     return digits()
 
 
+@pytest.fixture(scope="session")
+def data(digits_data):
+    return digits_data
+
+
 @pytest.fixture
 def classification(digits_data):
     train, val = digits_data

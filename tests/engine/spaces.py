@@ -27,6 +27,20 @@ class TinyCNN(tnn.ModelSpace):
         return self.head(self.drop(x.flatten(1)))
 
 
+class WidthMLP(tnn.ModelSpace):
+    """An MLP on digits whose hidden width is the one choice ("width")."""
+
+    def __init__(self, widths=(16, 32)):
+        super().__init__()
+        w = td.choice("width", list(widths))
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, w), nn.ReLU())
+        self.head = nn.Linear(w, 10)
+        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
 class TinyMLP(tnn.ModelSpace):
     def __init__(self):
         super().__init__()

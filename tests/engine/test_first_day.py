@@ -23,6 +23,7 @@ from tridens.engine._progress import trials_table
 from tridens.errors import InvalidSample, TridensError
 from tridens.store import Store
 from tridens.trial import TrialStatus
+from .spaces import WidthMLP as Net
 
 
 def train_mlp(lr, hidden, epochs=2):
@@ -46,18 +47,6 @@ def hp_evaluator():
                                              hidden=td.choice("hidden", [16, 32]))
 
 
-class Net(tnn.ModelSpace):
-    def __init__(self, widths=(16, 32)):
-        super().__init__()
-        w = td.choice("width", list(widths))
-        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, w), nn.ReLU())
-        self.head = nn.Linear(w, 10)
-        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
-
-    def forward(self, x):
-        return self.head(self.body(x))
-
-
 class BadHead(tnn.ModelSpace):
     """Width 32 does not fit the head (a user's bug): freeze() names the layer."""
 
@@ -70,11 +59,6 @@ class BadHead(tnn.ModelSpace):
 
     def forward(self, x):
         return self.head(self.body(x))
-
-
-@pytest.fixture(scope="module")
-def data():
-    return td.datasets.digits()
 
 
 def classification(data, **kw):

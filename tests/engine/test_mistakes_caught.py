@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 import tridens as td
-from tridens import nn as tnn
 from tridens.errors import UnknownMetric
 from tridens.store import Store
+from .spaces import WidthMLP as Net
 
 
 def train_loss_acc(lr, hidden=32, epochs=2):
@@ -31,23 +31,6 @@ def train_loss_acc(lr, hidden=32, epochs=2):
 
 def loop_evaluator():
     return td.evaluators.FunctionalEvaluator(train_loss_acc, lr=td.loguniform("lr", 1e-3, 3e-2))
-
-
-class Net(tnn.ModelSpace):
-    def __init__(self):
-        super().__init__()
-        w = td.choice("width", [16, 32])
-        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, w), nn.ReLU())
-        self.head = nn.Linear(w, 10)
-        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
-
-    def forward(self, x):
-        return self.head(self.body(x))
-
-
-@pytest.fixture(scope="module")
-def data():
-    return td.datasets.digits()
 
 
 def classification(data, **kw):
