@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -39,6 +40,7 @@ from ..trial import Decision, Fork
 from ..units import ExecutionUnit, Job, PlanContext, SeparateUnit
 from ._protocol import GroupHooks, TrialProtocol, TrialTimeout, Verdict, error_text
 from ._threads import ThreadPolicy
+from ._watchdog import check_overtime, death_error, for_trial
 
 __all__ = ["Executor", "RunContext", "InlineExecutor", "ProcessExecutor", "run_lockstep", "plan_units",
            "model_bytes", "weights_bytes", "state_bytes", "make_executor", "check_forks", "fork_members", "handed_source"]
@@ -815,9 +817,7 @@ class ProcessExecutor(Executor):
             for index, run in list(running.items()):
                 if run.worker.conn in ready and not self._handle(index, run):
                     del running[index]
-                elif run.life.over_time():  # hangs or runs too long: killed with its worker
-                    self.replace(index)
-                    run.life.time_out("and was killed")
+                elif check_overtime(run.life, functools.partial(self.replace, index)):  # hangs or runs too long
                     del running[index]
 
     def _handle(self, index: int, run: _Running) -> bool:
@@ -828,7 +828,7 @@ class ProcessExecutor(Executor):
         except (EOFError, OSError):
             code = run.worker.exit_code()
             self.replace(index)
-            life.fail(f"the worker process of trial {life.trial.label} died (exit code {code})")
+            life.fail(for_trial(death_error("worker process", f"exit code {code}"), life.trial))
             return False
         kind = message[0]
         if kind == "started":

@@ -15,6 +15,7 @@ epoch helpers :func:`budget` and :func:`epoch_metrics` are shared with the Ray w
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,8 @@ from ..evaluators import Evaluator, StepwiseEvaluator
 from ..units import Job
 from ._execution import load_bytes, model_bytes, state_bytes, weights_bytes
 from ._fluid import Placement, StaticFluid
-from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text, timeout_error
+from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text
+from ._watchdog import check_silence, death_error, for_trial
 
 if TYPE_CHECKING:
     from ._execution import ProcessExecutor
@@ -231,7 +233,7 @@ class FluidRun:
                     self._closed(tid, None)
                 elif tid in self.trials:
                     number = self.trials[tid].life.trial.label
-                    error = (reason.format(trial=number) if tid in victims else
+                    error = (for_trial(reason, number) if tid in victims else
                              f"trial {number} was lost with worker {s} (killed because of trial(s) "
                              f"{[self.trials[v].life.trial.label if v in self.trials else v for v in victims]})")
                     self._end(tid, clean=False).fail(error)
@@ -262,9 +264,8 @@ class FluidRun:
                 self._closed(tid, None)
             for tid, ft in list(self.trials.items()):
                 # A trial silent for longer than the timeout hangs inside an epoch: kill its worker.
-                if ft.slots and tid in self.trials and ft.life.silent_too_long(ft.last_message):
-                    self._kill_slot(ft.slots[0], timeout_error("{trial}", self.hooks.trial_timeout or 0.0,
-                                                               "inside an epoch and was killed"))
+                if ft.slots and tid in self.trials:
+                    check_silence([ft.life], ft.last_message, functools.partial(self._kill_slot, ft.slots[0]))
 
     def _receive(self, slot: int, conn: Connection) -> None:
         """One message from the worker in ``slot``."""
@@ -273,7 +274,7 @@ class FluidRun:
         except (EOFError, OSError):
             worker = self.executor.running(slot)
             code = None if worker is None else worker.exit_code()
-            self._kill_slot(slot, "the worker process of trial {trial} died (exit code %s)" % code)
+            self._kill_slot(slot, death_error("worker process", f"exit code {code}"))
             return
         kind, tid = message[0], message[1]
         if kind == "closed":

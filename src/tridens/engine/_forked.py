@@ -46,7 +46,8 @@ import torch
 from ..units import Decisions, ExecutionUnit
 from ._execution import run_lockstep
 from ._pool_units import PipeJudge, settle_left
-from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text, timeout_error
+from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text
+from ._watchdog import check_silence, death_error, ended_error, for_trial
 
 __all__ = ["forkable", "run_forked"]
 
@@ -147,9 +148,8 @@ def run_forked(shares: Sequence[Sequence[ExecutionUnit]], lives: Mapping[int, Tr
                     _receive(child, decisions)
             _barrier(children, rank)
             for child in children:
-                if child.open and child.round is None and \
-                        any(life.silent_too_long(child.last_message) for life in child.lives.values()):
-                    _lost(child, timeout_error("{trial}", hooks.trial_timeout or 0.0, "inside an epoch and was killed"))
+                if child.open and child.round is None:
+                    check_silence(child.lives.values(), child.last_message, lambda error: _lost(child, error))
     finally:
         for child in children:
             child.process.join(timeout=5)
@@ -168,7 +168,7 @@ def _receive(child: _Share, decisions: Decisions | None = None) -> None:
             message = child.conn.recv()
         except (EOFError, OSError):
             child.process.join(timeout=2)
-            _lost(child, "the forked process training trial {trial} died (exit code %s)" % child.process.exitcode)
+            _lost(child, death_error("forked process", f"exit code {child.process.exitcode}"))
             return
         child.last_message = time.monotonic()
         kind = message[0]
@@ -182,8 +182,8 @@ def _receive(child: _Share, decisions: Decisions | None = None) -> None:
             if decisions is not None:
                 decisions.add(message[1])
         elif kind == "end":
-            for tid, life in list(child.lives.items()):
-                life.fail(f"the unit of trial {tid} ended in its forked process without an outcome for it")
+            for life in list(child.lives.values()):
+                life.fail(for_trial(ended_error("in its forked process"), life.trial))
             child.lives.clear()
             child.open = False
 
@@ -194,7 +194,7 @@ def _lost(child: _Share, error: str) -> None:
         child.process.kill()
     child.open = False
     for life in child.lives.values():
-        life.fail(error.replace("{trial}", str(life.trial.label)))
+        life.fail(for_trial(error, life.trial))
     child.lives.clear()
     child.round = None
 

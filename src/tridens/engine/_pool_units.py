@@ -46,8 +46,10 @@ from ..trial import Fork, Trial
 from ..units import ExecutionUnit, Job, PlanContext
 from ._execution import (LockstepJudge, UnitReport, handed_source, load_bytes, model_bytes, plan_units, run_lockstep,
                          state_bytes)
-from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text, timeout_error
+from ._messages import Outcome
+from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text
 from ._stage_relay import ArchiveRelay, PlanningView, answer_archive_call
+from ._watchdog import check_silence, death_error, ended_error, for_trial, settle
 
 if TYPE_CHECKING:
     from ._execution import PoolWorker, ProcessExecutor
@@ -166,8 +168,7 @@ class UnitRun:
                 self._barrier(list(running.values()))
             for slot, p in list(running.items()):
                 # silent for longer than the timeout while training (not while waiting for the others)
-                if p.round is None and any(life.silent_too_long(p.last_message) for life in p.lives.values()):
-                    self._lost(p, timeout_error("{trial}", self.hooks.trial_timeout or 0.0, "inside an epoch and was killed"))
+                if p.round is None and check_silence(p.lives.values(), p.last_message, lambda error: self._lost(p, error)):
                     del running[slot]
 
     def _launch(self, p: _Placement, slot: int) -> _Placement:
@@ -187,8 +188,8 @@ class UnitRun:
         """The placement's worker died or hangs: replaced; every member still there fails."""
         assert p.slot is not None
         self.executor.replace(p.slot)
-        for tid, life in list(p.lives.items()):
-            life.fail(error.replace("{trial}", str(life.trial.label)))
+        for life in list(p.lives.values()):
+            life.fail(for_trial(error, life.trial))
         p.lives.clear()
 
     def _receive(self, p: _Placement) -> bool:
@@ -208,15 +209,15 @@ class UnitRun:
         again); a second death fails them. A population that forks (PBT) trains in lockstep with
         the other workers' members, so its lost members fail."""
         p.deaths += 1
+        error = death_error("worker process", f"exit code {code}", times=p.deaths)
         if p.deaths > 1 or self.forks or not p.lives:
-            times = "twice" if p.deaths > 1 else ""
-            self._lost(p, f"the worker process of trial {{trial}} died {times} (exit code {code})".replace("  ", " "))
+            self._lost(p, error)
             return
         assert p.slot is not None
         self.executor.replace(p.slot)
         p.round, p.worker, p.slot = None, None, None
-        log.warning("the worker process of trials %s died (exit code %s); they are retried once on a fresh worker",
-                    ", ".join(str(life.trial.label) for life in p.lives.values()), code)
+        log.warning("%s; retried once on a fresh worker",
+                    for_trial(error, ", ".join(str(life.trial.label) for life in p.lives.values())))
         self.retry.append(p)
 
     def _handle(self, p: _Placement, message: tuple[Any, ...]) -> bool:
@@ -242,8 +243,8 @@ class UnitRun:
         elif kind == "left":
             self._left(p, message[1], message[2])
         elif kind == "end":
-            for tid, life in list(p.lives.items()):
-                life.fail(f"the unit of trial {tid} ended in its worker without an outcome for it")
+            for life in list(p.lives.values()):
+                life.fail(for_trial(ended_error("in its worker"), life.trial))
             p.lives.clear()
             return False
         return True
@@ -262,7 +263,7 @@ class UnitRun:
             p.lives.pop(tid, None)
         return verdict
 
-    def _left(self, p: _Placement, tid: int, outcome: Mapping[str, Any]) -> None:
+    def _left(self, p: _Placement, tid: int, outcome: Outcome) -> None:
         settle_left(p.lives, tid, outcome)
 
     def _archive_call(self, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -326,18 +327,12 @@ class UnitRun:
             self._handle(p, message)
 
 
-def settle_left(lives: dict[int, TrialProtocol], tid: int, outcome: Mapping[str, Any]) -> None:
+def settle_left(lives: dict[int, TrialProtocol], tid: int, outcome: Outcome) -> None:
     """A member's ``("left", tid, outcome)`` from a :class:`PipeJudge`: its protocol leaves
-    ``lives`` and takes the info the unit wrote, then fails with the error or finishes with the
-    weights (``"dropped"``: already failed here)."""
+    ``lives`` and its outcome is settled (:func:`~._watchdog.settle`; weights as bytes)."""
     life = lives.pop(tid, None)
-    if life is None:
-        return
-    life.trial.info.update(outcome.get("info") or {})
-    if outcome["kind"] == "error":
-        life.fail(outcome["error"])
-    elif outcome["kind"] == "done":
-        life.finish(None, load_bytes(outcome["weights"]))
+    if life is not None:
+        settle(life, outcome, load_bytes)
 
 
 # -- the worker ---------------------------------------------------------------------------------------
@@ -398,7 +393,7 @@ class PipeJudge(LockstepJudge):
         if trial_id not in self.left:
             self.left.add(trial_id)
             text = err if isinstance(err, str) else error_text(err)
-            self.conn.send(("left", trial_id, {"kind": "error", "error": text, "info": self._info(trial_id)}))
+            self.conn.send(("left", trial_id, Outcome("error", error=text, info=self._info(trial_id))))
 
     def finished(self, report: UnitReport, verdict: Verdict) -> None:
         tid = report.trial_id
@@ -407,9 +402,9 @@ class PipeJudge(LockstepJudge):
         self.left.add(tid)
         if verdict.finishes:
             weights = report.unit.weights(tid)
-            self.conn.send(("left", tid, {"kind": "done", "weights": state_bytes(weights), "info": self._info(tid)}))
+            self.conn.send(("left", tid, Outcome("done", weights=state_bytes(weights), info=self._info(tid))))
         else:   # dropped (already failed on the driver)
-            self.conn.send(("left", tid, {"kind": "dropped"}))
+            self.conn.send(("left", tid, Outcome("dropped")))
 
 
 def _call(conn: Connection, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

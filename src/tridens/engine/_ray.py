@@ -37,6 +37,7 @@ this module holds the executor and its driver loop over unit tasks.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -50,12 +51,14 @@ from ..evaluators import Evaluator, StepwiseEvaluator
 from ..units import Job, PlanContext
 from ._execution import Executor, RunContext, _context
 from ..trial import Fork
-from ._protocol import GroupHooks, TrialProtocol, Verdict, timeout_error
+from ._messages import Outcome
+from ._protocol import GroupHooks, TrialProtocol, Verdict
 from ._ray_fluid import FluidOnRay
-from ._ray_hub import POLL_S, death_cause, record_outcome, start_hub
+from ._ray_hub import POLL_S, death_cause, start_hub
 from ._ray_storage import CheckpointStorage
 from ._ray_trials import UserLoopGroup
 from ._stage_relay import PlanningView, answer_archive_call
+from ._watchdog import check_silence, death_error, ended_error, for_trial, settle
 
 __all__ = ["RayExecutor"]
 
@@ -495,22 +498,21 @@ class RayExecutor(Executor):
         if fluid is not None:
             fluid.sched.finish(trial_id)
 
-    def _member_left(self, member: _Member, outcome: Mapping[str, Any], storage: CheckpointStorage,
+    def _member_left(self, member: _Member, outcome: Outcome, storage: CheckpointStorage,
                      fluid: FluidOnRay | None) -> None:
         """A member's outcome (from its ``left`` message or the task's result; the first counts)."""
-        kind = outcome["kind"]
-        if member.done or kind == "dropped":
+        if member.done or outcome.kind == "dropped":
             return
-        if kind == "yielded":
+        if outcome.kind == "yielded":
             member.yielded = True
             return
         self._fluid_finish(fluid, member.job.trial.id)
-        record_outcome(member.life, outcome, storage)
+        settle(member.life, outcome, storage.load)
 
     def _fail_unfinished(self, track: _UnitTrack, fluid: FluidOnRay | None, error: str) -> None:
         for member in track.unfinished():
             self._fluid_finish(fluid, member.job.trial.id)
-            member.life.fail(error.format(trial=member.job.trial.label))
+            member.life.fail(for_trial(error, member.job.trial))
 
     def _unit_done(self, track: _UnitTrack, ref: Any, storage: CheckpointStorage, fluid: FluidOnRay | None) -> bool:
         """Record the outcomes of a finished unit task; False when its worker died and it runs again."""
@@ -519,7 +521,7 @@ class RayExecutor(Executor):
         except ray.exceptions.TaskCancelledError:
             return True  # cancelled by the timeout, already recorded
         except ray.exceptions.RayTaskError as err:  # raised outside the training (e.g. unpickling a model)
-            self._fail_unfinished(track, fluid, str(err).replace("{", "{{").replace("}", "}}"))
+            self._fail_unfinished(track, fluid, str(err))
             return True
         except ray.exceptions.RayError as err:  # the worker process or its node died
             unfinished = track.unfinished()
@@ -534,16 +536,16 @@ class RayExecutor(Executor):
                 track.attempt += 1
                 track.resume = True
                 return False
-            last = track.deaths[-1].replace("{", "{{").replace("}", "}}")
-            self._fail_unfinished(track, fluid, f"the worker of trial {{trial}} died {len(track.deaths)} time(s) and "
-                                                f"max_retries={self.max_retries} allows no more restarts; last: {last}")
+            self._fail_unfinished(track, fluid, death_error(
+                "worker", f"max_retries={self.max_retries} allows no more restarts; last: {track.deaths[-1]}",
+                times=len(track.deaths)))
             return True
         for trial_id, outcome in outcomes.items():
             if trial_id in track.members:
                 self._member_left(track.members[trial_id], outcome, storage, fluid)
         for member in [m for m in track.unfinished() if not m.yielded]:
             self._fluid_finish(fluid, member.job.trial.id)
-            member.life.fail(f"the unit task of trial {member.job.trial.label} ended without its outcome")
+            member.life.fail(for_trial(ended_error("in its Ray task"), member.job.trial))
         return True
 
     def _unit_timeout(self, running: list[_UnitTrack], fluid: FluidOnRay | None) -> None:
@@ -551,7 +553,9 @@ class RayExecutor(Executor):
         members' epoch times are checked as they report, by their protocols)."""
         for track in list(running):
             members = track.unfinished()
-            if track.last_message != math.inf and members and members[0].life.silent_too_long(track.last_message):
-                ray.cancel(track.ref, force=True)
-                timeout = members[0].life.hooks.trial_timeout or 0.0
-                self._fail_unfinished(track, fluid, timeout_error("{trial}", timeout, "inside an epoch and was killed"))
+            if track.last_message != math.inf and members:
+                check_silence([m.life for m in members], track.last_message, functools.partial(self._kill_unit, track, fluid))
+
+    def _kill_unit(self, track: _UnitTrack, fluid: FluidOnRay | None, error: str) -> None:
+        ray.cancel(track.ref, force=True)
+        self._fail_unfinished(track, fluid, error)

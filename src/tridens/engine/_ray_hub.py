@@ -12,9 +12,8 @@ trial, the attempt (a task restarted after its worker died counts up) and its wo
 * ``("archive", trial, attempt, worker, key, method, args, kwargs)``: a stage tree's stage-store
   call (:mod:`._stage_relay`; posted by :meth:`Hub.call`, answered with :meth:`Hub.reply`).
 
-An *outcome* is ``{"kind": "done" | "stopped" | "error" | "dropped" | "yielded", "value": float | None,
-"final": <final weights file> | None, "error": str | None, "info": {...}}`` (:func:`record_outcome`
-reads it; ``info``: what the task's unit wrote into ``trial.info``, the stages it went through).
+An *outcome* is a :class:`~._messages.Outcome` (its weights: the final weights' file under storage),
+read by :func:`~._watchdog.settle`.
 """
 
 from __future__ import annotations
@@ -24,10 +23,8 @@ from typing import Any, Mapping
 
 import ray
 
-from ._protocol import TrialProtocol
-from ._ray_storage import CheckpointStorage
 
-__all__ = ["Hub", "HubActor", "POLL_S", "death_cause", "record_outcome", "start_hub"]
+__all__ = ["Hub", "HubActor", "POLL_S", "death_cause", "start_hub"]
 
 POLL_S = 0.05  # how long one drain of the hub waits for messages (the driver's reaction time)
 
@@ -112,17 +109,3 @@ def death_cause(err: BaseException, trial_info: Mapping[str, Any]) -> str:
     text = str(err).strip()
     node = (trial_info.get("ray") or {}).get("node")
     return f"{type(err).__name__}{f' on node {node}' if node else ''}: {text.splitlines()[0] if text else ''}"
-
-
-def record_outcome(life: TrialProtocol, outcome: Mapping[str, Any], storage: CheckpointStorage) -> None:
-    """Finish the trial from a worker's outcome (an error, or its final value and weights file)."""
-    if outcome["kind"] == "dropped":  # failed by its timeout already
-        return
-    life.trial.info.update(outcome.get("info") or {})
-    if outcome["kind"] == "error":
-        life.fail(outcome["error"])
-        return
-    weights = None
-    if outcome["final"] is not None:  # (the trial's folder is removed once its group ends)
-        weights = storage.load(outcome["final"])
-    life.finish(outcome["value"], weights)

@@ -11,6 +11,7 @@ are not recorded twice). Step-wise evaluators run as units instead (:mod:`._ray_
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -25,8 +26,10 @@ from ..evaluators import Evaluator
 from ..trial import Decision
 from ..units import Job
 from ._protocol import GroupHooks, TrialProtocol, TrialTimeout, Verdict, error_text
-from ._ray_hub import POLL_S, death_cause, record_outcome
+from ._messages import Outcome
+from ._ray_hub import POLL_S, death_cause
 from ._ray_storage import CheckpointStorage
+from ._watchdog import check_overtime, death_error, for_trial, settle
 
 __all__ = ["HubReporter", "UserLoopGroup", "run_trial"]
 
@@ -53,7 +56,7 @@ class HubReporter:
 
 
 @ray.remote(max_retries=0)
-def run_trial(evaluator: Evaluator, model: Any, spec: dict[str, Any], hub: Any) -> dict[str, Any]:
+def run_trial(evaluator: Evaluator, model: Any, spec: dict[str, Any], hub: Any) -> Outcome:
     """Run one trial of a user loop on a worker; returns its outcome (:mod:`._ray_hub`). Errors
     of the training itself are returned (the trial failed); only the worker's death raises on the
     driver (and restarts the trial)."""
@@ -73,11 +76,11 @@ def run_trial(evaluator: Evaluator, model: Any, spec: dict[str, Any], hub: Any) 
         if model is not None:
             final = storage.child(directory, "final.pt")
             storage.save(final, {k: v.detach().cpu() for k, v in model.state_dict().items()})
-        return {"kind": "done", "value": None if value is None else float(value), "final": final}
+        return Outcome("done", None if value is None else float(value), final)
     except TrialTimeout:
-        return {"kind": "dropped"}
+        return Outcome("dropped")
     except Exception as err:  # the user's loop or model may raise anything: the trial failed
-        return {"kind": "error", "error": error_text(err)}
+        return Outcome("error", error=error_text(err))
 
 
 # -- the driver side ---------------------------------------------------------------------------------
@@ -182,15 +185,13 @@ class UserLoopGroup:
                             life.trial.label, type(err).__name__, len(task.deaths), self.max_retries)
                 task.attempt += 1
                 return False
-            life.fail(f"the worker of trial {life.trial.label} died {len(task.deaths)} time(s) and max_retries="
-                      f"{self.max_retries} allows no more restarts; last: {task.deaths[-1]}")
+            life.fail(for_trial(death_error("worker", f"max_retries={self.max_retries} allows no more restarts; last: "
+                                             f"{task.deaths[-1]}", times=len(task.deaths)), life.trial))
             return True
-        record_outcome(life, result, self.storage)
+        settle(life, result, self.storage.load)
         return True
 
     def _enforce_timeout(self, running: dict[int, _Task]) -> None:
         for trial_id, task in list(running.items()):
-            if task.life.over_time():
-                ray.cancel(task.ref, force=True)
-                task.life.time_out("and was killed")
+            if check_overtime(task.life, functools.partial(ray.cancel, task.ref, force=True)):
                 del running[trial_id]

@@ -47,6 +47,7 @@ from ..evaluators import StepwiseEvaluator
 from ..units import ExecutionUnit, Job, PlanContext, SeparateUnit
 from ..trial import Fork
 from ._execution import LockstepJudge, UnitReport, fork_members, handed_source, plan_units, run_lockstep
+from ._messages import Outcome
 from ._protocol import Verdict, error_text
 from ._ray_storage import CheckpointStorage
 
@@ -67,7 +68,7 @@ class _Worker:
         self.worker = (os.getpid(), ray.util.get_node_ip_address())
         self.directories = {m["trial"].id: m["directory"] for m in spec["members"]}
         self.trials = {m["trial"].id: m["trial"] for m in spec["members"]}
-        self.outcomes: dict[int, dict[str, Any]] = {}
+        self.outcomes: dict[int, Outcome] = {}
         self.calls = 0
 
     def call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -111,8 +112,7 @@ class _Worker:
             final = self.storage.child(self.directories[tid], "final.pt")
             self.storage.save(final, {k: v.detach().cpu() for k, v in weights.items()})
         info = self.trials[tid].info   # what the unit recorded (the stages it went through) goes back too
-        outcome = {"kind": kind, "value": value, "final": final, "error": error,
-                   "info": {k: info[k] for k in ("stages", "stage_store", "unit") if k in info}}
+        outcome = Outcome(kind, value, final, error, {k: info[k] for k in ("stages", "stage_store", "unit") if k in info})
         self.outcomes[tid] = outcome
         self.post("left", tid, self.attempt, self.worker, outcome)
 
@@ -222,7 +222,7 @@ def _plan(jobs: Sequence[Job], evaluator: StepwiseEvaluator, spec: Mapping[str, 
 
 
 @ray.remote(max_retries=0)
-def run_unit(evaluator: StepwiseEvaluator, spec: dict[str, Any], hub: Any) -> dict[int, dict[str, Any]]:
+def run_unit(evaluator: StepwiseEvaluator, spec: dict[str, Any], hub: Any) -> dict[int, Outcome]:
     """Train one unit's members on this worker (see the module docstring); returns every member's
     outcome. Errors of training fail their member only; the worker's death raises on the driver."""
     torch.set_num_threads(max(1, int(spec["cpus"])))
