@@ -31,9 +31,11 @@ similar trained model in a zoo beside the store; off by default), ``tridens-cach
 as ``tridens`` on a machine where the same search ran before: the fused-or-not decisions read from
 the cache file that run wrote; every other tridens run measures them afresh, from an empty cache
 file), ``tridens-fused`` / ``tridens-unfused`` (the planner's batching choice forced either way: ``TRIDENS_BATCHING=force`` /
-``off``; the other optimizations as planned), ``tridens-side`` (the same as ``tridens`` with a
-group's units side by side in forked processes, one per idle core where steps are small:
-``ThreadPolicy(concurrent=None)``; by default units train one at a time), ``optuna`` (``study.optimize`` of an objective with
+``off``; the other optimizations as planned), the thread options the default policy chooses
+between, forced: ``tridens-side`` (a group's units side by side in forked processes, one thread
+each, one per core: ``ThreadPolicy(threads=1, concurrent=<cores>)``), ``tridens-alone`` (units one
+at a time on every core: ``ThreadPolicy(threads=<cores>, concurrent=1)``), and ``tridens-one``
+(one thread, one unit at a time: ``ThreadPolicy(threads=1, concurrent=1)``); ``optuna`` (``study.optimize`` of an objective with
 a plain PyTorch loop over a ``DataLoader``, ``torch.set_num_threads(1)``: one thread per trial),
 ``ray`` (Tune, function trainable, ``ray.init(num_cpus=<cores>)``: one CPU and one torch thread
 per trial, as many trials at once as cores).
@@ -436,7 +438,7 @@ EVENTS: dict[str, Events] = {}  # "ray": where Tune's callback (pickled with the
 
 
 def run_tridens(workload: str, data: tuple[Any, Any], epochs: int, trials: int, seed: int, clock: C.ProcessTreeClock,
-                events: Events, *, optimize: bool, warm_start: bool = False, side_by_side: bool = False) -> dict[str, Any]:
+                events: Events, *, optimize: bool, warm_start: bool = False, threads: Any = None) -> dict[str, Any]:
     train, val = data
     bs = BATCH[workload]
     if workload == "bncnn":
@@ -472,8 +474,7 @@ def run_tridens(workload: str, data: tuple[Any, Any], epochs: int, trials: int, 
     with tempfile.TemporaryDirectory() as d:
         exp = td.Experiment(space, ev, strategy, max_trials=trials, store=os.path.join(d, "headline.db"),
                             name=workload, seed=seed, verbose=False, optimize=optimize, warm_start=warm_start,
-                            executor=td.executors.Inline(threads=td.engine.ThreadPolicy(concurrent=None))
-                            if side_by_side else None)
+                            executor=None if threads is None else td.executors.Inline(threads=threads))
         clock.start()
         t0 = time.perf_counter()
         exp.run()
@@ -625,6 +626,14 @@ def run_ray(workload: str, data: tuple[Any, Any], epochs: int, trials: int, seed
     return {"wall": wall, "end": end, "init_s": init_s}
 
 
+def thread_policy(system: str) -> Any:
+    """The thread policy of a tridens system (None: the default, decided by measurement)."""
+    cores = len(os.sched_getaffinity(0))
+    return {"tridens-side": td.engine.ThreadPolicy(threads=1, concurrent=cores),
+            "tridens-one": td.engine.ThreadPolicy(threads=1, concurrent=1),
+            "tridens-alone": td.engine.ThreadPolicy(threads=cores, concurrent=1)}.get(system)
+
+
 def one(system: str, workload: str, size: str, overrides: dict[str, int], seed: int,
         backbone: str | None) -> dict[str, Any]:
     n_train, n_val, epochs = SIZES[workload][size]
@@ -640,7 +649,7 @@ def one(system: str, workload: str, size: str, overrides: dict[str, int], seed: 
     clock, events = C.ProcessTreeClock(interval=0.25), Events()
     if system.startswith("tridens"):
         out = run_tridens(workload, data, epochs, trials, seed, clock, events, optimize=system != "tridens-noopt",
-                          warm_start=system == "tridens-warm", side_by_side=system == "tridens-side")
+                          warm_start=system == "tridens-warm", threads=thread_policy(system))
     elif system == "optuna":
         out = run_optuna(workload, data, epochs, trials, seed, clock, events)
     elif system == "ray":

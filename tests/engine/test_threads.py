@@ -2,6 +2,7 @@
 and an experiment that trains under the decided thread count and logs it."""
 
 import logging
+import os
 
 import pytest
 import torch
@@ -9,31 +10,71 @@ from torch import nn
 
 import tridens as td
 from tridens.engine import ThreadPolicy
-from tridens.engine._threads import ThreadPlan, idle_cores, step_flops
+from tridens.engine._threads import (ALONE, SIDE, ThreadPlan, idle_cores, step_flops, torch_default_threads,
+                                     unit_step_flops, user_torch_threads, workload_key)
 
 from .spaces import TinyMLP
 
-
-def test_small_steps_take_one_thread_and_run_side_by_side():
-    plan = ThreadPolicy(concurrent=None).decide(step_flops=5e7, units=6, total=4, load=0.0)
-    assert (plan.threads, plan.concurrent) == (1, 4) and "small steps" in plan.reason
-    assert ThreadPolicy().decide(step_flops=5e7, units=6, total=4, load=0.0).concurrent == 1  # the default
+QUIET = {"total": 2, "load": 0.0, "torch_threads": 2, "default_threads": 2}  # a quiet 2-core machine, torch's default
 
 
-def test_large_steps_take_every_idle_core():
-    plan = ThreadPolicy().decide(step_flops=1e10, units=6, total=8, load=3.0)  # 2 cores busy elsewhere
-    assert (plan.threads, plan.concurrent) == (6, 1) and "every idle core" in plan.reason
+def test_a_quiet_machine_tries_every_idle_core_first_then_side_by_side_then_takes_the_faster():
+    policy, key = ThreadPolicy(), workload_key(5e7, 2)
+    plan = policy.decide(step_flops=5e7, units=6, **QUIET)
+    assert (plan.threads, plan.concurrent, plan.option, plan.key) == (2, 1, ALONE, key)
+    assert "measured first" in plan.reason
+    plan = policy.decide(step_flops=5e7, units=6, rates={key: {ALONE: [3e9]}}, **QUIET)
+    assert (plan.threads, plan.concurrent, plan.option) == (1, 2, SIDE)
+    plan = policy.decide(step_flops=5e7, units=6, rates={key: {ALONE: [3e9, 3.2e9], SIDE: [4e9]}}, **QUIET)
+    assert (plan.threads, plan.concurrent, plan.option) == (1, 2, SIDE) and "side by side measured faster" in plan.reason
+    plan = policy.decide(step_flops=5e7, units=6, rates={key: {ALONE: [3e9, 5e9, 4.5e9], SIDE: [4e9]}}, **QUIET)
+    assert (plan.threads, plan.concurrent, plan.option) == (2, 1, ALONE)
+    # measurements of another step size (a factor 4 away) do not decide for this one
+    other = {workload_key(5e7 * 16, 2): {ALONE: [1.0], SIDE: [9e9]}}
+    assert policy.decide(step_flops=5e7, units=6, rates=other, **QUIET).option == ALONE
+
+
+def test_a_group_that_cannot_split_takes_every_idle_core():
+    rates = {workload_key(5e7, 4): {ALONE: [1e9], SIDE: [9e9]}}
+    quiet4 = {**QUIET, "total": 4, "torch_threads": 4, "default_threads": 4}
+    assert ThreadPolicy().decide(step_flops=5e7, units=1, rates=rates, **quiet4).threads == 4
+    plan = ThreadPolicy().decide(step_flops=5e7, units=6, rates=rates, splittable=False, **quiet4)
+    assert (plan.threads, plan.concurrent, plan.option) == (4, 1, ALONE)
+    plan = ThreadPolicy().decide(step_flops=5e7, units=3, rates=rates, **quiet4)
+    assert (plan.threads, plan.concurrent, plan.option) == (1, 3, SIDE)  # no more at once than units
 
 
 def test_a_loaded_machine_gives_one_thread_whatever_the_step():
-    plan = ThreadPolicy().decide(step_flops=1e12, units=2, total=2, load=7.5)
-    assert (plan.threads, plan.concurrent) == (1, 1) and "no idle core" in plan.reason
+    plan = ThreadPolicy().decide(step_flops=1e12, units=2, **{**QUIET, "load": 7.5})
+    assert (plan.threads, plan.concurrent, plan.option) == (1, 1, "") and "no idle core" in plan.reason
     assert idle_cores(2, 7.5) == 1 and idle_cores(8, 1.0) == 8 and idle_cores(8, 4.0) == 5
+
+
+def test_the_users_torch_threads_are_respected():
+    # torch.set_num_threads(1) on a machine whose torch default is 2: one thread, one unit at a time,
+    # on a quiet machine and whatever was measured
+    rates = {workload_key(5e7, 2): {ALONE: [1e9], SIDE: [9e9]}}
+    plan = ThreadPolicy().decide(step_flops=5e7, units=6, rates=rates, **{**QUIET, "torch_threads": 1})
+    assert (plan.threads, plan.concurrent, plan.option) == (1, 1, "")
+    assert "torch.set_num_threads(1) set by the user" in plan.reason
+    # torch.set_num_threads(2) on a machine whose default is 4, even a loaded one
+    plan = ThreadPolicy().decide(step_flops=5e7, units=6, total=4, load=9.0, torch_threads=2, default_threads=4)
+    assert (plan.threads, plan.concurrent) == (2, 1)
+    # OMP_NUM_THREADS in the environment is the user's count too, even when it equals the default
+    assert user_torch_threads(current=2, default=2, environ={"OMP_NUM_THREADS": "2"}) == 2
+    assert user_torch_threads(current=2, default=2, environ={}) is None
+    assert torch_default_threads({"OMP_NUM_THREADS": "3"}) == 3 and torch_default_threads({}) >= 1
 
 
 def test_the_user_overrides_threads_and_concurrency():
     plan = ThreadPolicy(threads=3, concurrent=2).decide(step_flops=1e3, units=8, total=2, load=9.0)
     assert (plan.threads, plan.concurrent) == (3, 2) and "set by the user" in plan.reason
+    # the policy's count comes before torch's
+    plan = ThreadPolicy(threads=2).decide(step_flops=1e3, units=8, **{**QUIET, "torch_threads": 1})
+    assert (plan.threads, plan.concurrent) == (2, 1) and "threads=2 set by the user" in plan.reason
+    plan = ThreadPolicy(concurrent=2).decide(step_flops=1e3, units=8, **{**QUIET, "total": 4, "default_threads": 4,
+                                                                          "torch_threads": 4})
+    assert (plan.threads, plan.concurrent) == (2, 2)
     with pytest.raises(ValueError, match="The 'threads' parameter of ThreadPolicy must be None or an int"):
         ThreadPolicy(threads=0).decide(step_flops=1.0)
 
@@ -72,3 +113,42 @@ def test_experiment_trains_with_the_policy_threads_and_logs_it(digits_data, tmp_
     assert "threads: 1 per unit" in caplog.text and "set by the user" in caplog.text
     assert torch.get_num_threads() == before
     assert all(t.metric is not None for t in exp.trials())
+
+
+class QuietMachine(ThreadPolicy):
+    """The default policy as it decides on a quiet 2-core machine with torch's default threads,
+    with measurements of the two options injected into the run's decisions before its first group."""
+
+    def __init__(self, injected):
+        super().__init__()
+        self.injected, self.plans, self.decisions = injected, [], None
+
+    def decide(self, step_flops, units=1, **kw):
+        return super().decide(step_flops, units, **{**kw, **QUIET})
+
+    def decide_units(self, units, *, rates=None, **kw):
+        if self.decisions is None:
+            self.decisions = rates
+            for option, values in self.injected.items():
+                for value in values:
+                    rates.record_thread_rate(workload_key(max(unit_step_flops(u) for u in units), 2), option, value)
+        plan = super().decide_units(units, rates=rates, **kw)
+        self.plans.append(plan)
+        return plan
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="side by side needs os.fork")
+def test_a_group_trains_side_by_side_where_measured_faster_and_its_rate_is_recorded(digits_data, tmp_path, caplog):
+    train, val = digits_data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=64, optimizer="adam",
+                                      lr=td.choice("lr", [0.01, 0.003]))
+    policy = QuietMachine({ALONE: [1e6], SIDE: [1e12]})
+    exp = td.Experiment(TinyMLP(), ev, td.strategy.GridSearch(), max_trials=4, store=str(tmp_path / "t.db"),
+                        verbose=False, optimize=False, executor=td.engine.InlineExecutor(threads=policy))
+    with caplog.at_level(logging.INFO, logger="tridens"):
+        exp.run()
+    assert all(t.metric is not None for t in exp.trials())
+    assert policy.plans[0].option == SIDE and (policy.plans[0].threads, policy.plans[0].concurrent) == (1, 2)
+    assert "forked processes" in caplog.text and "side by side trained at" in caplog.text
+    (rates,) = policy.decisions.thread_rates.values()
+    assert len(rates[SIDE]) == 2 and 0 < rates[SIDE][1] < 1e12  # the injected one and the group's own

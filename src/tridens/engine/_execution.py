@@ -420,14 +420,15 @@ class InlineExecutor(Executor):
     every trial's result for an epoch is recorded before any decision for that epoch, so
     synchronous rules (Hyperband rungs) see the whole rung. The planner groups them into execution
     units, fused where ``optimize`` allows (:mod:`tridens.xopt`). When the thread policy runs
-    several units at once (``ThreadPolicy(concurrent=None)``: small steps, idle cores), they train
-    side by side in forked processes in the same lockstep (:mod:`._forked`); by default one at a
-    time, in this process. A user's loop runs its trials one by one,
+    several units at once (idle cores, where side by side measured faster), they train side by
+    side in forked processes in the same lockstep (:mod:`._forked`); otherwise one at a time, in
+    this process. A user's loop runs its trials one by one,
     and ``trial_timeout`` interrupts a loop even between its reports (SIGALRM, main thread).
     ``optimize`` (None: the experiment's; True, False or a :class:`tridens.xopt.Settings`) overrides
     the experiment's ``optimize``, resolved once when the run starts. ``threads`` (a :class:`~tridens.engine.ThreadPolicy`, default ``ThreadPolicy()``) sets the torch
     threads each group's units train with, and those a user's loop (``FunctionalEvaluator``) runs
-    with: one on a machine with no idle core, every idle core otherwise.
+    with: the user's count where given, one on a machine with no idle core, every idle core
+    otherwise.
 
     >>> exp = td.Experiment(space, evaluator, executor=td.executors.Inline())  # doctest: +SKIP
     """
@@ -489,26 +490,51 @@ class InlineExecutor(Executor):
         for job, err in failed:
             lives[job.trial.id].fail(err)
         forks = bool(getattr(context, "forks", False))
-        plan = self.threads.decide_units(units, parts=0 if forks else len(jobs) - len(failed))
-        if plan.concurrent > 1 and not forks:
-            from ._forked import forkable, run_forked
+        from ._forked import forkable
+
+        why = "a strategy that forks members trains in one process" if forks else forkable(units)
+        decisions = context.plan.decisions
+        plan = self.threads.decide_units(units, parts=0 if forks else len(jobs) - len(failed), rates=decisions,
+                                         splittable=not why)
+        measured, before = list(units), {tid: life.last_step for tid, life in lives.items()}
+        started = time.perf_counter()
+        if plan.concurrent > 1 and why:
+            log.info("units one at a time in this process: %s", why)
+        elif plan.concurrent > 1:
+            from ._forked import run_forked
             from ._planner import spread_units
             from ._threads import shares
 
-            why = forkable(units)
-            if not why:
-                order = [tid for unit in units for tid in unit.jobs]
-                units = spread_units(units, evaluator, optimize, plan.concurrent, where="processes",
-                                     context=context.plan)
-                if len(units) > 1:
-                    with plan.applied():
-                        run_forked(shares(units, plan.concurrent), lives, hooks, plan.threads, order,
-                                   decisions=context.plan.decisions)
-                    return
-            else:
-                log.info("units one at a time in this process: %s", why)
+            order = [tid for unit in units for tid in unit.jobs]
+            units = spread_units(units, evaluator, optimize, plan.concurrent, where="processes",
+                                 context=context.plan)
+            if len(units) > 1:
+                with plan.applied():
+                    run_forked(shares(units, plan.concurrent), lives, hooks, plan.threads, order,
+                               decisions=decisions)
+                _record_thread_rate(plan, measured, lives, before, time.perf_counter() - started, decisions)
+                return
+            if plan.option:  # a group that does not split: one unit on every idle core instead
+                plan = self.threads.decide_units(units, rates=decisions, splittable=False)
         with plan.applied():
             run_lockstep(units, _InlineJudge(lives))
+        if plan.concurrent == 1:
+            _record_thread_rate(plan, measured, lives, before, time.perf_counter() - started, decisions)
+
+
+def _record_thread_rate(plan: Any, units: Sequence[ExecutionUnit], lives: Mapping[int, TrialProtocol],
+                        before: Mapping[int, int], seconds: float, decisions: Any) -> None:
+    """Record what a group's thread option achieved (its work per wall second) for later groups,
+    when the option was the policy's choice."""
+    if not plan.option or seconds <= 0:
+        return
+    from ._threads import group_work
+
+    epochs = {tid: max(0, life.last_step - before[tid]) for tid, life in lives.items()}
+    work = group_work(units, epochs)
+    if work > 0:
+        decisions.record_thread_rate(plan.key, plan.option, work / seconds)
+        log.info("threads: %s trained at %.3g GFLOP per second", plan.option, work / seconds / 1e9)
 
 
 # -- process pool --------------------------------------------------------------------------------

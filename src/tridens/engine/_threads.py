@@ -1,42 +1,61 @@
 """The thread and parallelism policy: torch threads per execution unit, and units run at once.
 
-On a CPU, the intra-op threads torch starts by default (one per core) pay only for large steps.
-A small model's step is a few milliseconds of many short kernels: a second OpenMP thread adds
-synchronization to every kernel and, on a machine with other work on it, a thread that waits for a
-descheduled partner spins, so a loaded machine can take many times longer with several threads
-than with one (BENCHMARKS.md, "Figures behind choices in the code"). :class:`ThreadPolicy` therefore gives each
-unit one thread when its training step is small or the machine has no idle core, and every idle
-core otherwise. Units may also run several at a time (``concurrent``): the in-process executor
-then trains them side by side in forked processes (:mod:`._forked`). That is off by default
-(``concurrent=1``): on a small machine it trades more CPU-seconds for less wall time on small
-models and can lose on both counts for a NAS search (BENCHMARKS.md); ``concurrent=None`` runs one unit per idle core when steps are small. The size of a step is its
-training FLOPs (3x the matmul-like forward FLOPs of one example, counted as it runs by
-:func:`tridens.graph.forward_flops`, times the batch size, summed over the unit's models).
+The user's choice comes first: ``ThreadPolicy(threads=n)``, else a thread count the user gave
+torch (``torch.set_num_threads(n)`` with ``n`` other than torch's own default, or
+``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` in the environment) is the count every unit trains
+with, one unit at a time unless ``concurrent`` says otherwise. A count equal to torch's default
+(one thread per physical core) cannot be told from the default: ``ThreadPolicy(threads=n)`` fixes
+it then.
+
+Otherwise a machine with no idle core (1-minute load average) gives each unit one thread: a second
+OpenMP thread whose partner is descheduled spins, and a loaded machine can take many times longer
+with several threads than with one (BENCHMARKS.md, "Figures behind choices in the code"). With
+idle cores, a group's units either train **one at a time on every idle core** or **side by side,
+one thread each**, in forked processes (:mod:`._forked`; one per idle core). Which is faster
+depends on the models (kernels long enough for threads to pay, or a group that splits well) and
+is measured, not assumed: each group's wall time per unit of work (its trial-epochs times the
+training FLOPs of one step, :func:`step_flops`) is recorded in the run's
+:class:`~tridens.units.Decisions` under a key of the step's size (factors of 4) and the idle
+cores; the first groups of a key try each option once (every idle core first), later ones take
+the option with the better median. A group that cannot train side by side (one trial, a strategy
+that forks members, stage trees, no ``fork``) trains on every idle core.
 
 A policy is an object passed in (``td.executors.Inline(threads=ThreadPolicy(threads=2))``); each
 decision is logged (logger ``tridens``) with its reason.
 
->>> plan = ThreadPolicy(threads=1, concurrent=None).decide(step_flops=5e9, units=3, total=2, load=0.0)
->>> plan.threads, plan.concurrent
-(1, 2)
+>>> rates = {workload_key(5e9, 2): {ALONE: [3e9], SIDE: [4e9]}}   # measured work per wall second
+>>> plan = ThreadPolicy().decide(step_flops=5e9, units=3, total=2, load=0.0, torch_threads=2, default_threads=2,
+...                              rates=rates)
+>>> plan.threads, plan.concurrent, plan.option
+(1, 2, 'side by side')
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
+import math
 import os
+import statistics
+import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 
 from ..graph import forward_flops
 
-__all__ = ["ThreadPolicy", "ThreadPlan", "step_flops", "cores", "shares"]
+__all__ = ["ThreadPolicy", "ThreadPlan", "step_flops", "cores", "shares", "torch_default_threads",
+           "user_torch_threads", "workload_key", "ALONE", "SIDE"]
 
 log = logging.getLogger("tridens")
+
+ALONE = "every idle core"
+"""The option that trains a group's units one at a time, each on every idle core."""
+SIDE = "side by side"
+"""The option that trains a group's units side by side, one thread each, one per idle core."""
 
 
 def cores() -> int:
@@ -47,25 +66,87 @@ def cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def idle_cores(total: int | None = None, load: float | None = None) -> int:
+def _physical_cores() -> int:
+    """Physical cores of the machine (distinct package and core ids in sysfs; ``os.cpu_count()``
+    where sysfs does not say), as torch counts them for its default."""
+    seen = set()
+    for topology in glob.glob("/sys/devices/system/cpu/cpu[0-9]*/topology"):
+        try:
+            with open(os.path.join(topology, "physical_package_id")) as package, \
+                    open(os.path.join(topology, "core_id")) as core:
+                seen.add((package.read().strip(), core.read().strip()))
+        except OSError:
+            continue
+    return len(seen) or max(1, os.cpu_count() or 1)
+
+
+def _env_threads(environ: Mapping[str, str]) -> int | None:
+    for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS"):  # torch reads both; MKL's wins
+        try:
+            value = int(environ.get(name, "").split(",")[0])
+        except ValueError:
+            continue
+        if value > 0:
+            return value
+    return None
+
+
+def torch_default_threads(environ: Mapping[str, str] | None = None) -> int:
+    """The intra-op thread count torch starts with: ``MKL_NUM_THREADS`` / ``OMP_NUM_THREADS`` where
+    set, else one per physical core.
+
+    >>> torch_default_threads({"OMP_NUM_THREADS": "3"})
+    3
+    """
+    env = _env_threads(os.environ if environ is None else environ)
+    return env if env is not None else _physical_cores()
+
+
+def user_torch_threads(current: int | None = None, default: int | None = None,
+                       environ: Mapping[str, str] | None = None) -> int | None:
+    """The torch thread count the user chose (``current``, default ``torch.get_num_threads()``),
+    or None when it is torch's default (``default``: :func:`torch_default_threads`) and no
+    ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` is set.
+
+    >>> user_torch_threads(current=1, default=2, environ={}), user_torch_threads(current=2, default=2, environ={})
+    (1, None)
+    """
+    environ = os.environ if environ is None else environ
+    current = torch.get_num_threads() if current is None else current
+    default = torch_default_threads(environ) if default is None else default
+    if _env_threads(environ) is not None or current != default:
+        return current
+    return None
+
+
+def idle_cores(total: int | None = None, load: float | None = None, own: float = 1.0) -> int:
     """Cores no other process is using: ``total`` minus the 1-minute load average beyond this
-    process's own running thread (at least 1)."""
+    process's own share of it (``own``: its running thread, or the cores it and its children kept
+    busy lately; at least 1).
+
+    >>> idle_cores(2, load=2.1), idle_cores(2, load=2.1, own=2.0)
+    (1, 2)
+    """
     total = cores() if total is None else total
     if load is None:
         try:
             load = os.getloadavg()[0]
         except OSError:  # pragma: no cover - not POSIX
             load = 0.0
-    return max(1, min(total, int(total - max(0.0, load - 1.0) + 0.5)))
+    return max(1, min(total, int(total - max(0.0, load - max(1.0, own)) + 0.5)))
 
 
 @dataclass(frozen=True)
 class ThreadPlan:
-    """What the policy decided: ``threads`` torch threads per unit, ``concurrent`` units at once."""
+    """What the policy decided: ``threads`` torch threads per unit, ``concurrent`` units at once;
+    ``option`` (:data:`ALONE`, :data:`SIDE`, or "" when the user or the load fixed it) and ``key``
+    (the workload the option's measurement is recorded under) when it was the policy's choice."""
 
     threads: int
     concurrent: int
     reason: str
+    option: str = ""
+    key: tuple[Any, ...] = ()
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
@@ -80,24 +161,45 @@ class ThreadPlan:
                 torch.set_num_threads(before)
 
 
+def workload_key(step_flops: float | None, free: int) -> tuple[Any, ...]:
+    """The key a thread option's measurement is kept under: the step's size in factors of 4
+    (None: unknown) and the idle cores.
+
+    >>> workload_key(5e7, 2)
+    ('threads', 12, 2)
+    """
+    size = None if not step_flops or step_flops <= 0 else int(math.log2(step_flops)) // 2
+    return ("threads", size, free)
+
+
 class ThreadPolicy:
-    """Threads per unit and units at once, from the machine (cores, load) and the step size.
+    """Threads per unit and units at once: the user's counts where given (``threads``; else a
+    count given to torch: :func:`user_torch_threads`), else from the machine's idle cores and
+    measurements of the two ways to use them (see the module docstring).
 
-    ``threads`` fixes the torch threads per unit (None: decided); ``concurrent`` the units at once
-    (default 1; None: one per idle core, when a unit takes one thread); ``large_step_flops`` is the
-    training step, in FLOPs, from which a unit gets every idle core (default 2 GFLOP: tens of
-    milliseconds at one CPU thread's peak, where kernels are long enough for threads to pay).
+    ``threads``: torch threads per unit (None: decided); ``concurrent``: units at once (None:
+    decided; 1 when the thread count is the user's).
 
-    >>> ThreadPolicy(concurrent=None).decide(step_flops=1e7, units=4, total=8, load=0.0)
-    ThreadPlan(threads=1, concurrent=4, reason='small steps (10 MFLOP < 2000 MFLOP): one thread per unit, 4 at once on 8 idle cores')
-    >>> ThreadPolicy().decide(step_flops=5e10, units=4, total=8, load=0.0).threads
-    8
+    >>> ThreadPolicy().decide(step_flops=1e7, units=4, total=8, load=0.0, torch_threads=8, default_threads=8)
+    ThreadPlan(threads=8, concurrent=1, reason='8 idle cores, every idle core measured first', option='every idle core', key=('threads', 11, 8))
+    >>> ThreadPolicy(threads=1, concurrent=2).decide(step_flops=1e7, units=4).concurrent
+    2
     """
 
-    def __init__(self, threads: int | None = None, concurrent: int | None = 1, large_step_flops: float = 2e9):
+    def __init__(self, threads: int | None = None, concurrent: int | None = None):
         self.threads = threads
         self.concurrent = concurrent
-        self.large_step_flops = large_step_flops
+        self._clock: tuple[float, float] | None = None  # (wall, CPU s of this process and its children)
+
+    def _own_cores(self) -> float:
+        """The cores this process and its finished children kept busy since the last decision
+        (1 at the first): their part of the load average, which lags a minute behind."""
+        times = os.times()
+        now = (time.monotonic(), times.user + times.system + times.children_user + times.children_system)
+        last, self._clock = self._clock, now
+        if last is None or now[0] - last[0] < 1.0:
+            return 1.0
+        return (now[1] - last[1]) / (now[0] - last[0])
 
     def _check(self) -> None:
         for name in ("threads", "concurrent"):
@@ -107,39 +209,78 @@ class ThreadPolicy:
                                  f"[1, inf). Got {value!r} instead.")
 
     def decide(self, step_flops: float | None, units: int = 1, *, total: int | None = None,
-               load: float | None = None) -> ThreadPlan:
-        """The plan for ``units`` units whose largest training step is ``step_flops`` FLOPs
-        (None: unknown, treated as large); ``total`` cores and ``load`` default to this machine's."""
+               load: float | None = None, torch_threads: int | None = None, default_threads: int | None = None,
+               rates: Mapping[tuple[Any, ...], Mapping[str, Sequence[float]]] | None = None,
+               splittable: bool = True, own: float = 1.0) -> ThreadPlan:
+        """The plan for ``units`` units (or parts a group can be split into) whose largest
+        training step is ``step_flops`` FLOPs (None: unknown). ``total`` cores, ``load``,
+        ``torch_threads`` (torch's current count) and ``default_threads`` (torch's default)
+        default to this machine's and this process's; ``rates``: the measured work per wall
+        second of each option (:data:`ALONE`, :data:`SIDE`) by workload (:func:`workload_key`:
+        the run's ``Decisions.thread_rates``); ``splittable``:
+        whether these units may train side by side at all; ``own``: the cores this process and
+        its children kept busy lately (their share of the load average)."""
         self._check()
-        free = idle_cores(total, load)
+        free = idle_cores(total, load, own)
         units = max(1, units)
-        if self.threads is not None:
-            threads, why = self.threads, f"threads={self.threads} set by the user"
-        elif free < 2:
-            threads, why = 1, f"no idle core beside this one (load average {_load(load):.1f} on {total or cores()} cores)"
-        elif step_flops is not None and step_flops < self.large_step_flops:
-            threads, why = 1, f"small steps ({step_flops / 1e6:.0f} MFLOP < {self.large_step_flops / 1e6:.0f} MFLOP)"
-        else:
-            size = "unknown step size" if step_flops is None else f"large steps ({step_flops / 1e6:.0f} MFLOP)"
-            threads, why = free, f"{size}: every idle core"
-        text = f"{why}: one thread per unit" if threads == 1 and self.threads is None else why
+        fixed, why = self.threads, f"threads={self.threads} set by the user"
+        if fixed is None:
+            fixed = user_torch_threads(torch_threads, default_threads)
+            why = f"torch.set_num_threads({fixed}) set by the user"
+        if fixed is not None:
+            concurrent = 1 if self.concurrent is None else self.concurrent
+            return ThreadPlan(fixed, concurrent, f"{why}, {concurrent} at once ({free} idle cores)")
         if self.concurrent is not None:
-            return ThreadPlan(threads, self.concurrent, f"{text}, {self.concurrent} at once ({free} idle cores)")
-        concurrent = max(1, min(units, free // threads))
-        return ThreadPlan(threads, concurrent, f"{text}, {concurrent} at once on {free} idle cores")
+            threads = max(1, free // self.concurrent)
+            return ThreadPlan(threads, self.concurrent,
+                              f"concurrent={self.concurrent} set by the user: {threads} thread(s) each "
+                              f"on {free} idle cores")
+        if free < 2:
+            return ThreadPlan(1, 1, f"no idle core beside this one (load average {_load(load):.1f} on "
+                                    f"{total or cores()} cores): one thread per unit, 1 at once")
+        key = workload_key(step_flops, free)
+        alone = ThreadPlan(free, 1, "", ALONE, key)
+        if not splittable or units < 2:
+            return _with_reason(alone, f"{free} idle cores, one unit: every idle core")
+        side = ThreadPlan(1, min(units, free), "", SIDE, key)
+        measured = (rates or {}).get(key, {})
+        for plan in (alone, side):
+            if not measured.get(plan.option):
+                return _with_reason(plan, f"{free} idle cores, {plan.option} measured first")
+        rate = {option: statistics.median(measured[option]) for option in (ALONE, SIDE)}
+        best = side if rate[SIDE] > rate[ALONE] else alone
+        return _with_reason(best, f"{free} idle cores, {best.option} measured faster ("
+                                  f"{ALONE} {rate[ALONE] / 1e9:.3g}, {SIDE} {rate[SIDE] / 1e9:.3g} GFLOP per second)")
 
-    def decide_units(self, units: Sequence[Any], *, parts: int = 0) -> ThreadPlan:
+    def decide_units(self, units: Sequence[Any], *, parts: int = 0, rates: Any = None,
+                     splittable: bool = True) -> ThreadPlan:
         """The plan for execution units (each step sized by :func:`unit_step_flops`); logged.
         ``parts``: how many units they could be split into (an executor that splits units to run
-        them side by side), when more than there are units."""
+        them side by side), when more than there are units; ``rates``: the run's
+        :class:`~tridens.units.Decisions` (its measured thread options), or None."""
         flops = max((unit_step_flops(u) for u in units), default=None, key=lambda v: -1 if v is None else v)
-        plan = self.decide(flops, max(len(units), parts))
+        plan = self.decide(flops, max(len(units), parts), rates=None if rates is None else rates.thread_rates,
+                           splittable=splittable, own=self._own_cores())
         log.info("threads: %d per unit, %d unit(s) at once: %s", plan.threads, plan.concurrent, plan.reason)
         return plan
 
     def __repr__(self) -> str:
-        return (f"ThreadPolicy(threads={self.threads!r}, concurrent={self.concurrent!r}, "
-                f"large_step_flops={self.large_step_flops!r})")
+        return f"ThreadPolicy(threads={self.threads!r}, concurrent={self.concurrent!r})"
+
+
+def _with_reason(plan: ThreadPlan, reason: str) -> ThreadPlan:
+    return ThreadPlan(plan.threads, plan.concurrent, reason, plan.option, plan.key)
+
+
+def group_work(units: Sequence[Any], epochs: Mapping[int, int]) -> float:
+    """The work a group's units did: for each unit, one step of its largest model in FLOPs
+    (:func:`step_flops`; 1 where it cannot be counted) times the epochs its trials trained
+    (``epochs``: trial id -> epochs)."""
+    work = 0.0
+    for unit in units:
+        flops, _ = _model_step_flops(unit)
+        work += (1.0 if flops is None else flops) * sum(epochs.get(tid, 0) for tid in unit.jobs)
+    return work
 
 
 def _load(load: float | None) -> float:

@@ -55,7 +55,7 @@ class Measurement:
 
 class Decisions:
     """What one run's planners learned: measured speed-ups (oldest first, the latest
-    :data:`KEPT_SPEEDUPS`), one model's separate step, step efficiency against the peak, traced
+    :data:`KEPT_SPEEDUPS`), one model's separate step, the thread options' measured rates, step efficiency against the peak, traced
     structure keys, wide-op speed-ups, and parents' IR descriptions for weight inheritance."""
 
     def __init__(self) -> None:
@@ -65,6 +65,13 @@ class Decisions:
         self.traced: dict[tuple[Any, ...], Any] = {}
         self.wide: dict[tuple[Any, ...], float] = {}
         self.descriptions: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()
+        self.thread_rates: dict[tuple[Any, ...], dict[str, list[float]]] = {}
+
+    def record_thread_rate(self, key: tuple[Any, ...], option: str, rate: float) -> None:
+        """Keep a group's measured work per wall second under a thread ``option`` for later
+        groups of ``key`` (the latest :data:`KEPT_SPEEDUPS`)."""
+        values = self.thread_rates.setdefault(tuple(key), {}).setdefault(option, [])
+        values[:] = (values + [float(rate)])[-KEPT_SPEEDUPS:]
 
     def record_speedup(self, key: tuple[Any, ...], speedup: float, *, replace: bool = False) -> Measurement:
         """Keep a measured speed-up for later groups of ``key`` (``replace``: instead of the earlier
