@@ -86,6 +86,8 @@ def test_the_error_is_one_line():
      r"nor a metric the evaluator reports \('val_acc', 'val_loss', 'train_loss'\)"),
     ({"strategy": td.strategy.ASHA(max_steps=50)},
      r"'max_steps' parameter of ASHA is 50, more than the evaluator's epochs=2: pass max_steps in the range \[1, 2\]"),
+    ({"strategy": td.strategy.TPE(stopping=td.strategy.ASHA(max_steps=50))},
+     r"'max_steps' parameter of ASHA is 50, more than the evaluator's epochs=2: pass max_steps in the range \[1, 2\]"),
 ])
 def test_typos_in_settings_are_refused_before_training(tmp_path, data, kw, match):
     store = tmp_path / "typo.db"

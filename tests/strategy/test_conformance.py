@@ -25,12 +25,15 @@ STRATEGIES = {
     "ss": lambda: SS(max_steps=9),
     "async-ss": lambda: AsyncSS(max_steps=9, batch_size=6, brackets=2),
     "boss": lambda: BOSS(max_steps=9, min_points_in_model=4),
-    "median(random)": lambda: MedianStopping(min_trials=2),
-    "median(evolution)": lambda: MedianStopping(RegularizedEvolution(population=6, sample_size=2, batch_size=3),
-                                                grace_steps=2),
+    "median": lambda: MedianStopping(n_startup_trials=2, batch_size=6),
+    "evolution+median": lambda: RegularizedEvolution(population=6, sample_size=2, batch_size=3,
+                                                     stopping=MedianStopping(n_warmup_steps=2)),
+    "tpe+asha": lambda: TPE(batch_size=3, n_startup_trials=6, stopping=ASHA(max_steps=9)),
+    "random+hyperband": lambda: Random(batch_size=5, stopping=Hyperband(max_steps=9)),
     "pbt": lambda: PBT(population=6, interval=3, max_steps=9),
 }
-STOPPING = {"hyperband", "bohb", "asha", "ss", "async-ss", "boss", "median(random)", "median(evolution)"}
+STOPPING = {"hyperband", "bohb", "asha", "ss", "async-ss", "boss", "median", "evolution+median", "tpe+asha",
+            "random+hyperband"}
 
 
 @pytest.fixture(params=sorted(STRATEGIES))
@@ -150,7 +153,7 @@ def test_constructor_only_stores_parameters(name: str) -> None:
     strategy = make(name)
     assert set(vars(strategy)) == set(strategy.params())
     assert repr(strategy).startswith(type(strategy).__name__ + "(")
-    if not isinstance(strategy, MedianStopping):
+    if getattr(strategy, "stopping", None) is None:  # a policy object is stored by its repr
         json.dumps(strategy.params())
     with pytest.raises(RuntimeError, match="start"):
         strategy.ask()

@@ -1,98 +1,150 @@
+"""MedianStopping decides as Optuna's MedianPruner does, step by step, on real learning curves.
+
+The curves are the recorded table of bench/record_curves.py (an MLP on scikit-learn's digits,
+27 epochs per configuration, trained by tridens): each replay feeds the same curves, in the same
+order, to an Optuna study with ``MedianPruner`` and to ``MedianStopping``, and compares every
+decision.
+"""
+
 from __future__ import annotations
 
+import math
 import random
+from pathlib import Path
 
+import optuna
+import pytest
+
+from tridens.evaluators import CurveTable
 from tridens.space import Categorical, LabelSpec, SearchSpace
 from tridens.strategy import Hyperband, MedianStopping, Random
 from tridens.trial import Decision, Objective, Trial, TrialStatus
 
-from .harness import ACC, LOSS, Bench, run
+from .harness import Bench, run
+
+RECORDED = Path(__file__).resolve().parents[2] / "bench" / "data" / "digits-mlp.json.gz"
 
 
-def space() -> SearchSpace:
-    return SearchSpace([LabelSpec("x", Categorical(list(range(100))))])
-
-
-def finished(tid: int, curve: list[float]) -> Trial:
-    return Trial(tid, {"x": tid}, tid, TrialStatus.COMPLETED, metric=curve[-1], metrics={"val_acc": list(curve)})
-
-
-HISTORY = [finished(0, [0.5, 0.6, 0.7]), finished(1, [0.4, 0.5, 0.6]), finished(2, [0.6, 0.7, 0.8])]
-# running averages: step 0: 0.5, 0.4, 0.6 (median 0.5); step 1: 0.55, 0.45, 0.65 (median 0.55)
-
-
-def started(objective: Objective = ACC, **kwargs) -> MedianStopping:
-    strategy = MedianStopping(**kwargs)
-    strategy.start(space(), objective, random.Random(0), HISTORY)
-    return strategy
-
-
-def feed(strategy: MedianStopping, tid: int, curve: list[float]) -> list[Decision]:
-    trial = Trial(tid, {"x": tid}, tid, TrialStatus.RUNNING)
-    out = []
-    for step, value in enumerate(curve):
-        trial.metrics.setdefault("val_acc", []).append(value)
-        strategy.report(trial, step, value)
-        out.append(strategy.decide(trial, step))
-        if out[-1] is Decision.STOP:
-            break
+@pytest.fixture(scope="module")
+def curves() -> dict[str, list[list[float]]]:
+    """40 configurations drawn at random from the recorded table, one recorded run each."""
+    table = CurveTable.load(RECORDED)
+    samples = table.search_space().grid()
+    chosen = random.Random(36).sample(list(samples), 40)
+    out: dict[str, list[list[float]]] = {"val_acc": [], "val_loss": []}
+    for i, sample in enumerate(chosen):
+        records = table.lookup(sample, seed=i)
+        for metric in out:
+            out[metric].append([r[metric] for r in records])
     return out
 
 
-def test_stops_when_best_so_far_is_below_the_median_of_running_averages() -> None:
-    strategy = started(grace_steps=1, min_trials=3)
-    # step 0 is in the grace period; at step 1 its best (0.52) is below the median 0.55
-    assert feed(strategy, 10, [0.3, 0.52, 0.9]) == [Decision.CONTINUE, Decision.STOP]
-    # its best (0.56) beats 0.55: goes on; at step 2 the median is 0.6, and 0.65 beats it
-    strategy = started(grace_steps=1, min_trials=3)
-    assert feed(strategy, 11, [0.2, 0.56, 0.65]) == [Decision.CONTINUE] * 3
-    # the others' running averages, not their last values (0.7, 0.6, 0.8): 0.62 goes on
-    assert feed(started(grace_steps=2, min_trials=3), 12, [0.0, 0.0, 0.62])[-1] is Decision.CONTINUE
-    # trials seen earlier in the run count too: with trial 11 (avg 0.47) the median drops
-    strategy = started(grace_steps=2, min_trials=3)
-    feed(strategy, 11, [0.2, 0.56, 0.65])
-    assert feed(strategy, 13, [0.0, 0.0, 0.58])[-1] is Decision.CONTINUE
+def replay(curves: list[list[float]], objective: Objective, batch: int, **params: int) -> tuple[list, list]:
+    """Every decision of Optuna's MedianPruner and of MedianStopping, trial by trial and step by
+    step; ``batch`` trials train in lockstep (1: one after another)."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize" if objective.mode == "max" else "minimize",
+                                pruner=optuna.pruners.MedianPruner(**params),
+                                sampler=optuna.samplers.RandomSampler(seed=0))
+    rule = MedianStopping(**params)
+    rule.start(SearchSpace([LabelSpec("config", Categorical(list(range(len(curves)))))]), objective,
+               random.Random(0))
+    theirs: list[tuple[int, int, bool]] = []
+    ours: list[tuple[int, int, bool]] = []
+    for first in range(0, len(curves), batch):
+        ids = list(range(first, min(first + batch, len(curves))))
+        asked = {i: study.ask() for i in ids}
+        trials = {i: Trial(i, {"config": i}, i, TrialStatus.RUNNING, metrics={objective.metric: []}) for i in ids}
+        running = list(ids)
+        for step in range(len(curves[0])):
+            for i in running:  # every value of the step reported before any decision (lockstep)
+                value = curves[i][step]
+                asked[i].report(value, step)
+                trials[i].metrics[objective.metric].append(value)
+                rule.report(trials[i], step, value)
+            still = []
+            for i in running:
+                pruned = asked[i].should_prune()
+                stopped = rule.decide(trials[i], step) is Decision.STOP
+                theirs.append((i, step, pruned))
+                ours.append((i, step, stopped))
+                if pruned:
+                    study.tell(asked[i], state=optuna.trial.TrialState.PRUNED)
+                if stopped:
+                    trials[i].status = TrialStatus.STOPPED
+                    trials[i].metric = trials[i].metrics[objective.metric][-1]
+                    rule.tell(trials[i])
+                if not (pruned or stopped):
+                    still.append(i)
+            running = still
+        for i in running:
+            study.tell(asked[i], curves[i][-1])
+            trials[i].status, trials[i].metric = TrialStatus.COMPLETED, curves[i][-1]
+            rule.tell(trials[i])
+    return theirs, ours
 
 
-def test_best_so_far_not_the_last_value() -> None:
-    strategy = started(grace_steps=0, min_trials=3)
-    assert feed(strategy, 12, [0.7, 0.3, 0.2]) == [Decision.CONTINUE] * 3
+SETTINGS = [
+    {},                                                             # Optuna's defaults: 5, 0, 1, 1
+    {"n_startup_trials": 3, "n_warmup_steps": 4, "interval_steps": 3},
+    {"n_startup_trials": 8, "n_warmup_steps": 1, "interval_steps": 5, "n_min_trials": 6},
+    {"n_startup_trials": 0, "n_warmup_steps": 10},
+]
 
 
-def test_grace_steps_and_min_trials() -> None:
-    assert feed(started(grace_steps=3, min_trials=1), 13, [0.0, 0.0, 0.0]) == [Decision.CONTINUE] * 3
-    assert feed(started(grace_steps=0, min_trials=4), 14, [0.0, 0.0, 0.0]) == [Decision.CONTINUE] * 3
-    assert feed(started(grace_steps=0, min_trials=3), 15, [0.0]) == [Decision.STOP]
+@pytest.mark.parametrize("params", SETTINGS, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()) or "defaults")
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("objective", [Objective("val_acc", "max"), Objective("val_loss", "min")], ids=str)
+def test_same_decisions_as_optunas_median_pruner(curves, params, batch, objective) -> None:
+    theirs, ours = replay(curves[objective.metric], objective, batch, **params)
+    assert ours == theirs
+    stops = sum(pruned for _, _, pruned in theirs)
+    assert 0 < stops < 40  # the replay exercises both decisions
 
 
-def test_minimizing() -> None:
-    history = [Trial(t.id, t.sample, t.seed, t.status, metric=1 - t.metric,
-                     metrics={"val_loss": [1 - v for v in t.metrics["val_acc"]]}) for t in HISTORY]
-    strategy = MedianStopping(grace_steps=0, min_trials=3)
-    strategy.start(space(), LOSS, random.Random(0), history)
-    trial = Trial(20, {"x": 20}, 20, TrialStatus.RUNNING)
-    strategy.report(trial, 0, 0.45)  # median loss at step 0 is 0.5: better
-    assert strategy.decide(trial, 0) is Decision.CONTINUE
-    trial = Trial(21, {"x": 21}, 21, TrialStatus.RUNNING)
-    strategy.report(trial, 0, 0.55)
-    assert strategy.decide(trial, 0) is Decision.STOP
+def test_warmup_and_interval_decide_where_stops_happen(curves) -> None:
+    theirs, ours = replay(curves["val_acc"], Objective("val_acc", "max"), 1,
+                          n_startup_trials=3, n_warmup_steps=4, interval_steps=3)
+    stopped_at = {step for _, step, stopped in ours if stopped}
+    assert stopped_at and all(step >= 4 and (step - 4) % 3 == 0 for step in stopped_at)
 
 
-def test_stops_bad_trials_and_wraps_any_proposer() -> None:
-    bench = Bench(space(), final=lambda s: 0.1 + 0.8 * s["x"] / 100, epochs=6, noise=0.0)
+def test_as_a_strategy_and_a_stopping_rule() -> None:
+    """On its own it proposes random samples; as ``stopping=`` the proposals are the sampler's."""
+    space = SearchSpace([LabelSpec("x", Categorical(list(range(100))))])
+    bench = Bench(space, final=lambda s: 0.1 + 0.8 * s["x"] / 100, epochs=6, noise=0.0)
     plain = run(Random(batch_size=6), bench, seed=2, max_trials=30)
-    wrapped = run(MedianStopping(Random(batch_size=6), min_trials=3), bench, seed=2, max_trials=30)
-    # same proposals: the rule only decides about running trials
-    assert [t.sample for t in plain.trials] == [t.sample for t in wrapped.trials]
-    stopped = [t for t in wrapped.trials if t.status is TrialStatus.STOPPED]
-    kept = [t for t in wrapped.trials if t.status is TrialStatus.COMPLETED]
-    assert stopped and kept
-    assert sum(t.steps for t in wrapped.trials) < sum(t.steps for t in plain.trials)
-    assert max(t.metric for t in kept) == max(t.metric for t in plain.trials)  # the best survives
+    with_rule = run(Random(batch_size=6, stopping=MedianStopping(n_startup_trials=3)), bench, seed=2, max_trials=30)
+    assert [t.sample for t in plain.trials] == [t.sample for t in with_rule.trials]
+    stopped = [t for t in with_rule.trials if t.status is TrialStatus.STOPPED]
+    assert stopped and all(t.group != with_rule.trials[0].group for t in stopped)  # the first group runs in full
+    assert max(t.metric for t in with_rule.trials) == max(t.metric for t in plain.trials)
+    alone = run(MedianStopping(n_startup_trials=3, batch_size=6), bench, seed=2, max_trials=30)
+    assert any(t.status is TrialStatus.STOPPED for t in alone.trials)
 
 
-def test_base_stop_wins() -> None:
-    bench = Bench(space(), final=lambda s: 0.1 + 0.8 * s["x"] / 100, epochs=9, noise=0.0)
-    hb = run(Hyperband(max_steps=9), bench, seed=1, max_trials=17)
-    both = run(MedianStopping(Hyperband(max_steps=9), min_trials=100), bench, seed=1, max_trials=17)
-    assert hb.signature() == both.signature()  # never enough trials for the median: Hyperband's stops only
+def test_a_strategy_that_stops_nothing_is_refused_as_stopping() -> None:
+    space = SearchSpace([LabelSpec("x", Categorical(list(range(100))))])
+    with pytest.raises(ValueError, match=r"^The 'stopping' parameter of Random must be a stopping rule "
+                                         r"\(td.strategy.ASHA, Hyperband, BOHB or MedianStopping\) or None. "
+                                         r"Got Random\(batch_size=8, stopping=None\) instead.$"):
+        Random(stopping=Random()).start(space, Objective("val_acc", "max"), random.Random(0))
+    with pytest.raises(ValueError, match="Got 'asha' instead"):
+        Random(stopping="asha").start(space, Objective("val_acc", "max"), random.Random(0))
+    with pytest.raises(ValueError, match="The 'max_steps' parameter of Hyperband must be an int"):
+        Random(stopping=Hyperband()).start(space, Objective("val_acc", "max"), random.Random(0))
+
+
+def test_nan_reports() -> None:
+    """All-NaN reports stop the trial (as Optuna prunes it); NaN values of completed trials are left out."""
+    space = SearchSpace([LabelSpec("x", Categorical(list(range(10))))])
+    rule = MedianStopping(n_startup_trials=1)
+    done = Trial(0, {"x": 0}, 0, TrialStatus.COMPLETED, metric=0.5, metrics={"val_acc": [0.5, math.nan]})
+    rule.start(space, Objective("val_acc", "max"), random.Random(0), [done])
+    trial = Trial(1, {"x": 1}, 1, TrialStatus.RUNNING)
+    rule.report(trial, 0, math.nan)
+    assert rule.decide(trial, 0) is Decision.STOP
+    trial = Trial(2, {"x": 2}, 2, TrialStatus.RUNNING)
+    rule.report(trial, 0, 0.6)
+    rule.report(trial, 1, 0.1)
+    assert rule.decide(trial, 1) is Decision.CONTINUE  # no completed value at step 1

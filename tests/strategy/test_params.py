@@ -40,12 +40,14 @@ CASES = [
      "The 'min_points_in_model' parameter of BOHB must be an int or None in the range [1, inf). Got 0 instead."),
     (BOHB(), "The 'max_steps' parameter of BOHB must be an int in the range [1, inf). Got None instead."),
     (ASHA(max_steps=9, brackets=0), "The 'brackets' parameter of ASHA must be an int in the range [1, inf). Got 0 instead."),
-    (MedianStopping(base="random"),
-     "The 'base' parameter of MedianStopping must be a Strategy or None. Got 'random' instead."),
-    (MedianStopping(grace_steps=-1),
-     "The 'grace_steps' parameter of MedianStopping must be an int in the range [0, inf). Got -1 instead."),
-    (MedianStopping(Random(batch_size=0)),
-     "The 'batch_size' parameter of Random must be an int in the range [1, inf). Got 0 instead."),
+    (MedianStopping(n_warmup_steps=-1),
+     "The 'n_warmup_steps' parameter of MedianStopping must be an int in the range [0, inf). Got -1 instead."),
+    (MedianStopping(interval_steps=0),
+     "The 'interval_steps' parameter of MedianStopping must be an int in the range [1, inf). Got 0 instead."),
+    (TPE(stopping=MedianStopping(n_min_trials=0)),
+     "The 'n_min_trials' parameter of MedianStopping must be an int in the range [1, inf). Got 0 instead."),
+    (RegularizedEvolution(stopping=ASHA(max_steps=9, reduction_factor=1)),
+     "The 'reduction_factor' parameter of ASHA must be an int in the range [2, inf). Got 1 instead."),
 ]
 
 
@@ -58,7 +60,7 @@ def test_start_validates_parameters(strategy, message: str) -> None:
 def test_parameters_are_kept_as_given() -> None:
     strategy = RegularizedEvolution(population=1)  # no error until start
     assert strategy.params() == {"population": 1, "sample_size": 5, "mutation_prob": 0.05, "batch_size": 4,
-                                 "inherit_weights": False}
+                                 "inherit_weights": False, "stopping": None}
     assert repr(Hyperband(max_steps=9)) == "Hyperband(min_steps=1, max_steps=9, reduction_factor=3)"
-    base = TPE()
-    assert MedianStopping(base).params()["base"] is base
+    rule = MedianStopping()
+    assert TPE(stopping=rule).params()["stopping"] is rule

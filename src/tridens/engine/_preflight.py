@@ -152,9 +152,10 @@ def check_before_run(space: BaseSpace, evaluator: Evaluator, strategy: Strategy,
     try:
         copy.deepcopy(strategy).start(search_space, objective, random.Random(seed), ())
     except ValueError as err:
-        if getattr(strategy, "max_steps", 0) is not None or "'max_steps'" not in str(err):
+        unset = [policy for policy in _policies(strategy) if getattr(policy, "max_steps", 0) is None]
+        if not unset or "'max_steps'" not in str(err):
             raise
-        kind = type(strategy).__name__  # no max_steps given, and no fixed epochs to take it from
+        kind = type(unset[0]).__name__  # no max_steps given, and no fixed epochs to take it from
         raise ValueError(f"{err} {type(evaluator).__name__} has no fixed 'epochs' to take it from: pass "
                          f"td.strategy.{kind}(max_steps=N), N being the most steps (td.report calls) a trial "
                          "makes.") from None

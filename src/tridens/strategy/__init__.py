@@ -4,9 +4,11 @@ Proposing strategies (what to train next): :class:`Random`, :class:`GridSearch`,
 :class:`RegularizedEvolution`, :class:`TPE`. Multi-fidelity strategies (what to train next and
 which running trial to stop): :class:`Hyperband`, :class:`BOHB`, :class:`ASHA`, and the
 sub-sampling bandit :class:`SS`, its asynchronous variant :class:`AsyncSS` and :class:`BOSS`. Population
-Based Training, which forks running trials onto better ones' state: :class:`PBT`. A stopping rule
-that wraps any proposing strategy: :class:`MedianStopping`. Constraints on measured facts of a
-model and the Pareto front of several objectives: :class:`Constraint`, :func:`pareto_front`.
+Based Training, which forks running trials onto better ones' state: :class:`PBT`. Optuna's median
+pruner: :class:`MedianStopping`. A proposing strategy takes a stopping rule as a policy object, as
+an Optuna sampler takes a pruner: ``TPE(stopping=ASHA())``, ``Random(stopping=MedianStopping())``.
+Constraints on measured facts of a model and the Pareto front of several objectives:
+:class:`Constraint`, :func:`pareto_front`.
 """
 
 from ._asha import ASHA

@@ -59,6 +59,11 @@ class ASHA(SearchBase):
             budget *= self.reduction_factor
         return out
 
+    def as_stopping(self) -> "ASHA":
+        """As another strategy's ``stopping=`` policy (``td.strategy.TPE(stopping=ASHA())``), ASHA's
+        rungs judge that strategy's trials, dealt to brackets in the order they first report."""
+        return self
+
     def _setup(self) -> None:
         self._bracket: dict[str, int] = {}                    # sample key -> bracket
         self._rung_budgets = [set(self.rungs(b)) for b in range(self.brackets)]

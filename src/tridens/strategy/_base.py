@@ -78,6 +78,13 @@ class Strategy:
     def tell(self, trial: Trial) -> None:
         """``trial`` finished (completed, stopped, failed or duplicate)."""
 
+    def as_stopping(self) -> Strategy | None:
+        """The rule this strategy applies when it is another strategy's ``stopping=`` policy
+        (Optuna's pruner beside a sampler): a strategy whose ``report``/``decide``/``tell`` judge
+        trials it did not propose, and whose ``ask`` is never called. ``None`` (the default): this
+        strategy stops nothing on its own."""
+        return None
+
     def params(self) -> dict[str, Any]:
         """The constructor's parameters (for the store, as JSON)."""
         return {k: v for k, v in vars(self).items() if not k.startswith("_") and k not in ("space", "objective", "rng")}

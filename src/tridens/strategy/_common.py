@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import InvalidSample
 from ..space import SearchSpace
-from ..trial import Objective, Trial, TrialGroup, TrialStatus
+from ..trial import Decision, Objective, Trial, TrialGroup, TrialStatus
 from ._base import Strategy
 
 __all__: list[str] = []  # private helpers
@@ -123,12 +123,28 @@ def final_value(trial: Trial, objective: Objective) -> float | None:
     return float(value)
 
 
+def stopping_rule(owner: str, stopping: Any) -> Strategy:
+    """The rule ``stopping`` (a constructor's ``stopping=`` policy) applies; one-line error otherwise."""
+    rule = stopping.as_stopping() if isinstance(stopping, Strategy) else None
+    if rule is None:
+        raise ValueError(f"The 'stopping' parameter of {owner} must be a stopping rule (td.strategy.ASHA, "
+                         f"Hyperband, BOHB or MedianStopping) or None. Got {stopping!r} instead.")
+    return rule
+
+
 class SearchBase(Strategy):
     """Bookkeeping most strategies share: the samples seen so far (for dedup and exhaustion),
     per-trial learning curves, and the proposal counter that seeds every random choice.
 
     Subclasses implement ``_check`` (parameter validation), optionally ``_setup`` (fresh state,
     called before the history is replayed) and ``_observe`` (a trial finished), and ``ask``.
+
+    A subclass whose constructor stores a ``stopping`` policy (a strategy whose
+    :meth:`~Strategy.as_stopping` is a rule: ASHA, Hyperband, BOHB, MedianStopping) proposes as
+    before and lets that rule decide whether its running trials continue, as an Optuna sampler
+    does with a pruner: the rule is started with the same history on a random stream of its own
+    (so the proposals are those of the strategy alone), sees every report and finished trial,
+    and its ``max_steps`` becomes the groups' budget.
     """
 
     def _check(self) -> None:
@@ -148,6 +164,9 @@ class SearchBase(Strategy):
     def start(self, space: SearchSpace, objective: Objective, rng: random.Random,
               history: Sequence[Trial] = ()) -> None:
         self._check()
+        stopping = getattr(self, "stopping", None)
+        rule = None if stopping is None else stopping_rule(type(self).__name__, stopping)
+        self._stopper: Strategy | None = None   # started once the history is replayed below
         self.space, self.objective, self.rng = space, objective, rng
         self._seed = rng.getrandbits(64)
         self._space_size: float | None = None        # counted when first needed (see _size)
@@ -167,6 +186,14 @@ class SearchBase(Strategy):
         # trials the experiment holds, so it proposes what an uninterrupted run would have.
         self._proposed = max([len(history)] + [t.number + 1 for t in history if t.number is not None])
         self._resumed(history)
+        if rule is not None:
+            rule.start(space, objective, derive_rng(self._seed, "stopping"), history)
+            self._stopper = rule
+
+    def objective_named(self, objective: Objective) -> None:
+        self.objective = objective
+        if self._stopper is not None:
+            self._stopper.objective_named(objective)
 
     def report(self, trial: Trial, step: int, value: float) -> None:
         self._samples.setdefault(trial.id, trial.sample)
@@ -174,6 +201,12 @@ class SearchBase(Strategy):
         while len(curve) <= step:
             curve.append(math.nan)
         curve[step] = float(value) if value is not None else math.nan
+        if self._stopper is not None:
+            self._stopper.report(trial, step, value)
+
+    def decide(self, trial: Trial, step: int) -> Decision:
+        """The stopping rule's decision; without one, every trial continues."""
+        return self._stopper.decide(trial, step) if self._stopper is not None else Decision.CONTINUE
 
     def tell(self, trial: Trial) -> None:
         if trial.number is not None and trial.number >= self._proposed:  # a trial of an earlier run, re-run
@@ -188,6 +221,8 @@ class SearchBase(Strategy):
         self._trials[trial.id] = trial
         self._samples[trial.id] = trial.sample
         self._observe(trial, key)
+        if self._stopper is not None:
+            self._stopper.tell(trial)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -262,6 +297,8 @@ class SearchBase(Strategy):
     def _group(self, samples: list[dict[str, Any]], name: str, max_steps: int | None = None) -> TrialGroup | None:
         if not samples:
             return None
+        if max_steps is None and self._stopper is not None:
+            max_steps = getattr(self._stopper, "max_steps", None)  # ASHA's: the most steps a trial trains
         return TrialGroup(samples, max_steps=max_steps, name=f"{name}-{self._proposed - len(samples)}")
 
     def _finished_values(self) -> Iterable[tuple[Trial, float]]:

@@ -7,6 +7,7 @@ import random
 from typing import Any
 
 from ..trial import Trial, TrialGroup
+from ._base import Strategy
 from ._common import SearchBase, cap, check_bool, check_float, check_int, final_value, sample_key
 
 __all__ = ["RegularizedEvolution"]
@@ -37,16 +38,20 @@ class RegularizedEvolution(SearchBase):
     once (:mod:`tridens.xopt._supergraph`). The trial records its ``parent`` and, in
     ``info["inherit"]``, what it inherited.
 
+    ``stopping``: a rule that stops running trials early (:class:`ASHA`, :class:`Hyperband`,
+    :class:`MedianStopping`); a stopped trial joins the population with its last value.
+
     >>> strategy = td.strategy.RegularizedEvolution(population=8, inherit_weights=True)  # doctest: +SKIP
     """
 
     def __init__(self, population: int = 20, sample_size: int = 5, mutation_prob: float = 0.05,
-                 batch_size: int = 4, inherit_weights: bool = False):
+                 batch_size: int = 4, inherit_weights: bool = False, stopping: Strategy | None = None):
         self.population = population
         self.sample_size = sample_size
         self.mutation_prob = mutation_prob
         self.batch_size = batch_size
         self.inherit_weights = inherit_weights
+        self.stopping = stopping
 
     def _check(self) -> None:
         name = "RegularizedEvolution"

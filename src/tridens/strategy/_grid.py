@@ -6,6 +6,7 @@ from typing import Any, Iterator
 
 from ..errors import InvalidSpace
 from ..trial import TrialGroup
+from ._base import Strategy
 from ._common import SearchBase, cap, check_int, sample_key
 
 __all__ = ["GridSearch"]
@@ -20,11 +21,13 @@ class GridSearch(SearchBase):
 
     Needs a finite space (categorical and randint labels); a continuous label is an error in
     :meth:`start`. Samples already in the history (a resumed search) are skipped, so the grid
-    continues where it stopped. No randomness.
+    continues where it stopped. No randomness. ``stopping``: a rule that stops running trials
+    early (:class:`ASHA`, :class:`Hyperband`, :class:`MedianStopping`).
     """
 
-    def __init__(self, batch_size: int = 16):
+    def __init__(self, batch_size: int = 16, stopping: Strategy | None = None):
         self.batch_size = batch_size
+        self.stopping = stopping
 
     def _check(self) -> None:
         check_int("GridSearch", "batch_size", self.batch_size, 1)

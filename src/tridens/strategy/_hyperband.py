@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..trial import Decision, Trial, TrialGroup
+from ._base import Strategy
 from ._common import SearchBase, cap, check_int, check_order, sample_key
 
 __all__ = ["Hyperband"]
@@ -98,6 +99,18 @@ class Hyperband(SearchBase):
         """
         self._check()
         return [self._plan(i)[1:] for i in range(self._s_max() + 1)]
+
+    def as_stopping(self) -> Strategy:
+        """As another strategy's ``stopping=`` policy, Hyperband is what Optuna's ``HyperbandPruner``
+        is: one asynchronous successive halving per bracket, bracket ``b``'s first rung at
+        ``min_steps * eta**b``, trials dealt to the ``s_max + 1`` brackets in turn -- an
+        :class:`ASHA` with that many brackets. Its own brackets are groups it proposes, which a
+        stopping rule does not."""
+        from ._asha import ASHA
+
+        self._check()
+        return ASHA(min_steps=self.min_steps, max_steps=self.max_steps, reduction_factor=self.reduction_factor,
+                    brackets=self._s_max() + 1)
 
     # -- protocol ------------------------------------------------------------------------------
 

@@ -1,101 +1,111 @@
-"""The median stopping rule (Golovin et al., "Google Vizier", KDD 2017), as a wrapper."""
+"""The median stopping rule with the semantics of Optuna's ``MedianPruner``.
+
+After step ``t`` (0-based, as ``td.report``'s steps) a trial is stopped when the best value it
+reported so far is worse than the median of the values that *completed* trials reported at step
+``t`` -- exactly what ``optuna.pruners.MedianPruner`` decides, parameter for parameter:
+
+* ``n_startup_trials``: nothing is stopped until that many trials completed (the history of a
+  resumed search included). Trials that were stopped, failed or are still running never count,
+  so the first group the engine trains in lockstep runs in full.
+* ``n_warmup_steps``: nothing is stopped at steps below it; the earliest stop is after step
+  ``n_warmup_steps``.
+* ``interval_steps``: a trial is judged at steps ``n_warmup_steps + k * interval_steps``; a check
+  that falls on a step without a report happens at the next reported step.
+* ``n_min_trials``: a step with fewer completed trials' values than that stops nothing.
+
+A trial whose reports so far are all NaN is stopped; NaN values of completed trials are left out
+of the median. Decisions are final: a stopped trial stays stopped.
+"""
 
 from __future__ import annotations
 
 import math
-import random
-import statistics
-from typing import Sequence
+from typing import Any
 
-from ..space import SearchSpace
-from ..trial import Decision, Objective, Trial, TrialGroup
-from ._base import Strategy
-from ._common import check_int, curve_of
+import numpy as np
+
+from ..trial import Decision, Trial, TrialGroup, TrialStatus
+from ._common import SearchBase, cap, check_int, curve_of
 
 __all__ = ["MedianStopping"]
 
 
-class MedianStopping(Strategy):
-    """Wraps a proposing strategy and adds early stopping (decorator pattern: what to try next
-    stays ``base``'s business, whether a running trial continues is this rule's).
+class MedianStopping(SearchBase):
+    """Optuna's ``MedianPruner`` as a stopping rule (see the module docstring).
 
-    After step ``t`` (0-based, ``t >= grace_steps``) a trial is stopped when its best value so far
-    is worse than the median, over the other trials that reached step ``t``, of their running
-    averages ``mean(values[0..t])``; at least ``min_trials`` such trials are needed. Other trials
-    include finished ones, the history of a resumed search, and, when the engine trains a group in
-    lockstep, the group's other trials at the same step. ``base`` (default: ``Random()``) is also
-    asked: its ``STOP`` wins. ``ask`` and the groups are ``base``'s.
+    Pass it to a proposing strategy, as Optuna passes a pruner beside a sampler::
+
+        td.strategy.TPE(stopping=td.strategy.MedianStopping(n_startup_trials=5, n_warmup_steps=2))
+
+    On its own (``strategy=td.strategy.MedianStopping()``) it proposes random samples,
+    ``batch_size`` per group, and stops them by the same rule.
+
+    >>> MedianStopping(n_warmup_steps=2).params()["interval_steps"]
+    1
     """
 
-    def __init__(self, base: Strategy | None = None, grace_steps: int = 1, min_trials: int = 3):
-        self.base = base
-        self.grace_steps = grace_steps
-        self.min_trials = min_trials
+    def __init__(self, n_startup_trials: int = 5, n_warmup_steps: int = 0, interval_steps: int = 1,
+                 n_min_trials: int = 1, batch_size: int = 8):
+        self.n_startup_trials = n_startup_trials
+        self.n_warmup_steps = n_warmup_steps
+        self.interval_steps = interval_steps
+        self.n_min_trials = n_min_trials
+        self.batch_size = batch_size
 
     def _check(self) -> None:
-        if self.base is not None and not isinstance(self.base, Strategy):
-            raise ValueError(f"The 'base' parameter of MedianStopping must be a Strategy or None. "
-                             f"Got {self.base!r} instead.")
-        if isinstance(self.base, MedianStopping):
-            raise ValueError("The 'base' parameter of MedianStopping must not be another MedianStopping.")
-        check_int("MedianStopping", "grace_steps", self.grace_steps, 0)
-        check_int("MedianStopping", "min_trials", self.min_trials, 1)
+        check_int("MedianStopping", "n_startup_trials", self.n_startup_trials, 0)
+        check_int("MedianStopping", "n_warmup_steps", self.n_warmup_steps, 0)
+        check_int("MedianStopping", "interval_steps", self.interval_steps, 1)
+        check_int("MedianStopping", "n_min_trials", self.n_min_trials, 1)
+        check_int("MedianStopping", "batch_size", self.batch_size, 1)
 
-    def start(self, space: SearchSpace, objective: Objective, rng: random.Random,
-              history: Sequence[Trial] = ()) -> None:
-        from ._random import Random
+    def as_stopping(self) -> MedianStopping:
+        return self
 
-        self._check()
-        self.space, self.objective, self.rng = space, objective, rng
-        self._base = self.base if self.base is not None else Random()
-        self._curves: dict[int, list[float]] = {}
+    def _setup(self) -> None:
+        self._reported: dict[int, dict[int, float]] = {}     # running trial id -> step -> value
+        self._completed: dict[int, dict[int, float]] = {}    # completed trial id -> step -> value
         self._stopped: set[int] = set()
-        for trial in history:
-            self._curves[trial.id] = curve_of(trial, objective)
-        self._base.start(space, objective, rng, history)
-
-    def objective_named(self, objective: Objective) -> None:
-        self.objective = objective
-        self._base.objective_named(objective)
 
     def ask(self, remaining: int | None = None) -> TrialGroup | None:
-        if not hasattr(self, "_base"):
-            raise RuntimeError("MedianStopping.start(space, objective, rng) must be called before ask()")
-        return self._base.ask(remaining)
+        self._require_started()
+        return self._group(self._propose_random(cap(self.batch_size, remaining)), "median")
 
     def report(self, trial: Trial, step: int, value: float) -> None:
-        curve = self._curves.setdefault(trial.id, [])
-        while len(curve) <= step:
-            curve.append(math.nan)
-        curve[step] = float(value) if value is not None else math.nan
-        self._base.report(trial, step, value)
+        super().report(trial, step, value)
+        self._reported.setdefault(trial.id, {})[step] = math.nan if value is None else float(value)
 
-    def tell(self, trial: Trial) -> None:
-        recorded = curve_of(trial, self.objective)
-        if recorded or trial.id not in self._curves:
-            self._curves[trial.id] = recorded
-        self._base.tell(trial)
+    def _observe(self, trial: Trial, key: str | None) -> None:
+        self._reported.pop(trial.id, None)
+        if trial.status is TrialStatus.COMPLETED:
+            curve = curve_of(trial, self.objective)
+            self._completed[trial.id] = {s: v for s, v in enumerate(curve) if not math.isnan(v)}
 
     def decide(self, trial: Trial, step: int) -> Decision:
-        if self._base.decide(trial, step) is Decision.STOP or trial.id in self._stopped:
-            self._stopped.add(trial.id)
+        if trial.id in self._stopped:
             return Decision.STOP
-        if step < self.grace_steps:
-            return Decision.CONTINUE
-        mine = [v for v in self._curves.get(trial.id, [])[:step + 1] if not math.isnan(v)]
-        if not mine:
-            return Decision.CONTINUE
-        best = max(mine, key=self.objective.score)
-        averages = []
-        for tid, curve in self._curves.items():
-            if tid == trial.id or len(curve) <= step:
-                continue
-            prefix = curve[:step + 1]
-            if not any(math.isnan(v) for v in prefix):
-                averages.append(sum(prefix) / len(prefix))
-        if len(averages) < self.min_trials:
-            return Decision.CONTINUE
-        if self.objective.better(statistics.median(averages), best):
+        if self._prune(self._reported.get(trial.id, {}), step):
             self._stopped.add(trial.id)
             return Decision.STOP
         return Decision.CONTINUE
+
+    def _prune(self, values: dict[int, float], step: int) -> bool:
+        completed = len(self._completed)
+        if completed == 0 or completed < self.n_startup_trials or step not in values:
+            return False
+        if step < self.n_warmup_steps:
+            return False
+        # the first reported step at or after each check point (warm-up + k * interval) is judged
+        check_point = (step - self.n_warmup_steps) // self.interval_steps * self.interval_steps + self.n_warmup_steps
+        previous = max((s for s in values if s != step), default=-1)
+        if previous >= check_point:
+            return False
+        mine: Any = np.asarray([values[s] for s in values if s <= step], dtype=float)
+        if np.isnan(mine).all():
+            return True
+        best = float(np.nanmax(mine) if self.objective.mode == "max" else np.nanmin(mine))
+        others = [curve[step] for curve in self._completed.values() if step in curve]
+        if len(others) < self.n_min_trials:
+            return False
+        median = float(np.nanpercentile(np.asarray(others, dtype=float), 50.0))
+        return not math.isnan(median) and self.objective.better(median, best)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..trial import TrialGroup
+from ._base import Strategy
 from ._common import SearchBase, cap, check_int
 
 __all__ = ["Random"]
@@ -14,7 +15,9 @@ class Random(SearchBase):
     Each :meth:`ask` hands over one group of ``batch_size`` samples (fewer at the end of a finite
     space or of the engine's budget). A sample the engine reports as a ``DUPLICATE`` (same model
     as an earlier trial) costs a slot and is simply not proposed again; the next group replaces
-    it. The search ends when every sample of a finite space has been proposed.
+    it. The search ends when every sample of a finite space has been proposed. ``stopping``: a
+    rule that stops running trials early (:class:`ASHA`, :class:`Hyperband`,
+    :class:`MedianStopping`), as an Optuna pruner beside the sampler.
 
     >>> import random
     >>> from tridens import Objective
@@ -25,8 +28,9 @@ class Random(SearchBase):
     (2, 1, None)
     """
 
-    def __init__(self, batch_size: int = 8):
+    def __init__(self, batch_size: int = 8, stopping: Strategy | None = None):
         self.batch_size = batch_size
+        self.stopping = stopping
 
     def _check(self) -> None:
         check_int("Random", "batch_size", self.batch_size, 1)

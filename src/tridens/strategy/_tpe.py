@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..space import Categorical, Domain, LogUniform, RandInt, SearchSpace, Uniform
 from ..trial import Objective, Trial, TrialGroup, TrialStatus
+from ._base import Strategy
 from ._common import SearchBase, cap, check_bool, check_int, curve_of, derive_seed, final_value, sample_key
 
 __all__ = ["TPE"]
@@ -202,14 +203,20 @@ class TPE(SearchBase):
     Optuna's sampler is seeded from the strategy's rng for every ask, so the search is
     deterministic given the seed. A sample equal to an earlier one is asked again, and after a
     few tries replaced by a random unseen sample; the search ends when a finite space is exhausted.
+
+    ``stopping``: a rule that stops running trials early, as Optuna pairs ``TPESampler`` with a
+    pruner; the trials it stops reach TPE as pruned trials with their values so far.
+
+    >>> strategy = td.strategy.TPE(stopping=td.strategy.ASHA(max_steps=9))  # doctest: +SKIP
     """
 
     def __init__(self, batch_size: int = 4, n_startup_trials: int = 10, n_ei_candidates: int = 24,
-                 multivariate: bool = True):
+                 multivariate: bool = True, stopping: Strategy | None = None):
         self.batch_size = batch_size
         self.n_startup_trials = n_startup_trials
         self.n_ei_candidates = n_ei_candidates
         self.multivariate = multivariate
+        self.stopping = stopping
 
     def _check(self) -> None:
         check_int("TPE", "batch_size", self.batch_size, 1)
