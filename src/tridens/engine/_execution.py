@@ -40,7 +40,9 @@ from ..trial import Decision, Fork
 from ..units import ExecutionUnit, Job, PlanContext, SeparateUnit
 from ._protocol import GroupHooks, TrialProtocol, TrialTimeout, Verdict, error_text
 from ._threads import ThreadPolicy
-from ._watchdog import check_overtime, death_error, for_trial
+from ._messages import (Answer, Left, Outcome, Place, Quit, Report, RunTrial, RunUnit, ShipEvaluator,
+                        Started)
+from ._watchdog import check_overtime, death_error, for_trial, settle
 
 __all__ = ["Executor", "RunContext", "InlineExecutor", "ProcessExecutor", "run_lockstep", "plan_units",
            "model_bytes", "weights_bytes", "state_bytes", "make_executor", "check_forks", "fork_members", "handed_source"]
@@ -538,15 +540,9 @@ def _record_thread_rate(plan: Any, units: Sequence[ExecutionUnit], lives: Mappin
 
 
 # -- process pool --------------------------------------------------------------------------------
-# Messages, driver -> worker:  ("evaluator", token, pickled evaluator)  sent once per worker and evaluator
-#                              ("run", trial id, token, model bytes, sample, seed, max_steps, state bytes)
-#                              ("host", ...) / ("ddp", ...)  a Fluid placement (see tridens.engine._fluid_pool)
-#                              ("unit", ...)  trials trained together, in lockstep (see tridens.engine._pool_units)
-#                              ("decision", trial id, verdict value)  the answer to a "report"
-#                              ("quit",)
-# worker -> driver:            ("started", trial id)  ("report", trial id, step, metrics[, seconds])
-#                              ("done", trial id, value, weights bytes)  ("error", trial id, traceback)
-#                              ("yielded", trial id, trainer state bytes)  (Fluid)
+# Messages (tridens.engine._messages), driver -> worker: ShipEvaluator (once per worker and evaluator),
+# RunTrial, Place (Fluid, see ._fluid_pool), RunUnit (trials in lockstep, see ._pool_units), Answer (to a
+# Report), Quit. Worker -> driver: Started, Report, Left (the trial's Outcome).
 
 
 def _exit_with_driver(driver: int) -> None:
@@ -606,26 +602,24 @@ def _worker_main(conn: Connection, index: int, driver: int | None = None,
         _exit_with_driver(driver)
     torch.set_num_threads(1)
     evaluators: dict[int, Evaluator] = {}
-    pending: list[tuple[Any, ...]] = []  # messages read while waiting for something else
+    pending: list[Any] = []  # messages read while waiting for something else
     while True:
         try:
             message = pending.pop(0) if pending else conn.recv()
         except (EOFError, OSError):  # the driver went away
             return
-        kind = message[0]
-        if kind == "quit":
+        if isinstance(message, Quit):
             return
-        if kind == "evaluator":
-            evaluators[message[1]] = pickle.loads(message[2])
-        elif kind == "run":
-            _, trial_id, token, model, sample, seed, max_steps, state = message
-            _serve_trial(conn, evaluators[token], trial_id, pickle.loads(model), sample, seed, max_steps,
-                         load_bytes(state))
-        elif kind in ("host", "ddp"):
+        if isinstance(message, ShipEvaluator):
+            evaluators[message.token] = pickle.loads(message.payload)
+        elif isinstance(message, RunTrial):
+            _serve_trial(conn, evaluators[message.token], message.trial_id, pickle.loads(message.model),
+                         message.sample, message.seed, message.max_steps, load_bytes(message.state))
+        elif isinstance(message, Place):
             from ._fluid_pool import serve_placement
 
             serve_placement(conn, message, evaluators, pending)
-        elif kind == "unit":
+        elif isinstance(message, RunUnit):
             from ._pool_units import serve_unit
 
             serve_unit(conn, message, evaluators)
@@ -637,22 +631,22 @@ def _serve_trial(conn: Connection, evaluator: Evaluator, trial_id: int, model: n
 
     class PipeReporter:
         def report(self, step: int, metrics: Mapping[str, float]) -> Decision:
-            conn.send(("report", trial_id, step, {k: float(v) for k, v in metrics.items()}))
-            reply = conn.recv()
-            return Decision.STOP if reply[2] == Verdict.STOP.value else Decision.CONTINUE
+            conn.send(Report(trial_id, step, {k: float(v) for k, v in metrics.items()}))
+            reply: Answer = conn.recv()
+            return Decision.STOP if reply.verdict == Verdict.STOP.value else Decision.CONTINUE
 
     torch.set_num_threads(1)  # a previous user loop may have changed it
     try:
-        conn.send(("started", trial_id))  # the timeout counts from here, not from the worker's start-up
+        conn.send(Started(trial_id))  # the timeout counts from here, not from the worker's start-up
         if state is not None and isinstance(evaluator, StepwiseEvaluator):  # a fork: from that state on
             trainer = evaluator.trainer(model, sample, seed)
             trainer.load_state_dict(state)
             value = drive(trainer, evaluator.objective, PipeReporter(), max_steps=max_steps)
         else:
             value = evaluator.evaluate(model, sample, seed, PipeReporter(), max_steps=max_steps)
-        conn.send(("done", trial_id, None if value is None else float(value), weights_bytes(model)))
+        conn.send(Left(trial_id, Outcome("done", None if value is None else float(value), weights_bytes(model))))
     except BaseException as err:  # report everything (SystemExit too); the worker serves the next trial
-        conn.send(("error", trial_id, error_text(err)))
+        conn.send(Left(trial_id, Outcome("error", error=error_text(err))))
         if isinstance(err, KeyboardInterrupt):
             raise
 
@@ -770,7 +764,7 @@ class ProcessExecutor(Executor):
         if token not in self._payloads:
             self._payloads[token] = (evaluator, worker_payload(evaluator, f"the evaluator {type(evaluator).__name__}"))
         if token not in worker.evaluators:
-            worker.conn.send(("evaluator", token, self._payloads[token][1]))
+            worker.conn.send(ShipEvaluator(token, self._payloads[token][1]))
             worker.evaluators.add(token)
         return token
 
@@ -781,7 +775,7 @@ class ProcessExecutor(Executor):
     def close(self) -> None:
         for worker in self._pool.values():
             try:
-                worker.conn.send(("quit",))
+                worker.conn.send(Quit())
             except (OSError, BrokenPipeError):
                 pass
         for worker in self._pool.values():
@@ -834,8 +828,8 @@ class ProcessExecutor(Executor):
                     worker = self.worker(index)
                     try:
                         token = self.ship(worker, evaluator)
-                        worker.conn.send(("run", job.trial.id, token, model_bytes(job.model), job.trial.sample,
-                                          job.trial.seed, job.max_steps, state_bytes(job.start_from)))
+                        worker.conn.send(RunTrial(job.trial.id, token, model_bytes(job.model), job.trial.sample,
+                                                  job.trial.seed, job.max_steps, state_bytes(job.start_from)))
                     except (OSError, BrokenPipeError):  # died between two trials: its message is read below
                         pass
                     running[index] = _Running(TrialProtocol(job, hooks, clock="wall"), worker)
@@ -856,23 +850,17 @@ class ProcessExecutor(Executor):
             self.replace(index)
             life.fail(for_trial(death_error("worker process", f"exit code {code}"), life.trial))
             return False
-        kind = message[0]
-        if kind == "started":
+        if isinstance(message, Started):
             life.start()
             return True
-        if kind == "report":
-            _, _, step, metrics = message[:4]
-            verdict = life.report(step, metrics)
+        if isinstance(message, Report):
+            verdict = life.report(message.step, message.metrics)
             if verdict is Verdict.DROP:  # past its timeout: failed by the protocol
                 self.replace(index)
                 return False
-            run.worker.conn.send(("decision", life.trial.id, verdict.value))
+            run.worker.conn.send(Answer(life.trial.id, verdict.value))
             return True
-        if kind == "error":
-            life.fail(message[2])
-            return False
-        _, _, value, payload = message
-        life.finish(value, load_bytes(payload))
+        settle(life, message.outcome, load_bytes)
         return False
 
 

@@ -28,8 +28,9 @@ from ..evaluators import Evaluator, StepwiseEvaluator
 from ..units import Job
 from ._execution import load_bytes, model_bytes, state_bytes, weights_bytes
 from ._fluid import Placement, StaticFluid
+from ._messages import Answer, Closed, Left, Outcome, Place, Profile, Report, ShipEvaluator, Started, Yielded
 from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text
-from ._watchdog import check_silence, death_error, for_trial
+from ._watchdog import check_silence, death_error, for_trial, settle
 
 if TYPE_CHECKING:
     from ._execution import ProcessExecutor
@@ -212,11 +213,8 @@ class FluidRun:
             worker = self.executor.worker(slot)
             self.hosts[slot].add(key)
             token = self.executor.ship(worker, self.evaluator)
-            common = (job.trial.id, token, payload, job.trial.sample, job.trial.seed, job.max_steps, ft.state, measure)
-            if port is None:
-                worker.conn.send(("host", *common))
-            else:
-                worker.conn.send(("ddp", *common, rank, len(p.devices), port))
+            worker.conn.send(Place(job.trial.id, token, payload, job.trial.sample, job.trial.seed, job.max_steps,
+                                   ft.state, measure, rank, len(p.devices), port))
         ft.state = None
 
     def _kill_slot(self, slot: int, reason: str) -> None:
@@ -276,8 +274,8 @@ class FluidRun:
             code = None if worker is None else worker.exit_code()
             self._kill_slot(slot, death_error("worker process", f"exit code {code}"))
             return
-        kind, tid = message[0], message[1]
-        if kind == "closed":
+        tid = message.trial_id
+        if isinstance(message, Closed):
             if tid in self.closing and slot in self.closing[tid][0]:
                 self._closed(tid, slot)
             return
@@ -286,26 +284,25 @@ class FluidRun:
             return
         ft.last_message = time.monotonic()
         life = ft.life
-        if kind == "started":
+        if isinstance(message, Started):
             life.start()
-        elif kind == "profile":
-            _, _, step_time, per_epoch, epochs = message
+        elif isinstance(message, Profile):
             if not ft.measured:
-                self._learn(ft, step_time, per_epoch, epochs, float(len(ft.slots)) if len(ft.slots) > 1 else 1.0)
-        elif kind == "report":
-            _, _, step, metrics, seconds = message
-            ft.epochs_done = step + 1
-            verdict = life.report(step, metrics, last=ft.epochs_done >= ft.limit, seconds=seconds)
+                self._learn(ft, message.step_time, message.per_epoch, message.epochs,
+                            float(len(ft.slots)) if len(ft.slots) > 1 else 1.0)
+        elif isinstance(message, Report):
+            ft.epochs_done = message.step + 1
+            verdict = life.report(message.step, message.metrics, last=ft.epochs_done >= ft.limit, seconds=message.seconds)
             self.sched.progress(tid, ft.remaining())
             if verdict is Verdict.DROP:  # past its timeout: failed by the protocol
-                conn.send(("decision", tid, Verdict.DROP.value))
+                conn.send(Answer(tid, Verdict.DROP.value))
                 self._end(tid)
             elif verdict is Verdict.CONTINUE and tid in self.sched.rescales():
-                conn.send(("decision", tid, Verdict.YIELD.value))
+                conn.send(Answer(tid, Verdict.YIELD.value))
             else:
-                conn.send(("decision", tid, verdict.value))
-        elif kind == "yielded":
-            ft.state = message[2]
+                conn.send(Answer(tid, verdict.value))
+        elif isinstance(message, Yielded):
+            ft.state = message.state
             new = self.sched.rescales().get(tid)
             log.info("fluid: trial %d moves from %s to share %s after epoch %d", tid, ft.slots, new, ft.epochs_done)
             slots, ft.slots = ft.slots, ()
@@ -314,11 +311,9 @@ class FluidRun:
                 self.sched.release(tid, ft.remaining())
 
             self._vacate(tid, slots, release)
-        elif kind == "error":  # the other ranks of a DDP trial may wait in a collective forever: replaced
-            self._end(tid, clean=False).fail(message[2])
-        elif kind == "done":
-            _, _, value, payload = message
-            self._end(tid).finish(value, load_bytes(payload))
+        elif isinstance(message, Left):
+            # after an error the other ranks of a DDP trial may wait in a collective forever: replaced
+            settle(self._end(tid, clean=message.outcome.kind != "error"), message.outcome, load_bytes)
 
 
 # -- the worker side ------------------------------------------------------------------------------
@@ -349,7 +344,7 @@ def _profiled_epoch(trainer: Any, conn: Connection, tid: int) -> dict[str, float
     step-wise parts (``begin_epoch``/``epoch_batches``/``train_batch``/``end_epoch``) is timed
     by the epoch."""
     def send(seconds: float, per_epoch: int | None) -> None:
-        conn.send(("profile", tid, seconds, per_epoch, trainer.epochs))
+        conn.send(Profile(tid, seconds, per_epoch, trainer.epochs))
 
     if not all(hasattr(trainer, m) for m in ("begin_epoch", "epoch_batches", "train_batch", "end_epoch")):
         t0 = time.perf_counter()
@@ -387,39 +382,43 @@ def epoch_metrics(trainer: Any, evaluator: Evaluator, train: dict[str, float],
     return {metric: float(metrics[metric]), **{k: float(v) for k, v in metrics.items()}}
 
 
-def _await_decision(conn: Connection, tid: int, pending: list[tuple[Any, ...]], hosted: dict[int, Any] | None,
-                    evaluators: Mapping[int, Evaluator]) -> str:
+def _await_decision(conn: Connection, tid: int, pending: list[Any], hosted: dict[int, Any] | None,
+                    evaluators: dict[int, Evaluator]) -> str:
     """Read until the decision for ``tid`` arrives; placements arriving meanwhile join ``hosted``."""
     while True:
         message = conn.recv()
-        if message[0] == "decision" and message[1] == tid:
-            return message[2]
-        if message[0] == "host" and hosted is not None:
+        if isinstance(message, Answer) and message.trial_id == tid:
+            return message.verdict
+        if isinstance(message, Place) and message.world == 1 and hosted is not None:
             _host(conn, message, hosted, evaluators)
-        elif message[0] == "evaluator":
-            import pickle
-
-            evaluators[message[1]] = pickle.loads(message[2])  # type: ignore[index]
+        elif isinstance(message, ShipEvaluator):
+            _take_evaluator(message, evaluators)
         else:
             pending.append(message)
 
 
-def _host(conn: Connection, message: tuple[Any, ...], hosted: dict[int, Any], evaluators: Mapping[int, Evaluator]) -> None:
-    _, tid, token, model, sample, seed, max_steps, state, measure = message
-    evaluator = evaluators[token]
+def _take_evaluator(message: ShipEvaluator, evaluators: dict[int, Evaluator]) -> None:
+    import pickle
+
+    evaluators[message.token] = pickle.loads(message.payload)
+
+
+def _host(conn: Connection, message: Place, hosted: dict[int, Any], evaluators: Mapping[int, Evaluator]) -> None:
+    tid = message.trial_id
+    evaluator = evaluators[message.token]
     try:
-        conn.send(("started", tid))
-        hosted[tid] = [evaluator, _trainer(evaluator, model, sample, seed, state), max_steps, measure]
+        conn.send(Started(tid))
+        hosted[tid] = [evaluator, _trainer(evaluator, message.model, message.sample, message.seed, message.state),
+                       message.max_steps, message.measure]
     except Exception as err:
-        conn.send(("error", tid, error_text(err)))
+        conn.send(Left(tid, Outcome("error", error=error_text(err))))
 
 
-def serve_placement(conn: Connection, message: tuple[Any, ...], evaluators: dict[int, Evaluator],
-                    pending: list[tuple[Any, ...]]) -> None:
+def serve_placement(conn: Connection, message: Place, evaluators: dict[int, Evaluator], pending: list[Any]) -> None:
     """Worker side of a Fluid placement: host packed trials (taking turns epoch by epoch, and
     accepting more while they run) or run one rank of a data-parallel trial."""
     torch.set_num_threads(1)
-    if message[0] == "ddp":
+    if message.world > 1:
         _serve_ddp(conn, message, evaluators, pending)
         return
 
@@ -429,12 +428,10 @@ def serve_placement(conn: Connection, message: tuple[Any, ...], evaluators: dict
         for tid in list(hosted):
             while conn.poll():  # more trials packed onto this worker meanwhile
                 incoming = conn.recv()
-                if incoming[0] == "host":
+                if isinstance(incoming, Place) and incoming.world == 1:
                     _host(conn, incoming, hosted, evaluators)
-                elif incoming[0] == "evaluator":
-                    import pickle
-
-                    evaluators[incoming[1]] = pickle.loads(incoming[2])
+                elif isinstance(incoming, ShipEvaluator):
+                    _take_evaluator(incoming, evaluators)
                 else:
                     pending.append(incoming)
             evaluator, trainer, max_steps, measure = hosted[tid]
@@ -444,35 +441,35 @@ def serve_placement(conn: Connection, message: tuple[Any, ...], evaluators: dict
                 train = _profiled_epoch(trainer, conn, tid) if measure else trainer.train_epoch()
                 hosted[tid][3] = False
                 metrics = epoch_metrics(trainer, evaluator, train)
-                conn.send(("report", tid, step, metrics, time.perf_counter() - t0))
+                conn.send(Report(tid, step, metrics, time.perf_counter() - t0))
             except Exception as err:
-                conn.send(("error", tid, error_text(err)))
+                conn.send(Left(tid, Outcome("error", error=error_text(err))))
                 del hosted[tid]
                 continue
             decision = _await_decision(conn, tid, pending, hosted, evaluators)
             if decision == "drop":
                 del hosted[tid]
             elif decision == "yield":
-                conn.send(("yielded", tid, state_bytes(trainer.state_dict())))
+                conn.send(Yielded(tid, state_bytes(trainer.state_dict())))
                 del hosted[tid]
             elif decision in (Verdict.STOP.value, Verdict.DONE.value) or trainer.epoch >= budget(trainer, max_steps):
-                conn.send(("done", tid, metrics[evaluator.objective.metric], weights_bytes(trainer.model)))
+                conn.send(Left(tid, Outcome("done", metrics[evaluator.objective.metric], weights_bytes(trainer.model))))
                 del hosted[tid]
 
 
-def _serve_ddp(conn: Connection, message: tuple[Any, ...], evaluators: dict[int, Evaluator],
-               pending: list[tuple[Any, ...]]) -> None:
+def _serve_ddp(conn: Connection, message: Place, evaluators: dict[int, Evaluator], pending: list[Any]) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from . import _ddp
 
-    _, tid, token, model, sample, seed, max_steps, state, measure, rank, world, port = message
-    evaluator = evaluators[token]
+    tid, max_steps, measure, rank, world = message.trial_id, message.max_steps, message.measure, message.rank, message.world
+    evaluator = evaluators[message.token]
     try:
         if rank == 0:
-            conn.send(("started", tid))
-        _ddp.init_group(rank, world, port)
-        trainer = _trainer(evaluator, model, sample, seed, state)
+            conn.send(Started(tid))
+        assert message.port is not None, "a data-parallel placement names its port"
+        _ddp.init_group(rank, world, message.port)
+        trainer = _trainer(evaluator, message.model, message.sample, message.seed, message.state)
         ddp = DistributedDataParallel(trainer.model)
         limit = budget(trainer, max_steps)
         while True:
@@ -484,26 +481,27 @@ def _serve_ddp(conn: Connection, message: tuple[Any, ...], evaluators: dict[int,
             decision = None
             if rank == 0:
                 if times:
-                    conn.send(("profile", tid, min(times[1:] or times), _per_epoch(trainer), trainer.epochs))
+                    conn.send(Profile(tid, min(times[1:] or times), _per_epoch(trainer), trainer.epochs))
                     measure = False
                 metrics = epoch_metrics(trainer, evaluator, train, validated)
-                conn.send(("report", tid, step, metrics, time.perf_counter() - t0))
+                conn.send(Report(tid, step, metrics, time.perf_counter() - t0))
                 decision = _await_decision(conn, tid, pending, None, evaluators)
             decision = _ddp.broadcast(decision, rank)
             if decision == "drop":
                 break
             if decision == "yield":
                 if rank == 0:
-                    conn.send(("yielded", tid, state_bytes(trainer.state_dict())))
+                    conn.send(Yielded(tid, state_bytes(trainer.state_dict())))
                 break
             if decision in (Verdict.STOP.value, Verdict.DONE.value) or trainer.epoch >= limit:
                 if rank == 0:
-                    conn.send(("done", tid, metrics[evaluator.objective.metric], weights_bytes(trainer.model)))
+                    conn.send(Left(tid, Outcome("done", metrics[evaluator.objective.metric],
+                                                weights_bytes(trainer.model))))
                 break
     except Exception as err:
         # A rank that failed alone may leave the others inside a collective: tearing the group
         # down could then wait for them (the hang seen before), so the driver replaces the ranks.
-        conn.send(("error", tid, f"rank {rank} of {world}: " + error_text(err)))
+        conn.send(Left(tid, Outcome("error", error=f"rank {rank} of {world}: " + error_text(err))))
         _KEEP.append(locals().get("ddp"))  # no destructor runs before the driver kills this worker
         return
     # Every rank got here after the same last collective (the decision's broadcast): drop the DDP
@@ -511,7 +509,7 @@ def _serve_ddp(conn: Connection, message: tuple[Any, ...], evaluators: dict[int,
     # still has gloo work in flight, then destroy the group; this worker then serves placements again.
     del ddp
     _ddp.close_group()
-    conn.send(("closed", tid))
+    conn.send(Closed(tid))
 
 
 _KEEP: list[Any] = []

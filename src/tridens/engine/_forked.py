@@ -25,9 +25,8 @@ in the driver (a CUDA context does not survive a fork), and units that use no st
 trees read and write the driver's SQLite store). A strategy that forks members (PBT) keeps the
 sequential loop.
 
-Messages, child -> driver: ``("round", reports)``, ``("left", trial, outcome)`` (the pool's unit
-protocol, :mod:`._pool_units`), ``("log", record)``, ``("measured", measurements)``, ``("end",)``;
-driver -> child: ``("verdicts", {trial: verdict}, [])``.
+Messages (:mod:`._messages`), child -> driver: ``Round``, ``Left`` (the pool's unit protocol,
+:mod:`._pool_units`), ``LogRecord``, ``Measured``, ``End``; driver -> child: ``Verdicts``.
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ import torch
 from ..units import Decisions, ExecutionUnit
 from ._execution import run_lockstep
 from ._pool_units import PipeJudge, settle_left
+from ._messages import End, Left, LogRecord, Measured, Report, Round, Verdicts
 from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text
 from ._watchdog import check_silence, death_error, ended_error, for_trial
 
@@ -78,7 +78,7 @@ class _Share:
     process: Any
     conn: Connection
     lives: dict[int, TrialProtocol]
-    round: list[tuple[Any, ...]] | None = None
+    round: list[Report] | None = None
     open: bool = True
     last_message: float = field(default_factory=time.monotonic)
 
@@ -90,7 +90,7 @@ class _PipeQueue:
         self.conn = conn
 
     def put_nowait(self, record: logging.LogRecord) -> None:
-        self.conn.send(("log", record))
+        self.conn.send(LogRecord(record))
 
 
 def _child(conn: Connection, units: Sequence[ExecutionUnit], threads: int) -> None:
@@ -112,8 +112,8 @@ def _child(conn: Connection, units: Sequence[ExecutionUnit], threads: int) -> No
             except OSError:
                 break
     try:
-        conn.send(("measured", [m for unit in units for m in unit.measurements()]))
-        conn.send(("end",))
+        conn.send(Measured([m for unit in units for m in unit.measurements()]))
+        conn.send(End())
     except OSError:
         pass
 
@@ -171,17 +171,16 @@ def _receive(child: _Share, decisions: Decisions | None = None) -> None:
             _lost(child, death_error("forked process", f"exit code {child.process.exitcode}"))
             return
         child.last_message = time.monotonic()
-        kind = message[0]
-        if kind == "round":
-            child.round = message[1]
-        elif kind == "left":
-            settle_left(child.lives, message[1], message[2])
-        elif kind == "log":
-            logging.getLogger(message[1].name).handle(message[1])
-        elif kind == "measured":
+        if isinstance(message, Round):
+            child.round = message.reports
+        elif isinstance(message, Left):
+            settle_left(child.lives, message.trial_id, message.outcome)
+        elif isinstance(message, LogRecord):
+            logging.getLogger(message.record.name).handle(message.record)
+        elif isinstance(message, Measured):
             if decisions is not None:
-                decisions.add(message[1])
-        elif kind == "end":
+                decisions.add(message.measurements)
+        elif isinstance(message, End):
             for life in list(child.lives.values()):
                 life.fail(for_trial(ended_error("in its forked process"), life.trial))
             child.lives.clear()
@@ -205,16 +204,16 @@ def _barrier(children: Sequence[_Share], rank: Mapping[int, int]) -> None:
     waiting = [c for c in children if c.open and c.lives]
     if not waiting or any(c.round is None for c in waiting):
         return
-    reports = sorted(((rank.get(r[0], len(rank)), r[0], c, r) for c in waiting for r in c.round or ()),
+    reports = sorted(((rank.get(r.trial_id, len(rank)), r.trial_id, c, r) for c in waiting for r in c.round or ()),
                      key=lambda item: (item[0], item[1]))
-    for _, tid, child, (_, step, metrics, _, seconds) in reports:
+    for _, tid, child, report in reports:
         life = child.lives[tid]
-        if seconds:
-            life.add_seconds(seconds)
-        life.record(step, metrics)
+        if report.seconds:
+            life.add_seconds(report.seconds)
+        life.record(report.step, report.metrics)
     answers: dict[int, dict[int, str]] = {id(c): {} for c in waiting}
-    for _, tid, child, (_, step, _, last, _) in reports:
-        verdict = child.lives[tid].verdict(step, last=last)
+    for _, tid, child, report in reports:
+        verdict = child.lives[tid].verdict(report.step, last=report.last)
         if verdict is Verdict.DROP:   # past its timeout: failed by the protocol; the child drops it
             child.lives.pop(tid, None)
         answers[id(child)][tid] = verdict.value
@@ -222,6 +221,6 @@ def _barrier(children: Sequence[_Share], rank: Mapping[int, int]) -> None:
         child.round = None
         child.last_message = time.monotonic()
         try:
-            child.conn.send(("verdicts", answers[id(child)], []))
+            child.conn.send(Verdicts(answers[id(child)]))
         except (OSError, BrokenPipeError):   # died meanwhile: read as its death next
             pass

@@ -22,11 +22,9 @@ save, fail, link) travel through the worker's pipe to the driver's
 store's ``.stages/`` files, written by the driver. The driver plans which trials form a tree from
 the stored rows only (nothing loaded there).
 
-Messages, driver -> worker: ``("unit", token, members, settings, optimizations, experiment)``;
-``("archive", result)``; ``("verdicts", {trial: verdict}, forks)``; ``("state", trial)``.
-Worker -> driver: ``("started",)``; ``("archive", method, args, kwargs)``; ``("round", reports)``;
-``("state", trial, bytes)``; ``("forked", trial, source, step, sample)``;
-``("left", trial, outcome)``; ``("end",)``.
+Messages (:mod:`._messages`), driver -> worker: ``RunUnit``, ``ArchiveAnswer``, ``Verdicts``,
+``WantState``. Worker -> driver: ``Started``, ``ArchiveCall``, ``Round``, ``State``, ``Forked``,
+``Left``, ``End``.
 """
 
 from __future__ import annotations
@@ -46,7 +44,8 @@ from ..trial import Fork, Trial
 from ..units import ExecutionUnit, Job, PlanContext
 from ._execution import (LockstepJudge, UnitReport, handed_source, load_bytes, model_bytes, plan_units, run_lockstep,
                          state_bytes)
-from ._messages import Outcome
+from ._messages import (ArchiveAnswer, ArchiveCall, End, Forked, Left, Outcome, Report, Round, RunUnit, Started, State,
+                        Verdicts, WantState)
 from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text
 from ._stage_relay import ArchiveRelay, PlanningView, answer_archive_call
 from ._watchdog import check_silence, death_error, ended_error, for_trial, settle
@@ -80,7 +79,7 @@ class _Placement:
     settings: dict[str, Any] | None      # the run's xopt.Settings as plain data; None: trained separately
     slot: int | None = None
     worker: PoolWorker | None = None
-    round: list[tuple[Any, ...]] | None = None   # a reported round waiting for the others (forks)
+    round: list[Report] | None = None    # a reported round waiting for the others (forks)
     last_message: float = field(default_factory=time.monotonic)
     deaths: int = 0                      # workers that died under it (it is retried once)
 
@@ -179,7 +178,7 @@ class UnitRun:
                    for tid, life in p.lives.items()]
         experiment = None if self.archive is None or p.settings is None else self.archive.experiment
         try:
-            p.worker.conn.send(("unit", token, members, p.settings, POOL_OPTIMIZATIONS, experiment))
+            p.worker.conn.send(RunUnit(token, members, p.settings, POOL_OPTIMIZATIONS, experiment))
         except (OSError, BrokenPipeError):  # died meanwhile: read as its death below
             pass
         return p
@@ -220,29 +219,27 @@ class UnitRun:
                     for_trial(error, ", ".join(str(life.trial.label) for life in p.lives.values())))
         self.retry.append(p)
 
-    def _handle(self, p: _Placement, message: tuple[Any, ...]) -> bool:
+    def _handle(self, p: _Placement, message: Any) -> bool:
         assert p.worker is not None
         p.last_message = time.monotonic()
-        kind = message[0]
-        if kind == "started":
+        if isinstance(message, Started):
             for life in p.lives.values():
                 life.start()
-        elif kind == "archive":
-            p.worker.conn.send(("archive", self._archive_call(message[1], message[2], message[3])))
-        elif kind == "round":
+        elif isinstance(message, ArchiveCall):
+            p.worker.conn.send(ArchiveAnswer(self._archive_call(message.method, message.args, message.kwargs)))
+        elif isinstance(message, Round):
             if self.forks:
-                p.round = message[1]
+                p.round = message.reports
             else:
-                verdicts = {report[0]: self._verdict(p, report).value for report in message[1]}
-                p.worker.conn.send(("verdicts", verdicts, []))
-        elif kind == "forked":
-            _, tid, source, step, sample = message
-            member, origin = p.lives.get(tid), self._life(source)
+                verdicts = {report.trial_id: self._verdict(p, report).value for report in message.reports}
+                p.worker.conn.send(Verdicts(verdicts))
+        elif isinstance(message, Forked):
+            member, origin = p.lives.get(message.trial_id), self._life(message.source)
             if member is not None and origin is not None:
-                member.forked(origin.trial, step, Fork(source, sample))
-        elif kind == "left":
-            self._left(p, message[1], message[2])
-        elif kind == "end":
+                member.forked(origin.trial, message.step, Fork(message.source, message.sample))
+        elif isinstance(message, Left):
+            settle_left(p.lives, message.trial_id, message.outcome)
+        elif isinstance(message, End):
             for life in list(p.lives.values()):
                 life.fail(for_trial(ended_error("in its worker"), life.trial))
             p.lives.clear()
@@ -255,16 +252,12 @@ class UnitRun:
                 return p.lives[tid]
         return None
 
-    def _verdict(self, p: _Placement, report: Sequence[Any]) -> Verdict:
-        tid, step, metrics, last, seconds = report
-        life = p.lives[tid]
-        verdict = life.report(step, metrics, last=last, seconds=seconds)
+    def _verdict(self, p: _Placement, report: Report) -> Verdict:
+        life = p.lives[report.trial_id]
+        verdict = life.report(report.step, report.metrics, last=report.last, seconds=report.seconds)
         if verdict is Verdict.DROP:   # past its timeout: failed by the protocol; the worker drops it
-            p.lives.pop(tid, None)
+            p.lives.pop(report.trial_id, None)
         return verdict
-
-    def _left(self, p: _Placement, tid: int, outcome: Outcome) -> None:
-        settle_left(p.lives, tid, outcome)
 
     def _archive_call(self, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         """A worker's stage-store call, carried out on the driver's archive (states travel as bytes)."""
@@ -280,7 +273,7 @@ class UnitRun:
         verdicts: dict[int, tuple[_Placement, Verdict, int]] = {}
         for p in waiting:
             for report in p.round or ():
-                verdicts[report[0]] = (p, self._verdict(p, report), report[1])
+                verdicts[report.trial_id] = (p, self._verdict(p, report), report.step)
         forks: dict[int, Fork] = {}
         for tid, (p, verdict, step) in verdicts.items():
             fork = p.lives[tid].fork(step) if verdict is Verdict.CONTINUE and tid in p.lives else None
@@ -307,28 +300,28 @@ class UnitRun:
             handed = (origin.trial.seed, origin.trial.sample, self.models[fork.source], states[fork.source])
             given[id(p)].append((tid, fork.source, fork.sample, handed))
         for p in waiting:
-            answers = {report[0]: verdicts[report[0]][1].value for report in p.round or ()}
+            answers = {report.trial_id: verdicts[report.trial_id][1].value for report in p.round or ()}
             p.round = None
             p.last_message = time.monotonic()
             assert p.worker is not None
-            p.worker.conn.send(("verdicts", answers, given[id(p)]))
+            p.worker.conn.send(Verdicts(answers, given[id(p)]))
 
     def _state_of(self, p: _Placement, tid: int) -> bytes | None:
         """Member ``tid``'s trainer state, handed back by its worker (which waits for its verdicts)."""
         assert p.worker is not None
-        p.worker.conn.send(("state", tid))
+        p.worker.conn.send(WantState(tid))
         while True:
             try:
                 message = p.worker.conn.recv()
             except (EOFError, OSError):
                 return None   # its death is read in the loop
-            if message[0] == "state" and message[1] == tid:
-                return message[2]
+            if isinstance(message, State) and message.trial_id == tid:
+                return message.payload
             self._handle(p, message)
 
 
 def settle_left(lives: dict[int, TrialProtocol], tid: int, outcome: Outcome) -> None:
-    """A member's ``("left", tid, outcome)`` from a :class:`PipeJudge`: its protocol leaves
+    """A member's :class:`~._messages.Left` from a :class:`PipeJudge`: its protocol leaves
     ``lives`` and its outcome is settled (:func:`~._watchdog.settle`; weights as bytes)."""
     life = lives.pop(tid, None)
     if life is not None:
@@ -348,20 +341,20 @@ class PipeJudge(LockstepJudge):
         self.left: set[int] = set()
 
     def judge(self, reports: Sequence[UnitReport]) -> list[Verdict]:
-        asks = [(r.trial_id, r.step, dict(r.metrics), r.last, r.seconds) for r in reports if r.metrics is not None]
+        asks = [Report(r.trial_id, r.step, dict(r.metrics), r.seconds, r.last) for r in reports if r.metrics is not None]
         answers: dict[int, str] = {}
         self.given = []
         if asks:
-            self.conn.send(("round", asks))
+            self.conn.send(Round(asks))
             units = {r.trial_id: r.unit for r in reports}
             while True:
                 message = self.conn.recv()
-                if message[0] == "state":   # a member of this worker is the source of another's fork
-                    unit = units.get(message[1])
-                    state = None if unit is None else unit.state_dict(message[1])
-                    self.conn.send(("state", message[1], state_bytes(state)))
-                elif message[0] == "verdicts":
-                    answers, self.given = message[1], message[2]
+                if isinstance(message, WantState):   # a member of this worker is the source of another's fork
+                    unit = units.get(message.trial_id)
+                    state = None if unit is None else unit.state_dict(message.trial_id)
+                    self.conn.send(State(message.trial_id, state_bytes(state)))
+                elif isinstance(message, Verdicts):
+                    answers, self.given = message.answers, message.forks
                     break
         return [Verdict.DONE if r.metrics is None else Verdict(answers[r.trial_id]) for r in reports]
 
@@ -383,7 +376,7 @@ class PipeJudge(LockstepJudge):
         return handed_source(self.evaluator, fork.source, seed, sample, pickle.loads(model), load_bytes(state))
 
     def forked(self, report: UnitReport, fork: Fork) -> None:
-        self.conn.send(("forked", report.trial_id, fork.source, report.step, fork.sample))
+        self.conn.send(Forked(report.trial_id, fork.source, report.step, fork.sample))
 
     def _info(self, tid: int) -> dict[str, Any]:
         info = self.trials[tid].info
@@ -393,7 +386,7 @@ class PipeJudge(LockstepJudge):
         if trial_id not in self.left:
             self.left.add(trial_id)
             text = err if isinstance(err, str) else error_text(err)
-            self.conn.send(("left", trial_id, Outcome("error", error=text, info=self._info(trial_id))))
+            self.conn.send(Left(trial_id, Outcome("error", error=text, info=self._info(trial_id))))
 
     def finished(self, report: UnitReport, verdict: Verdict) -> None:
         tid = report.trial_id
@@ -402,27 +395,27 @@ class PipeJudge(LockstepJudge):
         self.left.add(tid)
         if verdict.finishes:
             weights = report.unit.weights(tid)
-            self.conn.send(("left", tid, Outcome("done", weights=state_bytes(weights), info=self._info(tid))))
+            self.conn.send(Left(tid, Outcome("done", weights=state_bytes(weights), info=self._info(tid))))
         else:   # dropped (already failed on the driver)
-            self.conn.send(("left", tid, Outcome("dropped")))
+            self.conn.send(Left(tid, Outcome("dropped")))
 
 
 def _call(conn: Connection, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """One stage-store call to the driver through the pipe, and its answer."""
-    conn.send(("archive", name, args, kwargs))
+    conn.send(ArchiveCall(name, args, kwargs))
     reply = conn.recv()
-    if reply[0] != "archive":
-        raise RuntimeError(f"the driver answered a stage-store call with {reply[0]!r}")
-    return reply[1]
+    if not isinstance(reply, ArchiveAnswer):
+        raise RuntimeError(f"the driver answered a stage-store call with {type(reply).__name__}")
+    return reply.result
 
 
-def serve_unit(conn: Connection, message: tuple[Any, ...], evaluators: Mapping[int, Evaluator]) -> None:
+def serve_unit(conn: Connection, message: RunUnit, evaluators: Mapping[int, Evaluator]) -> None:
     """Worker side of a unit placement: plan the members again (the driver's settings, the pool's
-    optimizations), train them in lockstep, answer the driver's state requests, then say "end"."""
-    _, token, members, settings, optimizations, experiment = message
-    evaluator = evaluators[token]
+    optimizations), train them in lockstep, answer the driver's state requests, then say :class:`~._messages.End`."""
+    members, settings, optimizations, experiment = message.members, message.settings, message.optimizations, message.experiment
+    evaluator = evaluators[message.token]
     torch.set_num_threads(1)
-    conn.send(("started",))
+    conn.send(Started())
     jobs = [Job(trial, pickle.loads(model), max_steps, start_from=load_bytes(state))
             for trial, model, max_steps, state in members]
     judge = PipeJudge(conn, evaluator, {job.trial.id: job.trial for job in jobs})  # type: ignore[arg-type]
@@ -445,4 +438,4 @@ def serve_unit(conn: Connection, message: tuple[Any, ...], evaluators: Mapping[i
         for job in jobs:
             with contextlib.suppress(OSError):
                 judge.failed(None, job.trial.id, text)
-    conn.send(("end",))
+    conn.send(End())

@@ -51,7 +51,7 @@ from ..evaluators import Evaluator, StepwiseEvaluator
 from ..units import Job, PlanContext
 from ._execution import Executor, RunContext, _context
 from ..trial import Fork
-from ._messages import Outcome
+from ._messages import ArchiveCall, Forked, Left, Outcome, Posted, Started
 from ._protocol import GroupHooks, TrialProtocol, Verdict
 from ._ray_fluid import FluidOnRay
 from ._ray_hub import POLL_S, death_cause, start_hub
@@ -389,9 +389,10 @@ class RayExecutor(Executor):
         track.started = track.last_message = math.inf
         track.ref = run_unit.options(**track.resources).remote(evaluator_ref, spec, self._hub)
 
-    def _handle_unit(self, message: tuple[Any, ...], owner: Mapping[int, _UnitTrack], storage: CheckpointStorage,
+    def _handle_unit(self, posted: Posted, owner: Mapping[int, _UnitTrack], storage: CheckpointStorage,
                      fluid: FluidOnRay | None, held: dict[int, Any] | None = None) -> None:
-        kind, trial_id, attempt, (pid, node) = message[:4]
+        attempt, (pid, node), message = posted.attempt, posted.worker, posted.message
+        trial_id = message.trial_id
         track = owner.get(trial_id)
         if track is None or attempt != track.attempt or trial_id not in track.members:
             return  # a message of a task already given up on
@@ -400,28 +401,28 @@ class RayExecutor(Executor):
         track.last_message = time.monotonic()
         if track.started == math.inf:
             track.started = track.last_message
-        if kind == "started":
-            life.trial.info["ray"] = {"pid": pid, "node": node, "attempt": attempt, "resources": dict(message[4])}
+        if isinstance(message, Started):
+            life.trial.info["ray"] = {"pid": pid, "node": node, "attempt": attempt,
+                                      "resources": dict(message.resources or {})}
             life.start()
             return
-        if kind == "left":
-            self._member_left(member, message[4], storage, fluid)
+        if isinstance(message, Left):
+            self._member_left(member, message.outcome, storage, fluid)
             return
-        if kind == "archive":   # a stage tree's stage-store call; checkpoints travel through storage
-            key, name, args, kwargs = message[4:]
+        if isinstance(message, ArchiveCall):   # a stage tree's stage-store call; checkpoints travel through storage
             experiment = str(self.experiment)
-            self._hub.reply.remote(key, answer_archive_call(
-                self._archive, name, args, kwargs, lambda state: storage.hand(experiment, state), storage.take,
-                f"Ray task of trial {trial_id}"))
+            self._hub.reply.remote(message.key, answer_archive_call(
+                self._archive, message.method, message.args, message.kwargs,
+                lambda state: storage.hand(experiment, state), storage.take, f"Ray task of trial {trial_id}"))
             return
-        if kind == "forked":   # the member now continues from its source's state: its lineage
-            source, step, sample = message[4:]
-            origin = owner.get(source)
-            if origin is not None and source in origin.members:
-                life.forked(origin.members[source].life.trial, step, Fork(source, sample))
+        if isinstance(message, Forked):   # the member now continues from its source's state: its lineage
+            origin = owner.get(message.source)
+            if origin is not None and message.source in origin.members:
+                life.forked(origin.members[message.source].life.trial, message.step,
+                            Fork(message.source, message.sample))
             return
-        step, metrics, last, seconds = message[4:]
-        verdict = life.report(step, metrics, last=last, seconds=seconds)
+        step = message.step   # a Report
+        verdict = life.report(step, message.metrics, last=message.last, seconds=message.seconds)
         if held is not None and verdict is not Verdict.DROP:   # answered with the whole population's round
             given = self._answered.get(trial_id)
             if given is not None and given[0] == step:   # asked again by a restarted task: the same answer

@@ -2,15 +2,17 @@
 
 Workers post messages to one :class:`Hub` actor and wait there for the driver's answers; the
 driver drains the hub (every ``POLL_S`` seconds at most), records what it reads through each
-trial's :class:`~._protocol.TrialProtocol` and answers with the verdict. Every message names its
-trial, the attempt (a task restarted after its worker died counts up) and its worker (pid, node):
+trial's :class:`~._protocol.TrialProtocol` and answers with the verdict. Every message travels in
+a :class:`~._messages.Posted` envelope naming the attempt (a task restarted after its worker died
+counts up) and its worker (pid, node), and names its trial:
 
-* ``("started", trial, attempt, worker, resources)``: the task began training the trial;
-* ``("report", trial, attempt, worker, step, metrics, last, seconds)``: a step's metrics, answered
-  with a :class:`~._protocol.Verdict` value (posted by :meth:`Hub.ask`, which waits for it);
-* ``("left", trial, attempt, worker, outcome)``: a member of a unit left its task;
-* ``("archive", trial, attempt, worker, key, method, args, kwargs)``: a stage tree's stage-store
-  call (:mod:`._stage_relay`; posted by :meth:`Hub.call`, answered with :meth:`Hub.reply`).
+* :class:`~._messages.Started`: the task began training the trial;
+* :class:`~._messages.Report`: a step's metrics, answered with a :class:`~._protocol.Verdict`
+  value (posted by :meth:`Hub.ask`, which waits for it);
+* :class:`~._messages.Left`: a member of a unit left its task;
+* :class:`~._messages.Forked`: a member continues from another's state;
+* :class:`~._messages.ArchiveCall`: a stage tree's stage-store call (:mod:`._stage_relay`; posted
+  by :meth:`Hub.call`, answered with :meth:`Hub.reply`).
 
 An *outcome* is a :class:`~._messages.Outcome` (its weights: the final weights' file under storage),
 read by :func:`~._watchdog.settle`.
@@ -22,6 +24,8 @@ import asyncio
 from typing import Any, Mapping
 
 import ray
+
+from ._messages import Posted
 
 
 __all__ = ["Hub", "HubActor", "POLL_S", "death_cause", "start_hub"]
@@ -37,7 +41,7 @@ class HubActor:
     soon as a message arrives (or after ``timeout`` seconds)."""
 
     def __init__(self) -> None:
-        self.messages: list[tuple[Any, ...]] = []
+        self.messages: list[Posted] = []
         self.arrived = asyncio.Event()
         self.answers: dict[tuple[Any, ...], asyncio.Future] = {}
 
@@ -46,17 +50,16 @@ class HubActor:
             self.answers[key] = asyncio.get_running_loop().create_future()
         return self.answers[key]
 
-    async def post(self, message: tuple[Any, ...]) -> None:
+    async def post(self, message: Posted) -> None:
         self.messages.append(message)
         self.arrived.set()
 
-    async def ask(self, trial_id: int, attempt: int, step: int, metrics: dict[str, float], last: bool,
-                  seconds: float, worker: tuple[int, str]) -> str:
-        """Post a step's report and wait for the driver's :meth:`answer` (a verdict)."""
-        return await self.call((trial_id, attempt, step),
-                               ("report", trial_id, attempt, worker, step, metrics, last, seconds))
+    async def ask(self, posted: Posted) -> Any:
+        """Post a step's :class:`~._messages.Report` and wait for the driver's :meth:`answer` (a verdict)."""
+        report = posted.message
+        return await self.call((report.trial_id, posted.attempt, report.step), posted)
 
-    async def call(self, key: tuple[Any, ...], message: tuple[Any, ...]) -> Any:
+    async def call(self, key: tuple[Any, ...], message: Posted) -> Any:
         """Post ``message`` and wait for the driver's :meth:`reply` under ``key``."""
         future = self._future(key)
         await self.post(message)
@@ -77,7 +80,7 @@ class HubActor:
         """The Ray node this hub runs on (hex)."""
         return ray.get_runtime_context().get_node_id()
 
-    async def drain(self, timeout: float) -> list[tuple[Any, ...]]:
+    async def drain(self, timeout: float) -> list[Posted]:
         if not self.messages:
             try:
                 await asyncio.wait_for(self.arrived.wait(), timeout)

@@ -26,7 +26,7 @@ from ..evaluators import Evaluator
 from ..trial import Decision
 from ..units import Job
 from ._protocol import GroupHooks, TrialProtocol, TrialTimeout, Verdict, error_text
-from ._messages import Outcome
+from ._messages import Outcome, Posted, Report, Started
 from ._ray_hub import POLL_S, death_cause
 from ._ray_storage import CheckpointStorage
 from ._watchdog import check_overtime, death_error, for_trial, settle
@@ -47,8 +47,8 @@ class HubReporter:
     def report(self, step: int, metrics: Mapping[str, float]) -> Decision:
         metrics = {k: float(v) for k, v in metrics.items()}
         seconds = time.monotonic() - self.mark
-        answer = ray.get(self.hub.ask.remote(self.spec["trial_id"], self.spec["attempt"], step, metrics, False, seconds,
-                                             self.spec["worker"]))
+        answer = ray.get(self.hub.ask.remote(Posted(self.spec["attempt"], self.spec["worker"],
+                                                    Report(self.spec["trial_id"], step, metrics, seconds))))
         self.mark = time.monotonic()
         if answer == Verdict.DROP.value:  # past its timeout: the driver failed it
             raise TrialTimeout()
@@ -63,8 +63,8 @@ def run_trial(evaluator: Evaluator, model: Any, spec: dict[str, Any], hub: Any) 
     torch.set_num_threads(max(1, int(spec["cpus"])))
     # Every message names its worker: an async actor may run a worker's calls out of order.
     spec["worker"] = (os.getpid(), ray.util.get_node_ip_address())
-    hub.post.remote(("started", spec["trial_id"], spec["attempt"], spec["worker"],
-                     ray.get_runtime_context().get_assigned_resources()))
+    hub.post.remote(Posted(spec["attempt"], spec["worker"],
+                           Started(spec["trial_id"], ray.get_runtime_context().get_assigned_resources())))
     storage = CheckpointStorage(spec["root"])
     directory = spec["directory"]
     try:
@@ -147,8 +147,9 @@ class UserLoopGroup:
         task.life.started_at = math.inf  # the timeout counts from the worker's first message
         task.ref = run_trial.options(**self.resources).remote(self.evaluator_ref, task.job.model, spec, self.hub)
 
-    def _handle(self, message: tuple[Any, ...], running: dict[int, _Task]) -> None:
-        kind, trial_id, attempt, (pid, node) = message[:4]
+    def _handle(self, posted: Posted, running: dict[int, _Task]) -> None:
+        attempt, (pid, node), message = posted.attempt, posted.worker, posted.message
+        trial_id = message.trial_id
         task = running.get(trial_id)
         if task is None or attempt != task.attempt:
             return  # a message of a worker already given up on
@@ -157,12 +158,12 @@ class UserLoopGroup:
         if trial.info.get("ray", {}).get("attempt") != attempt or life.started_at == math.inf:
             trial.info["ray"] = {"pid": pid, "node": node, "attempt": attempt}
             life.start()
-        if kind == "started":
-            trial.info["ray"]["resources"] = dict(message[4])
+        if isinstance(message, Started):
+            trial.info["ray"]["resources"] = dict(message.resources or {})
             return
-        step, metrics, last, seconds = message[4:]
-        verdict = life.report(step, metrics, seconds=seconds)  # a user loop is asked after every report
-        self.hub.answer.remote(trial_id, attempt, step, verdict.value)
+        # a Report; a user loop is asked after every report
+        verdict = life.report(message.step, message.metrics, seconds=message.seconds)
+        self.hub.answer.remote(trial_id, attempt, message.step, verdict.value)
         if verdict is Verdict.DROP:  # past its timeout: failed by the protocol; its worker is freed
             ray.cancel(task.ref, force=True)
             del running[trial_id]

@@ -47,7 +47,7 @@ from ..evaluators import StepwiseEvaluator
 from ..units import ExecutionUnit, Job, PlanContext, SeparateUnit
 from ..trial import Fork
 from ._execution import LockstepJudge, UnitReport, fork_members, handed_source, plan_units, run_lockstep
-from ._messages import Outcome
+from ._messages import Answer, ArchiveCall, Forked, Left, Outcome, Posted, Report, Started, State
 from ._protocol import Verdict, error_text
 from ._ray_storage import CheckpointStorage
 
@@ -76,7 +76,7 @@ class _Worker:
         self.calls += 1
         tid = next(iter(self.directories))   # the driver knows the task by any of its members
         key = ("archive", tid, self.attempt, self.calls)
-        return ray.get(self.hub.call.remote(key, ("archive", tid, self.attempt, self.worker, key, name, args, kwargs)))
+        return ray.get(self.hub.call.remote(key, Posted(self.attempt, self.worker, ArchiveCall(name, args, kwargs, tid, key))))
 
     def relay(self) -> Any:
         """The stage store of the driver, for this task's stage trees (None: the driver shares none)."""
@@ -88,8 +88,9 @@ class _Worker:
         return ArchiveRelay(self.call, self.spec["stages"], lambda state: self.storage.hand(experiment, state),
                             self.storage.take)
 
-    def post(self, *message: Any) -> None:
-        ray.get(self.hub.post.remote(message))  # waited for: it is in the hub before the task returns
+    def post(self, message: Any) -> None:
+        # waited for: it is in the hub before the task returns
+        ray.get(self.hub.post.remote(Posted(self.attempt, self.worker, message)))
 
     def checkpoint(self, tid: int, epoch: int, step: int, metrics: Mapping[str, float], state: Any) -> None:
         storage, directory = self.storage, self.directories[tid]
@@ -101,7 +102,7 @@ class _Worker:
 
     def ask(self, reports: Sequence[tuple[int, int, dict[str, float], bool, float]]) -> dict[int, Any]:
         """Post every member's report at once; the driver's answers (a verdict, or a fork: see _RayJudge), by trial id."""
-        refs = [self.hub.ask.remote(tid, self.attempt, step, metrics, last, seconds, self.worker)
+        refs = [self.hub.ask.remote(Posted(self.attempt, self.worker, Report(tid, step, metrics, seconds, last)))
                 for tid, step, metrics, last, seconds in reports]
         return {report[0]: answer for report, answer in zip(reports, ray.get(refs))}
 
@@ -114,7 +115,7 @@ class _Worker:
         info = self.trials[tid].info   # what the unit recorded (the stages it went through) goes back too
         outcome = Outcome(kind, value, final, error, {k: info[k] for k in ("stages", "stage_store", "unit") if k in info})
         self.outcomes[tid] = outcome
-        self.post("left", tid, self.attempt, self.worker, outcome)
+        self.post(Left(tid, outcome))
 
 
 class _RayJudge(LockstepJudge):
@@ -153,7 +154,7 @@ class _RayJudge(LockstepJudge):
 
     def forked(self, report: UnitReport, fork: Fork) -> None:
         worker = self.worker
-        worker.post("forked", report.trial_id, worker.attempt, worker.worker, fork.source, report.step, fork.sample)
+        worker.post(Forked(report.trial_id, fork.source, report.step, fork.sample))
 
     def failed(self, unit: ExecutionUnit, trial_id: int, err: BaseException) -> None:
         self.worker.leave(trial_id, "error", error=error_text(err))
@@ -229,7 +230,7 @@ def run_unit(evaluator: StepwiseEvaluator, spec: dict[str, Any], hub: Any) -> di
     worker = _Worker(hub, spec)
     assigned = ray.get_runtime_context().get_assigned_resources()
     for m in spec["members"]:
-        worker.post("started", m["trial"].id, worker.attempt, worker.worker, assigned)
+        worker.post(Started(m["trial"].id, assigned))
     jobs = [Job(m["trial"], pickle.loads(m["model"]), m["max_steps"], start_from=m.get("start_from"))
             for m in spec["members"]]
     judge = _RayJudge(worker, evaluator)
@@ -279,15 +280,16 @@ def _rank_main(rank: int, world: int, port: int, payload: bytes, conn: Any) -> N
                 metrics = epoch_metrics(trainer, evaluator, train)
                 buffer = io.BytesIO()
                 torch.save(trainer.state_dict(), buffer)
-                conn.send(("report", step, metrics, time.perf_counter() - t0, buffer.getvalue()))
-                decision = conn.recv()
+                conn.send(State(0, buffer.getvalue()))
+                conn.send(Report(0, step, metrics, time.perf_counter() - t0))
+                decision = conn.recv().verdict
             decision = _ddp.broadcast(decision, rank)
             if decision != Verdict.CONTINUE.value:
                 break
         if rank == 0:
-            conn.send(("weights", {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}))
+            conn.send(Left(0, Outcome("done", weights={k: v.detach().cpu() for k, v in trainer.model.state_dict().items()})))
     except Exception as err:
-        conn.send(("error", f"rank {rank} of {world}: " + error_text(err)))
+        conn.send(Left(0, Outcome("error", error=f"rank {rank} of {world}: " + error_text(err))))
     conn.recv()  # wait to be killed: no gloo teardown
 
 
@@ -322,25 +324,26 @@ def _run_ddp(worker: _Worker, job: Job, evaluator: StepwiseEvaluator, spec: Mapp
         stopped = False
         while True:
             message = conns[0].recv()
-            if message[0] == "error":
-                worker.leave(tid, "error", error=message[1])
+            if isinstance(message, Left):
+                if message.outcome.kind == "error":
+                    worker.leave(tid, "error", error=message.outcome.error)
+                else:
+                    worker.leave(tid, "stopped" if stopped else "done", value, message.outcome.weights)
                 return
-            if message[0] == "weights":
-                worker.leave(tid, "stopped" if stopped else "done", value, message[1])
-                return
-            _, step, metrics, seconds, state_bytes = message
+            report: Report = conns[0].recv()   # after the rank's state
+            step, metrics, seconds = report.step, report.metrics, report.seconds
             value = metrics[next(iter(metrics))]
-            trainer_state = torch.load(io.BytesIO(state_bytes), weights_only=True)
+            trainer_state = torch.load(io.BytesIO(message.payload), weights_only=True)
             epoch = int(trainer_state["epoch"])
             worker.checkpoint(tid, epoch, step, metrics, trainer_state)
             limit = spec["limit"]
             answer = worker.ask([(tid, step, metrics, epoch >= limit, seconds)])[tid]
             stopped = answer == Verdict.STOP.value
             if answer in (Verdict.YIELD.value, Verdict.DROP.value):
-                conns[0].send(answer)
+                conns[0].send(Answer(0, answer))
                 worker.leave(tid, "yielded" if answer == Verdict.YIELD.value else "dropped", value)
                 return
-            conns[0].send(Verdict.CONTINUE.value if epoch < limit and not stopped else Verdict.STOP.value)
+            conns[0].send(Answer(0, Verdict.CONTINUE.value if epoch < limit and not stopped else Verdict.STOP.value))
     finally:
         for proc in procs:
             proc.kill()
