@@ -13,10 +13,12 @@ from pathlib import Path
 
 from .errors import TridensError
 
-__all__ = ["regular_file", "check_archive", "MANIFEST_BYTES"]
+__all__ = ["regular_file", "check_archive", "model_bytes_limit", "MANIFEST_BYTES", "MODEL_BYTES_FLOOR"]
 
 # The most a manifest or a JSON file read from an export may hold.
 MANIFEST_BYTES = 16 << 20
+# The least a model space built from someone else's recipe may hold, whatever its weights.
+MODEL_BYTES_FLOOR = 256 << 20
 # What zip headers and padding may add beyond the members' bytes.
 _ARCHIVE_SLACK = 1 << 20
 
@@ -51,6 +53,18 @@ def regular_file(path: str | os.PathLike[str], *, inside: str | os.PathLike[str]
         raise TridensError(f"the {what} {path} holds {info.st_size:,} bytes, more than the {max_bytes:,} "
                            "tridens reads from one")
     return path
+
+
+def model_bytes_limit(weights_bytes: int = 0) -> int:
+    """The most parameters and buffers (bytes) a space built from a recipe someone else wrote may
+    hold before it is allocated: four times the weights that come with it (the space object is
+    built with its first candidates, which may be wider than the trained sample), and at least
+    :data:`MODEL_BYTES_FLOOR`. The frozen model itself must match its weights tensor for tensor.
+
+    >>> model_bytes_limit(1 << 30)
+    4294967296
+    """
+    return max(4 * weights_bytes, MODEL_BYTES_FLOOR)
 
 
 def check_archive(path: str | os.PathLike[str], *, what: str = "checkpoint") -> None:

@@ -57,3 +57,28 @@ def edit_archive(file: Path, edit) -> None:
     with zipfile.ZipFile(file, "w") as archive:
         for name, data in members:
             archive.writestr(name, edit(name, data))
+
+
+class WideSpace:
+    """Placeholder replaced below (a ModelSpace needs tridens.nn, imported lazily by tests)."""
+
+
+def _wide_space():
+    import tridens as td
+    from tridens import nn as tnn
+
+    class WideSpace(tnn.ModelSpace):
+        """A space whose second width candidate is far larger than any weights shipped with it."""
+
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, td.choice("width", [3, 1 << 30]))
+
+        def forward(self, x):
+            return self.fc(x)
+
+    WideSpace.__module__, WideSpace.__qualname__ = __name__, "WideSpace"
+    return WideSpace
+
+
+WideSpace = _wide_space()  # noqa: F811

@@ -169,11 +169,15 @@ def architecture(config: Mapping[str, Any], trial: Mapping[str, Any]) -> dict[st
                           "dashboard from the search script with tridens.dashboard.serve(...) to see the graph)"}
     try:
         from ..graph import trace
-        from ..space import build_space
+        from ..files import model_bytes_limit
+        from ..space import check_frozen, checked_space
 
-        space = build_space(recipe)
+        # A store's recipe is measured on the meta device before anything is allocated.
+        what = "the store's space recipe"
+        space = checked_space(recipe, max_bytes=model_bytes_limit(), what=what)
         labels = space.search_space()
         sample = {k: v for k, v in (trial.get("sample") or {}).items() if k in labels}
+        check_frozen(space, sample, what=what, max_bytes=model_bytes_limit())
         model = space.freeze(sample, check=False)
         inputs = getattr(space, "example_inputs", None) or getattr(model, "example_inputs", None)
         text = str(trace(model, example_inputs=inputs)) if inputs is not None else repr(model)

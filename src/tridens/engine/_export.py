@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from ..errors import TridensError
-from ..files import MANIFEST_BYTES, check_archive, regular_file
+from ..files import MANIFEST_BYTES, check_archive, model_bytes_limit, regular_file
 from ..store import Store
 from ..trial import Trial
-from ..space import RecipeError, build_space
+from ..space import RecipeError, check_frozen, checked_space
 from ._program_check import check_program
 
 __all__ = ["ExportedProgram", "export_trials", "load"]
@@ -94,7 +94,13 @@ def export_trials(db: Store, config: dict[str, Any], trials: Sequence[Trial], di
                                 "the supernet's proxy score; train the architecture from scratch before use (retrain=True)")
         if config.get("space") is not None:
             try:
-                space = build_space(config["space"], trust_code=trust_code, allow_modules=allow_modules)
+                # The store may come from someone else: its recipe is measured before it is built.
+                what = f"the space recipe of experiment {trial.experiment!r}"
+                nbytes = sum(t.numel() * t.element_size() for t in weights.values() if isinstance(t, torch.Tensor))
+                space = checked_space(config["space"], max_bytes=model_bytes_limit(nbytes), what=what,
+                                      trust_code=trust_code, allow_modules=allow_modules)
+                check_frozen(space, trial.sample, what=what, weights=weights,
+                             weights_file=f"the checkpoint of trial {trial.label}")
                 model = space.freeze(space.restrict(trial.sample), check=False)
                 model.load_state_dict(weights)
                 inputs = space.example_inputs
@@ -187,8 +193,12 @@ def load(directory: str | os.PathLike[str], *, prefer: str = "module", rank: int
                            f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from err
     if prefer == "module" and manifest.get("space") is not None:
         try:
-            space = build_space(manifest["space"], trust_code=trust_code, untrusted_dir=path,
-                                allow_modules=allow_modules)
+            # Shapes and sizes the manifest declares are checked before anything is allocated.
+            space = checked_space(manifest["space"], max_bytes=model_bytes_limit(weights_path.stat().st_size),
+                                  what=f"the manifest {manifest_path}", trust_code=trust_code, untrusted_dir=path,
+                                  allow_modules=allow_modules)
+            check_frozen(space, manifest["sample"], what=f"the manifest {manifest_path}", weights=weights,
+                         weights_file=weights_path)
             model = space.freeze(space.restrict(manifest["sample"]), check=False)
             model.load_state_dict(weights)
             return model

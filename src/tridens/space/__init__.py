@@ -15,14 +15,15 @@ from ._domain import (Categorical, Condition, Domain, LabelSpec, LogUniform, Ran
 if TYPE_CHECKING:
     from ._model_space import BaseSpace, ModelSpace, Mutation
     from ._mutator import Mutator, MutatorSpace
-    from ._recipe import RecipeError, build_space, import_object, object_path, space_recipe
+    from ._recipe import (RecipeError, build_space, check_frozen, checked_space, import_object, object_path,
+                          space_recipe)
 
 # public name -> the module that defines it (each imports torch)
 _LAZY = {
     "BaseSpace": "._model_space", "ModelSpace": "._model_space", "Mutation": "._model_space",
     "Mutator": "._mutator", "MutatorSpace": "._mutator",
     "RecipeError": "._recipe", "build_space": "._recipe", "import_object": "._recipe", "object_path": "._recipe",
-    "space_recipe": "._recipe",
+    "space_recipe": "._recipe", "checked_space": "._recipe", "check_frozen": "._recipe",
 }
 
 __all__ = [
@@ -32,7 +33,7 @@ __all__ = [
     "same_value", "Placeholder",
     # the one context through which a choice resolves (set by discovery and by freeze; nn's blocks read it)
     "Resolver", "FixedResolver", "RecordingResolver", "active_resolver", "resolve", "using",
-    "RecipeError", "build_space", "import_object", "object_path", "space_recipe",
+    "RecipeError", "build_space", "checked_space", "check_frozen", "import_object", "object_path", "space_recipe",
 ]
 
 __getattr__, __dir__ = lazy_names(__name__, _LAZY, globals(), __all__)

@@ -8,6 +8,7 @@ import importlib
 import importlib.machinery
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
@@ -20,11 +21,16 @@ from torch import nn
 
 from ..errors import TridensError
 from ._choice import Choice, choice, loguniform, randint, uniform
-from ._model_space import ModelSpace
+from ._model_space import BaseSpace, ModelSpace, _meta_device
 from ._mutator import Mutator, MutatorSpace
 
-__all__ = ["object_path", "import_object", "space_recipe", "build_space", "RecipeError"]
+__all__ = ["object_path", "import_object", "space_recipe", "build_space", "checked_space", "check_frozen",
+           "RecipeError"]
 
+
+# The most elements one example input of a mutator-space recipe may have (a batch of images
+# of 3x224x224 holds 150,528 per image).
+_INPUT_ELEMENTS = 1 << 24
 
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
@@ -275,6 +281,10 @@ def build_space(recipe: Any, *, trust_code: bool = False,
                 and all(isinstance(d, int) and 0 <= d <= 1 << 20 for d in s[0])
                 and isinstance(getattr(torch, str(s[1]), None), torch.dtype) for s in shapes):
             raise RecipeError(f"the example inputs of a space recipe must be [shape, dtype] pairs, got {_short(shapes)}")
+        for shape, _ in shapes:
+            if math.prod(shape) > _INPUT_ELEMENTS:
+                raise RecipeError(f"an example input of a space recipe has shape {tuple(shape)}: "
+                                  f"{math.prod(shape):,} elements, more than the {_INPUT_ELEMENTS:,} tridens builds one with")
         base = build_space(recipe.get("base"), **opts)
         classes = [import_object(m, expect=Mutator, **opts) for m in mutators]
         built = [cls(**m["args"]) if m.get("args") else cls() for cls, m in zip(classes, mutators)]
@@ -292,3 +302,94 @@ def build_space(recipe: Any, *, trust_code: bool = False,
     except (KeyError, TypeError, ValueError) as err:
         raise RecipeError(f"a choice among the arguments of {recipe.get('path')!r} is malformed: {err!r}") from err
     return cls(*args, **kwargs)
+
+
+def _tensors(obj: Any) -> list[tuple[str, torch.Tensor]]:
+    """The parameters and buffers (persistent or not) a space or module holds."""
+    module = obj.base if not isinstance(obj, nn.Module) and isinstance(getattr(obj, "base", None), nn.Module) else obj
+    if not isinstance(module, nn.Module):
+        return []
+    return list(module.named_parameters()) + list(module.named_buffers())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _refuse_oversize(tensors: list[tuple[str, torch.Tensor]], max_bytes: int, what: str, built: str) -> None:
+    total = sum(_nbytes(t) for _, t in tensors)
+    if total > max_bytes:
+        name, big = max(tensors, key=lambda nt: _nbytes(nt[1]))
+        raise RecipeError(f"{what} describes {built} of {total:,} bytes (its tensor {name!r} has shape "
+                          f"{tuple(big.shape)}), more than the {max_bytes:,} tridens builds from it; it is not built")
+
+
+def checked_space(recipe: Any, *, max_bytes: int, what: str, trust_code: bool = False,
+                  untrusted_dir: str | os.PathLike[str] | None = None, allow_modules: Sequence[str] = ()) -> Any:
+    """:func:`build_space` for a recipe someone else wrote (an export's manifest, a store's
+    config): the space is first built on the meta device, which allocates nothing, and refused
+    with :class:`RecipeError` naming ``what`` and its largest tensor if it would hold more than
+    ``max_bytes`` of parameters and buffers; only then is it built. A constructor that cannot
+    run on the meta device (it computes on tensor values) cannot be measured, so its space is
+    refused unless ``trust_code=True``.
+
+    >>> recipe = {"kind": "module", "path": "torch.nn:Linear", "file": None, "args": [100000, 100000], "kwargs": {}}
+    >>> checked_space(recipe, max_bytes=1 << 20, what="the manifest m.json")
+    Traceback (most recent call last):
+    ...
+    tridens.space._recipe.RecipeError: the manifest m.json describes a model space of 40,000,400,000 bytes ...
+    """
+    opts: dict[str, Any] = {"trust_code": trust_code, "untrusted_dir": untrusted_dir, "allow_modules": allow_modules}
+    try:
+        with _meta_device():
+            probe = build_space(recipe, **opts)
+    except TridensError:
+        raise
+    except Exception as err:
+        if not trust_code:
+            raise RecipeError(f"{what} describes a space whose size cannot be measured before it is built (it fails "
+                              f"on the meta device: {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}); "
+                              "pass trust_code=True to build it anyway") from err
+        probe = None
+    if probe is not None:
+        _refuse_oversize(_tensors(probe), max_bytes, what, "a model space")
+        if not isinstance(probe, BaseSpace):
+            raise RecipeError(f"{what} describes a {type(probe).__name__}, not a model space")
+    return build_space(recipe, **opts)
+
+
+def check_frozen(space: Any, sample: Any, *, what: str, max_bytes: int | None = None,
+                 weights: Any = None, weights_file: str | os.PathLike[str] | None = None) -> None:
+    """Before ``space.freeze(sample)`` builds a model from a file someone else wrote, build it on
+    the meta device (nothing allocated) and refuse, with :class:`RecipeError` naming ``what`` and
+    the tensor: a model larger than ``max_bytes``, or, with ``weights`` (a state dict, read from
+    ``weights_file``), one whose tensors differ from the weights in name or shape (the weights
+    would not load into it, so it is not built). A space that cannot be frozen on the meta
+    device is left to ``freeze`` (:func:`checked_space` measured its constructor already).
+
+    >>> check_frozen(space, {"width": 100000}, what="the manifest m.json", weights=state,
+    ...              weights_file="weights.pt")   # doctest: +SKIP
+    RecipeError: the manifest m.json describes a model whose tensor 'fc.weight' has shape (100000, 4), ...
+    """
+    try:
+        with _meta_device():
+            probe = space.freeze(space.restrict(sample), check=False)
+    except TridensError:
+        raise
+    except Exception:
+        return
+    tensors = _tensors(probe)
+    if weights is not None:
+        state = probe.state_dict()
+        for name, t in state.items():
+            held = weights.get(name) if isinstance(weights, dict) else None
+            if not isinstance(held, torch.Tensor) or tuple(held.shape) != tuple(t.shape):
+                has = "no such tensor" if not isinstance(held, torch.Tensor) else f"shape {tuple(held.shape)}"
+                raise RecipeError(f"{what} describes a model whose tensor {name!r} has shape {tuple(t.shape)} "
+                                  f"({_nbytes(t):,} bytes), but {weights_file} holds {has}; it is not built")
+        extra = [name for name in (weights if isinstance(weights, dict) else {}) if name not in state]
+        if extra:
+            raise RecipeError(f"{weights_file} holds the tensor {extra[0]!r}, which the model {what} describes "
+                              "does not have; it is not built")
+    if max_bytes is not None:
+        _refuse_oversize(tensors, max_bytes, what, "a model")

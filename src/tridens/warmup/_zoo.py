@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import StoreError
+from ..files import MANIFEST_BYTES, check_archive, regular_file
 from . import _match
 from ._ir import describe
 from ._transform import transfer
@@ -174,8 +175,8 @@ class Zoo:
             seen.add(eid)
             if eid in self.entries:
                 continue
-            try:
-                rec = json.loads(f.read_text())
+            try:  # entry files may come from someone else: regular files of bounded size only
+                rec = json.loads(regular_file(f, inside=self.dir, max_bytes=MANIFEST_BYTES, what="zoo entry").read_text())
                 self.entries[eid] = Entry(eid, rec["desc"], float(rec["accuracy"]), rec.get("meta", {}),
                                           int(rec.get("bytes", 0)), int(rec.get("uses", 0)))
             except Exception as err:
@@ -198,6 +199,8 @@ class Zoo:
         eid = entry.id if isinstance(entry, Entry) else int(entry)
         f = self.dir / f"{eid}.pt"
         try:
+            regular_file(f, inside=self.dir, what="zoo weights file")
+            check_archive(f, what="zoo weights file")
             state = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as err:
             raise ZooError(f"the weights of zoo entry {eid} ({f}) no longer load: {type(err).__name__}: {err}") from err
@@ -241,7 +244,8 @@ class Zoo:
         longer loads are skipped with a :class:`ZooWarning`. The store may come from someone else:
         its recipe resolves to classes in already imported modules (or ``allow_modules``) only,
         unless ``trust_code=True`` (see :func:`tridens.space.build_space`)."""
-        from ..space import build_space
+        from ..files import model_bytes_limit
+        from ..space import check_frozen, checked_space
         from ..store import Store
         from ..trial import TrialStatus
 
@@ -251,7 +255,9 @@ class Zoo:
             trials = db.trials(name)
             if not record.config.get("space"):
                 raise ZooError(f"experiment {name!r} has no space recipe in {path}: its trials cannot be rebuilt")
-            space = build_space(record.config["space"], trust_code=trust_code, allow_modules=allow_modules)
+            what = f"the space recipe of experiment {name!r} in {path}"
+            space = checked_space(record.config["space"], max_bytes=model_bytes_limit(), what=what,
+                                  trust_code=trust_code, allow_modules=allow_modules)
             objective = record.objective()
             have = {(e.meta.get("store"), e.meta.get("trial")) for e in self.entries.values()}
             added = []
@@ -262,6 +268,7 @@ class Zoo:
                     continue
                 try:
                     weights = db.load_checkpoint(t.checkpoint)
+                    check_frozen(space, t.sample, what=what, weights=weights, weights_file=f"the checkpoint of trial {t.label}")
                     model = space.freeze(space.restrict(t.sample), check=False)
                     model.load_state_dict(weights)
                 except Exception as err:
@@ -349,7 +356,7 @@ class Zoo:
         e.uses += 1
         f = self.dir / f"{e.id}.json"
         try:
-            rec = json.loads(f.read_text())
+            rec = json.loads(regular_file(f, inside=self.dir, max_bytes=MANIFEST_BYTES, what="zoo entry").read_text())
             rec["uses"] = e.uses
             _atomic_write(f, json.dumps(rec).encode())
         except Exception:  # a use count is advisory
@@ -452,7 +459,8 @@ class Zoo:
         live = sorted(i for i in self.entries if i not in self.broken)
         if self._clusters is None and f.exists() and not force:
             try:
-                self._clusters = json.loads(f.read_text())
+                self._clusters = json.loads(regular_file(f, inside=self.dir, max_bytes=MANIFEST_BYTES,
+                                                         what="zoo clusters file").read_text())
             except Exception:
                 self._clusters = None
         c = self._clusters

@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from tridens.errors import InvalidSample
+from tridens.errors import InvalidSample, TridensError
+from tridens.files import MANIFEST_BYTES, regular_file
 from tridens.space._context import FixedResolver, using
 
 __all__ = ["fixed_arch", "model_context"]
@@ -29,8 +30,8 @@ def fixed_arch(fixed_arch: str | os.PathLike[str] | Mapping[str, Any], verbose: 
     if isinstance(fixed_arch, (str, os.PathLike)):
         path = Path(fixed_arch)
         try:
-            sample = json.loads(path.read_text())
-        except (OSError, ValueError) as err:
+            sample = json.loads(regular_file(path, max_bytes=MANIFEST_BYTES, what="fixed_arch file").read_text())
+        except (OSError, ValueError, TridensError) as err:
             raise InvalidSample(f"fixed_arch: cannot read a sample from {path}: {err}") from err
     else:
         sample = fixed_arch
