@@ -144,9 +144,10 @@ def one_tridens(executor: str, optimize: bool = True) -> dict[str, Any]:
     logger.addHandler(Units(logging.INFO))
     logger.setLevel(logging.INFO)
     with tempfile.TemporaryDirectory() as d:
-        exp = td.Experiment(CNNSpace(), ev, strategy, max_trials=TRIALS, store=os.path.join(d, "asha.db"),
-                            name="asha", verbose=False, seed=0, optimize=optimize,
-                            executor=td.executors.Ray(workers=2) if executor == "ray" else td.executors.Inline())
+        exp = td.Experiment(CNNSpace(), ev, strategy, budget=TRIALS, store=os.path.join(d, "asha.db"),
+                            name="asha", options=td.RunOptions(verbose=False, seed=0),
+                            executor=td.executors.Ray(workers=2, optimize=optimize) if executor == "ray"
+                            else td.executors.Inline(optimize=optimize))
         t0 = time.perf_counter()
         exp.run()
         seconds = time.perf_counter() - t0

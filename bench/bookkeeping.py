@@ -120,8 +120,8 @@ def _tridens_experiment(n: int, store: str, *, model: bool, fn=_trivial):
         # The labels live on the evaluator; the space holds none, and no model is ever built.
         space = Empty()
         evaluator = NoModelEvaluator(fn, **{label: td.choice(label, WIDTHS) for label in LABELS})
-    return td.Experiment(space, evaluator, td.strategy.Random(), max_trials=n, store=store,
-                         name="bookkeeping", verbose=False)
+    return td.Experiment(space, evaluator, td.strategy.Random(), budget=n, store=store, name="bookkeeping",
+                         options=td.RunOptions(verbose=False))
 
 
 def one_tridens(n: int, *, model: bool) -> dict[str, Any]:
@@ -274,8 +274,9 @@ def breakdown(n: int) -> dict[str, Any]:
     import tridens.engine._execution as X
     wrap(X, "_weights", "state_dict copy for the checkpoint")
     with tempfile.TemporaryDirectory() as d:
-        exp = E.Experiment(space, FunctionalEvaluator(_trivial), Random(), max_trials=n,
-                           store=os.path.join(d, "bench.db"), name="bookkeeping", verbose=False)
+        exp = E.Experiment(space, FunctionalEvaluator(_trivial), Random(), budget=n,
+                           store=os.path.join(d, "bench.db"), name="bookkeeping",
+                           options=td.RunOptions(verbose=False))
         t0, c0 = time.perf_counter(), time.process_time()
         exp.run()
         total, total_cpu = time.perf_counter() - t0, time.process_time() - c0

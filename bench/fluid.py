@@ -241,10 +241,12 @@ def one_real(allocation: str, workload: str = "digits", executor: str = "process
     ev = td.evaluators.Classification(train=train, val=val, epochs=td.choice("epochs", epochs), batch_size=128,
                                       optimizer="adam", lr=lr, device=device)
     # on Ray with a CUDA evaluator the workers are the GPU's shares: a Fluid share below 1 is a fractional num_gpus
-    pool = td.executors.Ray(workers=2) if executor == "ray" else td.executors.Process(workers=2)
+    policy = None if allocation == "none" else allocation
+    pool = (td.executors.Ray(workers=2, allocation=policy) if executor == "ray"
+            else td.executors.Process(workers=2, allocation=policy))
     with tempfile.TemporaryDirectory() as d:
-        exp = td.Experiment(space, ev, FixedGroups(), store=os.path.join(d, "f.db"), name="fluid", verbose=False,
-                            executor=pool, allocation=None if allocation == "none" else allocation)
+        exp = td.Experiment(space, ev, FixedGroups(), store=os.path.join(d, "f.db"), name="fluid",
+                            options=td.RunOptions(verbose=False), executor=pool)
         t0 = time.perf_counter()
         exp.run()
         seconds = time.perf_counter() - t0

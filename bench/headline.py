@@ -472,9 +472,9 @@ def run_tridens(workload: str, data: tuple[Any, Any], epochs: int, trials: int, 
         strategy = td.strategy.GridSearch()
     ev.device = DEVICE
     with tempfile.TemporaryDirectory() as d:
-        exp = td.Experiment(space, ev, strategy, max_trials=trials, store=os.path.join(d, "headline.db"),
-                            name=workload, seed=seed, verbose=False, optimize=optimize, warm_start=warm_start,
-                            executor=None if threads is None else td.executors.Inline(threads=threads))
+        exp = td.Experiment(space, ev, strategy, budget=trials, store=os.path.join(d, "headline.db"),
+                            name=workload, options=td.RunOptions(seed=seed, verbose=False, warm_start=warm_start),
+                            executor=td.executors.Inline(optimize=optimize, threads=threads))
         clock.start()
         t0 = time.perf_counter()
         exp.run()

@@ -113,8 +113,9 @@ def _experiment(store: str, args: argparse.Namespace, variant: str, max_trials: 
 
     # ckpt-cse: the optimizations without super-graphs; ckpt-separate: none
     optimize = False if variant == "ckpt-separate" else dataclasses.replace(Settings.from_env(), supergraph=variant != "ckpt-cse")
-    return td.Experiment(SPACES[getattr(args, "space", "cnn")](), ev, strategy, max_trials=max_trials, store=store, name=NAME,
-                         seed=args.seed, optimize=optimize, verbose=False)
+    return td.Experiment(SPACES[getattr(args, "space", "cnn")](), ev, strategy, budget=max_trials, store=store,
+                         name=NAME, options=td.RunOptions(seed=args.seed, verbose=False),
+                         executor=td.executors.Inline(optimize=optimize))
 
 
 def _cpu() -> float:

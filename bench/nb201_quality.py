@@ -87,8 +87,8 @@ def one(strategy: str, seed: int, queries: int) -> dict[str, Any]:
     nasbench201.table("cifar10").lookup({label: "none" for label in nasbench201.LABELS}, 0)  # load the table first
     with tempfile.TemporaryDirectory() as d:
         exp = td.Experiment(nasbench201.space(), Tabular(nasbench201.table("cifar10"), metric="val_acc"),
-                            _strategy(strategy), max_trials=queries, store=os.path.join(d, "nb201.db"),
-                            name=f"nb201-{strategy}-{seed}", seed=seed, verbose=False)
+                            _strategy(strategy), budget=queries, store=os.path.join(d, "nb201.db"),
+                            name=f"nb201-{strategy}-{seed}", options=td.RunOptions(seed=seed, verbose=False))
         t0 = time.perf_counter()
         exp.run()
         seconds = time.perf_counter() - t0

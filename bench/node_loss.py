@@ -85,9 +85,9 @@ def one(mode: str) -> dict[str, Any]:
     strategy = LoseANode(at=2) if mode == "lost" else td.strategy.GridSearch()
     clock = C.ProcessTreeClock(interval=0.25)
     with tempfile.TemporaryDirectory() as d:
-        exp = td.Experiment(CNN(), ev, strategy, seed=0, optimize=False, verbose=False, store=os.path.join(d, "n.db"),
-                            name="nodes", executor=td.executors.Ray(workers=2, address=cluster.address,
-                                                                    storage=os.path.join(d, "ckpt"), max_retries=2))
+        exp = td.Experiment(CNN(), ev, strategy, options=td.RunOptions(seed=0, verbose=False),
+                            store=os.path.join(d, "n.db"), name="nodes",
+                            executor=td.executors.Ray(workers=2, address=cluster.address, storage=os.path.join(d, "ckpt"), max_retries=2, optimize=False))
         clock.start()
         t0 = time.perf_counter()
         exp.run()

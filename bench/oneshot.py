@@ -103,21 +103,21 @@ def one(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     torch.optim.Adam([nn.Parameter(torch.zeros(1))])  # the first optimizer imports torch._dynamo: not timed
     if name == "random64":
         strategy: Any = td.strategy.Random()
-        kwargs: dict[str, Any] = {"max_trials": 64}
+        budget: int | None = 64
     elif name == "spos":
         strategy = td.oneshot.RandomOneShot(epochs=args.spos_epochs, samples=args.samples, retrain=args.retrain_top,
                                             fair=args.fair, bn_batches=args.bn_batches)
-        kwargs = {}
+        budget = None
     elif name == "darts":
         retrain = args.retrain_top if args.darts_retrain_top is None else args.darts_retrain_top
         strategy = td.oneshot.DARTS(epochs=args.darts_epochs, samples=args.samples, retrain=retrain,
                                     arch_lr=args.arch_lr, bn_batches=args.bn_batches, warmup=args.darts_warmup)
-        kwargs = {}
+        budget = None
     else:
         raise SystemExit(f"unknown system {name!r}")
     with tempfile.TemporaryDirectory() as tmp:
-        exp = td.Experiment(space, evaluator, strategy, store=os.path.join(tmp, "b.db"), name=name, seed=seed,
-                            verbose=False, **kwargs)
+        exp = td.Experiment(space, evaluator, strategy, store=os.path.join(tmp, "b.db"), name=name,
+                            budget=budget, options=td.RunOptions(seed=seed, verbose=False))
         cpu0, wall0 = _cpu(), time.perf_counter()
         exp.run()
         cpu, wall = _cpu() - cpu0, time.perf_counter() - wall0

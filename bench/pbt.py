@@ -61,8 +61,9 @@ def run_tridens(population: int, epochs: int, interval: int, seed: int) -> dict[
                                              lr=td.loguniform("lr", *LR), momentum=td.uniform("momentum", *MOMENTUM))
     strategy = td.strategy.PBT(population=population, interval=interval, quantile=0.25, resample_probability=0.25)
     with tempfile.TemporaryDirectory() as d:
-        exp = td.Experiment(SmallCNN(), evaluator, strategy, max_trials=population, seed=seed,
-                            store=os.path.join(d, "pbt.db"), name="pbt", verbose=False)
+        exp = td.Experiment(SmallCNN(), evaluator, strategy, budget=population,
+                            options=td.RunOptions(seed=seed, verbose=False), store=os.path.join(d, "pbt.db"),
+                            name="pbt")
         cpu0, t0 = time.process_time(), time.perf_counter()
         exp.run()
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0

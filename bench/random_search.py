@@ -161,10 +161,10 @@ def one_tridens(n: int, *, declarative: bool, executor: str = "inline", optimize
     else:
         evaluator = td.evaluators.FunctionalEvaluator(train_epoch, lr=td.choice("lr", LRS))
     with tempfile.TemporaryDirectory() as d:
-        exp = td.Experiment(CNNSpace(), evaluator, td.strategy.Random(), max_trials=n,
-                            store=os.path.join(d, "rs.db"), name="random-search", verbose=False,
-                            executor=td.executors.Process(workers=2) if executor == "process" else td.executors.Inline(),
-                            optimize=optimize)
+        exp = td.Experiment(CNNSpace(), evaluator, td.strategy.Random(), budget=n,
+                            store=os.path.join(d, "rs.db"), name="random-search", options=td.RunOptions(verbose=False),
+                            executor=td.executors.Process(workers=2, optimize=optimize) if executor == "process"
+                            else td.executors.Inline(optimize=optimize))
         t0 = time.perf_counter()
         exp.run()
         seconds = time.perf_counter() - t0

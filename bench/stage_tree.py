@@ -73,8 +73,9 @@ def measure(mode: str, strategy: str, grid: dict[str, list[Any]]) -> dict[str, A
         ev.epochs = max(grid["epochs"])
         chosen = td.strategy.Hyperband(max_steps=max(grid["epochs"]), reduction_factor=3)
     with tempfile.TemporaryDirectory() as tmp:
-        exp = td.Experiment(SmallCNN(), ev, chosen, store=os.path.join(tmp, "s.db"), name="schedules", max_trials=max_trials,
-                            seeds="per-architecture", optimize=(mode == "tree"), verbose=False)
+        exp = td.Experiment(SmallCNN(), ev, chosen, store=os.path.join(tmp, "s.db"), name="schedules",
+                            budget=max_trials, options=td.RunOptions(seeds="per-architecture", verbose=False),
+                            executor=td.executors.Inline(optimize=mode == "tree"))
         cpu0, wall0 = time.process_time(), time.perf_counter()
         exp.run()
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
@@ -91,10 +92,11 @@ def measure_studies(mode: str, first: dict[str, list[Any]], second: dict[str, li
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "s.db")
         td.Experiment(SmallCNN(), evaluator(first), td.strategy.GridSearch(), store=store, name="first",
-                      seeds="per-architecture", verbose=False).run()
+                      options=td.RunOptions(seeds="per-architecture", verbose=False)).run()
         policy = td.store.StagePolicy(reuse="store" if mode == "reuse" else "experiment")
         exp = td.Experiment(SmallCNN(), evaluator(second), td.strategy.GridSearch(), store=store, name="second",
-                            seeds="per-architecture", optimize=(mode != "trial"), stage_policy=policy, verbose=False)
+                            options=td.RunOptions(seeds="per-architecture", stage_policy=policy, verbose=False),
+                            executor=td.executors.Inline(optimize=mode != "trial"))
         cpu0, wall0 = time.process_time(), time.perf_counter()
         exp.run()
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0

@@ -133,8 +133,8 @@ def one_search(mode: str, seed: int, trials: int, population: int = 10, dataset:
     with tempfile.TemporaryDirectory() as d:
         t0 = time.process_time()
         w0 = time.perf_counter()
-        exp = td.Experiment(make_space(dataset), ev, strategy, max_trials=trials, store=os.path.join(d, "b.db"),
-                            name="b", seed=seed, warm_start=(mode == "warm"), verbose=False)
+        exp = td.Experiment(make_space(dataset), ev, strategy, budget=trials, store=os.path.join(d, "b.db"), name="b",
+                            options=td.RunOptions(seed=seed, warm_start=mode == "warm", verbose=False))
         exp.run()
         wall = time.perf_counter() - w0
         rows = exp.trials()

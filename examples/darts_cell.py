@@ -97,8 +97,8 @@ def run(args: argparse.Namespace, store: str) -> None:
     train, val = td.datasets.digits()
     evaluator = td.evaluators.Classification(train, val, epochs=args.epochs, batch_size=32, optimizer="adam", lr=0.003)
     strategy = td.strategy.RegularizedEvolution(population=4, sample_size=2, batch_size=2)
-    exp = td.Experiment(space, evaluator, strategy, max_trials=args.trials, store=store, name="darts-cell",
-                        seed=args.seed, verbose=False)
+    exp = td.Experiment(space, evaluator, strategy, budget=args.trials, store=store, name="darts-cell",
+                        options=td.RunOptions(seed=args.seed, verbose=False))
     exp.run()
 
     print(f"\n{len(exp.trials())} trials, best first:")

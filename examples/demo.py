@@ -85,7 +85,8 @@ def main() -> None:
                                              lr=td.choice("lr", [0.003, 0.01]), schedule="cosine")
     name = time.strftime("demo-%Y%m%d-%H%M%S")
     exp = td.Experiment(space, evaluator, td.strategy.RegularizedEvolution(population=8, sample_size=3),
-                        max_trials=args.trials, max_duration=args.duration, store=args.store, name=name)
+                        budget=td.Budget(max_trials=args.trials, max_duration=args.duration), store=args.store,
+                        name=name)
     try:
         exp.run()
     except KeyboardInterrupt as stop:  # Ctrl-C: one line saying how to finish the experiment

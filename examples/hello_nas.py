@@ -86,8 +86,8 @@ def run(args: argparse.Namespace, store: str) -> None:
     train, val = td.datasets.digits()
     evaluator = td.evaluators.Classification(train, val, epochs=args.epochs, batch_size=32, optimizer="adam",
                                              lr=td.choice("lr", [0.003, 0.001]))
-    exp = td.Experiment(space, evaluator, td.strategy.Random(), max_trials=args.trials, store=store,
-                        name="hello-nas", seed=args.seed, verbose=False)
+    exp = td.Experiment(space, evaluator, td.strategy.Random(), budget=args.trials, store=store,
+                        name="hello-nas", options=td.RunOptions(seed=args.seed, verbose=False))
     exp.run()
 
     print(f"\ntop trials of {len(exp.trials())} (store: {store}):")

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace, store: str) -> None:
     else:
         strategy, max_trials = td.strategy.RegularizedEvolution(population=4, sample_size=2), args.trials
     print(f"td.hub.DARTS: {len(space.search_space())} labels, {space.size():.3g} architectures")
-    exp = td.Experiment(space, evaluator, strategy, max_trials=max_trials, store=store, name=f"hub-{args.strategy}")
+    exp = td.Experiment(space, evaluator, strategy, budget=max_trials, store=store, name=f"hub-{args.strategy}")
     exp.run()
     print(f"top architectures (store: {store}):")
     for rank, trial in enumerate(exp.top(3), 1):

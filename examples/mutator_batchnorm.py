@@ -81,8 +81,8 @@ def run(args: argparse.Namespace, store: str) -> None:
     train, val = td.datasets.digits()
     evaluator = td.evaluators.Classification(train, val, epochs=args.epochs, batch_size=32, optimizer="sgd",
                                              lr=0.05, momentum=0.9)
-    exp = td.Experiment(space, evaluator, td.strategy.Random(), max_trials=args.trials, store=store,
-                        name="mutator-batchnorm", seed=args.seed, verbose=False)
+    exp = td.Experiment(space, evaluator, td.strategy.Random(), budget=args.trials, store=store,
+                        name="mutator-batchnorm", options=td.RunOptions(seed=args.seed, verbose=False))
     exp.run()
     print(f"\n{len(exp.trials())} trials, best first:")
     for trial in exp.top(args.trials):

@@ -101,8 +101,8 @@ def run(args: argparse.Namespace, store: str) -> None:
 
     train, val = td.datasets.digits()
     evaluator = td.evaluators.Classification(train, val, epochs=args.epochs, batch_size=32, optimizer="adam", lr=0.003)
-    exp = td.Experiment(space, evaluator, td.strategy.GridSearch(), max_trials=int(space.size()), store=store,
-                        name="mutator-depthwise", verbose=False)
+    exp = td.Experiment(space, evaluator, td.strategy.GridSearch(), budget=int(space.size()), store=store,
+                        name="mutator-depthwise", options=td.RunOptions(verbose=False))
     exp.run()
     print(f"\ntrained {len(exp.trials())} models for {args.epochs} epoch(s); best first:")
     for trial in exp.top(4):

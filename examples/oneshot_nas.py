@@ -91,7 +91,7 @@ def run(args: argparse.Namespace, store: str) -> None:
     train, val = td.datasets.digits()
     evaluator = td.evaluators.Classification(train, val, epochs=args.epochs, batch_size=64, optimizer="adam", lr=0.003)
     exp = td.Experiment(space, evaluator, STRATEGIES[args.strategy](args), store=store,
-                        name=f"oneshot-{args.strategy}", seed=args.seed, verbose=False)
+                        name=f"oneshot-{args.strategy}", options=td.RunOptions(seed=args.seed, verbose=False))
     exp.run()
 
     supernet = next(t for t in exp.trials() if t.info["oneshot"]["role"] == "supernet")

@@ -39,6 +39,7 @@ def train(model, lr, pause):
 if __name__ == "__main__":
     pause = float(sys.argv[1]) if len(sys.argv) > 1 else 0.0
     evaluator = td.evaluators.FunctionalEvaluator(train, lr=td.choice("lr", [0.01, 0.003]), pause=pause)
-    exp = td.Experiment(Net(), evaluator, td.strategy.Random(), max_trials=6, name="cli-search", seed=3)
+    exp = td.Experiment(Net(), evaluator, td.strategy.Random(), budget=6, name="cli-search",
+                        options=td.RunOptions(seed=3))
     exp.run()
     print("best", exp.best().id, exp.best().metric)

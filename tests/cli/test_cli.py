@@ -146,7 +146,7 @@ def test_unknown_strategy(tmp_path):
 
 def test_evaluator_that_reports_nothing(tmp_path):
     script = tmp_path / "silent.py"
-    source = SCRIPT.read_text().replace("td.report(acc, step=epoch)", "pass").replace("max_trials=6", "max_trials=2")
+    source = SCRIPT.read_text().replace("td.report(acc, step=epoch)", "pass").replace("budget=6", "budget=2")
     script.write_text(source)
     res = tridens("run", script, "--db", tmp_path / "x.db", check=False)
     assert res.returncode != 0 and "reported nothing" in res.stderr

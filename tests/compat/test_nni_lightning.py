@@ -66,8 +66,8 @@ def loaders() -> tuple[DataLoader, DataLoader]:
 def test_trials_run_under_lightning_with_metrics_each_epoch_and_weights_stored(loaders, tmp_path: Path, caplog) -> None:
     ev = td.evaluators.Lightning(Module(), train_dataloaders=loaders[0], val_dataloaders=loaders[1], metric="val_acc",
                                  max_epochs=3)
-    exp = td.Experiment(Space(), ev, strategy=td.strategy.GridSearch(), max_trials=2, store=str(tmp_path / "t.db"),
-                        name="lit", verbose=False)
+    exp = td.Experiment(Space(), ev, strategy=td.strategy.GridSearch(), budget=2, store=str(tmp_path / "t.db"),
+                        name="lit", options=td.RunOptions(verbose=False))
     with caplog.at_level(logging.INFO, logger="tridens"):
         exp.run()
     trials = td.Experiment.load(str(tmp_path / "t.db"), "lit").trials()

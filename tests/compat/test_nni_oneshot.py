@@ -270,7 +270,8 @@ def test_warmup_epochs_freeze_alpha_for_that_many_epochs(tmp_path: Path, data) -
     for k in (2, 1):
         strategy = nni3.GumbelDARTS(warmup_epochs=k, arc_learning_rate=0.1, samples=1)
         assert type(strategy).__name__ == "GumbelDARTS" and isinstance(strategy, td.oneshot.GumbelDARTS)
-        td.Experiment(_Tiny(), ev, strategy, store=tmp_path / "w.db", name=f"warm{k}", verbose=False).run()
+        td.Experiment(_Tiny(), ev, strategy, store=tmp_path / "w.db", name=f"warm{k}",
+                      options=td.RunOptions(verbose=False)).run()
         # 128 of the 256 examples train the weights (arch_fraction=0.5): 2 steps per epoch
         assert strategy.cfg.steps_per_epoch == 2 and strategy.warmup_steps() == 2 * k
         moved[k] = max(float(a.detach().abs().max()) for a in strategy.alpha.values())
@@ -317,7 +318,8 @@ def test_gradient_clipping_of_the_one_shot_trainers_is_applied(tmp_path: Path, d
     norms = {}
     for clip in (None, 1e-3):
         strategy = nni3.DARTS(gradient_clip_val=clip, samples=1)
-        td.Experiment(_Tiny(), ev, strategy, store=tmp_path / "c.db", name=f"clip-{clip}", verbose=False).run()
+        td.Experiment(_Tiny(), ev, strategy, store=tmp_path / "c.db", name=f"clip-{clip}",
+                      options=td.RunOptions(verbose=False)).run()
         norms[clip] = _grad_norm(strategy)
     assert norms[1e-3] == pytest.approx(1e-3, rel=1e-3) and norms[None] > 1e-2
     trainer = DartsTrainer(_Tiny(), torch.nn.CrossEntropyLoss(), None, torch.optim.SGD(torch.nn.Linear(1, 1).parameters(),
@@ -362,7 +364,8 @@ def test_enas_reward_metric_name(tmp_path: Path, data) -> None:
     baselines = {}
     for name in ("val_loss", None):
         strategy = nni3.ENAS(reward_metric_name=name, batches_per_update=1, samples=1)
-        td.Experiment(_Tiny(), ev, strategy, store=tmp_path / "r.db", name=f"reward-{name}", verbose=False).run()
+        td.Experiment(_Tiny(), ev, strategy, store=tmp_path / "r.db", name=f"reward-{name}",
+                      options=td.RunOptions(verbose=False)).run()
         baselines[name] = strategy.baseline
         x, y = val.tensors[0][:64], val.tensors[1][:64]
         with torch.no_grad():
@@ -372,7 +375,7 @@ def test_enas_reward_metric_name(tmp_path: Path, data) -> None:
     assert baselines["val_loss"] < 0 <= baselines[None] <= 1
     with pytest.raises(ValueError, match="reward_metric"):
         td.Experiment(_Tiny(), ev, td.oneshot.ENAS(reward_metric="val_mse"), store=tmp_path / "r.db", name="mse",
-                      verbose=False).run()
+                      options=td.RunOptions(verbose=False)).run()
 
 
 def test_nni2_strategies_map_their_arguments() -> None:

@@ -239,7 +239,7 @@ def test_an_experiment_on_the_device_stores_and_shows_what_one_on_the_cpu_does(d
         ev = td.evaluators.Classification(train, val, epochs=2, batch_size=64, optimizer="adamw", device=device,
                                           lr=td.choice("lr", [0.003, 0.01]))
         return td.Experiment(Space(), ev, td.strategy.GridSearch(), name=name, store=tmp_path / "runs.db",
-                             optimize=optimize)
+                             executor=td.executors.Inline(optimize=optimize))
 
     force = td.xopt.Settings().with_batching(mode="force")
     on_device = experiment("device", DEVICE, force)

@@ -67,8 +67,8 @@ def executor(kind: str, store: str):
 def main() -> None:
     kind, store, scenario = sys.argv[1:4]
     evaluator = td.evaluators.FunctionalEvaluator(LOOPS[scenario], x=td.choice("x", list(range(TRIALS[scenario]))))
-    td.Experiment(OneMLP(), evaluator, td.strategy.GridSearch(), max_trials=TRIALS[scenario], store=store,
-                  name=scenario, executor=executor(kind, store), verbose=False).run()
+    td.Experiment(OneMLP(), evaluator, td.strategy.GridSearch(), budget=TRIALS[scenario], store=store,
+                  name=scenario, executor=executor(kind, store), options=td.RunOptions(verbose=False)).run()
 
 
 if __name__ == "__main__":

@@ -30,8 +30,9 @@ def experiment(db, trials):
     train, val = td.datasets.digits()
     evaluator = td.evaluators.Classification(train, val, epochs=2, batch_size=16,
                                              lr=td.loguniform("lr", 1e-3, 1e-1))
-    return td.Experiment(SmallCNN(), evaluator, td.strategy.Random(batch_size=2), max_trials=trials, store=db,
-                         name="pool", seed=1, verbose=True, executor=td.executors.Process(workers=2))
+    return td.Experiment(SmallCNN(), evaluator, td.strategy.Random(batch_size=2), budget=trials, store=db,
+                         name="pool", options=td.RunOptions(seed=1, verbose=True),
+                         executor=td.executors.Process(workers=2))
 
 
 if __name__ == "__main__":

@@ -57,8 +57,8 @@ def test_known_samples_reuse_their_structure_and_train_the_seeded_model(tmp_path
     seen = {}
     space = Net()
     # GridSearch: every width comes back with four learning rates, so most trials are known samples.
-    exp = td.Experiment(space, _recording_evaluator(seen), td.strategy.GridSearch(), max_trials=8,
-                        store=tmp_path / "t.db", name="known", verbose=False)
+    exp = td.Experiment(space, _recording_evaluator(seen), td.strategy.GridSearch(), budget=8,
+                        store=tmp_path / "t.db", name="known", options=td.RunOptions(verbose=False))
     exp.run()
     trials = exp.trials()
     assert len(trials) == 8 and all(t.status is TrialStatus.COMPLETED for t in trials)
@@ -76,8 +76,8 @@ def test_known_samples_reuse_their_structure_and_train_the_seeded_model(tmp_path
 
 def test_a_structure_that_depends_on_more_than_the_sample_is_built_every_time(tmp_path):
     seen = {}
-    exp = td.Experiment(Drifting(), _recording_evaluator(seen), td.strategy.GridSearch(), max_trials=8,
-                        store=tmp_path / "t.db", name="drift", verbose=False)
+    exp = td.Experiment(Drifting(), _recording_evaluator(seen), td.strategy.GridSearch(), budget=8,
+                        store=tmp_path / "t.db", name="drift", options=td.RunOptions(verbose=False))
     exp.run()
     trials = [t for t in exp.trials() if t.status is TrialStatus.COMPLETED]
     assert len(trials) == 8
@@ -88,9 +88,9 @@ def test_a_structure_that_depends_on_more_than_the_sample_is_built_every_time(tm
 
 def test_a_parameter_constraint_rejects_before_training(tmp_path):
     seen = {}
-    exp = td.Experiment(Net(), _recording_evaluator(seen), td.strategy.GridSearch(), max_trials=8,
-                        store=tmp_path / "t.db", name="constrained", verbose=False,
-                        constraints=[td.strategy.Constraint("params", max=30)])
+    exp = td.Experiment(Net(), _recording_evaluator(seen), td.strategy.GridSearch(), budget=8,
+                        store=tmp_path / "t.db", name="constrained",
+                        options=td.RunOptions(verbose=False, constraints=[td.strategy.Constraint("params", max=30)]))
     exp.run()
     trials = exp.trials()
     failed = [t for t in trials if t.status is TrialStatus.FAILED]

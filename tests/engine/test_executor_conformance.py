@@ -54,9 +54,10 @@ def classification(digits_data, epochs=2, **choices):
                                         **choices)
 
 
-def run(tmp_path, executor, evaluator, strategy=None, name="conf", **kw):
+def run(tmp_path, executor, evaluator, strategy=None, name="conf", max_trials=None, trial_timeout=None, **options):
     exp = td.Experiment(TinyMLP(), evaluator, strategy or td.strategy.GridSearch(), store=tmp_path / "t.db",
-                        name=name, executor=executor, verbose=False, **kw)
+                        name=name, executor=executor, budget=td.Budget(max_trials=max_trials, trial_timeout=trial_timeout),
+                        options=td.RunOptions(verbose=False, **options))
     return {tuple(sorted(t.sample.items())): t for t in exp.run().trials()}
 
 

@@ -15,8 +15,11 @@ from .spaces import (TinyCNN, TinyMLP, nan_on_hidden_8, raise_on_hidden_8, score
                      sleep_on_hidden_8)
 
 
-def _run(tmp_path, space, evaluator, strategy=None, name="exp", **kw):
-    exp = Experiment(space, evaluator, strategy, store=tmp_path / "t.db", name=name, verbose=False, **kw)
+def _run(tmp_path, space, evaluator, strategy=None, name="exp", max_trials=None, max_duration=None, executor=None,
+         **options):
+    exp = Experiment(space, evaluator, strategy, store=tmp_path / "t.db", name=name, executor=executor,
+                     budget=td.Budget(max_trials=max_trials, max_duration=max_duration),
+                     options=td.RunOptions(verbose=False, **options))
     return exp.run()
 
 
@@ -161,7 +164,7 @@ def test_export_and_load_round_trip(tmp_path, classification, digits_data):
 
 
 def test_bad_parameters_name_the_parameter(tmp_path, classification):
-    with pytest.raises(ValueError, match="'max_trials' parameter of Experiment"):
+    with pytest.raises(ValueError, match="'max_trials' of td.Budget must be an int"):
         _run(tmp_path, TinyCNN(), classification, max_trials=0)
     with pytest.raises(ValueError, match="'strategy' parameter"):
         _run(tmp_path, TinyCNN(), classification, 42)
@@ -216,8 +219,8 @@ def test_epochs_are_shown_while_trials_train(tmp_path, classification, capsys, m
     from tridens.engine._progress import Progress
 
     monkeypatch.setattr(Progress, "STEP_LINE_S", 0.0)
-    Experiment(TinyCNN(), classification, td.strategy.Random(), store=tmp_path / "t.db", name="shown",
-               max_trials=2, seed=3).run()
+    Experiment(TinyCNN(), classification, td.strategy.Random(), store=tmp_path / "t.db", name="shown", budget=2,
+               options=td.RunOptions(seed=3)).run()
     lines = capsys.readouterr().err.splitlines()
     training = [line for line in lines if "training, at step" in line]
     assert training and all(line.startswith("[shown]") for line in training)
@@ -232,3 +235,87 @@ def test_a_resumed_run_records_its_own_budget(tmp_path):
     assert len([t for t in exp.trials() if t.status is TrialStatus.COMPLETED]) == 4
     with Store(tmp_path / "t.db") as db:
         assert db.get_experiment("grow").config["max_trials"] == 4  # what `tridens ls` and `resume` count against
+
+
+def test_experiment_composes_policies_and_the_old_keywords_still_work(tmp_path, classification):
+    """At most ten parameters: a budget, the executor's own policies (whether trials are fused, the
+    memory bound) and run options replace the keywords of before; a run given the old keywords
+    warns once per keyword and trains the same trials."""
+    import inspect
+    import warnings
+
+    params = [p for p in inspect.signature(Experiment.__init__).parameters.values()
+              if p.name != "self" and p.kind is not p.VAR_KEYWORD]
+    assert len(params) <= 10, [p.name for p in params]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)   # the new way warns about nothing
+        exp = Experiment(TinyMLP(), classification, td.strategy.GridSearch(), store=tmp_path / "new.db", name="new",
+                         budget=td.Budget(max_trials=2), options=td.RunOptions(seed=3, verbose=False),
+                         executor=td.executors.Inline(optimize=False, max_unit_memory="1GiB")).run()
+    trials = exp.trials()
+    assert len(trials) == 2 and all(t.status is TrialStatus.COMPLETED for t in trials)
+    assert all(t.info["unit"]["reason"] == "optimize=False" for t in trials)   # the executor's policy
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = Experiment(TinyMLP(), classification, td.strategy.GridSearch(), store=tmp_path / "old.db", name="old",
+                         max_trials=2, seed=3, verbose=False, optimize=False, max_unit_memory="1GiB").run()
+    deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    moved = sorted(str(w.message).split("(")[1].split("=")[0] for w in deprecations)
+    assert moved == ["max_trials", "max_unit_memory", "optimize", "seed", "verbose"]   # once each, the run included
+    assert [t.metrics for t in old.trials()] == [t.metrics for t in trials]   # the same run either way
+    assert (old.max_trials, old.seed, old.optimize, old.max_unit_memory) == (2, 3, False, "1GiB")
+    assert Experiment(None, None, budget=5).max_trials == 5
+
+
+_OLD_KEYWORDS = [   # (keyword, a value, the new form's parameter and the object that holds it)
+    ("max_trials", 3, "budget=td.Budget(max_trials=...)"),
+    ("max_duration", "1h", "budget=td.Budget(max_duration=...)"),
+    ("trial_timeout", 5.0, "budget=td.Budget(trial_timeout=...)"),
+    ("seed", 3, "options=td.RunOptions(seed=...)"),
+    ("seeds", "per-architecture", "options=td.RunOptions(seeds=...)"),
+    ("second_objective", ("params", "min"), "options=td.RunOptions(second_objective=...)"),
+    ("constraints", (td.strategy.Constraint("params", max=1e6),), "options=td.RunOptions(constraints=...)"),
+    ("warm_start", True, "options=td.RunOptions(warm_start=...)"),
+    ("verbose", False, "options=td.RunOptions(verbose=...)"),
+    ("resume", "force", "options=td.RunOptions(resume=...)"),
+    ("retry_failed", False, "options=td.RunOptions(retry_failed=...)"),
+    ("stage_policy", td.store.StagePolicy(reuse="experiment"), "options=td.RunOptions(stage_policy=...)"),
+    ("optimize", False, "executor=td.executors.Inline(optimize=...)"),
+    ("max_unit_memory", "1GiB", "executor=td.executors.Inline(max_unit_memory=...)"),
+    ("allocation", "static", "executor=td.executors.Process(allocation=...)"),
+]
+
+
+@pytest.mark.parametrize("key, value, home", _OLD_KEYWORDS, ids=[k for k, _, _ in _OLD_KEYWORDS])
+def test_each_old_keyword_warns_once_naming_its_new_home_and_means_the_same(tmp_path, key, value, home):
+    import warnings
+
+    ev = td.evaluators.FunctionalEvaluator(score_by_width)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = Experiment(TinyMLP(), ev, "grid", store=tmp_path / "t.db", name="kw", **{key: value})
+    assert len(caught) == 1 and caught[0].category is DeprecationWarning, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert "\n" not in message and message.startswith(f"Experiment({key}=...) is deprecated") and home in message
+    assert caught[0].filename == __file__   # it points at the caller's line, not into tridens
+    if home.startswith("budget="):
+        new = Experiment(TinyMLP(), ev, "grid", store=tmp_path / "t.db", name="kw", budget=td.Budget(**{key: value}))
+    elif home.startswith("options="):
+        new = Experiment(TinyMLP(), ev, "grid", store=tmp_path / "t.db", name="kw", options=td.RunOptions(**{key: value}))
+    else:   # one of the executor's policies (Process takes all three)
+        new = Experiment(TinyMLP(), ev, "grid", store=tmp_path / "t.db", name="kw",
+                         executor=td.executors.Process(**{key: value}))
+    assert getattr(old, key) == value == getattr(new, key)
+    assert (old.budget, old.options) == (new.budget, new.options)
+
+
+def test_an_old_keyword_beside_the_object_that_holds_it_is_refused():
+    ev = td.evaluators.FunctionalEvaluator(score_by_width)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="'max_trials' parameter .* budget=td.Budget"):
+        Experiment(TinyMLP(), ev, budget=td.Budget(max_trials=2), max_trials=3)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="'seed' parameter .* options=td.RunOptions"):
+        Experiment(TinyMLP(), ev, options=td.RunOptions(seed=1), seed=2)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"pass only td.executors.Inline\(optimize=...\)"):
+        Experiment(TinyMLP(), ev, executor=td.executors.Inline(optimize=False), optimize=True)
+    with pytest.raises(ValueError, match="'budget' parameter of Experiment must be a td.Budget or an int"):
+        Experiment(TinyMLP(), ev, budget="ten")

@@ -71,7 +71,8 @@ def classification(data, **kw):
 # -- plain hyperparameter search -------------------------------------------------------------------
 
 def test_hyperparameter_only_search_needs_no_model_space(tmp_path):
-    exp = td.Experiment(None, hp_evaluator(), "tpe", max_trials=4, store=tmp_path / "hp.db", verbose=False)
+    exp = td.Experiment(None, hp_evaluator(), "tpe", budget=4, store=tmp_path / "hp.db",
+                        options=td.RunOptions(verbose=False))
     exp.run()
     trials = exp.trials()
     assert exp.name is None and trials[0].experiment == "train-mlp"  # named after the function
@@ -84,13 +85,14 @@ def test_hyperparameter_only_search_needs_no_model_space(tmp_path):
 
 
 def test_a_space_of_none_is_refused_with_a_declarative_evaluator(tmp_path, data):
-    exp = td.Experiment(None, classification(data), max_trials=2, store=tmp_path / "x.db", name="x")
+    exp = td.Experiment(None, classification(data), budget=2, store=tmp_path / "x.db", name="x")
     with pytest.raises(td.InvalidSpace, match="may be None only with a FunctionalEvaluator"):
         exp.run()
 
 
 def test_tables_print_floats_to_significant_digits(tmp_path):
-    exp = td.Experiment(None, hp_evaluator(), "random", max_trials=2, store=tmp_path / "hp.db", verbose=False)
+    exp = td.Experiment(None, hp_evaluator(), "random", budget=2, store=tmp_path / "hp.db",
+                        options=td.RunOptions(verbose=False))
     exp.run()
     from rich.console import Console
 
@@ -105,7 +107,8 @@ def test_tables_print_floats_to_significant_digits(tmp_path):
 def test_trials_are_numbered_per_experiment(tmp_path):
     store = tmp_path / "two.db"
     for name in ("first", "second"):
-        td.Experiment(None, hp_evaluator(), "random", max_trials=3, store=store, name=name, verbose=False).run()
+        td.Experiment(None, hp_evaluator(), "random", budget=3, store=store, name=name,
+                      options=td.RunOptions(verbose=False)).run()
     second = td.Experiment.load(store, "second")
     assert [t.number for t in second.trials()] == [0, 1, 2]
     assert min(t.id for t in second.trials()) == 4  # ids stay unique in the store
@@ -125,8 +128,8 @@ def test_a_timeout_names_the_trial_by_its_number_in_the_experiment(tmp_path):
     store = tmp_path / "timeouts.db"
     ev = td.evaluators.FunctionalEvaluator(slow_steps, lr=td.choice("lr", [0.1, 0.2]))
     for name in ("first", "second"):
-        td.Experiment(None, ev, td.strategy.GridSearch(), store=store, name=name, trial_timeout=0.2,
-                      verbose=False).run()
+        td.Experiment(None, ev, td.strategy.GridSearch(), store=store, name=name, budget=td.Budget(trial_timeout=0.2),
+                      options=td.RunOptions(verbose=False)).run()
     trials = td.Experiment.load(store, "second").trials()
     failed = [t for t in trials if t.status is TrialStatus.FAILED]
     assert len(failed) == 1 and min(t.id for t in trials) == 3   # store ids differ from numbers here
@@ -137,16 +140,17 @@ def test_a_timeout_names_the_trial_by_its_number_in_the_experiment(tmp_path):
 
 def test_every_run_says_why_it_stopped(tmp_path, capsys):
     store = tmp_path / "why.db"
-    exp = td.Experiment(None, hp_evaluator(), "random", max_trials=2, store=store, name="budget")
+    exp = td.Experiment(None, hp_evaluator(), "random", budget=2, store=store, name="budget")
     exp.run()
     assert exp.stop_reason == "max_trials=2 reached"
     assert "[budget] stopped: max_trials=2 reached" in capsys.readouterr().err
     grid = td.evaluators.FunctionalEvaluator(train_mlp, lr=0.01, hidden=td.choice("hidden", [16, 32]))
-    exp = td.Experiment(None, grid, td.strategy.GridSearch(), max_trials=10, store=store, name="grid")
+    exp = td.Experiment(None, grid, td.strategy.GridSearch(), budget=10, store=store, name="grid")
     exp.run()
     assert "GridSearch has nothing more to propose" in exp.stop_reason and "after 2 trials" in exp.stop_reason
     assert "[grid] stopped: GridSearch has nothing more to propose" in capsys.readouterr().err
-    exp = td.Experiment(None, hp_evaluator(), "random", max_trials=10, max_duration=0, store=store, name="time")
+    exp = td.Experiment(None, hp_evaluator(), "random", budget=td.Budget(max_trials=10, max_duration=0), store=store,
+                        name="time")
     exp.run()
     assert exp.stop_reason == "max_duration=0 reached after 0/10 trials"
 
@@ -156,8 +160,9 @@ def test_every_run_says_why_it_stopped(tmp_path, capsys):
 def test_resume_with_a_changed_space_is_refused(tmp_path, data):
     store = tmp_path / "resume.db"
     ev = classification(data, epochs=1)
-    td.Experiment(Net(), ev, "random", max_trials=2, store=store, name="s", verbose=False).run()
-    bigger = td.Experiment(Net(widths=(16, 32, 64)), ev, "random", max_trials=4, store=store, name="s", verbose=False)
+    td.Experiment(Net(), ev, "random", budget=2, store=store, name="s", options=td.RunOptions(verbose=False)).run()
+    bigger = td.Experiment(Net(widths=(16, 32, 64)), ev, "random", budget=4, store=store, name="s",
+                           options=td.RunOptions(verbose=False))
     with pytest.raises(SpaceChanged) as err:
         bigger.run()
     message = str(err.value)
@@ -168,14 +173,15 @@ def test_resume_with_a_changed_space_is_refused(tmp_path, data):
     bigger.run()
     assert len(td.Experiment.load(store, "s").trials()) == 4
     # the same space resumes as before
-    td.Experiment(Net(), ev, "random", max_trials=5, store=store, name="s", verbose=False).run()
+    td.Experiment(Net(), ev, "random", budget=5, store=store, name="s", options=td.RunOptions(verbose=False)).run()
 
 
 def test_the_live_view_after_resume_shows_the_whole_experiment(tmp_path, capsys):
     store = tmp_path / "live.db"
-    td.Experiment(None, hp_evaluator(), "random", max_trials=3, store=store, name="live", seed=1).run()
+    td.Experiment(None, hp_evaluator(), "random", budget=3, store=store, name="live", options=td.RunOptions(seed=1)).run()
     capsys.readouterr()
-    exp = td.Experiment(None, hp_evaluator(), "random", max_trials=4, store=store, name="live", seed=1)
+    exp = td.Experiment(None, hp_evaluator(), "random", budget=4, store=store, name="live",
+                        options=td.RunOptions(seed=1))
     exp.run()
     err = capsys.readouterr().err
     best = exp.best().metric
@@ -241,8 +247,8 @@ def test_the_live_table_after_tridens_resume_shows_the_whole_experiment(tmp_path
 
 def test_export_refuses_a_non_empty_directory_and_has_one_layout(tmp_path, data):
     store = tmp_path / "exp.db"
-    exp = td.Experiment(Net(), classification(data, epochs=1), "grid", max_trials=4, store=store, name="e",
-                        verbose=False)
+    exp = td.Experiment(Net(), classification(data, epochs=1), "grid", budget=4, store=store, name="e",
+                        options=td.RunOptions(verbose=False))
     exp.run()
     one = exp.export(tmp_path / "one", top=1)
     two = exp.export(tmp_path / "two", top=2)
@@ -264,7 +270,8 @@ def test_export_refuses_a_non_empty_directory_and_has_one_layout(tmp_path, data)
 
 def test_exporting_a_hyperparameter_only_search_says_there_is_no_model(tmp_path):
     store = tmp_path / "hp.db"
-    exp = td.Experiment(None, hp_evaluator(), "random", max_trials=2, store=store, name="hp", verbose=False)
+    exp = td.Experiment(None, hp_evaluator(), "random", budget=2, store=store, name="hp",
+                        options=td.RunOptions(verbose=False))
     exp.run()
     with pytest.raises(TridensError, match="'hp' searched hyperparameters only .*no model to export"):
         exp.export(tmp_path / "out")
@@ -273,8 +280,8 @@ def test_exporting_a_hyperparameter_only_search_says_there_is_no_model(tmp_path)
 
 def test_a_loaded_program_behaves_like_a_model(tmp_path, data):
     store = tmp_path / "p.db"
-    exp = td.Experiment(Net(), classification(data, epochs=1), "grid", max_trials=2, store=store, name="p",
-                        verbose=False)
+    exp = td.Experiment(Net(), classification(data, epochs=1), "grid", budget=2, store=store, name="p",
+                        options=td.RunOptions(verbose=False))
     exp.run()
     [folder] = exp.export(tmp_path / "out")
     program = td.load(folder, prefer="program")
@@ -295,7 +302,7 @@ def test_a_loaded_program_behaves_like_a_model(tmp_path, data):
 ])
 def test_evaluator_settings_are_checked_before_the_first_trial(tmp_path, data, settings, match):
     store = tmp_path / "bad.db"
-    exp = td.Experiment(Net(), classification(data, **settings), "random", max_trials=3, store=store, name="bad")
+    exp = td.Experiment(Net(), classification(data, **settings), "random", budget=3, store=store, name="bad")
     with pytest.raises(Exception, match=match):
         exp.run()
     assert _no_experiment(store)  # a failed start leaves no experiment behind
@@ -303,12 +310,11 @@ def test_evaluator_settings_are_checked_before_the_first_trial(tmp_path, data, s
 
 def test_objective_and_strategy_settings_are_checked_before_the_first_trial(tmp_path, data):
     store = tmp_path / "bad.db"
-    exp = td.Experiment(Net(), classification(data), "random", max_trials=3, store=store, name="o",
-                        objective="val_f1")
+    exp = td.Experiment(Net(), classification(data), "random", budget=3, store=store, name="o", objective="val_f1")
     with pytest.raises(TridensError, match="'val_f1', which Classification does not report"):
         exp.run()
-    exp = td.Experiment(Net(), classification(data), td.strategy.ASHA(reduction_factor=1), max_trials=3,
-                        store=store, name="o")
+    exp = td.Experiment(Net(), classification(data), td.strategy.ASHA(reduction_factor=1), budget=3, store=store,
+                        name="o")
     with pytest.raises(ValueError, match="'reduction_factor' parameter of ASHA"):
         exp.run()
     assert _no_experiment(store)
@@ -330,10 +336,10 @@ class ProposesNothingValid(td.strategy.Random):
 
 def test_a_start_that_fails_after_the_store_opened_leaves_no_experiment(tmp_path, data):
     store = tmp_path / "late.db"
-    td.Experiment(Net(), classification(data, epochs=1), "random", max_trials=1, store=store, name="kept",
-                  verbose=False).run()
-    exp = td.Experiment(Net(), classification(data), ProposesNothingValid(), max_trials=2, store=store, name="late",
-                        verbose=False)
+    td.Experiment(Net(), classification(data, epochs=1), "random", budget=1, store=store, name="kept",
+                  options=td.RunOptions(verbose=False)).run()
+    exp = td.Experiment(Net(), classification(data), ProposesNothingValid(), budget=2, store=store, name="late",
+                        options=td.RunOptions(verbose=False))
     with pytest.raises(RuntimeError, match="bug in my strategy"):
         exp.run()
     with Store(store, readonly=True) as db:
@@ -341,15 +347,16 @@ def test_a_start_that_fails_after_the_store_opened_leaves_no_experiment(tmp_path
 
 
 def test_asha_by_name_takes_max_steps_from_the_evaluator(tmp_path, data):
-    exp = td.Experiment(Net(), classification(data, epochs=3), "asha", max_trials=4, store=tmp_path / "a.db",
-                        name="a", verbose=False)
+    exp = td.Experiment(Net(), classification(data, epochs=3), "asha", budget=4, store=tmp_path / "a.db", name="a",
+                        options=td.RunOptions(verbose=False))
     exp.run()
     assert {t.max_steps for t in exp.trials()} == {3}
 
 
 def test_asha_with_a_user_loop_asks_for_max_steps_before_the_first_trial(tmp_path):
     store = tmp_path / "a.db"
-    exp = td.Experiment(None, hp_evaluator(), "asha", max_trials=4, store=store, name="a", verbose=False)
+    exp = td.Experiment(None, hp_evaluator(), "asha", budget=4, store=store, name="a",
+                        options=td.RunOptions(verbose=False))
     with pytest.raises(ValueError, match=r"FunctionalEvaluator has no fixed 'epochs' .*td\.strategy\.ASHA\(max_steps=N\)"):
         exp.run()
     assert _no_experiment(store)
@@ -365,8 +372,8 @@ def test_a_sample_whose_shapes_do_not_fit_fails_with_the_freeze_message(tmp_path
     expected = str(err.value)
     with pytest.raises(InvalidSample, match="layer 'head' \\(Linear\\) failed"):
         space.validate({"width": 32})
-    exp = td.Experiment(space, classification(data, epochs=1, lr=0.01), "grid", max_trials=2, store=tmp_path / "s.db",
-                        name="s", verbose=False)
+    exp = td.Experiment(space, classification(data, epochs=1, lr=0.01), "grid", budget=2, store=tmp_path / "s.db",
+                        name="s", options=td.RunOptions(verbose=False))
     exp.run()
     failed = [t for t in exp.trials() if t.status is TrialStatus.FAILED]
     assert [t.sample["width"] for t in failed] == [32]
@@ -377,7 +384,7 @@ def test_a_sample_whose_shapes_do_not_fit_fails_with_the_freeze_message(tmp_path
 
 def test_one_shot_warns_about_an_evaluator_choice_it_does_not_search(tmp_path, data, caplog):
     exp = td.Experiment(Net(), classification(data, epochs=1), td.oneshot.RandomOneShot(samples=2),
-                        store=tmp_path / "o.db", name="o", verbose=False)
+                        store=tmp_path / "o.db", name="o", options=td.RunOptions(verbose=False))
     with caplog.at_level(logging.WARNING, logger="tridens"):
         exp.run()
     warned = [r.getMessage() for r in caplog.records if "does not search the evaluator's hyperparameter" in r.getMessage()]
@@ -398,8 +405,8 @@ def test_a_user_loop_runs_with_the_thread_policys_threads(tmp_path, threads):
     torch.set_num_threads(3)
     try:
         policy = td.engine.ThreadPolicy(threads=threads)
-        exp = td.Experiment(None, td.evaluators.FunctionalEvaluator(threads_seen), "random", max_trials=1,
-                            store=tmp_path / "t.db", name="t", verbose=False,
+        exp = td.Experiment(None, td.evaluators.FunctionalEvaluator(threads_seen), "random", budget=1,
+                            store=tmp_path / "t.db", name="t", options=td.RunOptions(verbose=False),
                             executor=td.executors.Inline(threads=policy))
         exp.run()
         assert exp.trials()[0].metric == threads

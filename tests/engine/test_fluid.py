@@ -69,9 +69,10 @@ def test_allocation_parameter_is_checked(tmp_path, digits_data):
     train, val = digits_data
     ev = td.evaluators.Classification(train=train, val=val, epochs=1)
     with pytest.raises(ValueError, match="The 'allocation' parameter of Experiment must be None, 'static', 'dynamic'"):
-        Experiment(MLPSpace(), ev, store=tmp_path / "t.db", allocation="fluid", executor=td.executors.Process()).run()
-    with pytest.raises(ValueError, match="'allocation' parameter of Experiment shares the workers"):
-        Experiment(MLPSpace(), ev, store=tmp_path / "t.db", allocation="static").run()
+        Experiment(MLPSpace(), ev, store=tmp_path / "t.db", executor=td.executors.Process(allocation="fluid")).run()
+    with pytest.raises(ValueError, match="'allocation' parameter of Experiment shares the workers"), \
+            pytest.warns(DeprecationWarning, match=r"Experiment\(allocation=...\) is deprecated"):
+        Experiment(MLPSpace(), ev, store=tmp_path / "t.db", allocation="static").run()   # the old keyword
 
 
 # -- real runs -----------------------------------------------------------------------------------------
@@ -85,10 +86,9 @@ def _pair(tmp_path, digits_data, groups, name, **kw):
     ev = td.evaluators.Classification(train=train, val=val, epochs=td.choice("epochs", [1, 2, 12, 40]),
                                       batch_size=96, optimizer="sgd", lr=0.05, momentum=0.9)
     out = []
-    for kind, executor in (("inline", td.executors.Inline()), ("process", td.executors.Process(workers=2))):
-        extra = kw if kind == "process" else {}
+    for kind, executor in (("inline", td.executors.Inline()), ("process", td.executors.Process(workers=2, **kw))):
         exp = Experiment(MLPSpace(), ev, Groups(groups), store=tmp_path / "t.db", name=f"{name}-{kind}",
-                         verbose=False, executor=executor, **extra)
+                         options=td.RunOptions(verbose=False), executor=executor)
         out.append(exp.run().trials())
     return out
 
@@ -151,7 +151,8 @@ def test_ddp_workers_are_reused_and_profiles_are_measured_once_per_structure(tmp
     executor = td.engine.ProcessExecutor(workers=2, allocation="static")
     groups = [[{"hidden": 64, "epochs": 2}], [{"hidden": 64, "epochs": 1}], [{"hidden": 4, "epochs": 1}, {"hidden": 4, "epochs": 1}]]
     strategy = PidGroups(groups, executor)
-    trials = Experiment(MLPSpace(), ev, strategy, store=tmp_path / "t.db", verbose=False, executor=executor).run().trials()
+    trials = Experiment(MLPSpace(), ev, strategy, store=tmp_path / "t.db", options=td.RunOptions(verbose=False),
+                        executor=executor).run().trials()
     assert [t.status for t in trials] == [TrialStatus.COMPLETED] * 4
     assert [a["share"] for t in trials for a in t.info["allocation"]] == [2.0, 2.0, 1.0, 1.0]
     after_first, after_second, after_third = strategy.pids[1:]

@@ -33,9 +33,10 @@ def evaluator(data, epochs=3, lrs=(0.01, 0.003)):
 
 
 def run(space, ev, strategy, tmp_path, name, policy, optimize, trials, executor=None):
-    executor = executor if executor is not None else td.executors.Inline(threads=policy)
-    exp = td.Experiment(space, ev, strategy, max_trials=trials, store=str(tmp_path / f"{name}.db"), name=name,
-                        verbose=False, optimize=optimize, executor=executor)
+    """``executor`` (made by the caller with ``optimize``), else ``Inline(threads=policy, optimize=optimize)``."""
+    executor = executor if executor is not None else td.executors.Inline(threads=policy, optimize=optimize)
+    exp = td.Experiment(space, ev, strategy, budget=trials, store=str(tmp_path / f"{name}.db"), name=name,
+                        options=td.RunOptions(verbose=False), executor=executor)
     exp.run()
     return {t.id: t for t in exp.trials()}
 
@@ -103,7 +104,7 @@ def test_a_mixed_unit_splits_by_members_and_trains_as_in_one_process(digits_data
 
 def test_measured_decisions_and_log_records_come_back_from_the_children(digits_data, tmp_path, caplog):
     auto = Settings().with_batching(mode="auto", override_speedup=3.0)
-    executor = td.executors.Inline(threads=SIDE_BY_SIDE)
+    executor = td.executors.Inline(threads=SIDE_BY_SIDE, optimize=auto)
     with caplog.at_level(logging.INFO, logger="tridens"):
         side = run(TinyMLP(), evaluator(digits_data, epochs=1), td.strategy.GridSearch(), tmp_path, "side",
                    SIDE_BY_SIDE, auto, 4, executor)
@@ -145,8 +146,9 @@ def test_stage_trees_stay_in_the_driver(digits_data, tmp_path, caplog):
     from tests.xopt.stage_script import Net, grid_evaluator
 
     with caplog.at_level(logging.INFO, logger="tridens"):
-        exp = td.Experiment(Net(), grid_evaluator(digits_data, [2, 3], [0.1, 0.5]), td.strategy.GridSearch(batch_size=16),
-                            store=str(tmp_path / "s.db"), seeds="per-architecture", verbose=False,
+        exp = td.Experiment(Net(), grid_evaluator(digits_data, [2, 3], [0.1, 0.5]),
+                            td.strategy.GridSearch(batch_size=16), store=str(tmp_path / "s.db"),
+                            options=td.RunOptions(seeds="per-architecture", verbose=False),
                             executor=td.executors.Inline(threads=SIDE_BY_SIDE))
         exp.run()
     assert "units one at a time in this process: stage tree units read and write the store" in caplog.text
@@ -165,9 +167,10 @@ class HangingSpace(TinyMLP):
 
 def test_a_child_silent_past_the_timeout_is_killed_and_its_trials_fail(digits_data, tmp_path):
     DRIVER[0] = os.getpid()
-    exp = td.Experiment(HangingSpace(), evaluator(digits_data, epochs=2), td.strategy.GridSearch(), max_trials=4,
-                        store=str(tmp_path / "h.db"), verbose=False, optimize=False, trial_timeout=1.0,
-                        executor=td.executors.Inline(threads=SIDE_BY_SIDE))
+    exp = td.Experiment(HangingSpace(), evaluator(digits_data, epochs=2), td.strategy.GridSearch(),
+                        budget=td.Budget(max_trials=4, trial_timeout=1.0), store=str(tmp_path / "h.db"),
+                        options=td.RunOptions(verbose=False),
+                        executor=td.executors.Inline(threads=SIDE_BY_SIDE, optimize=False))
     exp.run()   # the hanging child is killed after the timeout and its grace
     for trial in exp.trials():
         if trial.sample["hidden"] == 8:

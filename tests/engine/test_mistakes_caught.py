@@ -50,8 +50,8 @@ def _experiments(store):
 @pytest.mark.parametrize("executor", [None, td.executors.Process(workers=1)], ids=["inline", "process"])
 def test_a_misspelled_objective_stops_the_run_at_the_first_report(tmp_path, executor):
     store = tmp_path / "typo.db"
-    exp = td.Experiment(None, loop_evaluator(), "random", max_trials=3, store=store, name="typo",
-                        objective="accuracy", executor=executor, verbose=False)
+    exp = td.Experiment(None, loop_evaluator(), "random", budget=3, store=store, name="typo", objective="accuracy",
+                        executor=executor, options=td.RunOptions(verbose=False))
     with pytest.raises(UnknownMetric, match=r"'accuracy', which its evaluator does not report: trial 0 reported 'loss', 'acc'"):
         exp.run()
     assert _experiments(store) == []  # nothing was learned: no experiment left behind
@@ -62,8 +62,8 @@ def test_a_misspelled_objective_stops_the_run_at_the_first_report(tmp_path, exec
 
 
 def test_a_misspelled_second_objective_of_a_user_loop_stops_the_run_at_the_first_report(tmp_path):
-    exp = td.Experiment(None, loop_evaluator(), "random", max_trials=2, store=tmp_path / "s.db", name="s",
-                        objective="acc", second_objective=("los", "min"), verbose=False)
+    exp = td.Experiment(None, loop_evaluator(), "random", budget=2, store=tmp_path / "s.db", name="s",
+                        objective="acc", options=td.RunOptions(second_objective=("los", "min"), verbose=False))
     with pytest.raises(UnknownMetric, match=r"'second_objective' of experiment 's' is 'los'.*reported 'acc', 'loss'"):
         exp.run()
 
@@ -91,24 +91,26 @@ def test_the_error_is_one_line():
 ])
 def test_typos_in_settings_are_refused_before_training(tmp_path, data, kw, match):
     store = tmp_path / "typo.db"
-    kw = {"strategy": "random", **kw}
-    exp = td.Experiment(Net(), classification(data), max_trials=4, store=store, name="typo", verbose=False, **kw)
+    options = {k: v for k, v in kw.items() if k != "strategy"}
+    exp = td.Experiment(Net(), classification(data), kw.get("strategy", "random"), budget=4, store=store, name="typo",
+                        options=td.RunOptions(verbose=False, **options))
     with pytest.raises(ValueError, match=match):
         exp.run()
     assert _experiments(store) == []
 
 
 def test_a_constraint_on_a_search_without_a_model_is_refused(tmp_path):
-    exp = td.Experiment(None, loop_evaluator(), "random", max_trials=2, store=tmp_path / "c.db", name="c",
-                        objective="acc", constraints=[td.strategy.Constraint("params", max=1e5)], verbose=False)
+    exp = td.Experiment(None, loop_evaluator(), "random", budget=2, store=tmp_path / "c.db", name="c",
+                        objective="acc",
+                        options=td.RunOptions(constraints=[td.strategy.Constraint("params", max=1e5)], verbose=False))
     with pytest.raises(UnknownMetric, match="none: there is no model to measure"):
         exp.run()
 
 
 def test_the_right_names_still_run(tmp_path, data):
-    exp = td.Experiment(Net(), classification(data), td.strategy.ASHA(max_steps=2), max_trials=3,
-                        store=tmp_path / "ok.db", name="ok", constraints=[td.strategy.Constraint("params", max=1e5)],
-                        second_objective=("val_loss", "min"), verbose=False)
+    exp = td.Experiment(Net(), classification(data), td.strategy.ASHA(max_steps=2), budget=3,
+                        store=tmp_path / "ok.db", name="ok",
+                        options=td.RunOptions(constraints=[td.strategy.Constraint("params", max=1e5)], second_objective=("val_loss", "min"), verbose=False))
     exp.run()
     assert len(exp.trials()) == 2 and exp.best().metric > 0.3  # (two widths)
 
@@ -162,8 +164,8 @@ def test_a_pre_run_error_under_plain_python_prints_one_line(tmp_path):
 # -- trials as a user reads them ------------------------------------------------------------------------
 
 def test_a_trial_reads_short_with_its_epochs_and_status(tmp_path):
-    exp = td.Experiment(None, loop_evaluator(), "random", max_trials=2, store=tmp_path / "r.db", name="r",
-                        objective="acc", verbose=False)
+    exp = td.Experiment(None, loop_evaluator(), "random", budget=2, store=tmp_path / "r.db", name="r",
+                        objective="acc", options=td.RunOptions(verbose=False))
     exp.run()
     best = exp.best()
     assert best.epochs == 2 == len(best.metrics["acc"])
@@ -188,8 +190,8 @@ def _with_labels(data, cast):
 ])
 def test_labels_a_classification_loss_cannot_take_are_refused_before_training(tmp_path, data, cast, match):
     store = tmp_path / "labels.db"
-    exp = td.Experiment(Net(), classification(_with_labels(data, cast)), "random", max_trials=2, store=store,
-                        name="labels", verbose=False)
+    exp = td.Experiment(Net(), classification(_with_labels(data, cast)), "random", budget=2, store=store,
+                        name="labels", options=td.RunOptions(verbose=False))
     with pytest.raises(ValueError, match=match) as info:
         exp.run()
     assert "\n" not in str(info.value) and _experiments(store) == []
@@ -198,8 +200,8 @@ def test_labels_a_classification_loss_cannot_take_are_refused_before_training(tm
 def test_narrow_integer_labels_train_as_int64_labels_do(tmp_path, data):
     runs = {}
     for name, dtype in (("int64", torch.int64), ("int32", torch.int32), ("uint8", torch.uint8)):
-        exp = td.Experiment(Net(), classification(_with_labels(data, lambda y: y.to(dtype))), "grid", max_trials=2,
-                            store=tmp_path / "n.db", name=name, verbose=False)
+        exp = td.Experiment(Net(), classification(_with_labels(data, lambda y: y.to(dtype))), "grid", budget=2,
+                            store=tmp_path / "n.db", name=name, options=td.RunOptions(verbose=False))
         exp.run()
         runs[name] = [(t.sample, t.metrics) for t in exp.trials()]
     assert runs["int32"] == runs["int64"] == runs["uint8"] and len(runs["int64"]) == 2
@@ -228,9 +230,10 @@ def train_with_labels(lr, labels="float", epochs=1):
 def test_a_rerun_after_every_trial_failed_trains(tmp_path, retry_failed):
     store = tmp_path / "fix.db"
 
-    def experiment(labels, **kw):
+    def experiment(labels, **options):
         evaluator = td.evaluators.FunctionalEvaluator(train_with_labels, lr=td.loguniform("lr", 1e-3, 3e-2), labels=labels)
-        return td.Experiment(None, evaluator, "random", max_trials=3, store=store, name="fix", verbose=False, **kw)
+        return td.Experiment(None, evaluator, "random", budget=3, store=store, name="fix",
+                             options=td.RunOptions(verbose=False, **options))
 
     with pytest.raises(td.TridensError, match="every trial of 'fix' failed"):
         experiment("float").run()
@@ -252,8 +255,9 @@ def test_a_rerun_with_changed_epochs_or_data_is_refused_naming_the_change(tmp_pa
 
     store = tmp_path / "changed.db"
 
-    def experiment(evaluator, **kw):
-        return td.Experiment(Net(), evaluator, "grid", max_trials=2, store=store, name="c", verbose=False, **kw)
+    def experiment(evaluator, **options):
+        return td.Experiment(Net(), evaluator, "grid", budget=2, store=store, name="c",
+                             options=td.RunOptions(verbose=False, **options))
 
     experiment(classification(data, epochs=1)).run()
     with pytest.raises(EvaluatorChanged, match=r"another evaluator \(changed: epochs 1 -> 2\).*resume='force'"):
@@ -275,7 +279,8 @@ def test_a_rerun_with_changed_training_code_is_refused(tmp_path):
     store = tmp_path / "code.db"
     for fn, error in ((train_with_labels, None), (train_v2, r"changed: the code of .*train_v2")):
         evaluator = td.evaluators.FunctionalEvaluator(fn, lr=td.loguniform("lr", 1e-3, 3e-2), labels="long")
-        exp = td.Experiment(None, evaluator, "random", max_trials=1, store=store, name="code", verbose=False)
+        exp = td.Experiment(None, evaluator, "random", budget=1, store=store, name="code",
+                            options=td.RunOptions(verbose=False))
         if error is None:
             exp.run()
         else:

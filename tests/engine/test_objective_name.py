@@ -33,7 +33,7 @@ def test_the_first_reported_key_names_the_objective_for_the_strategy_the_store_a
 
     def run(max_trials: int) -> td.Experiment:
         strategy = td.strategy.ASHA(min_steps=1, max_steps=3, reduction_factor=3, batch_size=3)
-        return td.Experiment(None, evaluator, strategy, max_trials=max_trials, store=store, name="hpo").run()
+        return td.Experiment(None, evaluator, strategy, budget=max_trials, store=store, name="hpo").run()
 
     run(3)
     assert "completed val_acc=" in capsys.readouterr().err

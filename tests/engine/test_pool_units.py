@@ -25,7 +25,8 @@ def data():
 
 def run(data, store, name, epochs, gammas, executor):
     exp = td.Experiment(Net(), grid_evaluator(data, epochs, gammas), td.strategy.GridSearch(batch_size=16),
-                        store=store, name=name, seeds="per-architecture", verbose=False, executor=executor)
+                        store=store, name=name, options=td.RunOptions(seeds="per-architecture", verbose=False),
+                        executor=executor)
     exp.run()
     return {json.dumps(t.sample, sort_keys=True): t for t in exp.trials()}
 
@@ -84,8 +85,9 @@ def test_members_of_a_tree_past_their_timeout_fail_and_the_run_ends(data, tmp_pa
     """trial_timeout counts each member's share of its tree's training: past it after an epoch, the
     member fails on the driver and leaves the tree in its worker; the run still ends."""
     exp = td.Experiment(Net(), grid_evaluator(data, [2, 3], [0.1, 0.5]), td.strategy.GridSearch(batch_size=16),
-                        store=tmp_path / "t.db", name="late", seeds="per-architecture", verbose=False,
-                        executor=td.executors.Process(workers=2), trial_timeout=1e-6)
+                        store=tmp_path / "t.db", name="late",
+                        options=td.RunOptions(seeds="per-architecture", verbose=False),
+                        executor=td.executors.Process(workers=2), budget=td.Budget(trial_timeout=1e-6))
     with pytest.raises(Exception, match="every trial of 'late' failed"):
         exp.run()
     trials = exp.trials()

@@ -70,9 +70,10 @@ class StopOddLrAtStep1(td.strategy.GridSearch):
         return super().decide(trial, step)
 
 
-def _run(tmp_path, evaluator, name, strategy=None, **kw):
-    exp = Experiment(TinyMLP(), evaluator, strategy or td.strategy.GridSearch(), store=tmp_path / "t.db",
-                     name=name, verbose=False, executor=td.executors.Process(workers=2), **kw)
+def _run(tmp_path, evaluator, name, strategy=None, **budget):
+    exp = Experiment(TinyMLP(), evaluator, strategy or td.strategy.GridSearch(), store=tmp_path / "t.db", name=name,
+                     budget=td.Budget(**budget), options=td.RunOptions(verbose=False),
+                     executor=td.executors.Process(workers=2))
     return exp.run()
 
 

@@ -61,9 +61,10 @@ class KillWorker(td.strategy.Random):
 
 def test_same_metrics_in_process_and_on_ray_and_checkpoints_in_storage(local_ray, classification, tmp_path):
     runs = {}
-    for kind, executor in (("inline", td.executors.Inline()), ("ray", td.executors.Ray())):
-        exp = td.Experiment(TinyCNN(), classification, td.strategy.Random(), max_trials=3, seed=7, verbose=False,
-                            store=tmp_path / f"{kind}.db", name="same", executor=executor, optimize=False)
+    for kind, executor in (("inline", td.executors.Inline(optimize=False)), ("ray", td.executors.Ray(optimize=False))):
+        exp = td.Experiment(TinyCNN(), classification, td.strategy.Random(), budget=3,
+                            options=td.RunOptions(seed=7, verbose=False), store=tmp_path / f"{kind}.db", name="same",
+                            executor=executor)
         runs[kind] = by_sample(exp.run().trials())
     assert runs["inline"].keys() == runs["ray"].keys()
     for key, inline in runs["inline"].items():
@@ -80,7 +81,7 @@ def test_same_metrics_in_process_and_on_ray_and_checkpoints_in_storage(local_ray
 def test_user_loop_on_ray_with_asha_stops_running_trials(local_ray, tmp_path):
     evaluator = td.evaluators.FunctionalEvaluator(linear_curve, lr=td.choice("lr", [0.1 * i for i in range(1, 9)]))
     strategy = td.strategy.ASHA(min_steps=1, max_steps=6, reduction_factor=2, batch_size=8)
-    exp = td.Experiment(TinyMLP(), evaluator, strategy, max_trials=8, verbose=False,
+    exp = td.Experiment(TinyMLP(), evaluator, strategy, budget=8, options=td.RunOptions(verbose=False),
                         executor=td.executors.Ray(storage=tmp_path / "ckpt"), store=tmp_path / "asha.db", name="asha")
     trials = exp.run().trials()
     assert len(trials) == 8
@@ -107,9 +108,9 @@ def test_stop_reaches_a_declarative_trial_before_its_next_epoch(local_ray, class
     ev = td.evaluators.Classification(train=classification.train, val=classification.val, epochs=3, batch_size=128,
                                       optimizer="adam", lr=td.choice("lr", [0.01, 0.003]))
     runs = {}
-    for kind, executor in (("inline", td.executors.Inline()), ("ray", td.executors.Ray())):
-        exp = td.Experiment(TinyMLP(), ev, StopFirstAtStep0(), max_trials=2, seed=1, executor=executor, optimize=False,
-                            store=tmp_path / f"{kind}.db", name="stop", verbose=False)
+    for kind, executor in (("inline", td.executors.Inline(optimize=False)), ("ray", td.executors.Ray(optimize=False))):
+        exp = td.Experiment(TinyMLP(), ev, StopFirstAtStep0(), budget=2, options=td.RunOptions(seed=1, verbose=False),
+                            executor=executor, store=tmp_path / f"{kind}.db", name="stop")
         runs[kind] = exp.run().trials()
     stopped = runs["ray"][0]
     assert stopped.status is TrialStatus.STOPPED and len(stopped.metrics["val_acc"]) == 1
@@ -127,16 +128,16 @@ def test_killed_worker_restarts_from_its_checkpoint(local_ray, classification, t
     ev = td.evaluators.Classification(train=classification.train, val=classification.val, epochs=4, batch_size=128,
                                       optimizer="adam", lr=0.01)
     strategy = KillWorker({0: 1})  # the first worker of each trial dies after epoch 2 was checkpointed
-    exp = td.Experiment(TinyMLP(), ev, strategy, max_trials=1, seed=3, executor=td.executors.Ray(max_retries=1),
-                        store=tmp_path / "kill.db", name="kill", verbose=False)
+    exp = td.Experiment(TinyMLP(), ev, strategy, budget=1, options=td.RunOptions(seed=3, verbose=False),
+                        executor=td.executors.Ray(max_retries=1), store=tmp_path / "kill.db", name="kill")
     (trial,) = exp.run().trials()
     assert len(strategy.killed) == 1
     assert trial.status is TrialStatus.COMPLETED, trial.error
     assert trial.info["ray_restarts"] == 1
     assert trial.info["ray"]["attempt"] == 1 and trial.info["ray"]["pid"] != strategy.killed[0][3]
     # resumed from the checkpoint, each epoch recorded once, and the same as never killed
-    inline = td.Experiment(TinyMLP(), ev, td.strategy.Random(), max_trials=1, seed=3, verbose=False,
-                           store=tmp_path / "inline.db", name="kill").run().trials()[0]
+    inline = td.Experiment(TinyMLP(), ev, td.strategy.Random(), budget=1,
+                           options=td.RunOptions(seed=3, verbose=False), store=tmp_path / "inline.db", name="kill").run().trials()[0]
     assert trial.sample == inline.sample
     assert trial.metrics == inline.metrics
 
@@ -144,8 +145,8 @@ def test_killed_worker_restarts_from_its_checkpoint(local_ray, classification, t
 def test_worker_killed_more_often_than_max_retries_fails_the_trial(local_ray, classification, tmp_path):
     ev = td.evaluators.Classification(train=classification.train, val=classification.val, epochs=3, batch_size=128, lr=0.05)
     strategy = KillWorker({0: 0, 1: 1})
-    exp = td.Experiment(TinyMLP(), ev, strategy, max_trials=1, executor=td.executors.Ray(max_retries=1),
-                        store=tmp_path / "dead.db", name="dead", verbose=False)
+    exp = td.Experiment(TinyMLP(), ev, strategy, budget=1, executor=td.executors.Ray(max_retries=1),
+                        store=tmp_path / "dead.db", name="dead", options=td.RunOptions(verbose=False))
     with pytest.raises(ExperimentFailed):
         exp.run()
     (trial,) = exp.trials()
@@ -163,8 +164,8 @@ def test_errors_and_timeouts_fail_only_their_trial_on_ray(local_ray, tmp_path, f
     from . import spaces
 
     exp = td.Experiment(TinyMLP(), td.evaluators.FunctionalEvaluator(getattr(spaces, fn)), td.strategy.GridSearch(),
-                        max_trials=2, executor=td.executors.Ray(), trial_timeout=timeout, store=tmp_path / "err.db", name=fn,
-                        verbose=False)
+                        budget=td.Budget(max_trials=2, trial_timeout=timeout), executor=td.executors.Ray(),
+                        store=tmp_path / "err.db", name=fn, options=td.RunOptions(verbose=False))
     trials = {t.sample["hidden"]: t for t in exp.run().trials()}
     assert trials[4].status is TrialStatus.COMPLETED and trials[4].metric == 0.5
     assert trials[8].status is TrialStatus.FAILED and message in trials[8].error
@@ -248,7 +249,8 @@ def test_driver_killed_then_rerun_finishes_the_experiment(local_ray, tmp_path):
 ])
 def test_ray_parameters_are_checked_at_run(classification, tmp_path, kwargs, message):
     with pytest.warns(DeprecationWarning, match="is deprecated: pass"):
-        exp = td.Experiment(TinyMLP(), classification, max_trials=1, store=tmp_path / "x.db", verbose=False, **kwargs)
+        exp = td.Experiment(TinyMLP(), classification, budget=1, store=tmp_path / "x.db",
+                            options=td.RunOptions(verbose=False), **kwargs)
     with pytest.raises(ValueError) as err:
         exp.run()
     assert message in str(err.value)
@@ -257,7 +259,7 @@ def test_ray_parameters_are_checked_at_run(classification, tmp_path, kwargs, mes
 def test_storage_that_is_a_file_is_refused(classification, tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.warns(DeprecationWarning, match="is deprecated: pass"):
-        exp = td.Experiment(TinyMLP(), classification, max_trials=1, store=tmp_path / "x.db", executor="ray",
-                            storage=tmp_path / "file", verbose=False)
+        exp = td.Experiment(TinyMLP(), classification, budget=1, store=tmp_path / "x.db", executor="ray",
+                            storage=tmp_path / "file", options=td.RunOptions(verbose=False))
     with pytest.raises(ValueError, match="must be a directory. Got the file"):
         exp.run()

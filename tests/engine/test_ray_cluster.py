@@ -75,17 +75,19 @@ def test_a_lost_worker_node_restarts_its_trials_elsewhere_from_their_checkpoints
                                       lr=td.choice("lr", [0.01, 0.003]))
     RUNNING.update(cluster=cluster, lost=[])
     strategy = LoseTheWorkerNode(at=1)
-    executor = td.executors.Ray(workers=2, address=cluster.address, storage=tmp_path / "ckpt", max_retries=2)
-    exp = td.Experiment(TinyMLP(), ev, strategy, seed=5, executor=executor, optimize=False,
-                        store=tmp_path / "lost.db", name="lost", verbose=False)
+    executor = td.executors.Ray(workers=2, address=cluster.address, storage=tmp_path / "ckpt", max_retries=2,
+                                optimize=False)
+    exp = td.Experiment(TinyMLP(), ev, strategy, executor=executor, store=tmp_path / "lost.db", name="lost",
+                        options=td.RunOptions(seed=5, verbose=False))
     trials = exp.run().trials()
     assert RUNNING["lost"], "the node was never removed"
     assert len(trials) == 4 and all(t.status is TrialStatus.COMPLETED for t in trials), [t.error for t in trials]
     restarted = [t for t in trials if t.info.get("ray_restarts")]
     assert restarted and all(t.info["ray_restarts"] == 1 for t in restarted)
     # each epoch recorded once, and the metrics of a run that lost nothing
-    undisturbed = td.Experiment(TinyMLP(), ev, td.strategy.GridSearch(), seed=5, optimize=False, verbose=False,
-                                store=tmp_path / "inline.db", name="lost").run().trials()
+    undisturbed = td.Experiment(TinyMLP(), ev, td.strategy.GridSearch(), options=td.RunOptions(seed=5, verbose=False),
+                                executor=td.executors.Inline(optimize=False), store=tmp_path / "inline.db",
+                                name="lost").run().trials()
     by_sample = {tuple(sorted(t.sample.items())): t for t in undisturbed}
     for trial in trials:
         assert trial.metrics == by_sample[tuple(sorted(trial.sample.items()))].metrics
@@ -102,7 +104,8 @@ def test_the_hub_lives_on_the_drivers_node(cluster, tmp_path):
 
 
 def _search(kind, digits_data):
-    """(evaluator, strategy class and its arguments, experiment options) of one unit kind."""
+    """(evaluator, strategy class and its arguments, the run's setup: budget, seeds, the executor's
+    optimize and allocation) of one unit kind."""
     train, val = digits_data
     if kind == "stage tree":   # one initial model; trials part at their milestones: a tree of stages
         ev = td.evaluators.Classification(
@@ -112,7 +115,7 @@ def _search(kind, digits_data):
     ev = td.evaluators.Classification(train=train, val=val, epochs=4, batch_size=128, optimizer="sgd",
                                       lr=td.choice("lr", [0.05, 0.02]), momentum=td.choice("momentum", [0.5, 0.9]))
     if kind == "pbt":
-        return ev, (PBTLosingTheWorkerNode, td.strategy.PBT, {"population": 4, "interval": 2}), {"max_trials": 8}
+        return ev, (PBTLosingTheWorkerNode, td.strategy.PBT, {"population": 4, "interval": 2}), {"budget": 8}
     options = {"fused": {"optimize": td.xopt.Settings().with_batching(mode="force")},
                "fluid": {"optimize": False, "allocation": "static"}}[kind]
     return ev, (LoseTheWorkerNode, td.strategy.GridSearch, {}), options
@@ -121,17 +124,20 @@ def _search(kind, digits_data):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fused", "stage tree", "pbt", "fluid"])
 def test_every_unit_kind_survives_a_lost_node(cluster, digits_data, tmp_path, kind):
-    ev, (losing, plain, args), options = _search(kind, digits_data)
+    ev, (losing, plain, args), setup = _search(kind, digits_data)
     RUNNING.update(cluster=cluster, lost=[])
-    executor = td.executors.Ray(workers=2, address=cluster.address, storage=tmp_path / "ckpt", max_retries=2)
-    trials = td.Experiment(TinyMLP(), ev, losing(at=1, **args), seed=5, executor=executor, store=tmp_path / "lost.db",
-                           name="lost", verbose=False, **options).run().trials()
+    optimize, options = setup.get("optimize"), td.RunOptions(seed=5, seeds=setup.get("seeds", "per-trial"), verbose=False)
+    executor = td.executors.Ray(workers=2, address=cluster.address, storage=tmp_path / "ckpt", max_retries=2,
+                                optimize=optimize, allocation=setup.get("allocation"))
+    trials = td.Experiment(TinyMLP(), ev, losing(at=1, **args), budget=setup.get("budget"), options=options,
+                           executor=executor, store=tmp_path / "lost.db", name="lost").run().trials()
     assert RUNNING["lost"], "the node was never removed"
     assert all(t.status is TrialStatus.COMPLETED for t in trials), [t.error for t in trials]
     assert any(t.info.get("ray_restarts") for t in trials)
-    inline = {k: v for k, v in options.items() if k != "allocation"}   # Fluid places trials; training is the same
-    undisturbed = td.Experiment(TinyMLP(), ev, plain(**args), seed=5, store=tmp_path / "inline.db", name="lost",
-                                verbose=False, **inline).run().trials()
+    # in-process, without Fluid (it places trials; training is the same)
+    undisturbed = td.Experiment(TinyMLP(), ev, plain(**args), budget=setup.get("budget"), options=options,
+                                executor=td.executors.Inline(optimize=optimize), store=tmp_path / "inline.db",
+                                name="lost").run().trials()
     assert len(trials) == len(undisturbed)
     for trial, alone in zip(sorted(trials, key=lambda t: t.number), sorted(undisturbed, key=lambda t: t.number)):
         assert trial.sample == alone.sample

@@ -73,8 +73,9 @@ def both(tmp_path, space, ev, strategy_factory, name, max_trials, on_ray, **ray_
     out = []
     for kind, executor in (("inline", td.executors.Inline()), ("ray", on_ray)):
         kw = ray_kw if kind == "ray" else {}
-        exp = td.Experiment(space, ev, strategy_factory(), max_trials=max_trials, seed=5, verbose=False,
-                            store=tmp_path / f"{kind}.db", name=name, executor=executor, **kw)
+        exp = td.Experiment(space, ev, strategy_factory(), budget=max_trials,
+                            options=td.RunOptions(seed=5, verbose=False), store=tmp_path / f"{kind}.db", name=name,
+                            executor=executor, **kw)
         out.append(exp.run().trials())
     return out
 
@@ -168,8 +169,8 @@ def fluid_pair(tmp_path, digits_data, group, name, allocation, **kw):
     train, val = digits_data
     ev = td.evaluators.Classification(train=train, val=val, epochs=td.choice("epochs", [1, 2, 12]),
                                       batch_size=96, optimizer="adam", lr=0.01)
-    return both(tmp_path, MLPSpace(), ev, lambda: Groups([group]), name, None, td.executors.Ray(workers=2),
-                allocation=allocation, **kw)
+    return both(tmp_path, MLPSpace(), ev, lambda: Groups([group]), name, None,
+                td.executors.Ray(workers=2, allocation=allocation), **kw)
 
 
 def step_time(sample):

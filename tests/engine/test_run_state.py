@@ -74,7 +74,8 @@ def test_a_run_leaves_nothing_in_module_globals(digits_data, tmp_path):
     changes no module-level dict, list or set of engine, xopt or units: its state was the run's."""
     before = mutable_globals()
     exp = td.Experiment(FixedMLP(), evaluator(digits_data), td.strategy.GridSearch(), store=tmp_path / "a.db",
-                        name="a", verbose=False, optimize=Settings().with_batching(mode="auto", override_speedup=3.0))
+                        name="a", options=td.RunOptions(verbose=False),
+                        executor=td.executors.Inline(optimize=Settings().with_batching(mode="auto", override_speedup=3.0)))
     exp.run()
     assert all(t.status is TrialStatus.COMPLETED for t in exp.trials())
     assert "fused" in exp.trials()[0].info["unit"]["reason"]
@@ -91,7 +92,8 @@ def test_two_experiments_in_one_process_plan_independently(digits_data, tmp_path
     runs = {}
     for name, speedup in (("pays", 3.0), ("does-not-pay", 0.5)):
         exp = td.Experiment(FixedMLP(), ev, td.strategy.GridSearch(), store=tmp_path / "s.db", name=name,
-                            verbose=False, optimize=Settings().with_batching(mode="auto", override_speedup=speedup))
+                            options=td.RunOptions(verbose=False),
+                            executor=td.executors.Inline(optimize=Settings().with_batching(mode="auto", override_speedup=speedup)))
         exp.run()
         runs[name] = exp.trials()
     for name, trials in runs.items():

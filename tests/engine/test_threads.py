@@ -105,8 +105,9 @@ def test_experiment_trains_with_the_policy_threads_and_logs_it(digits_data, tmp_
             return plan
 
     before = torch.get_num_threads()
-    exp = td.Experiment(TinyMLP(), ev, td.strategy.GridSearch(), max_trials=4, store=str(tmp_path / "t.db"),
-                        verbose=False, executor=td.engine.InlineExecutor(threads=Recording(threads=1)))
+    exp = td.Experiment(TinyMLP(), ev, td.strategy.GridSearch(), budget=4, store=str(tmp_path / "t.db"),
+                        options=td.RunOptions(verbose=False),
+                        executor=td.engine.InlineExecutor(threads=Recording(threads=1)))
     with caplog.at_level(logging.INFO, logger="tridens"):
         exp.run()
     assert seen and all(p.threads == 1 for p in seen)

@@ -63,8 +63,9 @@ def test_precision_is_recorded_and_shown(data, tmp_path, caplog):
     ev = td.evaluators.Classification(train, val, epochs=1, batch_size=64, optimizer="sgd",
                                       lr=td.choice("lr", [0.1, 0.05]), weight_decay=td.choice("wd", [0.0, 1e-3]),
                                       precision="bf16-mixed")
-    exp = td.Experiment(HpSpace(), ev, td.strategy.GridSearch(), max_trials=4, store=tmp_path / "p.db", name="p",
-                        optimize=Settings().with_batching(mode="force"), verbose=False, seed=3)
+    exp = td.Experiment(HpSpace(), ev, td.strategy.GridSearch(), budget=4, store=tmp_path / "p.db", name="p",
+                        executor=td.executors.Inline(optimize=Settings().with_batching(mode="force")),
+                        options=td.RunOptions(verbose=False, seed=3))
     with caplog.at_level(logging.INFO, logger="tridens"):
         exp.run()
     assert "batched unit of" in caplog.text

@@ -69,13 +69,13 @@ def main() -> None:
     scenario, kind, store = sys.argv[1:4]
     if scenario == "steps":
         evaluator = td.evaluators.FunctionalEvaluator(steps, x=td.choice("x", list(range(8))))
-        td.Experiment(None, evaluator, td.strategy.GridSearch(), max_trials=8, store=store, name="steps",
-                      executor=executor(kind), verbose=False).run()
+        td.Experiment(None, evaluator, td.strategy.GridSearch(), budget=8, store=store, name="steps",
+                      executor=executor(kind), options=td.RunOptions(verbose=False)).run()
     elif scenario.startswith("fill-"):   # fill-<room in bytes>
         evaluator = td.evaluators.FunctionalEvaluator(fills_the_disk, x=td.choice("x", [0, 1, 2, 3]),
                                                       room=int(scenario.split("-")[1]))
-        td.Experiment(Wide(), evaluator, td.strategy.GridSearch(), max_trials=4, store=store, name="fill",
-                      executor=executor(kind), verbose=False).run()
+        td.Experiment(Wide(), evaluator, td.strategy.GridSearch(), budget=4, store=store, name="fill",
+                      executor=executor(kind), options=td.RunOptions(verbose=False)).run()
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def test_a_script_without_a_main_guard_trains_its_dataset_and_space_on_the_pool_
 
 def test_a_lambda_given_to_the_pool_travels_by_value(tmp_path):
     evaluator = td.evaluators.FunctionalEvaluator(lambda x: float(x) * 2, x=td.choice("x", [1, 2]))
-    exp = td.Experiment(None, evaluator, td.strategy.GridSearch(), store=tmp_path / "l.db", name="l", verbose=False,
-                        executor=td.executors.Process(workers=1))
+    exp = td.Experiment(None, evaluator, td.strategy.GridSearch(), store=tmp_path / "l.db", name="l",
+                        options=td.RunOptions(verbose=False), executor=td.executors.Process(workers=1))
     trials = exp.run().trials()
     assert sorted((t.status.value, t.metric) for t in trials) == [("completed", 2.0), ("completed", 4.0)]

@@ -41,8 +41,9 @@ def test_a_ray_run_leaves_nothing_under_storage_and_cleans_what_a_crash_left(loc
     train, val = td.datasets.digits()
     evaluator = td.evaluators.Classification(train=train, val=val, epochs=2, batch_size=128,
                                              lr=td.choice("lr", [0.01, 0.003]))
-    exp = td.Experiment(TinyMLP(), evaluator, td.strategy.GridSearch(), optimize=False, verbose=False,
-                        executor=td.executors.Ray(workers=2, storage=root), store=tmp_path / "t.db", name="hygiene")
+    exp = td.Experiment(TinyMLP(), evaluator, td.strategy.GridSearch(), options=td.RunOptions(verbose=False),
+                        executor=td.executors.Ray(workers=2, storage=root, optimize=False), store=tmp_path / "t.db",
+                        name="hygiene")
     trials = exp.run().trials()
     assert trials and all(t.status is TrialStatus.COMPLETED for t in trials), [t.error for t in trials]
     assert all(t.checkpoint for t in trials)   # the weights are in the store

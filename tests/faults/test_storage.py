@@ -30,8 +30,8 @@ def _removes_the_store(x, db, how):
 def test_a_store_deleted_or_replaced_mid_run_stops_the_run_with_one_line(tmp_path, how):
     db = tmp_path / "t.db"
     evaluator = td.evaluators.FunctionalEvaluator(_removes_the_store, x=td.choice("x", [0, 1, 2, 3]), db=str(db), how=how)
-    exp = td.Experiment(None, evaluator, td.strategy.GridSearch(), max_trials=4, store=str(db), name="gone",
-                        verbose=False)
+    exp = td.Experiment(None, evaluator, td.strategy.GridSearch(), budget=4, store=str(db), name="gone",
+                        options=td.RunOptions(verbose=False))
     with pytest.raises(td.store.StorageFault, match=how) as info:
         exp.run()
     assert "\n" not in str(info.value) and str(db) in str(info.value)

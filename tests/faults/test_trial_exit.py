@@ -17,8 +17,8 @@ def _exits_on_x_2(x):
 
 def _search(db):
     evaluator = td.evaluators.FunctionalEvaluator(_exits_on_x_2, x=td.choice("x", [1, 2, 3, 4]))
-    return td.Experiment(None, evaluator, td.strategy.GridSearch(), max_trials=4, store=str(db), name="exits",
-                         executor=td.executors.Inline(), verbose=False)
+    return td.Experiment(None, evaluator, td.strategy.GridSearch(), budget=4, store=str(db), name="exits",
+                         executor=td.executors.Inline(), options=td.RunOptions(verbose=False))
 
 
 def test_sys_exit_in_an_inline_trial_fails_that_trial_and_resume_does_not_loop(tmp_path):

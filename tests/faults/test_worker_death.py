@@ -38,8 +38,8 @@ class KillWorkersOnce(td.loggers.Callback):
 
 def run(data, store, executor, callbacks=()):
     exp = td.Experiment(Net(), grid_evaluator(data, [2, 3], [0.1, 0.5]), td.strategy.GridSearch(batch_size=16),
-                        store=store, name="tree", seeds="per-architecture", verbose=False, executor=executor,
-                        callbacks=list(callbacks))
+                        store=store, name="tree", options=td.RunOptions(seeds="per-architecture", verbose=False),
+                        executor=executor, callbacks=list(callbacks))
     exp.run()
     return {json.dumps(t.sample, sort_keys=True): t for t in exp.trials()}
 

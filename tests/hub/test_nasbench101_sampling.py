@@ -61,7 +61,8 @@ def test_wirings_are_drawn_uniformly_among_the_valid_ones() -> None:
 def test_searches_train_every_trial_they_propose(tmp_path, strategy) -> None:
     train, val = td.datasets.digits()
     ev = td.evaluators.Classification(Subset(train, range(256)), Subset(val, range(128)), epochs=1, batch_size=64)
-    exp = td.Experiment(_space(), ev, strategy, max_trials=6, store=tmp_path / "nb101.db", name="nb101", verbose=False)
+    exp = td.Experiment(_space(), ev, strategy, budget=6, store=tmp_path / "nb101.db", name="nb101",
+                        options=td.RunOptions(verbose=False))
     exp.run()
     trials = exp.trials()
     # samples that differ only on nodes off every path are one architecture: recorded as duplicates

@@ -243,7 +243,7 @@ def test_stage_tree_of_a_real_grid(tmp_path):
                                              gamma=td.choice("gamma", [0.1, 0.5]))
     db = tmp_path / "tree.db"
     td.Experiment(FixedNet(), evaluator, td.strategy.GridSearch(batch_size=16), store=db, name="tree",
-                  seeds="per-architecture", verbose=False).run()
+                  options=td.RunOptions(seeds="per-architecture", verbose=False)).run()
     client = starlette_testclient.TestClient(create_app(db), base_url="http://localhost")
     tree = client.get("/api/experiments/tree/stages").json()
     stages = tree["stages"]
@@ -276,7 +276,8 @@ def test_a_fused_units_measured_speedup_reaches_the_plan(tmp_path):
     db = tmp_path / "fused.db"
     for name in ("first", "second"):
         td.Experiment(FixedNet(), evaluator, td.strategy.GridSearch(batch_size=16), store=db, name=name,
-                      optimize=Settings().with_batching(mode="auto", override_speedup=3.0), verbose=False).run()
+                      executor=td.executors.Inline(optimize=Settings().with_batching(mode="auto", override_speedup=3.0)),
+                      options=td.RunOptions(verbose=False)).run()
     client = starlette_testclient.TestClient(create_app(db), base_url="http://localhost")
     for name in ("first", "second"):
         plan = client.get(f"/api/experiments/{name}/plan").json()

@@ -11,8 +11,8 @@ def test_trial_page_shows_exploits(browser, tmp_path):  # noqa: F811
     from tridens.dashboard import Server
 
     db = tmp_path / "pbt.db"
-    exp = td.Experiment(MLP(), evaluator(), td.strategy.PBT(population=4, interval=2), max_trials=4, store=db,
-                        name="pbt", verbose=False)
+    exp = td.Experiment(MLP(), evaluator(), td.strategy.PBT(population=4, interval=2), budget=4, store=db, name="pbt",
+                        options=td.RunOptions(verbose=False))
     exp.run()
     member = next(t for t in exp.trials() if t.info.get("exploits"))
     first = member.info["exploits"][0]

@@ -114,8 +114,8 @@ def test_export_optuna_keeps_the_declared_distributions_so_optuna_continues(tmp_
                                              momentum=td.uniform("momentum", 0.5, 0.95))
     space = tiny_search.TinyNet()
     db = tmp_path / "tridens.db"
-    td.Experiment(space, evaluator, td.strategy.Random(), max_trials=3, store=db, name="declared", seed=3,
-                  verbose=False).run()
+    td.Experiment(space, evaluator, td.strategy.Random(), budget=3, store=db, name="declared",
+                  options=td.RunOptions(seed=3, verbose=False)).run()
     url = f"sqlite:///{tmp_path / 'optuna.db'}"
     assert main(["export-optuna", "declared", "--to", url, "--db", str(db)]) == 0
     study = optuna.load_study(study_name="declared", storage=url)
@@ -156,8 +156,8 @@ def test_export_optuna_declared_integer_and_index_choices(tmp_path):
     train, val = td.datasets.digits()
     evaluator = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=256, lr=0.1)
     db = tmp_path / "tridens.db"
-    td.Experiment(Net(), evaluator, td.strategy.Random(), max_trials=2, store=db, name="ints", seed=1,
-                  verbose=False).run()
+    td.Experiment(Net(), evaluator, td.strategy.Random(), budget=2, store=db, name="ints",
+                  options=td.RunOptions(seed=1, verbose=False)).run()
     url = f"sqlite:///{tmp_path / 'optuna.db'}"
     assert main(["export-optuna", "ints", "--to", url, "--db", str(db)]) == 0
     study = optuna.load_study(study_name="ints", storage=url)

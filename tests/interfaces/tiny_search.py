@@ -30,8 +30,8 @@ def experiment(db, trials, callbacks=(), epochs=3, name=NAME):
     train, val = td.datasets.digits()
     evaluator = td.evaluators.Classification(train=train, val=val, epochs=epochs, batch_size=256,
                                              lr=td.choice("lr", [0.01, 0.03, 0.1]))
-    return td.Experiment(TinyNet(), evaluator, td.strategy.Random(), max_trials=trials, store=db, name=name,
-                         seed=5, verbose=False, callbacks=list(callbacks))
+    return td.Experiment(TinyNet(), evaluator, td.strategy.Random(), budget=trials, store=db, name=name,
+                         options=td.RunOptions(seed=5, verbose=False), callbacks=list(callbacks))
 
 
 if __name__ == "__main__":

@@ -49,13 +49,13 @@ def build(db) -> None:
                                              milestones=td.choice("milestones", [[1], [2]]),
                                              gamma=td.choice("gamma", [0.1, 0.5]))
     td.Experiment(FixedNet(), schedules, td.strategy.GridSearch(batch_size=16), store=db, name="stages",
-                  seeds="per-architecture", verbose=False).run()
+                  options=td.RunOptions(seeds="per-architecture", verbose=False)).run()
     asha = td.evaluators.Classification(train, val, epochs=3, batch_size=256, lr=td.choice("lr", [0.01, 0.03, 0.1]))
-    td.Experiment(TinyNet(), asha, td.strategy.ASHA(max_steps=3, reduction_factor=3, batch_size=6), max_trials=6,
-                  store=db, name="asha", seed=3, verbose=False).run()
+    td.Experiment(TinyNet(), asha, td.strategy.ASHA(max_steps=3, reduction_factor=3, batch_size=6), budget=6,
+                  store=db, name="asha", options=td.RunOptions(seed=3, verbose=False)).run()
     oneshot = td.evaluators.Classification(train, val, epochs=3, batch_size=128, optimizer="adam", lr=0.01)
     td.Experiment(TwoOps(), oneshot, td.oneshot.RandomOneShot(samples=4, population=4, retrain=1), store=db,
-                  name="oneshot", verbose=False).run()
+                  name="oneshot", options=td.RunOptions(verbose=False)).run()
     logscale = td.evaluators.Classification(train, val, epochs=2, batch_size=256, lr=td.loguniform("lr", 1e-3, 1.0))
-    td.Experiment(TinyNet(), logscale, td.strategy.Random(), max_trials=40, store=db, name="logscale", seed=2,
-                  verbose=False).run()
+    td.Experiment(TinyNet(), logscale, td.strategy.Random(), budget=40, store=db, name="logscale",
+                  options=td.RunOptions(seed=2, verbose=False)).run()

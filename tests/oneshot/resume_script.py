@@ -15,8 +15,8 @@ def main(db: str, epochs: int) -> None:
     torch.set_num_threads(1)  # the same float results in every process
     train, val = td.datasets.digits()
     evaluator = td.evaluators.Classification(train, val, epochs=1, batch_size=64, optimizer="adam", lr=0.01)
-    td.Experiment(DigitsCNN(), evaluator, td.oneshot.ENAS(samples=4, population=2, retrain=True, epochs=epochs), store=db,
-                  name="resume", verbose=True).run()
+    td.Experiment(DigitsCNN(), evaluator, td.oneshot.ENAS(samples=4, population=2, retrain=True, epochs=epochs),
+                  store=db, name="resume", options=td.RunOptions(verbose=True)).run()
 
 
 if __name__ == "__main__":

@@ -218,7 +218,7 @@ def evaluator(digits_data):
 
 def test_random_one_shot_searches_widths_and_retrains_the_best(tmp_path, evaluator):
     exp = td.Experiment(DigitsAttention(), evaluator, td.oneshot.RandomOneShot(samples=5, population=3, retrain=1),
-                        store=tmp_path / "t.db", name="attention", verbose=False).run()
+                        store=tmp_path / "t.db", name="attention", options=td.RunOptions(verbose=False)).run()
     trials = exp.trials()
     subnets = [t for t in trials if t.info["oneshot"]["role"] == "subnet"]
     [retrained] = [t for t in trials if t.info["oneshot"]["role"] == "retrain"]
@@ -235,7 +235,7 @@ def test_random_one_shot_searches_widths_and_retrains_the_best(tmp_path, evaluat
 
 def test_darts_mixes_widths_and_head_counts(tmp_path, evaluator):
     exp = td.Experiment(DigitsAttention(), evaluator, td.oneshot.DARTS(samples=3, search="random", warmup=0.25),
-                        store=tmp_path / "t.db", name="attention-darts", verbose=False).run()
+                        store=tmp_path / "t.db", name="attention-darts", options=td.RunOptions(verbose=False)).run()
     trials = exp.trials()
     [supernet] = [t for t in trials if t.info["oneshot"]["role"] == "supernet"]
     probs = supernet.info["oneshot"]["probabilities"]
@@ -251,8 +251,8 @@ def test_autoformer_is_searched_one_shot(tmp_path, digits_data):
     space = td.hub.AutoFormer(search_embed_dim=(12, 24), search_mlp_ratio=(2.0, 4.0), search_num_heads=(2, 3),
                               search_depth=(1, 2), img_size=8, patch_size=2, in_chans=1, num_classes=10)
     evaluator = td.evaluators.Classification(*digits_data, epochs=3, batch_size=32, optimizer="adam", lr=0.002)
-    exp = td.Experiment(space, evaluator, td.oneshot.RandomOneShot(samples=4, population=2),
-                        store=tmp_path / "t.db", name="autoformer", verbose=False).run()
+    exp = td.Experiment(space, evaluator, td.oneshot.RandomOneShot(samples=4, population=2), store=tmp_path / "t.db",
+                        name="autoformer", options=td.RunOptions(verbose=False)).run()
     subnets = [t for t in exp.trials() if t.info["oneshot"]["role"] == "subnet"]
     assert len(subnets) == 4 and all(t.status is TrialStatus.COMPLETED for t in subnets)
     assert max(t.metric for t in subnets) > 0.15  # chance is 0.1; a ViT learns slowly on 1,400 digits

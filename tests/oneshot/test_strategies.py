@@ -26,8 +26,8 @@ def evaluator(digits_data):
 
 def test_random_one_shot_stores_architectures_as_trials(tmp_path, evaluator):
     db = tmp_path / "t.db"
-    exp = td.Experiment(DigitsCNN(), evaluator, td.oneshot.RandomOneShot(samples=6, population=4),
-                        store=db, name="spos", verbose=False).run()
+    exp = td.Experiment(DigitsCNN(), evaluator, td.oneshot.RandomOneShot(samples=6, population=4), store=db,
+                        name="spos", options=td.RunOptions(verbose=False)).run()
     trials = exp.trials()
     roles = [_role(t) for t in trials]
     assert roles.count("supernet") == 1 and roles.count("subnet") == 6
@@ -60,7 +60,7 @@ def test_random_one_shot_stores_architectures_as_trials(tmp_path, evaluator):
 
 def test_retrain_trains_the_best_architecture_from_scratch(tmp_path, evaluator):
     exp = td.Experiment(DigitsCNN(), evaluator, td.oneshot.RandomOneShot(samples=3, search="random", retrain=2),
-                        store=tmp_path / "t.db", name="retrain", verbose=False).run()
+                        store=tmp_path / "t.db", name="retrain", options=td.RunOptions(verbose=False)).run()
     trials = exp.trials()
     # ranked by accuracy, ties broken by the lower validation loss
     subnets = sorted((t for t in trials if _role(t) == "subnet"), key=lambda t: (-t.metric, t.metrics["val_loss"][-1], t.id))
@@ -119,8 +119,8 @@ def test_a_fair_step_trains_every_candidate_on_its_paths_and_a_plain_step_one(di
 
 
 def test_darts_moves_architecture_weights_towards_the_better_op(tmp_path, evaluator):
-    exp = td.Experiment(ToyChoice(), evaluator, td.oneshot.DARTS(arch_lr=0.05, samples=2),
-                        store=tmp_path / "t.db", name="darts", verbose=False).run()
+    exp = td.Experiment(ToyChoice(), evaluator, td.oneshot.DARTS(arch_lr=0.05, samples=2), store=tmp_path / "t.db",
+                        name="darts", options=td.RunOptions(verbose=False)).run()
     supernet = next(t for t in exp.trials() if _role(t) == "supernet")
     p_linear, p_zero = supernet.info["oneshot"]["probabilities"]["op"]
     assert p_linear > 0.6 > p_zero  # started at ~0.5 each
@@ -156,7 +156,7 @@ def test_darts_warmup_trains_the_weights_only_then_the_architecture(digits_data,
 
 def test_darts_second_order_also_prefers_the_better_op(tmp_path, evaluator):
     exp = td.Experiment(ToyChoice(), evaluator, td.oneshot.DARTS(arch_lr=0.05, samples=2, second_order=True),
-                        store=tmp_path / "t.db", name="darts2", verbose=False).run()
+                        store=tmp_path / "t.db", name="darts2", options=td.RunOptions(verbose=False)).run()
     supernet = next(t for t in exp.trials() if _role(t) == "supernet")
     p_linear, p_zero = supernet.info["oneshot"]["probabilities"]["op"]
     assert p_linear > 0.6 > p_zero
@@ -164,7 +164,7 @@ def test_darts_second_order_also_prefers_the_better_op(tmp_path, evaluator):
 
 def test_gumbel_darts_learns_and_samples_are_one_hot_at_low_temperature(tmp_path, evaluator):
     exp = td.Experiment(ToyChoice(), evaluator, td.oneshot.GumbelDARTS(arch_lr=0.05, samples=2),
-                        store=tmp_path / "t.db", name="gdas", verbose=False).run()
+                        store=tmp_path / "t.db", name="gdas", options=td.RunOptions(verbose=False)).run()
     supernet = next(t for t in exp.trials() if _role(t) == "supernet")
     p_linear, p_zero = supernet.info["oneshot"]["probabilities"]["op"]
     assert p_linear > p_zero
@@ -199,8 +199,8 @@ def test_enas_controller_raises_the_probability_of_the_rewarded_choice():
 
 
 def test_enas_runs_in_an_experiment(tmp_path, evaluator):
-    exp = td.Experiment(DigitsCNN(), evaluator, td.oneshot.ENAS(samples=3, population=2),
-                        store=tmp_path / "t.db", name="enas", verbose=False).run()
+    exp = td.Experiment(DigitsCNN(), evaluator, td.oneshot.ENAS(samples=3, population=2), store=tmp_path / "t.db",
+                        name="enas", options=td.RunOptions(verbose=False)).run()
     trials = exp.trials()
     supernet = next(t for t in trials if _role(t) == "supernet")
     greedy = supernet.info["oneshot"]["greedy"]
@@ -218,20 +218,21 @@ def test_enas_runs_in_an_experiment(tmp_path, evaluator):
 ])
 def test_bad_parameters_are_named(tmp_path, evaluator, strategy, message):
     with pytest.raises(ValueError, match=message):
-        td.Experiment(DigitsCNN(), evaluator, strategy, store=tmp_path / "t.db", verbose=False).run()
+        td.Experiment(DigitsCNN(), evaluator, strategy, store=tmp_path / "t.db", options=td.RunOptions(verbose=False)).run()
 
 
 def test_a_user_loop_evaluator_is_refused(tmp_path):
     ev = td.evaluators.FunctionalEvaluator(lambda model: 0.5)
     with pytest.raises(ValueError, match="declarative evaluator"):
-        td.Experiment(DigitsCNN(), ev, td.oneshot.DARTS(), store=tmp_path / "t.db", verbose=False).run()
+        td.Experiment(DigitsCNN(), ev, td.oneshot.DARTS(), store=tmp_path / "t.db",
+                      options=td.RunOptions(verbose=False)).run()
 
 
 def test_experiment_options_a_one_shot_search_does_not_apply_are_named(tmp_path, evaluator, caplog):
     caplog.set_level("WARNING", logger="tridens")
-    td.Experiment(DigitsCNN(), evaluator, td.oneshot.RandomOneShot(samples=2, population=2),
-                  store=tmp_path / "t.db", verbose=False, max_duration=600, executor=td.executors.Process(),
-                  trial_timeout=60).run()
+    td.Experiment(DigitsCNN(), evaluator, td.oneshot.RandomOneShot(samples=2, population=2), store=tmp_path / "t.db",
+                  options=td.RunOptions(verbose=False), budget=td.Budget(max_duration=600, trial_timeout=60),
+                  executor=td.executors.Process()).run()
     ignored = [r.getMessage() for r in caplog.records if "is not applied to a one-shot search" in r.getMessage()]
     assert [m.split("=")[0] for m in ignored] == ["one-shot: max_duration", "one-shot: executor", "one-shot: trial_timeout"]
 
@@ -244,7 +245,7 @@ def test_retrained_models_rank_first_and_say_so(tmp_path, evaluator, capsys, mon
 
     db = tmp_path / "t.db"
     exp = td.Experiment(DigitsCNN(), evaluator, td.oneshot.RandomOneShot(samples=4, search="random", retrain=1),
-                        store=db, name="roles", verbose=False).run()
+                        store=db, name="roles", options=td.RunOptions(verbose=False)).run()
     top = exp.top(5)
     assert [t.role for t in top] == ["retrained"] + ["supernet-scored"] * 4
     assert exp.best().role == "retrained"

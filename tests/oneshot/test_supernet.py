@@ -236,5 +236,6 @@ def test_experiment_with_an_unsupported_space_fails_before_writing(tmp_path, dig
     train, val = digits_data
     ev = td.evaluators.Classification(train, val, epochs=1)
     with pytest.raises(td.InvalidSpace, match="'act'"):
-        td.Experiment(StringChoice(), ev, td.oneshot.RandomOneShot(), store=tmp_path / "t.db", verbose=False).run()
+        td.Experiment(StringChoice(), ev, td.oneshot.RandomOneShot(), store=tmp_path / "t.db",
+                      options=td.RunOptions(verbose=False)).run()
     assert not (tmp_path / "t.db").exists()

@@ -76,8 +76,8 @@ def _diverges(w):
 def test_a_function_returning_infinity_fails_and_does_not_rank(tmp_path):
     evaluator = td.evaluators.FunctionalEvaluator(_diverges, w=td.choice("w", [0, 1, 2, 3]))
     for mode in ("max", "min"):
-        exp = td.Experiment(None, evaluator, "grid", max_trials=4, store=tmp_path / f"{mode}.db", name="e",
-                            objective=td.Objective("value", mode), verbose=False)
+        exp = td.Experiment(None, evaluator, "grid", budget=4, store=tmp_path / f"{mode}.db", name="e",
+                            objective=td.Objective("value", mode), options=td.RunOptions(verbose=False))
         exp.run()
         by_w = {t.sample["w"]: t for t in exp.trials()}
         assert by_w[1].status is TrialStatus.FAILED and "inf" in by_w[1].error and "finite" in by_w[1].error

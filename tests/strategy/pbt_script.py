@@ -41,5 +41,6 @@ if __name__ == "__main__":
     executor = {"process": lambda: td.executors.Process(workers=2),
                 "ray": lambda: td.executors.Ray(workers=2, storage=db + ".ray"),
                 "inline": td.executors.Inline}[kind]()
-    td.Experiment(MLP(), evaluator(), td.strategy.PBT(population=4, interval=2), max_trials=8, seed=3, store=db,
-                  name="pbt", verbose=False, callbacks=[Pause(pause)], executor=executor).run()
+    td.Experiment(MLP(), evaluator(), td.strategy.PBT(population=4, interval=2), budget=8,
+                  options=td.RunOptions(seed=3, verbose=False), store=db, name="pbt", callbacks=[Pause(pause)],
+                  executor=executor).run()

@@ -18,5 +18,5 @@ if __name__ == "__main__":
     db, PAUSE = sys.argv[1], float(sys.argv[2])
     evaluator = td.evaluators.FunctionalEvaluator(score, x=td.choice("x", list(range(1000))),
                                                   y=td.uniform("y", 0.0, 1.0))
-    td.Experiment(None, evaluator, td.strategy.Random(batch_size=4), max_trials=16, seed=5, store=db,
-                  name="sequence", verbose=False).run()
+    td.Experiment(None, evaluator, td.strategy.Random(batch_size=4), budget=16,
+                  options=td.RunOptions(seed=5, verbose=False), store=db, name="sequence").run()

@@ -55,7 +55,8 @@ def test_children_start_from_the_parents_trained_shared_layers_exactly(tmp_path)
     space = Net()
     ev = td.evaluators.FunctionalEvaluator(train_briefly, lr=td.choice("lr", [0.02, 0.05]))
     strategy = RegularizedEvolution(population=3, sample_size=2, batch_size=3, mutation_prob=0.4, inherit_weights=True)
-    exp = td.Experiment(space, ev, strategy, max_trials=12, store=tmp_path / "t.db", name="inh", seed=3, verbose=False)
+    exp = td.Experiment(space, ev, strategy, budget=12, store=tmp_path / "t.db", name="inh",
+                        options=td.RunOptions(seed=3, verbose=False))
     exp.run()
     trials = {t.id: t for t in exp.trials()}
     children = [t for t in trials.values() if t.parent is not None]
@@ -107,8 +108,8 @@ def test_off_by_default_groups_name_no_parents(tmp_path):
 def test_engine_without_inheritance_records_no_parent(tmp_path):
     space = Net()
     ev = td.evaluators.FunctionalEvaluator(train_briefly, lr=td.choice("lr", [0.02, 0.05]))
-    exp = td.Experiment(space, ev, RegularizedEvolution(population=2, sample_size=2, batch_size=2),
-                        max_trials=4, store=tmp_path / "o.db", name="off", verbose=False)
+    exp = td.Experiment(space, ev, RegularizedEvolution(population=2, sample_size=2, batch_size=2), budget=4,
+                        store=tmp_path / "o.db", name="off", options=td.RunOptions(verbose=False))
     exp.run()
     assert all(t.parent is None and "inherit" not in t.info for t in exp.trials())
 

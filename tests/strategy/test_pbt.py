@@ -45,8 +45,9 @@ def lineage_metrics(trials: dict[int, Trial], trial: Trial, metric: str = "val_a
 @pytest.mark.parametrize("optimize", [True, False], ids=["fused", "separate"])
 def test_exploits_are_recorded_and_replay_alone(tmp_path, ev, optimize):
     db = tmp_path / "pbt.db"
-    exp = td.Experiment(MLP(), ev, td.strategy.PBT(population=6, interval=2), max_trials=6, seed=0, store=db,
-                        name="pbt", verbose=False, optimize=optimize)
+    exp = td.Experiment(MLP(), ev, td.strategy.PBT(population=6, interval=2), budget=6,
+                        options=td.RunOptions(seed=0, verbose=False), store=db, name="pbt",
+                        executor=td.executors.Inline(optimize=optimize))
     exp.run()
     if optimize:  # the population started as one vectorized unit
         assert {t.info["unit"]["kind"] for t in exp.trials()} == {"batched"}
@@ -92,7 +93,7 @@ def test_refused_at_start_where_members_cannot_fork(tmp_path, ev):
     strategy = td.strategy.PBT(population=2)
     with pytest.raises(ValueError, match="PBT forks running trials .* declarative evaluator"):
         td.Experiment(None, td.evaluators.FunctionalEvaluator(lambda x: x, x=td.uniform("x", 0, 1)), strategy,
-                      store=tmp_path / "b.db", verbose=False).run()
+                      store=tmp_path / "b.db", options=td.RunOptions(verbose=False)).run()
 
 
 def _trials(db):

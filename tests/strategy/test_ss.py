@@ -150,8 +150,9 @@ def test_real_experiment_stops_trials_inside_fused_units(tmp_path, strategy) -> 
     runs = {}
     for optimize in (True, False):
         torch.manual_seed(0)
-        exp = td.Experiment(LrMLP(), ev, strategy(), max_trials=8, store=tmp_path / f"{optimize}.db",
-                            name="ss", optimize=optimize, verbose=False, seed=3).run()
+        exp = td.Experiment(LrMLP(), ev, strategy(), budget=8, store=tmp_path / f"{optimize}.db", name="ss",
+                            executor=td.executors.Inline(optimize=optimize),
+                            options=td.RunOptions(verbose=False, seed=3)).run()
         runs[optimize] = {t.id: t for t in exp.trials()}
     fused, separate = runs[True], runs[False]
     assert any(t.status is TrialStatus.STOPPED for t in fused.values())

@@ -24,8 +24,8 @@ def _initial_group(tmp_path, digits_data, warm_start):
     train, val = digits_data
     ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=128, optimizer="adam", lr=0.01)
     strategy = td.strategy.RegularizedEvolution(population=4, sample_size=2, batch_size=1)
-    exp = td.Experiment(DigitsMLP(), ev, strategy, max_trials=4, store=tmp_path / "w.db", name="w",
-                        warm_start=warm_start, verbose=False)
+    exp = td.Experiment(DigitsMLP(), ev, strategy, budget=4, store=tmp_path / "w.db", name="w",
+                        options=td.RunOptions(warm_start=warm_start, verbose=False))
     exp.run()
     return [t for t in exp.trials() if t.status is td.TrialStatus.COMPLETED]
 

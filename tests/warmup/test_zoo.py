@@ -132,7 +132,8 @@ def test_non_store_path_is_a_clear_error(tmp_path):
     with pytest.raises(ZooError, match="directory"):
         Zoo(tmp_path)
     ev = td.evaluators.FunctionalEvaluator(lambda m: 0.5)
-    exp = td.Experiment(DigitsMLP(), ev, max_trials=1, store=tmp_path / "s.db", warm_start=str(bogus), verbose=False)
+    exp = td.Experiment(DigitsMLP(), ev, budget=1, store=tmp_path / "s.db",
+                        options=td.RunOptions(warm_start=str(bogus), verbose=False))
     with pytest.raises(ZooError):
         exp.run()
 
@@ -142,8 +143,8 @@ def test_experiment_warm_start_on_digits(tmp_path, digits_data, caplog, capsys):
     ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=128, optimizer="adam", lr=0.01)
     store = tmp_path / "t.db"
     strategy = td.strategy.RegularizedEvolution(population=2, sample_size=2, batch_size=1, mutation_prob=0.5)
-    exp = td.Experiment(DigitsMLP(), ev, strategy, max_trials=5, store=store, name="warm", warm_start=True,
-                        verbose=False)
+    exp = td.Experiment(DigitsMLP(), ev, strategy, budget=5, store=store, name="warm",
+                        options=td.RunOptions(warm_start=True, verbose=False))
     with caplog.at_level(logging.INFO, logger="tridens"):
         exp.run()
     trials = [t for t in exp.trials() if t.status is td.TrialStatus.COMPLETED]
@@ -173,8 +174,8 @@ def test_experiment_warm_start_on_digits(tmp_path, digits_data, caplog, capsys):
     # a second experiment sharing the zoo starts warm from the first one's trials; the line printed
     # per trial (the live view's text when the output is not a terminal) names experiment and number
     capsys.readouterr()
-    exp2 = td.Experiment(DigitsMLP(), ev, "random", max_trials=1, store=store, name="second", warm_start=zoo,
-                         seed=3)
+    exp2 = td.Experiment(DigitsMLP(), ev, "random", budget=1, store=store, name="second",
+                         options=td.RunOptions(warm_start=zoo, seed=3))
     exp2.run()
     t2 = exp2.trials()[0]
     assert t2.info["warm_start"]["parent"] in ids and t2.parent in ids
@@ -185,7 +186,8 @@ def test_add_experiment_imports_finished_trials(tmp_path, digits_data):
     train, val = digits_data
     ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=256, optimizer="adam", lr=0.01)
     store = tmp_path / "cold.db"
-    exp = td.Experiment(DigitsMLP(), ev, "random", max_trials=2, store=store, name="cold", verbose=False)
+    exp = td.Experiment(DigitsMLP(), ev, "random", budget=2, store=store, name="cold",
+                        options=td.RunOptions(verbose=False))
     exp.run()
     zoo = Zoo(store)
     assert len(zoo) == 0  # ran without warm start
@@ -207,8 +209,8 @@ def test_experiment_bad_inputs_never_crash(tmp_path, caplog):
     # an opaque model: no warm start, a logged reason, the trial still runs
     with caplog.at_level(logging.INFO, logger="tridens"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        td.Experiment(OpaqueMLP(), ev, "random", max_trials=1, store=store, name="opaque", warm_start=zoo,
-                      verbose=False).run()
+        td.Experiment(OpaqueMLP(), ev, "random", budget=1, store=store, name="opaque",
+                      options=td.RunOptions(warm_start=zoo, verbose=False)).run()
     t = td.Experiment.load(store, "opaque").trials()[0]
     assert t.status is td.TrialStatus.COMPLETED and t.parent is None
     assert "opaque" in t.info["warm_start"]["reason"] and "opaque" in caplog.text
@@ -216,7 +218,7 @@ def test_experiment_bad_inputs_never_crash(tmp_path, caplog):
     # a zoo entry whose weights no longer load: a warning, a cold start, the trial still runs
     (zoo.dir / f"{e.id}.pt").write_bytes(b"\x00garbage")
     with pytest.warns(ZooWarning):
-        td.Experiment(DigitsMLP(), ev, "random", max_trials=1, store=store, name="corrupt", warm_start=True,
-                      verbose=False).run()
+        td.Experiment(DigitsMLP(), ev, "random", budget=1, store=store, name="corrupt",
+                      options=td.RunOptions(warm_start=True, verbose=False)).run()
     t = td.Experiment.load(store, "corrupt").trials()[0]
     assert t.status is td.TrialStatus.COMPLETED and t.info["warm_start"]["parent"] is None

@@ -35,8 +35,8 @@ def main(store: str) -> None:
     train, val = td.datasets.digits()
     ev = td.evaluators.Classification(train, val, epochs=1, batch_size=32, optimizer="adam",
                                       lr=td.choice("lr", [1e-3, 3e-3, 1e-2, 3e-2]))
-    exp = td.Experiment(Net(), ev, td.strategy.GridSearch(), max_trials=8, store=store, name="cache",
-                        verbose=False, seed=1)
+    exp = td.Experiment(Net(), ev, td.strategy.GridSearch(), budget=8, store=store, name="cache",
+                        options=td.RunOptions(verbose=False, seed=1))
     exp.run()
     print(json.dumps({json.dumps(t.sample, sort_keys=True): t.metrics["val_acc"][-1] for t in exp.trials()}))
 

@@ -57,4 +57,4 @@ if __name__ == "__main__":
     executor = td.executors.Process(workers=2) if sys.argv[3:] == ["process"] else td.executors.Inline()
     evaluator = grid_evaluator(td.datasets.digits(), [2, 4], [0.1, 0.5], transforms=counted)
     td.Experiment(Net(), evaluator, td.strategy.GridSearch(batch_size=16), store=STORE, name="tree",
-                  seeds="per-architecture", verbose=False, executor=executor).run()
+                  options=td.RunOptions(seeds="per-architecture", verbose=False), executor=executor).run()

@@ -376,8 +376,9 @@ def test_experiment_auto_equals_separate(data, tmp_path):
                                       lr=td.choice("lr", [0.1, 0.05, 0.02]))
     results = {}
     for optimize in (False, True):
-        exp = td.Experiment(HpSpace(), ev, td.strategy.GridSearch(), max_trials=6, store=tmp_path / f"{optimize}.db",
-                            name="hp", optimize=optimize, verbose=False, seed=3)
+        exp = td.Experiment(HpSpace(), ev, td.strategy.GridSearch(), budget=6, store=tmp_path / f"{optimize}.db",
+                            name="hp", executor=td.executors.Inline(optimize=optimize),
+                            options=td.RunOptions(verbose=False, seed=3))
         exp.run()
         results[optimize] = {json_key(t.sample): t for t in exp.trials()}
     assert_same_trials(results[False], results[True], 6)
@@ -419,9 +420,11 @@ def test_adaptive_units_on_ray(monkeypatch, data, tmp_path, caplog):
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
         runs = []
-        for kind, executor in (("inline", td.executors.Inline()), ("ray", td.executors.Ray(workers=1))):
-            exp = td.Experiment(TinyMLP(), ev, td.strategy.GridSearch(), max_trials=4, seed=5, verbose=False,
-                                store=tmp_path / f"{kind}.db", name="adaptive", executor=executor, optimize=settings)
+        for kind, executor in (("inline", td.executors.Inline(optimize=settings)),
+                               ("ray", td.executors.Ray(workers=1, optimize=settings))):
+            exp = td.Experiment(TinyMLP(), ev, td.strategy.GridSearch(), budget=4,
+                                options=td.RunOptions(seed=5, verbose=False), store=tmp_path / f"{kind}.db",
+                                name="adaptive", executor=executor)
             with caplog.at_level(logging.INFO, logger="tridens"):
                 runs.append(exp.run().trials())
     finally:

@@ -411,8 +411,9 @@ def test_experiment_optimize_true_equals_false(data, force, tmp_path, caplog):
                                       weight_decay=td.choice("wd", [0.0, 1e-3]))
     results = {}
     for optimize in (False, True):
-        exp = td.Experiment(HpSpace(), ev, td.strategy.GridSearch(), max_trials=12, store=tmp_path / f"{optimize}.db",
-                            name="hp", optimize=force if optimize else False, verbose=False, seed=3)
+        exp = td.Experiment(HpSpace(), ev, td.strategy.GridSearch(), budget=12, store=tmp_path / f"{optimize}.db",
+                            name="hp", executor=td.executors.Inline(optimize=force if optimize else False),
+                            options=td.RunOptions(verbose=False, seed=3))
         with caplog.at_level(logging.INFO, logger="tridens"):
             exp.run()
         results[optimize] = {json_key(t.sample): t for t in exp.trials()}

@@ -434,9 +434,9 @@ class SmallSpace(tnn.ModelSpace):
         return self.head(self.drop(x.flatten(1)))
 
 
-def _experiment(tmp_path, name, space, ev, strategy, optimize, **kw):
-    exp = td.Experiment(space, ev, strategy, store=tmp_path / "t.db", name=name, optimize=optimize,
-                        verbose=False, **kw)
+def _experiment(tmp_path, name, space, ev, strategy, optimize, max_trials=None):
+    exp = td.Experiment(space, ev, strategy, store=tmp_path / "t.db", name=name, budget=max_trials,
+                        executor=td.executors.Inline(optimize=optimize), options=td.RunOptions(verbose=False))
     trials = exp.run().trials()
     first = min(t.id for t in trials)
     return {t.id - first: t for t in trials}

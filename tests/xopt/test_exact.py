@@ -186,8 +186,9 @@ def test_adamw_experiment_fused_twice_and_separate_give_the_same_trials(data, tm
     force = td.xopt.Settings().with_batching(mode="force")
     runs = []
     for i, optimize in enumerate((force, False, force)):
-        exp = td.Experiment(BnCnnSpace(), ev, td.strategy.GridSearch(), max_trials=8, store=tmp_path / f"{i}.db",
-                            name="adamw", optimize=optimize, verbose=False, seed=3)
+        exp = td.Experiment(BnCnnSpace(), ev, td.strategy.GridSearch(), budget=8, store=tmp_path / f"{i}.db",
+                            name="adamw", executor=td.executors.Inline(optimize=optimize),
+                            options=td.RunOptions(verbose=False, seed=3))
         exp.run()
         runs.append({tuple(sorted(t.sample.items())): (t.seed, t.metrics) for t in exp.trials()})
         if optimize:

@@ -60,8 +60,9 @@ def test_one_bound_resolved_in_order(monkeypatch):
 def test_experiment_validates_max_unit_memory(data, tmp_path):
     train, val = data
     ev = td.evaluators.Classification(train, val, epochs=1, batch_size=64, lr=0.05)
-    exp = td.Experiment(HpSpace(), ev, td.strategy.GridSearch(), max_trials=2, store=tmp_path / "x.db",
-                        max_unit_memory="two gigs", verbose=False)
+    exp = td.Experiment(HpSpace(), ev, td.strategy.GridSearch(), budget=2, store=tmp_path / "x.db",
+                        executor=td.executors.Inline(max_unit_memory="two gigs"),
+                        options=td.RunOptions(verbose=False))
     with pytest.raises(ValueError, match=r"The 'max_unit_memory' parameter of Experiment .* Got 'two gigs' instead"):
         exp.run()
 
@@ -80,12 +81,13 @@ class HpSpace(tnn.ModelSpace):
         return self.body(x)
 
 
-def _experiment(data, tmp_path, name, optimize, **kw):
+def _experiment(data, tmp_path, name, optimize, max_unit_memory=None):
     train, val = data
     ev = td.evaluators.Classification(train, val, epochs=2, batch_size=64, optimizer="sgd",
                                       lr=td.choice("lr", [0.1, 0.03]))
-    exp = td.Experiment(HpSpace(), ev, td.strategy.GridSearch(), max_trials=8, store=tmp_path / f"{name}.db",
-                        name=name, optimize=optimize, verbose=False, seed=5, **kw)
+    exp = td.Experiment(HpSpace(), ev, td.strategy.GridSearch(), budget=8, store=tmp_path / f"{name}.db", name=name,
+                        executor=td.executors.Inline(optimize=optimize, max_unit_memory=max_unit_memory),
+                        options=td.RunOptions(verbose=False, seed=5))
     exp.run()
     return {tuple(sorted(t.sample.items())): t for t in exp.trials()}
 

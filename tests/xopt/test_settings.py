@@ -63,7 +63,7 @@ def test_experiments_in_one_process_plan_with_their_own_settings(tmp_path, caplo
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="tridens"):
             td.Experiment(Mlp(), ev, td.strategy.GridSearch(), store=tmp_path / f"{name}.db", name=name,
-                          optimize=optimize, verbose=False).run()
+                          executor=td.executors.Inline(optimize=optimize), options=td.RunOptions(verbose=False)).run()
         return caplog.text
 
     assert "batched unit of 2" in run("forced", Settings().with_batching(mode="force"))
@@ -71,4 +71,5 @@ def test_experiments_in_one_process_plan_with_their_own_settings(tmp_path, caplo
     monkeypatch.setenv("TRIDENS_BATCHING", "force")
     assert "batched unit of 2" in run("environment", True)
     with pytest.raises(ValueError, match="'optimize' parameter of Experiment"):
-        td.Experiment(Mlp(), ev, store=tmp_path / "bad.db", optimize="fast", verbose=False).run()
+        td.Experiment(Mlp(), ev, store=tmp_path / "bad.db", executor=td.executors.Inline(optimize="fast"),
+                      options=td.RunOptions(verbose=False)).run()

@@ -33,9 +33,11 @@ def data():
     return td.datasets.digits()
 
 
-def run(data, store, name, epochs, gammas, **kw):
-    exp = td.Experiment(Net(), grid_evaluator(data, epochs, gammas, kw.pop("lr", 0.05)), td.strategy.GridSearch(batch_size=16),
-                        store=store, name=name, seeds="per-architecture", verbose=False, **kw)
+def run(data, store, name, epochs, gammas, lr=0.05, stage_policy=None, optimize=None):
+    exp = td.Experiment(Net(), grid_evaluator(data, epochs, gammas, lr),
+                        td.strategy.GridSearch(batch_size=16), store=store, name=name,
+                        executor=td.executors.Inline(optimize=optimize),
+                        options=td.RunOptions(seeds="per-architecture", verbose=False, stage_policy=stage_policy))
     exp.run()
     return {json.dumps(t.sample, sort_keys=True): t for t in exp.trials()}
 
@@ -120,7 +122,7 @@ def test_reuse_within_the_experiment_only_when_asked(data, tmp_path):
     assert not any("stage_store" in t.info for t in second.values())
     with pytest.raises(ValueError, match="'reuse' parameter of StagePolicy"):
         td.Experiment(Net(), grid_evaluator(data, [2], [0.1]), store=tmp_path / "x.db",
-                      stage_policy=StagePolicy(reuse="everywhere")).run()
+                      options=td.RunOptions(stage_policy=StagePolicy(reuse="everywhere"))).run()
 
 
 def stage_files(store: Path) -> list[Path]:
@@ -194,8 +196,8 @@ def test_a_nan_branch_is_recorded_failed_and_its_parent_and_siblings_are_untouch
     store = tmp_path / "nan.db"
     ev = td.evaluators.Classification(train, val, batch_size=128, lr=0.05, schedule="step", epochs=3, milestones=[1],
                                       gamma=td.choice("gamma", [0.1, 0.5, 1e32]), data_seed=0)
-    exp = td.Experiment(Net(), ev, td.strategy.GridSearch(), store=store, name="nan", seeds="per-architecture", verbose=False,
-                        executor=executor_of(kind))
+    exp = td.Experiment(Net(), ev, td.strategy.GridSearch(), store=store, name="nan",
+                        options=td.RunOptions(seeds="per-architecture", verbose=False), executor=executor_of(kind))
     exp.run()
     trials = {t.sample["gamma"]: t for t in exp.trials()}
     assert trials[1e32].status is TrialStatus.FAILED and "NonFiniteLoss" in trials[1e32].error
@@ -203,7 +205,8 @@ def test_a_nan_branch_is_recorded_failed_and_its_parent_and_siblings_are_untouch
     ev_alone = td.evaluators.Classification(train, val, batch_size=128, lr=0.05, schedule="step", epochs=3, milestones=[1],
                                             gamma=td.choice("gamma", [0.1, 0.5]), data_seed=0)
     alone = td.Experiment(Net(), ev_alone, td.strategy.GridSearch(), store=tmp_path / "alone.db", name="nan",
-                          seeds="per-architecture", verbose=False, optimize=False)
+                          options=td.RunOptions(seeds="per-architecture", verbose=False),
+                          executor=td.executors.Inline(optimize=False))
     alone.run()
     for t in alone.trials():
         assert trials[t.sample["gamma"]].metrics == t.metrics     # siblings as if the NaN branch never was
@@ -216,10 +219,11 @@ def test_a_nan_branch_is_recorded_failed_and_its_parent_and_siblings_are_untouch
     assert parent.status == "done" and parent.epochs == (0, 1) and trials[1e32].id in parent.trials
     assert sorted(parent.trials) == sorted(t.id for t in trials.values())
     # a later run never starts from a failed stage
-    again = td.Experiment(Net(), td.evaluators.Classification(train, val, batch_size=128, lr=0.05, schedule="step", epochs=3,
+    again = td.Experiment(Net(),
+                          td.evaluators.Classification(train, val, batch_size=128, lr=0.05, schedule="step", epochs=3,
                                                               milestones=[1], gamma=1e32, data_seed=0),
-                          td.strategy.GridSearch(), store=store, name="nan-again", seeds="per-architecture", verbose=False,
-                          executor=executor_of(kind))
+                          td.strategy.GridSearch(), store=store, name="nan-again",
+                          options=td.RunOptions(seeds="per-architecture", verbose=False), executor=executor_of(kind))
     with pytest.raises(ExperimentFailed):
         again.run()
     assert again.trials()[0].info["stage_store"]["epochs"] == 1

@@ -140,8 +140,9 @@ def test_experiment_with_per_architecture_seeds_shares_prefixes_across_groups(da
                                       milestones=td.choice("milestones", [[1], [2]]), gamma=td.choice("gamma", [0.1, 0.5]))
     runs = {}
     for optimize in (True, False):
-        exp = td.Experiment(Net(), ev, td.strategy.GridSearch(batch_size=4), store=tmp_path / f"{optimize}.db", name="grid",
-                            seeds="per-architecture", optimize=optimize, verbose=False)
+        exp = td.Experiment(Net(), ev, td.strategy.GridSearch(batch_size=4), store=tmp_path / f"{optimize}.db",
+                            name="grid", options=td.RunOptions(seeds="per-architecture", verbose=False),
+                            executor=td.executors.Inline(optimize=optimize))
         exp.run()
         runs[optimize] = {json.dumps(t.sample, sort_keys=True): t for t in exp.trials()}
     assert len(runs[True]) == 16 and runs[True].keys() == runs[False].keys()
@@ -166,7 +167,7 @@ def test_experiment_with_per_architecture_seeds_shares_prefixes_across_groups(da
     shown = console.export_text()
     assert "from epoch 0: node" in shown and "shared with #" in shown
     with pytest.raises(ValueError, match="'seeds' parameter of Experiment"):
-        td.Experiment(Net(), ev, seeds="shared", store=tmp_path / "bad.db").run()
+        td.Experiment(Net(), ev, options=td.RunOptions(seeds="shared"), store=tmp_path / "bad.db").run()
     assert math.isfinite(max(t.metric for t in runs[True].values()))
 
 

@@ -47,8 +47,9 @@ def test_tuple_inputs_train_under_the_planner_as_alone(tmp_path) -> None:
                                       lr=0.1)
     results = {}
     for optimize in (False, True):
-        exp = td.Experiment(TwoHalves(), ev, td.strategy.GridSearch(), max_trials=2, store=tmp_path / f"{optimize}.db",
-                            name="halves", optimize=optimize, verbose=False, seed=1)
+        exp = td.Experiment(TwoHalves(), ev, td.strategy.GridSearch(), budget=2, store=tmp_path / f"{optimize}.db",
+                            name="halves", executor=td.executors.Inline(optimize=optimize),
+                            options=td.RunOptions(verbose=False, seed=1))
         exp.run()
         results[optimize] = {t.sample["width"]: t for t in exp.trials()}
     assert sorted(results[True]) == [16, 32]

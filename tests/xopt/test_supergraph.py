@@ -368,8 +368,9 @@ def test_engine_merges_children_and_checkpoints_each(tmp_path):
                                                 inherit_weights=True)
     runs = {}
     for optimize in (True, False):
-        exp = td.Experiment(Net(), ev, strategy, max_trials=11, store=tmp_path / f"{optimize}.db", name="sg",
-                            seed=1, optimize=optimize, verbose=False)
+        exp = td.Experiment(Net(), ev, strategy, budget=11, store=tmp_path / f"{optimize}.db", name="sg",
+                            options=td.RunOptions(seed=1, verbose=False),
+                            executor=td.executors.Inline(optimize=optimize))
         exp.run()
         runs[optimize] = exp.trials()
     merged = [t for t in runs[True] if "merged" in t.info.get("inherit", {})]

@@ -136,9 +136,10 @@ def test_experiment_over_an_activation_choice_fuses_and_equals_optimize_false(da
     results = {}
     for optimize in (False, True):
         force = td.xopt.Settings().with_batching(mode="force")
-        exp = td.Experiment(ActivationSpace(), ev, td.strategy.GridSearch(), max_trials=6,
-                            store=tmp_path / f"{optimize}.db", name="act", optimize=force if optimize else False,
-                            verbose=False, seed=5)
+        exp = td.Experiment(ActivationSpace(), ev, td.strategy.GridSearch(), budget=6,
+                            store=tmp_path / f"{optimize}.db", name="act",
+                            executor=td.executors.Inline(optimize=force if optimize else False),
+                            options=td.RunOptions(verbose=False, seed=5))
         with caplog.at_level(logging.INFO, logger="tridens"):
             exp.run()
         results[optimize] = {json_key(t.sample): t for t in exp.trials()}

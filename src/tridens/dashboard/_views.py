@@ -122,7 +122,7 @@ def pareto(reader: StoreReader, name: str) -> dict[str, Any]:
     record = reader.experiment(name)
     second = record.get("second_objective")
     if not second:
-        return {"message": "this experiment has no second objective (Experiment(second_objective=...))"}
+        return {"message": "this experiment has no second objective (td.RunOptions(second_objective=...))"}
     study, points = _study(reader, name, (second[0], second[1]))
     on_front = {t.user_attrs["tridens_trial_id"] for t in study.best_trials}
     return {"objective": record["objective"], "second_objective": {"metric": second[0], "mode": second[1]},

@@ -12,7 +12,7 @@ from ._leftovers import find_abandoned, mark_abandoned
 
 if TYPE_CHECKING:
     from ._execution import Executor, InlineExecutor, ProcessExecutor, RunContext
-    from ._experiment import Experiment
+    from ._experiment import Budget, Experiment, RunOptions
     from ._export import load
     from ._fluid import DynamicFluid, FluidScheduler, StaticFluid, fluid_shares
     from ._progress import trials_table
@@ -24,13 +24,14 @@ if TYPE_CHECKING:
 _LAZY = {
     "Executor": "._execution", "InlineExecutor": "._execution", "ProcessExecutor": "._execution",
     "RunContext": "._execution", "Experiment": "._experiment", "load": "._export",
+    "Budget": "._experiment", "RunOptions": "._experiment",
     "DynamicFluid": "._fluid", "FluidScheduler": "._fluid", "StaticFluid": "._fluid", "fluid_shares": "._fluid",
     "TrialProtocol": "._protocol", "Verdict": "._protocol", "ThreadPlan": "._threads", "ThreadPolicy": "._threads",
     "RayExecutor": "._ray",  # Ray is optional: imported when asked for
     "trials_table": "._progress",
 }
 
-__all__ = ["Experiment", "Executor", "InlineExecutor", "ProcessExecutor", "RayExecutor", "RunContext", "load",
+__all__ = ["Experiment", "Budget", "RunOptions", "Executor", "InlineExecutor", "ProcessExecutor", "RayExecutor", "RunContext", "load",
            "TrialProtocol", "Verdict", "find_abandoned", "mark_abandoned",
            "StaticFluid", "DynamicFluid", "FluidScheduler", "fluid_shares",
            "ThreadPolicy", "ThreadPlan", "runs_started", "trials_table"]

@@ -427,7 +427,9 @@ class InlineExecutor(Executor):
     this process. A user's loop runs its trials one by one,
     and ``trial_timeout`` interrupts a loop even between its reports (SIGALRM, main thread).
     ``optimize`` (None: the experiment's; True, False or a :class:`tridens.xopt.Settings`) overrides
-    the experiment's ``optimize``, resolved once when the run starts. ``threads`` (a :class:`~tridens.engine.ThreadPolicy`, default ``ThreadPolicy()``) sets the torch
+    the experiment's ``optimize``, resolved once when the run starts; ``max_unit_memory`` (bytes or
+    e.g. ``"2GiB"``; None: ``$TRIDENS_MAX_UNIT_MEMORY``, else half the RAM) bounds a fused unit's
+    estimated memory. ``threads`` (a :class:`~tridens.engine.ThreadPolicy`, default ``ThreadPolicy()``) sets the torch
     threads each group's units train with, and those a user's loop (``FunctionalEvaluator``) runs
     with: the user's count where given, one on a machine with no idle core, every idle core
     otherwise.
@@ -437,9 +439,11 @@ class InlineExecutor(Executor):
 
     forks_members = True
 
-    def __init__(self, optimize: Any = None, threads: ThreadPolicy | None = None):
+    def __init__(self, optimize: Any = None, threads: ThreadPolicy | None = None,
+                 max_unit_memory: int | str | None = None):
         self.optimize = optimize
         self.threads = ThreadPolicy() if threads is None else threads
+        self.max_unit_memory = max_unit_memory
 
     def start(self, context: RunContext) -> None:
         """Take the run's settings; an ``optimize`` of this executor is resolved to one frozen
@@ -713,7 +717,9 @@ class ProcessExecutor(Executor):
     The evaluator and the models are pickled to the workers: by reference when they live in an
     importable module, by value (cloudpickle) when they are defined in ``__main__`` (``python -c``,
     a notebook, a script with or without a ``__main__`` guard), which workers never import.
-    With the experiment's ``allocation`` (a :class:`~tridens.engine.StaticFluid` or
+    ``optimize`` (True, False or a :class:`tridens.xopt.Settings`) and ``max_unit_memory`` say
+    whether and within what memory trials are fused, as for :class:`InlineExecutor`.
+    With ``allocation`` (a :class:`~tridens.engine.StaticFluid` or
     :class:`~tridens.engine.DynamicFluid` policy) a declarative evaluator's TrialGroups are placed
     by Fluid: several trials packed on a worker, or one trial data-parallel over several.
 
@@ -726,9 +732,12 @@ class ProcessExecutor(Executor):
 
     forks_members = True
 
-    def __init__(self, workers: int = 2, allocation: Any = None):
+    def __init__(self, workers: int = 2, allocation: Any = None, optimize: Any = None,
+                 max_unit_memory: int | str | None = None):
         self.workers = workers
         self.allocation = allocation  # (overrides the experiment's allocation)
+        self.optimize = optimize  # None: fused where it pays (True); False or a td.xopt.Settings
+        self.max_unit_memory = max_unit_memory  # a fused unit's bound (None: the environment's, else half the RAM)
         self._ctx = worker_context()
         self._pool: dict[int, PoolWorker] = {}
         self._payloads: dict[int, tuple[Evaluator, bytes]] = {}  # id(evaluator) -> (kept alive, pickle)

@@ -6,6 +6,7 @@ settings, and hands over to the engine loop (:mod:`._loop`)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -13,8 +14,9 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, NoReturn, Sequence
+from typing import Any, Mapping, NoReturn, Sequence
 
 
 from ..errors import InvalidSpace, TridensError, UnknownMetric
@@ -30,10 +32,8 @@ from ._loop import _Run, _parse_duration
 from ._protocol import RunHalted
 from ._progress import print_stopped
 
-if TYPE_CHECKING:
-    from ..xopt import Settings
-
-__all__ = ["Experiment", "ExperimentFailed", "ExperimentInterrupted", "NoFinishedTrial", "default_store_path"]
+__all__ = ["Experiment", "Budget", "RunOptions", "ExperimentFailed", "ExperimentInterrupted", "NoFinishedTrial",
+           "default_store_path"]
 
 log = logging.getLogger("tridens")
 
@@ -46,6 +46,19 @@ _CALLBACK_HOOKS = ("on_experiment_start", "on_trial_step", "on_trial_end", "on_e
 
 _EXECUTOR_OPTIONS = {"workers": "Process(workers=...) or Ray(workers=...)", "ray_address": "Ray(address=...)",
                      "storage": "Ray(storage=...)", "max_retries": "Ray(max_retries=...)"}
+
+
+def _policy(executor: Any, moved: Mapping[str, Any], key: str, default: Any) -> Any:
+    """An executor policy (``optimize``, ``max_unit_memory``, ``allocation``): the executor
+    object's own where it sets one, else the deprecated keyword of Experiment, else ``default``.
+    Both at once is refused (which one was meant is not ours to guess)."""
+    own = getattr(executor, key, None) if isinstance(executor, Executor) else None
+    if own is not None:
+        if key in moved:
+            raise ValueError(f"The '{key}' parameter of Experiment belongs to the executor, which sets it too: "
+                             f"pass only td.executors.{type(executor).__name__.removesuffix('Executor')}({key}=...).")
+        return own
+    return moved.get(key, default)
 
 
 def _executor_options(executor: Any, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -65,6 +78,88 @@ def _executor_options(executor: Any, options: Mapping[str, Any]) -> dict[str, An
         warnings.warn(f"Experiment(executor={executor!r}) is deprecated: pass an executor object, e.g. "
                       "td.executors.Inline(), Process(workers=2) or Ray(storage=...)", DeprecationWarning, stacklevel=3)
     return dict(options)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What an experiment may spend: ``max_trials`` (trials in all, earlier runs of a resumed
+    experiment included), ``max_duration`` (seconds, or a string such as ``"2h"``, per run) and
+    ``trial_timeout`` (seconds one trial may train). ``td.Experiment(..., budget=32)`` is
+    ``Budget(max_trials=32)``.
+
+    >>> Budget(max_trials=32, max_duration="1h").max_trials
+    32
+    """
+
+    max_trials: int | None = None
+    max_duration: float | str | None = None
+    trial_timeout: float | None = None
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a run treats its trials beyond space, evaluator, strategy, budget and executor:
+    ``seed`` and ``seeds`` (:data:`SEED_POLICIES`), the ``second_objective`` (name, mode) and the
+    ``constraints`` of a multi-objective search, ``warm_start`` (False, True, a store path or a
+    ``td.warmup.Zoo``), ``verbose`` (a progress table), ``resume`` (``"auto"``: an experiment of
+    the same search space; ``"force"``: any), ``retry_failed`` (a resumed run trains the trials an
+    earlier run failed again, or new ones in their place) and ``stage_policy`` (a
+    ``td.store.StagePolicy``).
+
+    >>> RunOptions(seed=3, verbose=False).seeds
+    'per-trial'
+    """
+
+    seed: int = 0
+    seeds: str = "per-trial"
+    second_objective: tuple[str, str] | None = None
+    constraints: Sequence[Any] = ()
+    warm_start: Any = False
+    verbose: bool = True
+    resume: str = "auto"
+    retry_failed: bool = True
+    stage_policy: Any = None
+
+
+# Keywords Experiment took before it composed policies -> where each lives now (a DeprecationWarning says so).
+_MOVED = {"max_trials": "budget=td.Budget(max_trials=...)", "max_duration": "budget=td.Budget(max_duration=...)",
+          "trial_timeout": "budget=td.Budget(trial_timeout=...)",
+          "seed": "options=td.RunOptions(seed=...)", "seeds": "options=td.RunOptions(seeds=...)",
+          "second_objective": "options=td.RunOptions(second_objective=...)",
+          "constraints": "options=td.RunOptions(constraints=...)", "warm_start": "options=td.RunOptions(warm_start=...)",
+          "verbose": "options=td.RunOptions(verbose=...)", "resume": "options=td.RunOptions(resume=...)",
+          "retry_failed": "options=td.RunOptions(retry_failed=...)",
+          "stage_policy": "options=td.RunOptions(stage_policy=...)",
+          "optimize": "executor=td.executors.Inline(optimize=...) (or Process / Ray)",
+          "max_unit_memory": "executor=td.executors.Inline(max_unit_memory=...) (or Process / Ray)",
+          "allocation": "executor=td.executors.Process(allocation=...) (or Ray)"}
+_BUDGET_KEYS = ("max_trials", "max_duration", "trial_timeout")
+_OPTION_KEYS = tuple(f.name for f in dataclasses.fields(RunOptions))
+
+
+def _moved_keywords(given: dict[str, Any]) -> dict[str, Any]:
+    """The old keywords in ``given`` (removed from it), each with one DeprecationWarning, one line,
+    naming its new home."""
+    import warnings
+
+    moved = {}
+    for key in [k for k in given if k in _MOVED]:
+        warnings.warn(f"Experiment({key}=...) is deprecated: pass {_MOVED[key]}", DeprecationWarning, stacklevel=3)
+        moved[key] = given.pop(key)
+    return moved
+
+
+def _with_moved(policy: Any, moved: Mapping[str, Any], keys: Sequence[str], parameter: str) -> Any:
+    """``policy`` (a :class:`Budget` or :class:`RunOptions` the caller gave, or None) with the old
+    keywords among ``keys``; an old keyword beside a given policy object is refused."""
+    given = {k: moved[k] for k in keys if k in moved}
+    kind = Budget if parameter == "budget" else RunOptions
+    if policy is None:
+        return kind(**given)
+    if given:
+        raise ValueError(f"The '{next(iter(given))}' parameter of Experiment belongs to {parameter}=td.{kind.__name__}"
+                         f"(...), which is given too: pass only {parameter}=.")
+    return policy
 
 
 class ExperimentFailed(TridensError):
@@ -185,68 +280,79 @@ compare with common random numbers, and share training prefixes (stage trees).""
 class Experiment:
     """Explore ``space`` with ``strategy``, training each model with ``evaluator``.
 
-    >>> exp = td.Experiment(Net(), evaluator, td.strategy.RegularizedEvolution(), max_trials=32,
+    >>> exp = td.Experiment(Net(), evaluator, td.strategy.RegularizedEvolution(), budget=32,
     ...                     store="tridens.db", name="cnn-search")       # doctest: +SKIP
     >>> exp.run()                                                         # doctest: +SKIP
     >>> exp.top(5)                                                        # doctest: +SKIP
 
     Running the same script against the same store and name resumes the experiment: finished
     trials are kept, interrupted ones are trained again, and the budget is completed. Trials an
-    earlier run failed do not use up the budget: with ``retry_failed=True`` (the default) they are
-    trained again first, with their sample and seed (as Optuna's ``RetryFailedCallback``); with
-    False they stay failed and new trials take their place (as Optuna's ``MaxTrialsCallback``
-    counting completed trials). A failure that is an outcome of the sample -- a constraint it
-    violates, a process it killed twice -- counts and is not retried. A resumed run whose search
-    space or evaluator (settings, data, the training function's code) changed is refused unless
-    ``resume="force"``.
-    Parameters are only stored here; they are checked when :meth:`run` starts. ``optimize``: True
-    fuses trials where it pays (cross-model optimizations, :mod:`tridens.xopt`, with the knobs of
-    the environment), a :class:`tridens.xopt.Settings` gives the knobs, False trains every trial
-    separately.
+    earlier run failed do not use up the budget: with ``RunOptions(retry_failed=True)`` (the
+    default) they are trained again first, with their sample and seed (as Optuna's
+    ``RetryFailedCallback``); with False they stay failed and new trials take their place (as
+    Optuna's ``MaxTrialsCallback`` counting completed trials). A failure that is an outcome of the
+    sample -- a constraint it violates, a process it killed twice -- counts and is not retried. A
+    resumed run whose search space or evaluator (settings, data, the training function's code)
+    changed is refused unless ``RunOptions(resume="force")``.
+    Parameters are only stored here; they are checked when :meth:`run` starts. The experiment
+    composes policies: ``budget`` (a :class:`Budget`, or an int: its ``max_trials``), the
+    ``executor`` with its own policies (``td.executors.Inline(optimize=..., max_unit_memory=...)``,
+    ``Process(workers=..., allocation=...)``, ``Ray(...)``: whether and how trials are fused,
+    :mod:`tridens.xopt`, the memory bound of a fused unit, Fluid allocation), ``callbacks``, and
+    :class:`RunOptions` for seeds, a second objective, constraints, warm start, verbosity, resume,
+    retrying failed trials and the stage policy. The keywords these replace (``max_trials=``,
+    ``optimize=``, ``verbose=``, ...) still work for one release, each with a DeprecationWarning
+    naming its new place.
     """
 
     def __init__(self, space: BaseSpace | None, evaluator: Evaluator | None, strategy: Strategy | None = None, *,
-                 max_trials: int | None = None, max_duration: float | str | None = None,
+                 objective: str | Objective | None = None, budget: Budget | int | None = None,
                  store: str | os.PathLike[str] | None = None, name: str | None = None,
-                 objective: str | Objective | None = None, seed: int = 0, seeds: str = "per-trial", executor: Executor | str | None = None,
-                 trial_timeout: float | None = None, constraints: Sequence[Any] = (),
-                 second_objective: tuple[str, str] | None = None, optimize: bool | Settings = True,
-                 verbose: bool = True, warm_start: Any = False, max_unit_memory: int | str | None = None,
-                 callbacks: Sequence[Any] = (), stage_policy: Any = None,
-                 allocation: Any = None, resume: str = "auto", retry_failed: bool = True,
-                 **executor_options: Any) -> None:
+                 executor: Executor | str | None = None, callbacks: Sequence[Any] = (),
+                 options: RunOptions | None = None, **deprecated: Any) -> None:
+        moved = _moved_keywords(deprecated)   # the keywords of before, each warned about
+        if isinstance(budget, int) and not isinstance(budget, bool):
+            budget = Budget(max_trials=budget)
+        if budget is not None and not isinstance(budget, Budget):
+            raise ValueError(f"The 'budget' parameter of Experiment must be a td.Budget or an int (max_trials). "
+                             f"Got {budget!r} instead.")
+        if options is not None and not isinstance(options, RunOptions):
+            raise ValueError(f"The 'options' parameter of Experiment must be a td.RunOptions. Got {options!r} instead.")
+        self.budget: Budget = _with_moved(budget, moved, _BUDGET_KEYS, "budget")
+        self.options: RunOptions = _with_moved(options, moved, _OPTION_KEYS, "options")
         self.space = space
         self.evaluator = evaluator
         self.strategy = strategy
-        self.max_trials = max_trials
-        self.max_duration = max_duration
+        self.max_trials = self.budget.max_trials
+        self.max_duration = self.budget.max_duration
         self.store = store
         self.name = name
         self.objective = objective
-        self.seed = seed
-        self.seeds = seeds  # "per-trial" or "per-architecture" (SEED_POLICIES)
+        self.seed = self.options.seed
+        self.seeds = self.options.seeds  # "per-trial" or "per-architecture" (SEED_POLICIES)
         self.executor = executor  # td.executors.Inline() (None), Process(...) or Ray(...)
-        self.trial_timeout = trial_timeout
-        self.constraints = constraints
-        self.second_objective = second_objective
-        self.optimize = optimize
-        self.verbose = verbose
-        self.warm_start = warm_start  # False, True (a zoo beside the store), a store path or a td.warmup.Zoo
-        self.max_unit_memory = max_unit_memory  # bound on a fused unit's estimated bytes (tridens.xopt)
-        self.allocation = allocation  # None, "static", "dynamic" or a Fluid policy: shares of the workers per trial
+        self.trial_timeout = self.budget.trial_timeout
+        self.constraints = self.options.constraints
+        self.second_objective = self.options.second_objective
+        # the executor's policies: its own, else those given the old way (optimize=, ...), else the defaults
+        self.optimize = _policy(executor, moved, "optimize", True)
+        self.max_unit_memory = _policy(executor, moved, "max_unit_memory", None)  # a fused unit's bound (tridens.xopt)
+        self.allocation = _policy(executor, moved, "allocation", None)  # Fluid: shares of the workers per trial
+        self.verbose = self.options.verbose
+        self.warm_start = self.options.warm_start  # False, True (a zoo beside the store), a store path or a td.warmup.Zoo
         # The executor's own settings given to the experiment (workers=, ray_address=, storage=,
         # max_retries=): still accepted, with a DeprecationWarning; they belong to the executor object.
-        options = _executor_options(executor, executor_options)
-        self.workers = options.get("workers", 2)
-        self.ray_address = options.get("ray_address")  # executor="ray": None starts a local Ray
-        self.storage = options.get("storage")  # where Ray workers write checkpoints
-        self.max_retries = options.get("max_retries", 0)  # a Ray unit whose worker died restarts
-        self.resume = resume  # "auto": resume an experiment of the same search space; "force": any
+        executor_settings = _executor_options(executor, deprecated)
+        self.workers = executor_settings.get("workers", 2)
+        self.ray_address = executor_settings.get("ray_address")  # executor="ray": None starts a local Ray
+        self.storage = executor_settings.get("storage")  # where Ray workers write checkpoints
+        self.max_retries = executor_settings.get("max_retries", 0)  # a Ray unit whose worker died restarts
+        self.resume = self.options.resume  # "auto": resume an experiment of the same search space; "force": any
         # A resumed run trains the trials an earlier run failed again (True), or new ones in their place (False)
-        self.retry_failed = retry_failed
+        self.retry_failed = self.options.retry_failed
         self.stop_reason: str | None = None  # why the last run() stopped
         self.callbacks = list(callbacks)  # tridens.loggers.Callback objects, told what the run records
-        self.stage_policy = stage_policy  # a td.store.StagePolicy: stage-tree checkpoints shared through the store
+        self.stage_policy = self.options.stage_policy  # a td.store.StagePolicy: stage-tree checkpoints shared through the store
         self._loaded: list[Trial] | None = None
 
     # -- reading back -------------------------------------------------------------------------
@@ -262,9 +368,12 @@ class Experiment:
         with Store(path, readonly=True) as db:
             record = db.get_experiment(name)
         config = record.config
-        exp = cls(None, None, None, store=path, name=name, max_trials=config.get("max_trials"),
-                  seed=config.get("seed", 0), seeds=config.get("seeds", "per-trial"), objective=record.objective() if "objective" in config else None,
-                  second_objective=tuple(config["second_objective"]) if config.get("second_objective") else None)
+        stored = config.get("second_objective")   # [name, mode] in the store's JSON
+        second = (str(stored[0]), str(stored[1])) if stored else None
+        exp = cls(None, None, None, store=path, name=name, budget=Budget(max_trials=config.get("max_trials")),
+                  objective=record.objective() if "objective" in config else None,
+                  options=RunOptions(seed=config.get("seed", 0), seeds=config.get("seeds", "per-trial"),
+                                     second_objective=second))
         return exp
 
     def _store_path(self) -> Path:
@@ -362,9 +471,9 @@ class Experiment:
             raise ValueError(f"The 'strategy' parameter of Experiment must be a td.strategy.Strategy (e.g. "
                              f"td.strategy.Random()). Got {self.strategy!r} instead.")
         if self.max_trials is not None and (not isinstance(self.max_trials, int) or self.max_trials < 1):
-            raise ValueError(f"The 'max_trials' parameter of Experiment must be an int in the range [1, inf). Got {self.max_trials!r} instead.")
+            raise ValueError(f"The 'max_trials' of td.Budget must be an int in the range [1, inf). Got {self.max_trials!r} instead.")
         if self.trial_timeout is not None and not (isinstance(self.trial_timeout, (int, float)) and self.trial_timeout > 0):
-            raise ValueError(f"The 'trial_timeout' parameter of Experiment must be a positive number of seconds. Got {self.trial_timeout!r} instead.")
+            raise ValueError(f"The 'trial_timeout' of td.Budget must be a positive number of seconds. Got {self.trial_timeout!r} instead.")
         if self.seeds not in SEED_POLICIES:
             raise ValueError(f"The 'seeds' parameter of Experiment must be one of {list(SEED_POLICIES)!r}. Got {self.seeds!r} instead.")
         if not isinstance(self.workers, int) or self.workers < 1:

@@ -163,7 +163,7 @@ def failure_settled(trial: Trial) -> bool:
     """Whether a failed trial's failure is an outcome of its sample rather than an accident of its
     run: a constraint it violates, or a process it killed :data:`MAX_DEATHS` times. Such a trial
     counts toward ``max_trials`` on every run and is never retried; other failures (an error in
-    the loop, NaN, a timeout) are retried by a resumed run (``Experiment(retry_failed=True)``)."""
+    the loop, NaN, a timeout) are retried by a resumed run (``td.RunOptions(retry_failed=True)``)."""
     return (trial.error or "").startswith("constraint violated") or int(trial.info.get("deaths", 0)) >= MAX_DEATHS
 
 

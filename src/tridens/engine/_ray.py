@@ -134,17 +134,19 @@ class RayExecutor(Executor):
     round only when every member has reported it, and an exploit of a member of another task forks
     from that member's checkpoint of the step, copied through ``storage`` (:meth:`_barrier`).
 
-    >>> exp = td.Experiment(space, evaluator, td.strategy.ASHA(max_steps=9), executor="ray",
-    ...                     workers=4, max_retries=2)                       # doctest: +SKIP
-    >>> exp = td.Experiment(space, evaluator, executor="ray", workers=4, allocation="dynamic")  # doctest: +SKIP
+    >>> exp = td.Experiment(space, evaluator, td.strategy.ASHA(max_steps=9),
+    ...                     executor=td.executors.Ray(workers=4, max_retries=2))   # doctest: +SKIP
+    >>> exp = td.Experiment(space, evaluator,
+    ...                     executor=td.executors.Ray(workers=4, allocation="dynamic"))  # doctest: +SKIP
     """
 
     forks_members = True
 
     def __init__(self, workers: int = 2, address: str | None = None, storage: str | os.PathLike[str] | None = None,
                  max_retries: int = 0, experiment: str | None = None, cpus_per_trial: float = 1.0,
-                 optimize: Any = None, allocation: Any = None):
+                 optimize: Any = None, allocation: Any = None, max_unit_memory: int | str | None = None):
         self.workers = workers
+        self.max_unit_memory = max_unit_memory  # a fused unit's bound (None: the environment's, else half the RAM)
         self.address = address
         self.storage = storage  # None: the experiment's folder beside its store
         self.max_retries = max_retries

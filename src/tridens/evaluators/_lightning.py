@@ -147,7 +147,7 @@ class Lightning(Evaluator):
 
     >>> ev = td.evaluators.Lightning(MyModule(), train_dataloaders=train_dl, val_dataloaders=val_dl,
     ...                              metric="val_acc", max_epochs=3)             # doctest: +SKIP
-    >>> td.Experiment(space, ev, strategy=td.strategy.Random(), max_trials=8).run()   # doctest: +SKIP
+    >>> td.Experiment(space, ev, strategy=td.strategy.Random(), budget=8).run()   # doctest: +SKIP
     """
 
     def __init__(self, module: Any, *, train_dataloaders: Any = None, val_dataloaders: Any = None,

@@ -23,7 +23,7 @@ Members are the trials of one group (``Trial.group``), so a population re-run af
 (its trials interrupted, trained again from their start) exploits exactly as the first run did:
 every choice is drawn from ``(seed, trial number, step)``. Nothing is stopped. When a population is
 done, the next ``ask`` starts a new population of unseen samples, until the trial budget or the
-space runs out (``max_trials=population``: one population).
+space runs out (``budget=population``: one population).
 
 >>> PBT(population=8, interval=2, max_steps=12).forks
 True
@@ -47,7 +47,7 @@ class PBT(SearchBase):
     hyperparameters) every ``interval`` steps; see the module docstring.
 
     >>> strategy = td.strategy.PBT(population=8, interval=2, hyperparams=["lr", "momentum"])  # doctest: +SKIP
-    >>> exp = td.Experiment(space, evaluator, strategy, max_trials=8)                             # doctest: +SKIP
+    >>> exp = td.Experiment(space, evaluator, strategy, budget=8)                                  # doctest: +SKIP
     """
 
     forks = True

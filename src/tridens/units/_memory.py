@@ -1,7 +1,7 @@
 """The memory bound of an execution unit: one value that every planner bounds its units by.
 
-Resolved by :func:`resolve_max_unit_memory`: the ``max_unit_memory`` of the experiment
-(``td.Experiment(..., max_unit_memory="2GiB")``, carried by the run's
+Resolved by :func:`resolve_max_unit_memory`: the ``max_unit_memory`` of the experiment's executor
+(``td.executors.Inline(max_unit_memory="2GiB")``, carried by the run's
 :class:`~tridens.units.PlanContext`), else the environment variable ``TRIDENS_MAX_UNIT_MEMORY``, else :func:`default_max_unit_memory`
 (half of the physical memory for CPU training, 80% of the free memory of a CUDA device).
 """

@@ -4,7 +4,8 @@
 >>> zoo = td.warmup.Zoo("tridens.db")                                  # doctest: +SKIP
 >>> zoo.add(trained, torch.zeros(1, 1, 8, 8), accuracy=0.95)           # doctest: +SKIP
 >>> ws = zoo.warm_start(new_model, torch.zeros(1, 1, 8, 8))            # doctest: +SKIP
->>> td.Experiment(space, evaluator, "evolution", warm_start=True)      # doctest: +SKIP
+>>> td.Experiment(space, evaluator, "evolution",
+...               options=td.RunOptions(warm_start=True))   # doctest: +SKIP
 
 * :func:`describe` -- the compact JSON description of a model's IR that the zoo keeps;
 * :func:`score` / :func:`align` -- the DP alignment (MATCH = fraction of inheritable weight

@@ -17,7 +17,7 @@ rewrite the planned units.
 * mixed units (a pass, :func:`.cse.merge_pipelines`): batched groups that read the same data as
   other units join them in one shared pipeline.
 
-Their knobs are one frozen :class:`Settings` (``td.Experiment(optimize=Settings(...))``; with
+Their knobs are one frozen :class:`Settings` (``td.executors.Inline(optimize=Settings(...))``; with
 ``optimize=True`` the defaults and the environment, :meth:`Settings.from_env`), given by the
 planner to every optimization and pass as ``settings=``, with the run's
 :class:`tridens.units.PlanContext` as ``context=`` (memory bound, decisions measured so far, the

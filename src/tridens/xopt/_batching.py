@@ -77,7 +77,7 @@ the :class:`~tridens.xopt.Settings` the planner is given):
   with separate), ``"off"``.
 * memory: a unit's estimated parameters + gradients + optimizer state + activations stay under
   the experiment's ``max_unit_memory`` (one bound for every optimization, resolved by
-  :func:`tridens.units.resolve_max_unit_memory`: ``td.Experiment(max_unit_memory=)``,
+  :func:`tridens.units.resolve_max_unit_memory`: ``td.executors.Inline(max_unit_memory=)``,
   ``$TRIDENS_MAX_UNIT_MEMORY``, else half the RAM / 80% of free GPU memory; or
   ``plan_batching(..., max_unit_memory=)``); larger groups are split. The estimate comes from one
   evaluation-mode forward of one model on 8 examples (:func:`_model_costs`).

@@ -1,7 +1,7 @@
 """The knobs of the cross-model optimizations as ONE frozen object, :class:`Settings`: operator
 batching's (:class:`BatchingSettings`) and the shared pipeline's joint step's (:class:`CSESettings`).
 
-An experiment makes one per run -- ``td.Experiment(optimize=True)`` reads the environment
+An experiment makes one per run -- its executor's ``optimize=True`` (the default) reads the environment
 (:meth:`Settings.from_env`), ``optimize=td.xopt.Settings(...)`` gives it whole -- and the planner
 hands it to every optimization, which hands its part to the units it builds. Nothing reads a
 module global, so two experiments in one process can plan differently, and the Ray executor sends
@@ -122,7 +122,7 @@ class Settings:
 
     >>> import tridens as td
     >>> settings = td.xopt.Settings(batching=td.xopt.BatchingSettings(mode="off"))
-    >>> exp = td.Experiment(space, evaluator, optimize=settings)    # doctest: +SKIP
+    >>> exp = td.Experiment(space, evaluator, executor=td.executors.Inline(optimize=settings))  # doctest: +SKIP
     """
 
     batching: BatchingSettings = field(default_factory=BatchingSettings)

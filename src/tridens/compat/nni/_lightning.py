@@ -113,7 +113,7 @@ def _limit(dataset: Any, limit: Any, batch_size: int, owner: str, name: str) -> 
 def _device(owner: str, accelerator: Any, devices: Any) -> str:
     if devices not in (None, 1, "1", "auto", -1) and not (isinstance(devices, (list, tuple)) and len(devices) == 1):
         raise refuse(owner, "devices", devices, "A tridens trial trains on one device; run trials in parallel with "
-                     "td.Experiment(executor='process' or 'ray', workers=N) instead.")
+                     "td.Experiment(executor=td.executors.Process(workers=N) or Ray(workers=N)) instead.")
     kind = {None: "auto", "auto": "auto", "cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "mps": "mps"}.get(accelerator)
     if kind is None:
         raise NotSupported(f"The 'accelerator' parameter of {owner} must be one of 'auto', 'cpu', 'gpu', 'cuda', 'mps'. "
@@ -180,7 +180,7 @@ def _training(owner: str, kwargs: dict[str, Any]) -> dict[str, Any]:
             accelerator, devices = "gpu", ([int(gpus[0])] if isinstance(gpus, (list, tuple)) and len(gpus) == 1 else gpus)
             if devices not in (1, "1", -1) and not isinstance(devices, list):
                 raise refuse(owner, "gpus", gpus, "A tridens trial trains on one device; run trials in parallel with "
-                             "td.Experiment(executor='process' or 'ray', workers=N) instead.")
+                             "td.Experiment(executor=td.executors.Process(workers=N) or Ray(workers=N)) instead.")
     return {"epochs": epochs, "limits": limits, "device": _device(owner, accelerator, devices)}
 
 

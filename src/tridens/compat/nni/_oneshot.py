@@ -30,9 +30,9 @@ _CLIP = "tridens' ENAS controller does not clip its gradient; lower ctrl_lr (con
 _WARMUP = ("tridens' ENAS updates its controller from the first step; to pre-train the shared weights, "
            "run RandomOneShot first or give more epochs (epochs= on the strategy).")
 _PENALTY = ("tridens' one-shot search has no cost penalty; search with a multi-trial strategy and "
-            "td.Experiment(..., constraints=[td.strategy.Constraint('params', max=...)]) instead.")
+            "td.Experiment(..., options=td.RunOptions(constraints=[td.strategy.Constraint('params', max=...)])) instead.")
 _FILTER = ("tridens' RandomOneShot samples every path uniformly; bound model size with a multi-trial strategy "
-           "and td.Experiment(..., constraints=[td.strategy.Constraint('params', max=...)]) instead.")
+           "and td.Experiment(..., options=td.RunOptions(constraints=[td.strategy.Constraint('params', max=...)])) instead.")
 _DARTS_NAMES = ("arc_learning_rate", "gradient_clip_val", "log_prob_every_n_step", "warmup_epochs", "penalty",
                 "mutation_hooks")
 

@@ -168,4 +168,4 @@ class ExpressionConstraint:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise NotSupported("nni.mutable.ExpressionConstraint is not provided: raise SampleValidationError "
                            "(td.InvalidSample) in the space's __init__ for an invalid sample, or bound measured facts "
-                           "with td.Experiment(..., constraints=[td.strategy.Constraint('params', max=...)]).")
+                           "with td.Experiment(..., options=td.RunOptions(constraints=[td.strategy.Constraint('params', max=...)])).")

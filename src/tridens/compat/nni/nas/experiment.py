@@ -68,14 +68,15 @@ class NasExperiment:
                                "nni.nas.evaluator.pytorch.Classification or Regression (tridens.compat.nni.nas.evaluator"
                                f".pytorch), which tridens trains itself. Got {type(self.evaluator).__name__} instead.")
         if (getattr(config, "trial_concurrency", 1) or 1) > 1:
-            log.info("trial_concurrency > 1 is run one trial at a time in-process; use td.Experiment(executor='process') for parallel trials")
+            log.info("trial_concurrency > 1 is run one trial at a time in-process; use td.Experiment(executor=td.executors.Process(workers=N)) for parallel trials")
         objective = None
         mode = getattr(self.strategy, "mode", None)  # NNI 2.x's optimize_mode, on its strategy
         if mode is not None and self.evaluator is not None and mode != self.evaluator.objective.mode:
             objective = td.Objective(self.evaluator.objective.metric, mode)
         self._experiment = td.Experiment(self.model_space, self.evaluator, self.strategy, objective=objective,
-                                         max_trials=getattr(config, "max_trial_number", None),
-                                         max_duration=getattr(config, "max_experiment_duration", None), name=name)
+                                         budget=td.Budget(max_trials=getattr(config, "max_trial_number", None),
+                                                          max_duration=getattr(config, "max_experiment_duration", None)),
+                                         name=name)
         self._experiment.run()
         return True
 
