@@ -27,8 +27,8 @@ def test_tpe_proposes_and_asha_stops_on_digits(tmp_path):
     evaluator = td.evaluators.Classification(train, val, epochs=9, batch_size=128, optimizer="sgd",
                                              lr=td.loguniform("lr", 1e-4, 0.3))
     strategy = td.strategy.TPE(batch_size=4, n_startup_trials=4, stopping=td.strategy.ASHA(reduction_factor=3))
-    exp = td.Experiment(Net(), evaluator, strategy, max_trials=12, store=tmp_path / "s.db", name="tpe-asha",
-                        seed=3, verbose=False)
+    exp = td.Experiment(Net(), evaluator, strategy, budget=12, store=tmp_path / "s.db", name="tpe-asha",
+                        options=td.RunOptions(seed=3, verbose=False))
     exp.run()
     trials = exp.trials()
     assert len(trials) == 12
@@ -47,8 +47,8 @@ def test_a_users_loop_without_epochs_names_the_stopping_rule_to_give_max_steps(t
         td.report(lr, step=0)
 
     exp = td.Experiment(None, td.evaluators.FunctionalEvaluator(train, lr=td.choice("lr", [0.1, 0.2])),
-                        td.strategy.TPE(stopping=td.strategy.ASHA()), max_trials=2, store=tmp_path / "f.db",
-                        verbose=False)
+                        td.strategy.TPE(stopping=td.strategy.ASHA()), budget=2, store=tmp_path / "f.db",
+                        options=td.RunOptions(verbose=False))
     with pytest.raises(ValueError, match=r"^The 'max_steps' parameter of ASHA must be an int in the range \[1, inf\). "
                                          r"Got None instead. FunctionalEvaluator has no fixed 'epochs' to take it from: "
                                          r"pass td.strategy.ASHA\(max_steps=N\)"):

@@ -144,8 +144,9 @@ def test_a_group_trains_side_by_side_where_measured_faster_and_its_rate_is_recor
     ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=64, optimizer="adam",
                                       lr=td.choice("lr", [0.01, 0.003]))
     policy = QuietMachine({ALONE: [1e6], SIDE: [1e12]})
-    exp = td.Experiment(TinyMLP(), ev, td.strategy.GridSearch(), max_trials=4, store=str(tmp_path / "t.db"),
-                        verbose=False, optimize=False, executor=td.engine.InlineExecutor(threads=policy))
+    exp = td.Experiment(TinyMLP(), ev, td.strategy.GridSearch(), budget=4, store=str(tmp_path / "t.db"),
+                        options=td.RunOptions(verbose=False),
+                        executor=td.engine.InlineExecutor(threads=policy, optimize=False))
     with caplog.at_level(logging.INFO, logger="tridens"):
         exp.run()
     assert all(t.metric is not None for t in exp.trials())
