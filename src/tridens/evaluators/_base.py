@@ -80,7 +80,9 @@ class Trainer(Protocol):
     """
 
     epoch: int
-    epochs: int
+
+    @property
+    def epochs(self) -> int: ...
 
     def train_epoch(self) -> dict[str, float]: ...
 

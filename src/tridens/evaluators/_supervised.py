@@ -709,7 +709,8 @@ class SupervisedTrainer:
         self._channels_last = config.precision != "32-true" and any(
             isinstance(m, nn.Conv2d) for m in self.model.modules())
         if self._channels_last:
-            self.model.to(memory_format=torch.channels_last)
+            # Module.to takes memory_format at run time; torch's overloads for it leave the keyword out
+            self.model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         self.optimizer = config.make_optimizer(self.model.parameters())
         self.epoch = 0
         self.step = 0

@@ -44,6 +44,7 @@ class ASHA(SearchBase):
         check_int("ASHA", "brackets", self.brackets, 1)
         check_int("ASHA", "min_trials", self.min_trials, 1)
         check_int("ASHA", "batch_size", self.batch_size, 1)
+        assert self.max_steps is not None   # check_int refused None
         check_order("ASHA", "min_steps", self.min_steps, "max_steps", self.max_steps)
 
     def rungs(self, bracket: int = 0) -> list[int]:

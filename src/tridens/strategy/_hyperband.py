@@ -73,6 +73,7 @@ class Hyperband(SearchBase):
         check_int(name, "min_steps", self.min_steps, 1)
         check_int(name, "max_steps", self.max_steps, 1)
         check_int(name, "reduction_factor", self.reduction_factor, 2)
+        assert self.max_steps is not None   # check_int refused None
         check_order(name, "min_steps", self.min_steps, "max_steps", self.max_steps)
 
     # -- the plan --------------------------------------------------------------------------------
@@ -155,7 +156,7 @@ class Hyperband(SearchBase):
     def decide(self, trial: Trial, step: int) -> Decision:
         key = self._key_of(trial)
         bracket = self._bracket_of.get(key) if key is not None else None
-        if bracket is None:
+        if key is None or bracket is None:
             return Decision.CONTINUE
         self._ids.setdefault(key, trial.id)
         if any(d.get(key) is Decision.STOP for d in bracket.decisions):

@@ -65,7 +65,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from ..trial import Decision, Trial, TrialGroup
+from ..trial import Decision, Objective, Trial, TrialGroup
 from ._asha import ASHA
 from ._common import cap, sample_key
 from ._hyperband import Hyperband, _Bracket
@@ -131,12 +131,17 @@ class _Leader:
 
 
 class _SubSampling:
-    """What SS and AsyncSS share: scores per trial, the leader, the duel."""
+    """What SS and AsyncSS share: scores per trial, the leader, the duel. The strategy it is mixed
+    into holds the curves, the objective and the leader."""
+
+    _curves: dict[int, list[float]]
+    objective: Objective
+    _leader: _Leader
 
     def _scores(self, tid: int, upto: int | None = None) -> list[float]:
-        curve = self._curves.get(tid, [])  # type: ignore[attr-defined]
+        curve = self._curves.get(tid, [])
         curve = curve if upto is None else curve[:upto]
-        return [self.objective.score(v) for v in curve]  # type: ignore[attr-defined]
+        return [self.objective.score(v) for v in curve]
 
     def _track(self, tid: int) -> None:
         self._leader.update(tid, self._scores(tid))

@@ -29,7 +29,7 @@ import math
 import random
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
 
 from ..space import Categorical, Domain, LogUniform, RandInt, SearchSpace, Uniform
 from ..trial import Objective, Trial, TrialGroup, TrialStatus
@@ -118,7 +118,7 @@ class _OptunaBridge:
     def __init__(self, space: SearchSpace, objective: Objective, *, n_startup_trials: int,
                  n_ei_candidates: int, multivariate: bool):
         self.space = space
-        self.direction = "maximize" if objective.mode == "max" else "minimize"
+        self.direction: Literal["maximize", "minimize"] = "maximize" if objective.mode == "max" else "minimize"
         self.encodings = {label: _Encoding(spec.domain) for label, spec in space.items()}
         self.conditional = any(spec.conditions for spec in space.values())
         self.n_startup_trials = n_startup_trials

@@ -69,23 +69,28 @@ def _apply(parent_t: torch.Tensor, child_t: torch.Tensor, index: list[torch.Tens
     for d in range(child_t.dim()):
         if d in centred:
             continue
-        idx = index[d] if index[d] is not None else _default_index(child_t.shape[d], t.shape[d])
-        valid = idx >= 0
+        idx = index[d]
+        if idx is None:
+            idx = _default_index(child_t.shape[d], t.shape[d])
+        valid = idx.ge(0)
         t = t.index_select(d, idx.clamp(min=0))
         view = [1] * child_t.dim()
         view[d] = -1
         mask = mask & valid.view(view)
-        zero = zero | (idx == -2).view(view)
-        if scale[d] is not None:
-            t = t * scale[d].to(t.dtype).view(view)
+        zero = zero | idx.eq(-2).view(view)
+        factor = scale[d]
+        if factor is not None:
+            t = t * factor.to(t.dtype).view(view)
     keep = ~mask & ~zero
     for d in range(child_t.dim()):  # an element some dim keeps is kept (a new unit's own weights)
         if d in centred:
             continue
-        idx = index[d] if index[d] is not None else _default_index(child_t.shape[d], t.shape[d])
+        idx = index[d]
+        if idx is None:
+            idx = _default_index(child_t.shape[d], t.shape[d])
         view = [1] * child_t.dim()
         view[d] = -1
-        keep = keep | (idx == -1).view(view)
+        keep = keep | idx.eq(-1).view(view)
     return torch.where(mask, t, torch.where(keep, child_t, torch.zeros_like(child_t)))
 
 

@@ -332,7 +332,7 @@ class Zoo:
         return (float(e.uses), e.accuracy)
 
     def _evict(self) -> list[int]:
-        gone = []
+        gone: list[int] = []
         if self.max_bytes is None:
             return gone
         while self.entries and self.nbytes() > self.max_bytes:
