@@ -208,19 +208,6 @@ def test_a_cell_with_input_choices_is_held_whole_and_each_path_matches_its_froze
         assert torch.allclose(net.model(x), space.freeze(sample)(x))
 
 
-def test_a_loose_end_cell_is_refused_naming_its_wiring():
-    class LooseEnd(tnn.ModelSpace):
-        def __init__(self):
-            super().__init__()
-            self.cell = tnn.Cell([nn.Identity(), nn.ReLU()], num_nodes=2, merge_op="loose_end", label="cell")
-
-        def forward(self, x):
-            return self.cell(x)
-
-    with pytest.raises(td.InvalidSpace, match="loose_end"):
-        build_supernet(LooseEnd())
-
-
 def test_a_mutator_space_is_refused():
     class AddBN(td.Mutator):
         def mutate(self, graph):

@@ -88,7 +88,8 @@ def run_oneshot(exp: Any, strategy: OneShotStrategy) -> str:
                     "with a multi-trial strategy", type(strategy).__name__, label,
                     exp.evaluator.search_space()[label].domain, value)
     cfg = exp.evaluator.config(hparams)
-    net = build_supernet(exp.space, seed=exp.seed)  # refuses a space that cannot be one-shot, before any write
+    # refuses a space that cannot be one-shot, before any write
+    net = build_supernet(exp.space, seed=exp.seed, example_inputs=_data_inputs(cfg))
     with Store(path) as db:
         db.lock_run(name)  # a second process running this experiment is refused, naming this one
         try:
@@ -105,6 +106,14 @@ def run_oneshot(exp: Any, strategy: OneShotStrategy) -> str:
             raise
         db.update_experiment(name, status="done")
     return reason
+
+
+def _data_inputs(cfg: Any) -> tuple[torch.Tensor, ...] | None:
+    """A few validation inputs, for a supernet that needs inputs the space does not give."""
+    if cfg.val is None or len(cfg.val) == 0:
+        return None
+    x, _ = next(BatchSource(cfg.val, torch.device("cpu")).batches(None, 4))
+    return (x,)
 
 
 def _jsonable(obj: Any) -> Any:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import warnings
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -181,14 +182,23 @@ class MixedEdge(nn.Module):
 
 class MixedCell(nn.Module):
     """A ``tnn.Cell`` holding every wiring; ``ops[n]`` is the :class:`MixedEdge` of the frozen
-    cell's ``ops[n]``, so a subnet's weights keep their names."""
+    cell's ``ops[n]``, so a subnet's weights keep their names.
+
+    With ``merge_op="loose_end"`` the output always concatenates every node, as NNI's one-shot
+    cells do (``output_nodes`` lists them all, so layers reading the cell are built at the full
+    width), and a node that another op of the path reads is masked to zero: the frozen model's
+    narrower output is the supernet's with those channels left out, and its next layers take the
+    matching columns of the supernet's weights (found by :meth:`Supernet.extract`). Weights mask a
+    node softly, by the probability that no later op reads it."""
 
     def __init__(self, edges: Sequence[MixedEdge], num_nodes: int, num_ops_per_node: int, num_predecessors: int,
-                 concat_dim: int):
+                 concat_dim: int, merge_op: str = "all"):
         super().__init__()
         self.ops = nn.ModuleList(edges)
         self.num_nodes, self.num_ops_per_node, self.num_predecessors = num_nodes, num_ops_per_node, num_predecessors
-        self.concat_dim = concat_dim
+        self.concat_dim, self.merge_op = concat_dim, merge_op
+        self.output_nodes = list(range(num_predecessors, num_predecessors + num_nodes))
+        self.__dict__["probing"] = False  # Supernet.extract: masked nodes become NaN to find their columns
 
     def forward(self, *inputs: Any) -> torch.Tensor:
         if len(inputs) == 1 and isinstance(inputs[0], (list, tuple)):
@@ -201,10 +211,38 @@ class MixedCell(nn.Module):
                 total = y if total is None else total + y
             states.append(total)
         outs = states[self.num_predecessors:]
+        if self.merge_op == "loose_end":
+            outs = [out if keep is None else self._mask(out, keep) for out, keep in zip(outs, self.loose_weights())]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=self.concat_dim)
 
+    def _mask(self, out: torch.Tensor, keep: Any) -> torch.Tensor:
+        if self.probing and isinstance(keep, float) and keep == 0.0:
+            return torch.full_like(out, float("nan"))
+        return out * keep
 
-# ---------------------------------------------------------------------------------------------_DYNAMIC_OK = {"kernel_size", "stride", "padding", "dilation", "p", "output_size", "negative_slope", "scale_factor"}
+    def loose_weights(self) -> list[Any]:
+        """Per node: ``None`` where no later op can read it, else the weight its output is kept
+        with: 1.0 or 0.0 on a path, the probability that no op reads it under weights."""
+        edges: list[MixedEdge] = list(self.ops)  # type: ignore[arg-type]
+        state = self._state_of(edges)
+        out: list[Any] = []
+        for j in range(self.num_nodes):
+            node = self.num_predecessors + j
+            keep: Any = None
+            for edge in edges[(j + 1) * self.num_ops_per_node:]:
+                if state.weighted and edge.label in state.probs:
+                    not_read = 1.0 - state.probs[edge.label][node]
+                else:
+                    not_read = 0.0 if state.index(edge.label) == node else 1.0
+                keep = not_read if keep is None else keep * not_read
+            out.append(keep)
+        return out
+
+    @staticmethod
+    def _state_of(edges: Sequence[MixedEdge]) -> ArchState:
+        return edges[0]._state
+
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,10 +297,6 @@ class SupernetResolver(Resolver):
 
     def cell(self, label: str, op_domain: Domain, num_nodes: int, num_ops_per_node: int, num_predecessors: int,
              merge_op: str, concat_dim: int) -> nn.Module:
-        if merge_op != "all" and num_nodes > 1:
-            raise not_one_shot(f"{label}/input_{num_predecessors + 1}_0",
-                               "wires a Cell with merge_op='loose_end', whose output width depends on the wiring; "
-                               "a supernet needs merge_op='all'")
         values = op_domain.values()
         candidates = [op_domain.to_candidate(v) for v in values]
         edges = []
@@ -278,7 +312,7 @@ class SupernetResolver(Resolver):
                                                            instantiate_candidate(c(node, k, i), op_label) for c in candidates],
                                         self.state) for i in range(node)]
                 edges.append(MixedEdge(input_label, per_input, self.state))
-        return MixedCell(edges, num_nodes, num_ops_per_node, num_predecessors, concat_dim)
+        return MixedCell(edges, num_nodes, num_ops_per_node, num_predecessors, concat_dim, merge_op)
 
     def repeat(self, blocks: Any, depth: int) -> nn.Module | None:
         if not isinstance(depth, TracedInt):
@@ -317,10 +351,13 @@ class Supernet:
     >>> child = net.extract(sample)   # a frozen model carrying the supernet's weights  # doctest: +SKIP
     """
 
-    def __init__(self, space: BaseSpace, model: nn.Module, state: ArchState, claimed: Mapping[str, str]):
+    def __init__(self, space: BaseSpace, model: nn.Module, state: ArchState, claimed: Mapping[str, str],
+                 example_inputs: Any = None):
         self.space, self.model, self.state = space, model, state
         self.claimed = dict(claimed)
         self.search_space: SearchSpace = space.search_space()
+        self.example_inputs = space.example_inputs if space.example_inputs is not None else example_inputs
+        self.loose_cells = [m for m in model.modules() if isinstance(m, MixedCell) and m.merge_op == "loose_end"]
 
     def set_path(self, sample: Sample) -> None:
         """Compute the model of ``sample`` (labels of the space; others are ignored)."""
@@ -337,12 +374,10 @@ class Supernet:
     # -- subnets ------------------------------------------------------------------------------
     def subnet_state(self, sample: Sample, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """The tensors the frozen model of ``sample`` has under ``names``, sliced from the supernet."""
-        out = {}
-        for name in names:
-            out[name] = self._locate(name, sample)
-        return out
+        return {name: self._locate(name, sample) for name in names}
 
-    def _locate(self, name: str, sample: Sample) -> torch.Tensor:
+    def _owner(self, name: str, sample: Sample) -> tuple[nn.Module, str]:
+        """The supernet module holding the frozen model's tensor ``name`` on ``sample``'s path, and its leaf name."""
         parts = name.split(".")
         module: nn.Module = self.model
         path = []
@@ -353,8 +388,10 @@ class Supernet:
                 raise KeyError(".".join(path + [part]))
             module = child
             path.append(part)
-        module = _unwrap(module, sample, self.state)
-        leaf = parts[-1]
+        return _unwrap(module, sample, self.state), parts[-1]
+
+    def _locate(self, name: str, sample: Sample) -> torch.Tensor:
+        module, leaf = self._owner(name, sample)
         if isinstance(module, _Entangled) and leaf in {*module._parameters, *module._buffers}:
             return module.sliced(leaf, sample)
         tensor = module._parameters.get(leaf)
@@ -372,8 +409,80 @@ class Supernet:
         clean = model.tridens_sample
         state = model.state_dict()
         sliced = self.subnet_state(clean, list(state))
+        if self.loose_cells:
+            columns = self._loose_columns(clean)
+            for name, tensor in sliced.items():
+                if tensor.shape == state[name].shape:
+                    continue
+                module, leaf = self._owner(name, clean)
+                dim = _INPUT_DIM.get((_kind(module), leaf))
+                kept = columns.get(id(module))
+                if dim is not None and kept is not None and tensor.shape[dim] != state[name].shape[dim]:
+                    sliced[name] = tensor.index_select(dim, kept.to(tensor.device))
         model.load_state_dict({k: v.detach().clone() for k, v in sliced.items()})
         return model
+
+    def _loose_columns(self, sample: Sample) -> dict[int, torch.Tensor]:
+        """For each Conv/Linear/BatchNorm reading a loose-end cell's output on ``sample``'s path, the
+        input channels the frozen model keeps (id(module) -> indices). One forward on the example
+        inputs with the masked nodes set to NaN: a layer whose input has NaN in some channels keeps the
+        others (and reads zeros there, so the layers after it see numbers again)."""
+        if self.example_inputs is None:
+            raise not_one_shot(None, "has a Cell with merge_op='loose_end' and no example inputs: set "
+                                     "space.example_inputs so the supernet can map a subnet's weights")
+        found: dict[int, torch.Tensor] = {}
+
+        def before(module: nn.Module, args: tuple[Any, ...]) -> Any:
+            x = args[0] if args else None
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 2:
+                return None
+            nan = torch.isnan(x)
+            if not bool(nan.any()):
+                return None
+            dim = x.dim() - 1 if isinstance(module, nn.Linear) else 1
+            dead = nan.movedim(dim, 0).flatten(1).any(1)  # (padding may have put numbers beside a NaN)
+            if bool(dead.all()):
+                return None  # NaN everywhere: mixed by something else, nothing to learn here
+            found[id(module)] = (~dead).nonzero().flatten()
+            if isinstance(module, (nn.modules.conv._ConvNd, nn.Linear)):
+                return (torch.nan_to_num(x, nan=0.0), *args[1:])
+            return None
+
+        hooks = [m.register_forward_pre_hook(before) for m in self.model.modules()
+                 if isinstance(m, (nn.modules.conv._ConvNd, nn.Linear, nn.modules.batchnorm._BatchNorm))]
+        inputs = self.example_inputs if isinstance(self.example_inputs, (tuple, list)) else (self.example_inputs,)
+        device = next(iter(self.model.parameters()), torch.empty(0)).device
+        inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+        was_training = self.model.training
+        self.set_path(sample)
+        for cell in self.loose_cells:
+            cell.__dict__["probing"] = True
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                self.model(*inputs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            for cell in self.loose_cells:
+                cell.__dict__["probing"] = False
+            self.model.train(was_training)
+        return found
+
+
+def _kind(module: nn.Module) -> str:
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return "conv"
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return "norm"
+    return "other"
+
+
+# The dimension of each tensor along which a layer reads its input channels.
+_INPUT_DIM = {("conv", "weight"): 1, ("linear", "weight"): 1, ("norm", "weight"): 0, ("norm", "bias"): 0,
+              ("norm", "running_mean"): 0, ("norm", "running_var"): 0}
 
 
 def _unwrap(module: nn.Module, sample: Sample, state: ArchState) -> nn.Module:
@@ -395,9 +504,12 @@ def _index_in(values: list[Any], sample: Sample, label: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-def build_supernet(space: BaseSpace, *, verify: bool = True, seed: int = 0, max_checks: int = 24) -> Supernet:
+def build_supernet(space: BaseSpace, *, verify: bool = True, seed: int = 0, max_checks: int = 24,
+                   example_inputs: Any = None) -> Supernet:
     """Build the supernet of ``space`` (see the module docstring); raises :class:`InvalidSpace`
-    naming the label when the space cannot be made one-shot.
+    naming the label when the space cannot be made one-shot. ``example_inputs`` stand in for a
+    space without its own where the supernet needs inputs (a loose-end cell's subnets are mapped
+    by one forward).
 
     >>> net = td.oneshot.build_supernet(Net())   # doctest: +SKIP
     """
@@ -420,7 +532,7 @@ def build_supernet(space: BaseSpace, *, verify: bool = True, seed: int = 0, max_
             raise not_one_shot(label, "does not reach a layer the supernet can slice (it is used in Python code: "
                                       "an if, a loop, or a module type that is not Conv1d/Conv2d/Linear/BatchNorm/LayerNorm/"
                                       "Embedding/MultiheadAttention)")
-    net = Supernet(space, model, state, resolver.claimed)
+    net = Supernet(space, model, state, resolver.claimed, example_inputs)
     if verify:
         _verify(net, seed, max_checks)
     return net
@@ -505,7 +617,8 @@ def _verify(net: Supernet, seed: int, max_checks: int) -> None:
     ordered = list(unique.values())
     if len(ordered) > max_checks:
         ordered = ordered[:1] + rng.sample(ordered[1:], max_checks - 1)
-    inputs = space.example_inputs
+    inputs = space.example_inputs if space.example_inputs is not None or not net.loose_cells else net.example_inputs
+    broken: list[tuple[dict[str, Any], str]] = []
     was_training = net.model.training
     net.model.eval()
     try:
@@ -526,7 +639,13 @@ def _verify(net: Supernet, seed: int, max_checks: int) -> None:
             net.set_path(sample)
             child.eval()
             with torch.no_grad():
-                want = child(*args)
+                try:
+                    want = child(*args)
+                except Exception as err:
+                    if not net.loose_cells:
+                        raise
+                    broken.append((sample, " ".join(str(err).split())[:200]))
+                    continue
                 got = net.model(*args)
             if not _close(want, got):
                 culprit = label
@@ -537,6 +656,13 @@ def _verify(net: Supernet, seed: int, max_checks: int) -> None:
                                             "stored and used in forward, or data-dependent control flow?)")
     finally:
         net.model.train(was_training)
+    if broken:
+        sample, error = broken[0]
+        warnings.warn(f"{len(broken)} of {len(ordered)} checked models of this space fail when built alone (sample "
+                      f"{sample}: {error}): a loose-end cell's output is narrower than all its nodes, and a layer "
+                      "reading it was built for all of them. The supernet holds every node, as NNI's does, so the "
+                      "search runs, but such subnets cannot be retrained; size the layers after the cell by "
+                      "len(cell.output_node_indices)", stacklevel=3)
 
 
 def _close(a: Any, b: Any) -> bool:
