@@ -83,7 +83,7 @@ def test_one_shot_strategies_search_a_loose_end_space(tmp_path: Path, strategy: 
     train, val = td.datasets.digits()
     ev = td.evaluators.Classification(train=train, val=val, epochs=2, batch_size=64, optimizer="adam", lr=3e-3)
     exp = td.Experiment(LooseEnd(), ev, getattr(td.oneshot, strategy)(samples=8), store=tmp_path / "t.db",
-                        verbose=False)
+                        options=td.RunOptions(verbose=False))
     exp.run()
     subnets = [t for t in exp.trials() if t.info["oneshot"]["role"] == "subnet"]
     assert len(subnets) == 8 and max(t.metric for t in subnets) > 0.2  # twice chance after 2 epochs
