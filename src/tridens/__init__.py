@@ -19,7 +19,7 @@ from .trial import Decision, Objective, Trial, TrialGroup, TrialStatus
 if TYPE_CHECKING:
     from . import datasets, evaluators, executors, graph, hub, loggers, nn, oneshot, space, store, strategy
     from . import warmup, xopt
-    from .engine import Budget, Experiment, RunOptions, load
+    from .engine import Budget, Experiment, RunOptions, load, retrain
     from .evaluators import report
     from .space import ModelSpace, Mutator, choice, loguniform, randint, uniform
 
@@ -29,14 +29,14 @@ _SUBMODULES = {"datasets", "evaluators", "executors", "graph", "hub", "loggers",
                "store", "strategy", "warmup", "xopt"}
 # public name -> the module that defines it
 _NAMES = {
-    "Experiment": ".engine", "Budget": ".engine", "RunOptions": ".engine", "load": ".engine", "report": ".evaluators",
+    "Experiment": ".engine", "Budget": ".engine", "RunOptions": ".engine", "load": ".engine", "retrain": ".engine", "report": ".evaluators",
     "ModelSpace": ".space", "Mutator": ".space", "choice": ".space", "loguniform": ".space",
     "randint": ".space", "uniform": ".space",
 }
 
 __all__ = [
     "ModelSpace", "Mutator", "choice", "uniform", "loguniform", "randint",
-    "Experiment", "Budget", "RunOptions", "load", "report",
+    "Experiment", "Budget", "RunOptions", "load", "retrain", "report",
     "TridensError", "InvalidSpace", "InvalidSample", "GraphError", "StoreError",
     "Trial", "TrialGroup", "TrialStatus", "Objective", "Decision", "hub",
     "nn", "space", "graph", "strategy", "evaluators", "datasets", "store", "warmup", "oneshot", "executors", "loggers",

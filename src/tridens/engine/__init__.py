@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from ._execution import Executor, InlineExecutor, ProcessExecutor, RunContext
     from ._experiment import Budget, Experiment, RunOptions
     from ._export import load
+    from ._retrain import Retrained, retrain
     from ._fluid import DynamicFluid, FluidScheduler, StaticFluid, fluid_shares
     from ._progress import trials_table
     from ._protocol import TrialProtocol, Verdict
@@ -28,13 +29,13 @@ _LAZY = {
     "DynamicFluid": "._fluid", "FluidScheduler": "._fluid", "StaticFluid": "._fluid", "fluid_shares": "._fluid",
     "TrialProtocol": "._protocol", "Verdict": "._protocol", "ThreadPlan": "._threads", "ThreadPolicy": "._threads",
     "RayExecutor": "._ray",  # Ray is optional: imported when asked for
-    "trials_table": "._progress",
+    "trials_table": "._progress", "retrain": "._retrain", "Retrained": "._retrain",
 }
 
 __all__ = ["Experiment", "Budget", "RunOptions", "Executor", "InlineExecutor", "ProcessExecutor", "RayExecutor", "RunContext", "load",
            "TrialProtocol", "Verdict", "find_abandoned", "mark_abandoned",
            "StaticFluid", "DynamicFluid", "FluidScheduler", "fluid_shares",
-           "ThreadPolicy", "ThreadPlan", "runs_started", "trials_table"]
+           "ThreadPolicy", "ThreadPlan", "runs_started", "trials_table", "retrain", "Retrained"]
 
 __getattr__, __dir__ = lazy_names(__name__, _LAZY, globals(), __all__)
 
