@@ -22,7 +22,8 @@ def searched(tmp_path_factory, data):
     train, val = data
     evaluator = td.evaluators.Classification(train, val, epochs=2, batch_size=128, optimizer="adam",
                                              lr=td.choice("lr", [0.01, 0.003]))
-    exp = td.Experiment(Net(), evaluator, "grid", max_trials=4, store=root / "s.db", name="s", verbose=False)
+    exp = td.Experiment(Net(), evaluator, "grid", budget=4, store=root / "s.db", name="s",
+                        options=td.RunOptions(verbose=False))
     exp.run()
     [folder] = exp.export(root / "best")
     return exp, evaluator, exp.best(), folder
