@@ -8,7 +8,7 @@ each computed on its slice). :func:`~._supernet.build_supernet` swaps them in.""
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,12 @@ from torch import nn
 from ._traced import plain, traced_labels, value_at
 
 from ._arch import ArchState, Sample, _crop, not_one_shot
+
+if TYPE_CHECKING:   # the torch layer a mixin is combined with (EntangledConv2d(_EntangledConv, nn.Conv2d))
+    from torch.nn.modules.batchnorm import _BatchNorm as _NormLayer
+    from torch.nn.modules.conv import _ConvNd as _ConvLayer
+else:
+    _ConvLayer = _NormLayer = object
 
 
 class _Entangled:
@@ -40,7 +46,7 @@ class _Entangled:
         raise NotImplementedError
 
 
-class _EntangledConv(_Entangled):
+class _EntangledConv(_Entangled, _ConvLayer):
     def _weight_bias(self, sample: Sample | None = None) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         out_c, in_c, groups = self._at("out_channels", sample), self._at("in_channels", sample), self._at("groups", sample)
         w = self.weight[:out_c, : in_c // groups]
@@ -50,7 +56,11 @@ class _EntangledConv(_Entangled):
 
     def sliced(self, name: str, sample: Sample) -> torch.Tensor:
         w, b, _ = self._weight_bias(sample)
-        return w if name == "weight" else b
+        if name == "weight":
+            return w
+        if b is None:   # callers ask for the bias only of a layer that has one
+            raise ValueError(f"{type(self).__name__} has no bias to slice (bias=False)")
+        return b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         conv = F.conv1d if isinstance(self, nn.Conv1d) else F.conv2d
@@ -99,7 +109,7 @@ class EntangledLinear(_Entangled, nn.Linear):
         return F.linear(x, self.sliced("weight", state.sample), None if self.bias is None else self.sliced("bias", state.sample))
 
 
-class _EntangledNorm(_Entangled):
+class _EntangledNorm(_Entangled, _NormLayer):
     def sliced(self, name: str, sample: Sample) -> torch.Tensor:
         tensor = getattr(self, name)
         if name == "num_batches_tracked":

@@ -20,6 +20,8 @@ training step:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 import random
 from typing import Any, Callable, Mapping
 
@@ -261,7 +263,7 @@ class DARTS(OneShotStrategy):
         self.alpha = {label: nn.Parameter(1e-3 * torch.randn(len(values), generator=g))
                       for label, values in net.state.values.items()}
         self.arch_optimizer = torch.optim.Adam(list(self.alpha.values()), lr=self.arch_lr,
-                                               betas=tuple(self.arch_betas), weight_decay=self.arch_weight_decay)
+                                               betas=(self.arch_betas[0], self.arch_betas[1]), weight_decay=self.arch_weight_decay)
 
     def mixing(self, step: int) -> dict[str, torch.Tensor]:
         """The mixing weight of every candidate of every label at ``step``."""
@@ -313,7 +315,7 @@ class DARTS(OneShotStrategy):
         with torch.no_grad():
             for p, b in zip(params, backup):
                 p.copy_(b)
-        norm = torch.sqrt(sum((g * g).sum() for g in d_w if g is not None))
+        norm = torch.sqrt(functools.reduce(operator.add, [(g * g).sum() for g in d_w if g is not None]))
         eps = 0.01 / (float(norm) + 1e-12)
 
         def alpha_grad(sign: float) -> tuple[Any, ...]:

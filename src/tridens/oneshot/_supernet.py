@@ -57,6 +57,8 @@ __all__ = ["ArchState", "Supernet", "SupernetResolver", "MixedLayer", "MixedInpu
 class MixedLayer(nn.Module):
     """Every candidate of a ``LayerChoice``; runs the path's one or the probability-weighted sum."""
 
+    _state: ArchState
+
     def __init__(self, label: str, keys: Sequence[Any], candidates: Sequence[nn.Module], state: ArchState):
         super().__init__()
         self.label, self.keys = label, list(keys)
@@ -86,6 +88,8 @@ class MixedLayer(nn.Module):
 class MixedInput(nn.Module):
     """Every input of an ``InputChoice``: the path's selection or the weighted sum of selections."""
 
+    _state: ArchState
+
     def __init__(self, label: str, selections: Sequence[Any], reduction: str, state: ArchState):
         super().__init__()
         self.label, self.reduction = label, reduction
@@ -111,6 +115,9 @@ class MixedInput(nn.Module):
 class MixedDepth(nn.Sequential):
     """A ``Repeat`` at its largest depth; the path runs its first ``depth`` blocks, weights mix
     the outputs after each candidate depth. Iterating it yields the path's blocks only."""
+
+    _state: ArchState
+    _depth: TracedInt
 
     def __init__(self, blocks: Sequence[nn.Module], depth: TracedInt, state: ArchState):
         super().__init__(*blocks)
@@ -156,6 +163,8 @@ class MixedEdge(nn.Module):
     """One op of a ``tnn.Cell`` node: its candidates (a :class:`MixedLayer`) on every state it may
     read. A path runs the chosen input's op; weights mix the inputs by the input label's probabilities."""
 
+    _state: ArchState
+
     def __init__(self, label: str, edges: Sequence[nn.Module], state: ArchState):
         super().__init__()
         self.label = label
@@ -172,6 +181,7 @@ class MixedEdge(nn.Module):
                     continue
                 y = p[i] * edge(states[i])
                 total = y if total is None else total + y
+            assert total is not None   # the probabilities sum to one: some edge ran
             return total
         i = state.index(self.label)
         return self.edges[i](states[i])
@@ -380,7 +390,7 @@ class Supernet:
         """The supernet module holding the frozen model's tensor ``name`` on ``sample``'s path, and its leaf name."""
         parts = name.split(".")
         module: nn.Module = self.model
-        path = []
+        path: list[str] = []
         for part in parts[:-1]:
             module = _unwrap(module, sample, self.state)
             child = module._modules.get(part)
@@ -394,7 +404,7 @@ class Supernet:
         module, leaf = self._owner(name, sample)
         if isinstance(module, _Entangled) and leaf in {*module._parameters, *module._buffers}:
             return module.sliced(leaf, sample)
-        tensor = module._parameters.get(leaf)
+        tensor: torch.Tensor | None = module._parameters.get(leaf)
         if tensor is None:
             tensor = module._buffers.get(leaf)
         if tensor is None:
@@ -406,7 +416,7 @@ class Supernet:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = self.space.freeze(self.space.restrict(sample), check=False)
-        clean = model.tridens_sample
+        clean: Sample = getattr(model, "tridens_sample")   # the restricted sample freeze() set
         state = model.state_dict()
         sliced = self.subnet_state(clean, list(state))
         if self.loose_cells:
@@ -612,8 +622,8 @@ def _verify(net: Supernet, seed: int, max_checks: int) -> None:
                     checks.append((label, filled))
     rng = random.Random(seed)
     unique: dict[str, tuple[str | None, dict[str, Any]]] = {}
-    for label, sample in checks:
-        unique.setdefault(repr(sorted(sample.items())), (label, sample))
+    for varied, sample in checks:
+        unique.setdefault(repr(sorted(sample.items())), (varied, sample))
     ordered = list(unique.values())
     if len(ordered) > max_checks:
         ordered = ordered[:1] + rng.sample(ordered[1:], max_checks - 1)
@@ -622,16 +632,16 @@ def _verify(net: Supernet, seed: int, max_checks: int) -> None:
     was_training = net.model.training
     net.model.eval()
     try:
-        for label, sample in ordered:
+        for varied, sample in ordered:
             try:
                 child = net.extract(sample, seed=seed)
             except KeyError as err:
-                raise not_one_shot(label, f"changes the model's structure in a way the supernet does not hold "
+                raise not_one_shot(varied, f"changes the model's structure in a way the supernet does not hold "
                                           f"(sample {sample}: the model built alone has {err.args[0]!r}, the supernet "
                                           f"has nothing there)") from None
             except RuntimeError as err:
                 detail = " ".join(str(err).split())[:300]
-                raise not_one_shot(label, f"changes a weight's shape in a way the supernet cannot slice (sample "
+                raise not_one_shot(varied, f"changes a weight's shape in a way the supernet cannot slice (sample "
                                           f"{sample}: {detail})") from None
             if inputs is None:
                 continue
@@ -648,7 +658,7 @@ def _verify(net: Supernet, seed: int, max_checks: int) -> None:
                     continue
                 got = net.model(*args)
             if not _close(want, got):
-                culprit = label
+                culprit = varied
                 if culprit is None:
                     culprit = next(iter(search_space), None)
                 raise not_one_shot(culprit, f"is used in a way the supernet cannot follow (sample {sample}: the model "

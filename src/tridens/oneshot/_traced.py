@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Callable, FrozenSet, Mapping
+from typing import Any, Callable, FrozenSet, Mapping, SupportsIndex
 
 __all__ = ["TracedInt", "TracedFloat", "is_traced", "traced_labels", "value_at"]
 
@@ -121,8 +121,16 @@ class _TracedMixin:
     __rtruediv__ = _binary(operator.truediv, True)
     __mod__ = _binary(operator.mod)
     __rmod__ = _binary(operator.mod, True)
-    __pow__ = _binary(operator.pow)
-    __rpow__ = _binary(operator.pow, True)
+    _pow = _binary(operator.pow)
+    _rpow = _binary(operator.pow, True)
+
+    # int's and float's signatures (pow() with a modulus is not traced: NotImplemented, a TypeError)
+    def __pow__(self, other: Any, mod: Any = None) -> Any:
+        return self._pow(other) if mod is None else NotImplemented
+
+    def __rpow__(self, other: Any, mod: Any = None) -> Any:
+        return self._rpow(other) if mod is None else NotImplemented
+
     __neg__ = _unary(operator.neg)
     __pos__ = _unary(operator.pos)
     __abs__ = _unary(abs)
@@ -132,7 +140,7 @@ class _TracedMixin:
     __floor__ = _unary(math.floor)
     __ceil__ = _unary(math.ceil)
 
-    def __round__(self, ndigits: int | None = None) -> Any:
+    def __round__(self, ndigits: SupportsIndex | None = None) -> Any:
         return _wrap(round(_strip(self), ndigits), lambda s: round(value_at(self, s), ndigits), self.labels)
 
 
