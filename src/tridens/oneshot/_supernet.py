@@ -240,6 +240,7 @@ class MixedCell(nn.Module):
             node = self.num_predecessors + j
             keep: Any = None
             for edge in edges[(j + 1) * self.num_ops_per_node:]:
+                not_read: torch.Tensor | float
                 if state.weighted and edge.label in state.probs:
                     not_read = 1.0 - state.probs[edge.label][node]
                 else:
