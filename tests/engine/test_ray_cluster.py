@@ -98,7 +98,7 @@ def test_the_hub_lives_on_the_drivers_node(cluster, tmp_path):
     try:
         executor._connect()
         driver = ray.get_runtime_context().get_node_id()
-        assert ray.get(executor._hub.node_id.remote()) == driver
+        assert ray.get(executor._hub.hub.node_id.remote()) == driver
     finally:
         executor.close()
 

@@ -28,7 +28,7 @@ import threading
 import time
 import types
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -40,6 +40,7 @@ from ..trial import Decision, Fork
 from ..units import ExecutionUnit, Job, PlanContext, SeparateUnit
 from ._protocol import GroupHooks, TrialProtocol, TrialTimeout, Verdict, error_text
 from ._threads import ThreadPolicy
+from ._channel import ChannelClosed, PipeChannel, ready
 from ._messages import (Answer, Left, Outcome, Place, Quit, Report, RunTrial, RunUnit, ShipEvaluator,
                         Started)
 from ._watchdog import check_overtime, death_error, for_trial, settle
@@ -670,30 +671,24 @@ def _main_not_imported() -> Iterator[None]:
 
 
 class PoolWorker:
-    """One long-lived worker process of the pool and the driver's end of its pipe."""
+    """One long-lived worker process of the pool and the driver's end of its pipe (``channel``)."""
 
     def __init__(self, ctx: Any, index: int):
         self.index = index
-        self.conn, child = ctx.Pipe()
+        ours, child = ctx.Pipe()
         self.process = ctx.Process(target=_worker_main, args=(child, index, os.getpid(), dict(os.environ)),
                                    daemon=True, name=f"tridens-worker-{index}")
         with _main_not_imported():
             self.process.start()
         child.close()
+        self.channel = PipeChannel(ours, self.process)
         self.evaluators: set[int] = set()  # tokens of the evaluators this worker holds
 
     def alive(self) -> bool:
-        return self.process.is_alive()
-
-    def exit_code(self, wait: float = 2.0) -> int | None:
-        """The worker's exit code once it ended (None if it still runs after ``wait`` seconds)."""
-        self.process.join(timeout=wait)
-        return self.process.exitcode
+        return self.channel.alive()
 
     def kill(self) -> None:
-        self.process.kill()
-        self.process.join()
-        self.conn.close()
+        self.channel.kill()
 
 
 @dataclass
@@ -773,7 +768,7 @@ class ProcessExecutor(Executor):
         if token not in self._payloads:
             self._payloads[token] = (evaluator, worker_payload(evaluator, f"the evaluator {type(evaluator).__name__}"))
         if token not in worker.evaluators:
-            worker.conn.send(ShipEvaluator(token, self._payloads[token][1]))
+            worker.channel.send(ShipEvaluator(token, self._payloads[token][1]))
             worker.evaluators.add(token)
         return token
 
@@ -784,15 +779,13 @@ class ProcessExecutor(Executor):
     def close(self) -> None:
         for worker in self._pool.values():
             try:
-                worker.conn.send(Quit())
-            except (OSError, BrokenPipeError):
+                worker.channel.send(Quit())
+            except OSError:
                 pass
         for worker in self._pool.values():
-            worker.process.join(timeout=5)
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join()
-            worker.conn.close()
+            if worker.channel.exit_code(wait=5) is None:
+                worker.channel.kill()
+            worker.channel.close()
         self._pool.clear()
 
     # -- running a group -------------------------------------------------------------------------
@@ -837,14 +830,14 @@ class ProcessExecutor(Executor):
                     worker = self.worker(index)
                     try:
                         token = self.ship(worker, evaluator)
-                        worker.conn.send(RunTrial(job.trial.id, token, model_bytes(job.model), job.trial.sample,
+                        worker.channel.send(RunTrial(job.trial.id, token, model_bytes(job.model), job.trial.sample,
                                                   job.trial.seed, job.max_steps, state_bytes(job.start_from)))
-                    except (OSError, BrokenPipeError):  # died between two trials: its message is read below
+                    except OSError:  # died between two trials: its end is read below
                         pass
                     running[index] = _Running(TrialProtocol(job, hooks, clock="wall"), worker)
-            ready = wait([run.worker.conn for run in running.values()], timeout=0.2)
+            readable = ready([run.worker.channel for run in running.values()], timeout=0.2)
             for index, run in list(running.items()):
-                if run.worker.conn in ready and not self._handle(index, run):
+                if run.worker.channel in readable and not self._handle(index, run):
                     del running[index]
                 elif check_overtime(run.life, functools.partial(self.replace, index)):  # hangs or runs too long
                     del running[index]
@@ -853,11 +846,11 @@ class ProcessExecutor(Executor):
         """Process one message of ``run``'s worker; False when the trial is over."""
         life = run.life
         try:
-            message = run.worker.conn.recv()
-        except (EOFError, OSError):
-            code = run.worker.exit_code()
+            message = run.worker.channel.receive()
+        except ChannelClosed:
+            died = death_error("worker process", run.worker.channel.exit_description())
             self.replace(index)
-            life.fail(for_trial(death_error("worker process", f"exit code {code}"), life.trial))
+            life.fail(for_trial(died, life.trial))
             return False
         if isinstance(message, Started):
             life.start()
@@ -867,7 +860,7 @@ class ProcessExecutor(Executor):
             if verdict is Verdict.DROP:  # past its timeout: failed by the protocol
                 self.replace(index)
                 return False
-            run.worker.conn.send(Answer(life.trial.id, verdict.value))
+            run.worker.channel.send(Answer(life.trial.id, verdict.value))
             return True
         settle(life, message.outcome, load_bytes)
         return False

@@ -19,8 +19,8 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, Sequence, cast
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -28,6 +28,7 @@ from ..evaluators import Evaluator, StepwiseEvaluator
 from ..units import Job
 from ._execution import load_bytes, model_bytes, state_bytes, weights_bytes
 from ._fluid import Placement, StaticFluid
+from ._channel import ChannelClosed, PipeChannel, ready
 from ._messages import Answer, Closed, Left, Outcome, Place, Profile, Report, ShipEvaluator, Started, Yielded
 from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text
 from ._watchdog import check_silence, death_error, for_trial, settle
@@ -213,7 +214,7 @@ class FluidRun:
             worker = self.executor.worker(slot)
             self.hosts[slot].add(key)
             token = self.executor.ship(worker, self.evaluator)
-            worker.conn.send(Place(job.trial.id, token, payload, job.trial.sample, job.trial.seed, job.max_steps,
+            worker.channel.send(Place(job.trial.id, token, payload, job.trial.sample, job.trial.seed, job.max_steps,
                                    ft.state, measure, rank, len(p.devices), port))
         ft.state = None
 
@@ -246,15 +247,15 @@ class FluidRun:
         while self.trials or self.closing:
             for placement in self.sched.schedule():
                 self._launch(placement)
-            conns = {}
+            channels = {}
             for s, tids in self.hosts.items():
                 worker = executor.running(s)
                 if tids and worker is not None:
-                    conns[worker.conn] = s
-            for conn in cast("list[Connection]", wait(list(conns), timeout=0.2)):  # (wait returns what it was given)
-                slot = conns[conn]
+                    channels[id(worker.channel)] = (s, worker.channel)
+            for channel in ready([c for _, c in channels.values()], timeout=0.2):
+                slot = channels[id(channel)][0]
                 if self.hosts[slot]:
-                    self._receive(slot, conn)
+                    self._receive(slot, channel)
             now = time.monotonic()
             for tid in [t for t, entry in self.closing.items() if now > entry[1]]:
                 log.warning("fluid: the ranks %s of trial %d did not tear their gloo group down within %s s; replaced",
@@ -265,14 +266,12 @@ class FluidRun:
                 if ft.slots and tid in self.trials:
                     check_silence([ft.life], ft.last_message, functools.partial(self._kill_slot, ft.slots[0]))
 
-    def _receive(self, slot: int, conn: Connection) -> None:
+    def _receive(self, slot: int, channel: PipeChannel) -> None:
         """One message from the worker in ``slot``."""
         try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            worker = self.executor.running(slot)
-            code = None if worker is None else worker.exit_code()
-            self._kill_slot(slot, death_error("worker process", f"exit code {code}"))
+            message = channel.receive()
+        except ChannelClosed:
+            self._kill_slot(slot, death_error("worker process", channel.exit_description()))
             return
         tid = message.trial_id
         if isinstance(message, Closed):
@@ -295,12 +294,12 @@ class FluidRun:
             verdict = life.report(message.step, message.metrics, last=ft.epochs_done >= ft.limit, seconds=message.seconds)
             self.sched.progress(tid, ft.remaining())
             if verdict is Verdict.DROP:  # past its timeout: failed by the protocol
-                conn.send(Answer(tid, Verdict.DROP.value))
+                channel.send(Answer(tid, Verdict.DROP.value))
                 self._end(tid)
             elif verdict is Verdict.CONTINUE and tid in self.sched.rescales():
-                conn.send(Answer(tid, Verdict.YIELD.value))
+                channel.send(Answer(tid, Verdict.YIELD.value))
             else:
-                conn.send(Answer(tid, verdict.value))
+                channel.send(Answer(tid, verdict.value))
         elif isinstance(message, Yielded):
             ft.state = message.state
             new = self.sched.rescales().get(tid)

@@ -37,14 +37,15 @@ import multiprocessing as mp
 import sys
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
-from typing import Any, Mapping, Sequence
+from multiprocessing.connection import Connection
+from typing import Mapping, Sequence
 
 import torch
 
 from ..units import Decisions, ExecutionUnit
 from ._execution import run_lockstep
 from ._pool_units import PipeJudge, settle_left
+from ._channel import ChannelClosed, PipeChannel, ready
 from ._messages import End, Left, LogRecord, Measured, Report, Round, Verdicts
 from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text
 from ._watchdog import check_silence, death_error, ended_error, for_trial
@@ -75,8 +76,7 @@ def forkable(units: Sequence[ExecutionUnit]) -> str:
 class _Share:
     """One child process, the members it trains and the round it has reported."""
 
-    process: Any
-    conn: Connection
+    channel: PipeChannel
     lives: dict[int, TrialProtocol]
     round: list[Report] | None = None
     open: bool = True
@@ -138,13 +138,13 @@ def run_forked(shares: Sequence[Sequence[ExecutionUnit]], lives: Mapping[int, Tr
             process.start()
             theirs.close()
             members = {tid: lives[tid] for unit in share for tid in unit.jobs if tid in lives}
-            children.append(_Share(process, ours, members))
+            children.append(_Share(PipeChannel(ours, process), members))
         log.info("%d units in %d forked processes (pids %s), %d thread(s) each", sum(len(s) for s in shares),
-                 len(children), ", ".join(str(c.process.pid) for c in children), threads)
+                 len(children), ", ".join(str(c.channel.process.pid) for c in children), threads)
         while any(c.open for c in children):
-            ready = wait([c.conn for c in children if c.open], timeout=0.2)
+            readable = ready([c.channel for c in children if c.open], timeout=0.2)
             for child in children:
-                if child.open and child.conn in ready:
+                if child.open and child.channel in readable:
                     _receive(child, decisions)
             _barrier(children, rank)
             for child in children:
@@ -152,23 +152,20 @@ def run_forked(shares: Sequence[Sequence[ExecutionUnit]], lives: Mapping[int, Tr
                     check_silence(child.lives.values(), child.last_message, lambda error: _lost(child, error))
     finally:
         for child in children:
-            child.process.join(timeout=5)
-            if child.process.is_alive():
-                child.process.kill()
-                child.process.join()
-            child.conn.close()
+            if child.channel.exit_code(wait=5) is None:
+                child.channel.kill()
+            child.channel.close()
 
 
 def _receive(child: _Share, decisions: Decisions | None = None) -> None:
     """Every message ``child`` has sent so far."""
     while child.open:
         try:
-            if not child.conn.poll():
+            if not child.channel.poll():
                 return
-            message = child.conn.recv()
-        except (EOFError, OSError):
-            child.process.join(timeout=2)
-            _lost(child, death_error("forked process", f"exit code {child.process.exitcode}"))
+            message = child.channel.receive()
+        except ChannelClosed:
+            _lost(child, death_error("forked process", child.channel.exit_description()))
             return
         child.last_message = time.monotonic()
         if isinstance(message, Round):
@@ -189,8 +186,8 @@ def _receive(child: _Share, decisions: Decisions | None = None) -> None:
 
 def _lost(child: _Share, error: str) -> None:
     """The child died or hangs: killed; every member still there fails."""
-    if child.process.is_alive():
-        child.process.kill()
+    if child.channel.alive():
+        child.channel.process.kill()
     child.open = False
     for life in child.lives.values():
         life.fail(for_trial(error, life.trial))
@@ -221,6 +218,6 @@ def _barrier(children: Sequence[_Share], rank: Mapping[int, int]) -> None:
         child.round = None
         child.last_message = time.monotonic()
         try:
-            child.conn.send(Verdicts(answers[id(child)]))
-        except (OSError, BrokenPipeError):   # died meanwhile: read as its death next
+            child.channel.send(Verdicts(answers[id(child)]))
+        except ChannelClosed:   # died meanwhile: read as its death next
             pass

@@ -94,10 +94,14 @@ class RunUnit:
 
 @dataclass(frozen=True)
 class Answer:
-    """The verdict (a :class:`~._protocol.Verdict` value) for a trial's :class:`Report`."""
+    """The verdict (a :class:`~._protocol.Verdict` value) for a trial's :class:`Report`; on Ray
+    for its ``step`` and ``attempt``, and for a member of a population that forks (PBT) a dict
+    naming the fork's source and sample (see :mod:`._ray_units`)."""
 
     trial_id: int
-    verdict: str
+    verdict: Any
+    step: int | None = None
+    attempt: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,9 +122,10 @@ class WantState:
 
 @dataclass(frozen=True)
 class ArchiveAnswer:
-    """The result of an :class:`ArchiveCall`."""
+    """The result of an :class:`ArchiveCall` (on Ray, under its call's ``key``)."""
 
     result: Any
+    key: Any = None
 
 
 @dataclass(frozen=True)

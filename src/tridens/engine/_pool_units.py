@@ -34,7 +34,7 @@ import logging
 import pickle
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
@@ -44,6 +44,7 @@ from ..trial import Fork, Trial
 from ..units import ExecutionUnit, Job, PlanContext
 from ._execution import (LockstepJudge, UnitReport, handed_source, load_bytes, model_bytes, plan_units, run_lockstep,
                          state_bytes)
+from ._channel import ChannelClosed, ready
 from ._messages import (ArchiveAnswer, ArchiveCall, End, Forked, Left, Outcome, Report, Round, RunUnit, Started, State,
                         Verdicts, WantState)
 from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text
@@ -158,9 +159,9 @@ class UnitRun:
             for slot in range(self.executor.workers):
                 if queue and slot not in running:
                     running[slot] = self._launch(queue.pop(0), slot)
-            conns = {p.worker.conn: slot for slot, p in running.items() if p.worker is not None}
-            for conn in wait(list(conns), timeout=0.2):
-                slot = conns[conn]  # type: ignore[index]
+            slots = {id(p.worker.channel): slot for slot, p in running.items() if p.worker is not None}
+            for channel in ready([p.worker.channel for p in running.values() if p.worker is not None], timeout=0.2):
+                slot = slots[id(channel)]
                 if slot in running and not self._receive(running[slot]):
                     del running[slot]
             if self.forks:
@@ -178,8 +179,8 @@ class UnitRun:
                    for tid, life in p.lives.items()]
         experiment = None if self.archive is None or p.settings is None else self.archive.experiment
         try:
-            p.worker.conn.send(RunUnit(token, members, p.settings, POOL_OPTIMIZATIONS, experiment))
-        except (OSError, BrokenPipeError):  # died meanwhile: read as its death below
+            p.worker.channel.send(RunUnit(token, members, p.settings, POOL_OPTIMIZATIONS, experiment))
+        except ChannelClosed:  # died meanwhile: read as its death below
             pass
         return p
 
@@ -195,20 +196,20 @@ class UnitRun:
         """One message of ``p``'s worker; False when the placement is over."""
         assert p.worker is not None
         try:
-            message = p.worker.conn.recv()
-        except (EOFError, OSError):
-            self._died(p, p.worker.exit_code())
+            message = p.worker.channel.receive()
+        except ChannelClosed:
+            self._died(p, p.worker.channel.exit_description())
             return False
         return self._handle(p, message)
 
-    def _died(self, p: _Placement, code: int | None) -> None:
+    def _died(self, p: _Placement, how: str) -> None:
         """What the death of ``p``'s worker means for each member: the members that had not left
         lost only their in-memory state, so the placement is retried once on a fresh worker (a
         stage tree resumes from the stages it stored; steps recorded before are not recorded
         again); a second death fails them. A population that forks (PBT) trains in lockstep with
         the other workers' members, so its lost members fail."""
         p.deaths += 1
-        error = death_error("worker process", f"exit code {code}", times=p.deaths)
+        error = death_error("worker process", how, times=p.deaths)
         if p.deaths > 1 or self.forks or not p.lives:
             self._lost(p, error)
             return
@@ -226,13 +227,13 @@ class UnitRun:
             for life in p.lives.values():
                 life.start()
         elif isinstance(message, ArchiveCall):
-            p.worker.conn.send(ArchiveAnswer(self._archive_call(message.method, message.args, message.kwargs)))
+            p.worker.channel.send(ArchiveAnswer(self._archive_call(message.method, message.args, message.kwargs)))
         elif isinstance(message, Round):
             if self.forks:
                 p.round = message.reports
             else:
                 verdicts = {report.trial_id: self._verdict(p, report).value for report in message.reports}
-                p.worker.conn.send(Verdicts(verdicts))
+                p.worker.channel.send(Verdicts(verdicts))
         elif isinstance(message, Forked):
             member, origin = p.lives.get(message.trial_id), self._life(message.source)
             if member is not None and origin is not None:
@@ -304,16 +305,16 @@ class UnitRun:
             p.round = None
             p.last_message = time.monotonic()
             assert p.worker is not None
-            p.worker.conn.send(Verdicts(answers, given[id(p)]))
+            p.worker.channel.send(Verdicts(answers, given[id(p)]))
 
     def _state_of(self, p: _Placement, tid: int) -> bytes | None:
         """Member ``tid``'s trainer state, handed back by its worker (which waits for its verdicts)."""
         assert p.worker is not None
-        p.worker.conn.send(WantState(tid))
+        p.worker.channel.send(WantState(tid))
         while True:
             try:
-                message = p.worker.conn.recv()
-            except (EOFError, OSError):
+                message = p.worker.channel.receive()
+            except ChannelClosed:
                 return None   # its death is read in the loop
             if isinstance(message, State) and message.trial_id == tid:
                 return message.payload

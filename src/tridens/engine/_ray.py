@@ -51,7 +51,8 @@ from ..evaluators import Evaluator, StepwiseEvaluator
 from ..units import Job, PlanContext
 from ._execution import Executor, RunContext, _context
 from ..trial import Fork
-from ._messages import ArchiveCall, Forked, Left, Outcome, Posted, Started
+from ._channel import HubChannel
+from ._messages import Answer, ArchiveAnswer, ArchiveCall, Forked, Left, Outcome, Posted, Started
 from ._protocol import GroupHooks, TrialProtocol, Verdict
 from ._ray_fluid import FluidOnRay
 from ._ray_hub import POLL_S, death_cause, start_hub
@@ -155,7 +156,7 @@ class RayExecutor(Executor):
         self.optimize = optimize  # None: the experiment's
         self.allocation = allocation  # None: the experiment's
         self._started_ray = False
-        self._hub: Any = None
+        self._hub: HubChannel | None = None   # the driver's end of the hub every task posts to
         self._evaluator: tuple[Any, Any] | None = None  # (evaluator, its object ref): one copy for all groups
         self._archive: Any = None  # the run's stage store (tridens.store.StageArchive) while a group runs
         # a population's last answer per member: (step, answer, handed source or None), given again
@@ -210,7 +211,11 @@ class RayExecutor(Executor):
                 ray.init(address=self.address, include_dashboard=False, logging_level=logging.ERROR,
                          configure_logging=True)
             self._started_ray = True  # ours to stop (a local Ray) or to disconnect from (a cluster)
-        self._hub = start_hub()
+        self._hub = HubChannel(start_hub())
+
+    def _channel(self) -> HubChannel:
+        assert self._hub is not None, "the executor connects to Ray before it runs a group"
+        return self._hub
 
     def _resources(self) -> dict[str, float]:
         gpus = float(ray.cluster_resources().get("GPU", 0.0))
@@ -221,10 +226,7 @@ class RayExecutor(Executor):
 
     def close(self) -> None:
         if self._hub is not None:
-            try:
-                ray.kill(self._hub)
-            except Exception:  # Ray already gone (a cluster that went away): nothing to release
-                pass
+            self._hub.close()
             self._hub = None
         self._evaluator = None
         if self._started_ray and ray.is_initialized():
@@ -262,7 +264,7 @@ class RayExecutor(Executor):
             if self.allocation is not None and jobs:
                 log.warning("allocation=%r places the trials of declarative evaluators only; this evaluator's "
                             "trials run one per task with %s CPU(s)", self.allocation, self.cpus_per_trial)
-            UserLoopGroup(self._hub, evaluator_ref, storage, str(self.experiment), workers=self.workers,
+            UserLoopGroup(self._channel(), evaluator_ref, storage, str(self.experiment), workers=self.workers,
                           max_retries=self.max_retries, resources=self._resources()).run(jobs, hooks)
 
     # -- units (declarative evaluators) --------------------------------------------------------
@@ -329,6 +331,7 @@ class RayExecutor(Executor):
         waiting = {next(iter(t.members)): t for t in tracks} if fluid is not None else {}
         running: list[_UnitTrack] = []
         owner: dict[int, _UnitTrack] = {}  # trial id -> its running task's track
+        hub = self._channel()
         try:
             while queue or running or waiting:
                 if fluid is not None:
@@ -343,7 +346,7 @@ class RayExecutor(Executor):
                     self._launch_unit(track, evaluator_ref, storage)
                     running.append(track)
                     owner.update({m.job.trial.id: track for m in track.unfinished()})
-                for message in ray.get(self._hub.drain.remote(POLL_S)):
+                for message in hub.receive_all(POLL_S):
                     self._handle_unit(message, owner, storage, fluid, held)
                 if held is not None:
                     self._barrier(running, held, storage)
@@ -352,7 +355,7 @@ class RayExecutor(Executor):
                 for ref in done:
                     track = refs[ref]
                     # messages posted before the task returned are in the hub: read them first
-                    for message in ray.get(self._hub.drain.remote(0)):
+                    for message in hub.receive_all(0):
                         self._handle_unit(message, owner, storage, fluid, held)
                     if self._unit_done(track, ref, storage, fluid):
                         running.remove(track)
@@ -389,7 +392,7 @@ class RayExecutor(Executor):
                 "settings": track.settings,
                 "limit": next(iter(track.members.values())).limit}
         track.started = track.last_message = math.inf
-        track.ref = run_unit.options(**track.resources).remote(evaluator_ref, spec, self._hub)
+        track.ref = run_unit.options(**track.resources).remote(evaluator_ref, spec, self._channel().hub)
 
     def _handle_unit(self, posted: Posted, owner: Mapping[int, _UnitTrack], storage: CheckpointStorage,
                      fluid: FluidOnRay | None, held: dict[int, Any] | None = None) -> None:
@@ -413,9 +416,10 @@ class RayExecutor(Executor):
             return
         if isinstance(message, ArchiveCall):   # a stage tree's stage-store call; checkpoints travel through storage
             experiment = str(self.experiment)
-            self._hub.reply.remote(message.key, answer_archive_call(
+            self._channel().send(ArchiveAnswer(answer_archive_call(
                 self._archive, message.method, message.args, message.kwargs,
-                lambda state: storage.hand(experiment, state), storage.take, f"Ray task of trial {trial_id}"))
+                lambda state: storage.hand(experiment, state), storage.take, f"Ray task of trial {trial_id}"),
+                message.key))
             return
         if isinstance(message, Forked):   # the member now continues from its source's state: its lineage
             origin = owner.get(message.source)
@@ -428,7 +432,7 @@ class RayExecutor(Executor):
         if held is not None and verdict is not Verdict.DROP:   # answered with the whole population's round
             given = self._answered.get(trial_id)
             if given is not None and given[0] == step:   # asked again by a restarted task: the same answer
-                self._hub.answer.remote(trial_id, attempt, step, self._answer(given, storage))
+                self._channel().send(Answer(trial_id, self._answer(given, storage), step, attempt))
                 return
             held[trial_id] = (track, attempt, step, verdict)
             return
@@ -441,7 +445,7 @@ class RayExecutor(Executor):
             verdict = Verdict.YIELD  # to its new share at this epoch boundary
             log.info("fluid on Ray: trial %d moves to share %g after epoch %d", trial_id,
                      fluid.sched.rescales()[trial_id], step + 1)
-        self._hub.answer.remote(trial_id, attempt, step, verdict.value)
+        self._channel().send(Answer(trial_id, verdict.value, step, attempt))
 
     def _forks(self) -> bool:
         """Whether the strategy forks members (PBT): the group's tasks then run at once, in lockstep."""
@@ -485,7 +489,7 @@ class RayExecutor(Executor):
             answers[tid] = answer
         for tid, (track, attempt, step, _) in rounds.items():
             self._answered[tid] = (step, answers[tid], handed.get(tid))
-            self._hub.answer.remote(tid, attempt, step, self._answer(self._answered[tid], storage))
+            self._channel().send(Answer(tid, self._answer(self._answered[tid], storage), step, attempt))
 
     def _answer(self, given: tuple[int, Any, tuple[Any, ...] | None], storage: CheckpointStorage) -> Any:
         """A population member's answer; a source in another task handed over as a fresh file (the

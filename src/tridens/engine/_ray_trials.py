@@ -26,7 +26,8 @@ from ..evaluators import Evaluator
 from ..trial import Decision
 from ..units import Job
 from ._protocol import GroupHooks, TrialProtocol, TrialTimeout, Verdict, error_text
-from ._messages import Outcome, Posted, Report, Started
+from ._channel import HubChannel
+from ._messages import Answer, Outcome, Posted, Report, Started
 from ._ray_hub import POLL_S, death_cause
 from ._ray_storage import CheckpointStorage
 from ._watchdog import check_overtime, death_error, for_trial, settle
@@ -100,13 +101,14 @@ class _Task:
 
 class UserLoopGroup:
     """The driver's run of one group of user-loop trials: at most ``workers`` tasks at once, each
-    asking for ``resources``, checkpoints under ``storage``/``experiment``, messages through ``hub``.
+    asking for ``resources``, checkpoints under ``storage``/``experiment``, messages through ``hub``
+    (the driver's end of the Ray hub, :class:`~._channel.HubChannel`).
 
-    >>> UserLoopGroup(hub, evaluator_ref, storage, "search", workers=2, max_retries=1,
+    >>> UserLoopGroup(HubChannel(start_hub()), evaluator_ref, storage, "search", workers=2, max_retries=1,
     ...               resources={"num_cpus": 1.0}).run(jobs, hooks)             # doctest: +SKIP
     """
 
-    def __init__(self, hub: Any, evaluator_ref: Any, storage: CheckpointStorage, experiment: str, *, workers: int,
+    def __init__(self, hub: HubChannel, evaluator_ref: Any, storage: CheckpointStorage, experiment: str, *, workers: int,
                  max_retries: int, resources: Mapping[str, float]):
         self.hub, self.evaluator_ref, self.storage, self.experiment = hub, evaluator_ref, storage, experiment
         self.workers, self.max_retries, self.resources = workers, max_retries, dict(resources)
@@ -121,7 +123,7 @@ class UserLoopGroup:
                     task = queue.pop(0)
                     self._launch(task)
                     running[task.job.trial.id] = task
-                for message in ray.get(self.hub.drain.remote(POLL_S)):
+                for message in self.hub.receive_all(POLL_S):
                     self._handle(message, running)
                 refs = {t.ref: t for t in running.values()}
                 done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
@@ -145,7 +147,7 @@ class UserLoopGroup:
                 "directory": self.storage.trial_directory(self.experiment, trial.id)}
         trial.info["storage"] = spec["directory"]
         task.life.started_at = math.inf  # the timeout counts from the worker's first message
-        task.ref = run_trial.options(**self.resources).remote(self.evaluator_ref, task.job.model, spec, self.hub)
+        task.ref = run_trial.options(**self.resources).remote(self.evaluator_ref, task.job.model, spec, self.hub.hub)
 
     def _handle(self, posted: Posted, running: dict[int, _Task]) -> None:
         attempt, (pid, node), message = posted.attempt, posted.worker, posted.message
@@ -163,7 +165,7 @@ class UserLoopGroup:
             return
         # a Report; a user loop is asked after every report
         verdict = life.report(message.step, message.metrics, seconds=message.seconds)
-        self.hub.answer.remote(trial_id, attempt, message.step, verdict.value)
+        self.hub.send(Answer(trial_id, verdict.value, message.step, attempt))
         if verdict is Verdict.DROP:  # past its timeout: failed by the protocol; its worker is freed
             ray.cancel(task.ref, force=True)
             del running[trial_id]
