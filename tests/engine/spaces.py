@@ -1,6 +1,7 @@
 """Importable spaces and evaluator functions for engine tests (the process executor pickles them)."""
 
 import math
+import os
 import time
 
 import torch
@@ -50,6 +51,24 @@ class TinyMLP(tnn.ModelSpace):
 
     def forward(self, x):
         return self.body(x)
+
+
+class AwayMLP(TinyMLP):
+    """TinyMLP whose width-8 models misbehave in any process but the one that built them (the
+    driver, where tracing and planning run): ``"hang"`` sleeps ten minutes inside an epoch without
+    a word, ``"die"`` ends the process (``os._exit(3)``)."""
+
+    def __init__(self, away="hang"):
+        super().__init__()
+        self.away, self.built_in = away, os.getpid()
+
+    def forward(self, x):
+        if self.body[1].out_features == 8 and os.getpid() != self.built_in:
+            if self.away == "hang":
+                time.sleep(600)
+            else:
+                os._exit(3)
+        return super().forward(x)
 
 
 def score_by_width(model, scale=1.0):

@@ -3,6 +3,9 @@ Ray on 127.0.0.1) -- passes the same cases, on tiny models and the real digits d
 
 same metrics for a seeded experiment, a stop decision, a member whose loss becomes NaN, a trial
 past its ``trial_timeout`` (a loop that never reports), a crash of the process training a trial,
+a process that hangs or dies inside an epoch (the hang check and the death message, wherever
+step-wise trials train in another process: pool workers, stage trees on them, Ray tasks, forked
+children),
 ``kill -9`` of the driver and a resume (real subprocesses), a fork of a member from its state,
 stage trees (trials sharing a training prefix) and a strategy that forks members (PBT).
 
@@ -27,7 +30,7 @@ import tridens as td
 from tridens.trial import Trial, TrialStatus
 from tridens.units import Job, SeparateUnit
 
-from .spaces import TinyMLP
+from .spaces import AwayMLP, TinyMLP
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,8 +57,9 @@ def classification(digits_data, epochs=2, **choices):
                                         **choices)
 
 
-def run(tmp_path, executor, evaluator, strategy=None, name="conf", max_trials=None, trial_timeout=None, **options):
-    exp = td.Experiment(TinyMLP(), evaluator, strategy or td.strategy.GridSearch(), store=tmp_path / "t.db",
+def run(tmp_path, executor, evaluator, strategy=None, name="conf", max_trials=None, trial_timeout=None, space=None,
+        **options):
+    exp = td.Experiment(space or TinyMLP(), evaluator, strategy or td.strategy.GridSearch(), store=tmp_path / "t.db",
                         name=name, executor=executor, budget=td.Budget(max_trials=max_trials, trial_timeout=trial_timeout),
                         options=td.RunOptions(verbose=False, **options))
     return {tuple(sorted(t.sample.items())): t for t in exp.run().trials()}
@@ -145,6 +149,58 @@ def test_a_trial_past_its_timeout_fails_even_if_it_never_reports(kind, tmp_path,
             assert trial.status is TrialStatus.FAILED and "exceeded trial_timeout=2 s" in trial.error
         else:
             assert trial.status is TrialStatus.COMPLETED and trial.metric == 0.5
+
+
+# -- a unit's process hangs or dies inside an epoch -----------------------------------------------------
+UNIT_BACKENDS = ["process", "process-units", "ray", "forked"]
+"""Where step-wise trials train in another process: a pool worker per trial, pool workers training
+stage trees (units), a Ray task per trial, forked children of the in-process executor (units side by side)."""
+
+
+def away(kind, how, executor_of, digits_data, tmp_path, trial_timeout=None):
+    """The trials of ``AwayMLP(how)`` on ``kind``: width 4 trains, width 8 hangs or dies."""
+    ev = classification(digits_data, lr=td.choice("lr", [0.05, 0.2]))
+    options = {}
+    if kind == "process":
+        executor = executor_of("process", optimize=False)
+    elif kind == "process-units":   # trials sharing a training prefix: a stage tree per width, in a worker
+        executor = executor_of("process")
+        ev = classification(digits_data, epochs=td.choice("epochs", [2, 3]), lr=0.1, schedule="step",
+                            milestones=[1], gamma=td.choice("gamma", [0.1, 0.5]))
+        options = {"seeds": "per-architecture"}
+    elif kind == "ray":
+        executor = executor_of("ray", optimize=False)
+    else:
+        if not hasattr(os, "fork"):
+            pytest.skip("forked units need os.fork")
+        executor = td.executors.Inline(threads=td.engine.ThreadPolicy(threads=1, concurrent=2), optimize=False)
+    got = run(tmp_path, executor, ev, space=AwayMLP(how), trial_timeout=trial_timeout, **options)
+    assert {dict(key)["hidden"] for key in got} == {4, 8}
+    for key, trial in got.items():
+        if dict(key)["hidden"] == 4:
+            assert trial.status is TrialStatus.COMPLETED, trial.error
+    return [t for key, t in got.items() if dict(key)["hidden"] == 8]
+
+
+@pytest.mark.parametrize("kind", UNIT_BACKENDS)
+def test_a_trial_silent_inside_an_epoch_past_its_timeout_is_killed(kind, tmp_path, executor_of, digits_data):
+    """The hang check: a process that says nothing past ``trial_timeout`` (and a grace) is killed,
+    its trials fail with the timeout message, the others train on."""
+    for trial in away(kind, "hang", executor_of, digits_data, tmp_path, trial_timeout=3):
+        assert trial.status is TrialStatus.FAILED and "exceeded trial_timeout=3 s" in trial.error, trial.error
+        assert "was killed" in trial.error
+
+
+@pytest.mark.parametrize("kind", UNIT_BACKENDS)
+def test_a_process_that_dies_inside_an_epoch_fails_only_its_trials(kind, tmp_path, executor_of, digits_data):
+    """The death message: ``os._exit(3)`` while training fails the trials of that process (a pool's
+    stage tree after one retry on a fresh worker, Ray's after ``max_retries``), the others train on."""
+    for trial in away(kind, "die", executor_of, digits_data, tmp_path):
+        assert trial.status is TrialStatus.FAILED and "died" in trial.error, trial.error
+        if kind != "ray":
+            assert "exit code 3" in trial.error
+        if kind == "process-units":
+            assert "died 2 time(s)" in trial.error
 
 
 # -- fork ------------------------------------------------------------------------------------------

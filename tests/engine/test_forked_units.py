@@ -1,12 +1,12 @@
 """A group's units side by side in forked processes (the in-process executor with a thread policy
 that runs several units at once), against the same experiment one unit at a time: real training on
-digits, real SQLite stores, real child processes."""
+digits, real SQLite stores, real child processes. A child that hangs or dies is a case of the
+executor conformance suite (``test_executor_conformance.py``, the ``"forked"`` backend)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 
 import pytest
 import torch
@@ -115,33 +115,6 @@ def test_measured_decisions_and_log_records_come_back_from_the_children(digits_d
     assert [v for values in executor.context.plan.decisions.speedups.values() for v in values] == [3.0, 3.0]
 
 
-class DyingSpace(TinyMLP):
-    """Width 4 trains; width 8 ends the process it trains in, unless that is the driver
-    (``DRIVER``: tracing and sampling run there)."""
-
-    def forward(self, x):
-        if self.body[1].out_features == 8 and os.getpid() != DRIVER[0]:
-            os._exit(3)
-        return super().forward(x)
-
-
-DRIVER = [os.getpid()]
-
-
-def test_a_child_that_dies_fails_only_its_trials(digits_data, tmp_path):
-    DRIVER[0] = os.getpid()
-    side = run(DyingSpace(), evaluator(digits_data, epochs=2), td.strategy.GridSearch(), tmp_path, "side",
-               SIDE_BY_SIDE, False, 4)
-    widths = {t.id: t.sample["hidden"] for t in side.values()}
-    for tid, trial in side.items():
-        if widths[tid] == 8:
-            assert trial.status is TrialStatus.FAILED and "forked process" in (trial.error or "")
-            assert "exit code 3" in trial.error
-        else:
-            assert trial.status is TrialStatus.COMPLETED, trial.error
-            assert len(trial.metrics["val_acc"]) == 2
-
-
 def test_stage_trees_stay_in_the_driver(digits_data, tmp_path, caplog):
     from tests.xopt.stage_script import Net, grid_evaluator
 
@@ -154,27 +127,3 @@ def test_stage_trees_stay_in_the_driver(digits_data, tmp_path, caplog):
     assert "units one at a time in this process: stage tree units read and write the store" in caplog.text
     assert "forked processes" not in caplog.text
     assert all(t.status is TrialStatus.COMPLETED for t in exp.trials())
-
-
-class HangingSpace(TinyMLP):
-    """Width 8 hangs in any process but the driver (``DRIVER``)."""
-
-    def forward(self, x):
-        if self.body[1].out_features == 8 and os.getpid() != DRIVER[0]:
-            time.sleep(600)
-        return super().forward(x)
-
-
-def test_a_child_silent_past_the_timeout_is_killed_and_its_trials_fail(digits_data, tmp_path):
-    DRIVER[0] = os.getpid()
-    exp = td.Experiment(HangingSpace(), evaluator(digits_data, epochs=2), td.strategy.GridSearch(),
-                        budget=td.Budget(max_trials=4, trial_timeout=1.0), store=str(tmp_path / "h.db"),
-                        options=td.RunOptions(verbose=False),
-                        executor=td.executors.Inline(threads=SIDE_BY_SIDE, optimize=False))
-    exp.run()   # the hanging child is killed after the timeout and its grace
-    for trial in exp.trials():
-        if trial.sample["hidden"] == 8:
-            assert trial.status is TrialStatus.FAILED
-            assert "exceeded trial_timeout=1.0 s inside an epoch and was killed" in trial.error
-        else:
-            assert trial.status is TrialStatus.COMPLETED, trial.error

@@ -43,12 +43,12 @@ from typing import Mapping, Sequence
 import torch
 
 from ..units import Decisions, ExecutionUnit
-from ._execution import run_lockstep
-from ._pool_units import PipeJudge, settle_left
+from ._execution import load_bytes, run_lockstep
+from ._pool_units import PipeJudge
 from ._channel import ChannelClosed, PipeChannel, ready
 from ._messages import End, Left, LogRecord, Measured, Report, Round, Verdicts
 from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text
-from ._watchdog import check_silence, death_error, ended_error, for_trial
+from ._watchdog import check_silence, death_error, ended_error, for_trial, settle
 
 __all__ = ["forkable", "run_forked"]
 
@@ -171,7 +171,7 @@ def _receive(child: _Share, decisions: Decisions | None = None) -> None:
         if isinstance(message, Round):
             child.round = message.reports
         elif isinstance(message, Left):
-            settle_left(child.lives, message.trial_id, message.outcome)
+            settle(child.lives.pop(message.trial_id, None), message.outcome, load_bytes)
         elif isinstance(message, LogRecord):
             logging.getLogger(message.record.name).handle(message.record)
         elif isinstance(message, Measured):

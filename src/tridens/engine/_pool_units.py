@@ -54,7 +54,7 @@ from ._watchdog import check_silence, death_error, ended_error, for_trial, settl
 if TYPE_CHECKING:
     from ._execution import PoolWorker, ProcessExecutor
 
-__all__ = ["UnitRun", "serve_unit", "PipeJudge", "settle_left", "POOL_OPTIMIZATIONS"]
+__all__ = ["UnitRun", "serve_unit", "PipeJudge", "POOL_OPTIMIZATIONS"]
 
 log = logging.getLogger("tridens")
 
@@ -239,7 +239,7 @@ class UnitRun:
             if member is not None and origin is not None:
                 member.forked(origin.trial, message.step, Fork(message.source, message.sample))
         elif isinstance(message, Left):
-            settle_left(p.lives, message.trial_id, message.outcome)
+            settle(p.lives.pop(message.trial_id, None), message.outcome, load_bytes)
         elif isinstance(message, End):
             for life in list(p.lives.values()):
                 life.fail(for_trial(ended_error("in its worker"), life.trial))
@@ -319,14 +319,6 @@ class UnitRun:
             if isinstance(message, State) and message.trial_id == tid:
                 return message.payload
             self._handle(p, message)
-
-
-def settle_left(lives: dict[int, TrialProtocol], tid: int, outcome: Outcome) -> None:
-    """A member's :class:`~._messages.Left` from a :class:`PipeJudge`: its protocol leaves
-    ``lives`` and its outcome is settled (:func:`~._watchdog.settle`; weights as bytes)."""
-    life = lives.pop(tid, None)
-    if life is not None:
-        settle(life, outcome, load_bytes)
 
 
 # -- the worker ---------------------------------------------------------------------------------------

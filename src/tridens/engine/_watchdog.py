@@ -69,13 +69,14 @@ def ended_error(where: str) -> str:
     return f"the unit of trial {{trial}} ended {where} without an outcome for it"
 
 
-def settle(life: TrialProtocol, outcome: Outcome, load: Callable[[Any], Any]) -> None:
-    """The trial's outcome from the process that trained it, into its protocol: what the unit wrote
+def settle(life: TrialProtocol | None, outcome: Outcome, load: Callable[[Any], Any]) -> None:
+    """The trial's outcome from the process that trained it, into its protocol (None: a trial that
+    left already, nothing to do): what the unit wrote
     into ``trial.info`` first, then failed with the error, or finished with the value (None: the
     last recorded) and the weights (``load`` turns the outcome's ``weights`` -- bytes through a
     pipe, a file under Ray's storage -- into a state dict). A trial dropped there (past its
     timeout) was failed here already."""
-    if outcome.kind in ("dropped", "yielded"):
+    if life is None or outcome.kind in ("dropped", "yielded"):
         return
     life.trial.info.update(outcome.info or {})
     if outcome.kind == "error":
