@@ -38,6 +38,20 @@ class Job:
     _resolved: tuple[Any, Any, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
+    def concrete_model(self) -> nn.Module:
+        """:attr:`model`, for a unit that trains it: a job without one (its evaluator needs no
+        model) handed to such a unit is a planning error.
+
+        >>> from tridens.trial import Trial
+        >>> Job(Trial(id=1, sample={}, seed=0), model=nn.Linear(2, 1)).concrete_model
+        Linear(in_features=2, out_features=1, bias=True)
+        """
+        if self.model is None:
+            raise TypeError(f"trial {self.trial.id} has no model (its evaluator needs none); a unit that trains "
+                            "models was given it")
+        return self.model
+
+    @property
     def sample(self) -> dict[str, Any]:
         """The hyperparameters the trial trains with now."""
         return self.trial.sample if self.hparams is None else self.hparams

@@ -77,7 +77,7 @@ from ..evaluators import StepwiseEvaluator
 from ._decision_cache import SEPARATE_STEP, DecisionCache
 from ._batching import _SETUP_FIELDS, BatchedMember, BatchedUnit, peak_matmul_flops
 from ._cse import TrainerMember, joint_trainers, with_fast_kernels
-from ._pipeline import PipelineMember
+from ._pipeline import PipelineMember, supervised_trainer
 from ._settings import BatchingSettings, CSESettings
 
 __all__ = ["AdaptiveMember", "AdaptiveUnit", "decision_key"]
@@ -297,7 +297,7 @@ class AdaptiveMember:
         # deciding (nothing final trained yet): the initial weights
         if self._timing is not None and trial_id == self._timing.trial_id and self._snapshot is not None:
             return {k: v.detach().cpu().clone() for k, v in self._snapshot.items()}
-        return {k: v.detach().cpu() for k, v in self.jobs[trial_id].model.state_dict().items()}
+        return {k: v.detach().cpu() for k, v in self.jobs[trial_id].concrete_model.state_dict().items()}
 
     def batching(self) -> str:
         """``"auto"`` while deciding, then ``"force"`` while fused and ``"off"`` once separate."""
@@ -331,12 +331,12 @@ class AdaptiveMember:
             return
         job = self.jobs[ids[0]]
         try:
-            trainer = self.evaluator.trainer(job.model, job.sample, job.trial.seed)  # type: ignore[attr-defined]
+            trainer = supervised_trainer(self.evaluator, job.model, job.sample, job.trial.seed)
         except Exception:  # the separate trainers will report it; decide on the fused stack alone
             return
         # its first steps train the real model: kept if the group goes separate, undone otherwise
-        self._snapshot = {k: v.detach().clone() for k, v in job.model.state_dict().items()}
-        self._was_training = job.model.training
+        self._snapshot = {k: v.detach().clone() for k, v in job.concrete_model.state_dict().items()}
+        self._was_training = job.concrete_model.training
         self._timing = TrainerMember(job, trainer)
         self._timing.begin_epoch()
         # timed as the separate trainers would step it: with the exact faster kernels they get
@@ -584,7 +584,7 @@ class AdaptiveMember:
                 return
         timing = self._timing
         if timing is not None and self._snapshot is not None:  # undo the timing trial's separate steps
-            model = timing.job.model
+            model = timing.job.concrete_model
             with torch.no_grad():
                 model.load_state_dict(self._snapshot)
             model.train(self._was_training)
@@ -634,7 +634,7 @@ class AdaptiveMember:
                 state = fused.state_dict(t, job, self.evaluator)
                 if state is None:  # (CUDA: no trainer checkpoint from the stack)
                     return
-                trainer = self.evaluator.trainer(job.model, job.sample, job.trial.seed)  # type: ignore[attr-defined]
+                trainer = supervised_trainer(self.evaluator, job.model, job.sample, job.trial.seed)
                 trainer.load_state_dict(state)
                 trainers[t] = TrainerMember(job, trainer)
         except Exception as err:  # stay fused: it trains them as it did
@@ -670,7 +670,7 @@ class AdaptiveMember:
                 continue
             job = self.jobs[t]
             try:
-                trainer = self.evaluator.trainer(job.model, job.sample, job.trial.seed)  # type: ignore[attr-defined]
+                trainer = supervised_trainer(self.evaluator, job.model, job.sample, job.trial.seed)
             except Exception as err:  # reported as the trial's failure at the epoch's end
                 self._errors[t] = err
                 continue

@@ -23,6 +23,7 @@ from ..evaluators import StepwiseEvaluator
 from ..evaluators import NonFiniteLoss
 from ..evaluators import BatchSource, SupervisedEvaluator, align_output
 from ._grouped import GroupedProgram, _Unsupported
+from ._pipeline import PipelineMember
 from ._stacked import _DROPOUTS, _ForwardState, _MaskDropout, _dropout_names, _dropout_ps, _forward_state, _keep_freed_memory, _skeleton
 from ._settings import BatchingSettings, Settings
 from ._variants import order_by_variant, runs, sites, variant
@@ -32,11 +33,11 @@ from ._vector_optim import _VectorOptimizer, _resolved_momentum
 _CHECKED_EXAMPLES = 8
 
 # -- the fused models ------------------------------------------------------------------------------------
-class BatchedMember:
+class BatchedMember(PipelineMember):
     """The K fused models of a unit: stacked parameters, buffers, optimizer state and random
     streams, stepped on batches its driver supplies.
 
-    It answers the pipeline-member protocol of :mod:`tridens.xopt._cse` (``inputs``,
+    It is a :class:`~._pipeline.PipelineMember` (``inputs``,
     ``trial_ids``, ``limit``, ``epoch``, ``wants_epoch``, ``begin_epoch``, ``train_batch(x, y,
     batch)``, ``end_epoch``, ``begin_validation``, ``validate_batch(x, y)``, ``end_validation``,
     ``weights``, ``leave``), so a shared-pipeline unit can feed it like one trainer;
@@ -51,8 +52,8 @@ class BatchedMember:
                  settings: BatchingSettings | None = None):
         if not isinstance(evaluator, SupervisedEvaluator):
             raise TypeError(f"operator batching trains Classification/Regression trials, not {type(evaluator).__name__}")
-        models = [job.model for job in jobs]
-        if len(jobs) == 0 or any(not isinstance(m, nn.Module) for m in models):
+        models = [job.model for job in jobs if isinstance(job.model, nn.Module)]
+        if len(jobs) == 0 or len(models) != len(jobs):
             raise TypeError("operator batching needs a model per trial")
         order = order_by_variant(models)  # each activation variant's rows together
         jobs, models = [jobs[i] for i in order], [models[i] for i in order]
@@ -94,7 +95,7 @@ class BatchedMember:
                 for n, t in first.named_parameters()}
             self.buffers: dict[str, torch.Tensor] = {
                 n: torch.stack([b[n].detach().to(self.device) for _, b in named]) for n, _ in first.named_buffers()}
-        self._ps = {job.trial.id: _dropout_ps(job.model) for job in jobs}
+        self._ps = {job.trial.id: _dropout_ps(m) for job, m in zip(jobs, models)}
         self._dropout_index = _dropout_names(first)
         self._dropout_dims = {n: _DROPOUTS[type(m)] for n, m in first.named_modules() if type(m) in _DROPOUTS}
         self._mask_shapes: dict[tuple[Any, ...], tuple[int, ...]] = {}
@@ -266,7 +267,7 @@ class BatchedMember:
         opt = self.optimizer
         adaptive = opt.kind in ("adam", "adamw", "rmsprop")  # torch keeps a step count per parameter
         state: dict[int, dict[str, Any]] = {}
-        for i, (name, _) in enumerate(job.model.named_parameters()):
+        for i, (name, _) in enumerate(job.concrete_model.named_parameters()):
             stacked = opt.state.get(name)
             if not stacked:
                 continue
@@ -275,7 +276,7 @@ class BatchedMember:
                 entry["step"] = torch.tensor(float(opt.steps[name]))
             state[i] = entry
         cfg = job.config(evaluator)
-        groups = cfg.make_optimizer(job.model.parameters()).state_dict()["param_groups"]
+        groups = cfg.make_optimizer(job.concrete_model.parameters()).state_dict()["param_groups"]
         return {"format": CHECKPOINT_FORMAT, "model": self.weights(trial_id),
                 "optimizer": {"state": state, "param_groups": groups},
                 "epoch": self.epoch(trial_id), "step": self.step, "seed": job.trial.seed,
@@ -666,7 +667,8 @@ class BatchedUnit(ExecutionUnit):
             if isinstance(result, BaseException) or result is None:
                 results[i] = result if result is not None else RuntimeError(f"trial {i} was not trained")
                 continue
-            metrics = {**val[i], **result} if isinstance(val.get(i), dict) else result
+            scores = val.get(i)
+            metrics = {**scores, **result} if isinstance(scores, dict) else result
             results[i] = {metric: metrics[metric], **metrics}
         share = (time.monotonic() - t0) / max(len(trained), 1)
         for i in trained:

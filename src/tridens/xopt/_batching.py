@@ -177,7 +177,7 @@ def _structure_key(model: nn.Module) -> str:
     :mod:`._variants`), plus its parameter and buffer names and shapes (what stacking needs)."""
     from ..graph import trace
 
-    dropouts = [m for m in model.modules() if type(m) in _DROPOUTS]
+    dropouts = [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd) and type(m) in _DROPOUTS]
     saved = [m.p for m in dropouts]
     try:
         for m in dropouts:
@@ -188,7 +188,8 @@ def _structure_key(model: nn.Module) -> str:
     finally:
         for m, p in zip(dropouts, saved):
             m.p = p
-    tensors = [(n, tuple(t.shape), str(t.dtype), t.requires_grad) for n, t in model.named_parameters()]
+    tensors: list[tuple[Any, ...]] = [(n, tuple(t.shape), str(t.dtype), t.requires_grad)
+                                      for n, t in model.named_parameters()]
     tensors += [(n, tuple(t.shape), str(t.dtype)) for n, t in model.named_buffers()]
     digest = hashlib.blake2b(repr(tensors).encode(), digest_size=16).hexdigest()  # the same in every process
     return f"{fingerprint}|{digest}"
@@ -409,21 +410,22 @@ def _structure_keys(jobs: Sequence[Job], decisions: Decisions) -> list[str | Bas
     partner to stack with (in ``jobs``' order)."""
     by_shape: dict[tuple[Any, ...], list[int]] = {}
     for index, job in enumerate(jobs):
-        by_shape.setdefault(_shape_key(job.model), []).append(index)
+        by_shape.setdefault(_shape_key(job.concrete_model), []).append(index)
     keys: list[str | BaseException | None] = [None] * len(jobs)
     for group in by_shape.values():
         if len(group) < 2:
             continue
         for index in group:
             job = jobs[index]
-            attrs = _attribute_key(job.model)
+            model = job.concrete_model
+            attrs = _attribute_key(model)
             # the classes themselves (not their names): a class defined again, e.g. in a notebook, is traced again
-            cached = None if attrs is None else (attrs, tuple(type(m) for m in job.model.modules()))
+            cached = None if attrs is None else (attrs, tuple(type(m) for m in model.modules()))
             if cached is not None and cached in decisions.traced:
                 keys[index] = decisions.traced[cached]
                 continue
             try:
-                key: str | BaseException = _structure_key(job.model)
+                key: str | BaseException = _structure_key(model)
             except Exception as err:
                 key = err
             keys[index] = key
@@ -509,7 +511,7 @@ def plan_batching(jobs: Sequence[Job], evaluator: StepwiseEvaluator, *, settings
                 leftover.extend(group)
                 continue
             budget = context.memory_bound(group[0].config(evaluator).device, max_unit_memory)
-            group = [group[i] for i in order_by_variant([job.model for job in group])]
+            group = [group[i] for i in order_by_variant([job.concrete_model for job in group])]
             made, rest = _plan_group(skey, setup, group, evaluator, budget, knobs, full.cse, context.decisions)
             units.extend(made)
             leftover.extend(rest)
@@ -539,7 +541,7 @@ def _plan_group(skey: str, setup: tuple[Any, ...], group: list[Job], evaluator: 
     if settings.mode == "force":
         return _plan_forced(group, evaluator, budget, x, y, settings)
     try:
-        per_model, flops, pools = _model_costs(group[0].model, x, cfg)
+        per_model, flops, pools = _model_costs(group[0].concrete_model, x, cfg)
     except Exception:  # a forward the meta device cannot run: measure on a throwaway fused step
         try:
             per_model, flops, pools = _per_model_bytes(_probe(group[:2], evaluator, x, y, settings), x), 0.0, True

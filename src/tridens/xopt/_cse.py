@@ -74,7 +74,8 @@ from ..units import Decisions, ExecutionUnit, Job, PlanContext, default_max_unit
 from ..evaluators import StepwiseEvaluator
 from ..evaluators import TrainConfig, SupervisedEvaluator
 from ._joint import JointMember
-from ._pipeline import BATCH, PipelineMember, SharedPipelineUnit, SharedPrefix, TrainerMember, _difference, _mib, _pipeline_key
+from ._pipeline import (BATCH, PipelineMember, SharedPipelineUnit, SharedPrefix, TrainerMember, _difference, _mib,
+                        _pipeline_key, supervised_trainer)
 from ._prefix import (MIN_PREFIX_SHARE, _Analysis, _Hasher, _PrefixPlan, _analyse, _example_batch, _find_prefixes,
                       example_bytes)
 from ._settings import CSESettings, Settings
@@ -244,9 +245,9 @@ def _plan_group(group: list[tuple[Job, TrainConfig]], evaluator: StepwiseEvaluat
     prefix_bytes: dict[str, int] = {}
     for plan in plans:
         rep = plan.rep
-        acts = sum(b for n, b in rep.activations.items() if rep.key_of.get(n) in plan.keys)
+        prefix_acts = sum(b for n, b in rep.activations.items() if rep.key_of.get(n) in plan.keys)
         state = sum(t.numel() * t.element_size() for t in plan.prefix.module.state_dict().values())
-        prefix_bytes[plan.prefix.key] = 2 * acts + state
+        prefix_bytes[plan.prefix.key] = 2 * prefix_acts + state
     limit = context.memory_bound(cfg0.device, max_unit_memory)
 
     def estimate(chunk: list[tuple[_Analysis, int, int]]) -> int:
@@ -347,7 +348,7 @@ def _make_unit(chunk: list[tuple[_Analysis, int, int]], evaluator: StepwiseEvalu
         plan = split_of.get(trial_id)
         try:
             if plan is None:
-                trainer = evaluator.trainer(job.model, job.sample, job.trial.seed)
+                trainer = supervised_trainer(evaluator, job.model, job.sample, job.trial.seed)
                 members.append(TrainerMember(job, trainer))
                 whole.append(trial_id)
                 continue
@@ -359,7 +360,7 @@ def _make_unit(chunk: list[tuple[_Analysis, int, int]], evaluator: StepwiseEvalu
                 prefixes[prefix.key] = prefix
                 used.add(prefix.key)
             split = plan.members[trial_id]
-            trainer = evaluator.trainer(split.suffix, job.sample, job.trial.seed)
+            trainer = supervised_trainer(evaluator, split.suffix, job.sample, job.trial.seed)
             state = prefix.module.state_dict(keep_vars=True)
             buffers = {k: state[r] for k, r in split.buffers.items() if r in state}
             members.append(TrainerMember(job, trainer, inputs=split.inputs, prefix_buffers=buffers))
@@ -443,7 +444,7 @@ def merge_pipelines(units: Sequence[ExecutionUnit], rest: Sequence[Job], evaluat
         if key is None or not any(isinstance(u, BatchedUnit) for u in by_key.get(key, ())):
             left.append(job)
             continue
-        single = SharedPipelineUnit([job], evaluator, memory=unit_memory([(_resident(job.model, cfg), 0)]))
+        single = SharedPipelineUnit([job], evaluator, memory=unit_memory([(_resident(job.concrete_model, cfg), 0)]))
         if single.errors:
             left.append(job)
             continue
@@ -454,7 +455,9 @@ def merge_pipelines(units: Sequence[ExecutionUnit], rest: Sequence[Job], evaluat
     for key, group in by_key.items():
         if len(group) < 2 or not any(isinstance(u, BatchedUnit) for u in group):
             continue
-        cfg = group[0].member.cfg if isinstance(group[0], BatchedUnit) else group[0].config
+        first = group[0]
+        cfg = first.member.cfg if isinstance(first, BatchedUnit) else \
+            first.config if isinstance(first, SharedPipelineUnit) else None
         assert cfg is not None
         limit = (context or PlanContext()).memory_bound(cfg.device, max_unit_memory)
         chunks: list[list[ExecutionUnit]] = []

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import linecache
 import operator
+import sys
 import traceback
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping
@@ -400,13 +401,17 @@ _MODULE_RULES: dict[type, _Rule] = {
 
 def _is_pool2x2(node: fx.Node, m: nn.Module | None) -> bool:
     """A 2x2, stride-2 max-pool without padding, dilation, ceil mode or indices."""
+    k: Any   # a module's typed attributes, or a call's arguments (any value the user wrote)
+    s: Any
+    p: Any
+    d: Any
     if m is not None:
         if type(m) is not nn.MaxPool2d:
             return False
         k, s, p, d, ceil, idx = m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode, m.return_indices
     else:
         names = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
-        given = dict(zip(names, node.args[1:]), **node.kwargs)
+        given: dict[str, Any] = dict(zip(names, node.args[1:]), **node.kwargs)
         if set(given) - set(names):
             return False
         k, s, p, d = (given.get(n) for n in names[:4])
@@ -520,7 +525,7 @@ class GroupedProgram:
             return self.module(x, run)  # type: ignore[no-any-return]
         except Exception as err:
             node = self.failed_node(err)
-            if node is not None:
+            if node is not None and sys.version_info >= (3, 11):   # (exception notes are 3.11's)
                 err.add_note(f"While executing {node.format_node()}")
             raise
 

@@ -71,7 +71,8 @@ class _MultiStep:
             merged = self._merged.get(cls)
             if merged is None:
                 # built once per class; its one param group is replaced at every step
-                merged = self._merged[cls] = cls(params, lr=hyper[key]["lr"], foreach=True)
+                make: Callable[..., torch.optim.Optimizer] = cls   # an optimizer class (Adam, SGD, ...): takes lr, foreach
+                merged = self._merged[cls] = make(params, lr=hyper[key]["lr"], foreach=True)
                 merged.state = _RoutedState(self._owners)  # type: ignore[assignment]
             merged.param_groups = [{**hyper[key], "foreach": True, "params": params}]
             merged.step()
@@ -90,7 +91,7 @@ class _WideLayer:
     into a tensor of its own (the layout its own layer gives, and an own version counter, so a
     member's in-place op on it cannot touch the others' saved tensors)."""
 
-    def __init__(self, kind: str, flatten: bool, layers: Mapping[int, nn.Module]):
+    def __init__(self, kind: str, flatten: bool, layers: Mapping[int, nn.Linear | nn.Conv2d]):
         self.kind = kind
         self.flatten = flatten
         self.layers = dict(layers)   # trial id -> its first layer (the model's own module)
@@ -99,7 +100,7 @@ class _WideLayer:
         mods = [self.layers[t] for t in (self.layers if ids is None else ids)]
         width = sum(int(m.weight.shape[0]) for m in mods)
         m0 = mods[0]
-        if self.kind == "linear":
+        if isinstance(m0, nn.Linear):   # (kind "linear")
             return f"Linear({m0.in_features} -> {width})"
         return (f"Conv2d({m0.in_channels} -> {width}, kernel {tuple(m0.kernel_size)}, stride {tuple(m0.stride)}, "
                 f"padding {m0.padding if isinstance(m0.padding, str) else tuple(m0.padding)})")
@@ -112,11 +113,12 @@ class _WideLayer:
         # member's bias gradient is reduced from its own slice, as its own layer's backward does
         # (a wide reduction rounds differently, and a bias before BatchNorm has a gradient that is
         # rounding noise only, which Adam scales up to lr-sized steps)
-        bias = torch.cat([m.bias for m in mods]).detach() if mods[0].bias is not None else None
-        if self.kind == "linear":
+        # (a group's layers all have a bias or none has: it is part of their key)
+        bias = torch.cat([m.bias for m in mods if m.bias is not None]).detach() if mods[0].bias is not None else None
+        m0 = mods[0]
+        if isinstance(m0, nn.Linear):   # (kind "linear")
             out, dim = F.linear(inp, weight, bias), -1
         else:
-            m0 = mods[0]
             out, dim = F.conv2d(inp, weight, bias, m0.stride, m0.padding, m0.dilation, 1), 1
         parts = out.split([int(m.weight.shape[0]) for m in mods], dim)
         given: dict[int, torch.Tensor] = {}

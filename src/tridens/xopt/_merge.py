@@ -228,13 +228,13 @@ def _sharing(children: Sequence[_Child], ident: Mapping[int, Mapping[str, str]])
             model = c.job.model
             assert isinstance(model, nn.Module)
             try:
-                names = [_join(target, name) for name, _ in model.get_submodule(target).named_buffers()]
+                buffer_names = [_join(target, name) for name, _ in model.get_submodule(target).named_buffers()]
             except AttributeError:  # a get_attr node of a tensor
-                names = [target]
-            for ck in names:
-                pk = ident[tid].get(ck)
-                if pk is not None and tid not in buffers.setdefault(pk, []):
-                    buffers[pk].append(tid)
+                buffer_names = [target]
+            for ck in buffer_names:
+                shared_key = ident[tid].get(ck)
+                if shared_key is not None and tid not in buffers.setdefault(shared_key, []):
+                    buffers[shared_key].append(tid)
     return _Sharing({pk: ids for pk, ids in params.items() if len(ids) > 1},
                     {pk: ids for pk, ids in buffers.items() if len(ids) > 1}, nodes)
 

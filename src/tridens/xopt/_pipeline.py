@@ -29,6 +29,17 @@ def _mib(n: int) -> str:
 # ------------------------------------------------------------------------------------------------
 # members
 # ------------------------------------------------------------------------------------------------
+def supervised_trainer(evaluator: StepwiseEvaluator, model: torch.nn.Module | None, sample: Mapping[str, Any],
+                       seed: int) -> SupervisedTrainer:
+    """``evaluator.trainer(model, sample, seed)`` for a unit that steps it batch by batch (a shared
+    pipeline, a stage tree): a :class:`SupervisedTrainer` (Classification, Regression), else a TypeError."""
+    trainer = evaluator.trainer(model, sample, seed)
+    if not isinstance(trainer, SupervisedTrainer):
+        raise TypeError(f"{type(evaluator).__name__}.trainer made a {type(trainer).__name__}; a unit that steps "
+                        "trainers batch by batch needs a SupervisedTrainer (Classification, Regression)")
+    return trainer
+
+
 class PipelineMember:
     """What a :class:`SharedPipelineUnit` feeds: one or more trials training on the shared batches.
 
@@ -59,8 +70,9 @@ class PipelineMember:
     def begin_epoch(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def train_batch(self, x: Any, y: torch.Tensor, batch: int) -> None:  # pragma: no cover - abstract
-        """One optimizer step of every trial that trains this epoch and has not failed."""
+    def train_batch(self, x: Any, y: torch.Tensor, batch: int) -> object:  # pragma: no cover - abstract
+        """One optimizer step of every trial that trains this epoch and has not failed (what it
+        returns is the member's own; the unit ignores it)."""
         raise NotImplementedError
 
     def end_epoch(self) -> dict[int, dict[str, float] | BaseException]:  # pragma: no cover - abstract
@@ -188,8 +200,8 @@ class TrainerMember(PipelineMember):
         assert self._val is not None
         return {self.trial_id: self._val.result()}
 
-    def weights(self, trial_id: int) -> dict[str, Any] | None:
-        state = {k: v.detach().cpu() for k, v in self.job.model.state_dict().items()}
+    def weights(self, trial_id: int) -> dict[str, Any]:
+        state = {k: v.detach().cpu() for k, v in self.job.concrete_model.state_dict().items()}
         for key, tensor in self.prefix_buffers.items():
             if key in state:
                 state[key] = tensor.detach().cpu().clone()
@@ -205,12 +217,12 @@ class TrainerMember(PipelineMember):
             return state
         # A suffix after a shared prefix: its modules are the model's own, so its parameters are
         # found in the whole model by identity; the frozen prefix has no optimizer state.
-        index = {id(p): i for i, p in enumerate(job.model.parameters())}
+        index = {id(p): i for i, p in enumerate(job.concrete_model.parameters())}
         params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
         inner = state["optimizer"]["state"]
         cfg = job.config(evaluator)
         state["optimizer"] = {"state": {index[id(params[i])]: s for i, s in inner.items()},
-                              "param_groups": cfg.make_optimizer(job.model.parameters()).state_dict()["param_groups"]}
+                              "param_groups": cfg.make_optimizer(job.concrete_model.parameters()).state_dict()["param_groups"]}
         # (weights() may hand out the live tensors: a checkpoint must not change as training goes on)
         state["model"] = {k: v.clone() for k, v in self.weights(trial_id).items()}
         return state
@@ -294,7 +306,7 @@ class SharedPipelineUnit(ExecutionUnit):
             built: list[PipelineMember] = []
             for job in jobs:
                 try:
-                    trainer = evaluator.trainer(job.model, job.sample, job.trial.seed)
+                    trainer = supervised_trainer(evaluator, job.model, job.sample, job.trial.seed)
                 except Exception as err:  # reported as the trial's failure at its first epoch
                     self.errors[job.trial.id] = err
                     continue
@@ -401,7 +413,7 @@ class SharedPipelineUnit(ExecutionUnit):
         return env
 
     def _feed(self, members: Sequence[PipelineMember], env: dict[str, Any], y: torch.Tensor,
-              call: Callable[[PipelineMember, Any, torch.Tensor], None], seconds: dict[int, float]) -> None:
+              call: Callable[[PipelineMember, Any, torch.Tensor], object], seconds: dict[int, float]) -> None:
         """Give each member its inputs; a member that modifies a shared tensor in place is found by
         the tensor's version counter, the tensor is restored and that member gets copies from then on."""
         readers: dict[str, int] = {}

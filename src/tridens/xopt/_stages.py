@@ -44,6 +44,7 @@ from torch import nn
 from ..evaluators import (CHECKPOINT_FORMAT, StepwiseEvaluator, SupervisedTrainer, TrainConfig, record_digest,
                           stage_record)
 from ..units import ExecutionUnit, Job, PlanContext, UnitResult
+from ._pipeline import supervised_trainer
 
 log = logging.getLogger("tridens")
 
@@ -253,8 +254,8 @@ class StageTreeUnit(ExecutionUnit):
             entry = found[path]
             ids = [job.trial.id for job in members]
             first = members[0]
-            trainer = evaluator.trainer(first.model if entry is None and path not in stored  # type: ignore[attr-defined]
-                                        else copy.deepcopy(first.model), first.sample, first.trial.seed)
+            trainer = supervised_trainer(evaluator, first.model if entry is None and path not in stored
+                                         else copy.deepcopy(first.model), first.sample, first.trial.seed)
             if path in stored:   # a stage stored by an earlier run: loaded once for its trials
                 hit = self.archive.load(self.archive_root, stored[path][1], stored[path][0])
                 try:
@@ -265,7 +266,7 @@ class StageTreeUnit(ExecutionUnit):
                     hit = None
                 if hit is None:
                     path, entry = (), None
-                    trainer = evaluator.trainer(first.model, first.sample, first.trial.seed)  # type: ignore[attr-defined]
+                    trainer = supervised_trainer(evaluator, first.model, first.sample, first.trial.seed)
                 else:
                     entry = (hit.state, hit.history, hit.label, (hit.stage, hit.epochs))
                     self.archive.link(hit.stage, ids)
@@ -333,8 +334,7 @@ class StageTreeUnit(ExecutionUnit):
     def _fork(self, node: _Node, members: list[int]) -> _Node:
         """A new branch of ``node`` for ``members``, continuing from a copy of its whole state."""
         job = self.jobs[members[0]]
-        trainer = self.evaluator.trainer(copy.deepcopy(node.trainer.model), job.sample,  # type: ignore[attr-defined]
-                                         job.trial.seed)
+        trainer = supervised_trainer(self.evaluator, copy.deepcopy(node.trainer.model), job.sample, job.trial.seed)
         trainer.load_state_dict(node.trainer.state_dict())
         node.members = [m for m in node.members if m not in members]
         node.users -= set(members)   # they go through the child's stage, not the node's next one

@@ -77,7 +77,8 @@ from ._pipeline import PipelineMember, SharedPipelineUnit, _mib, _pipeline_key
 from ._prefix import _example_batch, example_to
 from ._inherit import inherit, inherit_from_trial, shared_tensors
 from ._settings import Settings
-from ._merge import _Child, _Sharing, _analyse, _batch_bytes, _identities, _merge, _sharing, _slot, _tensor, supergraph_memory
+from ._merge import (_Child, _Sharing, _Streams, _analyse, _batch_bytes, _identities, _merge, _sharing, _slot, _tensor,
+                     supergraph_memory)
 
 __all__ = ["shared_tensors", "inherit", "inherit_from_trial", "SuperGraphUnit", "SuperGraphMember",
            "plan_supergraph", "supergraph_memory"]
@@ -163,7 +164,9 @@ class SuperGraphMember(PipelineMember):
         try:
             return module(x)
         finally:
-            module.streams.close()
+            streams = module.streams
+            assert isinstance(streams, _Streams)   # (set on the merged module by _merge)
+            streams.close()
 
     def _attribute(self, err: BaseException, ids: Sequence[int], x: Any) -> None:
         """The merged forward raised: fail the children whose own model raises on this batch (all
@@ -261,8 +264,8 @@ class SuperGraphMember(PipelineMember):
                 optimizer.step()
             self.trainers[t].step += 1
         if self.shared_optimizer is not None:
-            for users, group in self._groups:
-                present = sorted(users & live)
+            for group_users, group in self._groups:
+                present = sorted(group_users & live)
                 if present:
                     group["lr"] = sum(lrs[t] for t in present) / len(present)
             self.shared_optimizer.step()

@@ -36,7 +36,7 @@ class _First:
     key: tuple[Any, ...]          # members with equal keys may share one wide op
     kind: str                     # "linear" | "conv2d"
     flatten: bool
-    layer: nn.Module
+    layer: nn.Linear | nn.Conv2d
     graph: Graph                  # the member's graph IR
     skip: tuple[fx.Node, ...]     # its nodes up to the layer (input, flatten, layer)
     _after: fx.GraphModule | None = None
@@ -63,7 +63,7 @@ def _is_flatten(n: fx.Node, graph: Graph, src: fx.Node) -> bool:
         m = graph._get(str(n.target))
         return type(m) is nn.Flatten and m.start_dim == 1 and m.end_dim == -1 and len(n.args) == 1 and not n.kwargs
     if (n.op == "call_function" and n.target is torch.flatten) or (n.op == "call_method" and n.target == "flatten"):
-        dims = {"start_dim": 0, "end_dim": -1}
+        dims: dict[str, Any] = {"start_dim": 0, "end_dim": -1}
         for name, value in zip(("start_dim", "end_dim"), n.args[1:]):
             dims[name] = value
         dims.update(n.kwargs)
@@ -192,6 +192,8 @@ def _ints(value: Any, n: int = 2) -> tuple[Any, ...] | None:
 
 def _is_max_pool_2x2(gm: nn.Module, n: fx.Node) -> bool:
     """A 2x2, stride-2 max-pool without padding, dilation, ceil mode or indices, on ``n.args[0]``."""
+    kernel: Any   # a module's typed attributes, or a call's arguments (any value the user wrote)
+    stride: Any
     if n.op == "call_module":
         m = gm.get_submodule(str(n.target))
         if type(m) is not nn.MaxPool2d or m._forward_hooks or m._forward_pre_hooks or len(n.args) != 1 or n.kwargs:
@@ -200,7 +202,7 @@ def _is_max_pool_2x2(gm: nn.Module, n: fx.Node) -> bool:
         ceil, indices = m.ceil_mode, m.return_indices
     elif n.op == "call_function" and n.target in (F.max_pool2d, torch.max_pool2d):
         names = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
-        given = dict(zip(names, n.args))
+        given: dict[str, Any] = dict(zip(names, n.args))
         if set(n.kwargs) - set(names) or set(n.kwargs) & set(given):
             return False
         given.update(n.kwargs)
@@ -438,12 +440,12 @@ def _joint_member(members: list[PipelineMember], chunk: list[tuple[_Analysis, in
         notes.append(f"2x2 max-pools of trials [{', '.join(str(t) for t in fast)}] run by an exact "
                      f"two-pass kernel")
     out: list[PipelineMember] = []
-    for m in members:
-        if m in joint:
+    for kept_member in members:
+        if kept_member in joint:
             if member not in out:
                 out.append(member)
         else:
-            out.append(m)
+            out.append(kept_member)
     text = f"joint step (one backward) for trials [{', '.join(str(m.trial_id) for m in joint)}]"
     if apart:
         text += "; alone: " + "; ".join(f"trials [{', '.join(map(str, t))}] ({why})" for why, t in apart.items())
