@@ -201,7 +201,7 @@ def check_same_space(name: str, recorded: Mapping[str, Any] | None, current: Map
     parts = [f"{what} {', '.join(map(repr, labels))}" for what, labels in
              (("new label", added), ("removed label", removed), ("changed label", changed)) if labels]
     raise SpaceChanged(f"experiment {name!r} was run with another search space ({'; '.join(parts)}): "
-                       f"give this search a new name=, or pass resume='force' to add its trials to {name!r}")
+                       f"give this search a new name=, or pass options=td.RunOptions(resume='force') to add its trials to {name!r}")
 
 
 class EvaluatorChanged(SpaceChanged):
@@ -219,7 +219,7 @@ def check_same_evaluator(name: str, recorded: Mapping[str, str] | None, current:
         return
     changes = fingerprint_changes(dict(recorded), dict(current))
     raise EvaluatorChanged(f"experiment {name!r} was run with another evaluator (changed: {'; '.join(changes)}), so "
-                           f"its trials would not compare: give this search a new name=, or pass resume='force' to add "
+                           f"its trials would not compare: give this search a new name=, or pass options=td.RunOptions(resume='force') to add "
                            f"its trials to {name!r}")
 
 
