@@ -121,7 +121,7 @@ class RunOptions:
     stage_policy: Any = None
 
 
-# Keywords Experiment took before it composed policies -> where each lives now (a DeprecationWarning says so).
+# Deprecated keywords of Experiment -> the policy object that holds each (its DeprecationWarning names it).
 _MOVED = {"max_trials": "budget=td.Budget(max_trials=...)", "max_duration": "budget=td.Budget(max_duration=...)",
           "trial_timeout": "budget=td.Budget(trial_timeout=...)",
           "seed": "options=td.RunOptions(seed=...)", "seeds": "options=td.RunOptions(seeds=...)",
