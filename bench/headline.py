@@ -70,14 +70,16 @@ can be overridden (``--train``, ``--val``, ``--epochs``, ``--trials``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import logging
 import math
 import os
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
@@ -475,16 +477,51 @@ def run_tridens(workload: str, data: tuple[Any, Any], epochs: int, trials: int, 
         exp = td.Experiment(space, ev, strategy, budget=trials, store=os.path.join(d, "headline.db"),
                             name=workload, options=td.RunOptions(seed=seed, verbose=False, warm_start=warm_start),
                             executor=td.executors.Inline(optimize=optimize, threads=threads))
+        plans = ThreadPlans()
         clock.start()
         t0 = time.perf_counter()
-        exp.run()
+        with plans.recording():
+            exp.run()
         wall = time.perf_counter() - t0
         end = clock.stop()
         for t in exp.trials():
             accs = t.metrics.get("val_acc", [])
             if accs and t.finished_at is not None:
                 events.add(accs[-1], len(accs), t.sample, wall=t.finished_at)
-    return {"wall": wall, "end": end}
+    return {"wall": wall, "end": end, "plans": plans.summary()}
+
+
+class ThreadPlans(logging.Handler):
+    """Counts the thread policy's decisions of a tridens run (its ``threads:`` log lines)."""
+
+    KINDS = [("no idle core", "busy"), ("set by the user", "user"), ("one unit", "alone(1 unit)"),
+             ("every idle core measured first", "alone(try)"), ("side by side measured first", "side(try)"),
+             ("every idle core measured faster", "alone"), ("side by side measured faster", "side")]
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.counts: dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if text.startswith("threads: ") and "unit(s) at once" in text:
+            kind = next((k for phrase, k in self.KINDS if phrase in text), "other")
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        logger = logging.getLogger("tridens")
+        level = logger.level
+        logger.addHandler(self)
+        logger.setLevel(logging.INFO)
+        try:
+            yield
+        finally:
+            logger.removeHandler(self)
+            logger.setLevel(level)
+
+    def summary(self) -> str:
+        return " ".join(f"{k}:{n}" for k, n in self.counts.items()) + f" (load {os.getloadavg()[0]:.2f})"
 
 
 def run_optuna(workload: str, data: tuple[Any, Any], epochs: int, trials: int, seed: int, clock: C.ProcessTreeClock,
@@ -628,10 +665,12 @@ def run_ray(workload: str, data: tuple[Any, Any], epochs: int, trials: int, seed
 
 def thread_policy(system: str) -> Any:
     """The thread policy of a tridens system (None: the default, decided by measurement)."""
+    from tridens.engine import ThreadPolicy
+
     cores = len(os.sched_getaffinity(0))
-    return {"tridens-side": td.engine.ThreadPolicy(threads=1, concurrent=cores),
-            "tridens-one": td.engine.ThreadPolicy(threads=1, concurrent=1),
-            "tridens-alone": td.engine.ThreadPolicy(threads=cores, concurrent=1)}.get(system)
+    return {"tridens-side": ThreadPolicy(threads=1, concurrent=cores),
+            "tridens-one": ThreadPolicy(threads=1, concurrent=1),
+            "tridens-alone": ThreadPolicy(threads=cores, concurrent=1)}.get(system)
 
 
 def one(system: str, workload: str, size: str, overrides: dict[str, int], seed: int,
