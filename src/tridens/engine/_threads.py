@@ -9,7 +9,10 @@ it then.
 
 Otherwise a machine with no idle core (1-minute load average) gives each unit one thread: a second
 OpenMP thread whose partner is descheduled spins, and a loaded machine can take many times longer
-with several threads than with one (BENCHMARKS.md, "Figures behind choices in the code"). With
+with several threads than with one (BENCHMARKS.md, "Figures behind choices in the code"). What
+other processes use is read from the machine's busy CPU time (``/proc/stat``) less this process's,
+since the last decision (a tenth of a second at the first): the load average lags a minute
+behind, and counts the cores this process itself kept busy. With
 idle cores, a group's units either train **one at a time on every idle core** or **side by side,
 one thread each**, in forked processes (:mod:`._forked`; one per idle core). Which is faster
 depends on the models (kernels long enough for threads to pay, or a group that splits well) and
@@ -119,12 +122,11 @@ def user_torch_threads(current: int | None = None, default: int | None = None,
     return None
 
 
-def idle_cores(total: int | None = None, load: float | None = None, own: float = 1.0) -> int:
+def idle_cores(total: int | None = None, load: float | None = None) -> int:
     """Cores no other process is using: ``total`` minus the 1-minute load average beyond this
-    process's own share of it (``own``: its running thread, or the cores it and its children kept
-    busy lately; at least 1).
+    process's own running thread (at least 1).
 
-    >>> idle_cores(2, load=2.1), idle_cores(2, load=2.1, own=2.0)
+    >>> idle_cores(2, load=2.1), idle_cores(2, load=1.3)
     (1, 2)
     """
     total = cores() if total is None else total
@@ -133,7 +135,7 @@ def idle_cores(total: int | None = None, load: float | None = None, own: float =
             load = os.getloadavg()[0]
         except OSError:  # pragma: no cover - not POSIX
             load = 0.0
-    return max(1, min(total, int(total - max(0.0, load - max(1.0, own)) + 0.5)))
+    return max(1, min(total, int(total - max(0.0, load - 1.0) + 0.5)))
 
 
 @dataclass(frozen=True)
@@ -189,17 +191,23 @@ class ThreadPolicy:
     def __init__(self, threads: int | None = None, concurrent: int | None = None):
         self.threads = threads
         self.concurrent = concurrent
-        self._clock: tuple[float, float] | None = None  # (wall, CPU s of this process and its children)
+        self._clock: tuple[float, float, float] | None = None  # (wall, busy CPU s of the machine, of this process)
 
-    def _own_cores(self) -> float:
-        """The cores this process and its finished children kept busy since the last decision
-        (1 at the first): their part of the load average, which lags a minute behind."""
-        times = os.times()
-        now = (time.monotonic(), times.user + times.system + times.children_user + times.children_system)
+    def _busy_elsewhere(self) -> float | None:
+        """The cores other processes kept busy since the last decision (over a tenth of a second
+        at the first): the machine's busy CPU time (``/proc/stat``) less this process's and its
+        finished children's, per wall second. None where ``/proc/stat`` cannot be read."""
+        now = _cpu_clock()
+        if now is None:
+            return None
         last, self._clock = self._clock, now
-        if last is None or now[0] - last[0] < 1.0:
-            return 1.0
-        return (now[1] - last[1]) / (now[0] - last[0])
+        if last is None or now[0] - last[0] < 0.05:
+            time.sleep(0.1)
+            last, now = now, _cpu_clock()
+            self._clock = now
+            if now is None:
+                return None
+        return max(0.0, ((now[1] - last[1]) - (now[2] - last[2])) / (now[0] - last[0]))
 
     def _check(self) -> None:
         for name in ("threads", "concurrent"):
@@ -211,17 +219,16 @@ class ThreadPolicy:
     def decide(self, step_flops: float | None, units: int = 1, *, total: int | None = None,
                load: float | None = None, torch_threads: int | None = None, default_threads: int | None = None,
                rates: Mapping[tuple[Any, ...], Mapping[str, Sequence[float]]] | None = None,
-               splittable: bool = True, own: float = 1.0) -> ThreadPlan:
+               splittable: bool = True) -> ThreadPlan:
         """The plan for ``units`` units (or parts a group can be split into) whose largest
         training step is ``step_flops`` FLOPs (None: unknown). ``total`` cores, ``load``,
         ``torch_threads`` (torch's current count) and ``default_threads`` (torch's default)
         default to this machine's and this process's; ``rates``: the measured work per wall
         second of each option (:data:`ALONE`, :data:`SIDE`) by workload (:func:`workload_key`:
         the run's ``Decisions.thread_rates``); ``splittable``:
-        whether these units may train side by side at all; ``own``: the cores this process and
-        its children kept busy lately (their share of the load average)."""
+        whether these units may train side by side at all."""
         self._check()
-        free = idle_cores(total, load, own)
+        free = idle_cores(total, load)
         units = max(1, units)
         fixed, why = self.threads, f"threads={self.threads} set by the user"
         if fixed is None:
@@ -236,8 +243,8 @@ class ThreadPolicy:
                               f"concurrent={self.concurrent} set by the user: {threads} thread(s) each "
                               f"on {free} idle cores")
         if free < 2:
-            return ThreadPlan(1, 1, f"no idle core beside this one (load average {_load(load):.1f} on "
-                                    f"{total or cores()} cores): one thread per unit, 1 at once")
+            return ThreadPlan(1, 1, f"no idle core beside this one ({max(0.0, _load(load) - 1):.1f} of "
+                                    f"{total or cores()} cores busy elsewhere): one thread per unit, 1 at once")
         key = workload_key(step_flops, free)
         alone = ThreadPlan(free, 1, "", ALONE, key)
         if not splittable or units < 2:
@@ -259,8 +266,9 @@ class ThreadPolicy:
         them side by side), when more than there are units; ``rates``: the run's
         :class:`~tridens.units.Decisions` (its measured thread options), or None."""
         flops = max((unit_step_flops(u) for u in units), default=None, key=lambda v: -1 if v is None else v)
+        busy = self._busy_elsewhere()  # (no lag, where the load average lags a minute behind)
         plan = self.decide(flops, max(len(units), parts), rates=None if rates is None else rates.thread_rates,
-                           splittable=splittable, own=self._own_cores())
+                           splittable=splittable, load=None if busy is None else busy + 1.0)
         log.info("threads: %d per unit, %d unit(s) at once: %s", plan.threads, plan.concurrent, plan.reason)
         return plan
 
@@ -281,6 +289,21 @@ def group_work(units: Sequence[Any], epochs: Mapping[int, int]) -> float:
         flops, _ = _model_step_flops(unit)
         work += (1.0 if flops is None else flops) * sum(epochs.get(tid, 0) for tid in unit.jobs)
     return work
+
+
+def _cpu_clock() -> tuple[float, float, float] | None:
+    """(wall s, busy CPU s of the whole machine, CPU s of this process and its finished children)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 8:
+        return None
+    busy = sum(fields[:3]) + sum(fields[5:8])  # user nice system, irq softirq steal
+    times = os.times()
+    return (time.monotonic(), busy / os.sysconf("SC_CLK_TCK"),
+            times.user + times.system + times.children_user + times.children_system)
 
 
 def _load(load: float | None) -> float:
