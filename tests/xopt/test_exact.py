@@ -44,6 +44,27 @@ def mlp(p: float, dtype: torch.dtype) -> nn.Module:
                          nn.Linear(48, 10)).to(dtype)
 
 
+class ShapeCheckedCnn(nn.Module):
+    """A forward as users write it: a rank check on its input (flat 64-pixel rows are made maps)
+    and a global-average head, ``.mean((2, 3))``."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, 12, 3, padding=1), nn.BatchNorm2d(12), nn.ReLU(),
+                                      nn.Conv2d(12, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.drop = nn.Dropout(p)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        if x.dim() == 2:
+            x = x.view(x.size(0), 1, 8, 8)
+        return self.head(self.drop(self.features(x).mean((2, 3))))
+
+
+def shape_checked_cnn(p: float, dtype: torch.dtype) -> nn.Module:
+    return ShapeCheckedCnn(p).to(dtype)
+
+
 def evaluator(data, optimizer, dtype, epochs=2):
     train, val = (torch.utils.data.TensorDataset(d.tensors[0].to(dtype), d.tensors[1]) for d in data)
     return td.evaluators.Classification(
@@ -115,6 +136,16 @@ def test_fused_per_model_engine_is_separate_bit_for_bit(data, optimizer):
     assert member.engine == "per model"
     _, member = train_side_by_side(ev, mlp, torch.float32, BatchingSettings(), epochs=1, leave=(3, 0, 5))
     assert member.engine == "grouped kernels"
+
+
+def test_a_forward_with_a_shape_check_and_a_mean_head_runs_grouped_and_exact(data):
+    """The grouped program traces as the graph IR does (the rank check decided from the data's
+    shape) and runs the mean over the maps itself: grouped kernels, bit for bit separate."""
+    ev = evaluator(data, "adamw", torch.float32, epochs=1)
+    _, member = train_side_by_side(ev, shape_checked_cnn, torch.float32, BatchingSettings(), epochs=1,
+                                   leave=(2, 0, 7))
+    assert member.engine == "grouped kernels", member.why_vmap
+    assert "grouped_mean" in str(member._program)
 
 
 @pytest.mark.slow

@@ -95,3 +95,41 @@ def test_grouped_convolution_against_separate_ones_differs_by_summation_order_on
         assert torch.equal(packed[:, m * 6:(m + 1) * 6], F.conv2d(x, w1[m], padding=1)) or dtype == torch.float32
         scale = alone.abs().max()
         assert (got - alone).abs().max() <= tol * scale, (m, float((got - alone).abs().max() / scale))
+
+
+class MeanHead(nn.Module):
+    """A convolution, a mean over ``dims`` of its maps, a head; a rank check on the input."""
+
+    def __init__(self, dims):
+        super().__init__()
+        self.conv, self.dims = nn.Conv2d(1, 4, 3, padding=1), dims
+        self.head = nn.Linear(4 if len(dims) == 2 else 32, 10)
+
+    def forward(self, x):
+        if x.dim() == 2:
+            x = x.view(x.size(0), 1, 8, 8)
+        y = torch.relu(self.conv(x)).mean(self.dims)
+        return self.head(y.flatten(1))
+
+
+def test_means_over_map_dimensions_and_shape_checks_with_example_inputs():
+    """``x.mean(dims)`` of packed maps: over every map dimension they become model-major; over
+    some, they stay packed; over channels, the node is named. A rank check traces only with
+    example inputs (decided from them), as the graph IR traces it."""
+    example = (torch.zeros(2, 1, 8, 8),)
+    with pytest.raises(_grouped._Unsupported, match="fx: "):
+        _grouped.GroupedProgram(MeanHead((2, 3)))
+    program = _grouped.GroupedProgram(MeanHead((2, 3)), example_inputs=example)
+    layouts = {n.target.__name__: n.meta["layout"] for n in program.module.graph.nodes if n.op == "call_function"}
+    assert layouts["grouped_mean"] == "M" and layouts["grouped_linear"] == "M"
+    program = _grouped.GroupedProgram(MeanHead((-1,)), example_inputs=example)
+    assert [n.meta["layout"] for n in program.module.graph.nodes if n.target is _grouped.grouped_mean] == ["C"]
+    with pytest.raises(_grouped._Unsupported, match=r"node mean: mean over \(1, 2\) of packed maps"):
+        _grouped.GroupedProgram(MeanHead((1, 2)), example_inputs=example)
+    # real digits: the K models' outputs are each model's own
+    data = td.datasets.digits()
+    ev = evaluator(data, "sgd", epochs=1)
+    unit = BatchedUnit(make_jobs(SAMPLES, lambda p: MeanHead((2, 3))), ev)
+    fused = run(unit)
+    assert unit.member.engine == "grouped kernels", unit.member.why_vmap
+    assert_close_runs(run(SeparateUnit(make_jobs(SAMPLES, lambda p: MeanHead((2, 3))), ev)), fused, 1e-4)

@@ -33,6 +33,18 @@ from ._vector_optim import _VectorOptimizer, _resolved_momentum
 _CHECKED_EXAMPLES = 8
 
 # -- the fused models ------------------------------------------------------------------------------------
+def _example_batch(data: Any) -> tuple[torch.Tensor, ...] | None:
+    """A batch of two examples shaped like ``data``'s first, on the meta device (None when its
+    examples are not one tensor)."""
+    try:
+        example = data[0][0]
+    except Exception:  # a dataset that cannot be indexed: the program traces without shapes
+        return None
+    if not isinstance(example, torch.Tensor):
+        return None
+    return (torch.empty((2, *example.shape), dtype=example.dtype, device="meta"),)
+
+
 class BatchedMember(PipelineMember):
     """The K fused models of a unit: stacked parameters, buffers, optimizer state and random
     streams, stepped on batches its driver supplies.
@@ -108,7 +120,8 @@ class BatchedMember(PipelineMember):
                 # channels-last where asked, and under a mixed precision as the separate trainer runs it
                 last = settings.channels_last or cfg.precision != "32-true"
                 self._program = GroupedProgram(copy.deepcopy(first).to("meta"), channels_last=last,
-                                               mixed=self._mixed_sites, exact=settings.exact)
+                                               mixed=self._mixed_sites, exact=settings.exact,
+                                               example_inputs=_example_batch(cfg.train))
             except _Unsupported as err:
                 self.why_vmap = str(err)
         self._generators = {job.trial.id: self._generator(job.trial.seed) for job in jobs}

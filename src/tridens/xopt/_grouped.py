@@ -26,6 +26,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..graph import meta, trace
 from ._exact import conv_per_model, linear_per_model
 from ._kernels import BatchNormTrain, batch_norm_pays, batch_norm_supported
 from ._stacked import _DROPOUTS, _first_line
@@ -227,6 +228,20 @@ def grouped_flatten(v: torch.Tensor, run: GroupedRun, *, src: str) -> torch.Tens
     return v.reshape(v.shape[0], run.k, -1).transpose(0, 1)
 
 
+def grouped_mean(v: torch.Tensor, run: GroupedRun, *, dims: tuple[int, ...], keepdim: bool, src: str,
+                 out: str) -> torch.Tensor:
+    """A mean over dimensions of each model's value (``dims`` as the model names them): shared
+    stays shared; model-major ``(K, B, ...)`` reduces the dimensions one further; packed maps
+    reduce their map dimensions and become model-major ``(K, B, F)`` where no map dimension is
+    left (``out == "M"``)."""
+    if src == "M":
+        dims = tuple(d + 1 if d >= 0 else d for d in dims)
+    value = v.mean(dims, keepdim=keepdim)
+    if out == "M" and src == "C":
+        return value.reshape(value.shape[0], run.k, -1).transpose(0, 1)
+    return value
+
+
 def grouped_dropout(v: torch.Tensor, run: GroupedRun, *, name: str, src: str) -> torch.Tensor:
     """Dropout with masks drawn per model from each trial's own stream (training only)."""
     return run.member._packed_dropout(v, name, src) if run.training else v
@@ -273,6 +288,15 @@ class _Grouping(fx.Transformer):
         self.run_arg: fx.Proxy | None = None
 
     def run_node(self, n: fx.Node) -> Any:
+        out = self._grouped_node(n)
+        if isinstance(out, fx.Proxy) and out.node.meta.get("layout") == "C" and "rank" not in out.node.meta:
+            # packed maps keep the rank of the packed maps they came from
+            source = next((self.env[a] for a in n.args if isinstance(a, fx.Node)), None)
+            if isinstance(source, fx.Proxy) and "rank" in source.node.meta:
+                out.node.meta["rank"] = source.node.meta["rank"]
+        return out
+
+    def _grouped_node(self, n: fx.Node) -> Any:
         if n.op == "output":
             return super().run_node(n)
         inputs = [a for a in n.args if isinstance(a, fx.Node)]
@@ -315,10 +339,37 @@ class _Grouping(fx.Transformer):
             return self._laid(self.tracer.create_proxy(n.op, n.target, tuple(args), dict(kwargs), name=n.name), src)
         if (n.op, n.target) in (("call_function", torch.flatten), ("call_method", "flatten")) and _flatten_args(n):
             return self._call(grouped_flatten, v, "S" if src == "S" else "M", node=n, src=src)
+        if (n.op, n.target) in (("call_function", torch.mean), ("call_method", "mean")):
+            return self._mean(n, v, src)
         raise _Unsupported(f"node {n.name}: {n.op} {getattr(n.target, '__name__', n.target)}")
 
     def layout(self, value: Any) -> str:
         return str(value.node.meta["layout"])
+
+    def _mean(self, n: fx.Node, v: fx.Proxy, src: str) -> fx.Proxy:
+        """``x.mean(dims[, keepdim])`` / ``torch.mean``: of packed maps only over map dimensions
+        (their rank known from the convolution that made them)."""
+        given = dict(zip(("dim", "keepdim"), n.args[1:]), **n.kwargs)
+        dims, keepdim = given.get("dim"), given.get("keepdim", False)
+        if set(given) - {"dim", "keepdim", "dtype"} or given.get("dtype") is not None or dims is None \
+                or not isinstance(keepdim, bool):
+            raise _Unsupported(f"node {n.name}: mean{tuple(n.args[1:])} (a mean over given dimensions only)")
+        dims = tuple(dims) if isinstance(dims, (tuple, list)) else (dims,)
+        out, rank = src, v.node.meta.get("rank")
+        if src == "C":
+            if rank is None:
+                raise _Unsupported(f"node {n.name}: mean of packed maps of unknown rank")
+            spatial = {d % rank for d in dims}
+            if not spatial or min(spatial) < 2 or len(spatial) != len(dims):
+                raise _Unsupported(f"node {n.name}: mean over {dims} of packed maps (map dimensions only)")
+            left = rank if keepdim else rank - len(spatial)
+            out = "C" if left > 2 else "M"
+        elif src == "M" and any(d == 0 for d in dims):
+            raise _Unsupported(f"node {n.name}: mean over the batch dimension")
+        proxy = self._call(grouped_mean, v, out, node=n, dims=dims, keepdim=keepdim, src=src, out=out)
+        if out == "C":
+            proxy.node.meta["rank"] = left
+        return proxy
 
     def _laid(self, proxy: fx.Proxy, layout: str) -> fx.Proxy:
         proxy.node.meta["layout"] = layout
@@ -341,8 +392,10 @@ def _conv_rule(g: _Grouping, n: fx.Node, v: Any, m: nn.Module | None) -> tuple[A
     if not isinstance(m, (nn.Conv1d, nn.Conv2d)) or m.padding_mode != "zeros" or src not in "SC":
         raise _Unsupported(f"node {n.name}: module {n.target} ({type(m).__name__}) on a per-model input")
     dims = 2 if isinstance(m, nn.Conv2d) else 1
-    return g._call(grouped_conv, v, "C", node=n, name=str(n.target), dims=dims, in_channels=m.in_channels,
-                   stride=m.stride, padding=m.padding, dilation=m.dilation, groups=m.groups), "C"
+    proxy = g._call(grouped_conv, v, "C", node=n, name=str(n.target), dims=dims, in_channels=m.in_channels,
+                    stride=m.stride, padding=m.padding, dilation=m.dilation, groups=m.groups)
+    proxy.node.meta["rank"] = dims + 2
+    return proxy, "C"
 
 
 def _linear_rule(g: _Grouping, n: fx.Node, v: Any, m: nn.Module | None) -> tuple[Any, str]:
@@ -469,10 +522,32 @@ def fuse_bn_relu(gm: fx.GraphModule) -> int:
     return done
 
 
+def _traced(model: nn.Module, example_inputs: tuple[torch.Tensor, ...] | None) -> fx.GraphModule:
+    """``model`` as an fx GraphModule: with example inputs, traced as the graph IR traces it
+    (conditions on shapes decided from them, :func:`tridens.graph.trace`), else plain fx."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the planner's own trace has warned the user already)
+        if example_inputs is None:
+            try:
+                return fx.symbolic_trace(model)
+            except Exception as err:
+                raise _Unsupported(f"fx: {_first_line(err)}") from err
+        graph = trace(model, example_inputs)
+    for node in graph.fx_graph.nodes:
+        if node.meta.get(meta.OPAQUE):
+            raise _Unsupported(f"node {node.name}: opaque ({node.meta.get(meta.OPAQUE_REASON, '')})")
+    module = graph.to_module()
+    module.graph.eliminate_dead_code()  # the shape reads behind a decided condition
+    module.recompile()
+    return module
+
+
 class GroupedProgram:
     """The model's forward over K stacked models without vmap, for chains (and adds) of common
-    layers: Conv1d/2d, Linear, BatchNorm1d/2d, pooling, activations, Flatten, dropout (masks drawn
-    per model in call order, as separate training draws them). ``module`` is a
+    layers: Conv1d/2d, Linear, BatchNorm1d/2d, pooling, activations, Flatten, means over map
+    dimensions (``x.mean((2, 3))``), dropout (masks drawn per model in call order, as separate
+    training draws them). ``example_inputs`` (a batch's shape, on any device): conditions on
+    shapes in the forward are decided from them as the graph IR decides them. ``module`` is a
     :class:`torch.fx.GraphModule` of grouped ops (:func:`grouped_conv`, :func:`grouped_batch_norm`,
     ...) called as ``module(x, run)``; print it to read the program. Anything the rules do not
     cover raises :class:`_Unsupported` naming the node, and the unit uses vmap. ``channels_last``:
@@ -488,14 +563,9 @@ class GroupedProgram:
     """
 
     def __init__(self, model: nn.Module, *, channels_last: bool = False, mixed: Collection[str] = (),
-                 exact: bool = False):
+                 exact: bool = False, example_inputs: tuple[torch.Tensor, ...] | None = None):
         self.exact = exact
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                traced = fx.symbolic_trace(model)
-        except Exception as err:
-            raise _Unsupported(f"fx: {_first_line(err)}") from err
+        traced = _traced(model, example_inputs)
         grouping = _Grouping(traced, mixed)
         try:
             module = grouping.transform()
