@@ -133,3 +133,23 @@ def test_means_over_map_dimensions_and_shape_checks_with_example_inputs():
     fused = run(unit)
     assert unit.member.engine == "grouped kernels", unit.member.why_vmap
     assert_close_runs(run(SeparateUnit(make_jobs(SAMPLES, lambda p: MeanHead((2, 3))), ev)), fused, 1e-4)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_vmapped_models_with_dropout_off_train_as_separate(p):
+    """The vmap engine (no grouped program, not exact) with a dropout whose rate is 0 in every
+    model of the stack (its masks are None), alone or beside one that draws masks: trains as
+    separate training does."""
+    def build(_):
+        model = bn_cnn(p)
+        model.insert(3, nn.Dropout2d(0.0))
+        return model
+
+    data = td.datasets.digits()
+    ev = evaluator(data, "sgd", epochs=1)
+    samples = [dict(s, p=0.0) for s in SAMPLES]
+    settings = td.xopt.BatchingSettings(packed=False, exact=False)
+    unit = BatchedUnit(make_jobs(samples, build), ev, settings=settings)
+    fused = run(unit)
+    assert unit.member.engine == "vmap"
+    assert_close_runs(run(SeparateUnit(make_jobs(samples, build), ev)), fused, 1e-4)

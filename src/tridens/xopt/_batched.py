@@ -312,14 +312,21 @@ class BatchedMember(PipelineMember):
 
     @staticmethod
     def _vmapped(base: nn.Module) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
-        """``base``'s forward vmapped over the stacked models, on a shared and on a per-model input."""
+        """``base``'s forward vmapped over the stacked models, on a shared and on a per-model input.
+        A dropout call whose rate is 0 in every model has no mask (None): not mapped over."""
         def forward(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
                     masks: tuple[torch.Tensor | None, ...], x: torch.Tensor) -> torch.Tensor:
             with _forward_state(_ForwardState(masks=masks)):
                 return functional_call(base, (params, buffers), (x,))
 
-        return (vmap(forward, in_dims=(0, 0, 0, None), randomness="error"),
-                vmap(forward, in_dims=(0, 0, 0, 0), randomness="error"))
+        def mapped(x_dim: int | None) -> Callable[..., torch.Tensor]:
+            def call(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+                     masks: tuple[torch.Tensor | None, ...], x: torch.Tensor) -> torch.Tensor:
+                mask_dims = tuple(None if m is None else 0 for m in masks)
+                return vmap(forward, in_dims=(0, 0, mask_dims, x_dim), randomness="error")(params, buffers, masks, x)
+            return call
+
+        return mapped(None), mapped(0)
 
     def _update_runs(self) -> None:
         """The runs of rows with one activation variant (one run unless the unit mixes them)."""
