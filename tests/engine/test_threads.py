@@ -11,27 +11,32 @@ from torch import nn
 import tridens as td
 from tridens.engine import ThreadPolicy
 from tridens.engine._threads import (ALONE, SIDE, ThreadPlan, idle_cores, step_flops, torch_default_threads,
-                                     unit_step_flops, user_torch_threads, workload_key)
+                                     user_torch_threads, workload_key)
 
 from .spaces import TinyMLP
 
 QUIET = {"total": 2, "load": 0.0, "torch_threads": 2, "default_threads": 2}  # a quiet 2-core machine, torch's default
 
 
-def test_a_quiet_machine_tries_every_idle_core_first_then_side_by_side_then_takes_the_faster():
-    policy, key = ThreadPolicy(), workload_key(5e7, 2)
-    plan = policy.decide(step_flops=5e7, units=6, **QUIET)
+def test_a_quiet_machine_tries_each_option_once_then_takes_the_faster():
+    policy, key = ThreadPolicy(), workload_key(5e9, 2)
+    plan = policy.decide(step_flops=5e9, units=6, **QUIET)  # a large step: every idle core first
     assert (plan.threads, plan.concurrent, plan.option, plan.key) == (2, 1, ALONE, key)
     assert "measured first" in plan.reason
-    plan = policy.decide(step_flops=5e7, units=6, rates={key: {ALONE: [3e9]}}, **QUIET)
+    plan = policy.decide(step_flops=5e9, units=6, rates={key: {ALONE: [3e9]}}, **QUIET)
     assert (plan.threads, plan.concurrent, plan.option) == (1, 2, SIDE)
-    plan = policy.decide(step_flops=5e7, units=6, rates={key: {ALONE: [3e9, 3.2e9], SIDE: [4e9]}}, **QUIET)
+    plan = policy.decide(step_flops=5e9, units=6, rates={key: {ALONE: [3e9, 3.2e9], SIDE: [4e9]}}, **QUIET)
     assert (plan.threads, plan.concurrent, plan.option) == (1, 2, SIDE) and "side by side measured faster" in plan.reason
-    plan = policy.decide(step_flops=5e7, units=6, rates={key: {ALONE: [3e9, 5e9, 4.5e9], SIDE: [4e9]}}, **QUIET)
+    plan = policy.decide(step_flops=5e9, units=6, rates={key: {ALONE: [3e9, 5e9, 4.5e9], SIDE: [4e9]}}, **QUIET)
     assert (plan.threads, plan.concurrent, plan.option) == (2, 1, ALONE)
-    # measurements of another step size (a factor 4 away) do not decide for this one
-    other = {workload_key(5e7 * 16, 2): {ALONE: [1.0], SIDE: [9e9]}}
-    assert policy.decide(step_flops=5e7, units=6, rates=other, **QUIET).option == ALONE
+    # a small step tries side by side first, then every idle core
+    small = workload_key(5e7, 2)
+    assert policy.decide(step_flops=5e7, units=6, **QUIET).option == SIDE
+    assert policy.decide(step_flops=5e7, units=6, rates={small: {SIDE: [1e9]}}, **QUIET).option == ALONE
+    # measurements of another step size (a factor 16 away) do not decide for this one
+    other = {workload_key(5e9 * 16, 2): {ALONE: [9e9], SIDE: [1.0]}}
+    assert policy.decide(step_flops=5e9, units=6, rates=other, **QUIET).option == ALONE
+    assert policy.decide(step_flops=5e9, units=6, rates={key: {ALONE: [1.0]}, **other}, **QUIET).option == SIDE
 
 
 def test_a_group_that_cannot_split_takes_every_idle_core():
@@ -117,40 +122,40 @@ def test_experiment_trains_with_the_policy_threads_and_logs_it(digits_data, tmp_
 
 
 class QuietMachine(ThreadPolicy):
-    """The default policy as it decides on a quiet 2-core machine with torch's default threads,
-    with measurements of the two options injected into the run's decisions before its first group."""
+    """The default policy as it decides on a quiet 2-core machine with torch's default threads;
+    it keeps its plans and the run's decisions."""
 
-    def __init__(self, injected):
+    def __init__(self):
         super().__init__()
-        self.injected, self.plans, self.decisions = injected, [], None
+        self.plans, self.decisions = [], None
 
     def decide(self, step_flops, units=1, **kw):
         return super().decide(step_flops, units, **{**kw, **QUIET})
 
     def decide_units(self, units, *, rates=None, **kw):
-        if self.decisions is None:
-            self.decisions = rates
-            for option, values in self.injected.items():
-                for value in values:
-                    rates.record_thread_rate(workload_key(max(unit_step_flops(u) for u in units), 2), option, value)
+        self.decisions = rates
         plan = super().decide_units(units, rates=rates, **kw)
         self.plans.append(plan)
         return plan
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="side by side needs os.fork")
-def test_a_group_trains_side_by_side_where_measured_faster_and_its_rate_is_recorded(digits_data, tmp_path, caplog):
+def test_groups_try_each_option_then_take_the_faster_one_measured(digits_data, tmp_path, caplog):
+    """Three groups of two small trials: side by side first, then every idle core, each group's
+    rate recorded; the third takes the option whose rate was higher."""
     train, val = digits_data
     ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=64, optimizer="adam",
-                                      lr=td.choice("lr", [0.01, 0.003]))
-    policy = QuietMachine({ALONE: [1e6], SIDE: [1e12]})
-    exp = td.Experiment(TinyMLP(), ev, td.strategy.GridSearch(), budget=4, store=str(tmp_path / "t.db"),
+                                      lr=td.choice("lr", [0.01, 0.003, 0.001]))
+    policy = QuietMachine()
+    exp = td.Experiment(TinyMLP(), ev, td.strategy.GridSearch(batch_size=2), budget=6, store=str(tmp_path / "t.db"),
                         options=td.RunOptions(verbose=False),
                         executor=td.engine.InlineExecutor(threads=policy, optimize=False))
     with caplog.at_level(logging.INFO, logger="tridens"):
         exp.run()
     assert all(t.metric is not None for t in exp.trials())
-    assert policy.plans[0].option == SIDE and (policy.plans[0].threads, policy.plans[0].concurrent) == (1, 2)
+    assert [(p.option, p.threads, p.concurrent) for p in policy.plans[:2]] == [(SIDE, 1, 2), (ALONE, 2, 1)]
     assert "forked processes" in caplog.text and "side by side trained at" in caplog.text
-    (rates,) = policy.decisions.thread_rates.values()
-    assert len(rates[SIDE]) == 2 and 0 < rates[SIDE][1] < 1e12  # the injected one and the group's own
+    rates = policy.decisions.thread_rates[policy.plans[0].key]
+    assert all(len(rates[o]) >= 1 and min(rates[o]) > 0 for o in (SIDE, ALONE))
+    first = {o: v[0] for o, v in rates.items()}
+    assert policy.plans[2].option == max(first, key=first.get) and "measured faster" in policy.plans[2].reason

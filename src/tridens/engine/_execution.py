@@ -503,7 +503,9 @@ class InlineExecutor(Executor):
         decisions = context.plan.decisions
         plan = self.threads.decide_units(units, parts=0 if forks else len(jobs) - len(failed), rates=decisions,
                                          splittable=not why)
-        measured, before = list(units), {tid: life.last_step for tid, life in lives.items()}
+        from ._threads import unit_sizes
+
+        measured, before = unit_sizes(units), {tid: life.last_step for tid, life in lives.items()}
         started = time.perf_counter()
         if plan.concurrent > 1 and why:
             log.info("units one at a time in this process: %s", why)
@@ -529,16 +531,16 @@ class InlineExecutor(Executor):
             _record_thread_rate(plan, measured, lives, before, time.perf_counter() - started, decisions)
 
 
-def _record_thread_rate(plan: Any, units: Sequence[ExecutionUnit], lives: Mapping[int, TrialProtocol],
+def _record_thread_rate(plan: Any, sizes: Sequence[tuple[float, Sequence[int]]], lives: Mapping[int, TrialProtocol],
                         before: Mapping[int, int], seconds: float, decisions: Any) -> None:
-    """Record what a group's thread option achieved (its work per wall second) for later groups,
-    when the option was the policy's choice."""
+    """Record what a group's thread option achieved (its work per wall second: ``sizes``, each
+    unit's step FLOPs and trials, times the epochs they trained) for later groups, when the option
+    was the policy's choice."""
     if not plan.option or seconds <= 0:
         return
-    from ._threads import group_work
 
     epochs = {tid: max(0, life.last_step - before[tid]) for tid, life in lives.items()}
-    work = group_work(units, epochs)
+    work = sum(flops * sum(epochs.get(tid, 0) for tid in tids) for flops, tids in sizes)
     if work > 0:
         decisions.record_thread_rate(plan.key, plan.option, work / seconds)
         log.info("threads: %s trained at %.3g GFLOP per second", plan.option, work / seconds / 1e9)

@@ -18,9 +18,10 @@ one thread each**, in forked processes (:mod:`._forked`; one per idle core). Whi
 depends on the models (kernels long enough for threads to pay, or a group that splits well) and
 is measured, not assumed: each group's wall time per unit of work (its trial-epochs times the
 training FLOPs of one step, :func:`step_flops`) is recorded in the run's
-:class:`~tridens.units.Decisions` under a key of the step's size (factors of 4) and the idle
-cores; the first groups of a key try each option once (every idle core first), later ones take
-the option with the better median. A group that cannot train side by side (one trial, a strategy
+:class:`~tridens.units.Decisions` under a key of the step's size (factors of 16) and the idle
+cores; the first groups of a key try each option once (side by side first for steps under
+``large_step_flops``, every idle core first for larger ones), later ones take the option with the
+better median. A group that cannot train side by side (one trial, a strategy
 that forks members, stage trees, no ``fork``) trains on every idle core.
 
 A policy is an object passed in (``td.executors.Inline(threads=ThreadPolicy(threads=2))``); each
@@ -51,7 +52,7 @@ import torch.nn as nn
 from ..graph import forward_flops
 
 __all__ = ["ThreadPolicy", "ThreadPlan", "step_flops", "cores", "shares", "torch_default_threads",
-           "user_torch_threads", "workload_key", "ALONE", "SIDE"]
+           "user_torch_threads", "workload_key", "unit_sizes", "ALONE", "SIDE"]
 
 log = logging.getLogger("tridens")
 
@@ -164,13 +165,13 @@ class ThreadPlan:
 
 
 def workload_key(step_flops: float | None, free: int) -> tuple[Any, ...]:
-    """The key a thread option's measurement is kept under: the step's size in factors of 4
+    """The key a thread option's measurement is kept under: the step's size in factors of 16
     (None: unknown) and the idle cores.
 
     >>> workload_key(5e7, 2)
-    ('threads', 12, 2)
+    ('threads', 6, 2)
     """
-    size = None if not step_flops or step_flops <= 0 else int(math.log2(step_flops)) // 2
+    size = None if not step_flops or step_flops <= 0 else int(math.log2(step_flops)) // 4
     return ("threads", size, free)
 
 
@@ -180,17 +181,20 @@ class ThreadPolicy:
     measurements of the two ways to use them (see the module docstring).
 
     ``threads``: torch threads per unit (None: decided); ``concurrent``: units at once (None:
-    decided; 1 when the thread count is the user's).
+    decided; 1 when the thread count is the user's); ``large_step_flops``: the training step,
+    in FLOPs, from which every idle core is tried before side by side (default 2 GFLOP: tens of
+    milliseconds at one CPU thread's peak, where kernels are long enough for threads to pay).
 
-    >>> ThreadPolicy().decide(step_flops=1e7, units=4, total=8, load=0.0, torch_threads=8, default_threads=8)
-    ThreadPlan(threads=8, concurrent=1, reason='8 idle cores, every idle core measured first', option='every idle core', key=('threads', 11, 8))
+    >>> ThreadPolicy().decide(step_flops=1e10, units=4, total=8, load=0.0, torch_threads=8, default_threads=8)
+    ThreadPlan(threads=8, concurrent=1, reason='8 idle cores, every idle core measured first', option='every idle core', key=('threads', 8, 8))
     >>> ThreadPolicy(threads=1, concurrent=2).decide(step_flops=1e7, units=4).concurrent
     2
     """
 
-    def __init__(self, threads: int | None = None, concurrent: int | None = None):
+    def __init__(self, threads: int | None = None, concurrent: int | None = None, large_step_flops: float = 2e9):
         self.threads = threads
         self.concurrent = concurrent
+        self.large_step_flops = large_step_flops
         self._clock: tuple[float, float, float] | None = None  # (wall, busy CPU s of the machine, of this process)
 
     def _busy_elsewhere(self) -> float | None:
@@ -251,7 +255,10 @@ class ThreadPolicy:
             return _with_reason(alone, f"{free} idle cores, one unit: every idle core")
         side = ThreadPlan(1, min(units, free), "", SIDE, key)
         measured = (rates or {}).get(key, {})
-        for plan in (alone, side):
+        # the option tried first: side by side for small steps (kernels too short for threads
+        # to pay), every idle core for large ones
+        small = step_flops is not None and step_flops < self.large_step_flops
+        for plan in (side, alone) if small else (alone, side):
             if not measured.get(plan.option):
                 return _with_reason(plan, f"{free} idle cores, {plan.option} measured first")
         rate = {option: statistics.median(measured[option]) for option in (ALONE, SIDE)}
@@ -273,22 +280,23 @@ class ThreadPolicy:
         return plan
 
     def __repr__(self) -> str:
-        return f"ThreadPolicy(threads={self.threads!r}, concurrent={self.concurrent!r})"
+        return (f"ThreadPolicy(threads={self.threads!r}, concurrent={self.concurrent!r}, "
+                f"large_step_flops={self.large_step_flops!r})")
 
 
 def _with_reason(plan: ThreadPlan, reason: str) -> ThreadPlan:
     return ThreadPlan(plan.threads, plan.concurrent, reason, plan.option, plan.key)
 
 
-def group_work(units: Sequence[Any], epochs: Mapping[int, int]) -> float:
-    """The work a group's units did: for each unit, one step of its largest model in FLOPs
-    (:func:`step_flops`; 1 where it cannot be counted) times the epochs its trials trained
-    (``epochs``: trial id -> epochs)."""
-    work = 0.0
+def unit_sizes(units: Sequence[Any]) -> list[tuple[float, list[int]]]:
+    """Each unit's work per trial-epoch and its trials, taken before it trains (a unit lets its
+    trials go as they finish): one step of its largest model in FLOPs (:func:`step_flops`; 1 where
+    it cannot be counted)."""
+    sizes = []
     for unit in units:
         flops, _ = _model_step_flops(unit)
-        work += (1.0 if flops is None else flops) * sum(epochs.get(tid, 0) for tid in unit.jobs)
-    return work
+        sizes.append((1.0 if flops is None else flops, list(unit.jobs)))
+    return sizes
 
 
 def _cpu_clock() -> tuple[float, float, float] | None:
