@@ -88,7 +88,7 @@ def stage_tree_view(stages: Sequence[Any], numbers: dict[int, int], experiment: 
 
 def number_trials(trials: Sequence[Trial]) -> dict[int, int]:
     """Store id -> the trial's number in its experiment (0, 1, ... in id order), as tables show it."""
-    return {t.id: i for i, t in enumerate(sorted(trials, key=lambda t: t.id))}
+    return {t.id: t.number if t.number is not None else i for i, t in enumerate(sorted(trials, key=lambda t: t.id))}
 
 
 def trial_record(trial: Trial, number: int | None = None) -> dict[str, Any]:

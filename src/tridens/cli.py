@@ -53,6 +53,14 @@ def _settle_abandoned(store):  # type: ignore[no-untyped-def]
         pass
 
 
+def _skipped(damaged: Sequence[str]) -> None:
+    """One line on stderr per damaged row a command left out (the rest is shown)."""
+    from .text import printable
+
+    for line in damaged:
+        print(f"tridens: skipped a damaged row: {printable(' '.join(line.split()))}", file=sys.stderr)
+
+
 def _console():  # type: ignore[no-untyped-def]
     """A rich console that prints stored text as it is: no emoji codes (``digits:train:`` in a
     dataset's repr is not a train emoji)."""
@@ -178,6 +186,7 @@ def _cmd_resume(args: argparse.Namespace) -> int:
 def _cmd_ls(args: argparse.Namespace) -> int:
     from rich.table import Table
 
+    from .store import StoreError
     from .text import markup_text
     from .trial import TrialStatus
 
@@ -185,14 +194,21 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         table = Table(title=f"experiments in {markup_text(args.db)}")
         for col in ("name", "status", "trials", "best", "objective"):
             table.add_column(col)
-        for record in db.experiments():
-            trials = db.trials(record.name)
-            objective = record.objective()
+        damaged: list[str] = []
+        for record in db.experiments(damaged=damaged):
+            trials = db.trials(record.name, damaged=damaged)
+            try:
+                objective = record.objective()
+            except StoreError as err:
+                damaged.append(str(err))
+                table.add_row(*map(markup_text, [record.name, record.status, len(trials), "-", "damaged"]))
+                continue
             scores = [t.metric for t in trials if t.status in (TrialStatus.COMPLETED, TrialStatus.STOPPED) and t.metric is not None]
             best = max(scores, key=objective.score) if scores else None
             table.add_row(*map(markup_text, [record.name, record.status, len(trials), "-" if best is None else f"{best:.4f}",
                                              f"{objective.metric} ({objective.mode})"]))
     _console().print(table)
+    _skipped(damaged)
     return 0
 
 
@@ -204,9 +220,11 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from .engine import trials_table
     from .text import markup_text
 
+    damaged: list[str] = []
     with _store(args.db) as db:
         record = db.get_experiment(args.name)
-        trials = db.trials(args.name)
+        trials = db.trials(args.name, damaged=damaged)
+    _skipped(damaged)
     console = _console()
     config = record.config
     console.print(f"[bold]{markup_text(record.name)}[/] ({markup_text(record.status)}), {len(trials)} trials")
@@ -233,9 +251,11 @@ def _cmd_top(args: argparse.Namespace) -> int:
     from .strategy import best_first
     from .trial import Objective
 
+    damaged: list[str] = []
     with _store(args.db) as db:
         record = db.get_experiment(args.name)
-        trials = db.trials(args.name)
+        trials = db.trials(args.name, damaged=damaged)
+    _skipped(damaged)
     objective, second = record.objective(), record.config.get("second_objective")
     top = best_first(trials, objective, Objective(*second) if second else None)[:args.k]
     if args.json or args.csv:
@@ -264,15 +284,22 @@ def _show_data(args: argparse.Namespace) -> int:
 
     from . import _views
 
+    damaged: list[str] = []
     with _store(args.db) as db:
         record = db.get_experiment(args.name)
-        trials = db.trials(args.name)
+        trials = db.trials(args.name, damaged=damaged)
+    _skipped(damaged)
     if args.trial is None:
         return _print_trials(trials, trials, args)
-    if not 0 <= args.trial < len(trials):
+    numbered = {t.number: t for t in trials}
+    if args.trial not in numbered:
+        count = max((t.number for t in trials if t.number is not None), default=-1) + 1
+        if any(f"(number {args.trial} of " in line for line in damaged):
+            raise TridensError(f"trial {args.trial} of experiment {args.name!r} cannot be shown: its row in the store "
+                               "is damaged (see above)")
         raise TridensError(f"experiment {args.name!r} has no trial {args.trial} (its trials are numbered 0 to "
-                           f"{len(trials) - 1})" if trials else f"experiment {args.name!r} has no trials yet")
-    trial = sorted(trials, key=lambda t: t.id)[args.trial]
+                           f"{count - 1})" if trials else f"experiment {args.name!r} has no trials yet")
+    trial = numbered[args.trial]
     if args.json:
         print(json.dumps(_views.trial_record(trial, args.trial), indent=2))
     elif args.csv:

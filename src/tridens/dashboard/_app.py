@@ -95,6 +95,9 @@ def create_app(db: str | os.PathLike[str], *, allowed_hosts: Sequence[str] = LOC
                 return JSONResponse({"error": " ".join(str(err).split())}, status_code=404)
             except ValueError as err:
                 return JSONResponse({"error": " ".join(str(err).split())}, status_code=400)
+            except (TypeError, AttributeError, KeyError, IndexError) as err:  # a damaged row this view cannot read
+                return JSONResponse({"error": f"the store holds a row this view cannot read ({type(err).__name__}: "
+                                              f"{' '.join(str(err).split())})"}, status_code=422)
             return Response(json.dumps(_finite(body), allow_nan=False, default=str), media_type="application/json")
         return endpoint
 
@@ -102,10 +105,7 @@ def create_app(db: str | os.PathLike[str], *, allowed_hosts: Sequence[str] = LOC
         value = request.query_params.get(key)
         if value is None or value == "":
             return default
-        try:
-            return int(value)
-        except ValueError:
-            raise ValueError(f"the query parameter {key!r} must be an integer, got {value!r}") from None
+        return _bounded(value, f"the query parameter {key!r}")
 
     def experiments(request: Request) -> Any:
         return {"store": str(reader.path), "exists": reader.exists(), "experiments": reader.experiments()}
@@ -130,10 +130,7 @@ def create_app(db: str | os.PathLike[str], *, allowed_hosts: Sequence[str] = LOC
     def curves(request: Request, name: str) -> Any:
         reader.experiment(name)
         ids = [s for s in request.query_params.get("ids", "").split(",") if s]
-        try:
-            numbers = [int(s) for s in ids]
-        except ValueError:
-            raise ValueError(f"ids must be trial ids separated by commas, got {request.query_params.get('ids')!r}") from None
+        numbers = [_bounded(s, "each of ids (trial ids separated by commas)") for s in ids]
         return reader.curves(numbers, request.query_params.get("metric") or None)
 
     def hparams(request: Request, name: str) -> Any:
@@ -194,11 +191,23 @@ def create_app(db: str | os.PathLike[str], *, allowed_hosts: Sequence[str] = LOC
     return app
 
 
-def _number(text: str) -> int:
+# Integers a request may carry (offsets, limits, trial numbers and ids): SQLite's are 64-bit.
+_MAX_INT = 2**53
+
+
+def _bounded(text: str, what: str) -> int:
+    """``text`` as an integer of at most 2**53 in size, or ValueError (a 400) naming ``what``."""
     try:
-        return int(text)
+        value = int(text[:30]) if len(text) <= 30 else None
     except ValueError:
-        raise ValueError(f"a trial number must be an integer, got {text!r}") from None
+        value = None
+    if value is None or abs(value) > _MAX_INT:
+        raise ValueError(f"{what} must be an integer of at most 2**53 in size, got {text[:40]!r}")
+    return value
+
+
+def _number(text: str) -> int:
+    return _bounded(text, "a trial number")
 
 
 def _check_host(host: str) -> None:

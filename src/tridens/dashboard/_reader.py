@@ -27,8 +27,8 @@ import threading
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..store import CURRENT_VERSION, StoreError
-from ..trial import Trial
+from ..store import CURRENT_VERSION, StoreError, info_problem
+from ..trial import Trial, TrialStatus
 
 __all__ = ["StoreReader", "SORT_KEYS", "MAX_PAGE", "MAX_CURVES", "log_scale_labels"]
 
@@ -39,8 +39,8 @@ _COUNTED = ("completed", "stopped")
 # Sort keys of the trial table -> SQL expression over the numbered trials ``n``.
 SORT_KEYS = {
     "number": "n.number", "id": "n.id", "status": "n.status", "metric": "n.metric", "seed": "n.seed",
-    "duration": "(n.finished_at - n.started_at)", "params": "json_extract(n.info, '$.params')",
-    "flops": "json_extract(n.info, '$.flops')", "epochs": "epochs", "group": "n.group_id",
+    "duration": "(n.finished_at - n.started_at)", "params": "json_extract((CASE WHEN json_valid(n.info) THEN n.info END), '$.params')",
+    "flops": "json_extract((CASE WHEN json_valid(n.info) THEN n.info END), '$.flops')", "epochs": "epochs", "group": "n.group_id",
     "started": "n.started_at", "finished": "n.finished_at",
 }
 
@@ -98,6 +98,31 @@ def log_scale_labels(described: Any) -> list[str]:
     if not isinstance(described, Mapping):
         return []
     return [label for label, d in described.items() if isinstance(d, Mapping) and d.get("type") == "loguniform"]
+
+
+def _object(text: Any, what: str) -> tuple[dict[str, Any], str | None]:
+    """A stored JSON object and None, or ``({}, why)`` for a damaged row (what the page shows)."""
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError) as err:
+        return {}, f"{what} is not valid JSON ({err})"
+    if not isinstance(value, dict):
+        return {}, f"{what} is a JSON {type(value).__name__}, not an object"
+    return value, None
+
+
+def _loads(text: Any) -> Any:
+    """JSON that SQLite's ``json_extract`` returned, or None (a value of another kind)."""
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def _field(config: Mapping[str, Any], key: str, inner: str) -> Any:
+    """``config[key][inner]`` when ``config[key]`` is an object, else None (a damaged value)."""
+    value = config.get(key)
+    return value.get(inner) if isinstance(value, Mapping) else None
 
 
 def _finite(value: Any) -> Any:
@@ -183,7 +208,10 @@ class StoreReader:
     def objective(config: Mapping[str, Any]) -> dict[str, str]:
         """The experiment's objective as ``{"metric": ..., "mode": ...}`` (val_acc, max by default)."""
         objective = config.get("objective") or {}
-        return {"metric": objective.get("metric", "val_acc"), "mode": objective.get("mode", "max")}
+        if not isinstance(objective, Mapping):  # a damaged value: the defaults (the summary says it is damaged)
+            objective = {}
+        metric, mode = objective.get("metric", "val_acc"), objective.get("mode", "max")
+        return {"metric": metric if isinstance(metric, str) else "val_acc", "mode": mode if mode in ("max", "min") else "max"}
 
     def experiments(self) -> list[dict[str, Any]]:
         """Every experiment with its trial counts by status, progress and best value (none while
@@ -205,20 +233,27 @@ class StoreReader:
     def _summary(self, row: tuple[Any, ...], counts: dict[str, int],
                  best: Mapping[tuple[int, str], Any]) -> dict[str, Any]:
         eid, name, status, config_text, created, updated = row
-        config = json.loads(config_text)
+        config, damaged = _object(config_text, f"the config of experiment {name!r}")
+        stored = config.get("objective")
+        if damaged is None and stored is not None and (not isinstance(stored, Mapping) or not isinstance(
+                stored.get("metric", ""), str) or stored.get("mode", "max") not in ("max", "min")):
+            damaged = f"experiment {name!r} records the objective {str(stored)[:80]!r}, which is not one"
         objective = self.objective(config)
         finished = sum(counts.get(s, 0) for s in ("completed", "stopped", "failed"))
         max_trials = config.get("max_trials")
-        return {
+        if not isinstance(max_trials, int) or isinstance(max_trials, bool) or max_trials < 1:
+            max_trials = None
+        script = config.get("script")
+        return {"damaged": damaged,
             "name": name, "status": status, "created_at": created, "updated_at": updated,
             "objective": objective, "second_objective": config.get("second_objective"),
             "trials": sum(counts.values()), "by_status": counts, "finished": finished, "max_trials": max_trials,
             # a run without a trial limit (a one-shot search, a strategy that ends itself) is done when it says so
             "progress": (min(1.0, finished / max_trials) if max_trials else 1.0 if status == "done" else None),
             "best": _finite(best.get((eid, objective["mode"]))),
-            "strategy": (config.get("strategy") or {}).get("repr"),
-            "evaluator": (config.get("evaluator") or {}).get("repr"),
-            "script": config.get("script"),
+            "strategy": _field(config, "strategy", "repr"),
+            "evaluator": _field(config, "evaluator", "repr"),
+            "script": script if isinstance(script, str) else None,
         }
 
     def experiment(self, name: str) -> dict[str, Any]:
@@ -238,7 +273,7 @@ class StoreReader:
             "ORDER BY m.name", (eid,))]
         summary["best_over_time"] = self.best_over_time(eid, mode)
         summary["stop_steps"] = self.stop_steps(eid)
-        summary["config"] = json.loads(row[3])
+        summary["config"] = _object(row[3], "")[0]
         return summary
 
     def best_over_time(self, eid: int, mode: str) -> list[dict[str, Any]]:
@@ -269,15 +304,15 @@ class StoreReader:
         (conditional labels) alphabetically."""
         eid = self._experiment_row(name)[0]
         first = self._rows("SELECT sample FROM trials WHERE experiment_id = ? ORDER BY id LIMIT 1", (eid,))
-        ordered = list(json.loads(first[0][0])) if first else []
-        others = [r[0] for r in self._rows("SELECT DISTINCT j.key FROM trials t, json_each(t.sample) j "
+        ordered = list(_object(first[0][0], "")[0]) if first else []
+        others = [r[0] for r in self._rows("SELECT DISTINCT j.key FROM trials t, json_each(CASE WHEN json_valid(t.sample) AND json_type(t.sample) = 'object' THEN t.sample ELSE '{}' END) j "
                                            "WHERE t.experiment_id = ? ORDER BY j.key", (eid,))]
         return ordered + [k for k in others if k not in ordered]
 
     def log_labels(self, name: str) -> list[str]:
         """The labels the space declared on a log scale (``td.loguniform``), as the experiment
         recorded its search space: plots draw them on log axes."""
-        config = json.loads(self._experiment_row(name)[3])
+        config = _object(self._experiment_row(name)[3], "")[0]
         return log_scale_labels(config.get("search_space"))
 
     # -- trials -------------------------------------------------------------------------------------
@@ -301,10 +336,10 @@ class StoreReader:
             args += statuses
         for label, value in (label_filters or {}).items():
             path = _json_path(label)
-            where.append("(CAST(json_extract(n.sample, ?) AS TEXT) = ? OR json_quote(json_extract(n.sample, ?)) = ?)")
+            where.append("(CAST(json_extract((CASE WHEN json_valid(n.sample) THEN n.sample END), ?) AS TEXT) = ? OR json_quote(json_extract((CASE WHEN json_valid(n.sample) THEN n.sample END), ?)) = ?)")
             args += [path, value, path, value]
         if sort.startswith("label:"):
-            order = "json_extract(n.sample, ?)"
+            order = "json_extract((CASE WHEN json_valid(n.sample) THEN n.sample END), ?)"
             order_args = [_json_path(sort[len("label:"):])]
         elif sort in SORT_KEYS:
             order, order_args = SORT_KEYS[sort], []
@@ -326,13 +361,21 @@ class StoreReader:
 
     @staticmethod
     def _trial_row(row: tuple[Any, ...]) -> dict[str, Any]:
-        (tid, number, status, metric, metric_nan, seed, fingerprint, sample, info_text, group, parent,
+        (tid, number, status, metric, metric_nan, seed, fingerprint, sample_text, info_text, group, parent,
          started, finished, error, epochs) = row
-        info = json.loads(info_text)
-        return {
+        # A damaged row is served as damaged (its reason in "damaged"); the rest of the page works.
+        info, bad_info = _object(info_text, f"the info of trial {number}")
+        sample, bad_sample = _object(sample_text, f"the sample of trial {number}")
+        damaged = bad_sample or bad_info
+        if damaged is None and info_problem(info) is not None:
+            damaged = f"the info of trial {number} {info_problem(info)}"
+        if damaged is None and status not in TrialStatus._value2member_map_:
+            damaged = f"trial {number} has the unknown status {str(status)[:40]!r}"
+        return {"damaged": damaged,
             "id": tid, "number": number, "status": status, "metric": None if metric_nan else _finite(metric),
-            "seed": seed, "fingerprint": fingerprint, "sample": json.loads(sample),
-            "params": info.get("params"), "flops": info.get("flops"), "group": group, "parent": parent,
+            "seed": seed, "fingerprint": fingerprint, "sample": sample,
+            "params": info.get("params") if isinstance(info.get("params"), (int, float)) else None,
+            "flops": info.get("flops") if isinstance(info.get("flops"), (int, float)) else None, "group": group, "parent": parent,
             "started_at": started, "finished_at": finished,
             "duration": None if started is None or finished is None else finished - started,
             "epochs": epochs or 0, "error": error, "info": info,
@@ -378,7 +421,14 @@ class StoreReader:
         tables = {r[0] for r in self._rows("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if "stage_trials" not in tables:
             return []
-        return [{"id": sid, "label": label, "epochs": [e0, e1], "lr": [_finite(v) for v in json.loads(hp).get("lr") or []],
+        def lr(hp: Any) -> list[Any]:
+            values = _object(hp, "")[0].get("lr")
+            return [_finite(v) for v in values] if isinstance(values, list) else []
+
+        if not isinstance(path, list) or not all(isinstance(p, list) and len(p) == 3 and isinstance(p[2], int)
+                                                 for p in path):
+            path = None  # a damaged stage path: every linked stage is shown
+        return [{"id": sid, "label": label, "epochs": [e0, e1], "lr": lr(hp),
                  "status": status, "experiment": experiment, "checkpoint": bool(checkpoint)}
                 for sid, label, e0, e1, hp, status, experiment, checkpoint in self._rows(
                     "SELECT s.id, s.label, s.first_epoch, s.last_epoch, s.hyperparameters, s.status, e.name, "
@@ -420,7 +470,7 @@ class StoreReader:
         Hyperband, median stopping) that compares every trial at the same budget, stopped ones
         included. ``{"ids", "samples", "values", "step"}`` (``step`` None without finished trials)."""
         eid, _, _, config_text, _, _ = self._experiment_row(name)
-        metric = self.objective(json.loads(config_text))["metric"]
+        metric = self.objective(_object(config_text, "")[0])["metric"]
         rows = self._rows("SELECT id, sample FROM trials WHERE experiment_id = ? AND status IN "
                           "('completed', 'stopped') ORDER BY id", (eid,))
         curves: dict[int, dict[int, float]] = {tid: {} for tid, _ in rows}
@@ -435,7 +485,7 @@ class StoreReader:
             value = curves[tid].get(step) if step is not None else None
             if value is not None and math.isfinite(value):
                 ids.append(tid)
-                samples.append(json.loads(sample))
+                samples.append(_object(sample, "")[0])
                 values.append(value)
         return {"ids": ids, "samples": samples, "values": values, "step": step}
 
@@ -459,14 +509,14 @@ class StoreReader:
         for tid, sample, metric, info_text, status in rows:
             ids.append(tid)
             numbers_out.append(numbers.get(tid))
-            samples.append(json.loads(sample))
+            samples.append(_object(sample, "")[0])
             values.append(_finite(metric))
             statuses.append(status)
             if extra:
-                info = json.loads(info_text)
+                info = _object(info_text, "")[0]
                 key = "latency_ms" if extra == "latency" else extra
                 value = info.get(key, second.get(tid))
-                seconds.append(_finite(None if value is None else float(value)))
+                seconds.append(_finite(float(value)) if isinstance(value, (int, float)) else None)
         return {"ids": ids, "numbers": numbers_out, "samples": samples, "values": values, "statuses": statuses,
                 "second": seconds if extra else None}
 
@@ -481,28 +531,31 @@ class StoreReader:
             "SELECT id FROM trials WHERE experiment_id = ? ORDER BY id", (eid,)))}
         groups = []
         for group, count, seconds in self._rows(
-                "SELECT group_id, COUNT(*), SUM(json_extract(info, '$.train_seconds')) FROM trials "
+                "SELECT group_id, COUNT(*), SUM(json_extract((CASE WHEN json_valid(info) THEN info END), '$.train_seconds')) FROM trials "
                 "WHERE experiment_id = ? GROUP BY group_id ORDER BY group_id DESC LIMIT ?", (eid, limit)):
             groups.append({"group": group, "trials": count, "train_seconds": seconds})
         groups.reverse()
         relations = []
         for tid, parent, info_text in self._rows(
                 "SELECT id, parent, info FROM trials WHERE experiment_id = ? AND (parent IS NOT NULL OR "
-                "json_extract(info, '$.warm_start') IS NOT NULL OR json_extract(info, '$.duplicate_of') IS NOT NULL "
-                "OR json_extract(info, '$.inherit') IS NOT NULL OR json_extract(info, '$.exploits') IS NOT NULL "
-                "OR json_extract(info, '$.oneshot') IS NOT NULL) ORDER BY id DESC LIMIT ?", (eid, limit)):
-            info = json.loads(info_text)
+                "json_extract((CASE WHEN json_valid(info) THEN info END), '$.warm_start') IS NOT NULL OR json_extract((CASE WHEN json_valid(info) THEN info END), '$.duplicate_of') IS NOT NULL "
+                "OR json_extract((CASE WHEN json_valid(info) THEN info END), '$.inherit') IS NOT NULL OR json_extract((CASE WHEN json_valid(info) THEN info END), '$.exploits') IS NOT NULL "
+                "OR json_extract((CASE WHEN json_valid(info) THEN info END), '$.oneshot') IS NOT NULL) ORDER BY id DESC LIMIT ?", (eid, limit)):
+            info = _object(info_text, "")[0]
+            exploits = info.get("exploits") if isinstance(info.get("exploits"), list) else []
+            duplicate = info.get("duplicate_of")
             relations.append({
                 "trial": numbers.get(tid), "id": tid, "parent": numbers.get(parent) if parent is not None else None,
                 "warm_start": info.get("warm_start"), "inherit": info.get("inherit"),
-                "duplicate_of": numbers.get(info["duplicate_of"]) if info.get("duplicate_of") is not None else None,
+                "duplicate_of": numbers.get(duplicate) if isinstance(duplicate, int) else None,
                 "unit": info.get("unit"), "oneshot": info.get("oneshot"),
-                "exploits": [{"epoch": e.get("epoch"), "from": e.get("from_number")} for e in info.get("exploits") or []],
+                "exploits": [{"epoch": e.get("epoch"), "from": e.get("from_number")} for e in exploits
+                             if isinstance(e, Mapping)],
             })
         relations.reverse()
         units_recorded = bool(self._rows("SELECT 1 FROM trials WHERE experiment_id = ? AND "
-                                         "json_extract(info, '$.unit') IS NOT NULL LIMIT 1", (eid,)))
-        total_seconds = self._rows("SELECT SUM(json_extract(info, '$.train_seconds')) FROM trials WHERE "
+                                         "json_extract((CASE WHEN json_valid(info) THEN info END), '$.unit') IS NOT NULL LIMIT 1", (eid,)))
+        total_seconds = self._rows("SELECT SUM(json_extract((CASE WHEN json_valid(info) THEN info END), '$.train_seconds')) FROM trials WHERE "
                                    "experiment_id = ?", (eid,))[0][0]
         units = self.units(eid, numbers, limit)
         saved = [u["saved_seconds"] for u in units if u["saved_seconds"] is not None]
@@ -520,22 +573,29 @@ class StoreReader:
         (``unit["speedups"]``: what separate training would have cost more), when recorded; a
         separate unit's 0; otherwise None (not measured)."""
         rows = self._rows(
-            "SELECT json_extract(info, '$.unit.trials'), MIN(id), COUNT(*), json_extract(info, '$.unit'), "
-            "SUM(json_extract(info, '$.train_seconds')), json_group_object(id, json_extract(info, '$.train_seconds')), "
-            "json_group_array(json_extract(info, '$.unit.speedups')) FROM trials "
-            "WHERE experiment_id = ? AND json_extract(info, '$.unit') IS NOT NULL GROUP BY 1 ORDER BY 2 DESC LIMIT ?",
+            "SELECT json_extract((CASE WHEN json_valid(info) THEN info END), '$.unit.trials'), MIN(id), COUNT(*), json_extract((CASE WHEN json_valid(info) THEN info END), '$.unit'), "
+            "SUM(json_extract((CASE WHEN json_valid(info) THEN info END), '$.train_seconds')), json_group_object(id, json_extract((CASE WHEN json_valid(info) THEN info END), '$.train_seconds')), "
+            "json_group_array(json_extract((CASE WHEN json_valid(info) THEN info END), '$.unit.speedups')) FROM trials "
+            "WHERE experiment_id = ? AND json_extract((CASE WHEN json_valid(info) THEN info END), '$.unit') IS NOT NULL GROUP BY 1 ORDER BY 2 DESC LIMIT ?",
             (eid, limit))
         trees: dict[str, list[tuple[Any, int]]] = {}
+        rows = [r for r in rows if isinstance(_loads(r[3]), dict)]   # a damaged unit record is left out
         if any(json.loads(r[3]).get("kind") == "stage tree" for r in rows):
             for key, stages, epochs in self._rows(
-                    "SELECT json_extract(t.info, '$.unit.trials'), json_extract(t.info, '$.stages'), "
+                    "SELECT json_extract((CASE WHEN json_valid(t.info) THEN t.info END), '$.unit.trials'), json_extract((CASE WHEN json_valid(t.info) THEN t.info END), '$.stages'), "
                     "(SELECT MAX(m.step) + 1 FROM metrics m WHERE m.trial_id = t.id) FROM trials t WHERE "
-                    "t.experiment_id = ? AND json_extract(t.info, '$.unit.kind') = 'stage tree'", (eid,)):
-                trees.setdefault(key, []).append((json.loads(stages) if stages else [], epochs or 0))
+                    "t.experiment_id = ? AND json_extract((CASE WHEN json_valid(t.info) THEN t.info END), '$.unit.kind') = 'stage tree'", (eid,)):
+                path = _loads(stages) if stages else []
+                if isinstance(path, list) and all(isinstance(p, list) and len(p) == 3 and isinstance(p[2], int)
+                                                  for p in path):
+                    trees.setdefault(key, []).append((path, epochs or 0))
         out = []
         ids_of = {n: t for t, n in numbers.items()}
         for trials_json, _, count, unit_text, seconds, spent_json, speedups_json in reversed(rows):
             unit = json.loads(unit_text)
+            members = _loads(trials_json) if trials_json is not None else []
+            if not isinstance(members, list) or not isinstance(seconds, (int, float, type(None))):
+                continue  # a damaged unit record
             # a unit recorded with "ids" names its trials by number; an older record by store id
             number = (lambda t: t) if "ids" in unit else numbers.get
             store_id = ids_of.get if "ids" in unit else (lambda t: t)
@@ -546,13 +606,14 @@ class StoreReader:
                     saved = seconds * (alone - trained) / trained
             if unit.get("kind") == "separate":
                 saved = 0.0  # trained as alone
-            speedups = _speedups({"speedups": e} for e in json.loads(speedups_json))
+            speedups = _speedups({"speedups": e} for e in json.loads(speedups_json) if isinstance(e, list))
             if speedups and unit.get("kind") != "stage tree":
-                spent = {int(t): float(v or 0.0) for t, v in json.loads(spent_json).items()}
+                spent = {int(t): float(v) if isinstance(v, (int, float)) else 0.0
+                         for t, v in json.loads(spent_json).items()}
                 saved = sum(sum(spent.get(store_id(t), 0.0) for t in e["trials"]) * (e["speedup"] - 1.0)
                             for e in speedups if e["fused"])
             out.append({
-                "kind": unit.get("kind"), "trials": [number(t) for t in json.loads(trials_json) or []],
+                "kind": unit.get("kind"), "trials": [number(t) for t in members if isinstance(t, int)],
                 "shared": unit.get("shared") or [], "reason": unit.get("reason"), "text": unit.get("text"),
                 "batching": unit.get("batching"), "recorded": count,
                 "speedups": [{**e, "trials": [number(t) for t in e["trials"]]} for e in speedups],
@@ -587,16 +648,19 @@ class StoreReader:
                                    "ORDER BY trial_id", (eid,)):
             if tid in numbers:
                 links.setdefault(sid, []).append(tid)
-        paths = {tid: (json.loads(text), epochs) for tid, text, epochs in self._rows(
-            "SELECT t.id, json_extract(t.info, '$.stages'), (SELECT MAX(m.step) + 1 FROM metrics m WHERE m.trial_id = t.id) "
-            "FROM trials t WHERE t.experiment_id = ? AND json_extract(t.info, '$.stages') IS NOT NULL", (eid,))}
+        paths = {tid: (_loads(text), epochs) for tid, text, epochs in self._rows(
+            "SELECT t.id, json_extract((CASE WHEN json_valid(t.info) THEN t.info END), '$.stages'), (SELECT MAX(m.step) + 1 FROM metrics m WHERE m.trial_id = t.id) "
+            "FROM trials t WHERE t.experiment_id = ? AND json_extract((CASE WHEN json_valid(t.info) THEN t.info END), '$.stages') IS NOT NULL", (eid,))}
+        paths = {t: p for t, p in paths.items() if isinstance(p[0], list) and all(   # damaged paths left out
+            isinstance(e, list) and len(e) == 3 and isinstance(e[2], int) for e in p[0])}
         stages = []
         for sid, parent, label, e0, e1, s0, s1, hp_text, status, has_checkpoint, experiment, error in rows:
-            hp = json.loads(hp_text)
+            hp = _object(hp_text, "")[0]
             # the trials linked to the stage, less those whose own path went another way there
             went = [numbers[t] for t in links.get(sid, []) if t not in paths or _covers(*paths[t], label, e0, e1)]
             stages.append({"id": sid, "parent": parent, "label": label, "epochs": [e0, e1], "steps": [s0, s1],
-                           "lr": [_finite(v) for v in hp.get("lr") or []], "batch_size": hp.get("batch_size") or [],
+                           "lr": [_finite(v) for v in hp["lr"]] if isinstance(hp.get("lr"), list) else [],
+                           "batch_size": hp["batch_size"] if isinstance(hp.get("batch_size"), list) else [],
                            "status": status, "checkpoint": bool(has_checkpoint), "experiment": experiment,
                            "trials": went, "error": error})
         return {"stages": stages, "total": total, "epochs_here": here or 0, "epochs_reused": reused or 0}
@@ -605,14 +669,14 @@ class StoreReader:
         """One-shot runs: the supernet trials' curves and the scored subnets (``info["oneshot"]``)."""
         eid = self._experiment_row(name)[0]
         rows = self._rows("SELECT id, sample, metric, info, status FROM trials WHERE experiment_id = ? AND "
-                          "json_extract(info, '$.oneshot') IS NOT NULL ORDER BY id", (eid,))
+                          "json_extract((CASE WHEN json_valid(info) THEN info END), '$.oneshot') IS NOT NULL ORDER BY id", (eid,))
         numbers = {tid: i for i, (tid,) in enumerate(self._rows(
             "SELECT id FROM trials WHERE experiment_id = ? ORDER BY id", (eid,)))}
         supernets: list[dict[str, Any]] = []
         subnets: list[dict[str, Any]] = []
         for tid, sample, metric, info_text, status in rows:
-            one = json.loads(info_text)["oneshot"]
-            entry = {"id": tid, "number": numbers.get(tid), "status": status, "sample": json.loads(sample),
+            one = _object(info_text, "")[0].get("oneshot")
+            entry = {"id": tid, "number": numbers.get(tid), "status": status, "sample": _object(sample, "")[0],
                      "metric": _finite(metric), "oneshot": one}
             (supernets if isinstance(one, dict) and one.get("role") == "supernet" else subnets).append(entry)
         curves = self.curves([s["id"] for s in supernets])

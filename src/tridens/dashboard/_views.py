@@ -147,8 +147,8 @@ def _references(recipe: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     refs = [recipe] if "path" in recipe else []
     if isinstance(recipe.get("base"), Mapping):
         refs += _references(recipe["base"])
-    for mutator in recipe.get("mutators") or []:
-        refs.append(mutator)
+    mutators = recipe.get("mutators")
+    refs += mutators if isinstance(mutators, list) else []
     return refs
 
 
@@ -161,6 +161,9 @@ def architecture(config: Mapping[str, Any], trial: Mapping[str, Any]) -> dict[st
     if not recipe:
         return {**base, "available": False,
                 "reason": "the store records no importable space for this experiment; fingerprint and sample only"}
+    if not isinstance(recipe, dict) or not all(isinstance(r, dict) for r in _references(recipe)):
+        return {**base, "available": False,
+                "reason": "the store's space recipe is damaged (not a JSON object of references); fingerprint and sample only"}
     missing = [str(r.get("file") or r.get("path")) for r in _references(recipe) if not _already_imported(r)]
     if missing:
         return {**base, "available": False,

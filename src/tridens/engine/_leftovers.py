@@ -58,7 +58,8 @@ def driver_alive(driver: Any) -> bool | None:
     if not isinstance(driver, dict) or driver.get("host") != socket.gethostname():
         return None
     pid = driver.get("pid")
-    if not isinstance(pid, int):
+    # A damaged record (a pid of 2**70, 0 or -1: os.kill would overflow, or ask about a group) tells nothing.
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 1 << 22:
         return None
     start = _start_time(pid)
     if start is not None:
@@ -113,7 +114,7 @@ def interrupted_text(db: Store, name: str, store: Path) -> str:
 def find_abandoned(db: Store) -> list[str]:
     """The experiments left ``running`` by a driver that is gone (checked on this host); reading
     only, so a read-only store can say whether it needs :func:`mark_abandoned`."""
-    return [r.name for r in db.experiments()
+    return [r.name for r in db.experiments(damaged=[])   # a damaged row is named by the reader that shows it
             if r.status == "running" and driver_alive(r.config.get("driver")) is False]
 
 
@@ -129,9 +130,9 @@ def mark_abandoned(db: Store, name: str | None = None, *, unknown_is_gone: bool 
     []
     """
     marked = []
-    records = db.experiments() if name is None else [db.get_experiment(name)]
+    records = db.experiments(damaged=[]) if name is None else [db.get_experiment(name)]
     for record in records:
-        running = db.trials(record.name, status=TrialStatus.RUNNING)
+        running = db.trials(record.name, status=TrialStatus.RUNNING, damaged=[] if name is None else None)
         if record.status != "running":
             if running:  # stopped, but its trials could not be marked: no death to charge
                 _settle(db, record.name, running, death=False, experiment=False)

@@ -14,8 +14,8 @@
 from ..errors import StorageFault, StoreError
 from ._records import ExperimentRecord
 from ._schema import CURRENT_VERSION
-from ._sqlite import Store
+from ._sqlite import Store, info_problem
 from ._stages import StageArchive, StageHit, StagePolicy, StageRecord, stage_tree
 
 __all__ = ["Store", "ExperimentRecord", "StoreError", "StorageFault", "CURRENT_VERSION", "StageArchive", "StageHit", "StagePolicy",
-           "StageRecord", "stage_tree"]
+           "StageRecord", "stage_tree", "info_problem"]

@@ -33,7 +33,7 @@ from ..trial import Trial, TrialStatus
 from ._records import ExperimentRecord
 from ._schema import CURRENT_VERSION, check_not_newer, read_version, upgrade
 
-__all__ = ["Store"]
+__all__ = ["Store", "info_problem"]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_. \-]{0,126}[A-Za-z0-9_.\-])?")
 
@@ -523,12 +523,22 @@ class Store:
             conn.execute("DELETE FROM experiments WHERE id = ?", (eid,))
         self._experiment_ids.pop(name, None)
 
-    def experiments(self) -> list[ExperimentRecord]:
-        """Every experiment, oldest first."""
+    def experiments(self, *, damaged: list[str] | None = None) -> list[ExperimentRecord]:
+        """Every experiment, oldest first. A damaged row (its config not a JSON object) raises
+        :class:`StoreError` naming it; with a list as ``damaged``, it is left out and that one line
+        appended instead (what readers that list a store do)."""
         with self._reading("listing experiments") as conn:
             rows = conn.execute("SELECT id, name, status, config, created_at, updated_at FROM experiments "
                                 "ORDER BY id").fetchall()
-        return [self._experiment_record(r) for r in rows]
+        records = []
+        for row in rows:
+            try:
+                records.append(self._experiment_record(row))
+            except StoreError as err:
+                if damaged is None:
+                    raise
+                damaged.append(str(err))
+        return records
 
     def update_experiment(self, name: str, *, status: str | None = None,
                           config: Mapping[str, Any] | None = None) -> ExperimentRecord:
@@ -664,10 +674,14 @@ class Store:
         trial.number = number
         return trial
 
-    def trials(self, experiment: str, *, status: TrialStatus | str | None = None) -> list[Trial]:
+    def trials(self, experiment: str, *, status: TrialStatus | str | None = None,
+               damaged: list[str] | None = None) -> list[Trial]:
         """Every trial of ``experiment`` in id order (optionally only one status), each with
         ``.metrics`` (name -> values ordered by step) and ``.checkpoint`` (the absolute path of its
-        latest checkpoint, or None)."""
+        latest checkpoint, or None). A damaged row (a sample or info that is not a JSON object, an
+        unknown status, an info value of the wrong type) raises :class:`StoreError` naming the
+        trial; with a list as ``damaged``, the trial is left out and that one line appended
+        instead (the others keep their numbers)."""
         eid = self._experiment_id(experiment)
         where = "t.experiment_id = ?"
         args: list[int | str] = [eid]
@@ -684,32 +698,44 @@ class Store:
             ids = [r[0] for r in rows] if status is None else [r[0] for r in conn.execute(
                 "SELECT id FROM trials WHERE experiment_id = ? ORDER BY id", (eid,))]
         numbers = {tid: n for n, tid in enumerate(ids)}  # per experiment, from 0, in id order
-        trials = self._assemble(rows, metrics, checkpoints)
+        trials = self._assemble(rows, metrics, checkpoints, damaged, numbers)
         for trial in trials:
             trial.number = numbers.get(trial.id)
         return trials
 
     def _assemble(self, rows: list[tuple[Any, ...]], metrics: list[tuple[Any, ...]],
-                  checkpoints: list[tuple[Any, ...]]) -> list[Trial]:
+                  checkpoints: list[tuple[Any, ...]], damaged: list[str] | None = None,
+                  numbers: Mapping[int, int] | None = None) -> list[Trial]:
         trials: dict[int, Trial] = {}
         nan = math.nan
         for (tid, exp, sample, fingerprint, seed, status, metric, metric_nan, group, max_steps, info, parent,
              started, finished, error) in rows:
+            name = f"trial {tid}" if numbers is None or tid not in numbers else \
+                f"trial {tid} (number {numbers[tid]} of {exp!r})"
             try:
-                status = TrialStatus(status)
-            except ValueError as e:
-                known = ", ".join(s.value for s in TrialStatus)
-                raise StoreError(f"trial {tid} in the store {self.path} has the unknown status {status!r} "
-                                 f"(known: {known})") from e
-            trials[tid] = Trial(
-                id=tid, sample=self._json_object(sample, f"the sample of trial {tid}"), seed=seed, status=status,
-                fingerprint=fingerprint, metric=nan if metric_nan else metric, error=error, group=group,
-                max_steps=max_steps, info=self._json_object(info, f"the info of trial {tid}"), started_at=started,
-                finished_at=finished, experiment=exp, parent=parent)
+                try:
+                    status = TrialStatus(status)
+                except ValueError as e:
+                    known = ", ".join(s.value for s in TrialStatus)
+                    raise StoreError(f"{name} in the store {self.path} has the unknown status {status!r} "
+                                     f"(known: {known})") from e
+                info_value = self._json_object(info, f"the info of {name}")
+                _check_info(info_value, f"the info of {name} in the store {self.path}")
+                trials[tid] = Trial(
+                    id=tid, sample=self._json_object(sample, f"the sample of {name}"), seed=seed, status=status,
+                    fingerprint=fingerprint, metric=nan if metric_nan else metric, error=error, group=group,
+                    max_steps=max_steps, info=info_value, started_at=started,
+                    finished_at=finished, experiment=exp, parent=parent)
+            except StoreError as err:
+                if damaged is None:
+                    raise
+                damaged.append(f"{err}; {name} is left out")
         for tid, name, value in metrics:
-            trials[tid].metrics.setdefault(name, []).append(nan if value is None else value)
+            if tid in trials:
+                trials[tid].metrics.setdefault(name, []).append(nan if value is None else value)
         for tid, rel in checkpoints:
-            trials[tid].checkpoint = str(self.files_dir / rel)
+            if tid in trials:
+                trials[tid].checkpoint = str(self.files_dir / rel)
         return list(trials.values())
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -873,6 +899,40 @@ class Store:
         except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise StoreError(f"cannot load the checkpoint {p}: {first}") from e
+
+
+# The types the engine writes for the info values readers format (a value of another type is a
+# damaged or edited row); None means absent.
+_INFO_TYPES: dict[str, tuple[type, ...]] = {
+    "params": (int,), "flops": (int, float), "train_seconds": (int, float), "stages": (list,), "unit": (dict,),
+    "warm_start": (dict,), "exploits": (list,), "duplicate_of": (int,),
+}
+
+
+def info_problem(info: Mapping[str, Any]) -> str | None:
+    """What is wrong with a trial's stored ``info`` (a value readers format, of another type than
+    the engine writes), or None.
+
+    >>> info_problem({"params": "x"})
+    "holds params='x', not an int"
+    """
+    for key, types in _INFO_TYPES.items():
+        value = info.get(key)
+        if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+            kinds = " or ".join(("an " if t is int else "a ") + t.__name__ for t in types)
+            return f"holds {key}={_short(value)}, not {kinds}"
+    return None
+
+
+def _check_info(info: Mapping[str, Any], what: str) -> None:
+    problem = info_problem(info)
+    if problem is not None:
+        raise StoreError(f"{what} {problem}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 _LEAVES = (str, bytes, int, float, bool, type(None))

@@ -132,7 +132,21 @@ def _history_json(history: Sequence[Mapping[str, float]]) -> str:
 
 
 def _history_from(text: str) -> list[dict[str, float]]:
-    return [{k: float(v) for k, v in h.items()} for h in json.loads(text)]
+    """The per-epoch metrics a stage row holds; :class:`StoreError` for a damaged row."""
+    try:
+        history = json.loads(text)
+        return [{str(k): float(v) for k, v in h.items()} for h in history]
+    except (TypeError, ValueError, AttributeError) as err:
+        raise StoreError(f"its stored history is damaged ({type(err).__name__}: {err})") from err
+
+
+def _hyperparameters_from(text: str) -> dict[str, Any]:
+    """A stage row's hyperparameters, or {} for a damaged row (the tree is shown without them)."""
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 class StageArchive:
@@ -191,14 +205,17 @@ class StageArchive:
         if row is None:
             return None
         sid, label, history, checkpoint, experiment = row
-        try:
+        try:  # a damaged row or file counts as absent: the stage is trained again
+            metrics = _history_from(history)
+            if len(metrics) != epochs:
+                raise StoreError(f"its stored history holds {len(metrics)} epochs, not {epochs}")
             state = self.store.load_checkpoint(checkpoint)
         except StoreError as err:
             log.warning("stage %s: %s; it is trained again", label, err)
             return None
         with self.store._writing("marking a stage used", single=True) as conn:
             conn.execute("UPDATE stages SET used_at = ? WHERE id = ?", (time.time(), sid))
-        hit = StageHit(epochs, state, _history_from(history), sid, label, experiment)
+        hit = StageHit(epochs, state, metrics, sid, label, experiment)
         self.reused.append(hit)
         return hit
 
@@ -339,7 +356,7 @@ def stage_tree(store: Store, experiment: str) -> list[StageRecord]:
             "SELECT st.stage_id, st.trial_id FROM stage_trials st JOIN trials t ON t.id = st.trial_id "
             "WHERE t.experiment_id = ? ORDER BY st.trial_id", (eid,)).fetchall()
     records = {r[0]: StageRecord(id=r[0], parent=r[1], label=r[2], epochs=(r[3], r[4]), steps=(r[5], r[6]),
-                                 hyperparameters=json.loads(r[7]), status=r[8], checkpoint=r[9], experiment=r[10],
+                                 hyperparameters=_hyperparameters_from(r[7]), status=r[8], checkpoint=r[9], experiment=r[10],
                                  error=r[11]) for r in rows}
     for sid, tid in links:
         if sid in records:

@@ -96,7 +96,7 @@ function experimentsPage() {
       const pct = e.progress === null ? null : Math.round(100 * e.progress);
       return el("tr", {"data-name": e.name},
         el("td", {}, el("a", {href: "/experiments/" + enc(e.name), text: e.name})),
-        statusCell(e.status),
+        e.damaged ? el("td", {class: "status-failed damaged", title: e.damaged, text: "damaged"}) : statusCell(e.status),
         el("td", {}, el("span", {class: "bar"}, el("span", {style: `width:${pct || 0}%`})),
           " " + progressText(e)),
         el("td", {class: "num", text: e.trials}),
@@ -227,7 +227,8 @@ function experimentPage(name) {
       const box = el("input", {type: "checkbox", class: "select-trial", "data-id": t.id, onchange: () => {
         box.checked ? state.selected.add(t.id) : state.selected.delete(t.id); curvesTick(); }});
       box.checked = state.selected.has(t.id);
-      const error = t.error ? el("details", {}, el("summary", {text: lastLine(t.error)}), el("pre", {text: t.error})) : "";
+      const error = t.damaged ? el("span", {class: "status-failed damaged", text: "damaged row: " + t.damaged})
+        : t.error ? el("details", {}, el("summary", {text: lastLine(t.error)}), el("pre", {text: t.error})) : "";
       return el("tr", {"data-trial-id": t.id, "data-number": t.number},
         el("td", {}, box),
         el("td", {}, el("a", {href: `/experiments/${enc(name)}/trials/${t.number}`, text: "#" + t.number})),
