@@ -137,9 +137,10 @@ class Net(tnn.ModelSpace):
 train, val = td.datasets.digits()
 evaluator = td.evaluators.Classification(train, val, epochs=1, batch_size=128, optimizer="adam", lr=0.01)
 if sys.argv[1] == "typo":
-    td.Experiment(Net(), evaluator, td.strategy.ASHA(max_steps=50), max_trials=2, store="s.db").run()
+    td.Experiment(Net(), evaluator, td.strategy.ASHA(max_steps=50), budget=2, store="s.db").run()
 else:
-    td.Experiment(Net(), evaluator, "random", max_trials=1, store="s.db", verbose=False).run()
+    td.Experiment(Net(), evaluator, "random", budget=1, store="s.db",
+                  options=td.RunOptions(verbose=False)).run()
     raise ValueError("my own bug")
 '''
 

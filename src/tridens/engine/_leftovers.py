@@ -124,8 +124,9 @@ def mark_abandoned(db: Store, name: str | None = None, *, unknown_is_gone: bool 
     A driver that cannot be checked (another host, no record) counts as gone only with
     ``unknown_is_gone`` (the caller is about to run the experiment itself). Returns the names marked.
 
+    >>> import tempfile, pathlib
     >>> from tridens.store import Store
-    >>> with Store(":memory:") as db:
+    >>> with tempfile.TemporaryDirectory() as folder, Store(pathlib.Path(folder) / "s.db") as db:
     ...     mark_abandoned(db)
     []
     """
