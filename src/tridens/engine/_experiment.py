@@ -575,6 +575,7 @@ class Experiment:
         from ..store import StageArchive
 
         archive = plan.archive = StageArchive(db, name, self.stage_policy)
+        archive.remove_orphans()   # stages whose trials are gone (a deleted experiment's), a resume included
         try:
             yield
         finally:

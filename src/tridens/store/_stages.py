@@ -14,7 +14,9 @@ checkpoint instead of training it again (:class:`StageArchive`).
 interrupted: it may resume) went through is kept. Others are kept while the stage checkpoints
 of the store total at most ``max_bytes``; beyond, the least recently used go first (their rows
 stay, with ``checkpoint`` NULL: the tree is still shown, that stage is trained again if needed).
-A checkpoint of a stage that no trial uses any more (its experiment deleted) goes at once.
+A stage that no trial uses any more (its experiment deleted) goes at once, row and checkpoint,
+when a run starts and when it ends. Only files under ``<db name>.files/.stages/`` that no trial
+checkpoint row names are ever deleted.
 
 >>> import tempfile, os, torch
 >>> from tridens.store import Store
@@ -302,6 +304,46 @@ class StageArchive:
 
     # -- cleanup ------------------------------------------------------------------------------------
     @_best_effort(0)
+    def remove_orphans(self) -> int:
+        """Remove the stages no trial went through any more (their trials are gone: a deleted
+        experiment's), rows and checkpoints; returns how many. A stage any trial links to, live
+        or finished, is kept: the trials of a stage and its rows are written in one transaction,
+        so a stage being stored by a running experiment is never an orphan. The engine calls it
+        when a run starts (a resume included) and after its cleanup at the end."""
+        with self.store._reading("finding orphan stages") as conn:
+            rows = conn.execute(f"SELECT id, checkpoint {_orphans_sql()} AND checkpoint IS NOT NULL").fetchall()
+        if rows:   # their checkpoints first, through the one rule that deletes stage files
+            self._delete_files(rows)
+        with self.store._writing("removing orphan stages", single=True) as conn:
+            removed = conn.execute(f"DELETE {_orphans_sql()} AND checkpoint IS NULL").rowcount
+        if removed:
+            log.info("stage store: %d stage(s) no trial uses any more removed", removed)
+        return int(removed)
+
+    def _delete_files(self, rows: Sequence[tuple[int, str]]) -> int:
+        """Set the stages' checkpoints to NULL and delete their files, only files under
+        ``<db>.files/.stages/`` that no trial checkpoint row names (a damaged or crafted stage row
+        may name any file); returns the bytes freed."""
+        stages_dir = (self.store.files_dir / ".stages").resolve()
+        with self.store._reading("listing trial checkpoints") as conn:
+            trial_files = {(self.store.files_dir / rel).resolve()
+                           for (rel,) in conn.execute("SELECT path FROM checkpoints")}
+        freed = 0
+        for sid, rel in rows:
+            with self.store._writing("cleaning up a stage checkpoint", single=True) as conn:
+                conn.execute("UPDATE stages SET checkpoint = NULL, bytes = 0 WHERE id = ?", (sid,))
+            path = (self.store.files_dir / str(rel)).resolve()
+            if not path.is_relative_to(stages_dir) or path in trial_files:
+                log.warning("stage row %s names %s, which is not a stage checkpoint; the file is kept", sid, rel)
+                continue
+            try:
+                freed += path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                pass
+        return freed
+
+    @_best_effort(0)
     def collect(self) -> int:
         """Remove the stage checkpoints the policy does not keep (see the module docstring);
         returns the bytes freed."""
@@ -320,22 +362,17 @@ class StageArchive:
                 total += r[2]
             else:
                 drop.append(r)
-        freed = 0
-        for sid, rel, size, *_ in drop:
-            with self.store._writing("cleaning up a stage checkpoint", single=True) as conn:
-                conn.execute("UPDATE stages SET checkpoint = NULL, bytes = 0 WHERE id = ?", (sid,))
-            path = self.store.files_dir / rel
-            if path.resolve().is_relative_to(self.store.files_dir.resolve()):
-                try:
-                    path.unlink()
-                    freed += size
-                except FileNotFoundError:
-                    pass
+        freed = self._delete_files([(r[0], r[1]) for r in drop])
+        self.remove_orphans()
         if drop:
             log.info("stage checkpoints: %d removed (%.1f MiB); %.1f MiB kept (live trials' stages, then the "
                      "most recently used up to %.0f MiB)", len(drop), freed / 2**20, total / 2**20,
                      self.policy.max_bytes / 2**20)
         return freed
+
+
+def _orphans_sql() -> str:
+    return "FROM stages WHERE NOT EXISTS (SELECT 1 FROM stage_trials st WHERE st.stage_id = stages.id)"
 
 
 def stage_tree(store: Store, experiment: str) -> list[StageRecord]:
