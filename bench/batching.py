@@ -132,7 +132,7 @@ def child(args: argparse.Namespace) -> None:
     try:
         from tridens.units import Job, SeparateUnit
     except ImportError:  # a --ref-src snapshot from before tridens.units
-        from tridens.engine._execution import Job
+        from tridens.executors._execution import Job
         from tridens.engine._units import SeparateUnit
     from tridens.xopt import _batching
     try:

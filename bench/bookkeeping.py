@@ -271,7 +271,7 @@ def breakdown(n: int) -> dict[str, Any]:
     wrap(Random, "ask", "strategy.ask")
     wrap(Random, "tell", "strategy.tell")
     wrap(Random, "report", "strategy.report")
-    import tridens.engine._execution as X
+    import tridens.executors._execution as X
     wrap(X, "_weights", "state_dict copy for the checkpoint")
     with tempfile.TemporaryDirectory() as d:
         exp = E.Experiment(space, FunctionalEvaluator(_trivial), Random(), budget=n,

@@ -2,7 +2,7 @@
 
 A package is a directory under src/tridens (or a top-level module such as ``trial.py``). The allowed
 direction is written below as data: each package lists the packages it may import. The order is the
-pipeline's: engine -> xopt / warmup -> units -> evaluators / graph / space -> trial.
+pipeline's: engine -> executors -> xopt / warmup -> units -> evaluators / graph / space -> trial.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ ALLOWED: dict[str, set[str]] = {
     "warmup": _UNITS | {"store"},
     "xopt": _UNITS | {"store", "warmup"},  # the super-graph inherits weights through warm start's alignment
     "oneshot": _UNITS | {"store", "strategy"},
-    "engine": _UNITS | {"store", "strategy", "loggers", "warmup", "xopt", "oneshot"},
-    "executors": _UNITS | {"store", "engine"},  # the executor objects users pass to Experiment
+    "executors": _UNITS | {"store", "warmup", "xopt"},  # where trials train: the objects users pass to Experiment
+    "engine": _UNITS | {"store", "strategy", "loggers", "warmup", "xopt", "oneshot", "executors"},
     "_views": _CORE | {"store"},  # what the tridens command prints of trials
     "hub": _TRAINING,  # ready-made model spaces (NAS-Bench-201's lives beside its table in evaluators)
     "dashboard": _MODELS | {"store", "loggers"},

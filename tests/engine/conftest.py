@@ -26,7 +26,7 @@ def local_ray():
     """One local Ray per test module, started as td.executors.Ray(address=None) starts it (on
     127.0.0.1); a Ray already running in the process is used as is."""
     ray = pytest.importorskip("ray")
-    from tridens.engine._ray_local import start_local_ray
+    from tridens.executors._ray_local import start_local_ray
 
     started = not ray.is_initialized()
     if started:

@@ -10,7 +10,7 @@ def _rank(rank: int, world: int, port: int, queue) -> None:
     import torch
     import torch.distributed as dist
 
-    from tridens.engine._ddp import close_group, init_group
+    from tridens.executors._ddp import close_group, init_group
 
     init_group(rank, world, port, timeout=60)
     total = torch.ones(1)
@@ -23,7 +23,7 @@ def _rank(rank: int, world: int, port: int, queue) -> None:
 
 
 def test_the_rendezvous_and_gloo_listen_on_loopback_only():
-    from tridens.engine._ddp import free_port
+    from tridens.executors._ddp import free_port
 
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()

@@ -172,7 +172,7 @@ def test_errors_and_timeouts_fail_only_their_trial_on_ray(local_ray, tmp_path, f
 
 
 def test_storage_through_fsspec():
-    from tridens.engine._ray_storage import CheckpointStorage
+    from tridens.executors._ray_storage import CheckpointStorage
 
     storage = CheckpointStorage("memory://tridens-test/ckpt")
     assert storage.remote

@@ -10,8 +10,8 @@ from torch import nn
 
 import tridens as td
 from tridens.engine import ThreadPolicy
-from tridens.engine._threads import (ALONE, SIDE, ThreadPlan, idle_cores, step_flops, torch_default_threads,
-                                     user_torch_threads, workload_key)
+from tridens.executors._threads import (ALONE, SIDE, ThreadPlan, idle_cores, step_flops, torch_default_threads,
+                                        user_torch_threads, workload_key)
 
 from .spaces import TinyMLP
 

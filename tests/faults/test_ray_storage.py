@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def local_ray():
-    from tridens.engine._ray_local import start_local_ray
+    from tridens.executors._ray_local import start_local_ray
 
     started = not ray.is_initialized()
     if started:

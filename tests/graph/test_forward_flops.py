@@ -58,7 +58,7 @@ def test_counts_recurrent_and_attention_layers():
 def test_counting_needs_no_dynamo():
     """torch.utils.flop_counter imports torch._dynamo on first use: about a second of CPU per process."""
     code = ("import sys, torch, torch.nn as nn\n"
-            "from tridens.engine._threads import step_flops\n"
+            "from tridens.executors._threads import step_flops\n"
             "assert step_flops(nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), torch.zeros(1, 8, 8), 4) > 0\n"
             "print('torch._dynamo' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

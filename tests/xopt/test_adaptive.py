@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import tridens as td
-from tridens.engine._planner import plan
+from tridens.executors._planner import plan
 from tridens.units import PlanContext, SeparateUnit
 from tridens.evaluators import NonFiniteLoss
 from tridens.trial import TrialStatus

@@ -311,7 +311,7 @@ def test_planner_shares_a_frozen_prefix_before_batching_same_shaped_models(data,
     """Two pairs of trials with the same head (operator batching could fuse each pair, each running
     the backbone): the planner puts all four in one unit that runs the backbone once per batch, and a
     model without a frozen prefix is left to the other optimizations; metrics equal separate."""
-    from tridens.engine._planner import plan
+    from tridens.executors._planner import plan
 
     train, val = data
     ev = td.evaluators.Classification(train=train, val=val, epochs=1, batch_size=64, optimizer="adam",

@@ -11,7 +11,7 @@ from torch import nn
 
 import tridens as td
 from tridens import nn as tnn
-from tridens.engine._planner import plan
+from tridens.executors._planner import plan
 from tridens.units import PlanContext, SeparateUnit, parse_memory, resolve_max_unit_memory
 from tridens.trial import TrialStatus
 from tridens.xopt import Settings

@@ -22,7 +22,7 @@ from torch import nn
 
 import tridens as td
 from tridens.units import Job
-from tridens.engine._planner import plan
+from tridens.executors._planner import plan
 from tridens.evaluators import NonFiniteLoss
 from tridens.store import Store
 from tridens.trial import Trial, TrialStatus

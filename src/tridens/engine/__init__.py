@@ -1,4 +1,5 @@
-"""The engine: ``Experiment`` (ask, instantiate, dedup, run groups, store) and its executors.
+"""The engine: ``Experiment`` (ask, instantiate, dedup, run groups, store); its executors live in
+:mod:`tridens.executors` (their names are importable from here too).
 
 Names are imported on first use, so that reading a store (``tridens ls``, the dashboard, the
 leftover checks) does not load PyTorch.
@@ -11,25 +12,20 @@ from .._lazy import lazy_names
 from ._leftovers import find_abandoned, mark_abandoned
 
 if TYPE_CHECKING:
-    from ._execution import Executor, InlineExecutor, ProcessExecutor, RunContext
+    from ..executors import (DynamicFluid, Executor, FluidScheduler, InlineExecutor, ProcessExecutor, RayExecutor,
+                             RunContext, StaticFluid, ThreadPlan, ThreadPolicy, TrialProtocol, Verdict, fluid_shares)
     from ._experiment import Budget, Experiment, RunOptions
     from ._export import load
     from ._retrain import Retrained, retrain
-    from ._fluid import DynamicFluid, FluidScheduler, StaticFluid, fluid_shares
     from ._progress import trials_table
-    from ._protocol import TrialProtocol, Verdict
-    from ._ray import RayExecutor
-    from ._threads import ThreadPlan, ThreadPolicy
 
-# public name -> the module that defines it
+# public name -> the module that defines it (the executors' names live in tridens.executors)
 _LAZY = {
-    "Executor": "._execution", "InlineExecutor": "._execution", "ProcessExecutor": "._execution",
-    "RunContext": "._execution", "Experiment": "._experiment", "load": "._export",
-    "Budget": "._experiment", "RunOptions": "._experiment",
-    "DynamicFluid": "._fluid", "FluidScheduler": "._fluid", "StaticFluid": "._fluid", "fluid_shares": "._fluid",
-    "TrialProtocol": "._protocol", "Verdict": "._protocol", "ThreadPlan": "._threads", "ThreadPolicy": "._threads",
-    "RayExecutor": "._ray",  # Ray is optional: imported when asked for
+    "Experiment": "._experiment", "load": "._export", "Budget": "._experiment", "RunOptions": "._experiment",
     "trials_table": "._progress", "retrain": "._retrain", "Retrained": "._retrain",
+    **{name: "..executors" for name in ("Executor", "InlineExecutor", "ProcessExecutor", "RayExecutor", "RunContext",
+                                        "DynamicFluid", "FluidScheduler", "StaticFluid", "fluid_shares",
+                                        "TrialProtocol", "Verdict", "ThreadPlan", "ThreadPolicy")},
 }
 
 __all__ = ["Experiment", "Budget", "RunOptions", "Executor", "InlineExecutor", "ProcessExecutor", "RayExecutor", "RunContext", "load",

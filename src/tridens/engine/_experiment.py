@@ -26,10 +26,10 @@ from ..store import StorageFault, Store, StoreError
 from ..strategy import Strategy
 from ..trial import Objective, Trial, TrialStatus
 from ..units import PlanContext, parse_memory
-from ._execution import Executor, InlineExecutor, RunContext, check_forks, make_executor
+from ..executors import Executor, InlineExecutor, RunContext, check_forks, make_executor
 from ._leftovers import claim, interrupted_text, mark_interrupted
 from ._loop import _Run, _parse_duration
-from ._protocol import RunHalted
+from ..executors import RunHalted
 from ._progress import print_stopped
 
 __all__ = ["Experiment", "Budget", "RunOptions", "ExperimentFailed", "ExperimentInterrupted", "NoFinishedTrial",
@@ -479,9 +479,9 @@ class Experiment:
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"The 'workers' parameter of Experiment must be an int in the range [1, inf). Got {self.workers!r} instead.")
         if self.allocation is not None:
-            from ._fluid import fluid_policy
+            from ..executors import fluid_policy
 
-            fluid_policy(self.allocation)  # Fluid shares of the workers (tridens.engine._fluid)
+            fluid_policy(self.allocation)  # Fluid shares of the workers (tridens.executors)
             if self.executor in (None, "inline", "in-process") or isinstance(self.executor, InlineExecutor):
                 raise ValueError(f"The 'allocation' parameter of Experiment shares the workers of td.executors.Process "
                                  f"or Ray. Got allocation={self.allocation!r} with executor={self.executor!r} instead.")

@@ -33,9 +33,9 @@ from ..strategy import Strategy
 from ..trial import Decision, Fork, Objective, Trial, TrialGroup, TrialStatus
 from ..text import printable
 from ..units import Job, PlanContext
-from ._execution import Executor
+from ..executors import Executor
 from ._leftovers import FINISHED_COUNTED, fail_repeated_deaths, failure_settled
-from ._protocol import RunHalted, error_text
+from ..executors import RunHalted, error_text
 
 if TYPE_CHECKING:
     from ._experiment import Experiment

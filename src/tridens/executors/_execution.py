@@ -6,7 +6,7 @@
 * :class:`ProcessExecutor` (``td.executors.Process(workers=2)``): long-lived worker processes that
   run trials one after another, for user loops that need isolation; with Fluid allocation, see
   :mod:`._fluid_pool`.
-* :class:`~tridens.engine._ray.RayExecutor` (``td.executors.Ray(...)``): Ray tasks.
+* :class:`~tridens.executors._ray.RayExecutor` (``td.executors.Ray(...)``): Ray tasks.
 
 Executors never touch the store or the strategy: each trial's :class:`~._protocol.TrialProtocol`
 turns what happened into the trial's records and outcome.
@@ -547,7 +547,7 @@ def _record_thread_rate(plan: Any, sizes: Sequence[tuple[float, Sequence[int]]],
 
 
 # -- process pool --------------------------------------------------------------------------------
-# Messages (tridens.engine._messages), driver -> worker: ShipEvaluator (once per worker and evaluator),
+# Messages (tridens.executors._messages), driver -> worker: ShipEvaluator (once per worker and evaluator),
 # RunTrial, Place (Fluid, see ._fluid_pool), RunUnit (trials in lockstep, see ._pool_units), Answer (to a
 # Report), Quit. Worker -> driver: Started, Report, Left (the trial's Outcome).
 
@@ -576,7 +576,7 @@ def _exit_with_driver(driver: int) -> None:
 # What pool workers import before they serve: multiprocessing's forkserver imports them once, and
 # each worker forked from it starts without re-importing torch, the evaluators, and torch._dynamo
 # (which the first torch.optim optimizer imports): seconds of CPU per worker otherwise.
-WORKER_PRELOAD = ["tridens.engine._execution", "torch._dynamo"]
+WORKER_PRELOAD = ["tridens.executors._execution", "torch._dynamo"]
 
 
 def worker_context() -> Any:
