@@ -33,8 +33,9 @@ def test_a_quiet_machine_tries_each_option_once_then_takes_the_faster():
     small = workload_key(5e7, 2)
     assert policy.decide(step_flops=5e7, units=6, **QUIET).option == SIDE
     assert policy.decide(step_flops=5e7, units=6, rates={small: {SIDE: [1e9]}}, **QUIET).option == ALONE
-    # measurements of another step size (a factor 16 away) do not decide for this one
-    other = {workload_key(5e9 * 16, 2): {ALONE: [9e9], SIDE: [1.0]}}
+    # measurements of small steps do not decide for large ones; of other large steps they do
+    assert workload_key(5e9 * 16, 2) == key
+    other = {small: {ALONE: [9e9], SIDE: [1.0]}}
     assert policy.decide(step_flops=5e9, units=6, rates=other, **QUIET).option == ALONE
     assert policy.decide(step_flops=5e9, units=6, rates={key: {ALONE: [1.0]}, **other}, **QUIET).option == SIDE
 

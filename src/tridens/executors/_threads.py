@@ -18,8 +18,8 @@ one thread each**, in forked processes (:mod:`._forked`; one per idle core). Whi
 depends on the models (kernels long enough for threads to pay, or a group that splits well) and
 is measured, not assumed: each group's wall time per unit of work (its trial-epochs times the
 training FLOPs of one step, :func:`step_flops`) is recorded in the run's
-:class:`~tridens.units.Decisions` under a key of the step's size (factors of 16) and the idle
-cores; the first groups of a key try each option once (side by side first for steps under
+:class:`~tridens.units.Decisions` under a key of the step's size class (small, large) and the
+idle cores; the first groups of a key try each option once (side by side first for steps under
 ``large_step_flops``, every idle core first for larger ones), later ones take the option with the
 better median. A group that cannot train side by side (one trial, a strategy
 that forks members, stage trees, no ``fork``) trains on every idle core.
@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import logging
-import math
 import os
 import statistics
 import time
@@ -164,14 +163,15 @@ class ThreadPlan:
                 torch.set_num_threads(before)
 
 
-def workload_key(step_flops: float | None, free: int) -> tuple[Any, ...]:
-    """The key a thread option's measurement is kept under: the step's size in factors of 16
-    (None: unknown) and the idle cores.
+def workload_key(step_flops: float | None, free: int, large_step_flops: float = 2e9) -> tuple[Any, ...]:
+    """The key a thread option's measurement is kept under: whether the step is small (under
+    ``large_step_flops``), large or of unknown size, and the idle cores. Coarse on purpose: each
+    new key costs a group per option to measure, and a search's models mostly fall in one class.
 
-    >>> workload_key(5e7, 2)
-    ('threads', 6, 2)
+    >>> workload_key(5e7, 2), workload_key(5e9, 2)
+    (('threads', 'small', 2), ('threads', 'large', 2))
     """
-    size = None if not step_flops or step_flops <= 0 else int(math.log2(step_flops)) // 4
+    size = "unknown" if not step_flops or step_flops <= 0 else "small" if step_flops < large_step_flops else "large"
     return ("threads", size, free)
 
 
@@ -186,7 +186,7 @@ class ThreadPolicy:
     milliseconds at one CPU thread's peak, where kernels are long enough for threads to pay).
 
     >>> ThreadPolicy().decide(step_flops=1e10, units=4, total=8, load=0.0, torch_threads=8, default_threads=8)
-    ThreadPlan(threads=8, concurrent=1, reason='8 idle cores, every idle core measured first', option='every idle core', key=('threads', 8, 8))
+    ThreadPlan(threads=8, concurrent=1, reason='8 idle cores, every idle core measured first', option='every idle core', key=('threads', 'large', 8))
     >>> ThreadPolicy(threads=1, concurrent=2).decide(step_flops=1e7, units=4).concurrent
     2
     """
@@ -249,7 +249,7 @@ class ThreadPolicy:
         if free < 2:
             return ThreadPlan(1, 1, f"no idle core beside this one ({max(0.0, _load(load) - 1):.1f} of "
                                     f"{total or cores()} cores busy elsewhere): one thread per unit, 1 at once")
-        key = workload_key(step_flops, free)
+        key = workload_key(step_flops, free, self.large_step_flops)
         alone = ThreadPlan(free, 1, "", ALONE, key)
         if not splittable or units < 2:
             return _with_reason(alone, f"{free} idle cores, one unit: every idle core")
