@@ -133,6 +133,42 @@ def test_no_cycle_between_packages():
             pytest.fail("import cycle between packages: " + " -> ".join(cycle))
 
 
+def _module_imports(path: Path) -> set[str]:
+    """The sibling modules ``path`` imports (``from ._x import ...`` and ``from . import _x``), at
+    module level or inside a function, leaving out ``if TYPE_CHECKING:`` blocks."""
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+               and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+               for stmt in node.body for n in ast.walk(stmt)}
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and id(node) not in skipped:
+            found |= {node.module} if node.module else {alias.name for alias in node.names}
+    return {name.split(".")[0] for name in found}
+
+
+@pytest.mark.parametrize("package", ["engine", "executors"])
+def test_no_import_cycle_between_the_modules_of(package):
+    """Inside a package too, modules import one way (a type-only import aside): the experiment
+    above the executors, each executor above the lockstep loop, the channels and the messages."""
+    graph = {path.stem: _module_imports(path) for path in (ROOT / package).glob("*.py")}
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt in graph and nxt not in state and (cycle := visit(nxt, path + [nxt])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start, [start])):
+            pytest.fail(f"import cycle inside {package}: " + " -> ".join(cycle))
+
+
 def test_no_private_name_crosses_a_package():
     _, private = _edges()
     assert not private, "private names imported across packages:\n" + "\n".join(private)

@@ -15,316 +15,40 @@ turns what happened into the trial's records and outcome.
 from __future__ import annotations
 
 import contextlib
-import copy
-import io
 import functools
 import logging
 import multiprocessing as mp
 import os
-import pickle
 import signal
 import sys
 import threading
 import time
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from ..errors import TridensError, UnknownMetric
+from ..errors import UnknownMetric
 from ..evaluators import Evaluator, StepwiseEvaluator, drive
 from ..trial import Decision, Fork
-from ..units import ExecutionUnit, Job, PlanContext, SeparateUnit
+from ..units import ExecutionUnit, Job
 from ._protocol import GroupHooks, TrialProtocol, TrialTimeout, Verdict, error_text
 from ._threads import ThreadPolicy
 from ._channel import ChannelClosed, PipeChannel, ready
 from ._messages import (Answer, Left, Outcome, Place, Quit, Report, RunTrial, RunUnit, ShipEvaluator,
                         Started)
 from ._watchdog import check_overtime, death_error, for_trial, settle
+from ._base import Executor, RunContext, run_context as _context
+from ._lockstep import (LockstepJudge, UnitReport, fork_members, handed_source, load_bytes, model_bytes, plan_units,
+                        run_lockstep, state_bytes, weights, weights_bytes, worker_payload)
 
 __all__ = ["Executor", "RunContext", "InlineExecutor", "ProcessExecutor", "run_lockstep", "plan_units",
            "model_bytes", "weights_bytes", "state_bytes", "make_executor", "check_forks", "fork_members", "handed_source"]
 
 log = logging.getLogger("tridens")
-
-
-@dataclass(frozen=True)
-class RunContext:
-    """What an experiment tells its executor before the first group: its name, where workers may
-    write checkpoints (a folder beside the store unless the executor has its own), whether to
-    fuse trials (``optimize``: True, False or a :class:`tridens.xopt.Settings`), the Fluid
-    ``allocation`` policy (None: one trial per worker), whether the strategy ``forks`` members,
-    and the run's :class:`~tridens.units.PlanContext` (``plan``: memory bound, decisions measured
-    so far, stage archive), which every planning of the run is given.
-
-    >>> RunContext(experiment="mnist").optimize
-    True
-    """
-
-    experiment: str = "experiment"
-    storage: str | None = None
-    optimize: Any = True
-    allocation: Any = None
-    forks: bool = False   # the strategy forks running trials (PBT): a group's members train at once, in lockstep
-    plan: PlanContext = field(default_factory=PlanContext)
-    verbose: bool = False  # the executor says on stderr what it does while it starts (workers, a local Ray)
-
-    def say(self, text: str) -> None:
-        """One line on stderr when the run is verbose: what an executor does before trials report."""
-        if self.verbose:
-            print(f"tridens: {text}", file=sys.stderr, flush=True)
-
-
-class Executor:
-    """Runs the jobs of one TrialGroup. :meth:`start` is called once per run, before the first
-    group; :meth:`close` at its end. ``parallelism`` is how many trials run at once;
-    ``forks_members``: whether it carries out a strategy's forks (:meth:`Strategy.fork`, PBT)."""
-
-    parallelism = 1
-    forks_members = False
-
-    def start(self, context: RunContext) -> None:
-        """Take the run's settings (see :class:`RunContext`)."""
-        self.context = context
-
-    def run_group(self, jobs: Sequence[Job], evaluator: Evaluator, hooks: GroupHooks) -> None:  # pragma: no cover
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Release workers."""
-
-
-def _context(executor: Executor) -> RunContext:
-    return getattr(executor, "context", None) or RunContext()
-
-
-def weights(model: nn.Module | None) -> dict[str, Any] | None:
-    """A detached CPU copy of ``model``'s state_dict (None without a model)."""
-    return None if model is None else {k: v.detach().cpu() for k, v in model.state_dict().items()}
-
-
-class _MainSpotter(pickle.Pickler):
-    """A pickler that notes the first class or function of ``__main__`` it pickles by reference."""
-
-    main: str | None = None
-
-    def reducer_override(self, obj: Any) -> Any:
-        if self.main is None and isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
-            self.main = getattr(obj, "__qualname__", repr(obj))
-        return NotImplemented
-
-
-def worker_payload(obj: Any, what: str) -> bytes:
-    """``obj`` pickled for a pool worker. Workers never import the driver's ``__main__`` (a script
-    without a ``__main__`` guard would run its search again there; ``python -c`` and a notebook
-    have no file to import), so what ``obj`` holds from ``__main__`` -- an evaluator function, a
-    space, a dataset class defined there -- travels by value through cloudpickle (installed with
-    Ray), as does a lambda or a local function. ``what`` names ``obj`` in the one-line error
-    raised when that is needed and cloudpickle is not installed.
-
-    >>> import pickle
-    >>> pickle.loads(worker_payload({"lr": 0.1}, "a sample"))
-    {'lr': 0.1}
-    """
-    buffer = io.BytesIO()
-    spotter = _MainSpotter(buffer, protocol=pickle.HIGHEST_PROTOCOL)
-    try:
-        spotter.dump(obj)
-        if spotter.main is None:
-            return buffer.getvalue()
-        reason = f"{spotter.main} is defined in __main__ (python -c, a notebook, a script), which pool workers do not import"
-    except (pickle.PicklingError, AttributeError, TypeError) as err:  # a lambda, a local function
-        reason = f"it cannot be pickled by reference ({err})"
-    try:
-        import cloudpickle
-    except ImportError:
-        raise TridensError(f"{what} cannot reach td.executors.Process's workers: {reason}; move it to an importable "
-                           "module, or install cloudpickle (pip install cloudpickle) to send it by value") from None
-    return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def model_bytes(model: nn.Module | None) -> bytes:
-    """A model pickled by value for a worker (:func:`worker_payload`). Sent as an object instead,
-    its tensors would travel as handles to shared memory that torch moves the driver's own
-    tensors into: every worker would then train the driver's copy in place (two DDP ranks would
-    step the same weights twice)."""
-    return worker_payload(model, "the model" if model is None else f"the model {type(model).__name__}")
-
-
-def state_bytes(state: Any) -> bytes | None:
-    """``torch.save`` of ``state`` for a pipe (None stays None): tensors sent as-is would travel as
-    shared-memory handles that vanish when the worker exits right after sending."""
-    if state is None:
-        return None
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
-
-
-def weights_bytes(model: nn.Module | None) -> bytes | None:
-    """The final weights of ``model`` serialized for the pipe."""
-    return state_bytes(weights(model))
-
-
-def load_bytes(payload: bytes | None) -> Any:
-    """What :func:`state_bytes` wrote (tensors only: nothing else is unpickled)."""
-    return None if payload is None else torch.load(io.BytesIO(payload), weights_only=True)
-
-
-def plan_units(jobs: Sequence[Job], evaluator: StepwiseEvaluator, optimize: Any, **kw: Any
-               ) -> tuple[list[ExecutionUnit], list[tuple[Job, BaseException]]]:
-    """The units that train ``jobs``: the planner's, and one separate unit for the jobs that start
-    from another member's state (``Job.start_from``: a fork), loaded into it. Returns the units and
-    the forked jobs whose state could not be loaded (with the error)."""
-    from ._planner import plan
-
-    fresh = [job for job in jobs if job.start_from is None]
-    forked = [job for job in jobs if job.start_from is not None]
-    units: list[ExecutionUnit] = plan(fresh, evaluator, optimize, **kw) if fresh else []
-    failed: list[tuple[Job, BaseException]] = []
-    if forked:
-        unit = SeparateUnit(forked, evaluator, reason="started from another member's state (a fork)")
-        for job in forked:
-            try:
-                unit.load_state_dict(job.trial.id, job.start_from or {})
-            except Exception as err:
-                failed.append((job, err))
-                unit.drop(job.trial.id)
-        units.append(unit)
-    return units, failed
-
-
-@dataclass
-class UnitReport:
-    """One member's epoch, as :func:`run_lockstep` hands it to its judge."""
-
-    unit: ExecutionUnit
-    trial_id: int
-    step: int
-    metrics: Mapping[str, float] | None  # None: it trained nothing (its budget was spent already)
-    last: bool                           # the last epoch of its budget
-    seconds: float
-
-
-class LockstepJudge:
-    """What :func:`run_lockstep` asks after each round of epochs (no-op hooks by default)."""
-
-    def judge(self, reports: Sequence[UnitReport]) -> list[Verdict]:  # pragma: no cover - abstract
-        """One verdict per report."""
-        raise NotImplementedError
-
-    def failed(self, unit: ExecutionUnit, trial_id: int, err: BaseException) -> None:
-        """The member's epoch raised: it leaves the unit."""
-
-    def finished(self, report: UnitReport, verdict: Verdict) -> None:
-        """The member ends (:attr:`Verdict.STOP`/``DONE``; its weights are in ``report.unit``),
-        or leaves without them (``DROP``, ``YIELD``)."""
-
-    def forks(self, reports: Sequence[UnitReport]) -> list[tuple[UnitReport, Fork]]:
-        """Of the members that continue (``reports``), those the strategy moves onto another
-        member's state. Default: none."""
-        return []
-
-    def forked(self, report: UnitReport, fork: Fork) -> None:
-        """The member now continues from ``fork.source``'s state (record the lineage)."""
-
-    def handed(self, report: UnitReport, fork: Fork) -> ExecutionUnit | None:
-        """A fork whose source trains in another process: a unit holding only the source member,
-        loaded with the state handed over from there (None: the source must train in this loop)."""
-        return None
-
-
-def handed_source(evaluator: StepwiseEvaluator, source: int, seed: int, sample: dict[str, Any], model: nn.Module | None,
-                  state: Mapping[str, Any]) -> ExecutionUnit:
-    """A unit holding only member ``source`` (its ``seed``, ``sample`` and initial ``model``), at
-    the trainer ``state`` another process handed over: what :meth:`LockstepJudge.handed` returns
-    for a fork whose source trains elsewhere (a pool worker, a Ray task)."""
-    from ..trial import Trial
-
-    unit = SeparateUnit([Job(Trial(id=source, sample=sample, seed=seed), model)], evaluator,
-                        reason=f"the state of trial {source}, handed over from another process")
-    unit.load_state_dict(source, state)
-    return unit
-
-
-def fork_members(units: list[ExecutionUnit], forks: Sequence[tuple[UnitReport, Fork]], judge: LockstepJudge) -> None:
-    """Carry out forks between rounds: each member leaves its unit and continues from its source's
-    current state (weights, optimizer state, step, random state) with the fork's hyperparameters,
-    through the source unit's :meth:`~tridens.units.ExecutionUnit.fork` (a source training in
-    another process: through a unit the judge loads with its handed-over state, :meth:`LockstepJudge.handed`);
-    a new unit that takes it is added to ``units``. A fork whose source has left, or moves in the
-    same round, is skipped."""
-    where = {trial_id: unit for unit in units for trial_id in unit.trial_ids()}
-    moving = {report.trial_id for report, _ in forks}
-    for report, fork in forks:
-        source = where.get(fork.source)
-        handed = judge.handed(report, fork) if source is None else None
-        if source is None:
-            source = handed
-        if source is None or fork.source in moving or report.trial_id not in where:
-            log.info("trial %d not forked from trial %d: the source is not training now", report.trial_id, fork.source)
-            continue
-        if source.state_dict(fork.source) is None:
-            log.info("trial %d not forked from trial %d: its %s unit takes no member state", report.trial_id,
-                     fork.source, source.kind)
-            continue
-        old = where[report.trial_id]
-        job = old.jobs[report.trial_id]
-        model = source.jobs[fork.source].model
-        moved = Job(job.trial, None if model is None else copy.deepcopy(model), job.max_steps, job.started,
-                    hparams=dict(fork.sample))
-        old.drop(report.trial_id)
-        try:
-            unit = source.fork(fork.source, moved)
-        except Exception as err:  # the member left its unit: it fails, the others go on
-            judge.failed(old, report.trial_id, err)
-            where.pop(report.trial_id, None)
-            continue
-        if handed is not None:   # the stand-in of the other process's member leaves it
-            handed.drop(fork.source)
-        if not any(u is unit for u in units):
-            units.append(unit)
-        where[report.trial_id] = unit
-        judge.forked(report, fork)
-
-
-def run_lockstep(units: Sequence[ExecutionUnit], judge: LockstepJudge) -> None:
-    """Train ``units`` epoch by epoch: every member's epoch first, then the judge's verdict for
-    every member (so a synchronous rule sees the whole rung), then members that end leave their
-    unit while the others go on, and members the strategy forks move onto their source's state
-    (:func:`fork_members`). The one epoch loop of the in-process executor and of a Ray unit task."""
-    units = list(units)
-    while any(unit.active() for unit in units):
-        reports: list[UnitReport] = []
-        for unit in units:
-            before = {j.trial.id: j.trial.info.get("train_seconds", 0.0) for j in unit.active()}
-            results = unit.train_epoch()
-            for trial_id, result in results.items():
-                if isinstance(result, BaseException):
-                    judge.failed(unit, trial_id, result)
-                    unit.drop(trial_id)
-                    continue
-                epoch = unit.epoch(trial_id)
-                seconds = unit.jobs[trial_id].trial.info.get("train_seconds", 0.0) - before.get(trial_id, 0.0)
-                reports.append(UnitReport(unit, trial_id, epoch - 1, {k: float(v) for k, v in result.items()},
-                                          epoch >= unit.limit(trial_id), seconds))
-            for job in unit.active():  # trained nothing this round: its budget is spent
-                trial_id = job.trial.id
-                if trial_id not in results and unit.epoch(trial_id) >= unit.limit(trial_id):
-                    reports.append(UnitReport(unit, trial_id, unit.epoch(trial_id) - 1, None, True, 0.0))
-        going = []
-        for report, verdict in zip(reports, judge.judge(reports)):
-            if verdict is not Verdict.CONTINUE:
-                judge.finished(report, verdict)
-                report.unit.drop(report.trial_id)
-            elif report.metrics is not None:
-                going.append(report)
-        forks = judge.forks(going)
-        if forks:
-            fork_members(units, forks, judge)
 
 
 class _InlineJudge(LockstepJudge):

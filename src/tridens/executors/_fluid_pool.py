@@ -26,7 +26,7 @@ import torch
 
 from ..evaluators import Evaluator, StepwiseEvaluator
 from ..units import Job
-from ._execution import load_bytes, model_bytes, state_bytes, weights_bytes
+from ._lockstep import load_bytes, model_bytes, state_bytes, weights_bytes
 from ._fluid import Placement, StaticFluid
 from ._channel import ChannelClosed, PipeChannel, ready
 from ._messages import Answer, Closed, Left, Outcome, Place, Profile, Report, ShipEvaluator, Started, Yielded

@@ -43,7 +43,7 @@ from typing import Mapping, Sequence
 import torch
 
 from ..units import Decisions, ExecutionUnit
-from ._execution import load_bytes, run_lockstep
+from ._lockstep import load_bytes, run_lockstep
 from ._pool_units import PipeJudge
 from ._channel import ChannelClosed, PipeChannel, ready
 from ._messages import End, Left, LogRecord, Measured, Report, Round, Verdicts

@@ -42,7 +42,7 @@ import torch
 from ..evaluators import Evaluator, StepwiseEvaluator
 from ..trial import Fork, Trial
 from ..units import ExecutionUnit, Job, PlanContext
-from ._execution import (LockstepJudge, UnitReport, handed_source, load_bytes, model_bytes, plan_units, run_lockstep,
+from ._lockstep import (LockstepJudge, UnitReport, handed_source, load_bytes, model_bytes, plan_units, run_lockstep,
                          state_bytes)
 from ._channel import ChannelClosed, ready
 from ._messages import (ArchiveAnswer, ArchiveCall, End, Forked, Left, Outcome, Report, Round, RunUnit, Started, State,

@@ -49,7 +49,7 @@ import ray
 
 from ..evaluators import Evaluator, StepwiseEvaluator
 from ..units import Job, PlanContext
-from ._execution import Executor, RunContext, _context
+from ._base import Executor, RunContext, run_context as _context
 from ..trial import Fork
 from ._channel import HubChannel
 from ._messages import Answer, ArchiveAnswer, ArchiveCall, Forked, Left, Outcome, Posted, Started

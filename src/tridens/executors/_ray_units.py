@@ -46,7 +46,7 @@ import torch
 from ..evaluators import StepwiseEvaluator
 from ..units import ExecutionUnit, Job, PlanContext, SeparateUnit
 from ..trial import Fork
-from ._execution import LockstepJudge, UnitReport, fork_members, handed_source, plan_units, run_lockstep
+from ._lockstep import LockstepJudge, UnitReport, fork_members, handed_source, plan_units, run_lockstep
 from ._messages import Answer, ArchiveCall, Forked, Left, Outcome, Posted, Report, Started, State
 from ._protocol import Verdict, error_text
 from ._ray_storage import CheckpointStorage
