@@ -8,12 +8,15 @@ medians. The machine these were written on has 2 cores and is shared, hence the 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from importlib import metadata
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -234,3 +237,81 @@ class ProcessTreeClock:
             if w0 <= wall <= w1:
                 return c0 + (c1 - c0) * (wall - w0) / max(w1 - w0, 1e-9)
         return s[-1][1]
+
+
+# -- CPU of a whole process tree (Ray daemons and workers included) -----------------------------------
+def become_subreaper() -> None:
+    """Orphans of our descendants (Ray's workers once its daemons stop) are re-parented to us and
+    stay in the tree we sample."""
+    PR_SET_CHILD_SUBREAPER = 36
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu() -> dict[int, float]:
+    """CPU seconds (user + system) of every live descendant of this process, from /proc."""
+    parent, cpu = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parent[int(entry)] = int(fields[1])
+            cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / _TICK
+    me, out = os.getpid(), {}
+    for pid in cpu:
+        p, seen = pid, 0
+        while p in parent and p != me and seen < 64:
+            p, seen = parent[p], seen + 1
+        if p == me and pid != me:
+            out[pid] = cpu[pid]
+    return out
+
+
+def reap_all(grace: float = 30.0) -> int:
+    """Wait for every remaining descendant (SIGKILL after ``grace`` seconds); the count killed."""
+    deadline, killed = time.monotonic() + grace, 0
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return killed
+        if pid == 0:
+            if time.monotonic() > deadline:
+                for child in tree_cpu():
+                    os.kill(child, signal.SIGKILL)
+                    killed += 1
+                deadline = time.monotonic() + grace
+            time.sleep(0.05)
+
+
+def measure_tree(script: str, args: Sequence[str], env: Mapping[str, str]) -> dict[str, Any]:
+    """One run in a fresh process; CPU seconds of its whole process tree, sampled every 0.1 s from
+    /proc (Ray's raylet reaps its workers without accounting, so getrusage(RUSAGE_CHILDREN) misses
+    them; a process's last < 0.1 s before it exits can be missed here)."""
+    last: dict[int, float] = {}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            last.update(tree_cpu())
+            time.sleep(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t0 = time.perf_counter()
+    try:
+        result = run_worker(script, args, env=env, timeout=1800)
+    finally:
+        result_s = time.perf_counter() - t0
+        done.set()
+        sampler.join()
+    result["process_s"] = result_s
+    result["killed_leftovers"] = reap_all()
+    result["cpu_s"] = sum(last.values())
+    result["processes"] = len(last)
+    return result

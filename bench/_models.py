@@ -20,3 +20,23 @@ class SmallCNN(td.nn.ModelSpace):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x).flatten(1))
+
+
+class DigitsCNN(td.nn.ModelSpace):
+    """conv k x k (width) -> conv 3x3 (2 x width) -> max-pool -> MLP head (hidden) on 8x8 digits:
+    ``width`` {8, 16, 24, 32} x ``kernel`` {3, 5} x ``hidden`` {32, 64, 96, 128}."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        width, kernel = td.choice("width", [8, 16, 24, 32]), td.choice("kernel", [3, 5])
+        hidden = td.choice("hidden", [32, 64, 96, 128])
+        self.conv1 = nn.Conv2d(1, width, kernel, padding=kernel // 2)
+        self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1)
+        self.fc1 = nn.Linear(2 * width * 16, hidden)
+        self.fc2 = nn.Linear(hidden, 10)
+        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv1(x))
+        x = nn.functional.max_pool2d(torch.relu(self.conv2(x)), 2)
+        return self.fc2(torch.relu(self.fc1(x.flatten(1))))

@@ -38,13 +38,10 @@ orphaned processes stay in that tree. Every run is a fresh process with
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import signal
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -230,83 +227,6 @@ def one(name: str) -> dict[str, Any]:
 
 
 # -- the measuring driver -----------------------------------------------------------------------------
-def _become_subreaper() -> None:
-    """Orphans of our descendants (Ray's workers once its daemons stop) are re-parented to us and
-    stay in the tree we sample."""
-    PR_SET_CHILD_SUBREAPER = 36
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _tree_cpu() -> dict[int, float]:
-    """CPU seconds (user + system) of every live descendant of this process, from /proc."""
-    parent, cpu = {}, {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parent[int(entry)] = int(fields[1])
-            cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / _TICK
-    me, out = os.getpid(), {}
-    for pid in cpu:
-        p, seen = pid, 0
-        while p in parent and p != me and seen < 64:
-            p, seen = parent[p], seen + 1
-        if p == me and pid != me:
-            out[pid] = cpu[pid]
-    return out
-
-
-def _reap_all(grace: float = 30.0) -> int:
-    """Wait for every remaining descendant (SIGKILL after ``grace`` seconds); the count killed."""
-    deadline, killed = time.monotonic() + grace, 0
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return killed
-        if pid == 0:
-            if time.monotonic() > deadline:
-                for child in _tree_cpu():
-                    os.kill(child, signal.SIGKILL)
-                    killed += 1
-                deadline = time.monotonic() + grace
-            time.sleep(0.05)
-
-
-def measure(script: str, name: str, env: dict[str, str]) -> dict[str, Any]:
-    """One run in a fresh process; CPU seconds of its whole process tree, sampled every 0.1 s from
-    /proc (Ray's raylet reaps its workers without accounting, so getrusage(RUSAGE_CHILDREN) misses
-    them; a process's last < 0.1 s before it exits can be missed here)."""
-    last: dict[int, float] = {}
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            last.update(_tree_cpu())
-            time.sleep(0.1)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    t0 = time.perf_counter()
-    try:
-        result = C.run_worker(script, ["--one", name], env=env, timeout=1800)
-    finally:
-        result_s = time.perf_counter() - t0
-        done.set()
-        sampler.join()
-    result["process_s"] = result_s
-    result["killed_leftovers"] = _reap_all()
-    result["cpu_s"] = sum(last.values())
-    result["processes"] = len(last)
-    return result
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
@@ -318,12 +238,12 @@ def main() -> None:
         C.emit(one(args.one))
         return
 
-    _become_subreaper()
+    C.become_subreaper()
     C.print_machine()
     systems = [s for s in args.systems.split(",") if s]
     script = os.path.abspath(__file__)
     env = {"OMP_NUM_THREADS": "1"}
-    res = C.interleave(systems, args.rounds, lambda name, r: measure(script, name, env))
+    res = C.interleave(systems, args.rounds, lambda name, r: C.measure_tree(script, ["--one", name], env))
     ref = "tridens-inline" if "tridens-inline" in res else systems[0]
     base = C.median(r["seconds"] + r["init_s"] for r in res[ref])
     rows = []

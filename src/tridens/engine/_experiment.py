@@ -676,6 +676,10 @@ class Experiment:
             from ..oneshot import run_oneshot
 
             assert isinstance(strategy, OneShotStrategy)  # its one_shot marker says so
+            from ._preflight import check_evaluator
+
+            check_evaluator(self.evaluator, self._objective(), constraints=self.constraints,  # type: ignore[arg-type]
+                            second_objective=self.second_objective)
             self.stop_reason = None
             try:
                 reason = run_oneshot(self, strategy)

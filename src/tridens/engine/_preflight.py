@@ -19,7 +19,7 @@ from ..space import BaseSpace, Categorical, SearchSpace
 from ..strategy import Strategy
 from ..trial import Objective, Trial
 
-__all__ = ["SpaceChanged", "EvaluatorChanged", "check_same_evaluator", "MEASURED", "check_reported_names", "check_names", "check_before_run", "check_same_space", "describe_space", "explain_failure", "fill_max_steps"]
+__all__ = ["SpaceChanged", "EvaluatorChanged", "check_same_evaluator", "MEASURED", "check_reported_names", "check_names", "check_evaluator", "check_before_run", "check_same_space", "describe_space", "explain_failure", "fill_max_steps"]
 
 # Candidates tried per label: every categorical candidate (up to this many), and both bounds of a range.
 _MAX_CANDIDATES = 64
@@ -132,6 +132,18 @@ def _declared_metrics(evaluator: Evaluator) -> list[str] | None:
     return None
 
 
+def check_evaluator(evaluator: Evaluator, objective: Objective, *, constraints: Sequence[Any] = (),
+                    second_objective: Any = None, measured: bool = True) -> None:
+    """Validate the evaluator's settings (for every candidate of its hyperparameters, its data
+    against its loss) and the names the objectives and constraints read: what every search,
+    multi-trial or one-shot, checks before it trains. Raises a one-line error."""
+    declared = _declared_metrics(evaluator)
+    if declared is not None and objective.metric not in declared:
+        raise UnknownMetric(f"The 'objective' of the experiment is {objective.metric!r}, which "
+                            f"{type(evaluator).__name__} does not report; it reports {declared!r}.")
+    check_names(constraints, second_objective, objective, declared, measured=measured)
+
+
 def check_before_run(space: BaseSpace, evaluator: Evaluator, strategy: Strategy, objective: Objective,
                      seed: int, *, constraints: Sequence[Any] = (), second_objective: Any = None,
                      measured: bool = True) -> SearchSpace:
@@ -142,11 +154,8 @@ def check_before_run(space: BaseSpace, evaluator: Evaluator, strategy: Strategy,
     >>> check_before_run(space, evaluator, td.strategy.ASHA(), evaluator.objective, 0)  # doctest: +SKIP
     """
     search_space = space.search_space().merged(evaluator.search_space())
-    declared = _declared_metrics(evaluator)
-    if declared is not None and objective.metric not in declared:
-        raise UnknownMetric(f"The 'objective' of the experiment is {objective.metric!r}, which "
-                            f"{type(evaluator).__name__} does not report; it reports {declared!r}.")
-    check_names(constraints, second_objective, objective, declared, measured=measured)
+    check_evaluator(evaluator, objective, constraints=constraints, second_objective=second_objective,
+                    measured=measured)
     _check_steps(strategy, evaluator)
     # Constructors only store parameters, so a copy is cheap; the run starts the strategy itself.
     try:
