@@ -18,6 +18,7 @@ import random
 import re
 import sys
 import time
+import warnings
 from collections import OrderedDict
 from functools import wraps
 from pathlib import Path
@@ -46,12 +47,15 @@ _MAX_IDLE_GROUPS = 50  # groups in a row that bring nothing new: the space is ex
 
 
 def _parse_duration(value: float | str | None) -> float | None:
-    if value is None or isinstance(value, (int, float)):
-        return None if value is None else float(value)
-    m = re.fullmatch(r"\s*([\d.]+)\s*(s|m|h|d)?\s*", str(value))
-    if not m:
-        raise ValueError(f"The 'max_duration' parameter of Experiment must be seconds or a string like '90s', '10m', '2h'. Got {value!r} instead.")
-    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2) or "s"]
+    if value is None:
+        return None
+    m = None if isinstance(value, (int, float)) else re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|m|h|d)?\s*", str(value))
+    seconds = (float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else
+               float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2) or "s"] if m else math.nan)
+    if not seconds >= 0:  # negative, NaN, or not a duration (0: stop before the first trial)
+        raise ValueError(f"The 'max_duration' parameter of Experiment must be a non-negative number of seconds or a string "
+                         f"like '90s', '10m', '2h'. Got {value!r} instead.")
+    return seconds
 
 
 def _trial_seed(experiment_seed: int, position: int | str) -> int:
@@ -288,6 +292,10 @@ class _Run:
                 t.forget_forks()  # trained again from its start
                 self.db.delete_metrics(t.id)  # the re-run writes its own steps
             self._run_jobs([j for j in (self._job(t) for t in interrupted) if j is not None], executor)
+        if self.exp.max_trials is None and self.deadline is None:
+            warnings.warn(f"experiment {self.name!r} has no budget (no max_trials, no max_duration): it runs until "
+                          f"{type(self.strategy).__name__} has nothing more to propose or you stop it (Ctrl-C); pass "
+                          "budget=td.Budget(max_trials=..., max_duration=...) to bound it", UserWarning, stacklevel=2)
         idle = 0
         try:
             while True:

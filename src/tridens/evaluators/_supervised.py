@@ -645,13 +645,36 @@ class BatchSource:
         loader = iter(DataLoader(self.dataset, batch_sampler=chunks, num_workers=0, generator=torch.Generator()))
         for b in range(len(chunks)):
             if seed is None or self.random is False:
-                batch = next(loader)
+                batch = self._next(loader, chunks[b])
             else:
                 with _seeded_globals(_epoch_seed(seed, b), check=self.random is None) as drew:
-                    batch = next(loader)
+                    batch = self._next(loader, chunks[b])
                 self.random = drew[0] if drew else self.random
             x, y = batch[0], batch[1]
             yield _to_device(x, self.device), _index_dtype(y.to(self.device))
+
+    def _next(self, loader: Any, chunk: Sequence[int]) -> Any:
+        """The next batch; items that do not batch together (tuples of different lengths or
+        shapes) are :class:`InvalidParameter` naming the dataset and the items, in one line."""
+        try:
+            batch = next(loader)
+        except (RuntimeError, TypeError, ValueError) as err:
+            frames = []
+            tb = err.__traceback__
+            while tb is not None:
+                frames.append(tb.tb_frame.f_code.co_filename)
+                tb = tb.tb_next
+            if not frames or "collate" not in frames[-1]:
+                raise  # the dataset's own error
+            shown = ", ".join(map(str, chunk[:3])) + (", ..." if len(chunk) > 3 else "")
+            raise InvalidParameter(
+                f"the items [{shown}] of the dataset {type(self.dataset).__name__} do not batch together "
+                f"({' '.join(str(err).split())}): every item must be an (input, label) pair of the same structure and "
+                "shapes") from None
+        if not isinstance(batch, (list, tuple)) or len(batch) < 2:
+            raise InvalidParameter(f"the items of the dataset {type(self.dataset).__name__} are not (input, label) "
+                                   f"pairs (a batch of them is a {type(batch).__name__})")
+        return batch
 
     def epoch_batches(self, cfg: TrainConfig, seed: int, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The training batches of ``epoch`` for a trial with ``seed``: in the epoch's order, a

@@ -82,6 +82,14 @@ class Expr(Placeholder):
         return f"{self.fn.__name__}{self.operands!r}"
 
 
+def _checked_label(label: Any, function: str) -> str:
+    """``label`` if it is a non-empty str: labels are keys of JSON samples in the store, so a
+    number or None would come back as another label on resume."""
+    if not isinstance(label, str) or not label:
+        raise ValueError(f"The 'label' parameter of td.{function} must be a non-empty str. Got {label!r} instead.")
+    return label
+
+
 def _decide(label: str, domain: Domain, source: str) -> Any:
     resolver = active_resolver()
     if resolver is None:
@@ -99,22 +107,22 @@ def choice(label: str, candidates: Sequence[Any] | Mapping[str, Any]) -> Any:
     >>> td.choice("lr", [0.01, 0.1])
     Choice('lr', Categorical([0.01, 0.1]))
     """
-    return _decide(label, Categorical(candidates, label=label), "choice")
+    return _decide(_checked_label(label, "choice"), Categorical(candidates, label=label), "choice")
 
 
 def uniform(label: str, low: float, high: float) -> Any:
     """A float in ``[low, high]``. ``td.uniform("dropout", 0.0, 0.5)``"""
-    return _decide(label, Uniform(low, high, label=label), "uniform")
+    return _decide(_checked_label(label, "uniform"), Uniform(low, high, label=label), "uniform")
 
 
 def loguniform(label: str, low: float, high: float) -> Any:
     """A float in ``[low, high]`` drawn uniformly in log space. ``td.loguniform("lr", 1e-4, 1e-1)``"""
-    return _decide(label, LogUniform(low, high, label=label), "loguniform")
+    return _decide(_checked_label(label, "loguniform"), LogUniform(low, high, label=label), "loguniform")
 
 
 def randint(label: str, low: int, high: int) -> Any:
     """An int in ``[low, high]`` (both included). ``td.randint("layers", 1, 4)``"""
-    return _decide(label, RandInt(low, high, label=label), "randint")
+    return _decide(_checked_label(label, "randint"), RandInt(low, high, label=label), "randint")
 
 
 def resolve_value(obj: Any, sample: Mapping[str, Any]) -> Any:
