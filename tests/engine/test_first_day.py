@@ -416,10 +416,10 @@ def test_a_user_loop_runs_with_the_thread_policys_threads(tmp_path, threads):
 
 
 def test_a_user_loop_on_a_busy_machine_gets_one_thread():
-    """The rule the default policy applies to a user's loop (its step size unknown), with the
+    """The rule the measuring policy applies to a user's loop (its step size unknown), with the
     machine's load and torch's default thread count given: one thread when no core is idle, every
     idle core otherwise; the user's own torch count whatever the load."""
-    policy, default = td.engine.ThreadPolicy(), {"torch_threads": 2, "default_threads": 2}
+    policy, default = td.engine.ThreadPolicy(repeatable=False), {"torch_threads": 2, "default_threads": 2}
     assert policy.decide(None, total=2, load=3.8, **default).threads == 1
     assert policy.decide(None, total=2, load=0.0, **default).threads == 2
     assert policy.decide(None, total=2, load=0.0, torch_threads=1, default_threads=2).threads == 1

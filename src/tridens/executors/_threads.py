@@ -24,12 +24,20 @@ idle cores; the first groups of a key try each option once (side by side first f
 better median. A group that cannot train side by side (one trial, a strategy
 that forks members, stage trees, no ``fork``) trains on every idle core.
 
+**Repeatable by default.** Kernels split their sums by thread, so a trial trained on one thread
+and on two differs in the last bits, and those differences grow over training. A thread count
+that followed the load or a timing would make the same seeded search return different models run
+to run. The default policy (``repeatable=True``) therefore trains every unit on one thread and
+uses idle cores only by training units side by side (one thread each: the same results); a group
+that cannot split trains on one thread. ``ThreadPolicy(repeatable=False)`` lets a unit take every
+idle core and chooses between the two options by measurement, as described above.
+
 A policy is an object passed in (``td.executors.Inline(threads=ThreadPolicy(threads=2))``); each
 decision is logged (logger ``tridens``) with its reason.
 
 >>> rates = {workload_key(5e9, 2): {ALONE: [3e9], SIDE: [4e9]}}   # measured work per wall second
->>> plan = ThreadPolicy().decide(step_flops=5e9, units=3, total=2, load=0.0, torch_threads=2, default_threads=2,
-...                              rates=rates)
+>>> plan = ThreadPolicy(repeatable=False).decide(step_flops=5e9, units=3, total=2, load=0.0, torch_threads=2,
+...                                              default_threads=2, rates=rates)
 >>> plan.threads, plan.concurrent, plan.option
 (1, 2, 'side by side')
 """
@@ -183,18 +191,26 @@ class ThreadPolicy:
     ``threads``: torch threads per unit (None: decided); ``concurrent``: units at once (None:
     decided; 1 when the thread count is the user's); ``large_step_flops``: the training step,
     in FLOPs, from which every idle core is tried before side by side (default 2 GFLOP: tens of
-    milliseconds at one CPU thread's peak, where kernels are long enough for threads to pay).
+    milliseconds at one CPU thread's peak, where kernels are long enough for threads to pay);
+    ``repeatable``: one thread per unit whatever the load, idle cores used only side by side, so
+    that a seeded search gives the same results run to run (False: a unit may take every idle
+    core, chosen by measurement).
 
     >>> ThreadPolicy().decide(step_flops=1e10, units=4, total=8, load=0.0, torch_threads=8, default_threads=8)
+    ThreadPlan(threads=1, concurrent=4, reason='8 idle cores: units side by side, one thread each (repeatable)', option='side by side', key=('threads', 'large', 8))
+    >>> ThreadPolicy(repeatable=False).decide(step_flops=1e10, units=4, total=8, load=0.0, torch_threads=8,
+    ...                                       default_threads=8)
     ThreadPlan(threads=8, concurrent=1, reason='8 idle cores, every idle core measured first', option='every idle core', key=('threads', 'large', 8))
     >>> ThreadPolicy(threads=1, concurrent=2).decide(step_flops=1e7, units=4).concurrent
     2
     """
 
-    def __init__(self, threads: int | None = None, concurrent: int | None = None, large_step_flops: float = 2e9):
+    def __init__(self, threads: int | None = None, concurrent: int | None = None, large_step_flops: float = 2e9,
+                 repeatable: bool = True):
         self.threads = threads
         self.concurrent = concurrent
         self.large_step_flops = large_step_flops
+        self.repeatable = bool(repeatable)
         self._clock: tuple[float, float, float] | None = None  # (wall, busy CPU s of the machine, of this process)
 
     def _busy_elsewhere(self) -> float | None:
@@ -250,6 +266,12 @@ class ThreadPolicy:
             return ThreadPlan(1, 1, f"no idle core beside this one ({max(0.0, _load(load) - 1):.1f} of "
                                     f"{total or cores()} cores busy elsewhere): one thread per unit, 1 at once")
         key = workload_key(step_flops, free, self.large_step_flops)
+        if self.repeatable:
+            if splittable and units >= 2:
+                return ThreadPlan(1, min(units, free), f"{free} idle cores: units side by side, one thread each "
+                                                       "(repeatable)", SIDE, key)
+            return ThreadPlan(1, 1, f"{free} idle cores, one unit: one thread, so that its results do not "
+                                    "depend on the load (ThreadPolicy(repeatable=False) gives it every idle core)")
         alone = ThreadPlan(free, 1, "", ALONE, key)
         if not splittable or units < 2:
             return _with_reason(alone, f"{free} idle cores, one unit: every idle core")
@@ -281,7 +303,7 @@ class ThreadPolicy:
 
     def __repr__(self) -> str:
         return (f"ThreadPolicy(threads={self.threads!r}, concurrent={self.concurrent!r}, "
-                f"large_step_flops={self.large_step_flops!r})")
+                f"large_step_flops={self.large_step_flops!r}, repeatable={self.repeatable!r})")
 
 
 def _with_reason(plan: ThreadPlan, reason: str) -> ThreadPlan:
