@@ -132,6 +132,21 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def _opens(uri: str) -> bool:
+    """Whether SQLite can read the database at ``uri``."""
+    try:
+        conn = sqlite3.connect(uri, uri=True, timeout=5.0, isolation_level=None)
+    except sqlite3.Error:
+        return False
+    try:
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        return True
+    except sqlite3.Error:
+        return False
+    finally:
+        conn.close()
+
+
 class StoreReader:
     """Queries over the store at ``path``, opened read-only (``mode=ro``); one connection per thread.
 
@@ -159,6 +174,10 @@ class StoreReader:
                 if not self.path.is_file():
                     raise StoreError(f"no store at {self.path} yet (run an experiment that writes it, or pass --db PATH)")
                 uri = self.path.resolve().as_uri() + "?mode=ro"
+                if not _opens(uri) and not os.access(self.path.parent, os.W_OK):
+                    # A WAL store on a read-only filesystem: its -shm file cannot be created, and
+                    # nobody can be writing it either, so it is read as an immutable file (as the CLI does).
+                    uri = self.path.resolve().as_uri() + "?immutable=1"
                 version = self._version(sqlite3.connect(uri, uri=True, timeout=5.0, isolation_level=None))
                 if version > CURRENT_VERSION:
                     raise StoreError(f"{self.path} was written by a newer tridens (store schema version {version}); "
