@@ -271,8 +271,13 @@ def breakdown(n: int) -> dict[str, Any]:
     wrap(Random, "ask", "strategy.ask")
     wrap(Random, "tell", "strategy.tell")
     wrap(Random, "report", "strategy.report")
-    import tridens.executors._execution as X
-    wrap(X, "_weights", "state_dict copy for the checkpoint")
+    import importlib
+    try:   # where the in-process executor lives (tridens.engine in an older tree, --before-src)
+        X = importlib.import_module("tridens.executors._execution")
+    except ImportError:
+        X = importlib.import_module("tridens.engine._execution")
+    for attr in ("weights", "_weights"):   # (its name in older trees)
+        wrap(X, attr, "state_dict copy for the checkpoint")
     with tempfile.TemporaryDirectory() as d:
         exp = E.Experiment(space, FunctionalEvaluator(_trivial), Random(), budget=n,
                            store=os.path.join(d, "bench.db"), name="bookkeeping",

@@ -175,13 +175,13 @@ def test_lightning_module_and_trainer_become_a_declarative_evaluator():
         Lightning(nn.Linear(1, 1), Trainer(max_epochs=1))
 
 
-def test_choices_in_a_plain_module_are_refused_naming_model_wrapper():
+def test_value_choices_in_a_plain_module_are_refused_naming_model_wrapper():
     import tridens.compat.nni.retiarii.nn.pytorch as rnn
 
     class Plain(nn.Module):
         def __init__(self):
             super().__init__()
-            self.op = rnn.LayerChoice([nn.ReLU(), nn.Tanh()], label="op")
+            self.blocks = rnn.Repeat(nn.ReLU(), (1, 2), label="depth")
 
     with pytest.raises(NotSupported, match="@model_wrapper") as err:
         Plain()

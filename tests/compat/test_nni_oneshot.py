@@ -208,7 +208,7 @@ def test_nni3_darts_tutorial(tmp_path: Path) -> None:
 
 def test_plain_module_is_rebuilt_as_a_space_from_its_arguments() -> None:
     """A plain nn.Module of nni.retiarii.nn.pytorch keeps its arguments; as_space builds it again
-    as @model_wrapper would; RetiariiExperiment takes it too; a torch.nn.Module with choices is
+    as @model_wrapper would; RetiariiExperiment takes it too; a torch.nn.Module with a Cell is
     refused naming the compat nn.Module."""
     from tridens.compat.nni.retiarii import as_space
 
@@ -236,9 +236,10 @@ def test_plain_module_is_rebuilt_as_a_space_from_its_arguments() -> None:
         def __init__(self) -> None:
             super().__init__()
             self.op = rnn.LayerChoice([torch.nn.ReLU(), torch.nn.Tanh()], label="op")
+            self.cell = rnn.Cell([torch.nn.ReLU()], 2, label="cell")
 
     with pytest.raises(NotSupported, match="retiarii.nn.pytorch's nn.Module"):
-        Torch()
+        Torch()  # a Cell needs its constructor to run again (a LayerChoice alone is taken: test_nni_plain_module)
     with pytest.raises(NotSupported, match="must be a model space"):
         as_space("DartsTrainer", torch.nn.Linear(1, 1))
 

@@ -1,9 +1,10 @@
 """A driver for the executor conformance suite's subprocess cases (a real process to kill):
 
-    python -m tests.engine.executor_script EXECUTOR STORE SCENARIO
+    python -m tests.engine.executor_script EXECUTOR STORE SCENARIO [verbose]
 
-EXECUTOR is ``inline``, ``process`` or ``ray``; SCENARIO names the user loop (below). The loops are
-at module level so that pool workers and Ray workers import them.
+EXECUTOR is ``inline``, ``process`` or ``ray``; SCENARIO names the user loop (below); ``verbose``
+runs with the progress table and the executor's start messages. The loops are at module level so
+that pool workers and Ray workers import them.
 """
 
 import os
@@ -66,9 +67,10 @@ def executor(kind: str, store: str):
 
 def main() -> None:
     kind, store, scenario = sys.argv[1:4]
+    verbose = sys.argv[4:5] == ["verbose"]
     evaluator = td.evaluators.FunctionalEvaluator(LOOPS[scenario], x=td.choice("x", list(range(TRIALS[scenario]))))
     td.Experiment(OneMLP(), evaluator, td.strategy.GridSearch(), budget=TRIALS[scenario], store=store,
-                  name=scenario, executor=executor(kind, store), options=td.RunOptions(verbose=False)).run()
+                  name=scenario, executor=executor(kind, store), options=td.RunOptions(verbose=verbose)).run()
 
 
 if __name__ == "__main__":

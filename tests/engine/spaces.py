@@ -28,6 +28,29 @@ class TinyCNN(tnn.ModelSpace):
         return self.head(self.drop(x.flatten(1)))
 
 
+def digits_loop(lr, hidden=32, epochs=2, float_labels=False, loss_and_acc=False):
+    """A user's own training loop on digits (their MLP, Adam, batches of 128), reporting each
+    epoch's validation accuracy as ``val_acc``, or ``{"loss", "acc"}`` with ``loss_and_acc``;
+    ``float_labels`` passes float labels to cross entropy, a user's bug that fails every trial."""
+    train, val = td.datasets.digits()
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    x, y = train.tensors
+    y = y.float() if float_labels else y
+    for epoch in range(epochs):
+        for i in range(0, len(x), 128):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x[i:i + 128]), y[i:i + 128]).backward()
+            opt.step()
+        with torch.no_grad():
+            out = model(val.tensors[0])
+            acc = (out.argmax(1) == val.tensors[1]).float().mean().item()
+            if loss_and_acc:
+                td.report({"loss": nn.functional.cross_entropy(out, val.tensors[1]).item(), "acc": acc}, step=epoch)
+            else:
+                td.report({"val_acc": acc}, step=epoch)
+
+
 class WidthMLP(tnn.ModelSpace):
     """An MLP on digits whose hidden width is the one choice ("width")."""
 

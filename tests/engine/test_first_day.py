@@ -24,22 +24,12 @@ from tridens.errors import InvalidSample, TridensError
 from tridens.store import Store
 from tridens.trial import TrialStatus
 from .spaces import WidthMLP as Net
+from .spaces import digits_loop
 
 
 def train_mlp(lr, hidden, epochs=2):
     """A user's own loop: builds its model, trains on digits, reports validation accuracy."""
-    train, val = td.datasets.digits()
-    model = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    x, y = train.tensors
-    for epoch in range(epochs):
-        for i in range(0, len(x), 128):
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x[i:i + 128]), y[i:i + 128]).backward()
-            opt.step()
-        with torch.no_grad():
-            acc = (model(val.tensors[0]).argmax(1) == val.tensors[1]).float().mean().item()
-        td.report({"val_acc": acc}, step=epoch)
+    digits_loop(lr, hidden, epochs)
 
 
 def hp_evaluator():

@@ -9,24 +9,12 @@ import tridens as td
 from tridens.errors import UnknownMetric
 from tridens.store import Store
 from .spaces import WidthMLP as Net
+from .spaces import digits_loop
 
 
 def train_loss_acc(lr, hidden=32, epochs=2):
     """A user's own loop on digits reporting {"loss": ..., "acc": ...} (no 'accuracy')."""
-    train, val = td.datasets.digits()
-    model = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    x, y = train.tensors
-    for epoch in range(epochs):
-        for i in range(0, len(x), 128):
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x[i:i + 128]), y[i:i + 128]).backward()
-            opt.step()
-        with torch.no_grad():
-            out = model(val.tensors[0])
-            loss = nn.functional.cross_entropy(out, val.tensors[1]).item()
-            acc = (out.argmax(1) == val.tensors[1]).float().mean().item()
-        td.report({"loss": loss, "acc": acc}, step=epoch)
+    digits_loop(lr, hidden, epochs, loss_and_acc=True)
 
 
 def loop_evaluator():
@@ -212,19 +200,7 @@ def test_narrow_integer_labels_train_as_int64_labels_do(tmp_path, data):
 
 def train_with_labels(lr, labels="float", epochs=1):
     """A user's loop whose first version passes float labels to cross entropy (every trial fails)."""
-    train, val = td.datasets.digits()
-    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    x, y = train.tensors
-    y = y.float() if labels == "float" else y
-    for epoch in range(epochs):
-        for i in range(0, len(x), 128):
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x[i:i + 128]), y[i:i + 128]).backward()
-            opt.step()
-        with torch.no_grad():
-            acc = (model(val.tensors[0]).argmax(1) == val.tensors[1]).float().mean().item()
-        td.report({"val_acc": acc}, step=epoch)
+    digits_loop(lr, 32, epochs, float_labels=labels == "float")
 
 
 @pytest.mark.parametrize("retry_failed", [True, False])

@@ -61,3 +61,21 @@ def test_a_run_on_the_local_ray_listens_on_loopback_only(tmp_path):
                 proc.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+def test_a_verbose_run_says_it_starts_a_local_ray_before_any_trial_reports(tmp_path):
+    """Ray is quiet for seconds while its processes start: a verbose run says so on stderr first,
+    then how long the start took, and the run finishes."""
+    store = tmp_path / "slow.db"
+    run = subprocess.run([sys.executable, "-m", "tests.engine.executor_script", "ray", str(store), "slow", "verbose"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert run.returncode == 0, run.stderr[-3000:]
+    said = [line for line in run.stderr.splitlines() if line.startswith("tridens: ")]
+    assert said[:2] == ["tridens: starting a local Ray for 2 worker(s) on 127.0.0.1 (its processes take seconds "
+                        "to start)", said[1]], said
+    started = said[1]
+    assert started.startswith("tridens: local Ray started in ") and started.endswith(" s; starting its workers")
+    float(started[len("tridens: local Ray started in "):-len(" s; starting its workers")])  # a duration
+    with sqlite3.connect(f"file:{store}?mode=ro", uri=True) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM trials WHERE status = 'completed'").fetchone()[0] == 6

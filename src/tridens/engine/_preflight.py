@@ -188,7 +188,7 @@ def _check_steps(strategy: Strategy, evaluator: Evaluator) -> None:
 def _policies(strategy: Any) -> Iterator[Any]:
     """The strategy and the policies it composes (a sampler and a stopping rule)."""
     yield strategy
-    for attr in ("base", "sampler", "stopping"):
+    for attr in ("sampler", "stopping"):
         inner = getattr(strategy, attr, None)
         if isinstance(inner, Strategy):
             yield from _policies(inner)

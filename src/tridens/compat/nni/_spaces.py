@@ -3,6 +3,7 @@ declared with ``label_prefix=``, and the NAS-Bench cells, on ``tridens.nn`` and 
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -14,13 +15,15 @@ from tridens.space._context import active_resolver
 
 from ._scope import current_prefix, label_scope, scoped
 
-__all__ = ["ModelSpace", "LayerChoice", "InputChoice", "Repeat", "Cell", "NasBench101Cell", "NasBench201Cell"]
+__all__ = ["ModelSpace", "LayerChoice", "InputChoice", "Repeat", "Cell", "NasBench101Cell", "NasBench201Cell",
+           "UnboundLayerChoice", "UnboundInputChoice", "PlainModuleSpace", "has_unbound_choices"]
 
 
 _OUTSIDE = ("{kind} was created outside a model space: tridens builds a space by running its __init__ under its "
-            "resolver. Derive the class from tridens.compat.nni.retiarii.nn.pytorch's nn.Module (NNI 2.x's one-shot "
-            "trainers then take it as it is), decorate it with @model_wrapper (tridens.compat.nni.retiarii), or derive "
-            "it from ModelSpace (tridens.compat.nni.nas.nn.pytorch).")
+            "resolver (a plain torch.nn.Module may hold only LayerChoice and InputChoice, as NNI 2.x's one-shot "
+            "trainers take it). Derive the class from tridens.compat.nni.retiarii.nn.pytorch's nn.Module (NNI 2.x's "
+            "one-shot trainers then take it as it is), decorate it with @model_wrapper (tridens.compat.nni.retiarii), "
+            "or derive it from ModelSpace (tridens.compat.nni.nas.nn.pytorch).")
 
 
 def _label(label: str | None, kind: str) -> str | None:
@@ -38,11 +41,90 @@ def _label(label: str | None, kind: str) -> str | None:
     return None
 
 
+class UnboundLayerChoice(nn.Module):
+    """A ``LayerChoice`` built in a plain ``torch.nn.Module``, outside any space, as NNI 2.x lets
+    its one-shot examples do: it holds the candidates and runs the first (NNI's behaviour). NNI 2.x's
+    one-shot trainers and ``RetiariiExperiment`` make the module holding it a space
+    (:class:`PlainModuleSpace`), where it becomes a ``tnn.LayerChoice`` of the same candidates."""
+
+    def __init__(self, candidates: Any, label: str | None):
+        super().__init__()
+        from ._common import NotSupported
+
+        named = dict(candidates) if isinstance(candidates, Mapping) else dict(enumerate(candidates))
+        if not named or not all(isinstance(c, nn.Module) for c in named.values()):
+            raise NotSupported(f"A LayerChoice{f' {label!r}' if label else ''} built outside a model space takes "
+                               "nn.Module candidates (a list or a dict). Got "
+                               f"{[type(c).__name__ for c in named.values()]} instead.")
+        self.keys = list(named)
+        self.candidates = nn.ModuleList(list(named.values()))
+        self.named = isinstance(candidates, Mapping)
+        self.label = label
+
+    def choices(self) -> Any:
+        """The candidates as given: a dict by key, or a list."""
+        return dict(zip(self.keys, self.candidates)) if self.named else list(self.candidates)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.candidates[0](*args, **kwargs)
+
+
+class UnboundInputChoice(nn.Module):
+    """An ``InputChoice`` built in a plain ``torch.nn.Module`` (see :class:`UnboundLayerChoice`):
+    it reads the first ``n_chosen`` inputs until its module is made a space."""
+
+    def __init__(self, n_candidates: int, n_chosen: int, reduction: str, label: str | None):
+        super().__init__()
+        self.n_candidates, self.n_chosen, self.reduction, self.label = n_candidates, n_chosen, reduction, label
+        self.first = _tnn.ChosenInputs(list(range(n_chosen)), reduction)
+
+    def forward(self, inputs: Sequence[torch.Tensor]) -> Any:
+        return self.first(inputs)
+
+
+class PlainModuleSpace(_tnn.ModelSpace):
+    """A plain module holding :class:`UnboundLayerChoice` / :class:`UnboundInputChoice` as a space:
+    each build copies ``template`` and puts a ``tnn.LayerChoice`` / ``tnn.InputChoice`` of the same
+    candidates where each unbound one is, labelled as given (or by its path in the module). Only
+    structural choices can be unbound: a value chosen in a constructor needs the constructor to run
+    again (derive the class from ``nni.retiarii.nn.pytorch``'s ``Module``, or ``@model_wrapper``).
+
+    >>> space = PlainModuleSpace(CNN(8, 1, 4, 10, 2))   # NNI's examples/nas/oneshot/darts model  # doctest: +SKIP
+    """
+
+    def __init__(self, template: nn.Module):
+        super().__init__()
+        model = copy.deepcopy(template)
+        for name, module in list(model.named_modules()):
+            if isinstance(module, UnboundLayerChoice):
+                bound = _tnn.LayerChoice(module.choices(), label=module.label or name)
+            elif isinstance(module, UnboundInputChoice):
+                bound = _tnn.InputChoice(module.n_candidates, module.n_chosen, module.reduction,
+                                         label=module.label or name)
+            else:
+                continue
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, bound)
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+
+def has_unbound_choices(model: Any) -> bool:
+    """Whether ``model`` is a plain module holding choices built outside any space."""
+    return isinstance(model, nn.Module) and any(isinstance(m, (UnboundLayerChoice, UnboundInputChoice))
+                                                for m in model.modules())
+
+
 def LayerChoice(candidates: Any, *, prior: Any = None, label: str | None = None, **_: Any) -> nn.Module:
-    """``tnn.LayerChoice``; the module built carries ``.label`` as NNI's does."""
+    """``tnn.LayerChoice``; the module built carries ``.label`` as NNI's does. Outside any space
+    (in a plain ``torch.nn.Module``), an :class:`UnboundLayerChoice`."""
     from ._common import only_default
 
     only_default("LayerChoice", "prior", prior, None, "tridens' strategies sample candidates uniformly.")
+    if active_resolver() is None:
+        return UnboundLayerChoice(candidates, scoped(label) if label is not None else None)
     module = _tnn.LayerChoice(candidates, label=_label(label, "layerchoice"))
     if "label" not in module.__dict__ and not hasattr(type(module), "label"):
         module.label = label_of(module, label)
@@ -63,7 +145,9 @@ def label_of(module: nn.Module, given: str | None) -> str:
 
 def InputChoice(n_candidates: int, n_chosen: int = 1, reduction: str = "sum", *, prior: Any = None,
                 label: str | None = None, **_: Any) -> nn.Module:
-    """``tnn.InputChoice`` in the current label scope."""
+    """``tnn.InputChoice`` in the current label scope; outside any space, an :class:`UnboundInputChoice`."""
+    if active_resolver() is None:
+        return UnboundInputChoice(n_candidates, n_chosen, reduction, scoped(label) if label is not None else None)
     return _tnn.InputChoice(n_candidates, n_chosen, reduction, label=_label(label, "inputchoice"))
 
 

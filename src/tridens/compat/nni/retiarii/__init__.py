@@ -20,6 +20,7 @@ from torch import nn as _nn
 
 from .._common import NotSupported
 from .._fixed import fixed_arch
+from .._spaces import PlainModuleSpace, has_unbound_choices
 
 __all__ = ["model_wrapper", "fixed_arch", "basic_unit", "serialize", "as_space"]
 
@@ -39,13 +40,17 @@ def model_wrapper(cls: type) -> type:
 def as_space(owner: str, model: Any) -> ModelSpace:
     """``model`` as a space: a space is itself; a plain module built from this package's ``nn.Module``
     (its arguments kept, see ``tridens.compat.nni.retiarii.nn.pytorch.Module``) is built again as
-    ``@model_wrapper`` would have built it; anything else is an error naming ``owner``."""
+    ``@model_wrapper`` would have built it; a ``torch.nn.Module`` holding ``LayerChoice`` /
+    ``InputChoice`` built outside any space becomes a :class:`~tridens.compat.nni._spaces.PlainModuleSpace`;
+    anything else is an error naming ``owner``."""
     if isinstance(model, ModelSpace):
         return model
     init = getattr(model, "__dict__", {}).get("_tridens_init")
     if isinstance(model, _nn.Module) and init is not None:
         args, kwargs = init
         return model_wrapper(type(model))(*args, **kwargs)
+    if has_unbound_choices(model):
+        return PlainModuleSpace(model)
     raise NotSupported(f"The 'model' parameter of {owner} must be a model space: derive its class from "
                        f"tridens.compat.nni.retiarii.nn.pytorch's nn.Module, decorate it with @model_wrapper, or derive "
                        f"it from tridens.nn.ModelSpace. Got {type(model).__name__} instead.")
