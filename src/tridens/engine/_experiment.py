@@ -673,7 +673,7 @@ class Experiment:
         strategy = _strategy_by_name(self.strategy) if isinstance(self.strategy, str) or self.strategy is None else self.strategy
         if getattr(strategy, "one_shot", False):  # tridens.oneshot: one supernet instead of separate trials
             from ..oneshot import OneShotStrategy
-            from ..oneshot import run_oneshot
+            from ._oneshot import run_one_shot
 
             assert isinstance(strategy, OneShotStrategy)  # its one_shot marker says so
             from ._preflight import check_evaluator
@@ -682,7 +682,7 @@ class Experiment:
                             second_objective=self.second_objective)
             self.stop_reason = None
             try:
-                reason = run_oneshot(self, strategy)
+                reason = run_one_shot(self, strategy)
             except KeyboardInterrupt as err:
                 if isinstance(err, ExperimentInterrupted):
                     raise

@@ -220,10 +220,8 @@ class _Run:
                 self._add_to_zoo(trial, weights)
         # The checkpoint file, then its row and the trial's in one transaction: written before it
         # counts as done (trial.checkpoint is set).
-        if status is TrialStatus.FAILED and not self.no_model:
-            from ._preflight import explain_failure
-
-            trial.error = error = explain_failure(self.space, trial.sample, error)  # the failing layer, as freeze() names it
+        if status is TrialStatus.FAILED:
+            trial.error = error = self._explain_failure(trial, error)
         self.db.finish_trial(trial, state)
         if status is TrialStatus.FAILED:
             log.warning("trial %d failed: %s", trial.label,
@@ -234,6 +232,14 @@ class _Run:
         self.finished_here.append(trial)
         self.progress.trial_done(trial)
         self._notify("on_trial_end", trial)
+
+    def _explain_failure(self, trial: Trial, error: str | None) -> str | None:
+        """A failed trial's error, with the layer that failed as ``freeze()`` names it."""
+        if self.no_model:
+            return error
+        from ._preflight import explain_failure
+
+        return explain_failure(self.space, trial.sample, error)
 
     def _notify(self, hook: str, *args: Any) -> None:
         """Call ``hook`` on every callback after the store has the data; one that raises is logged

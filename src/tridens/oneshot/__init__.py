@@ -16,10 +16,10 @@ Strategies: :class:`RandomOneShot` (SPOS), :class:`DARTS`, :class:`GumbelDARTS`,
 
 from ._strategies import DARTS, ENAS, Controller, GumbelDARTS, OneShotStrategy, RandomOneShot, gumbel_softmax
 from ._supernet import ArchState, MixedCell, MixedDepth, MixedEdge, MixedInput, MixedLayer, Supernet, build_supernet
-from ._run import run_oneshot
+from ._run import OneShotTrials, TrialLife, run_oneshot
 
 __all__ = [
     "OneShotStrategy", "RandomOneShot", "DARTS", "GumbelDARTS", "ENAS", "Controller", "gumbel_softmax",
     "Supernet", "build_supernet", "ArchState", "MixedLayer", "MixedInput", "MixedDepth",
-    "MixedEdge", "MixedCell", "run_oneshot",
+    "MixedEdge", "MixedCell", "run_oneshot", "OneShotTrials", "TrialLife",
 ]

@@ -12,6 +12,12 @@ What goes to the store (the experiment's SQLite file), so ``exp.trials()``, ``to
 * with ``retrain=True``, one trial of the best architecture trained from scratch by the
   evaluator (``role == "retrain"``, ``of``: the number of the subnet trial it retrains).
 
+Each of these trials lives through the engine's trial protocol, as a multi-trial run's do: the
+engine hands :func:`run_oneshot` a :class:`OneShotTrials` (its rows, its :class:`TrialLife` per
+trial, the run's budget), so that callbacks and loggers receive every report and outcome, the
+progress view counts the trials, ``trial_timeout`` fails a trial that trains too long, and
+``max_duration`` stops the run after the supernet's current epoch.
+
 Running the same script again resumes: from the last supernet checkpoint if training was cut,
 with the subnets already scored kept (the search replays, scoring only new ones).
 """
@@ -25,7 +31,7 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager, Mapping, Protocol
 
 import torch
 from torch.utils.data import Subset
@@ -38,7 +44,7 @@ from ._search import evaluate_path, evolution, random_search, sample_key
 from ._strategies import OneShotStrategy
 from ._supernet import Supernet, build_supernet
 
-__all__ = ["run_oneshot"]
+__all__ = ["run_oneshot", "OneShotTrials", "TrialLife"]
 
 log = logging.getLogger("tridens")
 CHECKPOINT_FORMAT = 1
@@ -49,16 +55,57 @@ def _role(trial: Trial) -> str | None:
     return info.get("role") if isinstance(info, dict) else None
 
 
+class TrialLife(Protocol):
+    """What a one-shot run tells about one trial: the engine's ``TrialProtocol``."""
+
+    def start(self) -> None:
+        """The trial began training."""
+
+    def report(self, step: int, metrics: Mapping[str, float], *, last: bool = False,
+               seconds: float | None = None) -> Any:
+        """One step's metrics (``seconds`` of training); returns the verdict, whose ``value`` is
+        ``"continue"``, ``"done"``, ``"stop"`` or ``"drop"`` (failed by ``trial_timeout``)."""
+
+    def finish(self, value: float | None = None, weights: Mapping[str, Any] | None = None) -> None:
+        """The trial ended normally with ``value`` and its final ``weights`` (its checkpoint)."""
+
+    def fail(self, error: str | BaseException) -> None:
+        """The trial failed with ``error``."""
+
+
+class OneShotTrials(Protocol):
+    """What the engine gives a one-shot run: new trial rows, each trial's :class:`TrialLife`, the
+    run's budget, and the end of the run."""
+
+    def add(self, trial: Trial) -> Trial:
+        """Write a new trial row (its ``id`` and ``number`` set)."""
+
+    def life(self, trial: Trial) -> TrialLife:
+        """The trial protocol of ``trial`` (started by the caller)."""
+
+    def out_of_budget(self) -> str | None:
+        """Why the run must stop now (``max_duration`` reached), or ``None``."""
+
+    def planned(self, total: int) -> None:
+        """The run will finish ``total`` trials (the progress view's total)."""
+
+
+class _OutOfBudget(Exception):
+    """The run's budget ended inside the search (raised through the search's score function)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
 # Experiment options a one-shot search does not apply (it trains one supernet in this process), with
 # the value that means "not set"; a user who set one is told rather than ignored silently.
 _IGNORED = {
-    "max_duration": (None, "its budget is the strategy's epochs and samples"),
     "constraints": ((), "subnets are not filtered by them"),
     "warm_start": (False, "the supernet starts from its own initialization"),
     "executor": (None, "the supernet trains in this process"),
     "workers": (2, "the supernet trains in this process"),
     "allocation": (None, "the supernet trains in this process"),
-    "trial_timeout": (None, "there are no separate trials to time out"),
 }
 
 
@@ -69,9 +116,12 @@ def _warn_ignored(exp: Any) -> None:
             log.warning("one-shot: %s=%r is not applied to a one-shot search (%s)", option, value, why)
 
 
-def run_oneshot(exp: Any, strategy: OneShotStrategy) -> str:
+def run_oneshot(exp: Any, strategy: OneShotStrategy,
+                trials_of: Callable[[Store, str], ContextManager[OneShotTrials]]) -> str:
     """Run (or resume) ``exp`` with a one-shot ``strategy``; returns why it stopped (what it did),
-    the line the experiment ends with."""
+    the line the experiment ends with. ``trials_of(store, name)`` is the engine's
+    :class:`OneShotTrials` of the run while the trials run (entered once the experiment's record
+    exists; it tells the callbacks the run started and ended)."""
     if not isinstance(exp.evaluator, SupervisedEvaluator):
         raise ValueError(f"The 'evaluator' parameter of Experiment must be a declarative evaluator "
                          f"(td.evaluators.Classification or Regression) for the one-shot strategy "
@@ -100,7 +150,8 @@ def run_oneshot(exp: Any, strategy: OneShotStrategy) -> str:
             db.create_experiment(name, config)
         db.update_experiment(name, status="running")
         try:
-            reason = _OneShotRun(exp, db, name, strategy, net, cfg, hparams, objective).run()
+            with trials_of(db, name) as trials:
+                reason = _OneShotRun(exp, db, name, strategy, net, cfg, hparams, objective, trials).run()
         except BaseException:
             db.update_experiment(name, status="interrupted")
             raise
@@ -128,9 +179,9 @@ def _jsonable(obj: Any) -> Any:
 
 class _OneShotRun:
     def __init__(self, exp: Any, db: Store, name: str, strategy: OneShotStrategy, net: Supernet, cfg: Any,
-                 hparams: dict[str, Any], objective: Objective):
+                 hparams: dict[str, Any], objective: Objective, trials: OneShotTrials):
         self.exp, self.db, self.name, self.strategy, self.net = exp, db, name, strategy, net
-        self.cfg, self.hparams, self.objective = cfg, hparams, objective
+        self.cfg, self.hparams, self.objective, self.trials = cfg, hparams, objective, trials
         self.seed = int(exp.seed)
         self.verbose = bool(exp.verbose)
 
@@ -143,17 +194,30 @@ class _OneShotRun:
     def run(self) -> str:
         """Train the supernet, score subnets, retrain; returns what was done (the run's stop reason)."""
         trials = self.db.trials(self.name)
+        n = self.strategy.samples if self.exp.max_trials is None else min(self.strategy.samples, self.exp.max_trials)
+        self.trials.planned(1 + n + int(self.strategy.retrain))
         supernet = next((t for t in trials if _role(t) == "supernet"), None)
         if supernet is None:
-            supernet = self.db.add_trial(self.name, Trial(
+            supernet = self.trials.add(Trial(
                 id=-1, sample={}, seed=self.seed, fingerprint=f"supernet:{type(self.strategy).__name__}", group=0,
                 info={"oneshot": {"role": "supernet", "strategy": type(self.strategy).__name__}}, experiment=self.name))
-        epochs = self.train_supernet(supernet)
-        subnets = self.search(supernet, trials)
-        retrained = self.retrain(subnets, trials) if self.strategy.retrain else 0
+        epochs, stopped = self.train_supernet(supernet)
+        if stopped is not None:
+            return stopped
+        try:
+            subnets = self.search(supernet, trials, n)
+            retrained = self.retrain(subnets, trials) if self.strategy.retrain else 0
+        except _OutOfBudget as out:
+            return out.reason
         return (f"{type(self.strategy).__name__} is done: the supernet trained {epochs} epoch{'s' if epochs != 1 else ''}, "
                 f"{len({t.id for t in subnets})} subnets scored with its weights"
                 + (f", {retrained} retrained from scratch" if retrained else ""))
+
+    def _check_budget(self, doing: str) -> None:
+        """Raise :class:`_OutOfBudget` when the run's budget ended (``doing``: what is cut short)."""
+        reason = self.trials.out_of_budget()
+        if reason is not None:
+            raise _OutOfBudget(f"{reason} {doing}")
 
     # -- supernet training ---------------------------------------------------------------------
     def _checkpoint_path(self, trial: Trial) -> Path | None:
@@ -188,8 +252,9 @@ class _OneShotRun:
             return next(iter(source.batches(cache[rnd][pos * bs:(pos + 1) * bs], bs)))
         return batch
 
-    def train_supernet(self, trial: Trial) -> int:
-        """Train (or finish training) the supernet; returns its epochs."""
+    def train_supernet(self, trial: Trial) -> tuple[int, str | None]:
+        """Train (or finish training) the supernet; returns its epochs, and why the run stops here
+        (``max_duration`` reached, ``trial_timeout`` exceeded) or ``None``."""
         cfg, strategy, net = self.cfg, self.strategy, self.net
         epochs = strategy.epochs or cfg.epochs
         weights_data, arch_data = self._split()
@@ -218,10 +283,12 @@ class _OneShotRun:
         else:
             torch_rng = torch.Generator().manual_seed(self.seed).get_state()
         if start_epoch >= epochs and trial.status is TrialStatus.COMPLETED:
-            return epochs
-        trial.status = TrialStatus.RUNNING
+            return epochs, None
+        # A supernet trained again (after a stop, a timeout or a crash) keeps its earlier epochs' rows.
+        trial.status, trial.error, trial.finished_at = TrialStatus.PENDING, None, None
         trial.started_at = trial.started_at or time.time()
-        self.db.update_trial(trial)
+        life = self.trials.life(trial)
+        life.start()
         arch_of = self._arch_batcher(arch_data) if arch_data is not None else None
         current = [step]
 
@@ -232,6 +299,7 @@ class _OneShotRun:
 
         cpu0, wall0 = time.process_time(), time.perf_counter()
         for epoch in range(start_epoch, epochs):
+            epoch_wall = time.perf_counter()
             net.model.train()
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             order = torch.randperm(len(source), generator=g)
@@ -243,40 +311,57 @@ class _OneShotRun:
                     current[0] = step
                     loss = strategy.step(x, y, arch_batch, step)
                     if not math.isfinite(loss):
-                        raise TridensError(f"the supernet's training loss became {loss} at epoch {epoch}, batch {b} "
+                        err = TridensError(f"the supernet's training loss became {loss} at epoch {epoch}, batch {b} "
                                            f"({type(strategy).__name__}); a lower 'lr' usually helps")
+                        life.fail(str(err))
+                        raise err
                     step += 1
                     total_loss += loss * len(y)
                     count += len(y)
                 torch_rng = torch.get_rng_state()
             metrics = {"train_loss": total_loss / max(count, 1)}
-            self.db.add_metrics(trial.id, epoch, metrics)
+            verdict = life.report(epoch, metrics, last=epoch + 1 >= epochs, seconds=time.perf_counter() - epoch_wall)
             state = {"format": CHECKPOINT_FORMAT, "model": net.model.state_dict(), "strategy": strategy.state_dict(),
                      "epoch": epoch + 1, "step": step, "py_rng": _rng_state(rng), "torch_rng": torch_rng}
             trial.checkpoint = str(self.db.save_checkpoint(trial.id, state, kind="supernet"))
             self.say("supernet epoch %d/%d: train_loss %.4f", epoch + 1, epochs, metrics["train_loss"])
+            self._note_training(trial, net, epochs, step, cpu0, wall0)
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+            if verdict.value == "drop":  # over trial_timeout: the protocol failed it
+                return epoch + 1, (f"{trial.error or 'the supernet exceeded trial_timeout'}; its checkpoint after "
+                                   f"epoch {epoch + 1} of {epochs} is kept: run again to continue")
+            if verdict.value == "done":
+                break
+            reason = self.trials.out_of_budget()
+            if reason is not None or verdict.value == "stop":
+                trial.status = TrialStatus.STOPPED
+                life.finish()
+                return epoch + 1, (f"{reason or 'stopped'} during the supernet's training, after epoch {epoch + 1} "
+                                   f"of {epochs} (its checkpoint is kept: run again to continue)")
+        life.finish()
+        return epochs, None
+
+    def _note_training(self, trial: Trial, net: Supernet, epochs: int, steps: int, cpu0: float, wall0: float) -> None:
+        """Add the supernet's training since ``cpu0``/``wall0`` and its summary to ``trial.info``
+        (written with the trial's next row update)."""
         info = dict(trial.info)
         one = dict(info.get("oneshot", {}))
-        one.update({"epochs": epochs, "steps": step, **_jsonable(strategy.summary()),
+        one.update({"epochs": epochs, "steps": steps, **_jsonable(self.strategy.summary()),
                     "train_cpu_s": one.get("train_cpu_s", 0.0) + time.process_time() - cpu0,
                     "train_wall_s": one.get("train_wall_s", 0.0) + time.perf_counter() - wall0})
         info["oneshot"] = one
         info["params"] = sum(p.numel() for p in net.model.parameters())
         trial.info = info
-        trial.status = TrialStatus.COMPLETED
-        trial.finished_at = time.time()
-        self.db.update_trial(trial)
-        return epochs
 
     # -- search over subnets -------------------------------------------------------------------
-    def search(self, supernet: Trial, trials: list[Trial]) -> list[Trial]:
+    def search(self, supernet: Trial, trials: list[Trial], n: int) -> list[Trial]:
+        """Score up to ``n`` subnets with the supernet's weights (those scored before are kept)."""
         cfg, strategy, net = self.cfg, self.strategy, self.net
         space = self.exp.space
         known: dict[str, Trial] = {}
         for t in trials:
             if _role(t) == "subnet" and t.status is TrialStatus.COMPLETED:
                 known[sample_key(space.restrict(t.sample))] = t
-        n = strategy.samples if self.exp.max_trials is None else min(strategy.samples, self.exp.max_trials)
         val = BatchSource(cfg.val, cfg.device)
         calib_source = BatchSource(cfg.train, cfg.device)
         g = torch.Generator().manual_seed(self.seed)
@@ -294,6 +379,7 @@ class _OneShotRun:
             if key in known:
                 trial = known[key]
             else:
+                self._check_budget(f"during the search, after {len(scored)} subnets scored")
                 trial = self._score_subnet(supernet, sample, val, calibration)
                 known[key] = trial
             scored.append(trial)
@@ -301,17 +387,19 @@ class _OneShotRun:
 
         rng = random.Random(f"{self.seed}:search")
         start = []
-        for sample in strategy.proposals():
-            key = sample_key(sample)
-            if key not in seen and len(seen) < n:
-                seen.add(key)
-                start.append((sample, score(sample)))
-        ss = net.search_space
-        if strategy.search == "random":
-            random_search(ss, score, n, rng, seen)
-        else:
-            evolution(ss, score, n, rng, seen, strategy.population, strategy.tournament, start)
-        net.model.load_state_dict(buffers)
+        try:
+            for sample in strategy.proposals():
+                key = sample_key(sample)
+                if key not in seen and len(seen) < n:
+                    seen.add(key)
+                    start.append((sample, score(sample)))
+            ss = net.search_space
+            if strategy.search == "random":
+                random_search(ss, score, n, rng, seen)
+            else:
+                evolution(ss, score, n, rng, seen, strategy.population, strategy.tournament, start)
+        finally:
+            net.model.load_state_dict(buffers)
         best = max(scored, key=lambda t: (*self._rank(t), -t.id)) if scored else None
         if best is not None:
             self.say("searched %d subnets with inherited weights (%.1f CPU-s); best %s = %.4f: %s", len(scored),
@@ -334,15 +422,11 @@ class _OneShotRun:
                                         "supernet": supernet.label, "eval_cpu_s": cpu},
                             "params": sum(p.numel() for p in model.parameters())})
         trial.fingerprint = _fingerprint(model, self.exp.space.example_inputs, sample)
-        trial = self.db.add_trial(self.name, trial)
-        trial.started_at = time.time()
-        self.db.add_metrics(trial.id, 0, metrics)
-        trial.metrics = {k: [v] for k, v in metrics.items()}
-        trial.metric = metrics.get(self.objective.metric)
-        trial.checkpoint = str(self.db.save_checkpoint(trial.id, model.state_dict()))
-        trial.status = TrialStatus.COMPLETED
-        trial.finished_at = time.time()
-        self.db.update_trial(trial)
+        trial = self.trials.add(trial)
+        life = self.trials.life(trial)
+        life.start()
+        life.report(0, metrics, last=True)  # scoring is not training: trial_timeout counts no seconds here
+        life.finish(metrics.get(self.objective.metric), weights=model.state_dict())
         return trial
 
     # -- retraining the best -------------------------------------------------------------------
@@ -356,6 +440,7 @@ class _OneShotRun:
             if all(sample_key(space.restrict(t.sample)) != sample_key(space.restrict(r.sample)) for r in ranked):
                 ranked.append(t)
         for best in ranked[:k]:
+            self._check_budget(f"before retraining {space.restrict(best.sample)}")
             self._retrain_one(best, trials)
         return len(ranked[:k])
 
@@ -368,7 +453,7 @@ class _OneShotRun:
             return
         trial = next((t for t in mine if not t.status.finished), None)
         if trial is None:
-            trial = self.db.add_trial(self.name, Trial(
+            trial = self.trials.add(Trial(
                 id=-1, sample={**sample, **self.hparams}, seed=self.seed, group=2, experiment=self.name,
                 info={"oneshot": {"role": "retrain", "strategy": type(self.strategy).__name__, "of": best.label}}))
         else:
@@ -380,22 +465,24 @@ class _OneShotRun:
             model = space.freeze(sample)
         trial.fingerprint = _fingerprint(model, space.example_inputs, sample)
         trial.info["params"] = sum(p.numel() for p in model.parameters())
-        trial.status, trial.started_at = TrialStatus.RUNNING, time.time()
-        trial.metrics = {}
-        self.db.update_trial(trial)
+        trial.status, trial.metrics = TrialStatus.PENDING, {}
+        life = self.trials.life(trial)
+        life.start()
         trainer = evaluator.trainer(model, self.hparams, trial.seed)
         while not trainer.done:
-            epoch = trainer.epoch
+            epoch, wall0 = trainer.epoch, time.perf_counter()
             values = {**trainer.train_epoch(), **trainer.validate()}
-            self.db.add_metrics(trial.id, epoch, values)
-            for k, v in values.items():
-                trial.metrics.setdefault(k, []).append(v)
-        trial.metric = trial.metrics.get(self.objective.metric, [None])[-1]
+            verdict = life.report(epoch, values, last=trainer.done, seconds=time.perf_counter() - wall0)
+            if verdict.value == "drop":  # over trial_timeout: the protocol failed it
+                self.say("retraining %s stopped: %s", sample, trial.error)
+                return
+            if verdict.value in ("done", "stop"):
+                break
         trial.info["oneshot"]["retrain_cpu_s"] = time.process_time() - cpu0
-        trial.checkpoint = str(self.db.save_checkpoint(trial.id, trainer.model.state_dict()))
-        trial.status, trial.finished_at = TrialStatus.COMPLETED, time.time()
-        self.db.update_trial(trial)
-        self.say("retrained %s from scratch: %s = %.4f", sample, self.objective.metric, trial.metric)
+        final = trial.metrics.get(self.objective.metric)
+        life.finish(final[-1] if final else None, weights=trainer.model.state_dict())
+        if trial.metric is not None:
+            self.say("retrained %s from scratch: %s = %.4f", sample, self.objective.metric, trial.metric)
 
 
 def _fingerprint(model: Any, inputs: Any, sample: dict[str, Any]) -> str:
