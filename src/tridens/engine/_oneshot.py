@@ -1,7 +1,7 @@
 """A one-shot run (``tridens.oneshot``) through the engine's trial protocol.
 
 :func:`tridens.oneshot.run_oneshot` trains the supernet, scores subnets with its weights and
-retrains the best; each of those trials lives through a :class:`~._protocol.TrialProtocol` whose
+retrains the best; each of those trials lives through a :class:`~tridens.executors.TrialProtocol` whose
 hooks are this run's (:class:`OneShotRun`, a :class:`~._loop._Run`): the store rows, the callbacks
 and loggers, the progress view, ``trial_timeout`` and ``max_duration`` are those of a multi-trial run.
 """
@@ -17,7 +17,7 @@ from ..store import Store
 from ..trial import Decision, Fork, Objective, Trial, TrialStatus
 from ..units import Job
 from ._loop import _Run
-from ._protocol import TrialProtocol
+from ..executors import TrialProtocol
 
 if TYPE_CHECKING:
     from ._experiment import Experiment
