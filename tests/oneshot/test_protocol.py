@@ -95,23 +95,36 @@ def test_trial_timeout_fails_the_supernet_with_the_protocol_message(tmp_path, ev
     assert exp.stop_reason == f"{supernet.error}; its checkpoint after epoch 1 of 2 is kept: run again to continue"
 
 
-def test_a_tensorboard_logger_receives_a_one_shot_run(tmp_path, evaluator):
+def test_tensorboard_and_mlflow_loggers_receive_a_one_shot_run(tmp_path, evaluator):
     pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from tridens.loggers import trial_name
 
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     exp = td.Experiment(DigitsCNN(), evaluator, td.oneshot.ENAS(samples=2, population=2), store=tmp_path / "t.db",
-                        name="enas", callbacks=[td.loggers.TensorBoard(tmp_path / "tb")],
+                        name="enas", callbacks=[td.loggers.TensorBoard(tmp_path / "tb"), td.loggers.MLflow(uri)],
                         options=td.RunOptions(verbose=False)).run()
     trials = exp.trials()
     assert sorted(p.name for p in (tmp_path / "tb" / "enas").iterdir()) == sorted(f"trial-{trial_name(t)}" for t in trials)
+    client = MlflowClient(tracking_uri=uri)
+    runs = {r.data.tags["tridens.trial_id"]: r for r in
+            client.search_runs([client.get_experiment_by_name("enas").experiment_id])}
+    assert sorted(runs) == sorted(str(t.id) for t in trials)
     for t in trials:
         events = EventAccumulator(str(tmp_path / "tb" / "enas" / f"trial-{trial_name(t)}"))
         events.Reload()
         name = "train_loss" if _role(t) == "supernet" else "val_acc"
         assert [e.value for e in events.Scalars(name)] == pytest.approx(t.metrics[name])
         assert events.Scalars("tridens/best")[-1].value == (1.0 if t.id == exp.best().id else 0.0)
+        run = runs[str(t.id)]
+        history = client.get_metric_history(run.info.run_id, name)
+        assert [m.step for m in history] == list(range(len(t.metrics[name])))
+        assert [m.value for m in history] == pytest.approx(t.metrics[name])
+        assert run.info.status == "FINISHED" and run.data.tags["tridens.status"] == "completed"
+        assert (run.data.tags.get("tridens.best") == "true") == (t.id == exp.best().id)
 
 
 def _rows(db, name):
