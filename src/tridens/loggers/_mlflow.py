@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -17,8 +18,23 @@ _PARAM_LIMIT = 6000  # characters MLflow keeps in a parameter value
 _KEY_RE = re.compile(r"[^A-Za-z0-9_\-. /]")  # characters MLflow refuses in parameter and metric names
 
 
+_KEY_LIMIT = 250  # characters MLflow keeps in a parameter or metric name
+
+
 def _key(name: str) -> str:
-    return _KEY_RE.sub("_", name)
+    """An MLflow name for a label or metric: the name itself when MLflow takes it; else cleaned,
+    cut to 250 characters and marked with a digest of the original, so that two labels never
+    share a key (``a:b`` and ``a/b`` both clean to ``a_b`` otherwise; MLflow refuses the whole
+    batch of a run whose keys collide or run long).
+
+    >>> _key("lr"), _key("a:b") != _key("a?b")
+    ('lr', True)
+    """
+    clean = _KEY_RE.sub("_", name)
+    if clean == name and len(name) <= _KEY_LIMIT:
+        return name
+    digest = hashlib.blake2b(name.encode(), digest_size=4).hexdigest()
+    return f"{clean[:_KEY_LIMIT - 10]}--{digest}"
 
 
 def _param(value: Any) -> str:
