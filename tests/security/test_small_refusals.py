@@ -33,23 +33,28 @@ def test_a_negative_max_duration_is_refused(tmp_path, duration):
         exp.run()
 
 
-def test_a_run_with_no_budget_says_so_once(tmp_path):
-    evaluator = td.evaluators.FunctionalEvaluator(_value, x=td.choice("x", [1, 2, 3]))
-    exp = td.Experiment(None, evaluator, "grid", store=tmp_path / "runs.db", name="e",
-                        options=td.RunOptions(verbose=False))
+def _budget_warnings(exp):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         exp.run()
-    said = [str(w.message) for w in caught if "has no budget" in str(w.message)]
-    assert len(said) == 1 and "GridSearch has nothing more to propose or you stop it" in said[0]
+    return [str(w.message) for w in caught if "has no budget" in str(w.message)]
+
+
+def test_a_run_with_no_budget_says_so_once(tmp_path):
+    evaluator = td.evaluators.FunctionalEvaluator(_value, x=td.choice("x", [1, 2, 3]))
+    exp = td.Experiment(None, evaluator, "random", store=tmp_path / "runs.db", name="e",
+                        options=td.RunOptions(verbose=False))
+    said = _budget_warnings(exp)
+    assert len(said) == 1 and "Random has nothing more to propose or you stop it" in said[0]
     assert "td.Budget(max_trials=" in said[0]
-    assert len(exp.trials()) == 3   # the grid ended it
-    bounded = td.Experiment(None, evaluator, "grid", budget=2, store=tmp_path / "runs.db", name="b",
+    assert len(exp.trials()) == 3   # the space ran out of new samples
+    # a grid is bounded by itself, and a budget bounds any strategy: nothing to say
+    grid = td.Experiment(None, evaluator, "grid", store=tmp_path / "runs.db", name="g",
+                         options=td.RunOptions(verbose=False))
+    assert not _budget_warnings(grid) and len(grid.trials()) == 3
+    bounded = td.Experiment(None, evaluator, "random", budget=2, store=tmp_path / "runs.db", name="b",
                             options=td.RunOptions(verbose=False))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        bounded.run()
-    assert not [w for w in caught if "has no budget" in str(w.message)]
+    assert not _budget_warnings(bounded)
 
 
 class _Uneven(torch.utils.data.Dataset):

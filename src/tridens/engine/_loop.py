@@ -298,7 +298,7 @@ class _Run:
                 t.forget_forks()  # trained again from its start
                 self.db.delete_metrics(t.id)  # the re-run writes its own steps
             self._run_jobs([j for j in (self._job(t) for t in interrupted) if j is not None], executor)
-        if self.exp.max_trials is None and self.deadline is None:
+        if self.exp.max_trials is None and self.deadline is None and not getattr(self.strategy, "finite", False):
             warnings.warn(f"experiment {self.name!r} has no budget (no max_trials, no max_duration): it runs until "
                           f"{type(self.strategy).__name__} has nothing more to propose or you stop it (Ctrl-C); pass "
                           "budget=td.Budget(max_trials=..., max_duration=...) to bound it", UserWarning, stacklevel=2)

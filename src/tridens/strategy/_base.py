@@ -39,10 +39,12 @@ class Strategy:
     A strategy whose ``forks`` is True may also answer :meth:`fork` after a step a trial
     continues: the engine then moves that trial onto another running trial's state with new
     hyperparameters (Population Based Training); the engine refuses such a strategy on an
-    executor that cannot fork members.
+    executor that cannot fork members. ``finite``: the strategy proposes a bounded number of
+    samples by itself (a grid), so a run without a budget ends on its own.
     """
 
     forks = False
+    finite = False
 
     def start(self, space: SearchSpace, objective: Objective, rng: random.Random,
               history: Sequence[Trial] = ()) -> None:

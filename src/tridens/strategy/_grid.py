@@ -25,6 +25,8 @@ class GridSearch(SearchBase):
     early (:class:`ASHA`, :class:`Hyperband`, :class:`MedianStopping`).
     """
 
+    finite = True   # every sample once
+
     def __init__(self, batch_size: int = 16, stopping: Strategy | None = None):
         self.batch_size = batch_size
         self.stopping = stopping
