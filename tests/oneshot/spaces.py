@@ -74,3 +74,8 @@ def spos_steps(net, x: torch.Tensor, y: torch.Tensor, steps: int) -> None:
         opt.zero_grad()
         F.cross_entropy(net.model(x[idx]), y[idx]).backward()
         opt.step()
+
+
+def role(trial):
+    """A one-shot trial's role: "supernet", "subnet" (scored with supernet weights) or "retrain"."""
+    return trial.info["oneshot"]["role"]

@@ -10,10 +10,7 @@ import tridens as td
 from tridens.trial import TrialStatus
 
 from .spaces import DigitsCNN
-
-
-def _role(trial):
-    return trial.info["oneshot"]["role"]
+from .spaces import role as _role
 
 
 @pytest.fixture

@@ -12,10 +12,7 @@ from tridens.oneshot._strategies import fair_paths
 from tridens.trial import TrialStatus
 
 from .spaces import DigitsCNN, ToyChoice
-
-
-def _role(trial):
-    return trial.info["oneshot"]["role"]
+from .spaces import role as _role
 
 
 @pytest.fixture
