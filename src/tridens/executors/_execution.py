@@ -40,6 +40,7 @@ from ._threads import ThreadPolicy
 from ._channel import ChannelClosed, PipeChannel, ready
 from ._messages import (Answer, Left, Outcome, Place, Quit, Report, RunTrial, RunUnit, ShipEvaluator,
                         Started)
+from ._driver import RoundDecision, decide_round
 from ._watchdog import check_overtime, death_error, for_trial, settle
 from ._base import Executor, RunContext, run_context as _context
 from ._lockstep import (LockstepJudge, UnitReport, fork_members, handed_source, load_bytes, model_bytes, plan_units,
@@ -52,16 +53,20 @@ log = logging.getLogger("tridens")
 
 
 class _InlineJudge(LockstepJudge):
-    """The in-process judge: every report recorded, then each member's verdict."""
+    """The in-process judge: each round decided by the driver's :func:`~._driver.decide_round`
+    (every report recorded, then each member's verdict, then the forks)."""
 
     def __init__(self, lives: Mapping[int, TrialProtocol]):
         self.lives = lives
+        self.decision = RoundDecision()
 
     def judge(self, reports: Sequence[UnitReport]) -> list[Verdict]:
-        for r in reports:
-            if r.metrics is not None:
-                self.lives[r.trial_id].record(r.step, r.metrics)
-        return [self.lives[r.trial_id].verdict(r.step, last=r.last) for r in reports]
+        # seconds 0: a unit in this process counts its members' training time itself
+        trained = [(self.lives[r.trial_id], Report(r.trial_id, r.step, dict(r.metrics), 0.0, r.last))
+                   for r in reports if r.metrics is not None]
+        self.decision = decide_round(trained)
+        return [self.decision.verdicts[r.trial_id] if r.metrics is not None
+                else self.lives[r.trial_id].verdict(r.step, last=True) for r in reports]
 
     def failed(self, unit: ExecutionUnit, trial_id: int, err: BaseException) -> None:
         self.lives[trial_id].fail(err)
@@ -71,12 +76,7 @@ class _InlineJudge(LockstepJudge):
             self.lives[report.trial_id].finish(weights=report.unit.weights(report.trial_id))
 
     def forks(self, reports: Sequence[UnitReport]) -> list[tuple[UnitReport, Fork]]:
-        out = []
-        for r in reports:
-            fork = self.lives[r.trial_id].fork(r.step)
-            if fork is not None:
-                out.append((r, fork))
-        return out
+        return [(r, self.decision.forks[r.trial_id]) for r in reports if r.trial_id in self.decision.forks]
 
     def forked(self, report: UnitReport, fork: Fork) -> None:
         self.lives[report.trial_id].forked(self.lives[fork.source].trial, report.step, fork)

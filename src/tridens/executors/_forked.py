@@ -47,6 +47,7 @@ from ._lockstep import load_bytes, run_lockstep
 from ._pool_units import PipeJudge
 from ._channel import ChannelClosed, PipeChannel, ready
 from ._messages import End, Left, LogRecord, Measured, Report, Round, Verdicts
+from ._driver import decide_round
 from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text
 from ._watchdog import check_silence, death_error, ended_error, for_trial, settle
 
@@ -196,21 +197,18 @@ def _lost(child: _Share, error: str) -> None:
 
 
 def _barrier(children: Sequence[_Share], rank: Mapping[int, int]) -> None:
-    """Once every child with members has reported its round: every report recorded, then every
-    verdict (both in the planned order), then each child's answer."""
+    """Once every child with members has reported its round: the round decided in the planned
+    order (:func:`~._driver.decide_round`: every report recorded, then every verdict), then each
+    child's answer."""
     waiting = [c for c in children if c.open and c.lives]
     if not waiting or any(c.round is None for c in waiting):
         return
     reports = sorted(((rank.get(r.trial_id, len(rank)), r.trial_id, c, r) for c in waiting for r in c.round or ()),
                      key=lambda item: (item[0], item[1]))
-    for _, tid, child, report in reports:
-        life = child.lives[tid]
-        if report.seconds:
-            life.add_seconds(report.seconds)
-        life.record(report.step, report.metrics)
+    decision = decide_round([(child.lives[tid], report) for _, tid, child, report in reports])
     answers: dict[int, dict[int, str]] = {id(c): {} for c in waiting}
-    for _, tid, child, report in reports:
-        verdict = child.lives[tid].verdict(report.step, last=report.last)
+    for _, tid, child, _report in reports:
+        verdict = decision.verdicts[tid]
         if verdict is Verdict.DROP:   # past its timeout: failed by the protocol; the child drops it
             child.lives.pop(tid, None)
         answers[id(child)][tid] = verdict.value

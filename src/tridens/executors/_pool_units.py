@@ -47,6 +47,7 @@ from ._lockstep import (LockstepJudge, UnitReport, handed_source, load_bytes, mo
 from ._channel import ChannelClosed, ready
 from ._messages import (ArchiveAnswer, ArchiveCall, End, Forked, Left, Outcome, Report, Round, RunUnit, Started, State,
                         Verdicts, WantState)
+from ._driver import decide_round
 from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text
 from ._stage_relay import ArchiveRelay, PlanningView, answer_archive_call
 from ._watchdog import check_silence, death_error, ended_error, for_trial, settle
@@ -229,11 +230,9 @@ class UnitRun:
         elif isinstance(message, ArchiveCall):
             p.worker.channel.send(ArchiveAnswer(self._archive_call(message.method, message.args, message.kwargs)))
         elif isinstance(message, Round):
-            if self.forks:
-                p.round = message.reports
-            else:
-                verdicts = {report.trial_id: self._verdict(p, report).value for report in message.reports}
-                p.worker.channel.send(Verdicts(verdicts))
+            p.round = message.reports
+            if not self.forks:   # a unit alone: its round is answered now
+                self._answer([p])
         elif isinstance(message, Forked):
             member, origin = p.lives.get(message.trial_id), self._life(message.source)
             if member is not None and origin is not None:
@@ -253,42 +252,30 @@ class UnitRun:
                 return p.lives[tid]
         return None
 
-    def _verdict(self, p: _Placement, report: Report) -> Verdict:
-        life = p.lives[report.trial_id]
-        verdict = life.report(report.step, report.metrics, last=report.last, seconds=report.seconds)
-        if verdict is Verdict.DROP:   # past its timeout: failed by the protocol; the worker drops it
-            p.lives.pop(report.trial_id, None)
-        return verdict
-
     def _archive_call(self, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         """A worker's stage-store call, carried out on the driver's archive (states travel as bytes)."""
         return answer_archive_call(self.archive, name, args, kwargs, state_bytes, load_bytes, "a pool worker")
 
     # -- forks: the population in lockstep ---------------------------------------------------------
     def _barrier(self, running: Sequence[_Placement]) -> None:
-        """Once every placement with members has reported its round: every verdict, then the
-        strategy's forks, then each worker's answer (with the states its forks need)."""
+        """Once every placement with members has reported its round: the round decided as one
+        (:meth:`_answer`)."""
         waiting = [p for p in running if p.lives]
-        if not waiting or any(p.round is None for p in waiting):
-            return
-        verdicts: dict[int, tuple[_Placement, Verdict, int]] = {}
-        for p in waiting:
-            for report in p.round or ():
-                verdicts[report.trial_id] = (p, self._verdict(p, report), report.step)
-        forks: dict[int, Fork] = {}
-        for tid, (p, verdict, step) in verdicts.items():
-            fork = p.lives[tid].fork(step) if verdict is Verdict.CONTINUE and tid in p.lives else None
-            if fork is not None:
-                forks[tid] = fork
+        if waiting and all(p.round is not None for p in waiting):
+            self._answer(waiting)
+
+    def _answer(self, waiting: Sequence[_Placement]) -> None:
+        """The round the ``waiting`` placements reported, decided as one (:func:`~._driver.decide_round`:
+        every report recorded, then every verdict, then the strategy's forks), then each worker's
+        answer: its members' verdicts and its forks, with the states of the sources that train in
+        another worker (handed back by that worker first)."""
+        entries = [(p, report) for p in waiting for report in p.round or ()]
+        decision = decide_round([(p.lives[report.trial_id], report) for p, report in entries])
+        where = {report.trial_id: p for p, report in entries}
         given: dict[int, list[tuple[Any, ...]]] = {id(p): [] for p in waiting}
         states: dict[int, bytes | None] = {}
-        for tid, fork in forks.items():
-            p = verdicts[tid][0]
-            source = verdicts.get(fork.source)
-            if source is None or source[1] is not Verdict.CONTINUE or fork.source in forks:
-                log.info("trial %d not forked from trial %d: the source is not training now", tid, fork.source)
-                continue
-            q = source[0]
+        for tid, fork in decision.forks.items():
+            p, q = where[tid], where[fork.source]
             if q is p:
                 given[id(p)].append((tid, fork.source, fork.sample, None))
                 continue
@@ -301,11 +288,19 @@ class UnitRun:
             handed = (origin.trial.seed, origin.trial.sample, self.models[fork.source], states[fork.source])
             given[id(p)].append((tid, fork.source, fork.sample, handed))
         for p in waiting:
-            answers = {report.trial_id: verdicts[report.trial_id][1].value for report in p.round or ()}
+            answers = {}
+            for report in p.round or ():
+                verdict = decision.verdicts[report.trial_id]
+                if verdict is Verdict.DROP:   # past its timeout: failed by the protocol; the worker drops it
+                    p.lives.pop(report.trial_id, None)
+                answers[report.trial_id] = verdict.value
             p.round = None
             p.last_message = time.monotonic()
             assert p.worker is not None
-            p.worker.channel.send(Verdicts(answers, given[id(p)]))
+            try:
+                p.worker.channel.send(Verdicts(answers, given[id(p)]))
+            except ChannelClosed:   # died meanwhile: read as its death next
+                pass
 
     def _state_of(self, p: _Placement, tid: int) -> bytes | None:
         """Member ``tid``'s trainer state, handed back by its worker (which waits for its verdicts)."""
