@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -56,3 +57,39 @@ def class_lists(source: str, cls: str) -> dict[str, list[str]]:
             return {t.id: ast.literal_eval(stmt.value) for stmt in node.body if isinstance(stmt, ast.Assign)
                     for t in stmt.targets if isinstance(t, ast.Name) and isinstance(stmt.value, ast.List)}
     raise AssertionError(f"no class {cls} in the upstream file")
+
+
+_IMPORT_AS = re.compile(r"^(\s*)import nni((?:\.\w+)*) as (\w+)", re.M)
+_IMPORT_BARE = re.compile(r"^(\s*)import nni\s*$", re.M)
+_FROM = re.compile(r"^(\s*)from nni((?:\.\w+)*) import ", re.M)
+
+
+def rewrite_imports(source: str) -> str:
+    """``source`` with its ``nni`` imports pointed at ``tridens.compat.nni`` and nothing else changed:
+    ``import nni`` -> ``import tridens.compat.nni as nni``, ``import nni.X as Y`` ->
+    ``import tridens.compat.nni.X as Y``, ``from nni.X import ...`` -> ``from tridens.compat.nni.X import ...``."""
+    source = _IMPORT_AS.sub(r"\1import tridens.compat.nni\2 as \3", source)
+    source = _IMPORT_BARE.sub(r"\1import tridens.compat.nni as nni", source)
+    return _FROM.sub(r"\1from tridens.compat.nni\2 import ", source)
+
+
+STANDINS = Path(__file__).resolve().parent / "standins"
+
+
+def script_env(store: Path, **extra: str) -> dict[str, str]:
+    """The environment of a subprocess running an NNI script: this tridens and the offline
+    ``torchvision`` stand-in first on ``PYTHONPATH``, its store at ``store``, one thread."""
+    import tridens
+
+    source = str(Path(tridens.__file__).resolve().parents[1])
+    return {**os.environ, "TRIDENS_DB": str(store), "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([source, str(STANDINS), os.environ.get("PYTHONPATH", "")]), **extra}
+
+
+def example(folder: Path, base: str, names: list[str], ref: str = NNI2) -> Path:
+    """NNI's files ``base/name`` copied into ``folder`` with only their imports rewritten (skips the
+    test when there is no snapshot)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (folder / name).write_text(rewrite_imports(require(f"{base}/{name}", ref)))
+    return folder

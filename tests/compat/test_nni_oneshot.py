@@ -520,20 +520,3 @@ def test_model_wrapper_makes_a_space_and_fixed_arch_builds_a_sample(tmp_path: Pa
         _Wrapped()
     with pytest.raises(NotSupported, match="label"):
         rnn.ValueChoice([1, 2])
-
-
-def test_nni_mutator_subclasses_import_and_are_refused_naming_td_mutator() -> None:
-    from tridens.compat.nni.retiarii import Mutator
-
-    class BlockMutator(Mutator):  # NNI's examples/nas/multi-trial/mnasnet/mutator.py
-        def __init__(self, target: str) -> None:
-            super().__init__()
-            self.target = target
-
-    with pytest.raises(NotSupported, match="td.Mutator"):
-        BlockMutator("mutable_0")
-
-
-def test_retiarii_experiment_refuses_nni_mutators() -> None:
-    with pytest.raises(NotSupported, match="td.Mutator"):
-        RetiariiExperiment(_Wrapped(), None, [object()], nni2.DARTS())

@@ -92,6 +92,31 @@ def test_insert_before_replaces_only_the_first_input():
     torch.testing.assert_close(_run(graph, x), F.relu(x) * x)
 
 
+def test_insert_on_edge_changes_that_edge_only():
+    class Fanout(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return torch.cat([torch.relu(h), h], dim=1)
+
+    model, x = Fanout().eval(), torch.randn(2, 4)
+    graph = tg.trace(model, x)
+    fc, relu = graph["fc"], graph.nodes(op_type=torch.relu)[0]
+    cat = graph.nodes(op_type=torch.cat)[0]
+    new = graph.insert_on_edge(fc, relu, nn.Tanh(), name="squash")
+    assert new.name == "squash" and [src for src, _ in new.inputs] == [fc]
+    assert relu.inputs == [(new, 0)] and [src.name for src, _ in cat.inputs] == [relu.name, "fc"]
+    with torch.no_grad():
+        h = model.fc(x)
+        expected = torch.cat([torch.relu(torch.tanh(h)), h], dim=1)
+    torch.testing.assert_close(_run(graph, x), expected)
+    with pytest.raises(GraphError, match="no edge"):
+        graph.insert_on_edge(relu, fc, nn.Tanh())
+
+
 def test_remove():
     model, x = SmallCNN().eval(), _x()
     graph = tg.trace(model, x)

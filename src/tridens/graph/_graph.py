@@ -541,6 +541,28 @@ class Graph:
         self._edited()
         return self._wrap(new)
 
+    def insert_on_edge(self, src: Node, dst: Node, module: nn.Module, name: str | None = None) -> Node:
+        """Insert ``module`` on the edge ``src -> dst``: the new node consumes src's output and dst
+        reads the new node wherever it read src; src's other users are unchanged (Retiarii's
+        ``insert_node_on_edge``). ``name`` names the new node and its module.
+
+        >>> import torch, torch.nn as nn, tridens as td
+        >>> g = td.graph.trace(nn.Sequential(nn.Linear(4, 8), nn.ReLU()), torch.randn(2, 4))
+        >>> lin, relu = g.nodes(op_type=nn.Linear)[0], g.nodes(op_type=nn.ReLU)[0]
+        >>> new = g.insert_on_edge(lin, relu, nn.Linear(8, 8), name="extra")
+        >>> [n.name for n in g.nodes()], [s.name for s, _ in relu.inputs]
+        (['input_1', '_0', 'extra', '_1', 'output'], ['extra'])
+        """
+        s, d = self._fx_of(src), self._fx_of(dst)
+        if s not in d.all_input_nodes:
+            raise GraphError(f"%{s.name} is not an input of {self._line(d)}: there is no edge to insert on")
+        target = self._add_module(module, base=name)
+        with self._fx.inserting_after(s):
+            new = self._fx.create_node("call_module", target, (s,), {}, name=name)
+        d.replace_input_with(s, new)
+        self._edited()
+        return self._wrap(new)
+
     def _substitute(self, fx_node: fx.Node, index: int, new: fx.Node) -> None:
         """Replace the ``index``-th node occurrence (in ``inputs`` order) of fx_node's arguments."""
         count = [0]

@@ -28,8 +28,18 @@ class Mutator:
     randomness): the sample alone determines the model.
     """
 
+    #: Module types this mutator edits as whole nodes: the space traces them as leaves (one
+    #: ``call_module`` node each) instead of tracing through their ``forward``.
+    leaf_modules: tuple[type[nn.Module], ...] = ()
+
     def mutate(self, graph: Any) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement mutate(graph)")
+
+    def edit(self, graph: Any) -> None:
+        """What a space runs on the traced graph: ``self.mutate(graph)``. A mutator written against
+        another graph API (NNI's ``nni.retiarii.Mutator``) overrides it to hand ``mutate`` its own
+        view of ``graph``."""
+        self.mutate(graph)
 
     @property
     def name(self) -> str:
@@ -75,10 +85,11 @@ class MutatorSpace(BaseSpace):
 
         model = self._base_model(resolver)
         history = [Mutation(by="inline", choices={k: v[1] for k, v in resolver.asked.items()})]
-        graph = trace(model, self.example_inputs)
+        leaves = tuple(dict.fromkeys(t for m in self.mutators for t in m.leaf_modules))
+        graph = trace(model, self.example_inputs, leaf_modules=leaves)
         for mutator in self.mutators:
             before = set(resolver.asked)
-            mutator.mutate(graph)
+            mutator.edit(graph)
             history.append(Mutation(by=mutator.name,
                                     choices={k: v[1] for k, v in resolver.asked.items() if k not in before}))
         resolver.history = history  # type: ignore[attr-defined]

@@ -9,6 +9,8 @@
 
 ``@model_wrapper`` turns the decorated ``nn.Module`` class into a ``tridens.nn.ModelSpace``;
 ``basic_unit`` and ``serialize`` are not needed (tridens refers to code by import path).
+``Mutator`` (NNI's graph mutators, ``applied_mutators``) edits tridens' graph IR through NNI's
+graph names (see ``tridens.compat.nni._graph_mutator``).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from torch import nn as _nn
 
 from .._common import NotSupported
 from .._fixed import fixed_arch
+from .._graph_mutator import Edge, Graph, InvalidMutation, Model, Mutator, Node, Operation, Placeholder, Sampler
 from .._spaces import PlainModuleSpace, has_unbound_choices
 
-__all__ = ["model_wrapper", "fixed_arch", "basic_unit", "serialize", "as_space", "Mutator"]
+__all__ = ["model_wrapper", "fixed_arch", "basic_unit", "serialize", "as_space", "Mutator", "Sampler", "InvalidMutation",
+           "Model", "Graph", "Node", "Edge", "Operation", "Placeholder"]
 
 
 def model_wrapper(cls: type) -> type:
@@ -64,14 +68,3 @@ def basic_unit(cls: Any = None, **_: Any) -> Any:
 def serialize(cls: Any, *args: Any, **kwargs: Any) -> Any:
     """``nni.retiarii.serialize(cls, *args)``: tridens needs no serialization wrapper; builds the object."""
     return cls(*args, **kwargs)
-
-
-class Mutator:
-    """``nni.retiarii.Mutator`` (NNI's graph API: ``get_nodes_by_label``, ``update_operation``,
-    ``insert_node_on_edge``) is not provided: a subclass imports, and building one raises a
-    one-line error naming ``td.Mutator``, which edits tridens' graph IR (``mutate(graph)``)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotSupported(f"{type(self).__name__} is an nni.retiarii.Mutator: NNI's graph-mutation API has no "
-                           "tridens equivalent. Write the mutation as a td.Mutator (mutate(graph), self.choice(...)) "
-                           "over tridens' graph IR and build the space with td.ModelSpace.from_base(model, mutators)")

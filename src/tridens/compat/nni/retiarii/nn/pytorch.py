@@ -19,6 +19,7 @@ from tridens.nn import ChosenInputs  # noqa: F401
 from tridens.space._context import active_resolver
 
 from ..._common import NotSupported, only_default
+from ..._graph_mutator import Placeholder  # noqa: F401
 from ..._scope import scoped
 from ..._spaces import Cell, InputChoice, LayerChoice, NasBench101Cell, NasBench201Cell, Repeat  # noqa: F401
 
