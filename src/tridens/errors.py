@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TridensError", "InvalidSpace", "InvalidSample", "GraphError", "StoreError", "StorageFault", "UnknownMetric"]
+__all__ = ["TridensError", "InvalidSpace", "InvalidSample", "GraphError", "StoreError", "StorageFault", "ExecutorFault", "UnknownMetric"]
 
 
 class TridensError(Exception):
@@ -31,6 +31,12 @@ class StorageFault(StoreError):
     """The store's storage failed under a write: the disk (or a quota, or the file size limit) is
     full, the disk failed, or the store file was deleted or replaced while open. Nothing committed
     is lost; a run stops with this one line, and its running trials run again on the next run."""
+
+
+class ExecutorFault(TridensError, RuntimeError):
+    """The machinery that runs trials failed outside every trial: the process that starts pool
+    workers (multiprocessing's forkserver) died, and so did a fresh one. Nothing committed is lost;
+    a run stops with this one line, and its running trials run again on the next run."""
 
 
 class UnknownMetric(TridensError, ValueError):

@@ -737,8 +737,9 @@ class Experiment:
                     run.loop(resumed)  # stage trees stored (tridens.xopt)
             except BaseException as err:
                 run.progress.close()
-                # A storage fault (full disk, the store file gone) stops the run: its running
-                # trials stay unfinished, to run again on the next run.
+                # A storage fault (full disk, the store file gone) or an executor's (the process
+                # that starts workers gone) stops the run: its running trials stay unfinished, to
+                # run again on the next run.
                 halted = err.cause if isinstance(err, RunHalted) else err if isinstance(err, StorageFault) else None
                 try:
                     trials = db.trials(name)

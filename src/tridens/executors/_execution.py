@@ -31,11 +31,11 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..errors import UnknownMetric
+from ..errors import ExecutorFault, UnknownMetric
 from ..evaluators import Evaluator, StepwiseEvaluator, drive
 from ..trial import Decision, Fork
 from ..units import ExecutionUnit, Job
-from ._protocol import GroupHooks, TrialProtocol, TrialTimeout, Verdict, error_text
+from ._protocol import GroupHooks, RunHalted, TrialProtocol, TrialTimeout, Verdict, error_text
 from ._threads import ThreadPolicy
 from ._channel import ChannelClosed, PipeChannel, ready
 from ._messages import (Answer, Left, Outcome, Place, Quit, Report, RunTrial, RunUnit, ShipEvaluator,
@@ -279,8 +279,10 @@ def _record_thread_rate(plan: Any, sizes: Sequence[tuple[float, Sequence[int]]],
 def _exit_with_driver(driver: int) -> None:
     """Watch the driver from a daemon thread: when it is gone (killed, even with SIGKILL) this
     worker exits too, whatever its trial is doing (a hanging trial included). The worker's parent
-    is the driver, or the forkserver, which exits with the driver: either way it changes."""
+    is the driver, whose death changes it, or the forkserver, which exits with the driver; a
+    forkserver killed on its own leaves the worker training, watching the driver's pid alone."""
     parent = os.getppid()
+    forked_by_server = parent != driver
 
     def alive(pid: int) -> bool:
         try:
@@ -290,7 +292,7 @@ def _exit_with_driver(driver: int) -> None:
         return True
 
     def watch() -> None:
-        while os.getppid() == parent and alive(driver):
+        while (forked_by_server or os.getppid() == parent) and alive(driver):
             time.sleep(0.5)
         os._exit(0)
 
@@ -396,16 +398,36 @@ def _main_not_imported() -> Iterator[None]:
             sys.modules["__main__"] = main
 
 
+_START_ATTEMPTS = 3
+"""How many times a pool worker's start is tried when the forkserver dies under it."""
+
+
 class PoolWorker:
     """One long-lived worker process of the pool and the driver's end of its pipe (``channel``)."""
 
     def __init__(self, ctx: Any, index: int):
         self.index = index
         ours, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child, index, os.getpid(), dict(os.environ)),
-                                   daemon=True, name=f"tridens-worker-{index}")
-        with _main_not_imported():
-            self.process.start()
+        for attempt in range(_START_ATTEMPTS):
+            self.process = ctx.Process(target=_worker_main, args=(child, index, os.getpid(), dict(os.environ)),
+                                       daemon=True, name=f"tridens-worker-{index}")
+            try:
+                with _main_not_imported():
+                    self.process.start()
+                break
+            except (EOFError, OSError) as err:  # the forkserver died (killed) before it answered
+                if ctx.get_start_method() != "forkserver":
+                    raise
+                if attempt + 1 == _START_ATTEMPTS:
+                    ours.close()
+                    child.close()
+                    raise RunHalted(ExecutorFault(
+                        f"multiprocessing's forkserver, the process that starts pool workers, died while starting "
+                        f"worker {index} ({type(err).__name__}: {err or 'no answer'}), {_START_ATTEMPTS} times in a "
+                        "row; finished trials are kept, the running ones run again on the next run")) from None
+                log.warning("multiprocessing's forkserver, the process that starts pool workers, died while starting "
+                            "worker %d; starting a new one", index)
+                time.sleep(0.2 * (attempt + 1))   # (until the dead server is reaped: a new one is started then)
         child.close()
         self.channel = PipeChannel(ours, self.process)
         self.evaluators: set[int] = set()  # tokens of the evaluators this worker holds
