@@ -1,6 +1,8 @@
 """The lockstep loop every executor trains units with (:func:`run_lockstep`: epochs, then
-verdicts, then forks), its judges' base, and what travels to another process as bytes (models,
-trainer states, weights; :func:`worker_payload` for what ``__main__`` defines)."""
+verdicts, then forks), its judges' base, the restart of members from their last round
+(:func:`resume_units`, answered again by the driver's :class:`RoundAnswers`), and what travels to
+another process as bytes (models, trainer states, weights; :func:`worker_payload` for what
+``__main__`` defines)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import logging
 import pickle
 import types
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -22,7 +24,8 @@ from ..units import ExecutionUnit, Job, SeparateUnit
 from ._protocol import Verdict
 
 __all__ = ["weights", "worker_payload", "model_bytes", "state_bytes", "weights_bytes", "load_bytes", "plan_units",
-           "UnitReport", "LockstepJudge", "handed_source", "fork_members", "run_lockstep"]
+           "UnitReport", "LockstepJudge", "RoundAnswers", "handed_source", "fork_members", "run_lockstep",
+           "resume_units"]
 
 log = logging.getLogger("tridens")
 
@@ -138,6 +141,10 @@ class UnitReport:
 class LockstepJudge:
     """What :func:`run_lockstep` asks after each round of epochs (no-op hooks by default)."""
 
+    def checkpoint(self, reports: Sequence[UnitReport]) -> None:
+        """Before :meth:`judge`: keep each member's state of this round (a worker that may die
+        writes it where a fresh worker finds it, :func:`resume_units`). Default: nothing kept."""
+
     def judge(self, reports: Sequence[UnitReport]) -> list[Verdict]:  # pragma: no cover - abstract
         """One verdict per report."""
         raise NotImplementedError
@@ -161,6 +168,37 @@ class LockstepJudge:
         """A fork whose source trains in another process: a unit holding only the source member,
         loaded with the state handed over from there (None: the source must train in this loop)."""
         return None
+
+
+class RoundAnswers:
+    """The driver's last answer to each member of a population that trains in lockstep in other
+    processes (PBT on the pool or on Ray): the member's step, the answer as sent (a verdict, with
+    the fork's source and sample) and the state handed over with it. A worker that replaces a dead
+    one asks its members' last checkpointed round again (:func:`resume_units`) and gets the same
+    answers, without the strategy being asked twice.
+
+    >>> answers = RoundAnswers()
+    >>> answers.keep(7, step=2, answer="continue")
+    >>> answers.again(7, 2), answers.again(7, 3)
+    (('continue', None), None)
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[int, Any, Any]] = {}
+
+    def keep(self, trial_id: int, step: int, answer: Any, handed: Any = None) -> None:
+        """The answer given to member ``trial_id`` for ``step`` (its earlier one is dropped)."""
+        self._last[trial_id] = (step, answer, handed)
+
+    def again(self, trial_id: int, step: int) -> tuple[Any, Any] | None:
+        """The (answer, handed state) given to member ``trial_id`` for ``step``; None when its last
+        answer was for another step (or it was never answered)."""
+        kept = self._last.get(trial_id)
+        return None if kept is None or kept[0] != step else (kept[1], kept[2])
+
+    def clear(self) -> None:
+        """Forget every answer (a new group)."""
+        self._last.clear()
 
 
 def handed_source(evaluator: StepwiseEvaluator, source: int, seed: int, sample: dict[str, Any], model: nn.Module | None,
@@ -217,6 +255,50 @@ def fork_members(units: list[ExecutionUnit], forks: Sequence[tuple[UnitReport, F
         judge.forked(report, fork)
 
 
+def resume_units(jobs: Sequence[Job], evaluator: StepwiseEvaluator, judge: LockstepJudge,
+                 saved: Callable[[int], Mapping[str, Any] | None], reason: str) -> list[ExecutionUnit]:
+    """The units that go on with ``jobs`` after the worker training them died: one separate unit
+    (a fused unit cannot resume mid-way; fused equals separate), each member at its last round
+    (``saved(trial_id)``: ``{"trainer": state, "step": int, "metrics": {...}}`` as its judge's
+    :meth:`~LockstepJudge.checkpoint` kept it, or None: from its start, or from ``Job.start_from``).
+    That round is asked again -- the report may not have reached the driver, which otherwise
+    answers it as it did (:class:`RoundAnswers`): members told to stop (or out of budget) leave at
+    once, members forked (PBT) move onto their source's state, as the lost worker's would have.
+    ``reason`` says in the log why the members train this way. Train the result with
+    :func:`run_lockstep`."""
+    unit = SeparateUnit(jobs, evaluator, reason=reason)
+    log.info("%s", unit.summary())
+    reports = []
+    for job in jobs:
+        tid = job.trial.id
+        state = saved(tid)
+        if tid not in unit.trial_ids():
+            continue
+        if state is None or state["trainer"] is None:   # no state kept: from its start
+            if job.start_from is not None:
+                try:
+                    unit.load_state_dict(tid, job.start_from)
+                except Exception as err:
+                    judge.failed(unit, tid, err)
+                    unit.drop(tid)
+            continue
+        unit.load_state_dict(tid, state["trainer"])
+        reports.append(UnitReport(unit, tid, int(state["step"]), dict(state["metrics"]),
+                                  unit.epoch(tid) >= unit.limit(tid), 0.0))
+    going = []
+    for report, verdict in zip(reports, judge.judge(reports)):
+        if verdict is not Verdict.CONTINUE:
+            judge.finished(report, verdict)
+            unit.drop(report.trial_id)
+        elif report.metrics is not None:
+            going.append(report)
+    units: list[ExecutionUnit] = [unit]
+    forks = judge.forks(going)
+    if forks:
+        fork_members(units, forks, judge)
+    return units
+
+
 def run_lockstep(units: Sequence[ExecutionUnit], judge: LockstepJudge) -> None:
     """Train ``units`` epoch by epoch: every member's epoch first, then the judge's verdict for
     every member (so a synchronous rule sees the whole rung), then members that end leave their
@@ -241,6 +323,7 @@ def run_lockstep(units: Sequence[ExecutionUnit], judge: LockstepJudge) -> None:
                 trial_id = job.trial.id
                 if trial_id not in results and unit.epoch(trial_id) >= unit.limit(trial_id):
                     reports.append(UnitReport(unit, trial_id, unit.epoch(trial_id) - 1, None, True, 0.0))
+        judge.checkpoint([report for report in reports if report.metrics is not None])
         going = []
         for report, verdict in zip(reports, judge.judge(reports)):
             if verdict is not Verdict.CONTINUE:

@@ -52,6 +52,7 @@ from ..units import Job, PlanContext
 from ._base import Executor, RunContext, run_context as _context
 from ..trial import Fork
 from ._channel import HubChannel
+from ._lockstep import RoundAnswers
 from ._messages import Answer, ArchiveAnswer, ArchiveCall, Forked, Left, Outcome, Posted, Started
 from ._protocol import GroupHooks, TrialProtocol, Verdict
 from ._ray_fluid import FluidOnRay
@@ -159,9 +160,9 @@ class RayExecutor(Executor):
         self._hub: HubChannel | None = None   # the driver's end of the hub every task posts to
         self._evaluator: tuple[Any, Any] | None = None  # (evaluator, its object ref): one copy for all groups
         self._archive: Any = None  # the run's stage store (tridens.store.StageArchive) while a group runs
-        # a population's last answer per member: (step, answer, handed source or None), given again
-        # when a restarted task asks for that step again
-        self._answered: dict[int, tuple[int, Any, tuple[Any, ...] | None]] = {}
+        # a population's last answer per member (the handed source's seed, sample, model, state
+        # with it), given again when a restarted task asks for that step again
+        self._answered = RoundAnswers()
 
     @property
     def parallelism(self) -> int:  # type: ignore[override]
@@ -324,7 +325,7 @@ class RayExecutor(Executor):
         lives = {job.trial.id: TrialProtocol(job, hooks, clock="train") for job in jobs}
         tracks = self._units(jobs, evaluator, lives)
         held: dict[int, tuple[_UnitTrack, int, int, Verdict]] | None = {} if self._forks() else None
-        self._answered = {}
+        self._answered.clear()
         if self.allocation is not None and held is None:
             fluid, tracks = FluidOnRay.profile(self.allocation, self.workers, tracks, evaluator)
         queue = list(tracks) if fluid is None else []
@@ -430,9 +431,9 @@ class RayExecutor(Executor):
         step = message.step   # a Report
         verdict = life.report(step, message.metrics, last=message.last, seconds=message.seconds)
         if held is not None and verdict is not Verdict.DROP:   # answered with the whole population's round
-            given = self._answered.get(trial_id)
-            if given is not None and given[0] == step:   # asked again by a restarted task: the same answer
-                self._channel().send(Answer(trial_id, self._answer(given, storage), step, attempt))
+            given = self._answered.again(trial_id, step)
+            if given is not None:   # asked again by a restarted task: the same answer
+                self._channel().send(Answer(trial_id, self._answer(*given, storage), step, attempt))
                 return
             held[trial_id] = (track, attempt, step, verdict)
             return
@@ -477,24 +478,23 @@ class RayExecutor(Executor):
             answer: dict[str, Any] = {"verdict": Verdict.CONTINUE.value, "source": fork.source, "sample": fork.sample}
             if source[0] is not rounds[tid][0]:   # another task: its state travels through storage
                 origin = source[0].members[fork.source]
-                path = storage.child(origin.job.trial.info["storage"], f"epoch-{source[2] + 1}.pt")
                 try:
-                    state = storage.load(path)["trainer"]
+                    state = storage.round_of(origin.job.trial.info["storage"], source[2])
                 except (OSError, KeyError) as err:
                     state = None
-                    log.info("trial %d not forked from trial %d: its checkpoint %s (%s)", tid, fork.source, path, err)
+                    log.info("trial %d not forked from trial %d: its checkpoint of step %d (%s)", tid, fork.source,
+                             source[2], err)
                 if state is None:
                     continue
                 handed[tid] = (origin.job.trial.seed, origin.job.trial.sample, origin.model, state)
             answers[tid] = answer
         for tid, (track, attempt, step, _) in rounds.items():
-            self._answered[tid] = (step, answers[tid], handed.get(tid))
-            self._channel().send(Answer(tid, self._answer(self._answered[tid], storage), step, attempt))
+            self._answered.keep(tid, step, answers[tid], handed.get(tid))
+            self._channel().send(Answer(tid, self._answer(answers[tid], handed.get(tid), storage), step, attempt))
 
-    def _answer(self, given: tuple[int, Any, tuple[Any, ...] | None], storage: CheckpointStorage) -> Any:
+    def _answer(self, answer: Any, handed: tuple[Any, ...] | None, storage: CheckpointStorage) -> Any:
         """A population member's answer; a source in another task handed over as a fresh file (the
         task takes it, and a restarted task takes its own)."""
-        _step, answer, handed = given
         if handed is None:
             return answer
         seed, sample, model, state = handed

@@ -18,7 +18,7 @@ import io
 import os
 import re
 import shutil
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -101,6 +101,22 @@ class CheckpointStorage:
     def latest_epoch(self, directory: str) -> int | None:
         epochs = [int(m.group(1)) for name in self.listdir(directory) if (m := re.fullmatch(r"epoch-(\d+)\.pt", name))]
         return max(epochs) if epochs else None
+
+    def save_round(self, directory: str, step: int, metrics: Mapping[str, float], state: Any) -> None:
+        """A member's trainer ``state`` after ``step`` (epoch ``step + 1``) with that step's
+        ``metrics``, in ``directory``; the member's previous round is removed."""
+        self.save(self.child(directory, f"epoch-{step + 1}.pt"), {"trainer": state, "step": step, "metrics": dict(metrics)})
+        if step > 0:
+            self.remove(self.child(directory, f"epoch-{step}.pt"))
+
+    def last_round(self, directory: str) -> dict[str, Any] | None:
+        """What :meth:`save_round` wrote last in ``directory`` (None: nothing yet)."""
+        epoch = self.latest_epoch(directory)
+        return None if epoch is None else self.load(self.child(directory, f"epoch-{epoch}.pt"))
+
+    def round_of(self, directory: str, step: int) -> Any:
+        """The trainer state :meth:`save_round` wrote for ``step`` (raises OSError when it is not there)."""
+        return self.load(self.child(directory, f"epoch-{step + 1}.pt"))["trainer"]
 
     def hand(self, experiment: str, state: Any) -> str:
         """Write ``state`` for another process to :meth:`take` (a stage checkpoint on its way

@@ -44,9 +44,9 @@ import ray
 import torch
 
 from ..evaluators import StepwiseEvaluator
-from ..units import ExecutionUnit, Job, PlanContext, SeparateUnit
+from ..units import ExecutionUnit, Job, PlanContext
 from ..trial import Fork
-from ._lockstep import LockstepJudge, UnitReport, fork_members, handed_source, plan_units, run_lockstep
+from ._lockstep import LockstepJudge, UnitReport, handed_source, plan_units, resume_units, run_lockstep
 from ._messages import Answer, ArchiveCall, Forked, Left, Outcome, Posted, Report, Started, State
 from ._protocol import Verdict, error_text
 from ._ray_storage import CheckpointStorage
@@ -92,13 +92,10 @@ class _Worker:
         # waited for: it is in the hub before the task returns
         ray.get(self.hub.post.remote(Posted(self.attempt, self.worker, message)))
 
-    def checkpoint(self, tid: int, epoch: int, step: int, metrics: Mapping[str, float], state: Any) -> None:
-        storage, directory = self.storage, self.directories[tid]
+    def checkpoint(self, tid: int, step: int, metrics: Mapping[str, float], state: Any) -> None:
         # Before reporting: a worker killed after this line resumes past the epoch and posts its
         # metrics again (the driver ignores a step it already has).
-        storage.save(storage.child(directory, f"epoch-{epoch}.pt"), {"trainer": state, "step": step, "metrics": metrics})
-        if epoch > 1:
-            storage.remove(storage.child(directory, f"epoch-{epoch - 1}.pt"))
+        self.storage.save_round(self.directories[tid], step, metrics, state)
 
     def ask(self, reports: Sequence[tuple[int, int, dict[str, float], bool, float]]) -> dict[int, Any]:
         """Post every member's report at once; the driver's answers (a verdict, or a fork: see _RayJudge), by trial id."""
@@ -128,14 +125,12 @@ class _RayJudge(LockstepJudge):
         self.worker, self.evaluator = worker, evaluator
         self.given: dict[int, dict[str, Any]] = {}
 
-    def judge(self, reports: Sequence[UnitReport], checkpoint: bool = True) -> list[Verdict]:
-        asks = []
+    def checkpoint(self, reports: Sequence[UnitReport]) -> None:
         for r in reports:
-            if r.metrics is None:  # its budget was spent before this round: done, nothing to ask
-                continue
-            if checkpoint:
-                self.worker.checkpoint(r.trial_id, r.step + 1, r.step, r.metrics, r.unit.state_dict(r.trial_id))
-            asks.append((r.trial_id, r.step, dict(r.metrics), r.last, r.seconds))
+            self.worker.checkpoint(r.trial_id, r.step, r.metrics or {}, r.unit.state_dict(r.trial_id))
+
+    def judge(self, reports: Sequence[UnitReport]) -> list[Verdict]:
+        asks = [(r.trial_id, r.step, dict(r.metrics), r.last, r.seconds) for r in reports if r.metrics is not None]
         answers = self.worker.ask(asks)
         self.given = {tid: answer for tid, answer in answers.items() if isinstance(answer, dict)}
         verdicts = {tid: answer["verdict"] if isinstance(answer, dict) else answer for tid, answer in answers.items()}
@@ -168,40 +163,6 @@ class _RayJudge(LockstepJudge):
             self.worker.leave(tid, "yielded", value)
         else:
             self.worker.leave(tid, "stopped" if verdict is Verdict.STOP else "done", value, unit.weights(tid))
-
-
-def _resume(worker: _Worker, jobs: Sequence[Job], evaluator: StepwiseEvaluator, judge: _RayJudge) -> list[ExecutionUnit]:
-    """A separate unit of ``jobs``, each from its last checkpoint, asked again for its last
-    checkpointed step: members answered STOP (or out of budget) leave at once, members answered
-    with a fork (PBT) move onto their source's state, as the lost task would have done."""
-    unit = SeparateUnit(jobs, evaluator, reason=f"restarted (attempt {worker.attempt}) from the members' checkpoints")
-    log.info("%s", unit.summary())
-    storage = worker.storage
-    reports = []
-    for job in jobs:
-        tid = job.trial.id
-        directory = worker.directories[tid]
-        epoch = storage.latest_epoch(directory)
-        if epoch is None or tid not in unit.trial_ids():
-            continue
-        saved = storage.load(storage.child(directory, f"epoch-{epoch}.pt"))
-        if saved["trainer"] is None:
-            continue  # no trainer state could be taken: from the first epoch
-        unit.load_state_dict(tid, saved["trainer"])
-        # the report may not have reached the driver before the old worker died
-        reports.append(UnitReport(unit, tid, saved["step"], saved["metrics"], unit.epoch(tid) >= unit.limit(tid), 0.0))
-    going = []
-    for report, verdict in zip(reports, judge.judge(reports, checkpoint=False)):
-        if verdict is not Verdict.CONTINUE:
-            judge.finished(report, verdict)
-            unit.drop(report.trial_id)
-        elif report.metrics is not None:
-            going.append(report)
-    units: list[ExecutionUnit] = [unit]
-    forks = judge.forks(going)
-    if forks:
-        fork_members(units, forks, judge)
-    return units
 
 
 def _plan(jobs: Sequence[Job], evaluator: StepwiseEvaluator, spec: Mapping[str, Any], archive: Any = None) -> list[Any]:
@@ -238,8 +199,10 @@ def run_unit(evaluator: StepwiseEvaluator, spec: dict[str, Any], hub: Any) -> di
         if spec.get("world", 1) > 1:
             _run_ddp(worker, jobs[0], evaluator, spec)
             return worker.outcomes
-        if spec["resume"]:
-            units = _resume(worker, jobs, evaluator, judge)
+        if spec["resume"]:   # from the members' last rounds, asked again (see resume_units)
+            units = resume_units(jobs, evaluator, judge,
+                                 lambda tid: worker.storage.last_round(worker.directories[tid]),
+                                 f"restarted (attempt {worker.attempt}) from the members' checkpoints")
         else:
             for job in jobs:  # a new run of these trials (after a driver crash too) starts afresh
                 worker.storage.clear(worker.directories[job.trial.id])
@@ -302,9 +265,9 @@ def _run_ddp(worker: _Worker, job: Job, evaluator: StepwiseEvaluator, spec: Mapp
     directory = worker.directories[tid]
     state = None
     if spec["resume"]:
-        epoch = worker.storage.latest_epoch(directory)
-        if epoch is not None:
-            state = worker.storage.load(worker.storage.child(directory, f"epoch-{epoch}.pt"))["trainer"]
+        saved = worker.storage.last_round(directory)
+        if saved is not None:
+            state = saved["trainer"]
     else:
         worker.storage.clear(directory)
     payload = ray.cloudpickle.dumps((evaluator, job.model, job.trial.sample, job.trial.seed, job.max_steps, state))
@@ -335,7 +298,7 @@ def _run_ddp(worker: _Worker, job: Job, evaluator: StepwiseEvaluator, spec: Mapp
             value = metrics[next(iter(metrics))]
             trainer_state = torch.load(io.BytesIO(message.payload), weights_only=True)
             epoch = int(trainer_state["epoch"])
-            worker.checkpoint(tid, epoch, step, metrics, trainer_state)
+            worker.checkpoint(tid, step, metrics, trainer_state)
             limit = spec["limit"]
             answer = worker.ask([(tid, step, metrics, epoch >= limit, seconds)])[tid]
             stopped = answer == Verdict.STOP.value
