@@ -259,19 +259,25 @@ def resume_units(jobs: Sequence[Job], evaluator: StepwiseEvaluator, judge: Locks
                  saved: Callable[[int], Mapping[str, Any] | None], reason: str) -> list[ExecutionUnit]:
     """The units that go on with ``jobs`` after the worker training them died: one separate unit
     (a fused unit cannot resume mid-way; fused equals separate), each member at its last round
-    (``saved(trial_id)``: ``{"trainer": state, "step": int, "metrics": {...}}`` as its judge's
-    :meth:`~LockstepJudge.checkpoint` kept it, or None: from its start, or from ``Job.start_from``).
+    (``saved(trial_id)``: ``{"trainer": state, "step": int, "metrics": {...}, "sample": {...}}`` as
+    its judge's :meth:`~LockstepJudge.checkpoint` kept it -- ``sample`` the hyperparameters it
+    trained with, a fork's (PBT) -- or None: from its start, or from ``Job.start_from``).
     That round is asked again -- the report may not have reached the driver, which otherwise
     answers it as it did (:class:`RoundAnswers`): members told to stop (or out of budget) leave at
     once, members forked (PBT) move onto their source's state, as the lost worker's would have.
     ``reason`` says in the log why the members train this way. Train the result with
     :func:`run_lockstep`."""
+    states = {job.trial.id: saved(job.trial.id) for job in jobs}
+    for job in jobs:
+        state = states[job.trial.id]
+        if state is not None and state.get("sample") is not None:
+            job.hparams = dict(state["sample"])
     unit = SeparateUnit(jobs, evaluator, reason=reason)
     log.info("%s", unit.summary())
     reports = []
     for job in jobs:
         tid = job.trial.id
-        state = saved(tid)
+        state = states[tid]
         if tid not in unit.trial_ids():
             continue
         if state is None or state["trainer"] is None:   # no state kept: from its start

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Outcome", "ShipEvaluator", "RunTrial", "Place", "RunUnit", "Answer", "Verdicts", "WantState",
+__all__ = ["Outcome", "ShipEvaluator", "RunTrial", "Place", "RunUnit", "Answer", "Verdicts",
            "ArchiveAnswer", "Quit", "Started", "Report", "Round", "Profile", "Left", "Yielded", "Closed", "Forked",
            "State", "ArchiveCall", "LogRecord", "Measured", "End", "Posted"]
 
@@ -83,13 +83,17 @@ class Place:
 class RunUnit:
     """Trials that train together in one pool worker, in lockstep: ``members`` (trial, model bytes,
     max_steps, state bytes), the run's xopt settings as plain data (None: separately), the
-    optimizations to plan with, and the experiment whose stage store the worker reaches through the driver."""
+    optimizations to plan with, the experiment whose stage store the worker reaches through the
+    driver, where a population's rounds are kept (``(storage root, experiment)``, None: not kept),
+    and whether the members go on from their last kept rounds (``resume``: a retry after a death)."""
 
     token: int
     members: list[tuple[Any, bytes, int | None, bytes | None]]
     settings: dict[str, Any] | None
     optimizations: tuple[str, ...]
     experiment: str | None
+    storage: tuple[str, str] | None = None
+    resume: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,13 +115,6 @@ class Verdicts:
 
     answers: dict[int, str]
     forks: list[tuple[Any, ...]] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class WantState:
-    """Hand back member ``trial_id``'s trainer state (the source of a fork in another worker)."""
-
-    trial_id: int
 
 
 @dataclass(frozen=True)
@@ -206,7 +203,7 @@ class Forked:
 
 @dataclass(frozen=True)
 class State:
-    """Member ``trial_id``'s trainer state (``torch.save`` bytes), answering :class:`WantState`."""
+    """Member ``trial_id``'s trainer state (``torch.save`` bytes): a data-parallel rank's, each epoch."""
 
     trial_id: int
     payload: bytes | None

@@ -10,10 +10,20 @@ units instead of one trial per worker:
   stay in-process and on Ray: the pool's parallelism is one trial per worker.
 * **A strategy that forks members** (PBT, ``RunContext.forks``): the population is spread over
   the workers, every member training at once, and the driver answers a round only when every
-  worker has reported it (the strategy ranks the whole population). An exploit whose source
-  trains in the same worker forks there through the source unit's ``fork``; a source in another
-  worker **hands its state back** to the driver, which passes it, with the source's model, to the
-  exploiting member's worker: a unit holding only that state forks it there the same way.
+  worker has reported it (the strategy ranks the whole population). Before it reports a round, a
+  worker writes each member's trainer state of that round under the run's ``storage``
+  (:meth:`~._ray_storage.CheckpointStorage.save_round`, the layout Ray's tasks use). An exploit
+  whose source trains in the same worker forks there through the source unit's ``fork``; for a
+  source in another worker the driver reads the source's state of that round from storage and
+  **hands it over**, with the source's model, to the exploiting member's worker: a unit holding
+  only that state forks it there the same way.
+
+**A dead worker** (killed, out of memory) costs only the work it held since its members' last
+round: its placement is retried once on a fresh worker. A stage tree resumes from the stages it
+stored; a population's members resume from their last rounds in storage
+(:func:`~._lockstep.resume_units`) and ask that round again, which the driver answers as it did
+(:class:`~._lockstep.RoundAnswers`: the same verdicts and forks, handed states included), while
+the other workers wait for them at the next round. A second death fails the placement's members.
 
 **Stage storage** (:mod:`._stage_relay`). The store is SQLite with one writer: the driver. A
 worker's stage tree reads and writes stages through an ``ArchiveRelay``, whose calls (find, load,
@@ -22,9 +32,8 @@ save, fail, link) travel through the worker's pipe to the driver's
 store's ``.stages/`` files, written by the driver. The driver plans which trials form a tree from
 the stored rows only (nothing loaded there).
 
-Messages (:mod:`._messages`), driver -> worker: ``RunUnit``, ``ArchiveAnswer``, ``Verdicts``,
-``WantState``. Worker -> driver: ``Started``, ``ArchiveCall``, ``Round``, ``State``, ``Forked``,
-``Left``, ``End``.
+Messages (:mod:`._messages`), driver -> worker: ``RunUnit``, ``ArchiveAnswer``, ``Verdicts``.
+Worker -> driver: ``Started``, ``ArchiveCall``, ``Round``, ``Forked``, ``Left``, ``End``.
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import pickle
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -42,13 +53,14 @@ import torch
 from ..evaluators import Evaluator, StepwiseEvaluator
 from ..trial import Fork, Trial
 from ..units import ExecutionUnit, Job, PlanContext
-from ._lockstep import (LockstepJudge, UnitReport, handed_source, load_bytes, model_bytes, plan_units, run_lockstep,
-                         state_bytes)
+from ._lockstep import (LockstepJudge, RoundAnswers, UnitReport, handed_source, load_bytes, model_bytes, plan_units,
+                        resume_units, run_lockstep, state_bytes)
 from ._channel import ChannelClosed, ready
-from ._messages import (ArchiveAnswer, ArchiveCall, End, Forked, Left, Outcome, Report, Round, RunUnit, Started, State,
-                        Verdicts, WantState)
+from ._messages import (ArchiveAnswer, ArchiveCall, End, Forked, Left, Outcome, Report, Round, RunUnit, Started,
+                        Verdicts)
 from ._driver import decide_round
 from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text
+from ._ray_storage import CheckpointStorage
 from ._stage_relay import ArchiveRelay, PlanningView, answer_archive_call
 from ._watchdog import check_silence, death_error, ended_error, for_trial, settle
 
@@ -84,6 +96,7 @@ class _Placement:
     round: list[Report] | None = None    # a reported round waiting for the others (forks)
     last_message: float = field(default_factory=time.monotonic)
     deaths: int = 0                      # workers that died under it (it is retried once)
+    resume: bool = False                 # its members go on from their last rounds in storage (forks)
 
 
 class UnitRun:
@@ -96,6 +109,14 @@ class UnitRun:
         self.executor, self.evaluator, self.hooks = executor, evaluator, hooks
         self.models, self.placements, self.forks, self.archive = models, placements, forks, archive
         self.retry: list[_Placement] = []   # placements whose worker died, to launch again first
+        self.answers = RoundAnswers()       # a population's answers, given again to a retried worker
+        # where a population's workers keep their members' rounds: the run's storage, else a
+        # folder of this group's own
+        context = getattr(executor, "context", None)
+        self.experiment = str(getattr(context, "experiment", None) or "experiment")
+        root = getattr(context, "storage", None)
+        self.scratch = tempfile.mkdtemp(prefix="tridens-rounds-") if forks and root is None else None
+        self.storage = CheckpointStorage(str(root or self.scratch)) if forks else None
 
     @classmethod
     def plan(cls, executor: ProcessExecutor, jobs: Sequence[Job], evaluator: StepwiseEvaluator, hooks: GroupHooks,
@@ -147,12 +168,25 @@ class UnitRun:
     def run(self) -> None:
         queue = list(self.placements)
         running: dict[int, _Placement] = {}
+        self._tidy()   # what an earlier (crashed) run of these trials left: they train from their start
         try:
             self._serve(queue, running)
         except BaseException:  # the run stops (Ctrl-C, SIGTERM, a store fault): the busy workers end now
             for slot in running:
                 self.executor.replace(slot)
             raise
+        finally:
+            self._tidy()
+            if self.scratch is not None:
+                shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def _tidy(self) -> None:
+        """The members' rounds under storage removed (before the group, and after it: the outcomes
+        are in the store, and an interrupted trial trains again from its start)."""
+        if self.storage is None:
+            return
+        for tid in self.models:
+            self.storage.discard(self.storage.trial_directory(self.experiment, tid))
 
     def _serve(self, queue: list[_Placement], running: dict[int, _Placement]) -> None:
         while queue or running or self.retry:
@@ -166,7 +200,7 @@ class UnitRun:
                 if slot in running and not self._receive(running[slot]):
                     del running[slot]
             if self.forks:
-                self._barrier(list(running.values()))
+                self._barrier()
             for slot, p in list(running.items()):
                 # silent for longer than the timeout while training (not while waiting for the others)
                 if p.round is None and check_silence(p.lives.values(), p.last_message, lambda error: self._lost(p, error)):
@@ -179,8 +213,9 @@ class UnitRun:
         members = [(life.trial, self.models[tid], life.job.max_steps, state_bytes(life.job.start_from))
                    for tid, life in p.lives.items()]
         experiment = None if self.archive is None or p.settings is None else self.archive.experiment
+        storage = None if self.storage is None else (self.storage.root, self.experiment)
         try:
-            p.worker.channel.send(RunUnit(token, members, p.settings, POOL_OPTIMIZATIONS, experiment))
+            p.worker.channel.send(RunUnit(token, members, p.settings, POOL_OPTIMIZATIONS, experiment, storage, p.resume))
         except ChannelClosed:  # died meanwhile: read as its death below
             pass
         return p
@@ -206,19 +241,19 @@ class UnitRun:
     def _died(self, p: _Placement, how: str) -> None:
         """What the death of ``p``'s worker means for each member: the members that had not left
         lost only their in-memory state, so the placement is retried once on a fresh worker (a
-        stage tree resumes from the stages it stored; steps recorded before are not recorded
-        again); a second death fails them. A population that forks (PBT) trains in lockstep with
-        the other workers' members, so its lost members fail."""
+        stage tree resumes from the stages it stored, a population's members from their last
+        rounds; steps recorded before are not recorded again); a second death fails them."""
         p.deaths += 1
         error = death_error("worker process", how, times=p.deaths)
-        if p.deaths > 1 or self.forks or not p.lives:
+        if p.deaths > 1 or not p.lives:
             self._lost(p, error)
             return
         assert p.slot is not None
         self.executor.replace(p.slot)
-        p.round, p.worker, p.slot = None, None, None
-        log.warning("%s; retried once on a fresh worker",
-                    for_trial(error, ", ".join(str(life.trial.label) for life in p.lives.values())))
+        p.round, p.worker, p.slot, p.resume = None, None, None, self.forks
+        log.warning("%s; retried once on a fresh worker%s",
+                    for_trial(error, ", ".join(str(life.trial.label) for life in p.lives.values())),
+                    " from the members' last rounds" if self.forks else "")
         self.retry.append(p)
 
     def _handle(self, p: _Placement, message: Any) -> bool:
@@ -230,9 +265,16 @@ class UnitRun:
         elif isinstance(message, ArchiveCall):
             p.worker.channel.send(ArchiveAnswer(self._archive_call(message.method, message.args, message.kwargs)))
         elif isinstance(message, Round):
-            p.round = message.reports
-            if not self.forks:   # a unit alone: its round is answered now
-                self._answer([p])
+            again = [self.answers.again(r.trial_id, r.step) for r in message.reports] if self.forks else []
+            if again and all(a is not None for a in again):   # a retried worker's last round: as answered
+                answers = {r.trial_id: a[0] for r, a in zip(message.reports, again) if a is not None}
+                forks = [a[1] for a in again if a is not None and a[1] is not None]
+                with contextlib.suppress(ChannelClosed):   # died again: read as its death in the loop
+                    p.worker.channel.send(Verdicts(answers, forks))
+            else:
+                p.round = message.reports
+                if not self.forks:   # a unit alone: its round is answered now
+                    self._answer([p])
         elif isinstance(message, Forked):
             member, origin = p.lives.get(message.trial_id), self._life(message.source)
             if member is not None and origin is not None:
@@ -257,10 +299,10 @@ class UnitRun:
         return answer_archive_call(self.archive, name, args, kwargs, state_bytes, load_bytes, "a pool worker")
 
     # -- forks: the population in lockstep ---------------------------------------------------------
-    def _barrier(self, running: Sequence[_Placement]) -> None:
-        """Once every placement with members has reported its round: the round decided as one
-        (:meth:`_answer`)."""
-        waiting = [p for p in running if p.lives]
+    def _barrier(self) -> None:
+        """Once every placement with members has reported its round (a retried one too): the
+        round decided as one (:meth:`_answer`)."""
+        waiting = [p for p in self.placements if p.lives]
         if waiting and all(p.round is not None for p in waiting):
             self._answer(waiting)
 
@@ -268,25 +310,25 @@ class UnitRun:
         """The round the ``waiting`` placements reported, decided as one (:func:`~._driver.decide_round`:
         every report recorded, then every verdict, then the strategy's forks), then each worker's
         answer: its members' verdicts and its forks, with the states of the sources that train in
-        another worker (handed back by that worker first)."""
+        another worker (read from storage), kept for a worker that dies before it trains the next round."""
         entries = [(p, report) for p in waiting for report in p.round or ()]
         decision = decide_round([(p.lives[report.trial_id], report) for p, report in entries])
         where = {report.trial_id: p for p, report in entries}
-        given: dict[int, list[tuple[Any, ...]]] = {id(p): [] for p in waiting}
+        steps = {report.trial_id: report.step for _, report in entries}
+        given: dict[int, tuple[Any, ...]] = {}
         states: dict[int, bytes | None] = {}
         for tid, fork in decision.forks.items():
             p, q = where[tid], where[fork.source]
             if q is p:
-                given[id(p)].append((tid, fork.source, fork.sample, None))
+                given[tid] = (tid, fork.source, fork.sample, None)
                 continue
             if fork.source not in states:
-                states[fork.source] = self._state_of(q, fork.source)
+                states[fork.source] = self._state_of(fork.source, steps[fork.source])
             if states[fork.source] is None:
-                log.info("trial %d not forked from trial %d: its worker gave no state", tid, fork.source)
                 continue
             origin = q.lives[fork.source]
             handed = (origin.trial.seed, origin.trial.sample, self.models[fork.source], states[fork.source])
-            given[id(p)].append((tid, fork.source, fork.sample, handed))
+            given[tid] = (tid, fork.source, fork.sample, handed)
         for p in waiting:
             answers = {}
             for report in p.round or ():
@@ -294,39 +336,50 @@ class UnitRun:
                 if verdict is Verdict.DROP:   # past its timeout: failed by the protocol; the worker drops it
                     p.lives.pop(report.trial_id, None)
                 answers[report.trial_id] = verdict.value
+                if self.forks:
+                    self.answers.keep(report.trial_id, report.step, verdict.value, given.get(report.trial_id))
             p.round = None
             p.last_message = time.monotonic()
             assert p.worker is not None
-            try:
-                p.worker.channel.send(Verdicts(answers, given[id(p)]))
-            except ChannelClosed:   # died meanwhile: read as its death next
-                pass
+            with contextlib.suppress(ChannelClosed):   # died meanwhile: read as its death in the loop
+                p.worker.channel.send(Verdicts(answers, [given[tid] for tid in answers if tid in given]))
 
-    def _state_of(self, p: _Placement, tid: int) -> bytes | None:
-        """Member ``tid``'s trainer state, handed back by its worker (which waits for its verdicts)."""
-        assert p.worker is not None
-        p.worker.channel.send(WantState(tid))
-        while True:
-            try:
-                message = p.worker.channel.receive()
-            except ChannelClosed:
-                return None   # its death is read in the loop
-            if isinstance(message, State) and message.trial_id == tid:
-                return message.payload
-            self._handle(p, message)
+    def _state_of(self, tid: int, step: int) -> bytes | None:
+        """Member ``tid``'s trainer state of ``step``, as its worker wrote it before reporting the round."""
+        assert self.storage is not None
+        try:
+            return state_bytes(self.storage.round_of(self.storage.trial_directory(self.experiment, tid), step))
+        except (OSError, KeyError) as err:
+            log.info("the state of trial %d after step %d is not in storage (%s): it is the source of no fork", tid,
+                     step, err)
+            return None
 
 
 # -- the worker ---------------------------------------------------------------------------------------
 class PipeJudge(LockstepJudge):
     """A pool worker's (or a forked process's, :mod:`._forked`) side of the lockstep loop: each
     round's reports go to the driver, whose answer holds the verdicts and the forks; a member's
-    outcome goes back with its weights."""
+    outcome goes back with its weights. With ``storage`` (a population's worker: ``(storage,
+    experiment)``) each member's state of a round is written there before the round is reported."""
 
-    def __init__(self, conn: Connection, evaluator: StepwiseEvaluator, trials: Mapping[int, Trial]):
-        self.conn, self.evaluator, self.trials = conn, evaluator, trials
+    def __init__(self, conn: Connection, evaluator: StepwiseEvaluator, trials: Mapping[int, Trial],
+                 storage: tuple[CheckpointStorage, str] | None = None):
+        self.conn, self.evaluator, self.trials, self.storage = conn, evaluator, trials, storage
         self.given: list[tuple[Any, ...]] = []
         self.handed_states: dict[int, tuple[Any, ...]] = {}
         self.left: set[int] = set()
+
+    def directory(self, tid: int) -> str:
+        """Where member ``tid``'s rounds are kept."""
+        assert self.storage is not None
+        storage, experiment = self.storage
+        return storage.trial_directory(experiment, tid)
+
+    def checkpoint(self, reports: Sequence[UnitReport]) -> None:
+        if self.storage is not None:
+            for r in reports:
+                self.storage[0].save_round(self.directory(r.trial_id), r.step, r.metrics or {},
+                                           r.unit.state_dict(r.trial_id), r.unit.jobs[r.trial_id].sample)
 
     def judge(self, reports: Sequence[UnitReport]) -> list[Verdict]:
         asks = [Report(r.trial_id, r.step, dict(r.metrics), r.seconds, r.last) for r in reports if r.metrics is not None]
@@ -334,16 +387,10 @@ class PipeJudge(LockstepJudge):
         self.given = []
         if asks:
             self.conn.send(Round(asks))
-            units = {r.trial_id: r.unit for r in reports}
-            while True:
-                message = self.conn.recv()
-                if isinstance(message, WantState):   # a member of this worker is the source of another's fork
-                    unit = units.get(message.trial_id)
-                    state = None if unit is None else unit.state_dict(message.trial_id)
-                    self.conn.send(State(message.trial_id, state_bytes(state)))
-                elif isinstance(message, Verdicts):
-                    answers, self.given = message.answers, message.forks
-                    break
+            message = self.conn.recv()
+            if not isinstance(message, Verdicts):
+                raise RuntimeError(f"the driver answered a round with {type(message).__name__}")
+            answers, self.given = message.answers, message.forks
         return [Verdict.DONE if r.metrics is None else Verdict(answers[r.trial_id]) for r in reports]
 
     def forks(self, reports: Sequence[UnitReport]) -> list[tuple[UnitReport, Fork]]:
@@ -406,10 +453,17 @@ def serve_unit(conn: Connection, message: RunUnit, evaluators: Mapping[int, Eval
     conn.send(Started())
     jobs = [Job(trial, pickle.loads(model), max_steps, start_from=load_bytes(state))
             for trial, model, max_steps, state in members]
-    judge = PipeJudge(conn, evaluator, {job.trial.id: job.trial for job in jobs})  # type: ignore[arg-type]
+    storage = None if message.storage is None else (CheckpointStorage(message.storage[0]), message.storage[1])
+    judge = PipeJudge(conn, evaluator, {job.trial.id: job.trial for job in jobs}, storage)  # type: ignore[arg-type]
     try:
         if not isinstance(evaluator, StepwiseEvaluator):
             raise TypeError(f"units train step-wise evaluators, not {type(evaluator).__name__}")
+        if message.resume and storage is not None:
+            units = resume_units(jobs, evaluator, judge, lambda tid: storage[0].last_round(judge.directory(tid)),
+                                 "restarted on a fresh worker from the members' last rounds")
+            run_lockstep(units, judge)
+            conn.send(End())
+            return
         from .. import xopt
 
         optimize: Any = False if settings is None else xopt.Settings.from_dict(settings)

@@ -102,10 +102,13 @@ class CheckpointStorage:
         epochs = [int(m.group(1)) for name in self.listdir(directory) if (m := re.fullmatch(r"epoch-(\d+)\.pt", name))]
         return max(epochs) if epochs else None
 
-    def save_round(self, directory: str, step: int, metrics: Mapping[str, float], state: Any) -> None:
+    def save_round(self, directory: str, step: int, metrics: Mapping[str, float], state: Any,
+                   sample: Mapping[str, Any] | None = None) -> None:
         """A member's trainer ``state`` after ``step`` (epoch ``step + 1``) with that step's
-        ``metrics``, in ``directory``; the member's previous round is removed."""
-        self.save(self.child(directory, f"epoch-{step + 1}.pt"), {"trainer": state, "step": step, "metrics": dict(metrics)})
+        ``metrics`` and the ``sample`` it trains with (a fork's, PBT), in ``directory``; the
+        member's previous round is removed."""
+        self.save(self.child(directory, f"epoch-{step + 1}.pt"),
+                  {"trainer": state, "step": step, "metrics": dict(metrics), "sample": None if sample is None else dict(sample)})
         if step > 0:
             self.remove(self.child(directory, f"epoch-{step}.pt"))
 

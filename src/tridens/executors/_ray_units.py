@@ -92,10 +92,11 @@ class _Worker:
         # waited for: it is in the hub before the task returns
         ray.get(self.hub.post.remote(Posted(self.attempt, self.worker, message)))
 
-    def checkpoint(self, tid: int, step: int, metrics: Mapping[str, float], state: Any) -> None:
+    def checkpoint(self, tid: int, step: int, metrics: Mapping[str, float], state: Any,
+                   sample: Mapping[str, Any] | None = None) -> None:
         # Before reporting: a worker killed after this line resumes past the epoch and posts its
         # metrics again (the driver ignores a step it already has).
-        self.storage.save_round(self.directories[tid], step, metrics, state)
+        self.storage.save_round(self.directories[tid], step, metrics, state, sample)
 
     def ask(self, reports: Sequence[tuple[int, int, dict[str, float], bool, float]]) -> dict[int, Any]:
         """Post every member's report at once; the driver's answers (a verdict, or a fork: see _RayJudge), by trial id."""
@@ -127,7 +128,8 @@ class _RayJudge(LockstepJudge):
 
     def checkpoint(self, reports: Sequence[UnitReport]) -> None:
         for r in reports:
-            self.worker.checkpoint(r.trial_id, r.step, r.metrics or {}, r.unit.state_dict(r.trial_id))
+            self.worker.checkpoint(r.trial_id, r.step, r.metrics or {}, r.unit.state_dict(r.trial_id),
+                                   r.unit.jobs[r.trial_id].sample)
 
     def judge(self, reports: Sequence[UnitReport]) -> list[Verdict]:
         asks = [(r.trial_id, r.step, dict(r.metrics), r.last, r.seconds) for r in reports if r.metrics is not None]
