@@ -71,3 +71,32 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_trial_runs_again_once_t
         trials = db.trials("fill")
     assert len(trials) == 4 and all(t.status is td.TrialStatus.COMPLETED for t in trials), [t.error for t in trials]
     assert sorted(t.metric for t in trials) == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _mountable(),
+                    reason="needs a private small tmpfs (unshare -rm and mount)")
+def test_a_run_stopped_by_a_full_disk_again_and_again_charges_no_death(tmp_path):
+    """The disk fills under trial 1 in two runs in a row, each time before the run can mark its
+    trials interrupted: a stop on a storage fault is no crash of the trial's process, so the third
+    run (space freed) still trains trial 1 and completes every trial."""
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir()
+    out.mkdir()
+    run = f"{sys.executable} -m tests.faults.fault_script fill-0 inline {disk}/t.db"
+    script = (f"mount -t tmpfs -o size=6m tmpfs {disk} || exit 99\n"
+              f"{run} > {out}/1.txt 2>&1; echo $? > {out}/1.rc\n"
+              f"rm -f {disk}/filler {disk}/filled\n"          # the disk fills again in the next run
+              f"{run} > {out}/2.txt 2>&1; echo $? > {out}/2.rc\n"
+              f"rm -f {disk}/filler\n"
+              f"{run} > {out}/3.txt 2>&1; echo $? > {out}/3.rc\n"
+              f"cp {disk}/t.db {out}/t.db\n")
+    subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=ROOT, check=True, timeout=600,
+                   env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "FILL": str(disk)})
+    for stopped in ("1", "2"):
+        text = (out / f"{stopped}.txt").read_text()
+        assert (out / f"{stopped}.rc").read_text().strip() != "0" and "disk full" in text, text
+    assert (out / "3.rc").read_text().strip() == "0", (out / "3.txt").read_text()
+    with td.store.Store(out / "t.db", readonly=True) as db:
+        trials = db.trials("fill")
+    assert len(trials) == 4 and all(t.status is td.TrialStatus.COMPLETED for t in trials), [t.error for t in trials]
+    assert all(not t.info.get("deaths") for t in trials), [t.info.get("deaths") for t in trials]

@@ -27,7 +27,7 @@ from ..strategy import Strategy
 from ..trial import Objective, Trial, TrialStatus
 from ..units import PlanContext, parse_memory
 from ..executors import Executor, InlineExecutor, RunContext, check_forks, make_executor
-from ._leftovers import claim, interrupted_text, mark_interrupted
+from ._leftovers import claim, interrupted_text, mark_interrupted, release
 from ._loop import _Run, _parse_duration
 from ..executors import RunHalted
 from ._progress import print_stopped
@@ -705,7 +705,7 @@ class Experiment:
         described = describe_space(check_before_run(space, self.evaluator, strategy, objective, self.seed,  # type: ignore[arg-type]
                                                     constraints=self.constraints, second_objective=self.second_objective,
                                                     measured=measured))
-        with Store(path) as db:
+        with Store(path) as db, contextlib.ExitStack() as leaving:
             db.lock_run(name)  # a second process running this experiment is refused, naming this one
             try:
                 record = db.get_experiment(name)
@@ -728,7 +728,8 @@ class Experiment:
                 if record.config.get("evaluator_fingerprint") != computes:  # (recorded by an older tridens, or forced)
                     config = db.get_experiment(name).config
                     db.update_experiment(name, config={**config, "evaluator_fingerprint": computes})
-            claim(db, name)  # settles what a killed earlier driver left running
+            lease = claim(db, name)  # settles what a killed earlier driver left running
+            leaving.callback(release, db, name, lease)   # however the run ends, short of being killed
             plan = self._plan_context()   # this run's planning state, nothing shared with another run
             run = _Run(self, db, name, strategy, objective, space, plan)
             self.stop_reason = None

@@ -1,12 +1,15 @@
 """What a run leaves behind when its driver stops abnormally, settled on the next open.
 
-A run records its driver (:func:`claim`: process id, host, process start time) in the
-experiment's config. A driver that stops cleanly -- done, or Ctrl-C -- marks its trials still
-running ``interrupted`` (:func:`mark_interrupted`). One that was killed, or could not write (a full
-disk), leaves the experiment and its trials ``running``: :func:`mark_abandoned` finds such an
-experiment whose driver is gone and marks it ``interrupted``, charging each trial that was running
-one death. A trial that was running when its process died :data:`MAX_DEATHS` times (it kills its
-process: ``os._exit``, a crash in native code, memory) is failed on the next resume
+A run records its driver (:func:`claim`: process id, host, process start time, and a lease: an
+empty file beside the store that the driver removes when it stops, :func:`release`) in the
+experiment's config. A driver that stops cleanly -- done, Ctrl-C, SIGTERM -- marks its trials
+still running ``interrupted`` (:func:`mark_interrupted`). One that was killed, or could not write
+(a full disk), leaves the experiment and its trials ``running``: :func:`mark_abandoned` finds such
+an experiment whose driver is gone and marks it ``interrupted``, charging each trial that was
+running one death -- unless the driver's lease is gone: it stopped through its own clean-up and
+only the writing failed (removing a file needs no space), a storage fault and no crash. A trial
+that was running when its process died :data:`MAX_DEATHS` times (it kills its process:
+``os._exit``, a crash in native code, memory) is failed on the next resume
 (:func:`fail_repeated_deaths`) instead of being run again, so a resume always makes progress.
 
 >>> MAX_DEATHS
@@ -17,15 +20,17 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..store import Store, StoreError
 from ..trial import Trial, TrialStatus
 
-__all__ = ["MAX_DEATHS", "FINISHED_COUNTED", "claim", "mark_interrupted", "interrupted_text", "find_abandoned", "mark_abandoned",
+__all__ = ["MAX_DEATHS", "FINISHED_COUNTED", "claim", "release", "mark_interrupted", "interrupted_text", "find_abandoned", "mark_abandoned",
            "fail_repeated_deaths", "failure_settled", "driver_alive"]
 
 log = logging.getLogger("tridens")
@@ -73,12 +78,45 @@ def driver_alive(driver: Any) -> bool | None:
     return not os.path.exists("/proc/self/stat")  # /proc exists but not this pid: gone
 
 
-def claim(db: Store, name: str) -> None:
+def _lease_path(db: Store, name: str, lease: Any) -> Path | None:
+    """Where the driver lease ``lease`` (a token) of experiment ``name`` lives; None for a damaged token."""
+    if not isinstance(lease, str) or not re.fullmatch(r"[0-9a-f]{32}", lease):
+        return None
+    return db.files_dir / name / f".driver-{lease}"
+
+
+def claim(db: Store, name: str) -> str | None:
     """This process runs experiment ``name`` from now on: leftovers of an earlier driver are
-    settled (:func:`mark_abandoned`), then the experiment is ``running`` with this driver recorded."""
+    settled (:func:`mark_abandoned`), then the experiment is ``running`` with this driver and its
+    lease recorded. Returns the lease for :func:`release` (None: no lease file could be made; a
+    stop that cannot write then counts as a crash)."""
     mark_abandoned(db, name, unknown_is_gone=True)
+    driver: dict[str, Any] = _driver()
+    lease: str | None = uuid.uuid4().hex
+    path = _lease_path(db, name, lease)
+    try:
+        assert path is not None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+        driver["lease"] = lease
+    except OSError as err:
+        log.info("%s: no driver lease (%s); a stop that cannot write its trials counts as a crash", name, err)
+        lease = None
     record = db.get_experiment(name)
-    db.update_experiment(name, status="running", config={**record.config, "driver": _driver()})
+    db.update_experiment(name, status="running", config={**record.config, "driver": driver})
+    return lease
+
+
+def release(db: Store, name: str, lease: str | None) -> None:
+    """The driver of ``name`` stops through its clean-up (done, an error, Ctrl-C, SIGTERM, a
+    storage fault): its lease is removed, which needs no disk space, so trials it could not mark
+    ``interrupted`` are not charged a death on the next open (see :func:`mark_abandoned`)."""
+    path = _lease_path(db, name, lease)
+    if path is not None:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as err:
+            log.warning("%s: its driver lease %s could not be removed (%s)", name, path, err)
 
 
 def mark_interrupted(db: Store, name: str, *, quiet: bool = False) -> None:
@@ -144,8 +182,17 @@ def mark_abandoned(db: Store, name: str | None = None, *, unknown_is_gone: bool 
             known = False  # an earlier run of this very process that ended without settling
         if known is True or (known is None and not unknown_is_gone):
             continue
-        _settle(db, record.name, running, death=True, experiment=True)
-        log.info("%s: its driver is gone; marked interrupted (%d trial(s) were running)", record.name, len(running))
+        lease = _lease_path(db, record.name, driver.get("lease")) if isinstance(driver, dict) else None
+        # killed: its lease is still there; stopped through its clean-up but unable to write: removed
+        crashed = lease is None or lease.exists()
+        _settle(db, record.name, running, death=crashed, experiment=True)
+        if lease is not None and crashed:
+            try:
+                lease.unlink(missing_ok=True)
+            except OSError:   # a folder this process cannot write: the stale lease names no driver
+                pass
+        log.info("%s: its driver is gone%s; marked interrupted (%d trial(s) were running)", record.name,
+                 "" if crashed else " (it stopped on a storage fault)", len(running))
         marked.append(record.name)
     return marked
 
