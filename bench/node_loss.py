@@ -7,7 +7,11 @@ hub live there) and a worker node with two CPUs. The search: a grid of 12 small 
 max_retries=2)``. In ``lost``, when the first trial reports its third epoch the worker node is
 removed (its raylet and workers killed) and a fresh two-CPU node is started beside it (the
 driver waits for it to join), as an autoscaler would replace it; the lost node's trials restart there from their last epoch
-checkpoints. Each run in a fresh process, interleaved (A B, B A, ...); wall time and CPU-seconds
+checkpoints. The node is added from the main thread: ``Cluster.add_node`` starts a
+``ray._private.node.Node``, which installs a SIGTERM handler, and Python allows that only in the
+main thread -- from another thread ``add_node`` raises ``ValueError: signal only works in main
+thread`` before any raylet starts, so no node joins and the retried tasks wait for CPUs that never
+come (the head has none): the run looks hung. Each run in a fresh process, interleaved (A B, B A, ...); wall time and CPU-seconds
 of the whole process tree (the driver, the raylets, the workers) from the search's start to its
 end (the cluster's start is not counted); the extra of ``lost`` over ``undisturbed`` beside the
 time the replacement node took to join (part of the restart cost). The restarted trials record
@@ -64,7 +68,7 @@ class LoseANode(td.strategy.GridSearch):
             STATE["lost_at"] = time.perf_counter()
             cluster.remove_node(cluster.first_worker)
             t0 = time.perf_counter()
-            cluster.add_node(num_cpus=2)   # the driver waits for it (a node joining in the background hung the run)
+            cluster.add_node(num_cpus=2)   # in the main thread: from another one Ray cannot start a node (see above)
             STATE["join_s"] = time.perf_counter() - t0
         return super().decide(trial, step)
 
