@@ -15,6 +15,13 @@ in three passes over the members' :class:`~._protocol.TrialProtocol`:
 The backends carry a round to the driver and its :class:`RoundDecision` back; how a fork's
 source state reaches the forking member (the same unit, a pipe, Ray's storage) is theirs.
 
+:class:`LockstepDriver` is the driver of members that train in other processes reached through a
+pipe (forked children, pool workers): it owns their protocols while they train there, the
+barrier across those processes (or each process's round alone), the forks between them (a source
+in another process hands its state back first), the hang check and the one death message. A
+backend is a :class:`Placement`: where a :class:`Site` (one process's share of the members) runs,
+how it is started and killed, and the channel to it.
+
 >>> from tridens.trial import Decision, Trial
 >>> from tridens.units import Job
 >>> from tridens.executors._messages import Report
@@ -32,15 +39,23 @@ source state reaches the forking member (the same unit, a pipe, Ray's storage) i
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Protocol, Sequence
 
 from ..trial import Fork
-from ._messages import Report
+from ._channel import ChannelClosed, PipeChannel, ready
+from ._lockstep import RoundAnswers, load_bytes, state_bytes
+from ._messages import (ArchiveAnswer, ArchiveCall, End, Forked, Left, LogRecord, Measured, Report, Round, Started,
+                        Verdicts)
 from ._protocol import TrialProtocol, Verdict
+from ._stage_relay import answer_archive_call
+from ._watchdog import check_silence, death_error, ended_error, for_trial, settle
 
-__all__ = ["RoundDecision", "decide_round"]
+__all__ = ["RoundDecision", "decide_round", "Site", "Placement", "LockstepDriver"]
 
 log = logging.getLogger("tridens")
 
@@ -78,3 +93,233 @@ def decide_round(round: Sequence[tuple[TrialProtocol, Report]]) -> RoundDecision
             continue
         decision.forks[tid] = fork
     return decision
+
+
+@dataclass
+class Site:
+    """One process's share of the members, as the driver sees it: their protocols while they train
+    there (``lives``), the channel to it while it runs, the round it reported and waits on, when
+    it last said something, and how often a process died under it. ``data``: the placement's own
+    (what to start the process with)."""
+
+    lives: dict[int, TrialProtocol]
+    data: Any = None
+    channel: PipeChannel | None = None
+    round: list[Report] | None = None
+    last_message: float = field(default_factory=time.monotonic)
+    deaths: int = 0
+    resume: bool = False   # its members go on from their last kept rounds (a population, retried)
+
+    def labels(self) -> str:
+        return ", ".join(str(life.trial.label) for life in self.lives.values())
+
+
+class Placement(Protocol):
+    """Where a backend's :class:`Site` runs: at most ``slots`` at once; ``name`` says what runs
+    it in the log (``"a pool worker"``), ``process`` in the death message (``"worker process"``),
+    ``where`` in the message of a member its unit ended without (``"in its worker"``); a site whose
+    process died is started again up to ``retries`` times (its members lost only their in-memory state)."""
+
+    slots: int
+    name: str
+    process: str
+    where: str
+    retries: int
+
+    def launch(self, site: Site) -> PipeChannel:
+        """Start ``site``'s members in a process; the channel to it."""
+
+    def kill(self, site: Site) -> None:
+        """End ``site``'s process now (it hangs, died, or the run stops)."""
+
+    def release(self, site: Site) -> None:
+        """``site`` is over (its process said so): its process is free, or ends."""
+
+    def model(self, trial_id: int) -> bytes:
+        """Member ``trial_id``'s initial model as its process received it (for a fork's handed source)."""
+
+    def state_of(self, site: Site, trial_id: int, step: int) -> bytes | None:
+        """Member ``trial_id``'s trainer state of ``step`` (``torch.save`` bytes; None: not to be had),
+        for a fork whose source trains in ``site``, another process."""
+
+
+class LockstepDriver:
+    """Drive ``sites`` through ``placement`` (see the module docstring). With ``lockstep``, a round
+    is decided once every site with members has reported it (a population that forks: PBT), in
+    the trials' ``order``; otherwise each site's round as it comes. ``archive``: the run's stage
+    store that sites' stage trees call (None: none); ``decisions``: the run's, given what the
+    sites measured. A population's site retried after its process died resumes from its members'
+    last rounds and asks the last one again: it gets the answers it had (:class:`~._lockstep.RoundAnswers`).
+
+    >>> LockstepDriver(placement, lockstep=True).run(sites)     # doctest: +SKIP
+    """
+
+    def __init__(self, placement: Placement, *, lockstep: bool, order: Sequence[int] = (), archive: Any = None,
+                 decisions: Any = None):
+        self.placement, self.lockstep, self.archive, self.decisions = placement, lockstep, archive, decisions
+        self.rank = {tid: i for i, tid in enumerate(order)}
+        self.retry: list[Site] = []       # sites whose process died, to start again first
+        self.sites: list[Site] = []
+        self.answers = RoundAnswers()     # a population's last answers, given again to a retried site
+
+    def run(self, sites: Sequence[Site]) -> None:
+        """Train every site's members until each has its outcome."""
+        self.sites = list(sites)
+        queue, running = list(sites), []  # type: list[Site], list[Site]
+        try:
+            while queue or running or self.retry:
+                queue[:0], self.retry = self.retry, []
+                while queue and len(running) < self.placement.slots:
+                    site = queue.pop(0)
+                    self._launch(site)
+                    running.append(site)
+                readable = ready([site.channel for site in running if site.channel is not None], timeout=0.2)
+                for site in list(running):
+                    if site.channel in readable and not self._receive(site):
+                        running.remove(site)
+                if self.lockstep:
+                    self._barrier()
+                for site in list(running):
+                    # silent for longer than the timeout while training (not while waiting for the others)
+                    if site.round is None and check_silence(site.lives.values(), site.last_message,
+                                                            functools.partial(self._lost, site)):
+                        running.remove(site)
+        except BaseException:  # the run stops (Ctrl-C, SIGTERM, a store fault): the busy processes end now
+            for site in running:
+                self.placement.kill(site)
+            raise
+
+    def _launch(self, site: Site) -> None:
+        site.round, site.last_message = None, time.monotonic()
+        site.channel = self.placement.launch(site)
+
+    def _receive(self, site: Site) -> bool:
+        """Every message ``site``'s process has sent so far; False when the site is over."""
+        assert site.channel is not None
+        while site.channel.poll():
+            try:
+                message = site.channel.receive()
+            except ChannelClosed:
+                self._died(site, site.channel.exit_description())
+                return False
+            if not self._handle(site, message):
+                self.placement.release(site)
+                return False
+        return True
+
+    def _handle(self, site: Site, message: Any) -> bool:
+        """One message of ``site``'s process; False when the site is over."""
+        assert site.channel is not None
+        site.last_message = time.monotonic()
+        if isinstance(message, Started):
+            for life in site.lives.values():
+                life.start()
+        elif isinstance(message, Round):
+            again = [self.answers.again(r.trial_id, r.step) for r in message.reports] if self.lockstep else []
+            if again and all(a is not None for a in again):   # a retried site's last round: as answered
+                answers = {r.trial_id: a[0] for r, a in zip(message.reports, again) if a is not None}
+                forks = [a[1] for a in again if a is not None and a[1] is not None]
+                with contextlib.suppress(ChannelClosed):   # died again: read as its death in the loop
+                    site.channel.send(Verdicts(answers, forks))
+            else:
+                site.round = message.reports
+                if not self.lockstep:   # a site alone: its round is answered now
+                    self._answer([site])
+        elif isinstance(message, Left):
+            settle(site.lives.pop(message.trial_id, None), message.outcome, load_bytes)
+        elif isinstance(message, Forked):
+            member, origin = site.lives.get(message.trial_id), self._life(message.source)
+            if member is not None and origin is not None:
+                member.forked(origin.trial, message.step, Fork(message.source, message.sample))
+        elif isinstance(message, ArchiveCall):
+            site.channel.send(ArchiveAnswer(answer_archive_call(self.archive, message.method, message.args,
+                                                                message.kwargs, state_bytes, load_bytes,
+                                                                self.placement.name)))
+        elif isinstance(message, LogRecord):
+            logging.getLogger(message.record.name).handle(message.record)
+        elif isinstance(message, Measured):
+            if self.decisions is not None:
+                self.decisions.add(message.measurements)
+        elif isinstance(message, End):
+            for life in site.lives.values():
+                life.fail(for_trial(ended_error(self.placement.where), life.trial))
+            site.lives.clear()
+            return False
+        return True
+
+    def _life(self, trial_id: int) -> TrialProtocol | None:
+        for site in self.sites:
+            if trial_id in site.lives:
+                return site.lives[trial_id]
+        return None
+
+    # -- death and hangs ---------------------------------------------------------------------------
+    def _lost(self, site: Site, error: str) -> None:
+        """``site``'s process died or hangs: killed; every member still there fails with ``error``."""
+        self.placement.kill(site)
+        for life in site.lives.values():
+            life.fail(for_trial(error, life.trial))
+        site.lives.clear()
+        site.round = None
+
+    def _died(self, site: Site, how: str) -> None:
+        """The death of ``site``'s process: its members that had not left lost only their in-memory
+        state, so the site starts again on a fresh process up to ``retries`` times (a stage tree
+        resumes from the stages it stored, a population's members from their last rounds; steps
+        recorded before are not recorded again); then they fail."""
+        site.deaths += 1
+        error = death_error(self.placement.process, how, times=site.deaths)
+        if site.deaths > self.placement.retries or not site.lives:
+            self._lost(site, error)
+            return
+        self.placement.kill(site)
+        site.round, site.channel, site.resume = None, None, self.lockstep
+        log.warning("%s; retried once on a fresh worker%s", for_trial(error, site.labels()),
+                    " from the members' last rounds" if self.lockstep else "")
+        self.retry.append(site)
+
+    # -- rounds ------------------------------------------------------------------------------------
+    def _barrier(self) -> None:
+        """Once every site with members has reported its round (a retried one too): the round decided as one."""
+        waiting = [site for site in self.sites if site.lives]
+        if waiting and all(site.round is not None for site in waiting):
+            self._answer(waiting)
+
+    def _answer(self, waiting: Sequence[Site]) -> None:
+        """The round the ``waiting`` sites reported, decided as one (:func:`decide_round`, in the
+        trials' order), then each site's answer: its members' verdicts and its forks, with the
+        states of the sources that train in another process (:meth:`Placement.state_of`), kept
+        for a site whose process dies before it trains the next round."""
+        entries = sorted(((site, report) for site in waiting for report in site.round or ()),
+                         key=lambda entry: (self.rank.get(entry[1].trial_id, len(self.rank)), entry[1].trial_id))
+        decision = decide_round([(site.lives[report.trial_id], report) for site, report in entries])
+        where = {report.trial_id: site for site, report in entries}
+        steps = {report.trial_id: report.step for _, report in entries}
+        given: dict[int, tuple[Any, ...]] = {}
+        states: dict[int, bytes | None] = {}
+        for tid, fork in decision.forks.items():
+            site, source = where[tid], where[fork.source]
+            if source is site:
+                given[tid] = (tid, fork.source, fork.sample, None)
+                continue
+            if fork.source not in states:
+                states[fork.source] = self.placement.state_of(source, fork.source, steps[fork.source])
+            if states[fork.source] is None:
+                continue
+            origin = source.lives[fork.source].trial
+            handed = (origin.seed, origin.sample, self.placement.model(fork.source), states[fork.source])
+            given[tid] = (tid, fork.source, fork.sample, handed)
+        for site in waiting:
+            answers = {}
+            for report in site.round or ():
+                verdict = decision.verdicts[report.trial_id]
+                if verdict is Verdict.DROP:   # past its timeout: failed by the protocol; the process drops it
+                    site.lives.pop(report.trial_id, None)
+                answers[report.trial_id] = verdict.value
+                if self.lockstep:
+                    self.answers.keep(report.trial_id, report.step, verdict.value, given.get(report.trial_id))
+            site.round = None
+            site.last_message = time.monotonic()
+            assert site.channel is not None
+            with contextlib.suppress(ChannelClosed):   # died meanwhile: read as its death in the loop
+                site.channel.send(Verdicts(answers, [given[tid] for tid in answers if tid in given]))

@@ -35,21 +35,18 @@ import logging
 import logging.handlers
 import multiprocessing as mp
 import sys
-import time
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Mapping, Sequence
 
 import torch
 
 from ..units import Decisions, ExecutionUnit
-from ._lockstep import load_bytes, run_lockstep
+from ._lockstep import run_lockstep
 from ._pool_units import PipeJudge
-from ._channel import ChannelClosed, PipeChannel, ready
-from ._messages import End, Left, LogRecord, Measured, Report, Round, Verdicts
-from ._driver import decide_round
-from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text
-from ._watchdog import check_silence, death_error, ended_error, for_trial, settle
+from ._channel import PipeChannel
+from ._messages import End, LogRecord, Measured
+from ._driver import LockstepDriver, Site
+from ._protocol import GroupHooks, TrialProtocol, error_text
 
 __all__ = ["forkable", "run_forked"]
 
@@ -71,17 +68,6 @@ def forkable(units: Sequence[ExecutionUnit]) -> str:
     if kinds:
         return f"{kinds[0]} units read and write the store"
     return ""
-
-
-@dataclass
-class _Share:
-    """One child process, the members it trains and the round it has reported."""
-
-    channel: PipeChannel
-    lives: dict[int, TrialProtocol]
-    round: list[Report] | None = None
-    open: bool = True
-    last_message: float = field(default_factory=time.monotonic)
 
 
 class _PipeQueue:
@@ -119,6 +105,48 @@ def _child(conn: Connection, units: Sequence[ExecutionUnit], threads: int) -> No
         pass
 
 
+class _Children:
+    """The :class:`~._driver.Placement` of a group's shares: each site a forked child training its
+    share (``site.data``: its units) with ``threads`` torch threads, all at once."""
+
+    name, process, where = "a forked process", "forked process", "in its forked process"
+    retries = 0
+
+    def __init__(self, count: int, units: int, threads: int):
+        self.slots, self.units, self.threads = count, units, threads
+        self.ctx = mp.get_context("fork")
+        self.pids: list[int] = []
+
+    def launch(self, site: Site) -> PipeChannel:
+        ours, theirs = self.ctx.Pipe()
+        process = self.ctx.Process(target=_child, args=(theirs, list(site.data), self.threads), daemon=True,
+                                   name="tridens-unit")
+        process.start()
+        theirs.close()
+        self.pids.append(process.pid or 0)
+        if len(self.pids) == self.slots:
+            log.info("%d units in %d forked processes (pids %s), %d thread(s) each", self.units, self.slots,
+                     ", ".join(str(pid) for pid in self.pids), self.threads)
+        return PipeChannel(ours, process)
+
+    def kill(self, site: Site) -> None:
+        if site.channel is not None:
+            site.channel.kill()
+
+    def release(self, site: Site) -> None:
+        """The child said it ended: it exits (killed when it does not within seconds)."""
+        if site.channel is not None:
+            if site.channel.exit_code(wait=5) is None:
+                site.channel.kill()
+            site.channel.close()
+
+    def model(self, trial_id: int) -> bytes:  # pragma: no cover - a population that forks does not fork children
+        raise NotImplementedError("members of forked children do not fork")
+
+    def state_of(self, site: Site, trial_id: int, step: int) -> bytes | None:  # pragma: no cover - (as model)
+        return None
+
+
 def run_forked(shares: Sequence[Sequence[ExecutionUnit]], lives: Mapping[int, TrialProtocol], hooks: GroupHooks,
                threads: int, order: Sequence[int] = (), decisions: Decisions | None = None) -> None:
     """Train each share of units in a forked child with ``threads`` torch threads, in lockstep
@@ -128,94 +156,7 @@ def run_forked(shares: Sequence[Sequence[ExecutionUnit]], lives: Mapping[int, Tr
 
     >>> run_forked(shares(units, 2), lives, hooks, threads=1)       # doctest: +SKIP
     """
-    ctx = mp.get_context("fork")
-    rank = {tid: i for i, tid in enumerate(order)}
-    children: list[_Share] = []
-    try:
-        for share in shares:
-            ours, theirs = ctx.Pipe()
-            process = ctx.Process(target=_child, args=(theirs, list(share), threads), daemon=True,
-                                  name="tridens-unit")
-            process.start()
-            theirs.close()
-            members = {tid: lives[tid] for unit in share for tid in unit.jobs if tid in lives}
-            children.append(_Share(PipeChannel(ours, process), members))
-        log.info("%d units in %d forked processes (pids %s), %d thread(s) each", sum(len(s) for s in shares),
-                 len(children), ", ".join(str(c.channel.process.pid) for c in children), threads)
-        while any(c.open for c in children):
-            readable = ready([c.channel for c in children if c.open], timeout=0.2)
-            for child in children:
-                if child.open and child.channel in readable:
-                    _receive(child, decisions)
-            _barrier(children, rank)
-            for child in children:
-                if child.open and child.round is None:
-                    check_silence(child.lives.values(), child.last_message, lambda error: _lost(child, error))
-    finally:
-        for child in children:
-            if child.channel.exit_code(wait=5) is None:
-                child.channel.kill()
-            child.channel.close()
-
-
-def _receive(child: _Share, decisions: Decisions | None = None) -> None:
-    """Every message ``child`` has sent so far."""
-    while child.open:
-        try:
-            if not child.channel.poll():
-                return
-            message = child.channel.receive()
-        except ChannelClosed:
-            _lost(child, death_error("forked process", child.channel.exit_description()))
-            return
-        child.last_message = time.monotonic()
-        if isinstance(message, Round):
-            child.round = message.reports
-        elif isinstance(message, Left):
-            settle(child.lives.pop(message.trial_id, None), message.outcome, load_bytes)
-        elif isinstance(message, LogRecord):
-            logging.getLogger(message.record.name).handle(message.record)
-        elif isinstance(message, Measured):
-            if decisions is not None:
-                decisions.add(message.measurements)
-        elif isinstance(message, End):
-            for life in list(child.lives.values()):
-                life.fail(for_trial(ended_error("in its forked process"), life.trial))
-            child.lives.clear()
-            child.open = False
-
-
-def _lost(child: _Share, error: str) -> None:
-    """The child died or hangs: killed; every member still there fails."""
-    if child.channel.alive():
-        child.channel.process.kill()
-    child.open = False
-    for life in child.lives.values():
-        life.fail(for_trial(error, life.trial))
-    child.lives.clear()
-    child.round = None
-
-
-def _barrier(children: Sequence[_Share], rank: Mapping[int, int]) -> None:
-    """Once every child with members has reported its round: the round decided in the planned
-    order (:func:`~._driver.decide_round`: every report recorded, then every verdict), then each
-    child's answer."""
-    waiting = [c for c in children if c.open and c.lives]
-    if not waiting or any(c.round is None for c in waiting):
-        return
-    reports = sorted(((rank.get(r.trial_id, len(rank)), r.trial_id, c, r) for c in waiting for r in c.round or ()),
-                     key=lambda item: (item[0], item[1]))
-    decision = decide_round([(child.lives[tid], report) for _, tid, child, report in reports])
-    answers: dict[int, dict[int, str]] = {id(c): {} for c in waiting}
-    for _, tid, child, _report in reports:
-        verdict = decision.verdicts[tid]
-        if verdict is Verdict.DROP:   # past its timeout: failed by the protocol; the child drops it
-            child.lives.pop(tid, None)
-        answers[id(child)][tid] = verdict.value
-    for child in waiting:
-        child.round = None
-        child.last_message = time.monotonic()
-        try:
-            child.channel.send(Verdicts(answers[id(child)]))
-        except ChannelClosed:   # died meanwhile: read as its death next
-            pass
+    children = _Children(len(shares), sum(len(share) for share in shares), threads)
+    sites = [Site({tid: lives[tid] for unit in share for tid in unit.jobs if tid in lives}, list(share))
+             for share in shares]
+    LockstepDriver(children, lockstep=True, order=order, decisions=decisions).run(sites)

@@ -43,8 +43,7 @@ import logging
 import pickle
 import shutil
 import tempfile
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -53,19 +52,18 @@ import torch
 from ..evaluators import Evaluator, StepwiseEvaluator
 from ..trial import Fork, Trial
 from ..units import ExecutionUnit, Job, PlanContext
-from ._lockstep import (LockstepJudge, RoundAnswers, UnitReport, handed_source, load_bytes, model_bytes, plan_units,
+from ._lockstep import (LockstepJudge, UnitReport, handed_source, load_bytes, model_bytes, plan_units,
                         resume_units, run_lockstep, state_bytes)
-from ._channel import ChannelClosed, ready
+from ._channel import ChannelClosed, PipeChannel
 from ._messages import (ArchiveAnswer, ArchiveCall, End, Forked, Left, Outcome, Report, Round, RunUnit, Started,
                         Verdicts)
-from ._driver import decide_round
+from ._driver import LockstepDriver, Site
 from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text
 from ._ray_storage import CheckpointStorage
-from ._stage_relay import ArchiveRelay, PlanningView, answer_archive_call
-from ._watchdog import check_silence, death_error, ended_error, for_trial, settle
+from ._stage_relay import ArchiveRelay, PlanningView
 
 if TYPE_CHECKING:
-    from ._execution import PoolWorker, ProcessExecutor
+    from ._execution import ProcessExecutor
 
 __all__ = ["UnitRun", "serve_unit", "PipeJudge", "POOL_OPTIMIZATIONS"]
 
@@ -86,30 +84,29 @@ def _optimizations() -> list[Any]:
 
 # -- the driver --------------------------------------------------------------------------------------
 @dataclass
-class _Placement:
-    """Trials sent to one worker as one unit, and their protocols while they train there."""
+class _Unit:
+    """What a site's worker is started with: the run's xopt settings as plain data (None: trained
+    separately), and the worker slot it runs in."""
 
-    lives: dict[int, TrialProtocol]
-    settings: dict[str, Any] | None      # the run's xopt.Settings as plain data; None: trained separately
+    settings: dict[str, Any] | None
     slot: int | None = None
-    worker: PoolWorker | None = None
-    round: list[Report] | None = None    # a reported round waiting for the others (forks)
-    last_message: float = field(default_factory=time.monotonic)
-    deaths: int = 0                      # workers that died under it (it is retried once)
-    resume: bool = False                 # its members go on from their last rounds in storage (forks)
 
 
 class UnitRun:
     """One TrialGroup on the pool as units (see the module docstring); :meth:`plan` says whether
-    the group needs it, :meth:`run` trains it. Each trial's outcome goes through its
-    :class:`~._protocol.TrialProtocol`."""
+    the group needs it, :meth:`run` trains it: the pool is the :class:`~._driver.Placement` of a
+    :class:`~._driver.LockstepDriver` (each unit a site in a worker slot), whose members' outcomes
+    go through their :class:`~._protocol.TrialProtocol`."""
+
+    name, process, where = "a pool worker", "worker process", "in its worker"
 
     def __init__(self, executor: ProcessExecutor, evaluator: StepwiseEvaluator, hooks: GroupHooks,
-                 models: Mapping[int, bytes], placements: list[_Placement], forks: bool, archive: Any):
+                 models: Mapping[int, bytes], sites: list[Site], forks: bool, archive: Any, order: Sequence[int]):
         self.executor, self.evaluator, self.hooks = executor, evaluator, hooks
-        self.models, self.placements, self.forks, self.archive = models, placements, forks, archive
-        self.retry: list[_Placement] = []   # placements whose worker died, to launch again first
-        self.answers = RoundAnswers()       # a population's answers, given again to a retried worker
+        self.models, self.sites, self.forks, self.archive, self.order = models, sites, forks, archive, order
+        self.slots = executor.workers
+        self.retries = 1   # a unit whose worker died is retried once (a population from its last rounds)
+        self.busy: set[int] = set()
         # where a population's workers keep their members' rounds: the run's storage, else a
         # folder of this group's own
         context = getattr(executor, "context", None)
@@ -140,17 +137,18 @@ class UnitRun:
         models = {job.trial.id: model_bytes(job.model) for job in jobs}   # before planning may touch them
         lives = {job.trial.id: TrialProtocol(job, hooks, clock="train") for job in jobs}
         plain = None if settings is None else settings.as_dict()
+        order = [job.trial.id for job in jobs]
 
-        def alone(job: Job) -> _Placement:
-            return _Placement({job.trial.id: lives[job.trial.id]}, None)
+        def alone(job: Job) -> Site:
+            return Site({job.trial.id: lives[job.trial.id]}, _Unit(None))
 
         if forks:   # every member at once: as many units as workers, members dealt in turn
             count = min(executor.workers, len(jobs))
             return cls(executor, evaluator, hooks, models,
-                       [_Placement({j.trial.id: lives[j.trial.id] for j in jobs[i::count]}, plain)
-                        for i in range(count)], True, archive)
+                       [Site({j.trial.id: lives[j.trial.id] for j in jobs[i::count]}, _Unit(plain))
+                        for i in range(count)], True, archive, order)
         fresh = [job for job in jobs if job.start_from is None]
-        placements = [alone(job) for job in jobs if job.start_from is not None]
+        sites = [alone(job) for job in jobs if job.start_from is not None]
         rest, fused = list(fresh), []
         view = planning.with_archive(None if archive is None else PlanningView(archive))
         for optimization in _optimizations():
@@ -160,21 +158,14 @@ class UnitRun:
             return None
         for unit in fused:
             log.info("process pool: %s", unit.summary())
-            placements.append(_Placement({t: lives[t] for t in unit.jobs}, plain))
-        placements += [alone(job) for job in rest]
-        return cls(executor, evaluator, hooks, models, placements, False, archive)
+            sites.append(Site({t: lives[t] for t in unit.jobs}, _Unit(plain)))
+        sites += [alone(job) for job in rest]
+        return cls(executor, evaluator, hooks, models, sites, False, archive, order)
 
-    # -- the loop ------------------------------------------------------------------------------------
     def run(self) -> None:
-        queue = list(self.placements)
-        running: dict[int, _Placement] = {}
         self._tidy()   # what an earlier (crashed) run of these trials left: they train from their start
         try:
-            self._serve(queue, running)
-        except BaseException:  # the run stops (Ctrl-C, SIGTERM, a store fault): the busy workers end now
-            for slot in running:
-                self.executor.replace(slot)
-            raise
+            LockstepDriver(self, lockstep=self.forks, order=self.order, archive=self.archive).run(self.sites)
         finally:
             self._tidy()
             if self.scratch is not None:
@@ -188,170 +179,46 @@ class UnitRun:
         for tid in self.models:
             self.storage.discard(self.storage.trial_directory(self.experiment, tid))
 
-    def _serve(self, queue: list[_Placement], running: dict[int, _Placement]) -> None:
-        while queue or running or self.retry:
-            queue[:0], self.retry = self.retry, []
-            for slot in range(self.executor.workers):
-                if queue and slot not in running:
-                    running[slot] = self._launch(queue.pop(0), slot)
-            slots = {id(p.worker.channel): slot for slot, p in running.items() if p.worker is not None}
-            for channel in ready([p.worker.channel for p in running.values() if p.worker is not None], timeout=0.2):
-                slot = slots[id(channel)]
-                if slot in running and not self._receive(running[slot]):
-                    del running[slot]
-            if self.forks:
-                self._barrier()
-            for slot, p in list(running.items()):
-                # silent for longer than the timeout while training (not while waiting for the others)
-                if p.round is None and check_silence(p.lives.values(), p.last_message, lambda error: self._lost(p, error)):
-                    del running[slot]
-
-    def _launch(self, p: _Placement, slot: int) -> _Placement:
-        p.slot, p.worker = slot, self.executor.worker(slot)
-        p.last_message = time.monotonic()
-        token = self.executor.ship(p.worker, self.evaluator)
+    # -- the placement -------------------------------------------------------------------------------
+    def launch(self, site: Site) -> PipeChannel:
+        unit: _Unit = site.data
+        unit.slot = next(slot for slot in range(self.executor.workers) if slot not in self.busy)
+        self.busy.add(unit.slot)
+        worker = self.executor.worker(unit.slot)
+        token = self.executor.ship(worker, self.evaluator)
         members = [(life.trial, self.models[tid], life.job.max_steps, state_bytes(life.job.start_from))
-                   for tid, life in p.lives.items()]
-        experiment = None if self.archive is None or p.settings is None else self.archive.experiment
+                   for tid, life in site.lives.items()]
+        experiment = None if self.archive is None or unit.settings is None else self.archive.experiment
         storage = None if self.storage is None else (self.storage.root, self.experiment)
         try:
-            p.worker.channel.send(RunUnit(token, members, p.settings, POOL_OPTIMIZATIONS, experiment, storage, p.resume))
-        except ChannelClosed:  # died meanwhile: read as its death below
+            worker.channel.send(RunUnit(token, members, unit.settings, POOL_OPTIMIZATIONS, experiment, storage,
+                                        site.resume))
+        except ChannelClosed:  # died meanwhile: read as its death
             pass
-        return p
+        return worker.channel
 
-    def _lost(self, p: _Placement, error: str) -> None:
-        """The placement's worker died or hangs: replaced; every member still there fails."""
-        assert p.slot is not None
-        self.executor.replace(p.slot)
-        for life in list(p.lives.values()):
-            life.fail(for_trial(error, life.trial))
-        p.lives.clear()
+    def kill(self, site: Site) -> None:
+        unit: _Unit = site.data
+        if unit.slot is not None:
+            self.executor.replace(unit.slot)
+        self.release(site)
 
-    def _receive(self, p: _Placement) -> bool:
-        """One message of ``p``'s worker; False when the placement is over."""
-        assert p.worker is not None
-        try:
-            message = p.worker.channel.receive()
-        except ChannelClosed:
-            self._died(p, p.worker.channel.exit_description())
-            return False
-        return self._handle(p, message)
+    def release(self, site: Site) -> None:
+        unit: _Unit = site.data
+        self.busy.discard(unit.slot)   # type: ignore[arg-type]
+        unit.slot = None
 
-    def _died(self, p: _Placement, how: str) -> None:
-        """What the death of ``p``'s worker means for each member: the members that had not left
-        lost only their in-memory state, so the placement is retried once on a fresh worker (a
-        stage tree resumes from the stages it stored, a population's members from their last
-        rounds; steps recorded before are not recorded again); a second death fails them."""
-        p.deaths += 1
-        error = death_error("worker process", how, times=p.deaths)
-        if p.deaths > 1 or not p.lives:
-            self._lost(p, error)
-            return
-        assert p.slot is not None
-        self.executor.replace(p.slot)
-        p.round, p.worker, p.slot, p.resume = None, None, None, self.forks
-        log.warning("%s; retried once on a fresh worker%s",
-                    for_trial(error, ", ".join(str(life.trial.label) for life in p.lives.values())),
-                    " from the members' last rounds" if self.forks else "")
-        self.retry.append(p)
+    def model(self, trial_id: int) -> bytes:
+        return self.models[trial_id]
 
-    def _handle(self, p: _Placement, message: Any) -> bool:
-        assert p.worker is not None
-        p.last_message = time.monotonic()
-        if isinstance(message, Started):
-            for life in p.lives.values():
-                life.start()
-        elif isinstance(message, ArchiveCall):
-            p.worker.channel.send(ArchiveAnswer(self._archive_call(message.method, message.args, message.kwargs)))
-        elif isinstance(message, Round):
-            again = [self.answers.again(r.trial_id, r.step) for r in message.reports] if self.forks else []
-            if again and all(a is not None for a in again):   # a retried worker's last round: as answered
-                answers = {r.trial_id: a[0] for r, a in zip(message.reports, again) if a is not None}
-                forks = [a[1] for a in again if a is not None and a[1] is not None]
-                with contextlib.suppress(ChannelClosed):   # died again: read as its death in the loop
-                    p.worker.channel.send(Verdicts(answers, forks))
-            else:
-                p.round = message.reports
-                if not self.forks:   # a unit alone: its round is answered now
-                    self._answer([p])
-        elif isinstance(message, Forked):
-            member, origin = p.lives.get(message.trial_id), self._life(message.source)
-            if member is not None and origin is not None:
-                member.forked(origin.trial, message.step, Fork(message.source, message.sample))
-        elif isinstance(message, Left):
-            settle(p.lives.pop(message.trial_id, None), message.outcome, load_bytes)
-        elif isinstance(message, End):
-            for life in list(p.lives.values()):
-                life.fail(for_trial(ended_error("in its worker"), life.trial))
-            p.lives.clear()
-            return False
-        return True
-
-    def _life(self, tid: int) -> TrialProtocol | None:
-        for p in self.placements:
-            if tid in p.lives:
-                return p.lives[tid]
-        return None
-
-    def _archive_call(self, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        """A worker's stage-store call, carried out on the driver's archive (states travel as bytes)."""
-        return answer_archive_call(self.archive, name, args, kwargs, state_bytes, load_bytes, "a pool worker")
-
-    # -- forks: the population in lockstep ---------------------------------------------------------
-    def _barrier(self) -> None:
-        """Once every placement with members has reported its round (a retried one too): the
-        round decided as one (:meth:`_answer`)."""
-        waiting = [p for p in self.placements if p.lives]
-        if waiting and all(p.round is not None for p in waiting):
-            self._answer(waiting)
-
-    def _answer(self, waiting: Sequence[_Placement]) -> None:
-        """The round the ``waiting`` placements reported, decided as one (:func:`~._driver.decide_round`:
-        every report recorded, then every verdict, then the strategy's forks), then each worker's
-        answer: its members' verdicts and its forks, with the states of the sources that train in
-        another worker (read from storage), kept for a worker that dies before it trains the next round."""
-        entries = [(p, report) for p in waiting for report in p.round or ()]
-        decision = decide_round([(p.lives[report.trial_id], report) for p, report in entries])
-        where = {report.trial_id: p for p, report in entries}
-        steps = {report.trial_id: report.step for _, report in entries}
-        given: dict[int, tuple[Any, ...]] = {}
-        states: dict[int, bytes | None] = {}
-        for tid, fork in decision.forks.items():
-            p, q = where[tid], where[fork.source]
-            if q is p:
-                given[tid] = (tid, fork.source, fork.sample, None)
-                continue
-            if fork.source not in states:
-                states[fork.source] = self._state_of(fork.source, steps[fork.source])
-            if states[fork.source] is None:
-                continue
-            origin = q.lives[fork.source]
-            handed = (origin.trial.seed, origin.trial.sample, self.models[fork.source], states[fork.source])
-            given[tid] = (tid, fork.source, fork.sample, handed)
-        for p in waiting:
-            answers = {}
-            for report in p.round or ():
-                verdict = decision.verdicts[report.trial_id]
-                if verdict is Verdict.DROP:   # past its timeout: failed by the protocol; the worker drops it
-                    p.lives.pop(report.trial_id, None)
-                answers[report.trial_id] = verdict.value
-                if self.forks:
-                    self.answers.keep(report.trial_id, report.step, verdict.value, given.get(report.trial_id))
-            p.round = None
-            p.last_message = time.monotonic()
-            assert p.worker is not None
-            with contextlib.suppress(ChannelClosed):   # died meanwhile: read as its death in the loop
-                p.worker.channel.send(Verdicts(answers, [given[tid] for tid in answers if tid in given]))
-
-    def _state_of(self, tid: int, step: int) -> bytes | None:
-        """Member ``tid``'s trainer state of ``step``, as its worker wrote it before reporting the round."""
+    def state_of(self, site: Site, trial_id: int, step: int) -> bytes | None:
+        """Member ``trial_id``'s trainer state of ``step``, as its worker wrote it before reporting the round."""
         assert self.storage is not None
         try:
-            return state_bytes(self.storage.round_of(self.storage.trial_directory(self.experiment, tid), step))
+            return state_bytes(self.storage.round_of(self.storage.trial_directory(self.experiment, trial_id), step))
         except (OSError, KeyError) as err:
-            log.info("the state of trial %d after step %d is not in storage (%s): it is the source of no fork", tid,
-                     step, err)
+            log.info("the state of trial %d after step %d is not in storage (%s): it is the source of no fork",
+                     trial_id, step, err)
             return None
 
 
