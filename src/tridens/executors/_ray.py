@@ -53,7 +53,8 @@ from ._base import Executor, RunContext, run_context as _context
 from ..trial import Fork
 from ._channel import HubChannel
 from ._lockstep import RoundAnswers
-from ._messages import Answer, ArchiveAnswer, ArchiveCall, Forked, Left, Outcome, Posted, Started
+from ._driver import decide_round
+from ._messages import Answer, ArchiveAnswer, ArchiveCall, Forked, Left, Outcome, Posted, Report, Started
 from ._protocol import GroupHooks, TrialProtocol, Verdict
 from ._ray_fluid import FluidOnRay
 from ._ray_hub import POLL_S, death_cause, start_hub
@@ -163,6 +164,7 @@ class RayExecutor(Executor):
         # a population's last answer per member (the handed source's seed, sample, model, state
         # with it), given again when a restarted task asks for that step again
         self._answered = RoundAnswers()
+        self._order: dict[int, int] = {}   # trial id -> its place in the group (a population's round order)
 
     @property
     def parallelism(self) -> int:  # type: ignore[override]
@@ -324,7 +326,8 @@ class RayExecutor(Executor):
         fluid = None
         lives = {job.trial.id: TrialProtocol(job, hooks, clock="train") for job in jobs}
         tracks = self._units(jobs, evaluator, lives)
-        held: dict[int, tuple[_UnitTrack, int, int, Verdict]] | None = {} if self._forks() else None
+        held: dict[int, tuple[_UnitTrack, int, Report]] | None = {} if self._forks() else None
+        self._order = {job.trial.id: i for i, job in enumerate(jobs)}
         self._answered.clear()
         if self.allocation is not None and held is None:
             fluid, tracks = FluidOnRay.profile(self.allocation, self.workers, tracks, evaluator)
@@ -429,14 +432,14 @@ class RayExecutor(Executor):
                             Fork(message.source, message.sample))
             return
         step = message.step   # a Report
-        verdict = life.report(step, message.metrics, last=message.last, seconds=message.seconds)
-        if held is not None and verdict is not Verdict.DROP:   # answered with the whole population's round
+        if held is not None and not life.finished:   # answered with the whole population's round
             given = self._answered.again(trial_id, step)
             if given is not None:   # asked again by a restarted task: the same answer
                 self._channel().send(Answer(trial_id, self._answer(*given, storage), step, attempt))
                 return
-            held[trial_id] = (track, attempt, step, verdict)
+            held[trial_id] = (track, attempt, message)
             return
+        verdict = life.report(step, message.metrics, last=message.last, seconds=message.seconds)
         if fluid is not None:
             fluid.sched.progress(trial_id, fluid.remaining(member))
         if verdict is Verdict.DROP:  # past its timeout: failed by the protocol
@@ -452,45 +455,43 @@ class RayExecutor(Executor):
         """Whether the strategy forks members (PBT): the group's tasks then run at once, in lockstep."""
         return bool(getattr(getattr(self, "context", None), "forks", False))
 
-    def _barrier(self, running: Sequence[_UnitTrack], held: dict[int, tuple[_UnitTrack, int, int, Verdict]],
+    def _barrier(self, running: Sequence[_UnitTrack], held: dict[int, tuple[_UnitTrack, int, Report]],
                  storage: CheckpointStorage) -> None:
-        """Once every training member of the population has reported its step: the strategy's
-        forks, then every member's answer. A fork of a member of another task names the source's
-        checkpoint of that step (written to ``storage=`` before it reported), copied for the
-        forking task to take, with the source's seed, sample and model. Each member's answer is kept
-        until its next round: a task restarted after its node died asks for that step again."""
+        """Once every training member of the population has reported its step: the round decided
+        as one (:func:`~._driver.decide_round`, in the trials' order: every report recorded, then
+        every verdict, then the strategy's forks), then every member's answer. A fork of a member
+        of another task names the source's checkpoint of that step (written to ``storage=`` before
+        it reported), copied for the forking task to take, with the source's seed, sample and
+        model. Each member's answer is kept until its next round: a task restarted after its node
+        died asks for that step again."""
         members = [m for t in running for m in t.unfinished() if not m.yielded]
         if not members or any(m.job.trial.id not in held for m in members):
             return
-        rounds, forks = dict(held), {}
+        rounds = dict(held)
         held.clear()
-        for tid, (track, _, step, verdict) in rounds.items():
-            fork = track.members[tid].life.fork(step) if verdict is Verdict.CONTINUE else None
-            if fork is not None:
-                forks[tid] = fork
-        answers: dict[int, Any] = {tid: verdict.value for tid, (_, _, _, verdict) in rounds.items()}
+        order = sorted(rounds, key=lambda tid: (self._order.get(tid, len(self._order)), tid))
+        decision = decide_round([(rounds[tid][0].members[tid].life, rounds[tid][2]) for tid in order])
+        answers: dict[int, Any] = {tid: verdict.value for tid, verdict in decision.verdicts.items()}
         handed: dict[int, tuple[Any, ...]] = {}
-        for tid, fork in forks.items():
-            source = rounds.get(fork.source)
-            if source is None or source[3] is not Verdict.CONTINUE or fork.source in forks:
-                log.info("trial %d not forked from trial %d: the source is not training now", tid, fork.source)
-                continue
-            answer: dict[str, Any] = {"verdict": Verdict.CONTINUE.value, "source": fork.source, "sample": fork.sample}
+        for tid, fork in decision.forks.items():
+            source = rounds[fork.source]
             if source[0] is not rounds[tid][0]:   # another task: its state travels through storage
                 origin = source[0].members[fork.source]
+                step = source[2].step
                 try:
-                    state = storage.round_of(origin.job.trial.info["storage"], source[2])
+                    state = storage.round_of(origin.job.trial.info["storage"], step)
                 except (OSError, KeyError) as err:
                     state = None
                     log.info("trial %d not forked from trial %d: its checkpoint of step %d (%s)", tid, fork.source,
-                             source[2], err)
+                             step, err)
                 if state is None:
                     continue
                 handed[tid] = (origin.job.trial.seed, origin.job.trial.sample, origin.model, state)
-            answers[tid] = answer
-        for tid, (track, attempt, step, _) in rounds.items():
-            self._answered.keep(tid, step, answers[tid], handed.get(tid))
-            self._channel().send(Answer(tid, self._answer(answers[tid], handed.get(tid), storage), step, attempt))
+            answers[tid] = {"verdict": Verdict.CONTINUE.value, "source": fork.source, "sample": fork.sample}
+        for tid in order:
+            _, attempt, report = rounds[tid]
+            self._answered.keep(tid, report.step, answers[tid], handed.get(tid))
+            self._channel().send(Answer(tid, self._answer(answers[tid], handed.get(tid), storage), report.step, attempt))
 
     def _answer(self, answer: Any, handed: tuple[Any, ...] | None, storage: CheckpointStorage) -> Any:
         """A population member's answer; a source in another task handed over as a fresh file (the
