@@ -8,11 +8,15 @@ each round), each timed over ``--steps`` optimizer steps after two warm-up steps
 over the form's time per model (above 1: the form is faster).
 
 Forms: ``separate`` (K SupervisedTrainers, float32 NCHW: the baseline), ``separate-cl`` (the same
-channels-last), ``separate-cl-bf16`` (channels-last, ``precision="bf16-mixed"``), ``grouped``
-(tridens' grouped program, NCHW float32, exact: convolutions and Linear per model),
-``grouped-inexact`` (the same with ``exact=False``: one grouped convolution, one batched matmul), ``grouped-cl`` (channels-last float32), ``grouped-cl-bf16``
-(channels-last, bf16-mixed), ``vmap`` (``BatchingSettings(packed=False)``), and with ``--compile``
-``grouped-compiled`` (``torch.compile`` of the grouped program; its compile time reported apart).
+channels-last: ``memory_format="channels_last"``), ``separate-cl-bf16`` (channels-last,
+``precision="bf16-mixed"``), ``grouped`` (tridens' grouped program, NCHW float32, exact:
+convolutions and Linear per model), ``grouped-inexact`` (the same with ``exact=False``: one grouped
+convolution, one batched matmul), ``grouped-cl`` (channels-last float32, exact against
+``separate-cl``: convolutions, BatchNorm and Linear per model), ``grouped-cl-inexact``
+(channels-last float32, ``exact=False``: grouped convolutions, BatchNorm over K*C channels),
+``grouped-cl-bf16`` (channels-last, bf16-mixed, exact settings), ``grouped-cl-bf16-inexact``, ``vmap``
+(``BatchingSettings(packed=False)``), and with ``--compile`` ``grouped-compiled``
+(``torch.compile`` of the inexact channels-last grouped program; its compile time reported apart).
 
     .venv/bin/python bench/grouped_forms.py --ks 4,8,16 --rounds 3
 """
@@ -38,8 +42,8 @@ from tridens.units import Job  # noqa: E402
 from tridens.xopt import BatchingSettings  # noqa: E402
 from tridens.xopt._batched import BatchedMember  # noqa: E402
 
-FORMS = ["separate", "separate-cl", "separate-cl-bf16", "grouped", "grouped-inexact", "grouped-cl", "grouped-cl-bf16",
-         "vmap"]
+FORMS = ["separate", "separate-cl", "separate-cl-bf16", "grouped", "grouped-inexact", "grouped-cl",
+         "grouped-cl-inexact", "grouped-cl-bf16", "grouped-cl-bf16-inexact", "vmap"]
 
 
 def bn_cnn(dropout: float = 0.25) -> nn.Module:
@@ -51,10 +55,11 @@ def bn_cnn(dropout: float = 0.25) -> nn.Module:
                          nn.Flatten(), nn.Linear(32 * 7 * 7, 10))
 
 
-def evaluator(train: Any, val: Any, precision: str) -> td.evaluators.Classification:
+def evaluator(train: Any, val: Any, precision: str, memory_format: str = "auto") -> td.evaluators.Classification:
     return td.evaluators.Classification(train, val, epochs=2, batch_size=64, optimizer="adamw",
                                         lr=td.choice("lr", [1e-3, 3e-3, 1e-2, 3e-2]),
-                                        weight_decay=td.choice("wd", [0.0, 1e-3]), precision=precision, device="cpu")
+                                        weight_decay=td.choice("wd", [0.0, 1e-3]), precision=precision,
+                                        memory_format=memory_format, device="cpu")
 
 
 def samples(k: int) -> list[dict[str, Any]]:
@@ -72,25 +77,25 @@ def jobs(k: int) -> list[Job]:
 def stepper(form: str, k: int, data: Any) -> Callable[[torch.Tensor, torch.Tensor, int], None]:
     """One optimizer step of the K models in ``form`` on a batch."""
     train, val = data
-    bf16 = form.endswith("bf16")
-    ev = evaluator(train, val, "bf16-mixed" if bf16 else "32-true")
+    bf16 = "bf16" in form
+    # the memory-format policy: channels-last for separate and fused training alike
+    exact_cl = form in ("separate-cl", "grouped-cl")
+    ev = evaluator(train, val, "bf16-mixed" if bf16 else "32-true", "channels_last" if exact_cl else "auto")
     if form.startswith("separate"):
-        last = "-cl" in form
         trainers = []
         for job in jobs(k):
-            model = job.model.to(memory_format=torch.channels_last) if last else job.model
-            trainers.append(ev.trainer(model, job.trial.sample, job.trial.seed))
+            trainers.append(ev.trainer(job.model, job.trial.sample, job.trial.seed))
             trainers[-1].begin_epoch()
 
         def separate(x: torch.Tensor, y: torch.Tensor, i: int) -> None:
-            if last:
-                x = x.contiguous(memory_format=torch.channels_last)
             for t in trainers:
                 t.train_batch(x, y, i)
         return separate
-    # only "grouped" is exact (convolutions and Linear per model); the others take kernels over all K
-    settings = BatchingSettings(packed=form != "vmap", channels_last="-cl" in form or form == "grouped-compiled",
-                                exact=form == "grouped")
+    # exact forms: convolutions and Linear (channels-last: BatchNorm too) per model; the others
+    # take kernels over all K models
+    exact = form in ("grouped", "grouped-cl", "grouped-cl-bf16")
+    settings = BatchingSettings(packed=form != "vmap", channels_last=not exact and ("-cl" in form or form == "grouped-compiled"),
+                                exact=exact)
     member = BatchedMember(jobs(k), ev, settings=settings)
     assert member.engine == ("vmap" if form == "vmap" else "grouped kernels"), member.why_vmap
     member.begin_epoch()

@@ -20,8 +20,9 @@ trial budget, epochs and search semantics:
    system) under bfloat16 autocast: tridens through the evaluator's ``precision=``, the plain loop
    as a careful user writes it. The plain loop runs this model channels-last in either precision
    (the memory format a careful user picks on a CPU: one model's step measured faster so than
-   NCHW, ``bench/grouped_forms.py``); tridens trains float32 NCHW (fused must equal separate) and
-   a mixed precision channels-last.
+   NCHW, ``bench/grouped_forms.py``); tridens too, through the evaluator's memory-format policy
+   (``--memory-format``, default ``channels_last``; ``auto`` is tridens' default: NCHW in float32,
+   channels-last in a mixed precision), separate and fused training alike.
 
 Systems (``--systems``): ``tridens`` (``td.Experiment`` with the declarative ``Classification``
 evaluator and every default: what a user gets without tuning tridens; threads per unit from
@@ -97,6 +98,7 @@ FORCED = {"tridens-fused": {"TRIDENS_BATCHING": "force"}, "tridens-unfused": {"T
 WORKLOADS = ["hpo", "nas", "finetune", "mlp"]  # the default suite; "bncnn" too on request
 DEVICE = "cpu"  # --device: where every system trains
 PRECISION = "32-true"  # --precision: the bncnn workload's, every system's
+MEMORY_FORMAT = "channels_last"  # --memory-format: the bncnn workload's tridens evaluator's
 QUALITY_POINTS = 0.5  # "within 0.5 points (of accuracy, in %) of the best any system reached"
 
 # workload -> size -> (train images, val images, epochs)
@@ -448,7 +450,7 @@ def run_tridens(workload: str, data: tuple[Any, Any], epochs: int, trials: int, 
         ev = td.evaluators.Classification(
             train=train, val=val, epochs=epochs, batch_size=bs, optimizer="adamw", lr=td.choice("lr", LRS_BN),
             weight_decay=td.choice("weight_decay", WDS_BN), momentum=td.choice("beta1", BETAS_BN),
-            precision=PRECISION)
+            precision=PRECISION, memory_format=MEMORY_FORMAT)
         strategy: Any = td.strategy.GridSearch()
     elif workload == "hpo":
         space = LeNetSpace()
@@ -774,9 +776,11 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="where every system trains: cpu (the default), cuda")
     p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"],
                    help="the bncnn workload's precision, every system's")
+    p.add_argument("--memory-format", default="channels_last", choices=["auto", "contiguous", "channels_last"],
+                   help="the bncnn workload's memory format in tridens (the plain loop runs channels-last)")
     args = p.parse_args()
-    global DEVICE, PRECISION
-    DEVICE, PRECISION = args.device, args.precision
+    global DEVICE, PRECISION, MEMORY_FORMAT
+    DEVICE, PRECISION, MEMORY_FORMAT = args.device, args.precision, args.memory_format
     if args.merge:
         merged: dict[str, dict[str, list[dict[str, Any]]]] = {}
         for line in open(args.merge):
@@ -795,7 +799,8 @@ def main() -> None:
     C.print_machine()
     systems = [s for s in args.systems.split(",") if s]
     script = os.path.abspath(__file__)
-    extra = [f"--{k}={v}" for k, v in overrides.items()] + [f"--device={args.device}", f"--precision={args.precision}"]
+    extra = [f"--{k}={v}" for k, v in overrides.items()] + [f"--device={args.device}", f"--precision={args.precision}",
+                                                                  f"--memory-format={args.memory_format}"]
     with tempfile.TemporaryDirectory() as d:
         for workload in [w for w in args.workload.split(",") if w]:
             n_train, n_val, epochs = SIZES[workload][args.size]

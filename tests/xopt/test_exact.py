@@ -65,12 +65,12 @@ def shape_checked_cnn(p: float, dtype: torch.dtype) -> nn.Module:
     return ShapeCheckedCnn(p).to(dtype)
 
 
-def evaluator(data, optimizer, dtype, epochs=2):
+def evaluator(data, optimizer, dtype, epochs=2, **kwargs):
     train, val = (torch.utils.data.TensorDataset(d.tensors[0].to(dtype), d.tensors[1]) for d in data)
     return td.evaluators.Classification(
         train, val, epochs=epochs, batch_size=64, optimizer=optimizer, lr=td.loguniform("lr", 1e-6, 1.0),
         momentum=td.uniform("m", 0.0, 0.99), weight_decay=td.uniform("wd", 0.0, 1.0),
-        schedule=td.choice("s", ["constant", "cosine", "rex", "step"]))
+        schedule=td.choice("s", ["constant", "cosine", "rex", "step"]), **kwargs)
 
 
 def jobs(build, dtype, samples=SAMPLES):
@@ -146,6 +146,45 @@ def test_a_forward_with_a_shape_check_and_a_mean_head_runs_grouped_and_exact(dat
                                    leave=(2, 0, 7))
     assert member.engine == "grouped kernels", member.why_vmap
     assert "grouped_mean" in str(member._program)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_fused_bn_cnn_channels_last_is_separate_channels_last_bit_for_bit(data, optimizer, precision):
+    """The memory-format policy runs separate and fused training channels-last alike: the grouped
+    engine runs each model's convolution and BatchNorm on its own channels-last map, so every
+    step's loss, parameters and statistics equal separate channels-last training."""
+    ev = evaluator(data, optimizer, torch.float32, epochs=1, memory_format="channels_last", precision=precision)
+    assert ev.config(SAMPLES[0]).channels_last
+    steps, member = train_side_by_side(ev, bn_cnn, torch.float32, BatchingSettings(), epochs=1, leave=(2, 0, 9))
+    assert member.engine == "grouped kernels" and member._program.channels_last and steps == 23
+    assert "grouped_conv_batch_norm" in str(member._program)
+
+
+def test_native_channels_last_batch_norm_over_k_models_is_exact_but_for_the_input_gradient():
+    """Why the exact channels-last program runs BatchNorm per model: the native channels-last
+    kernel over K*C channels gives each model's forward, running statistics and parameter
+    gradients bit for bit, but its input gradient only to float32 rounding (the lane a channel
+    falls on changes the rounding; on this CPU, 12-channel models differ). Bound: 1e-6 relative."""
+    torch.manual_seed(0)
+    k, c = 4, 12
+    x = torch.randn(64, k * c, 8, 8).contiguous(memory_format=torch.channels_last).requires_grad_()
+    w, b = torch.randn(k * c, requires_grad=True), torch.randn(k * c, requires_grad=True)
+    rm, rv = torch.zeros(k * c), torch.ones(k * c)
+    out = nn.functional.batch_norm(x, rm, rv, w, b, True, 0.1, 1e-5)
+    g = torch.randn_like(out)
+    out.backward(g)
+    for m in range(k):
+        part = slice(m * c, (m + 1) * c)
+        xm = x.detach()[:, part].contiguous(memory_format=torch.channels_last).requires_grad_()
+        wm, bm = w.detach()[part].clone().requires_grad_(), b.detach()[part].clone().requires_grad_()
+        rmm, rvm = torch.zeros(c), torch.ones(c)
+        om = nn.functional.batch_norm(xm, rmm, rvm, wm, bm, True, 0.1, 1e-5)
+        om.backward(g[:, part].contiguous(memory_format=torch.channels_last))
+        assert torch.equal(out[:, part], om) and torch.equal(rm[part], rmm) and torch.equal(rv[part], rvm)
+        assert torch.equal(w.grad[part], wm.grad) and torch.equal(b.grad[part], bm.grad)
+        scale = xm.grad.abs().max()
+        assert (x.grad[:, part] - xm.grad).abs().max() <= 1e-6 * scale
 
 
 @pytest.mark.slow

@@ -28,6 +28,12 @@ is; ``"bf16-mixed"`` runs every forward (training and validation, separate and f
 ``torch.autocast`` in bfloat16 on the trial's device (matmuls and convolutions in bfloat16, weights,
 optimizer state and the loss in float32); ``"16-mixed"`` is float16 autocast with a gradient scaler,
 CUDA only. The precision is recorded in each trial's ``info["precision"]``.
+
+Memory format (``memory_format=``, a policy like the precision, applied to separate and fused
+training alike): ``"channels_last"`` runs a model with 2-d convolutions, its weights and its
+4-d inputs channels-last; ``"contiguous"`` as torch lays them out; ``"auto"`` (default)
+channels-last under a mixed precision and contiguous in float32. Within one format a fused model
+trains bit for bit as it would alone (CPU); the two formats round differently from each other.
 """
 
 from __future__ import annotations
@@ -52,10 +58,12 @@ from ._params import Constraint, Interval, Options, Satisfies, check, labels_of
 from ._schedules import SCHEDULES, scheduled_lr
 
 __all__ = ["Classification", "Regression", "TrainConfig", "SupervisedTrainer", "OPTIMIZERS", "SupervisedEvaluator",
-           "BatchSource", "CHECKPOINT_FORMAT", "correct_count", "align_output", "PRECISIONS"]
+           "BatchSource", "CHECKPOINT_FORMAT", "correct_count", "align_output", "PRECISIONS",
+           "MEMORY_FORMATS"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+MEMORY_FORMATS = ("auto", "contiguous", "channels_last")
 _AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 CHECKPOINT_FORMAT = 1
 """Version of a trainer checkpoint's layout (``SupervisedTrainer.state_dict``), checked on load."""
@@ -162,6 +170,12 @@ class TrainConfig:
     warmup_epochs: int = 0
     batch_schedule: tuple[tuple[int, int], ...] = ()
     precision: str = "32-true"
+    memory_format: str = "contiguous"
+
+    @property
+    def channels_last(self) -> bool:
+        """Whether models with 2-d convolutions train channels-last (``memory_format``)."""
+        return self.memory_format == "channels_last"
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The context a forward runs in: ``torch.autocast`` on the device for a mixed precision.
@@ -246,7 +260,7 @@ class TrainConfig:
         lrs = tuple(self.lr_at(step) for step in range(first, last))
         return (self.optimizer, self.momentum, self.weight_decay, self.batch_size_at(epoch), self.data_seed, lrs,
                 id(self.train), id(self.val), self.loss, self.transforms, self.task, self.metrics, str(self.device),
-                self.precision)
+                self.precision, self.memory_format)
 
 
     def data_seed_of(self, seed: int) -> int:
@@ -303,7 +317,8 @@ class SupervisedEvaluator(StepwiseEvaluator):
                  device: str | torch.device = "auto",
                  transforms: Callable[[torch.Tensor], torch.Tensor] | None = None, data_seed: int | None = 0,
                  milestones: Sequence[int] | None = None, gamma: float = 0.1, warmup_epochs: int = 0,
-                 batch_schedule: Sequence[Sequence[int]] | None = None, precision: str = "32-true"):
+                 batch_schedule: Sequence[Sequence[int]] | None = None, precision: str = "32-true",
+                 memory_format: str = "auto"):
         self.train = train
         self.val = val
         self.epochs = epochs
@@ -324,6 +339,7 @@ class SupervisedEvaluator(StepwiseEvaluator):
         self.warmup_epochs = warmup_epochs
         self.batch_schedule = batch_schedule
         self.precision = precision
+        self.memory_format = memory_format
 
     # -- what is reported -------------------------------------------------------------------
     def _metric_names(self, metrics: Sequence[str] | None) -> tuple[str, ...]:
@@ -366,6 +382,7 @@ class SupervisedEvaluator(StepwiseEvaluator):
             "batch_schedule": [Satisfies(_is_batch_schedule, "None or a list of [first epoch >= 1, batch size >= 1] "
                                                              "pairs in increasing epochs")],
             "precision": [Options(PRECISIONS)],
+            "memory_format": [Options(MEMORY_FORMATS)],
         }
 
     def config(self, sample: Mapping[str, Any] | None = None) -> TrainConfig:
@@ -416,13 +433,19 @@ class SupervisedEvaluator(StepwiseEvaluator):
             milestones=None if values["milestones"] is None else tuple(int(m) for m in values["milestones"]),
             gamma=float(values["gamma"]), warmup_epochs=values["warmup_epochs"],
             batch_schedule=tuple((int(e), int(b)) for e, b in values["batch_schedule"] or ()),
-            precision=values["precision"])
+            precision=values["precision"],
+            memory_format=_resolved_memory_format(values["memory_format"], values["precision"]))
 
     # -- training ---------------------------------------------------------------------------
     def trial_info(self, sample: Mapping[str, Any]) -> dict[str, Any]:
-        """``{"precision": ...}``: the trial's training precision (``"32-true"`` unless set)."""
-        precision = self.resolved(sample).get("precision", "32-true")
-        return {"precision": precision if isinstance(precision, str) else "32-true"}
+        """``{"precision": ..., "memory_format": ...}``: the trial's training precision
+        (``"32-true"`` unless set) and memory format (resolved: ``"channels_last"`` or ``"contiguous"``)."""
+        values = self.resolved(sample)
+        precision = values.get("precision", "32-true")
+        precision = precision if isinstance(precision, str) else "32-true"
+        memory_format = values.get("memory_format", "auto")
+        memory_format = memory_format if memory_format in MEMORY_FORMATS else "auto"
+        return {"precision": precision, "memory_format": _resolved_memory_format(memory_format, precision)}
 
     def trainer(self, model: nn.Module | None, sample: Mapping[str, Any], seed: int) -> "SupervisedTrainer":
         """A trainer at epoch 0 for ``model`` under ``sample``'s hyperparameters.
@@ -434,6 +457,14 @@ class SupervisedEvaluator(StepwiseEvaluator):
         if not isinstance(model, nn.Module):
             raise InvalidParameter(f"{type(self).__name__} trains an nn.Module; got {type(model).__name__} as the model")
         return SupervisedTrainer(self.config(sample), model, seed, owner=type(self).__name__)
+
+
+def _resolved_memory_format(memory_format: str, precision: str) -> str:
+    """``"channels_last"`` or ``"contiguous"``: ``"auto"`` is channels-last under a mixed precision
+    (bfloat16 convolutions pay so on CPU), contiguous in float32."""
+    if memory_format == "auto":
+        return "contiguous" if precision == "32-true" else "channels_last"
+    return memory_format
 
 
 def correct_count(out: torch.Tensor, y: torch.Tensor) -> float:
@@ -459,7 +490,9 @@ class Classification(SupervisedEvaluator):
     ``data_seed`` fixes the data order and augmentation shared by every trial (``None``: each
     trial's own seed); a trial's seed decides its initialization and dropout. ``precision``:
     ``"32-true"`` (default), ``"bf16-mixed"`` (bfloat16 autocast, loss in float32) or
-    ``"16-mixed"`` (float16 autocast with a gradient scaler, CUDA only).
+    ``"16-mixed"`` (float16 autocast with a gradient scaler, CUDA only). ``memory_format``:
+    ``"auto"`` (default: channels-last under a mixed precision), ``"channels_last"`` or
+    ``"contiguous"``, for separate and fused training alike (see the module docstring).
 
     >>> import tridens as td
     >>> ev = td.evaluators.Classification(train=train_ds, val=val_ds, epochs=3, batch_size=64,  # doctest: +SKIP
@@ -728,8 +761,8 @@ class SupervisedTrainer:
     def __init__(self, config: TrainConfig, model: nn.Module, seed: int, *, owner: str = "Classification"):
         self.config, self.seed, self.owner = config, int(seed), owner
         self.model = model.to(config.device)
-        # a mixed precision runs 2-d convolution models channels-last (bf16 convolutions pay so)
-        self._channels_last = config.precision != "32-true" and any(
+        # the memory-format policy: 2-d convolution models channels-last where it says so
+        self._channels_last = config.channels_last and any(
             isinstance(m, nn.Conv2d) for m in self.model.modules())
         if self._channels_last:
             # Module.to takes memory_format at run time; torch's overloads for it leave the keyword out
@@ -829,7 +862,7 @@ class SupervisedTrainer:
         return value
 
     def _laid_out(self, x: Any) -> Any:
-        """A 4-d input channels-last where the trainer runs so (a mixed precision)."""
+        """A 4-d input channels-last where the trainer runs so (``memory_format``)."""
         if self._channels_last and isinstance(x, torch.Tensor) and x.dim() == 4:
             return x.contiguous(memory_format=torch.channels_last)
         return x

@@ -262,6 +262,11 @@ def _record_thread_rate(plan: Any, sizes: Sequence[tuple[float, Sequence[int]]],
     was the policy's choice."""
     if not plan.option or seconds <= 0:
         return
+    from ._threads import ALONE, SIDE
+
+    paired = decisions.thread_rates.get(tuple(plan.key), {})
+    if paired.get(ALONE) and paired.get(SIDE):  # both options timed on one group: nothing to add
+        return
 
     epochs = {tid: max(0, life.last_step - before[tid]) for tid, life in lives.items()}
     work = sum(flops * sum(epochs.get(tid, 0) for tid in tids) for flops, tids in sizes)

@@ -16,13 +16,16 @@ behind, and counts the cores this process itself kept busy. With
 idle cores, a group's units either train **one at a time on every idle core** or **side by side,
 one thread each**, in forked processes (:mod:`._forked`; one per idle core). Which is faster
 depends on the models (kernels long enough for threads to pay, or a group that splits well) and
-is measured, not assumed: each group's wall time per unit of work (its trial-epochs times the
-training FLOPs of one step, :func:`step_flops`) is recorded in the run's
-:class:`~tridens.units.Decisions` under a key of the step's size class (small, large) and the
-idle cores; the first groups of a key try each option once (side by side first for steps under
-``large_step_flops``, every idle core first for larger ones), later ones take the option with the
-better median. A group that cannot train side by side (one trial, a strategy
-that forks members, stage trees, no ``fork``) trains on every idle core.
+is measured, not assumed, and both options on the same group: the first group of a workload
+key (the step's size class, small or large, and the idle cores) times a few training steps of
+its largest model on a copy, once on every idle core and once side by side in forked processes
+(one thread each, all stepping at once): :func:`probe_thread_options`. Both rates (training FLOPs
+per wall second, :func:`step_flops`) are recorded as a pair in the run's
+:class:`~tridens.units.Decisions`, and that group and later groups of the key take the option with
+the better median. (Timing one group per option instead compared different groups: a grid's groups
+hold models of different widths, and small models run far below the peak per FLOP.) A group that
+cannot train side by side (one trial, a strategy that forks members, stage trees, no ``fork``)
+trains on every idle core.
 
 **Repeatable by default.** Kernels split their sums by thread, so a trial trained on one thread
 and on two differs in the last bits, and those differences grow over training. A thread count
@@ -35,9 +38,9 @@ idle core and chooses between the two options by measurement, as described above
 A policy is an object passed in (``td.executors.Inline(threads=ThreadPolicy(threads=2))``); each
 decision is logged (logger ``tridens``) with its reason.
 
->>> rates = {workload_key(5e9, 2): {ALONE: [3e9], SIDE: [4e9]}}   # measured work per wall second
+>>> measure = lambda free: {ALONE: 3e9, SIDE: 4e9}     # the group's work per wall second, each option
 >>> plan = ThreadPolicy(repeatable=False).decide(step_flops=5e9, units=3, total=2, load=0.0, torch_threads=2,
-...                                              default_threads=2, rates=rates)
+...                                              default_threads=2, rates={}, measure=measure)
 >>> plan.threads, plan.concurrent, plan.option
 (1, 2, 'side by side')
 """
@@ -45,13 +48,14 @@ decision is logged (logger ``tridens``) with its reason.
 from __future__ import annotations
 
 import contextlib
+import copy
 import glob
 import logging
 import os
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, MutableMapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -59,7 +63,7 @@ import torch.nn as nn
 from ..graph import forward_flops
 
 __all__ = ["ThreadPolicy", "ThreadPlan", "step_flops", "cores", "shares", "torch_default_threads",
-           "user_torch_threads", "workload_key", "unit_sizes", "ALONE", "SIDE"]
+           "user_torch_threads", "workload_key", "unit_sizes", "probe_thread_options", "ALONE", "SIDE"]
 
 log = logging.getLogger("tridens")
 
@@ -194,7 +198,10 @@ class ThreadPolicy:
     milliseconds at one CPU thread's peak, where kernels are long enough for threads to pay);
     ``repeatable``: one thread per unit whatever the load, idle cores used only side by side, so
     that a seeded search gives the same results run to run (False: a unit may take every idle
-    core, chosen by measurement).
+    core, chosen by measurement); ``probe``: how both options are timed on one group,
+    ``probe(units, idle_cores) -> {ALONE: rate, SIDE: rate}`` in training FLOPs per wall second
+    (default :func:`probe_thread_options`; an empty answer leaves the decision to the options'
+    order, measured per group as it trains).
 
     >>> ThreadPolicy().decide(step_flops=1e10, units=4, total=8, load=0.0, torch_threads=8, default_threads=8)
     ThreadPlan(threads=1, concurrent=4, reason='8 idle cores: units side by side, one thread each (repeatable)', option='side by side', key=('threads', 'large', 8))
@@ -206,11 +213,13 @@ class ThreadPolicy:
     """
 
     def __init__(self, threads: int | None = None, concurrent: int | None = None, large_step_flops: float = 2e9,
-                 repeatable: bool = True):
+                 repeatable: bool = True,
+                 probe: Callable[[Sequence[Any], int], Mapping[str, float]] | None = None):
         self.threads = threads
         self.concurrent = concurrent
         self.large_step_flops = large_step_flops
         self.repeatable = bool(repeatable)
+        self.probe = probe_thread_options if probe is None else probe
         self._clock: tuple[float, float, float] | None = None  # (wall, busy CPU s of the machine, of this process)
 
     def _busy_elsewhere(self) -> float | None:
@@ -238,15 +247,17 @@ class ThreadPolicy:
 
     def decide(self, step_flops: float | None, units: int = 1, *, total: int | None = None,
                load: float | None = None, torch_threads: int | None = None, default_threads: int | None = None,
-               rates: Mapping[tuple[Any, ...], Mapping[str, Sequence[float]]] | None = None,
-               splittable: bool = True) -> ThreadPlan:
+               rates: MutableMapping[tuple[Any, ...], Any] | None = None,
+               splittable: bool = True, measure: Callable[[int], Mapping[str, float]] | None = None) -> ThreadPlan:
         """The plan for ``units`` units (or parts a group can be split into) whose largest
         training step is ``step_flops`` FLOPs (None: unknown). ``total`` cores, ``load``,
         ``torch_threads`` (torch's current count) and ``default_threads`` (torch's default)
         default to this machine's and this process's; ``rates``: the measured work per wall
         second of each option (:data:`ALONE`, :data:`SIDE`) by workload (:func:`workload_key`:
         the run's ``Decisions.thread_rates``); ``splittable``:
-        whether these units may train side by side at all."""
+        whether these units may train side by side at all; ``measure(idle_cores)``: both options'
+        rates on this group, called where the workload has none yet and recorded in ``rates``
+        as a pair."""
         self._check()
         free = idle_cores(total, load)
         units = max(1, units)
@@ -277,6 +288,13 @@ class ThreadPolicy:
             return _with_reason(alone, f"{free} idle cores, one unit: every idle core")
         side = ThreadPlan(1, min(units, free), "", SIDE, key)
         measured = (rates or {}).get(key, {})
+        if measure is not None and rates is not None and not (measured.get(ALONE) and measured.get(SIDE)):
+            paired = measure(free)
+            if paired.get(ALONE) and paired.get(SIDE):  # both options on this same group
+                for option in (ALONE, SIDE):
+                    values = rates.setdefault(key, {}).setdefault(option, [])
+                    values[:] = (list(values) + [float(paired[option])])[-_KEPT_RATES:]
+                measured = rates[key]
         # the option tried first: side by side for small steps (kernels too short for threads
         # to pay), every idle core for large ones
         small = step_flops is not None and step_flops < self.large_step_flops
@@ -297,13 +315,98 @@ class ThreadPolicy:
         flops = max((unit_step_flops(u) for u in units), default=None, key=lambda v: -1 if v is None else v)
         busy = self._busy_elsewhere()  # (no lag, where the load average lags a minute behind)
         plan = self.decide(flops, max(len(units), parts), rates=None if rates is None else rates.thread_rates,
-                           splittable=splittable, load=None if busy is None else busy + 1.0)
+                           splittable=splittable, load=None if busy is None else busy + 1.0,
+                           measure=lambda free: self.probe(units, free))
         log.info("threads: %d per unit, %d unit(s) at once: %s", plan.threads, plan.concurrent, plan.reason)
         return plan
 
     def __repr__(self) -> str:
         return (f"ThreadPolicy(threads={self.threads!r}, concurrent={self.concurrent!r}, "
                 f"large_step_flops={self.large_step_flops!r}, repeatable={self.repeatable!r})")
+
+
+_KEPT_RATES = 8
+"""Paired measurements kept per workload key (the latest)."""
+
+
+def probe_thread_options(units: Sequence[Any], free: int, steps: int = 4) -> dict[str, float]:
+    """Both thread options timed on the same group: ``steps`` training steps (after one warm-up)
+    of a copy of the group's largest model on one real batch, once with ``free`` torch threads
+    and once as ``free`` forked copies side by side, one thread each, started together. Returns
+    ``{ALONE: rate, SIDE: rate}`` in training FLOPs per wall second ({} where the model cannot be
+    stepped so: a user's loop, no ``fork``). The copies leave the trials untouched (their own
+    random streams, weights and optimizer state are copies too)."""
+    import multiprocessing as mp
+
+    flops = max((_model_step_flops(u)[0] or 0.0 for u in units), default=0.0)
+    step = _probe_step(units)
+    if step is None or not flops or "fork" not in mp.get_all_start_methods():
+        return {}
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(free)
+        alone = step(steps)
+    finally:
+        torch.set_num_threads(before)
+    context = mp.get_context("fork")
+    go = context.Event()
+    results = context.Queue()
+    ready = context.Semaphore(0)
+
+    def child() -> None:
+        torch.set_num_threads(1)
+        results.put(step(steps, ready=ready, go=go))
+
+    procs = [context.Process(target=child, daemon=True) for _ in range(free)]
+    for proc in procs:
+        proc.start()
+    try:
+        for _ in procs:  # every copy warmed up before any is timed
+            if not ready.acquire(timeout=60):
+                return {}
+        go.set()
+        times = [results.get(timeout=120) for _ in procs]
+    except Exception:  # a child that died or hung: no measurement
+        return {}
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    return {ALONE: steps * flops / alone, SIDE: sum(steps * flops / t for t in times)}
+
+
+def _probe_step(units: Sequence[Any]) -> Callable[..., float] | None:
+    """``timed(steps, ready=None, go=None)``: the wall seconds of ``steps`` training steps of a
+    fresh copy of the units' largest model on one batch (after a warm-up step; ``ready`` released
+    and ``go`` awaited between the two); None where the evaluator has no step-wise trainer."""
+    candidates = [(u, job) for u in units for job in getattr(u, "jobs", {}).values()
+                  if isinstance(job.model, nn.Module)]
+    if not candidates:
+        return None
+    unit, job = max(candidates, key=lambda c: sum(p.numel() for p in c[1].model.parameters()))
+    evaluator = getattr(unit, "evaluator", None)
+    if evaluator is None or not hasattr(evaluator, "trainer"):
+        return None
+
+    def timed(steps: int, ready: Any = None, go: Any = None) -> float:
+        trainer = evaluator.trainer(copy.deepcopy(job.model), job.trial.sample, job.trial.seed)
+        trainer.begin_epoch()
+        _, x, y = next(iter(trainer.epoch_batches()))
+        trainer.train_batch(x, y, 0)
+        if ready is not None:
+            ready.release()
+            go.wait()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            trainer.train_batch(x, y, i + 1)
+        return time.perf_counter() - t0
+
+    try:
+        evaluator.config(job.trial.sample)
+    except Exception:
+        return None
+    return timed
 
 
 def _with_reason(plan: ThreadPlan, reason: str) -> ThreadPlan:

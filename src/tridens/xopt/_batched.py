@@ -117,8 +117,8 @@ class BatchedMember(PipelineMember):
         self.why_vmap = "" if settings.packed else "settings.packed is False"
         if settings.packed:
             try:
-                # channels-last where asked, and under a mixed precision as the separate trainer runs it
-                last = settings.channels_last or cfg.precision != "32-true"
+                # channels-last where asked, and where the memory-format policy runs the separate trainer so
+                last = settings.channels_last or cfg.channels_last
                 self._program = GroupedProgram(copy.deepcopy(first).to("meta"), channels_last=last,
                                                mixed=self._mixed_sites, exact=settings.exact,
                                                example_inputs=_example_batch(cfg.train))

@@ -101,12 +101,12 @@ the :class:`~tridens.xopt.Settings` the planner is given):
   activations of several MiB each; glibc returns such blocks to the system and takes them back at
   the next step, page fault by page fault (a large share of a small step's CPU time). The first batched member sets ``mallopt`` so blocks up to 64 MiB come from
   the heap and up to 512 MiB of freed heap is kept for reuse (process-wide; numerics unchanged).
-* ``channels_last`` (default False; under a mixed ``precision`` always on): run the grouped engine's 2-d feature maps
-  channels-last (convolution weights too, so outputs stay channels-last without copies). Pooling
-  and BatchNorm over K*C channels are faster so on small maps, but the native channels-last
-  BatchNorm adds rows one after another in float (mean/var further off the NCHW kernel's double
-  accumulation) and training amplifies the difference (float64: equal), so it stays off -- fused
-  must equal separate.
+* ``channels_last`` (default False; always on where the evaluator's ``memory_format`` runs separate
+  training channels-last, e.g. under a mixed ``precision``): run the grouped engine's 2-d feature
+  maps channels-last (convolution weights too, so outputs stay channels-last without copies).
+  Against NCHW separate training that is not exact (the channels-last BatchNorm sums in float
+  where the NCHW kernel sums in double), so it needs ``exact=False``; against channels-last
+  separate training the exact program runs each model's convolution and BatchNorm on its own map.
 
 2x2 max-pools on per-model maps run as :class:`_MaxPool2x2` (two passes, bit-identical values and
 gradients, faster forward than the NCHW kernel on small maps), taking over a ReLU right before
@@ -213,6 +213,7 @@ _SETUP_FIELDS: tuple[tuple[str, Callable[[TrainConfig, int], Any]], ...] = (
     ("device", lambda c, s: str(c.device)),
     ("task", lambda c, s: c.task),
     ("precision", lambda c, s: c.precision),
+    ("memory format", lambda c, s: c.memory_format),
 )
 
 

@@ -27,7 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..graph import meta, trace
-from ._exact import conv_per_model, linear_per_model
+from ._exact import (batch_norm_maps_per_model, batch_norm_per_model, conv_maps_per_model, conv_per_model,
+                     linear_per_model)
 from ._kernels import BatchNormTrain, batch_norm_pays, batch_norm_supported
 from ._stacked import _DROPOUTS, _first_line
 
@@ -195,6 +196,9 @@ def grouped_batch_norm(v: torch.Tensor, run: GroupedRun, *, name: str, src: str,
                                     None if bias is None else bias.reshape(-1),
                                     None if mean is None or not training else mean.view(-1),
                                     None if var is None or not training else var.view(-1), factor, eps, relu)
+    if run.exact and run.channels_last and not model_major and v.dim() == 4:
+        return batch_norm_per_model(v, params, buffers, k, name=name, training=use_batch, momentum=factor, eps=eps,
+                                    relu=relu)
     x = v.transpose(0, 1).reshape(v.shape[1], -1) if model_major else v
     out = F.batch_norm(x, None if mean is None else mean.view(-1), None if var is None else var.view(-1),
                        None if weight is None else weight.reshape(-1), None if bias is None else bias.reshape(-1),
@@ -202,6 +206,29 @@ def grouped_batch_norm(v: torch.Tensor, run: GroupedRun, *, name: str, src: str,
     if model_major:
         out = out.view(v.shape[1], k, -1).transpose(0, 1)
     return F.relu(out) if relu else out  # (eval mode with running statistics, CUDA: native kernels)
+
+
+def grouped_conv_batch_norm(v: torch.Tensor, run: GroupedRun, *, conv: dict[str, Any],
+                            batch_norm: dict[str, Any]) -> torch.Tensor:
+    """A Conv2d whose only user is a BatchNorm2d (:func:`fuse_conv_batch_norm`): in exact
+    channels-last runs each model's convolution output goes to its BatchNorm as the map it is
+    (no packing and unpacking between the two); otherwise :func:`grouped_conv` then
+    :func:`grouped_batch_norm`."""
+    if not (run.exact and run.channels_last and conv["dims"] == 2):
+        return grouped_batch_norm(grouped_conv(v, run, **conv), run, **batch_norm)
+    maps = conv_maps_per_model(v, run.params, run.k, channels_last=True, **conv)
+    bn = batch_norm
+    factor = 0.0 if bn["momentum"] is None else bn["momentum"]
+    tracked = run.buffers.get(f"{bn['name']}.num_batches_tracked")
+    if run.training and bn["track_running_stats"] and tracked is not None:
+        tracked.add_(1)
+        if bn["momentum"] is None:
+            factor = 1.0 / float(tracked[0])
+    training = run.training or (run.buffers.get(f"{bn['name']}.running_mean") is None
+                                and run.buffers.get(f"{bn['name']}.running_var") is None)
+    outs = batch_norm_maps_per_model(maps, run.params, run.buffers, name=bn["name"], training=training,
+                                     momentum=factor, eps=bn["eps"], relu=bn.get("relu", False))
+    return torch.cat(outs, dim=1)
 
 
 def grouped_max_pool2x2(v: torch.Tensor, *, relu: bool = False) -> torch.Tensor:
@@ -522,6 +549,27 @@ def fuse_bn_relu(gm: fx.GraphModule) -> int:
     return done
 
 
+def fuse_conv_batch_norm(gm: fx.GraphModule) -> int:
+    """A 2-d convolution of packed maps whose only user is a BatchNorm runs with it as one node
+    (:func:`grouped_conv_batch_norm`). Returns the number of rewrites."""
+    done = 0
+    for node in list(gm.graph.nodes):
+        if node.target is not grouped_batch_norm or node.kwargs.get("src") != "C":
+            continue
+        conv = node.args[0]
+        if not isinstance(conv, fx.Node) or conv.target is not grouped_conv or len(conv.users) != 1 \
+                or conv.kwargs.get("dims") != 2:
+            continue
+        bn_kwargs = {n: v for n, v in node.kwargs.items() if n != "src"}
+        bn_kwargs["src"] = "C"
+        node.target = grouped_conv_batch_norm
+        node.args = (conv.args[0], conv.args[1])
+        node.kwargs = {"conv": dict(conv.kwargs), "batch_norm": bn_kwargs}
+        gm.graph.erase_node(conv)
+        done += 1
+    return done
+
+
 def _traced(model: nn.Module, example_inputs: tuple[torch.Tensor, ...] | None) -> fx.GraphModule:
     """``model`` as an fx GraphModule: with example inputs, traced as the graph IR traces it
     (conditions on shapes decided from them, :func:`tridens.graph.trace`), else plain fx."""
@@ -576,12 +624,14 @@ class GroupedProgram:
             raise _Unsupported("the output is not a (batch, features) tensor per model")
         fuse_pool_relu(module)
         fuse_bn_relu(module)
+        self.channels_last = channels_last and any(
+            n.target is grouped_conv and n.kwargs["dims"] == 2 for n in module.graph.nodes)
+        if exact and self.channels_last:
+            fuse_conv_batch_norm(module)
         module.graph.eliminate_dead_code()
         module.graph.lint()
         module.recompile()
         self.module = module
-        self.channels_last = channels_last and any(
-            n.target is grouped_conv and n.kwargs["dims"] == 2 for n in module.graph.nodes)
 
     def __str__(self) -> str:
         return str(self.module.graph)

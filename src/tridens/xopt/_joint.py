@@ -288,7 +288,7 @@ class JointMember(PipelineMember):
             try:
                 with t._random_stream():
                     with t.config.autocast():
-                        out = model(inp)
+                        out = model(inp if after_first else t._laid_out(inp))
                     loss = t.config.loss_of(out, y)
                 value = float(loss.item())
                 if not math.isfinite(value):
@@ -329,7 +329,8 @@ class JointMember(PipelineMember):
             try:
                 with t._random_stream():
                     assert m._val is not None
-                    m._val.add(model(inp), y)
+                    with t.config.autocast():
+                        m._val.add(model(inp if after_first else t._laid_out(inp)), y)
             except Exception as err:
                 m._error = err
 

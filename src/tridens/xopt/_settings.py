@@ -42,8 +42,9 @@ class BatchingSettings:
     models at once (grouped convolutions, batched matmuls, vmap, channels-last maps), faster but
     equal to separate training only to rounding, which training can amplify. ``packed``: the
     grouped-kernel engine where it applies (else per model, or vmap when not exact).
-    ``channels_last``: that engine's 2-d maps channels-last in float32 too (needs ``exact=False``;
-    under a mixed ``precision`` they run channels-last regardless, as the separate trainer runs them). ``keep_freed_memory``: keep
+    ``channels_last``: that engine's 2-d maps channels-last even where separate training runs them
+    NCHW (needs ``exact=False``; where the evaluator's ``memory_format`` runs separate training
+    channels-last, fused training runs so regardless, exactly). ``keep_freed_memory``: keep
     freed heap blocks for the next fused step (glibc ``mallopt``, process-wide). ``decision_cache``:
     the SQLite file keeping measured speed-ups across processes (:mod:`tridens.xopt._decision_cache`;
     ``""``: this process only; :meth:`Settings.from_env` gives the user's cache file).

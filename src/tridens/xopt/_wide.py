@@ -376,7 +376,8 @@ def _joint_member(members: list[PipelineMember], chunk: list[tuple[_Analysis, in
             apart.setdefault(why, []).append(m.trial_id)
             continue
         joint.append(m)
-        first = _first_layer(a) if settings.wide != "off" else None
+        # (a wide op reads the batch as given: not for models the memory-format policy runs channels-last)
+        first = _first_layer(a) if settings.wide != "off" and not cfg0.channels_last else None
         if first is not None:
             firsts[m.trial_id] = first
         if model is not None and exact[0]:
