@@ -9,6 +9,11 @@ import torch
 
 torch.set_num_threads(1)
 os.environ["TRIDENS_DECISION_CACHE"] = "off"
+# Subprocesses import the tridens this suite tests, whatever folder they start in: a relative
+# PYTHONPATH (``PYTHONPATH=src pytest``) is made absolute once, here.
+if os.environ.get("PYTHONPATH"):
+    os.environ["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p
+                                               for p in os.environ["PYTHONPATH"].split(os.pathsep))
 
 # The longest test files (seconds, both workers of a 2-core machine busy). `make test` hands whole
 # files to the pytest-xdist workers in collection order (`--dist loadfile --no-loadscope-reorder`),

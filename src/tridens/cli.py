@@ -1,4 +1,5 @@
-"""The ``tridens`` command: run, ls, show, top, export, resume, dashboard, plot, export-optuna.
+"""The ``tridens`` command: run, ls, show, top, export, resume, dashboard, plot, export-optuna,
+clean-stages.
 
     tridens run search.py            # run a script that builds and runs a td.Experiment
     tridens ls                       # experiments in the store
@@ -11,6 +12,7 @@
     tridens dashboard                # a web dashboard on http://127.0.0.1:8765
     tridens plot NAME --to curves.png
     tridens export-optuna NAME --to sqlite:///optuna.db
+    tridens clean-stages --dry-run   # stage checkpoints no live trial needs: listed (then removed without --dry-run)
 
 Every command takes ``--db PATH`` (default ``$TRIDENS_DB`` or ``tridens.db``).
 """
@@ -360,6 +362,35 @@ def _cmd_export_optuna(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bytes(text: str) -> int:
+    """``--keep``'s value: ``0`` or a size such as ``512MiB`` or ``2GB``."""
+    from .units import parse_memory
+
+    if text.strip() == "0":
+        return 0
+    try:
+        return int(parse_memory(text, "--keep", "tridens clean-stages") or 0)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _cmd_clean_stages(args: argparse.Namespace) -> int:
+    from .store import clean_stages
+    from .text import printable
+
+    with _store(args.db, readonly=args.dry_run) as db:
+        result = clean_stages(db, args.keep, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for sid, label, experiment, path, size, why in result.removed:
+        by = f"trained by {printable(repr(experiment))}" if experiment else "its experiment deleted"
+        print(f"{verb} stage {sid} ({printable(label)}, {by}): {printable(path)}, {size / 2**20:.2f} MiB: {why}")
+    rows = f" and {result.orphans} stage row(s) no trial uses any more" if result.orphans else ""
+    also = f", then the most recently used up to {args.keep / 2**20:.0f} MiB" if args.keep else ""
+    print(f"{verb} {len(result.removed)} stage checkpoint(s) ({result.freed / 2**20:.1f} MiB){rows}; "
+          f"{result.kept / 2**20:.1f} MiB kept (the stages live trials went through{also}) in {printable(args.db)}")
+    return 0
+
+
 def _output_options(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
@@ -426,6 +457,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, help="the Optuna storage URL, e.g. sqlite:///optuna.db")
     p.add_argument("--study", default=None, help="the study's name (default: the experiment's)")
     p.set_defaults(fn=_cmd_export_optuna)
+
+    p = sub.add_parser("clean-stages", parents=[common],
+                       help="remove stage-tree checkpoints that no pending, running or interrupted trial needs")
+    p.add_argument("--keep", type=_bytes, default=0, metavar="SIZE",
+                   help="keep the most recently used of the others up to SIZE, e.g. 1GiB (default: 0, none)")
+    p.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    p.set_defaults(fn=_cmd_clean_stages)
     return parser
 
 

@@ -44,7 +44,7 @@ from ..errors import StoreError
 from ..trial import TrialStatus
 from ._sqlite import Store
 
-__all__ = ["StagePolicy", "StageArchive", "StageHit", "StageRecord", "stage_tree"]
+__all__ = ["StagePolicy", "StageArchive", "StageHit", "StageRecord", "StageCleanup", "stage_tree", "clean_stages"]
 
 log = logging.getLogger("tridens")
 
@@ -347,28 +347,65 @@ class StageArchive:
     def collect(self) -> int:
         """Remove the stage checkpoints the policy does not keep (see the module docstring);
         returns the bytes freed."""
-        with self.store._reading("listing stage checkpoints") as conn:
-            rows = conn.execute(
-                "SELECT s.id, s.checkpoint, s.bytes, s.used_at, "
-                f"EXISTS (SELECT 1 FROM stage_trials st JOIN trials t ON t.id = st.trial_id WHERE st.stage_id = s.id "
-                f"AND t.status IN ({','.join('?' * len(_LIVE))})), "
-                "EXISTS (SELECT 1 FROM stage_trials st WHERE st.stage_id = s.id) "
-                "FROM stages s WHERE s.checkpoint IS NOT NULL", _LIVE).fetchall()
-        drop = [r for r in rows if not r[5]]                     # no trial uses it any more
-        kept = sorted((r for r in rows if r[5] and not r[4]), key=lambda r: -r[3])   # newest use first
-        total = sum(r[2] for r in rows if r[4])                  # pinned by live trials: always kept
-        for r in kept:
-            if total + r[2] <= self.policy.max_bytes:
-                total += r[2]
-            else:
-                drop.append(r)
-        freed = self._delete_files([(r[0], r[1]) for r in drop])
-        self.remove_orphans()
-        if drop:
-            log.info("stage checkpoints: %d removed (%.1f MiB); %.1f MiB kept (live trials' stages, then the "
-                     "most recently used up to %.0f MiB)", len(drop), freed / 2**20, total / 2**20,
-                     self.policy.max_bytes / 2**20)
-        return freed
+        return clean_stages(self.store, self.policy.max_bytes).freed
+
+
+@dataclass
+class StageCleanup:
+    """What :func:`clean_stages` removes (or, in a dry run, would remove): per checkpoint
+    ``(stage id, label, experiment that trained it, path under <db>.files/, bytes, why)``, the
+    stage rows no trial uses any more (``orphans``, their checkpoints among ``removed``), the bytes
+    freed and the bytes kept."""
+
+    removed: list[tuple[int, str, str | None, str, int, str]] = field(default_factory=list)
+    orphans: int = 0
+    freed: int = 0
+    kept: int = 0
+    dry_run: bool = False
+
+
+def clean_stages(store: Store, max_bytes: int = 0, *, dry_run: bool = False) -> StageCleanup:
+    """Remove the store's stage checkpoints beyond what live trials need: a checkpoint a pending,
+    running or interrupted trial went through is kept (it may resume from it); the others are
+    kept, most recently used first, while they total at most ``max_bytes``; stages no trial uses
+    any more (a deleted experiment's) go, rows and checkpoints. With ``dry_run``, nothing is
+    removed: the result lists what would go. ``tridens clean-stages`` calls it; runs call it
+    (:meth:`StageArchive.collect`) with their :class:`StagePolicy`'s ``max_bytes``.
+
+    >>> clean_stages(Store("tridens.db"), dry_run=True).removed      # doctest: +SKIP
+    [(3, '1.0', 'search', '.stages/ab/cd.pt', 52311, 'no live trial needs it')]
+    """
+    with store._reading("listing stage checkpoints") as conn:
+        rows = conn.execute(
+            "SELECT s.id, s.checkpoint, s.bytes, s.used_at, "
+            f"EXISTS (SELECT 1 FROM stage_trials st JOIN trials t ON t.id = st.trial_id WHERE st.stage_id = s.id "
+            f"AND t.status IN ({','.join('?' * len(_LIVE))})), "
+            "EXISTS (SELECT 1 FROM stage_trials st WHERE st.stage_id = s.id), s.label, e.name "
+            "FROM stages s LEFT JOIN experiments e ON e.id = s.experiment_id WHERE s.checkpoint IS NOT NULL "
+            "ORDER BY s.id", _LIVE).fetchall()
+        orphans = conn.execute(f"SELECT COUNT(*) {_orphans_sql()}").fetchone()[0]
+    drop = [(r, "no trial uses it any more") for r in rows if not r[5]]
+    kept = sorted((r for r in rows if r[5] and not r[4]), key=lambda r: -r[3])   # newest use first
+    total = sum(r[2] for r in rows if r[4])                  # pinned by live trials: always kept
+    for r in kept:
+        if total + r[2] <= max_bytes:
+            total += r[2]
+        else:
+            drop.append((r, "no live trial needs it" + (f", beyond the {max_bytes / 2**20:.0f} MiB kept" if max_bytes else "")))
+    drop.sort(key=lambda item: item[0][0])
+    result = StageCleanup(removed=[(r[0], r[6], r[7], str(r[1]), int(r[2]), why) for r, why in drop],
+                          orphans=int(orphans), kept=total, dry_run=dry_run)
+    if dry_run:
+        result.freed = sum(r[2] for r, _ in drop)
+        return result
+    archive = StageArchive(store, "")
+    result.freed = archive._delete_files([(r[0], r[1]) for r, _ in drop])
+    archive.remove_orphans()
+    if drop:
+        log.info("stage checkpoints: %d removed (%.1f MiB); %.1f MiB kept (live trials' stages, then the "
+                 "most recently used up to %.0f MiB)", len(drop), result.freed / 2**20, total / 2**20,
+                 max_bytes / 2**20)
+    return result
 
 
 def _orphans_sql() -> str:
