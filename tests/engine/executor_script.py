@@ -31,6 +31,7 @@ class OneMLP(tnn.ModelSpace):
 
 
 TRIALS = {"crash": 4, "slow": 6, "hang": 2}
+ONESHOT_EPOCHS = 6
 
 
 def crash_on_x_2(model, x):
@@ -65,9 +66,23 @@ def executor(kind: str, store: str):
     return td.executors.Ray(workers=2, storage=store + ".ray")
 
 
+def oneshot(kind: str, store: str) -> None:
+    """A one-shot search (SPOS over the one-shot tests' DigitsCNN, ``ONESHOT_EPOCHS`` supernet epochs)."""
+    from tests.oneshot.spaces import DigitsCNN
+
+    torch.set_num_threads(1)  # the same float results in every process
+    train, val = td.datasets.digits()
+    evaluator = td.evaluators.Classification(train, val, epochs=1, batch_size=64, optimizer="adam", lr=0.01)
+    td.Experiment(DigitsCNN(), evaluator, td.oneshot.RandomOneShot(samples=2, search="random", epochs=ONESHOT_EPOCHS),
+                  store=store, name="oneshot", executor=executor(kind, store), options=td.RunOptions(verbose=False)).run()
+
+
 def main() -> None:
     kind, store, scenario = sys.argv[1:4]
     verbose = sys.argv[4:5] == ["verbose"]
+    if scenario == "oneshot":
+        oneshot(kind, store)
+        return
     evaluator = td.evaluators.FunctionalEvaluator(LOOPS[scenario], x=td.choice("x", list(range(TRIALS[scenario]))))
     td.Experiment(OneMLP(), evaluator, td.strategy.GridSearch(), budget=TRIALS[scenario], store=store,
                   name=scenario, executor=executor(kind, store), options=td.RunOptions(verbose=verbose)).run()

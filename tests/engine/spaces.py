@@ -173,3 +173,34 @@ class Groups(td.strategy.Strategy):
             return None
         self._next += 1
         return TrialGroup([dict(s) for s in self.groups[self._next - 1]])
+
+
+class _Away(nn.Module):
+    """An operation that hangs (``"hang"``: ten minutes without a word) or ends its process
+    (``"die"``: ``os._exit(3)``) in any process but ``driver``."""
+
+    def __init__(self, away, driver):
+        super().__init__()
+        self.away, self.driver = away, driver
+        self.lin = nn.Linear(64, 10)
+
+    def forward(self, x):
+        if os.getpid() != self.driver:
+            if self.away == "hang":
+                time.sleep(600)
+            else:
+                os._exit(3)
+        return self.lin(x)
+
+
+class AwayChoice(tnn.ModelSpace):
+    """A one-shot space over digits (a linear layer or a misbehaving one) whose supernet trains
+    in the driver but hangs or dies in a worker: the supernet of DARTS runs every candidate."""
+
+    def __init__(self, away, driver):
+        super().__init__()
+        self.op = tnn.LayerChoice({"linear": nn.Linear(64, 10), "away": _Away(away, driver)}, label="op")
+        self.example_inputs = (torch.zeros(2, 1, 8, 8),)
+
+    def forward(self, x):
+        return self.op(x.flatten(1))

@@ -8,6 +8,9 @@ step-wise trials train in another process: pool workers, stage trees on them, Ra
 children),
 ``kill -9`` of the driver and a resume (real subprocesses), a fork of a member from its state,
 stage trees (trials sharing a training prefix) and a strategy that forks members (PBT).
+One-shot runs take the cases that apply to them: the supernet trains as one trial where the
+executor trains trials (seeded metrics, the budget's stop, a worker that hangs or dies inside an
+epoch, kill -9 of the driver and a resume from the supernet's last epoch).
 
 The in-process Ray cases share one local Ray for the module (started on 127.0.0.1 as the executor
 starts it); the two subprocess cases on Ray (a worker that kills itself, kill -9 of the driver),
@@ -30,7 +33,9 @@ import tridens as td
 from tridens.trial import Trial, TrialStatus
 from tridens.units import Job, SeparateUnit
 
-from .spaces import AwayMLP, TinyMLP
+from tests.oneshot.spaces import DigitsCNN
+
+from .spaces import AwayChoice, AwayMLP, TinyMLP
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -367,6 +372,118 @@ def test_kill_9_of_the_driver_then_resume_loses_and_repeats_nothing(kind, tmp_pa
         if t.id in before:
             assert t.metrics == before[t.id].metrics and t.checkpoint == before[t.id].checkpoint
     assert rows(store, "SELECT status FROM experiments WHERE name = 'slow'") == [("done",)]
+
+
+# -- one-shot runs -------------------------------------------------------------------------------
+def one_shot(tmp_path, executor, evaluator, strategy, space=None, name="oneshot", **budget):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    exp = td.Experiment(space or DigitsCNN(), evaluator, strategy, store=tmp_path / "t.db", name=name,
+                        executor=executor, budget=td.Budget(**budget), options=td.RunOptions(verbose=False))
+    exp.run()
+    return exp, {t.info["oneshot"]["role"] + str(t.label): t for t in exp.trials()}
+
+
+def adam(digits_data):
+    train, val = digits_data
+    return td.evaluators.Classification(train=train, val=val, epochs=2, batch_size=64, optimizer="adam", lr=0.01)
+
+
+def darts():
+    return td.oneshot.DARTS(samples=2, population=2, retrain=1)
+
+
+@pytest.mark.parametrize("kind", EXECUTORS)
+def test_a_one_shot_run_gets_the_in_process_result_wherever_its_supernet_trains(kind, tmp_path, executor_of,
+                                                                               digits_data):
+    """The supernet trains as one trial of the executor (a pool worker, a Ray task), its epochs'
+    checkpoints come back to the store; the subnets it scores and the retrained best are those of
+    a run in this process."""
+    ev = adam(digits_data)
+    if "oneshot" not in _REFERENCES:
+        _REFERENCES["oneshot"] = one_shot(tmp_path / "reference", td.executors.Inline(), ev, darts())[1]
+    want = _REFERENCES["oneshot"]
+    exp, got = one_shot(tmp_path, executor_of(kind), ev, darts())
+    assert exp.stop_reason.startswith("DARTS is done: the supernet trained 2 epochs, 2 subnets scored")
+    assert got.keys() == want.keys()
+    for key, trial in got.items():
+        ref = want[key]
+        assert trial.status is ref.status is TrialStatus.COMPLETED and trial.sample == ref.sample, key
+        assert trial.checkpoint and Path(trial.checkpoint).is_file(), key
+        assert trial.metrics.keys() == ref.metrics.keys(), key
+        for metric, values in trial.metrics.items():  # (accuracy may move by an example: float sums differ)
+            assert values == pytest.approx(ref.metrics[metric], rel=1e-4, abs=0.01 if "acc" in metric else 1e-6)
+    supernet = got["supernet0"]
+    assert supernet.info["oneshot"]["epochs"] == 2 and supernet.info["oneshot"]["steps"] > 0
+    assert supernet.info["params"] == want["supernet0"].info["params"]
+    with td.store.Store(tmp_path / "t.db", readonly=True) as db:
+        state = db.load_checkpoint(supernet.checkpoint)
+    assert state["epoch"] == 2 and "info" not in state
+
+
+@pytest.mark.parametrize("kind", EXECUTORS)
+def test_max_duration_stops_a_supernet_and_the_next_run_continues_it_from_its_checkpoint(kind, tmp_path, executor_of,
+                                                                                        digits_data):
+    ev = adam(digits_data)
+    strategy = td.oneshot.RandomOneShot(samples=2, search="random", epochs=3)
+    exp, got = one_shot(tmp_path, executor_of(kind), ev, strategy, max_duration=1e-6)
+    assert exp.stop_reason == ("max_duration=1e-06 reached during the supernet's training, after epoch 1 of 3 "
+                               "(its checkpoint is kept: run again to continue)")
+    (supernet,) = got.values()
+    assert supernet.status is TrialStatus.STOPPED and len(supernet.metrics["train_loss"]) == 1 and supernet.checkpoint
+    exp, got = one_shot(tmp_path, executor_of(kind), ev, td.oneshot.RandomOneShot(samples=2, search="random", epochs=3))
+    assert exp.stop_reason.startswith("RandomOneShot is done: the supernet trained 3 epochs, 2 subnets scored")
+    whole = one_shot(tmp_path / "whole", td.executors.Inline(), ev,
+                     td.oneshot.RandomOneShot(samples=2, search="random", epochs=3))[1]
+    assert got["supernet0"].status is TrialStatus.COMPLETED
+    assert got["supernet0"].metrics["train_loss"] == pytest.approx(whole["supernet0"].metrics["train_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["process", "ray"])
+@pytest.mark.parametrize("how", ["hang", "die"])
+def test_a_supernet_whose_worker_hangs_or_dies_fails_with_the_executors_message(kind, how, tmp_path, executor_of,
+                                                                              digits_data):
+    """The hang check and the death message of the executor: a supernet silent past
+    ``trial_timeout`` is killed with its worker, one whose worker dies fails; the run stops
+    saying so in one line (its checkpoint, if any, kept for the next run)."""
+    ev = adam(digits_data)
+    exp, got = one_shot(tmp_path, executor_of(kind), ev, td.oneshot.DARTS(samples=1),
+                        space=AwayChoice(how, os.getpid()), trial_timeout=3 if how == "hang" else None)
+    (supernet,) = got.values()
+    assert supernet.status is TrialStatus.FAILED
+    if how == "hang":
+        assert "exceeded trial_timeout=3 s" in supernet.error and "killed" in supernet.error, supernet.error
+    else:
+        assert "died" in supernet.error, supernet.error
+    assert "\n" not in exp.stop_reason and exp.stop_reason.endswith("run again to start it again"), exp.stop_reason
+
+
+@pytest.mark.parametrize("kind", ["process", pytest.param("ray", marks=pytest.mark.slow)])
+def test_kill_9_of_a_one_shot_driver_then_resume_continues_the_supernet_from_its_last_epoch(kind, tmp_path):
+    from .executor_script import ONESHOT_EPOCHS
+
+    store = tmp_path / "oneshot.db"
+    proc = start_script(kind, store, "oneshot")
+
+    def two_epochs():
+        """the supernet recorded two epochs"""
+        return rows(store, "SELECT COUNT(*) FROM metrics WHERE name = 'train_loss'")[0][0] >= 2
+
+    wait_for(two_epochs)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    (before,) = trials_of(store, "oneshot")
+    assert before.checkpoint and 2 <= len(before.metrics["train_loss"]) < ONESHOT_EPOCHS
+    resumed = start_script(kind, store, "oneshot")
+    out = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, out
+    trials = trials_of(store, "oneshot")
+    assert [t.status for t in trials] == [TrialStatus.COMPLETED] * 3
+    supernet = trials[0]
+    losses = supernet.metrics["train_loss"]
+    assert len(losses) == ONESHOT_EPOCHS and losses[:len(before.metrics["train_loss"])] == before.metrics["train_loss"]
+    assert rows(store, "SELECT DISTINCT step FROM metrics WHERE trial_id = ? ORDER BY step", (supernet.id,)) == [
+        (s,) for s in range(ONESHOT_EPOCHS)]
+    assert rows(store, "SELECT status FROM experiments WHERE name = 'oneshot'") == [("done",)]
 
 
 # -- the driver's leftovers ------------------------------------------------------------------------

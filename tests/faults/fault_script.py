@@ -61,6 +61,30 @@ def fills_the_disk(model, x, room):
     return float(x)
 
 
+class FillsTheDiskOnce(td.loggers.Callback):
+    """A callback that fills the disk of the folder ``FILL`` at the supernet's first epoch (once:
+    a marker remembers it), leaving ``room`` bytes: the store's next write meets a full disk."""
+
+    def __init__(self, room):
+        self.room = room
+
+    def on_trial_step(self, trial, step, metrics):
+        folder = os.environ["FILL"]
+        marker = os.path.join(folder, "filled")
+        if os.path.exists(marker):
+            return
+        open(marker, "w").close()
+        filler = os.path.join(folder, "filler")
+        try:
+            with open(filler, "wb") as f:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+        except OSError:
+            pass
+        os.truncate(filler, max(0, os.path.getsize(filler) - self.room))
+
+
 def executor(kind):
     return td.executors.Inline() if kind == "inline" else td.executors.Process(workers=2)
 
@@ -71,6 +95,14 @@ def main() -> None:
         evaluator = td.evaluators.FunctionalEvaluator(steps, x=td.choice("x", list(range(8))))
         td.Experiment(None, evaluator, td.strategy.GridSearch(), budget=8, store=store, name="steps",
                       executor=executor(kind), options=td.RunOptions(verbose=False)).run()
+    elif scenario.startswith("oneshot-fill-"):   # oneshot-fill-<room in bytes>
+        from tests.oneshot.spaces import DigitsCNN
+
+        train, val = td.datasets.digits()
+        evaluator = td.evaluators.Classification(train, val, epochs=2, batch_size=64, optimizer="adam", lr=0.01)
+        td.Experiment(DigitsCNN(), evaluator, td.oneshot.RandomOneShot(samples=2, search="random"), store=store,
+                      name="oneshot", executor=executor(kind), options=td.RunOptions(verbose=False),
+                      callbacks=[FillsTheDiskOnce(int(scenario.split("-")[2]))]).run()
     elif scenario.startswith("fill-"):   # fill-<room in bytes>
         evaluator = td.evaluators.FunctionalEvaluator(fills_the_disk, x=td.choice("x", [0, 1, 2, 3]),
                                                       room=int(scenario.split("-")[1]))

@@ -100,3 +100,32 @@ def test_a_run_stopped_by_a_full_disk_again_and_again_charges_no_death(tmp_path)
         trials = db.trials("fill")
     assert len(trials) == 4 and all(t.status is td.TrialStatus.COMPLETED for t in trials), [t.error for t in trials]
     assert all(not t.info.get("deaths") for t in trials), [t.info.get("deaths") for t in trials]
+
+
+@pytest.mark.parametrize("kind", ["inline", "process"])
+def test_a_full_disk_stops_a_one_shot_run_with_one_line_and_the_next_run_finishes_it(tmp_path, kind):
+    """On a 6 MB tmpfs of its own: the disk fills after the supernet's first epoch; the run stops
+    saying "disk full" in one line (no traceback); once there is space the next run finishes the
+    same supernet and scores its subnets."""
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir()
+    out.mkdir()
+    run = f"{sys.executable} -m tests.faults.fault_script oneshot-fill-0 {kind} {disk}/t.db"
+    script = (f"mount -t tmpfs -o size=6m tmpfs {disk} || exit 99\n"
+              f"{run} > {out}/first.txt 2>&1; echo $? > {out}/first.rc\n"
+              f"rm -f {disk}/filler\n"
+              f"{run} > {out}/second.txt 2>&1; echo $? > {out}/second.rc\n"
+              f"cp {disk}/t.db {out}/t.db\n")
+    subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=ROOT, check=True, timeout=600,
+                   env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "FILL": str(disk)})
+    first = (out / "first.txt").read_text()
+    assert (out / "first.rc").read_text().strip() != "0"
+    lines = [line for line in first.splitlines() if line.strip()]
+    assert len(lines) == 1 and "disk full" in lines[0] and "Traceback" not in first, first
+    assert (out / "second.rc").read_text().strip() == "0", (out / "second.txt").read_text()
+    with td.store.Store(out / "t.db", readonly=True) as db:
+        trials = db.trials("oneshot")
+    roles = [t.info["oneshot"]["role"] for t in trials]
+    assert roles == ["supernet", "subnet", "subnet"], roles  # the same supernet, finished by the second run
+    assert all(t.status is td.TrialStatus.COMPLETED for t in trials), [t.error for t in trials]
+    assert len(trials[0].metrics["train_loss"]) == 2

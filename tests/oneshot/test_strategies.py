@@ -225,15 +225,6 @@ def test_a_user_loop_evaluator_is_refused(tmp_path):
                       options=td.RunOptions(verbose=False)).run()
 
 
-def test_experiment_options_a_one_shot_search_does_not_apply_are_named(tmp_path, evaluator, caplog):
-    caplog.set_level("WARNING", logger="tridens")
-    td.Experiment(DigitsCNN(), evaluator, td.oneshot.RandomOneShot(samples=2, population=2), store=tmp_path / "t.db",
-                  options=td.RunOptions(verbose=False), budget=td.Budget(max_duration=600, trial_timeout=60),
-                  executor=td.executors.Process()).run()
-    ignored = [r.getMessage() for r in caplog.records if "is not applied to a one-shot search" in r.getMessage()]
-    assert [m.split("=")[0] for m in ignored] == ["one-shot: executor"]  # the budget applies (test_protocol.py)
-
-
 def test_retrained_models_rank_first_and_say_so(tmp_path, evaluator, capsys, monkeypatch):
     """With ``retrain``, the models trained from scratch come before every subnet scored with the
     supernet's weights (a proxy) in ``top``, ``tridens top`` and ``export --top``; each names its role,

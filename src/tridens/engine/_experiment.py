@@ -689,6 +689,15 @@ class Experiment:
                 with Store(self._store_path()) as db:
                     mark_interrupted(db, self._name())  # the supernet's checkpoint and the scored subnets stay
                     self._interrupted(db, self._name(), self._store_path(), err)
+            except (RunHalted, StorageFault) as err:
+                # A storage fault (full disk, the store file gone) stops the run in one line; what is
+                # stored stays (the supernet's last checkpoint, the scored subnets) for the next run.
+                fault = err.cause if isinstance(err, RunHalted) else err
+                with contextlib.suppress(StoreError), Store(self._store_path()) as db:
+                    mark_interrupted(db, self._name(), quiet=True)
+                self.stop_reason = str(fault)
+                _print_interrupt_as_one_line()
+                raise fault from None
             self._stopped(self._name(), reason)
             return self
         from ._no_model import NoModelSpace

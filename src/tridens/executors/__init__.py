@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ._fluid import DynamicFluid, FluidScheduler, StaticFluid, fluid_policy, fluid_shares
     from ._protocol import GroupHooks, RunHalted, TrialProtocol, TrialTimeout, Verdict, error_text
     from ._ray import RayExecutor, RayExecutor as Ray
+    from ._ray_storage import CheckpointStorage
     from ._threads import ThreadPlan, ThreadPolicy
 
 # public name -> the module that defines it
@@ -43,13 +44,14 @@ _DEFINED = {
     "fluid_policy": "._fluid",
     "ThreadPolicy": "._threads", "ThreadPlan": "._threads",
     "Channel": "._channel", "ChannelClosed": "._channel", "PipeChannel": "._channel", "HubChannel": "._channel",
+    "CheckpointStorage": "._ray_storage",
 }
 _ALIASES = {"Inline": "InlineExecutor", "Process": "ProcessExecutor", "Ray": "RayExecutor"}
 
 __all__ = ["Executor", "RunContext", "Inline", "Process", "Ray", "InlineExecutor", "ProcessExecutor", "RayExecutor",
            "make_executor", "check_forks", "TrialProtocol", "Verdict", "GroupHooks", "TrialTimeout", "RunHalted",
            "error_text", "StaticFluid", "DynamicFluid", "FluidScheduler", "fluid_shares", "fluid_policy",
-           "ThreadPolicy", "ThreadPlan", "Channel", "ChannelClosed", "PipeChannel", "HubChannel"]
+           "ThreadPolicy", "ThreadPlan", "Channel", "ChannelClosed", "PipeChannel", "HubChannel", "CheckpointStorage"]
 
 _lazy_getattr, __dir__ = lazy_names(__name__, _DEFINED, globals(), __all__)
 

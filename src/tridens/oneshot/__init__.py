@@ -16,10 +16,12 @@ Strategies: :class:`RandomOneShot` (SPOS), :class:`DARTS`, :class:`GumbelDARTS`,
 
 from ._strategies import DARTS, ENAS, Controller, GumbelDARTS, OneShotStrategy, RandomOneShot, gumbel_softmax
 from ._supernet import ArchState, MixedCell, MixedDepth, MixedEdge, MixedInput, MixedLayer, Supernet, build_supernet
-from ._run import OneShotTrials, TrialLife, run_oneshot
+from ._run import OneShotTrials, TrialLife, note_training, run_oneshot
+from ._training import SupernetLoop, SupernetTraining
 
 __all__ = [
     "OneShotStrategy", "RandomOneShot", "DARTS", "GumbelDARTS", "ENAS", "Controller", "gumbel_softmax",
     "Supernet", "build_supernet", "ArchState", "MixedLayer", "MixedInput", "MixedDepth",
-    "MixedEdge", "MixedCell", "run_oneshot", "OneShotTrials", "TrialLife",
+    "MixedEdge", "MixedCell", "run_oneshot", "OneShotTrials", "TrialLife", "SupernetLoop", "SupernetTraining",
+    "note_training",
 ]

@@ -24,7 +24,8 @@ with the subnets already scored kept (the search replays, scoring only new ones)
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import copy
 import itertools
 import logging
 import math
@@ -34,7 +35,6 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Mapping, Protocol
 
 import torch
-from torch.utils.data import Subset
 
 from ..errors import TridensError
 from ..evaluators import SupervisedEvaluator, BatchSource
@@ -43,11 +43,16 @@ from ..trial import Objective, Trial, TrialStatus
 from ._search import evaluate_path, evolution, random_search, sample_key
 from ._strategies import OneShotStrategy
 from ._supernet import Supernet, build_supernet
+from ._training import SupernetLoop, SupernetTraining, data_inputs, jsonable
 
-__all__ = ["run_oneshot", "OneShotTrials", "TrialLife"]
+__all__ = ["run_oneshot", "OneShotTrials", "TrialLife", "note_training"]
 
 log = logging.getLogger("tridens")
-CHECKPOINT_FORMAT = 1
+
+
+def _violated(trial: Trial) -> bool:
+    """A subnet failed unscored because it violates a constraint (an outcome of its architecture)."""
+    return trial.status is TrialStatus.FAILED and (trial.error or "").startswith("constraint violated")
 
 
 def _role(trial: Trial) -> str | None:
@@ -89,6 +94,22 @@ class OneShotTrials(Protocol):
     def planned(self, total: int) -> None:
         """The run will finish ``total`` trials (the progress view's total)."""
 
+    def scratch(self, trial: Trial) -> tuple[Any, str] | None:
+        """Where a worker of the run's executor writes ``trial``'s checkpoints for the driver: a
+        checkpoint storage (``save``, ``load``, ``remove``) and a location in it; None when the
+        executor trains trials in this process (the caller trains them itself)."""
+
+    def seed_of(self, architecture: Mapping[str, Any]) -> int:
+        """The seed of a new trial that trains ``architecture`` from scratch (the run's ``seeds`` policy)."""
+
+    def violation(self, trial: Trial, model: Any) -> str | None:
+        """The first of the run's constraints that ``model`` (``trial``'s; its measured facts are
+        added to ``trial.info``) violates, as the failed trial's error says it; None when it meets them."""
+
+    def train(self, trial: Trial, evaluator: Any, model: Any = None) -> None:
+        """Train ``trial`` (its ``model``, None for an evaluator that builds its own) with
+        ``evaluator`` on the run's executor, through the trial protocol, to its outcome."""
+
 
 class _OutOfBudget(Exception):
     """The run's budget ended inside the search (raised through the search's score function)."""
@@ -98,37 +119,39 @@ class _OutOfBudget(Exception):
         self.reason = reason
 
 
-# Experiment options a one-shot search does not apply (it trains one supernet in this process), with
-# the value that means "not set"; a user who set one is told rather than ignored silently.
-_IGNORED = {
-    "constraints": ((), "subnets are not filtered by them"),
-    "warm_start": (False, "the supernet starts from its own initialization"),
-    "executor": (None, "the supernet trains in this process"),
-    "workers": (2, "the supernet trains in this process"),
-    "allocation": (None, "the supernet trains in this process"),
+# Experiment options a one-shot run cannot apply, with the value that means "not set" and why: one
+# that is set is refused before the run, in one line naming it.
+_REFUSED = {
+    "warm_start": (False, "the supernet starts from its own initialization and a retrain from the evaluator's; "
+                          "drop it, or warm-start a multi-trial search (td.strategy.*)"),
+    "allocation": (None, "the supernet trains as one trial on one worker; drop it"),
+    "stage_policy": (None, "a one-shot run trains no stage trees; drop it"),
 }
 
 
-def _warn_ignored(exp: Any) -> None:
-    for option, (unset, why) in _IGNORED.items():
-        value = getattr(exp, option)
-        if value != unset and not (option == "constraints" and not value):
-            log.warning("one-shot: %s=%r is not applied to a one-shot search (%s)", option, value, why)
+def _refuse_unapplied(exp: Any, strategy: OneShotStrategy) -> None:
+    for option, (unset, why) in _REFUSED.items():
+        value = getattr(exp, option, unset)
+        if value is not None and value != unset:
+            raise ValueError(f"The '{option}' parameter of Experiment is not applied by the one-shot strategy "
+                             f"{type(strategy).__name__}: {why}. Got {option}={value!r} instead.")
 
 
 def run_oneshot(exp: Any, strategy: OneShotStrategy,
-                trials_of: Callable[[Store, str], ContextManager[OneShotTrials]]) -> str:
+                trials_of: Callable[[Store, str], ContextManager[OneShotTrials]],
+                config: Mapping[str, Any] | None = None) -> str:
     """Run (or resume) ``exp`` with a one-shot ``strategy``; returns why it stopped (what it did),
     the line the experiment ends with. ``trials_of(store, name)`` is the engine's
     :class:`OneShotTrials` of the run while the trials run (entered once the experiment's record
-    exists; it tells the callbacks the run started and ended)."""
+    exists; it tells the callbacks the run started and ended). ``config``: more the experiment's
+    record holds (the engine's description of the search space)."""
     if not isinstance(exp.evaluator, SupervisedEvaluator):
         raise ValueError(f"The 'evaluator' parameter of Experiment must be a declarative evaluator "
                          f"(td.evaluators.Classification or Regression) for the one-shot strategy "
                          f"{type(strategy).__name__}: the supernet is trained by tridens' own loop. "
                          f"Got {type(exp.evaluator).__name__} instead.")
     strategy.validate()
-    _warn_ignored(exp)
+    _refuse_unapplied(exp, strategy)
     objective = exp._objective()
     path, name = exp._store_path(), exp._name()
     hparams = exp.evaluator.search_space().default_sample()
@@ -139,42 +162,25 @@ def run_oneshot(exp: Any, strategy: OneShotStrategy,
                     exp.evaluator.search_space()[label].domain, value)
     cfg = exp.evaluator.config(hparams)
     # refuses a space that cannot be one-shot, before any write
-    net = build_supernet(exp.space, seed=exp.seed, example_inputs=_data_inputs(cfg))
+    net = build_supernet(exp.space, seed=exp.seed, example_inputs=data_inputs(cfg))
     with Store(path) as db:
         db.lock_run(name)  # a second process running this experiment is refused, naming this one
         try:
             db.get_experiment(name)
         except StoreError:
-            config = exp._config(objective)
-            config["oneshot"] = {"strategy": type(strategy).__name__, "params": _jsonable(strategy.params())}
-            db.create_experiment(name, config)
+            record = {**exp._config(objective), **(config or {})}
+            record["oneshot"] = {"strategy": type(strategy).__name__, "params": jsonable(strategy.params())}
+            db.create_experiment(name, record)
         db.update_experiment(name, status="running")
         try:
             with trials_of(db, name) as trials:
                 reason = _OneShotRun(exp, db, name, strategy, net, cfg, hparams, objective, trials).run()
         except BaseException:
-            db.update_experiment(name, status="interrupted")
+            with contextlib.suppress(StoreError):  # (a full disk: the store's next open settles it)
+                db.update_experiment(name, status="interrupted")
             raise
         db.update_experiment(name, status="done")
     return reason
-
-
-def _data_inputs(cfg: Any) -> tuple[torch.Tensor, ...] | None:
-    """A few validation inputs, for a supernet that needs inputs the space does not give."""
-    if cfg.val is None or len(cfg.val) == 0:
-        return None
-    x, _ = next(BatchSource(cfg.val, torch.device("cpu")).batches(None, 4))
-    return (x,)
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, (str, int, float, bool)) or obj is None:
-        return obj
-    return repr(obj)
 
 
 class _OneShotRun:
@@ -196,7 +202,10 @@ class _OneShotRun:
         trials = self.db.trials(self.name)
         n = self.strategy.samples if self.exp.max_trials is None else min(self.strategy.samples, self.exp.max_trials)
         self.trials.planned(1 + n + int(self.strategy.retrain))
-        supernet = next((t for t in trials if _role(t) == "supernet"), None)
+        # retry_failed=False: a supernet an earlier run failed stays failed, a new one trains in its place
+        retry = bool(getattr(self.exp, "retry_failed", True))
+        supernet = next((t for t in reversed(trials) if _role(t) == "supernet"
+                         and (retry or t.status is not TrialStatus.FAILED)), None)
         if supernet is None:
             supernet = self.trials.add(Trial(
                 id=-1, sample={}, seed=self.seed, fingerprint=f"supernet:{type(self.strategy).__name__}", group=0,
@@ -224,109 +233,42 @@ class _OneShotRun:
         """The supernet's latest checkpoint, as the store records it (whatever the file's name)."""
         return Path(trial.checkpoint) if trial.checkpoint else None
 
-    def _split(self) -> tuple[Any, Any | None]:
-        """The training examples for weights and (for DARTS/ENAS) the held-out ones for architecture steps."""
-        train = self.cfg.train
-        fraction = float(getattr(self.strategy, "arch_fraction", 0.0) or 0.0)
-        if fraction <= 0:
-            return train, None
-        g = torch.Generator().manual_seed(self.seed)
-        order = torch.randperm(len(train), generator=g).tolist()
-        n_arch = max(1, int(round(len(train) * fraction)))
-        return Subset(train, order[n_arch:]), Subset(train, order[:n_arch])
-
-    def _arch_batcher(self, arch: Any) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
-        """The held-out batch of optimizer step ``step``: a pure function of the step, so a resumed
-        run reads the batches an uninterrupted one would."""
-        source = BatchSource(arch, self.cfg.device)
-        bs = min(self.cfg.batch_size, len(source))
-        per_round = len(source) // bs
-        cache: dict[int, torch.Tensor] = {}
-
-        def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-            rnd, pos = divmod(step, per_round)
-            if rnd not in cache:
-                cache.clear()
-                g = torch.Generator().manual_seed(self.seed * 7919 + rnd)
-                cache[rnd] = torch.randperm(len(source), generator=g)
-            return next(iter(source.batches(cache[rnd][pos * bs:(pos + 1) * bs], bs)))
-        return batch
-
     def train_supernet(self, trial: Trial) -> tuple[int, str | None]:
         """Train (or finish training) the supernet; returns its epochs, and why the run stops here
-        (``max_duration`` reached, ``trial_timeout`` exceeded) or ``None``."""
-        cfg, strategy, net = self.cfg, self.strategy, self.net
-        epochs = strategy.epochs or cfg.epochs
-        weights_data, arch_data = self._split()
-        source = BatchSource(weights_data, cfg.device)
-        # The lr schedule spans the supernet's own steps (its epochs over the weights' share of the data).
-        cfg = dataclasses.replace(cfg, epochs=epochs, train=weights_data)
-        total = cfg.total_steps
-        net.model.to(cfg.device)
-        rng = random.Random(self.seed)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            strategy.begin(net, cfg, total, rng)
-        start_epoch, step = 0, 0
+        (``max_duration`` reached, ``trial_timeout`` exceeded, its process died) or ``None``.
+        Where the executor trains trials in other processes, the supernet trains there as one
+        trial (:class:`SupernetTraining`); then its final checkpoint is loaded here."""
+        fresh = copy.deepcopy(self.strategy)  # (before it begins training here) for a worker to begin
+        loop = SupernetLoop(self.net, self.strategy, self.cfg, self.seed)
+        epochs = loop.epochs
         ckpt = self._checkpoint_path(trial)
+        state = None
         if ckpt is not None and ckpt.is_file():
             state = self.db.load_checkpoint(ckpt)
-            if state.get("format") != CHECKPOINT_FORMAT:
-                raise StoreError(f"{ckpt} is not a tridens supernet checkpoint")
-            net.model.load_state_dict(state["model"])
-            strategy.load_state_dict(state["strategy"])
-            start_epoch, step = int(state["epoch"]), int(state["step"])
-            rng.setstate(_as_rng_state(state["py_rng"]))
-            torch_rng = state["torch_rng"]
-            if start_epoch < epochs:
-                self.say("resuming the supernet at epoch %d of %d from %s", start_epoch, epochs, ckpt)
-        else:
-            torch_rng = torch.Generator().manual_seed(self.seed).get_state()
-        if start_epoch >= epochs and trial.status is TrialStatus.COMPLETED:
+            loop.load(state, ckpt)
+            if loop.start_epoch < epochs:
+                self.say("resuming the supernet at epoch %d of %d from %s", loop.start_epoch, epochs, ckpt)
+        if loop.start_epoch >= epochs and trial.status is TrialStatus.COMPLETED:
             return epochs, None
         # A supernet trained again (after a stop, a timeout or a crash) keeps its earlier epochs' rows.
         trial.status, trial.error, trial.finished_at = TrialStatus.PENDING, None, None
         trial.started_at = trial.started_at or time.time()
+        scratch = self.trials.scratch(trial)
+        if scratch is not None:
+            return self._train_elsewhere(trial, loop, fresh, state, *scratch)
         life = self.trials.life(trial)
         life.start()
-        arch_of = self._arch_batcher(arch_data) if arch_data is not None else None
-        current = [step]
-
-        def arch_batch() -> tuple[torch.Tensor, torch.Tensor]:
-            if arch_of is None:
-                raise TridensError(f"{type(strategy).__name__} asked for architecture data but has no arch_fraction")
-            return arch_of(current[0])
-
-        cpu0, wall0 = time.process_time(), time.perf_counter()
-        for epoch in range(start_epoch, epochs):
+        for epoch in range(loop.start_epoch, epochs):
             epoch_wall = time.perf_counter()
-            net.model.train()
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            order = torch.randperm(len(source), generator=g)
-            total_loss, count = 0.0, 0
-            with torch.random.fork_rng(devices=[]):
-                torch.set_rng_state(torch_rng)
-                for b, (x, y) in enumerate(source.batches(order, cfg.batch_size, cfg.loader_seed(self.seed, epoch))):
-                    x = cfg.augment(x, self.seed, epoch, b)
-                    current[0] = step
-                    loss = strategy.step(x, y, arch_batch, step)
-                    if not math.isfinite(loss):
-                        err = TridensError(f"the supernet's training loss became {loss} at epoch {epoch}, batch {b} "
-                                           f"({type(strategy).__name__}); a lower 'lr' usually helps")
-                        life.fail(str(err))
-                        raise err
-                    step += 1
-                    total_loss += loss * len(y)
-                    count += len(y)
-                torch_rng = torch.get_rng_state()
-            metrics = {"train_loss": total_loss / max(count, 1)}
+            try:
+                metrics = loop.train_epoch(epoch)
+            except TridensError as err:
+                life.fail(str(err))
+                raise
             verdict = life.report(epoch, metrics, last=epoch + 1 >= epochs, seconds=time.perf_counter() - epoch_wall)
-            state = {"format": CHECKPOINT_FORMAT, "model": net.model.state_dict(), "strategy": strategy.state_dict(),
-                     "epoch": epoch + 1, "step": step, "py_rng": _rng_state(rng), "torch_rng": torch_rng}
-            trial.checkpoint = str(self.db.save_checkpoint(trial.id, state, kind="supernet"))
+            trial.checkpoint = str(self.db.save_checkpoint(trial.id, loop.state(epoch + 1, metrics), kind="supernet"))
             self.say("supernet epoch %d/%d: train_loss %.4f", epoch + 1, epochs, metrics["train_loss"])
-            self._note_training(trial, net, epochs, step, cpu0, wall0)
-            cpu0, wall0 = time.process_time(), time.perf_counter()
+            self._note_training(trial, loop.info())
             if verdict.value == "drop":  # over trial_timeout: the protocol failed it
                 return epoch + 1, (f"{trial.error or 'the supernet exceeded trial_timeout'}; its checkpoint after "
                                    f"epoch {epoch + 1} of {epochs} is kept: run again to continue")
@@ -341,17 +283,39 @@ class _OneShotRun:
         life.finish()
         return epochs, None
 
-    def _note_training(self, trial: Trial, net: Supernet, epochs: int, steps: int, cpu0: float, wall0: float) -> None:
-        """Add the supernet's training since ``cpu0``/``wall0`` and its summary to ``trial.info``
+    def _train_elsewhere(self, trial: Trial, loop: SupernetLoop, strategy: OneShotStrategy,
+                         state: Mapping[str, Any] | None, storage: Any, location: str) -> tuple[int, str | None]:
+        """Train the supernet as one trial of the executor (its epochs' checkpoints come back
+        through ``location`` in ``storage`` and into the store), then load its last checkpoint."""
+        epochs = loop.epochs
+        storage.remove(location)  # what an earlier, killed run left there is older than the store's
+        training = SupernetTraining(self.exp.space, self.exp.evaluator, strategy, self.seed,
+                                    self.hparams, state, storage, location)
+        try:
+            self.trials.train(trial, training)
+        finally:
+            storage.remove(location)
+        ckpt = self._checkpoint_path(trial)
+        if ckpt is not None and ckpt.is_file():
+            loop.load(self.db.load_checkpoint(ckpt), ckpt)
+        done = loop.start_epoch
+        kept = (f"its checkpoint after epoch {done} of {epochs} is kept: run again to continue" if done
+                else "run again to start it again")
+        if trial.status is TrialStatus.FAILED:
+            error = (trial.error or "the supernet failed").strip().splitlines()[-1]
+            if "the supernet's training loss became" in error:  # as in this process: the run stops with it
+                raise TridensError(error.split(": ", 1)[-1])
+            return done, f"{error}; {kept}"
+        if trial.status is TrialStatus.STOPPED:
+            reason = self.trials.out_of_budget() or "stopped"
+            return done, (f"{reason} during the supernet's training, after epoch {done} of {epochs} "
+                          f"(its checkpoint is kept: run again to continue)")
+        return epochs, None
+
+    def _note_training(self, trial: Trial, gained: Mapping[str, Any]) -> None:
+        """Add the supernet's training since the last note (:meth:`SupernetLoop.info`) to ``trial.info``
         (written with the trial's next row update)."""
-        info = dict(trial.info)
-        one = dict(info.get("oneshot", {}))
-        one.update({"epochs": epochs, "steps": steps, **_jsonable(self.strategy.summary()),
-                    "train_cpu_s": one.get("train_cpu_s", 0.0) + time.process_time() - cpu0,
-                    "train_wall_s": one.get("train_wall_s", 0.0) + time.perf_counter() - wall0})
-        info["oneshot"] = one
-        info["params"] = sum(p.numel() for p in net.model.parameters())
-        trial.info = info
+        note_training(trial, gained)
 
     # -- search over subnets -------------------------------------------------------------------
     def search(self, supernet: Trial, trials: list[Trial], n: int) -> list[Trial]:
@@ -360,7 +324,8 @@ class _OneShotRun:
         space = self.exp.space
         known: dict[str, Trial] = {}
         for t in trials:
-            if _role(t) == "subnet" and t.status is TrialStatus.COMPLETED:
+            if _role(t) == "subnet" and t.info["oneshot"].get("supernet") == supernet.label and (
+                    t.status is TrialStatus.COMPLETED or _violated(t)):
                 known[sample_key(space.restrict(t.sample))] = t
         val = BatchSource(cfg.val, cfg.device)
         calib_source = BatchSource(cfg.train, cfg.device)
@@ -400,7 +365,8 @@ class _OneShotRun:
                 evolution(ss, score, n, rng, seen, strategy.population, strategy.tournament, start)
         finally:
             net.model.load_state_dict(buffers)
-        best = max(scored, key=lambda t: (*self._rank(t), -t.id)) if scored else None
+        done = [t for t in scored if t.status is TrialStatus.COMPLETED]
+        best = max(done, key=lambda t: (*self._rank(t), -t.id)) if done else None
         if best is not None:
             self.say("searched %d subnets with inherited weights (%.1f CPU-s); best %s = %.4f: %s", len(scored),
                      time.process_time() - cpu0, self.objective.metric, best.metric, space.restrict(best.sample))
@@ -408,11 +374,28 @@ class _OneShotRun:
 
     def _rank(self, trial: Trial) -> tuple[float, float]:
         """A subnet's rank: the objective, ties broken by the lower validation loss. Accuracy on a
-        small validation set is coarse (many subnets tie at one value); the loss separates them."""
+        small validation set is coarse (many subnets tie at one value); the loss separates them. A
+        subnet that violates a constraint ranks below all others."""
+        if trial.status is not TrialStatus.COMPLETED:
+            return -math.inf, -math.inf
         losses = trial.metrics.get("val_loss") if self.objective.metric != "val_loss" else None
         return self.objective.score(trial.metric), (-losses[-1] if losses else 0.0)
 
     def _score_subnet(self, supernet: Trial, sample: dict[str, Any], val: BatchSource, calibration: list[Any]) -> Trial:
+        if self.exp.constraints:  # a subnet that violates one is failed unscored (as a multi-trial run does)
+            model = self.net.extract(sample, seed=self.seed)
+            trial = Trial(id=-1, sample={**sample, **self.hparams}, seed=self.seed, group=1, experiment=self.name,
+                          info={"oneshot": {"role": "subnet", "strategy": type(self.strategy).__name__,
+                                            "inherited": True, "supernet": supernet.label},
+                                "params": sum(p.numel() for p in model.parameters())})
+            violation = self.trials.violation(trial, model)
+            if violation is not None:
+                trial.fingerprint = _fingerprint(model, self.exp.space.example_inputs, sample)
+                trial = self.trials.add(trial)
+                life = self.trials.life(trial)
+                life.start()
+                life.fail(f"constraint violated: {violation}")
+                return trial
         cpu0 = time.process_time()
         metrics = evaluate_path(self.net, sample, self.cfg, val, calibration)
         cpu = time.process_time() - cpu0
@@ -437,7 +420,7 @@ class _OneShotRun:
         k = int(self.strategy.retrain)
         ranked: list[Trial] = []
         for t in sorted(subnets, key=lambda t: (*(-v for v in self._rank(t)), t.id)):
-            if all(sample_key(space.restrict(t.sample)) != sample_key(space.restrict(r.sample)) for r in ranked):
+            if t.status is TrialStatus.COMPLETED and all(sample_key(space.restrict(t.sample)) != sample_key(space.restrict(r.sample)) for r in ranked):
                 ranked.append(t)
         for best in ranked[:k]:
             self._check_budget(f"before retraining {space.restrict(best.sample)}")
@@ -451,13 +434,16 @@ class _OneShotRun:
         mine = [t for t in trials if _role(t) == "retrain" and sample_key(space.restrict(t.sample)) == key]
         if any(t.status is TrialStatus.COMPLETED for t in mine):
             return
-        trial = next((t for t in mine if not t.status.finished), None)
+        # an unfinished retrain trains again; a failed one too with retry_failed, else a new one in its place
+        retry = bool(getattr(self.exp, "retry_failed", True))
+        trial = next((t for t in mine if not t.status.finished or (retry and t.status is TrialStatus.FAILED)), None)
         if trial is None:
             trial = self.trials.add(Trial(
-                id=-1, sample={**sample, **self.hparams}, seed=self.seed, group=2, experiment=self.name,
+                id=-1, sample={**sample, **self.hparams}, seed=self.trials.seed_of(sample), group=2, experiment=self.name,
                 info={"oneshot": {"role": "retrain", "strategy": type(self.strategy).__name__, "of": best.label}}))
         else:
             self.db.delete_metrics(trial.id)
+            trial.error, trial.metric, trial.finished_at = None, None, None
             trial.info["oneshot"]["of"] = best.label
         cpu0 = time.process_time()
         with torch.random.fork_rng(devices=[]):
@@ -466,6 +452,13 @@ class _OneShotRun:
         trial.fingerprint = _fingerprint(model, space.example_inputs, sample)
         trial.info["params"] = sum(p.numel() for p in model.parameters())
         trial.status, trial.metrics = TrialStatus.PENDING, {}
+        if self.trials.scratch(trial) is not None:  # trained where the executor trains its trials
+            self.trials.train(trial, evaluator, model)
+            if trial.status is TrialStatus.FAILED:
+                self.say("retraining %s failed: %s", sample, (trial.error or "").strip().splitlines()[-1:])
+            elif trial.metric is not None:
+                self.say("retrained %s from scratch: %s = %.4f", sample, self.objective.metric, trial.metric)
+            return
         life = self.trials.life(trial)
         life.start()
         trainer = evaluator.trainer(model, self.hparams, trial.seed)
@@ -494,11 +487,15 @@ def _fingerprint(model: Any, inputs: Any, sample: dict[str, Any]) -> str:
         return "sample:" + sample_key(sample)
 
 
-def _rng_state(rng: random.Random) -> list[Any]:
-    version, internal, gauss = rng.getstate()
-    return [version, list(internal), gauss]
-
-
-def _as_rng_state(state: Any) -> tuple[Any, ...]:
-    version, internal, gauss = state
-    return (int(version), tuple(int(v) for v in internal), gauss)
+def note_training(trial: Trial, gained: Mapping[str, Any]) -> None:
+    """Add what the supernet's training ``gained`` (:meth:`SupernetLoop.info`: epochs, steps, the
+    strategy's summary, CPU and wall seconds, added up; ``params``) to ``trial.info``."""
+    info = dict(trial.info)
+    one = dict(info.get("oneshot", {}))
+    for key, value in gained.items():
+        if key == "params":
+            info["params"] = int(value)
+        else:
+            one[key] = one.get(key, 0.0) + value if key in ("train_cpu_s", "train_wall_s") else value
+    info["oneshot"] = one
+    trial.info = info
