@@ -102,6 +102,8 @@ def test_a_run_stopped_by_a_full_disk_again_and_again_charges_no_death(tmp_path)
     assert all(not t.info.get("deaths") for t in trials), [t.info.get("deaths") for t in trials]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _mountable(),
+                    reason="needs a private small tmpfs (unshare -rm and mount)")
 @pytest.mark.parametrize("kind", ["inline", "process"])
 def test_a_full_disk_stops_a_one_shot_run_with_one_line_and_the_next_run_finishes_it(tmp_path, kind):
     """On a 6 MB tmpfs of its own: the disk fills after the supernet's first epoch; the run stops
