@@ -59,6 +59,7 @@ def class_lists(source: str, cls: str) -> dict[str, list[str]]:
     raise AssertionError(f"no class {cls} in the upstream file")
 
 
+_STANDIN_IMPORT = re.compile(r"^(\s*)(import|from) (torchvision|graphviz)\b", re.M)
 _IMPORT_AS = re.compile(r"^(\s*)import nni((?:\.\w+)*) as (\w+)", re.M)
 _IMPORT_BARE = re.compile(r"^(\s*)import nni\s*$", re.M)
 _FROM = re.compile(r"^(\s*)from nni((?:\.\w+)*) import ", re.M)
@@ -73,12 +74,26 @@ def rewrite_imports(source: str) -> str:
     return _FROM.sub(r"\1from tridens.compat.nni\2 import ", source)
 
 
+def use_standins(source: str) -> str:
+    """``source`` with its ``torchvision`` and ``graphviz`` import lines pointed at the offline stand-ins
+    (``standins/``: real images tridens installs, no downloads; a drawing that needs no ``dot``):
+    ``from torchvision.datasets import CIFAR10`` -> ``from standin_torchvision.datasets import CIFAR10``,
+    ``import graphviz`` -> ``import standin_graphviz as graphviz``. A script's data lines change no further."""
+    def swap(match: re.Match[str]) -> str:
+        indent, keyword, name = match.groups()
+        return f"{indent}{keyword} standin_{name}"
+
+    source = re.sub(r"^(\s*)import (torchvision|graphviz)\s*$", r"\1import standin_\2 as \2", source, flags=re.M)
+    source = re.sub(r"^(\s*)import (torchvision)\.(\w+) as (\w+)", r"\1import standin_\2.\3 as \4", source, flags=re.M)
+    return _STANDIN_IMPORT.sub(swap, source)
+
+
 STANDINS = Path(__file__).resolve().parent / "standins"
 
 
 def script_env(store: Path, **extra: str) -> dict[str, str]:
     """The environment of a subprocess running an NNI script: this tridens and the offline
-    ``torchvision`` stand-in first on ``PYTHONPATH``, its store at ``store``, one thread."""
+    stand-ins (``standin_torchvision``, ``standin_graphviz``) on ``PYTHONPATH``, its store at ``store``, one thread."""
     import tridens
 
     source = str(Path(tridens.__file__).resolve().parents[1])
@@ -87,9 +102,10 @@ def script_env(store: Path, **extra: str) -> dict[str, str]:
 
 
 def example(folder: Path, base: str, names: list[str], ref: str = NNI2) -> Path:
-    """NNI's files ``base/name`` copied into ``folder`` with only their imports rewritten (skips the
-    test when there is no snapshot)."""
+    """NNI's files ``base/name`` copied into ``folder`` with only their imports rewritten: ``nni`` to
+    tridens, ``torchvision`` / ``graphviz`` to the offline stand-ins (skips the test when there is no
+    snapshot)."""
     folder.mkdir(parents=True, exist_ok=True)
     for name in names:
-        (folder / name).write_text(rewrite_imports(require(f"{base}/{name}", ref)))
+        (folder / name).write_text(use_standins(rewrite_imports(require(f"{base}/{name}", ref))))
     return folder

@@ -27,7 +27,7 @@ from tridens.compat.nni.nas.experiment import NasExperiment
 from tridens.compat.nni.nas.space import model_context
 from tridens.compat.nni.retiarii import fixed_arch, model_wrapper
 from tridens.compat.nni.retiarii import strategy as nni2
-from tridens.compat.nni.retiarii.experiment.pytorch import RetiariiExperiment
+from tridens.compat.nni.retiarii.experiment.pytorch import RetiariiExeConfig, RetiariiExperiment
 from tridens.compat.nni.retiarii.nn import pytorch as rnn
 from tridens.compat.nni.retiarii.oneshot.pytorch import ProxylessTrainer
 from tridens.store import Store
@@ -520,3 +520,29 @@ def test_model_wrapper_makes_a_space_and_fixed_arch_builds_a_sample(tmp_path: Pa
         _Wrapped()
     with pytest.raises(NotSupported, match="label"):
         rnn.ValueChoice([1, 2])
+
+
+def test_fixed_arch_reads_nni_spellings_of_a_layer_choice() -> None:
+    """NNI's SPOS architecture_final.json writes a list LayerChoice's index as a string; NNI 2.x's graph
+    engine names a candidate layerchoice_{label}_{name}. A ValueChoice keeps its exact value."""
+    with fixed_arch({"w": 8, "k": "1"}):
+        assert _Wrapped().conv.kernel_size == (5, 5)
+    with fixed_arch({"w": 4, "k": "layerchoice_k_0"}):
+        assert _Wrapped().conv.kernel_size == (3, 3)
+    with fixed_arch({"w": "8", "k": 0}), pytest.raises(td.InvalidSample, match="'w'"):
+        _Wrapped()
+
+
+def test_a_base_engine_run_exports_layer_choices_by_candidate_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRIDENS_DB", str(tmp_path / "nni.db"))
+    train, val = (Subset(part, [i for i, label in enumerate(part.labels.tolist()) if label < 2]) for part in td.datasets.digits())
+    exp = RetiariiExperiment(_Wrapped(), Classification(train_dataloaders=DataLoader(train, batch_size=32),
+                                                        val_dataloaders=DataLoader(val, batch_size=32), max_epochs=1),
+                             [], nni2.Random())  # 0s and 1s: _Wrapped has two outputs
+    config = RetiariiExeConfig("local")
+    config.max_trial_number, config.execution_engine = 2, "base"
+    exp.run(config)
+    [arch] = exp.export_top_models(formatter="dict")
+    assert arch["k"] in ("layerchoice_k_0", "layerchoice_k_1") and arch["w"] in (4, 8)
+    with fixed_arch(arch):
+        assert _Wrapped().conv.kernel_size == ((3, 3) if arch["k"].endswith("0") else (5, 5))

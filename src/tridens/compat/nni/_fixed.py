@@ -18,6 +18,7 @@ from typing import Any, Iterator, Mapping
 from tridens.errors import InvalidSample, TridensError
 from tridens.files import MANIFEST_BYTES, regular_file
 from tridens.space._context import FixedResolver, using
+from tridens.space._domain import Domain
 
 __all__ = ["fixed_arch", "model_context"]
 
@@ -38,8 +39,23 @@ def fixed_arch(fixed_arch: str | os.PathLike[str] | Mapping[str, Any], verbose: 
     if not isinstance(sample, Mapping):
         raise InvalidSample(f"The 'fixed_arch' parameter of fixed_arch must be a dict (label -> value) or a JSON file "
                             f"holding one. Got {type(sample).__name__} instead.")
-    with using(FixedResolver(dict(sample))):
+    with using(_NniFixedResolver(dict(sample))):
         yield
+
+
+class _NniFixedResolver(FixedResolver):
+    """Reads a ``LayerChoice``'s value as NNI does: the index of a list candidate may be a string
+    (``"2"``, as NNI's SPOS ``architecture_final.json`` writes it), and NNI 2.x's graph engine names a
+    candidate ``layerchoice_{label}_{name}``."""
+
+    def resolve(self, label: str, domain: Domain, source: str = "choice") -> Any:
+        value = self.sample.get(label)
+        if source == "layer_choice" and isinstance(value, str) and not domain.contains(value):
+            name = value.removeprefix(f"layerchoice_{label}_")
+            if not domain.contains(name) and name.isdigit() and domain.contains(int(name)):
+                name = int(name)  # type: ignore[assignment]
+            self.sample = {**self.sample, label: name}
+        return super().resolve(label, domain, source)
 
 
 def model_context(sample: Mapping[str, Any]) -> Any:

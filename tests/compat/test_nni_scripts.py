@@ -1,0 +1,92 @@
+"""NNI 2.10's own example scripts, end to end, as a user would run them on tridens: read from the NNI
+snapshot (skipped without one), their ``nni`` imports rewritten to ``tridens.compat.nni`` and their
+``torchvision`` / ``graphviz`` imports to the offline stand-ins in ``standins/`` -- and, where a
+script needs what this machine lacks, only that changed: no GPU (``gpus=0``, ``cuda=False``,
+``model.cuda()`` left out), no downloads (``pretrained=False``). Each runs with the fewest epochs its
+own arguments allow. Slow: minutes each on two shared cores."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tridens.store import Store
+from tridens.trial import TrialStatus
+
+from . import _upstream
+
+pytestmark = pytest.mark.slow
+
+
+def _edit(path: Path, *changes: tuple[str, str]) -> None:
+    """Replace each ``old`` of ``changes`` in the file (every occurrence; it must be there)."""
+    text = path.read_text()
+    for old, new in changes:
+        assert old in text, f"{old!r} is not in {path.name}"
+        text = text.replace(old, new)
+    path.write_text(text)
+
+
+def _run(folder: Path, script: str, *args: str, timeout: int = 900, check: bool = True,
+         **env: str) -> tuple[subprocess.CompletedProcess[str], list]:
+    db = folder / "nni.db"
+    done = subprocess.run([sys.executable, script, *args], cwd=folder, capture_output=True, text=True,
+                          timeout=timeout, env=_upstream.script_env(db, MPLBACKEND="Agg", **env))
+    if check:
+        assert done.returncode == 0, done.stderr[-4000:]
+    with Store(db, readonly=True) as store:
+        trials = [t for e in store.experiments() for t in store.trials(e.name)]
+    return done, trials
+
+
+def test_nni2_hello_nas_tutorial(tmp_path: Path) -> None:
+    """examples/tutorials/hello_nas.py: a FunctionalEvaluator training on MNIST, Random(dedup=True), 4 trials."""
+    folder = _upstream.example(tmp_path, "examples/tutorials", ["hello_nas.py"])
+    done, trials = _run(folder, "hello_nas.py")
+    assert len(trials) == 4 and all(t.status == TrialStatus.COMPLETED for t in trials)
+    assert all(t.metric > 50 for t in trials)  # accuracy in percent, as NNI's script reports it
+    assert "{'layerchoice_1':" in done.stdout  # export_top_models(formatter='dict') printed
+
+
+def test_nni2_mnist_search(tmp_path: Path) -> None:
+    """examples/nas/multi-trial/mnist/search.py: 20 trials asked, the space has 18 models; Random stops there."""
+    folder = _upstream.example(tmp_path, "examples/nas/multi-trial/mnist", ["search.py"])
+    done, trials = _run(folder, "search.py")
+    assert len(trials) == 18 and len({tuple(sorted(t.sample.items())) for t in trials}) == 18
+    assert all(t.status == TrialStatus.COMPLETED for t in trials)
+    assert "Final model:" in done.stdout
+
+
+def test_nni2_spos_supernet(tmp_path: Path) -> None:
+    """examples/nas/oneshot/spos/supernet.py: NNI's ShuffleNetV2OneShot under SinglePathTrainer, one
+    epoch of batches of 16 (its --epochs / --batch-size), ImageNet-sized stand-in images."""
+    folder = _upstream.example(tmp_path, "examples/nas/oneshot/spos",
+                               ["supernet.py", "network.py", "blocks.py", "utils.py"])
+    _edit(folder / "supernet.py", ("    model.cuda()\n", "    pass  # no GPU here\n"))
+    _, trials = _run(folder, "supernet.py", "--epochs", "1", "--batch-size", "16", "--workers", "0",
+                     TRIDENS_STANDIN_SIZE="64,32")
+    roles = {t.info["oneshot"]["role"] for t in trials}
+    assert roles >= {"supernet", "subnet"} and all(t.status == TrialStatus.COMPLETED for t in trials)
+    subnets = [t for t in trials if t.info["oneshot"]["role"] == "subnet"]
+    assert subnets and all(len(t.sample) == 20 for t in subnets)  # NNI's 20 LayerChoices
+
+
+def test_nni2_darts_tutorial(tmp_path: Path) -> None:
+    """examples/tutorials/darts.py with its own fast_dev_run=True: the searched DARTS-V2 model evaluated
+    (untrained: nothing is downloaded), DartsSpace(16, 8) searched by DARTS, the exported cells drawn,
+    the chosen model retrained by evaluator.fit -- then the tutorial's one-shot search with its own
+    DartsClassificationModule (a custom LightningModule) is refused in one line, where it stops."""
+    folder = _upstream.example(tmp_path, "examples/tutorials", ["darts.py"])
+    _edit(folder / "darts.py", ("pretrained=True, download=True", "pretrained=False"),
+          ("evaluate_model(darts_v2_model, cuda=True)", "evaluate_model(darts_v2_model, cuda=False)"),
+          ("gpus=1", "gpus=0"))
+    done, trials = _run(folder, "darts.py", timeout=1800, check=False)
+    assert "Accuracy:" in done.stdout
+    roles = {t.info["oneshot"]["role"] for t in trials}
+    assert roles == {"supernet", "subnet"} and all(t.status == TrialStatus.COMPLETED for t in trials)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1 and "one-shot strategy DARTS needs the evaluator" in last, done.stderr[-3000:]
+    assert "Got LightningEvaluator instead" in last
