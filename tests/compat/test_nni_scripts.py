@@ -7,11 +7,13 @@ own arguments allow. Slow: minutes each on two shared cores."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tridens.store import Store
 from tridens.trial import TrialStatus
@@ -72,6 +74,27 @@ def test_nni2_spos_supernet(tmp_path: Path) -> None:
     assert roles >= {"supernet", "subnet"} and all(t.status == TrialStatus.COMPLETED for t in trials)
     subnets = [t for t in trials if t.info["oneshot"]["role"] == "subnet"]
     assert subnets and all(len(t.sample) == 20 for t in subnets)  # NNI's 20 LayerChoices
+
+
+def test_nni2_spos_evolution_search(tmp_path: Path) -> None:
+    """examples/nas/oneshot/spos/search.py: RegularizedEvolution over NNI's ShuffleNetV2OneShot with its
+    FunctionalEvaluator (BN recalibration, AverageMeterGroup), execution_engine='base' and dummy_input;
+    3 cycles of populations of 2 (its arguments). Without a GPU, nn_meter (used only by
+    --latency-filter) or SPOS's downloaded checkpoint: those lines left out, an empty checkpoint file."""
+    folder = _upstream.example(tmp_path, "examples/nas/oneshot/spos", ["search.py", "network.py", "blocks.py", "utils.py"])
+    _edit(folder / "search.py",
+          ("from nn_meter import load_latency_predictor\n", "load_latency_predictor = None  # nn_meter: not installed\n"),
+          ("inputs.to('cuda'), targets.to('cuda')", "inputs, targets"), ("    model.cuda()\n", "    pass  # no GPU here\n"),
+          ("    assert torch.cuda.is_available()\n", ""))
+    (folder / "data").mkdir()
+    torch.save({"state_dict": {}}, folder / "data" / "checkpoint-150000.pth.tar")
+    done, trials = _run(folder, "search.py", "--workers", "0", "--train-batch-size", "16", "--test-batch-size", "16",
+                        "--train-iters", "2", "--evolution-sample-size", "2", "--evolution-population-size", "2",
+                        "--evolution-cycles", "3", TRIDENS_STANDIN_SIZE="64,32")
+    assert len(trials) == 3 and all(t.status == TrialStatus.COMPLETED for t in trials)
+    arch = json.loads((folder / "architecture_final_0.json").read_text())  # NNI's get_archchoice_by_model
+    assert len(arch) == 20 and all(v in ("0", "1", "2", "3") for v in arch.values())
+    assert "'LayerChoice1': 'layerchoice_LayerChoice1_" in done.stdout  # the graph engine's candidate names
 
 
 def test_nni2_darts_tutorial(tmp_path: Path) -> None:
