@@ -103,6 +103,13 @@ def main() -> None:
         td.Experiment(DigitsCNN(), evaluator, td.oneshot.RandomOneShot(samples=2, search="random"), store=store,
                       name="oneshot", executor=executor(kind), options=td.RunOptions(verbose=False),
                       callbacks=[FillsTheDiskOnce(int(scenario.split("-")[2]))]).run()
+    elif scenario == "pbt":   # a population of 4 on the pool: each member's state kept per round
+        train, val = td.datasets.digits()
+        evaluator = td.evaluators.Classification(train=train, val=val, epochs=3, batch_size=128, optimizer="sgd",
+                                                 lr=td.loguniform("lr", 1e-3, 0.5))
+        td.Experiment(Wide(), evaluator, td.strategy.PBT(population=4, interval=1, hyperparams=["lr"]), store=store,
+                      name="pbt", executor=executor(kind), budget=td.Budget(max_trials=4),
+                      options=td.RunOptions(verbose=False)).run()
     elif scenario.startswith("fill-"):   # fill-<room in bytes>
         evaluator = td.evaluators.FunctionalEvaluator(fills_the_disk, x=td.choice("x", [0, 1, 2, 3]),
                                                       room=int(scenario.split("-")[1]))

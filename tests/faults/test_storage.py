@@ -131,3 +131,36 @@ def test_a_full_disk_stops_a_one_shot_run_with_one_line_and_the_next_run_finishe
     assert roles == ["supernet", "subnet", "subnet"], roles  # the same supernet, finished by the second run
     assert all(t.status is td.TrialStatus.COMPLETED for t in trials), [t.error for t in trials]
     assert len(trials[0].metrics["train_loss"]) == 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _mountable(),
+                    reason="needs a private small tmpfs (unshare -rm and mount)")
+def test_a_full_disk_under_the_pool_members_rounds_stops_the_run_and_fails_no_member(tmp_path):
+    """PBT on the process pool keeps each member's state per round in the run's storage (beside
+    the store, ``t.db.ray``), here a full 4 MB tmpfs: the run stops with one line saying "disk
+    full", no member failed; with space the next run completes the population."""
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir()
+    out.mkdir()
+    rounds = disk / "t.db.ray"
+    rounds.mkdir()
+    run = f"{sys.executable} -m tests.faults.fault_script pbt process {disk}/t.db"
+    script = (f"mount -t tmpfs -o size=4m tmpfs {rounds} || exit 99\n"
+              f"dd if=/dev/zero of={rounds}/filler bs=64k 2>/dev/null\n"
+              f"{run} > {out}/1.txt 2>&1; echo $? > {out}/1.rc\n"
+              f"cp {disk}/t.db {out}/first.db\n"
+              f"rm -f {rounds}/filler\n"
+              f"{run} > {out}/2.txt 2>&1; echo $? > {out}/2.rc\n"
+              f"cp {disk}/t.db {out}/t.db\n")
+    subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=ROOT, check=True, timeout=600,
+                   env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    first = (out / "1.txt").read_text()
+    lines = [line for line in first.splitlines() if line.strip()]
+    assert (out / "1.rc").read_text().strip() != "0"
+    assert len(lines) == 1 and "disk full" in lines[0] and str(rounds) in lines[0], first
+    with td.store.Store(out / "first.db", readonly=True) as db:
+        assert not [t for t in db.trials("pbt") if t.status is td.TrialStatus.FAILED]
+    assert (out / "2.rc").read_text().strip() == "0", (out / "2.txt").read_text()
+    with td.store.Store(out / "t.db", readonly=True) as db:
+        trials = db.trials("pbt")
+    assert len(trials) == 4 and all(t.status is td.TrialStatus.COMPLETED for t in trials), [t.error for t in trials]

@@ -46,12 +46,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
+from ..errors import StorageFault
 from ..trial import Fork
 from ._channel import ChannelClosed, PipeChannel, ready
 from ._lockstep import RoundAnswers, load_bytes, state_bytes
 from ._messages import (ArchiveAnswer, ArchiveCall, End, Forked, Left, LogRecord, Measured, Report, Round, Started,
                         Verdicts)
-from ._protocol import TrialProtocol, Verdict
+from ._protocol import RunHalted, TrialProtocol, Verdict
 from ._stage_relay import answer_archive_call
 from ._watchdog import check_silence, death_error, ended_error, for_trial, settle
 
@@ -226,6 +227,8 @@ class LockstepDriver:
                 if not self.lockstep:   # a site alone: its round is answered now
                     self._answer([site])
         elif isinstance(message, Left):
+            if message.outcome.kind == "fault":   # the process's disk is full or failing: the run stops
+                raise RunHalted(StorageFault(message.outcome.error or f"a storage fault in {self.placement.name}"))
             settle(site.lives.pop(message.trial_id, None), message.outcome, load_bytes)
         elif isinstance(message, Forked):
             member, origin = site.lives.get(message.trial_id), self._life(message.source)

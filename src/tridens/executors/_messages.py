@@ -28,8 +28,9 @@ class Outcome:
     """How a trial left the process that trained it: ``kind`` is ``"done"`` (or ``"stopped"``:
     its final ``value``, None for the last recorded one, and ``weights``: ``torch.save`` bytes
     through a pipe, a file under Ray's storage), ``"error"`` (``error``: the text), ``"dropped"``
-    (past its timeout: failed on the driver already) or ``"yielded"`` (Fluid: it moves to another
-    share). ``info``: what its unit wrote into ``trial.info`` (the stages it went through)."""
+    (past its timeout: failed on the driver already), ``"yielded"`` (Fluid: it moves to another
+    share) or ``"fault"`` (``error``: a storage fault's line; the run stops, the trial stays
+    unfinished). ``info``: what its unit wrote into ``trial.info`` (the stages it went through)."""
 
     kind: str
     value: float | None = None

@@ -49,7 +49,9 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
+from ..errors import StorageFault
 from ..evaluators import Evaluator, StepwiseEvaluator
+from ..store import storage_fault
 from ..trial import Fork, Trial
 from ..units import ExecutionUnit, Job, PlanContext
 from ._lockstep import (LockstepJudge, UnitReport, handed_source, load_bytes, model_bytes, plan_units,
@@ -243,10 +245,27 @@ class PipeJudge(LockstepJudge):
         return storage.trial_directory(experiment, tid)
 
     def checkpoint(self, reports: Sequence[UnitReport]) -> None:
+        """Each member's state of the round under storage; a full (or failing) disk there raises
+        the one-line :class:`~tridens.errors.StorageFault` that stops the run (:meth:`halt`)."""
         if self.storage is not None:
             for r in reports:
-                self.storage[0].save_round(self.directory(r.trial_id), r.step, r.metrics or {},
-                                           r.unit.state_dict(r.trial_id), r.unit.jobs[r.trial_id].sample)
+                directory = self.directory(r.trial_id)
+                try:
+                    self.storage[0].save_round(directory, r.step, r.metrics or {}, r.unit.state_dict(r.trial_id),
+                                               r.unit.jobs[r.trial_id].sample)
+                except Exception as err:
+                    fault = storage_fault(err, directory, f"keeping the state of trial {r.trial_id} after step {r.step}")
+                    if fault is None:
+                        raise
+                    raise fault from err
+
+    def halt(self, fault: StorageFault) -> None:
+        """A storage fault in this worker: every member still here is left unfinished and the run
+        stops with the fault's line (the members train again on the next run)."""
+        for tid in self.trials:
+            if tid not in self.left:
+                self.left.add(tid)
+                self.conn.send(Left(tid, Outcome("fault", error=str(fault))))
 
     def judge(self, reports: Sequence[UnitReport]) -> list[Verdict]:
         asks = [Report(r.trial_id, r.step, dict(r.metrics), r.seconds, r.last) for r in reports if r.metrics is not None]
@@ -342,6 +361,9 @@ def serve_unit(conn: Connection, message: RunUnit, evaluators: Mapping[int, Eval
         for job, err in failed:
             judge.failed(None, job.trial.id, err)
         run_lockstep(units, judge)
+    except StorageFault as fault:   # the disk under storage: no member's fault
+        with contextlib.suppress(OSError):
+            judge.halt(fault)
     except Exception as err:  # planning failed, or the pipe broke: every member still here fails with it
         text = error_text(err)
         for job in jobs:

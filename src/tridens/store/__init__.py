@@ -14,8 +14,9 @@
 from ..errors import StorageFault, StoreError
 from ._records import ExperimentRecord
 from ._schema import CURRENT_VERSION
-from ._sqlite import Store, info_problem
+from ._sqlite import Store, info_problem, storage_fault
 from ._stages import StageArchive, StageCleanup, StageHit, StagePolicy, StageRecord, clean_stages, stage_tree
 
 __all__ = ["Store", "ExperimentRecord", "StoreError", "StorageFault", "CURRENT_VERSION", "StageArchive", "StageHit", "StagePolicy",
-           "StageRecord", "StageCleanup", "stage_tree", "clean_stages", "info_problem"]
+           "StageRecord", "StageCleanup", "stage_tree", "clean_stages", "info_problem",
+           "storage_fault"]

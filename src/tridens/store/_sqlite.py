@@ -33,7 +33,7 @@ from ..trial import Trial, TrialStatus
 from ._records import ExperimentRecord
 from ._schema import CURRENT_VERSION, check_not_newer, read_version, upgrade
 
-__all__ = ["Store", "info_problem"]
+__all__ = ["Store", "info_problem", "storage_fault"]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_. \-]{0,126}[A-Za-z0-9_.\-])?")
 
@@ -67,6 +67,29 @@ def storage_cause(err: BaseException) -> OSError | None:
         seen.add(id(cur))
         cur = cur.__cause__ or cur.__context__
     return None
+
+
+def storage_fault(err: BaseException, target: str | os.PathLike[str], what: str) -> StorageFault | None:
+    """The one-line :class:`StorageFault` for a storage fault (full disk, quota, file size limit,
+    failing disk) behind ``err``, raised while writing ``target`` (``what``: doing what); None when
+    ``err`` is something else.
+
+    >>> import errno
+    >>> str(storage_fault(OSError(errno.ENOSPC, "No space left on device"), "/runs/t.pt", "saving"))[:36]
+    'disk full: cannot write /runs/t.pt ('
+    """
+    target = Path(target)
+    cause = storage_cause(err)
+    if cause is not None and cause.errno in _FULL:
+        name = _FULL[cause.errno]
+    elif cause is not None and cause.errno in (errno.EIO, errno.EROFS):
+        name = "disk error"
+    elif isinstance(err, RuntimeError) and _disk_full(target.parent):
+        name = "disk full"
+    else:
+        return None
+    return StorageFault(f"{name}: cannot write {target} (while {what}); nothing committed was lost: "
+                        f"free space and run again (the trials running now run again)")
 
 
 def _disk_full(folder: Path) -> bool:
@@ -270,19 +293,7 @@ class Store:
                                f"nothing more is written: restore the file to keep this run's results")
 
     def _fault(self, err: BaseException, target: Path, what: str) -> StorageFault | None:
-        """A storage fault (full disk, quota, file size limit, failing disk) behind ``err``, raised
-        while writing ``target``; None when ``err`` is something else."""
-        cause = storage_cause(err)
-        if cause is not None and cause.errno in _FULL:
-            name = _FULL[cause.errno]
-        elif cause is not None and cause.errno in (errno.EIO, errno.EROFS):
-            name = "disk error"
-        elif isinstance(err, RuntimeError) and _disk_full(target.parent):
-            name = "disk full"
-        else:
-            return None
-        return StorageFault(f"{name}: cannot write {target} (while {what}); nothing committed was lost: "
-                            f"free space and run again (the trials running now run again)")
+        return storage_fault(err, target, what)
 
     def _translate(self, e: sqlite3.Error, what: str) -> StoreError:
         msg = str(e)
