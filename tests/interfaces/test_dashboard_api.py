@@ -10,7 +10,8 @@ import shutil
 import pytest
 
 from tridens.dashboard import Server, create_app
-from tridens.dashboard._reader import MAX_CURVES, MAX_PAGE
+from tridens.dashboard._reader import MAX_CURVES, MAX_PAGE, MAX_POINTS, StoreReader
+from tridens.dashboard._views import Importance
 from tridens.store import Store
 from tridens.trial import Trial, TrialStatus
 
@@ -94,7 +95,8 @@ def test_pages_of_ten_thousand_trials(big_store):
     assert all(c["metrics"]["val_acc"]["steps"] == [0, 1, 2] for c in curves.values())
 
     hparams = client.get("/api/experiments/big/hparams").json()
-    assert len(hparams["values"]) == len(hparams["samples"]) == 8000
+    assert len(hparams["values"]) == len(hparams["samples"]) == MAX_POINTS < 8000
+    assert hparams["total"] == 8000 and hparams["sampled"] is True
     importance = client.get("/api/experiments/big/importance?evaluator=ped-anova").json()
     assert set(importance["importances"]) == {"width", "op", "lr"}
     assert importance["trials"] == 8000 and "step 2" in importance["basis"]  # completed and stopped, at step 2
@@ -103,6 +105,38 @@ def test_pages_of_ten_thousand_trials(big_store):
     assert plan["units_recorded"] is False and math.isclose(plan["train_seconds"], 0.5 * N)
 
     assert _digest(big_store) == before  # the dashboard never writes
+
+
+def test_hyperparameter_views_of_many_trials_are_bounded_and_keep_the_best(big_store):
+    """Past MAX_POINTS finished trials, /hparams sends the best tenth and a uniform sample of the
+    others (the same trials on every call), and says how many there are."""
+    client = starlette_testclient.TestClient(create_app(big_store), base_url="http://localhost")
+    full = StoreReader(big_store).finished_points("big")
+    assert len(full["values"]) == 8000 and full["sampled"] is False
+    small = client.get("/api/experiments/big/hparams?limit=400").json()
+    assert len(small["ids"]) == 400 and small["total"] == 8000 and small["sampled"] and small["best"] == 40
+    assert len(client.get("/api/experiments/big/hparams?limit=100000").json()["ids"]) == MAX_POINTS
+    assert small == client.get("/api/experiments/big/hparams?limit=400").json()  # the same sample again
+    best = sorted(full["values"], reverse=True)[:40]
+    assert sorted(small["values"], reverse=True)[:40] == best
+    by_id = dict(zip(full["ids"], zip(full["samples"], full["values"], full["numbers"])))
+    assert all(by_id[i] == (s, v, n) for i, s, v, n in zip(small["ids"], small["samples"], small["values"], small["numbers"]))
+    assert small["ids"] == sorted(small["ids"])
+    # the sample spreads over the whole run, not its first trials
+    assert min(small["numbers"]) < N // 10 and max(small["numbers"]) > N - N // 10
+    widths = [s["width"] for s in small["samples"]]
+    assert all(abs(widths.count(w) / len(widths) - 1 / 3) < 0.08 for w in (16, 32, 64))
+
+
+def test_importance_of_many_trials_on_a_sample_ranks_the_labels_as_on_all_of_them(big_store):
+    reader = StoreReader(big_store)
+    every = Importance(reader)("big")
+    assert every["trials"] == 8000 and "sample" not in every["basis"]
+    sampled = Importance(reader, max_trials=2000)("big")
+    assert sampled["trials"] == 2000 and "a uniform sample of 2,000 of the 8,000" in sampled["basis"]
+    rank = lambda result: sorted(result["importances"], key=result["importances"].get, reverse=True)  # noqa: E731
+    assert rank(sampled) == rank(every) == ["width", "op", "lr"]
+    assert all(abs(sampled["importances"][k] - every["importances"][k]) < 0.1 for k in every["importances"])
 
 
 def test_errors_name_what_is_wrong(big_store):

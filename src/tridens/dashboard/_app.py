@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import StoreError
-from ._reader import StoreReader
+from ._reader import MAX_POINTS, StoreReader
 from ._views import Importance, architecture, pareto
 
 __all__ = ["create_app", "serve", "Server"]
@@ -134,7 +134,12 @@ def create_app(db: str | os.PathLike[str], *, allowed_hosts: Sequence[str] = LOC
         return reader.curves(numbers, request.query_params.get("metric") or None)
 
     def hparams(request: Request, name: str) -> Any:
-        return {"labels": reader.labels(name), "log_labels": reader.log_labels(name), **reader.finished_points(name)}
+        # at most MAX_POINTS trials (the best tenth of them and a uniform sample of the others): a
+        # page stays small and quick to draw however many trials finished
+        limit = max(1, min(_int(request, "limit", MAX_POINTS), MAX_POINTS))
+        best = limit // 10
+        return {"labels": reader.labels(name), "log_labels": reader.log_labels(name), "best": best,
+                **reader.finished_points(name, limit=limit, best=best)}
 
     def importance_view(request: Request, name: str) -> Any:
         return importance(name, request.query_params.get("evaluator", "ped-anova"))

@@ -30,10 +30,14 @@ from typing import Any, Iterable, Mapping, Sequence
 from ..store import CURRENT_VERSION, StoreError, info_problem
 from ..trial import Trial, TrialStatus
 
-__all__ = ["StoreReader", "SORT_KEYS", "MAX_PAGE", "MAX_CURVES", "log_scale_labels"]
+__all__ = ["StoreReader", "SORT_KEYS", "MAX_PAGE", "MAX_CURVES", "MAX_POINTS", "log_scale_labels"]
 
 MAX_PAGE = 500  # rows in one page of the trial table
 MAX_CURVES = 50  # trials in one learning-curve request
+MAX_POINTS = 5_000  # finished trials in one hyperparameter view (a sample beyond it)
+# A trial's place in the store's sample: its id scrambled (Knuth's multiplicative hash), so that the
+# first N trials by this key are a uniform sample that stays put as trials are added.
+_SCRAMBLED = "((t.id * 2654435761) % 4294967296)"
 _COUNTED = ("completed", "stopped")
 
 # Sort keys of the trial table -> SQL expression over the numbered trials ``n``.
@@ -483,40 +487,69 @@ class StoreReader:
             series["values"].append(value)
         return out
 
-    def values_at_common_step(self, name: str) -> dict[str, Any]:
+    def config(self, name: str) -> dict[str, Any]:
+        """The experiment's stored config (``{}`` when the row is damaged)."""
+        return _object(self._experiment_row(name)[3], "")[0]
+
+    def status_counts(self, name: str) -> dict[str, int]:
+        """The experiment's trials counted by status (one aggregate query)."""
+        eid = self._experiment_row(name)[0]
+        return {s: n for s, n in self._rows("SELECT status, COUNT(*) FROM trials WHERE experiment_id = ? "
+                                            "GROUP BY status", (eid,))}
+
+    def values_at_common_step(self, name: str, limit: int | None = None) -> dict[str, Any]:
         """The objective's value of every finished (completed or stopped) trial at one step all of
         them reached: the last step of the trial that stopped first. With early stopping (ASHA,
         Hyperband, median stopping) that compares every trial at the same budget, stopped ones
-        included. ``{"ids", "samples", "values", "step"}`` (``step`` None without finished trials)."""
+        included. ``{"ids", "samples", "values", "step", "total"}`` (``step`` None without finished
+        trials; ``total``: how many trials have a value there). With ``limit``, at most that many
+        trials: a uniform sample of them (the same trials on every call while none are added)."""
         eid, _, _, config_text, _, _ = self._experiment_row(name)
         metric = self.objective(_object(config_text, "")[0])["metric"]
-        rows = self._rows("SELECT id, sample FROM trials WHERE experiment_id = ? AND status IN "
-                          "('completed', 'stopped') ORDER BY id", (eid,))
-        curves: dict[int, dict[int, float]] = {tid: {} for tid, _ in rows}
-        for tid, step, value in self._rows(
-                "SELECT m.trial_id, m.step, m.value FROM metrics m JOIN trials t ON t.id = m.trial_id WHERE "
-                "t.experiment_id = ? AND t.status IN ('completed', 'stopped') AND m.name = ?", (eid, metric)):
-            curves[tid][step] = value
-        reached = [max(c) for c in curves.values() if c]
-        step = min(reached) if reached else None
+        step = self._rows(
+            "SELECT MIN(last) FROM (SELECT MAX(m.step) AS last FROM metrics m JOIN trials t ON t.id = m.trial_id "
+            "WHERE t.experiment_id = ? AND t.status IN ('completed', 'stopped') AND m.name = ? GROUP BY m.trial_id)",
+            (eid, metric))[0][0]
+        if step is None:
+            return {"ids": [], "samples": [], "values": [], "step": None, "total": 0}
+        at_step = ("FROM trials t JOIN metrics m ON m.trial_id = t.id AND m.name = ? AND m.step = ? WHERE "
+                   "t.experiment_id = ? AND t.status IN ('completed', 'stopped') AND m.value IS NOT NULL")
+        total = self._rows(f"SELECT COUNT(*) {at_step}", (metric, step, eid))[0][0]
+        order = f"ORDER BY {_SCRAMBLED} LIMIT {int(limit)}" if limit is not None and total > limit else ""
+        rows = sorted(self._rows(f"SELECT t.id, t.sample, m.value {at_step} {order}", (metric, step, eid)))
         ids, samples, values = [], [], []
-        for tid, sample in rows:
-            value = curves[tid].get(step) if step is not None else None
-            if value is not None and math.isfinite(value):
+        for tid, sample, value in rows:
+            if math.isfinite(value):
                 ids.append(tid)
                 samples.append(_object(sample, "")[0])
                 values.append(value)
-        return {"ids": ids, "samples": samples, "values": values, "step": step}
+        return {"ids": ids, "samples": samples, "values": values, "step": step, "total": total}
 
-    def finished_points(self, name: str, extra: str | None = None) -> dict[str, Any]:
+    def finished_points(self, name: str, extra: str | None = None, limit: int | None = None,
+                        best: int = 0) -> dict[str, Any]:
         """Samples and objective values of finished (completed or stopped) trials, as columns, for
         the hyperparameter views; ``extra`` also reads a second objective (``info[extra]`` or the
-        last value of the metric ``extra``)."""
-        eid = self._experiment_row(name)[0]
-        rows = self._rows("SELECT id, sample, metric, info, status FROM trials WHERE experiment_id = ? AND status IN "
-                          "('completed', 'stopped') AND metric IS NOT NULL ORDER BY id", (eid,))
-        numbers = {tid: i for i, (tid,) in enumerate(self._rows(
-            "SELECT id FROM trials WHERE experiment_id = ? ORDER BY id", (eid,)))}
+        last value of the metric ``extra``). With ``limit``, at most that many trials: the
+        ``best`` best ones and a uniform sample of the others (the same trials on every call while
+        none are added); ``total`` says how many there are, ``sampled`` whether some were left out."""
+        eid, _, _, config_text, _, _ = self._experiment_row(name)
+        finished = ("FROM trials t WHERE t.experiment_id = ? AND t.status IN ('completed', 'stopped') "
+                    "AND t.metric IS NOT NULL")
+        columns = "SELECT t.id, t.sample, t.metric, t.info, t.status"
+        total = self._rows(f"SELECT COUNT(*) {finished}", (eid,))[0][0]
+        if limit is None or total <= limit:
+            rows = self._rows(f"{columns} {finished} ORDER BY t.id", (eid,))
+        else:
+            best = max(0, min(int(best), int(limit)))
+            direction = "DESC" if self.objective(_object(config_text, "")[0])["mode"] == "max" else "ASC"
+            chosen = {r[0]: r for r in self._rows(f"{columns} {finished} ORDER BY t.metric {direction}, t.id "
+                                                  f"LIMIT {best}", (eid,))} if best else {}
+            for row in self._rows(f"{columns} {finished} ORDER BY {_SCRAMBLED} LIMIT {int(limit)}", (eid,)):
+                if len(chosen) >= limit:
+                    break
+                chosen.setdefault(row[0], row)
+            rows = [chosen[tid] for tid in sorted(chosen)]
+        numbers = self._numbers(eid, [r[0] for r in rows])
         second: dict[int, Any] = {}
         if extra:
             last = self._rows(
@@ -537,7 +570,15 @@ class StoreReader:
                 value = info.get(key, second.get(tid))
                 seconds.append(_finite(float(value)) if isinstance(value, (int, float)) else None)
         return {"ids": ids, "numbers": numbers_out, "samples": samples, "values": values, "statuses": statuses,
-                "second": seconds if extra else None}
+                "second": seconds if extra else None, "total": total, "sampled": len(rows) < total}
+
+    def _numbers(self, eid: int, ids: Sequence[int]) -> dict[int, int]:
+        """Trial number (its place in the experiment, from 0) of each of ``ids``."""
+        if not ids:
+            return {}
+        every = [tid for (tid,) in self._rows("SELECT id FROM trials WHERE experiment_id = ? ORDER BY id", (eid,))]
+        wanted = set(ids)
+        return {tid: i for i, tid in enumerate(every) if tid in wanted}
 
     def plan(self, name: str, limit: int = 200) -> dict[str, Any]:
         """What the store records of how trials were trained together: per TrialGroup its members

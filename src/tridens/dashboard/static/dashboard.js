@@ -135,6 +135,7 @@ function experimentPage(name) {
   const curves = el("div", {id: "curves", class: "plot"});
   const parcoords = el("div", {id: "parcoords", class: "plot"});
   const scatters = el("div", {id: "scatters", class: "grid"});
+  const hparamsNote = el("div", {class: "muted", id: "hparams-note"});
   const evaluatorSelect = el("select", {id: "importance-evaluator"},
     el("option", {value: "ped-anova", text: "PED-ANOVA"}), el("option", {value: "fanova", text: "fANOVA"}));
   const importance = el("div", {id: "importance"});
@@ -165,7 +166,7 @@ function experimentPage(name) {
       el("div", {class: "controls"}, pager), table),
     section("learning-curves", "Learning curves", el("div", {class: "controls"}, "metric ", metricSelect,
       el("span", {class: "muted", text: "  tick trials in the table (default: the 5 best); solid: completed, dashed + ×: stopped early, ▲: promoted past a step where others were stopped, dotted: failed"})), curves),
-    section("hyperparameters", "Hyperparameters", el("h2", {text: "Parallel coordinates"}), parcoords,
+    section("hyperparameters", "Hyperparameters", hparamsNote, el("h2", {text: "Parallel coordinates"}), parcoords,
       el("h2", {text: "Objective vs each label"}), scatters),
     section("importance-section", "Hyperparameter importance (optuna.importance)", el("div", {class: "controls"}, "evaluator ", evaluatorSelect), importanceNote, importance),
     section("pareto-section", "Pareto front", paretoNote, paretoPlot),
@@ -286,6 +287,7 @@ function experimentPage(name) {
     state.slowAt = Date.now();
     const h = await api(`/api/experiments/${enc(name)}/hparams`);
     const metric = info.objective.metric;
+    hparamsNote.textContent = h.sampled ? `${h.values.length} of ${h.total} finished trials: the ${h.best} best and a uniform sample of the others` : "";
     const logs = new Set(h.log_labels || []);
     const dims = h.labels.map(label => {
       const vals = h.samples.map(s => s[label]);
