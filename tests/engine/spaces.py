@@ -177,19 +177,27 @@ class Groups(td.strategy.Strategy):
 
 class _Away(nn.Module):
     """An operation that hangs (``"hang"``: ten minutes without a word) or ends its process
-    (``"die"``: ``os._exit(3)``) in any process but ``driver``."""
+    (``"die"``: ``os._exit(3)``) in any process but ``driver``; ``"die-once"`` ends it at its
+    40th call there (two epochs in) unless the file ``marker`` exists, which it creates."""
 
-    def __init__(self, away, driver):
+    calls = 0
+
+    def __init__(self, away, driver, marker=None):
         super().__init__()
-        self.away, self.driver = away, driver
+        self.away, self.driver, self.marker = away, driver, marker
         self.lin = nn.Linear(64, 10)
 
     def forward(self, x):
         if os.getpid() != self.driver:
             if self.away == "hang":
                 time.sleep(600)
-            else:
+            elif self.away == "die":
                 os._exit(3)
+            else:
+                _Away.calls += 1
+                if _Away.calls == 40 and not os.path.exists(self.marker):
+                    open(self.marker, "w").close()
+                    os._exit(3)
         return self.lin(x)
 
 
@@ -197,9 +205,9 @@ class AwayChoice(tnn.ModelSpace):
     """A one-shot space over digits (a linear layer or a misbehaving one) whose supernet trains
     in the driver but hangs or dies in a worker: the supernet of DARTS runs every candidate."""
 
-    def __init__(self, away, driver):
+    def __init__(self, away, driver, marker=None):
         super().__init__()
-        self.op = tnn.LayerChoice({"linear": nn.Linear(64, 10), "away": _Away(away, driver)}, label="op")
+        self.op = tnn.LayerChoice({"linear": nn.Linear(64, 10), "away": _Away(away, driver, marker)}, label="op")
         self.example_inputs = (torch.zeros(2, 1, 8, 8),)
 
     def forward(self, x):

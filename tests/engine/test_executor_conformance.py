@@ -457,6 +457,21 @@ def test_a_supernet_whose_worker_hangs_or_dies_fails_with_the_executors_message(
     assert "\n" not in exp.stop_reason and exp.stop_reason.endswith("run again to start it again"), exp.stop_reason
 
 
+def test_a_ray_task_restarted_after_its_worker_died_continues_the_supernet_from_its_last_epoch(tmp_path, executor_of,
+                                                                                             digits_data):
+    """Ray's max_retries: the worker dies two epochs in, the task starts again from the last
+    epoch it wrote (saying that epoch again, recorded once) and the supernet trains as in one go."""
+    ev = adam(digits_data)
+    strategy = td.oneshot.DARTS(samples=1, epochs=4)
+    space = AwayChoice("die-once", os.getpid(), str(tmp_path / "died"))
+    exp, got = one_shot(tmp_path, executor_of("ray", max_retries=1), ev, strategy, space=space)
+    assert (tmp_path / "died").exists()  # its worker died once
+    whole = one_shot(tmp_path / "whole", td.executors.Inline(), ev, td.oneshot.DARTS(samples=1, epochs=4),
+                     space=AwayChoice("die-once", os.getpid(), str(tmp_path / "died")))[1]
+    assert got["supernet0"].status is TrialStatus.COMPLETED, got["supernet0"].error
+    assert got["supernet0"].metrics["train_loss"] == pytest.approx(whole["supernet0"].metrics["train_loss"], rel=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["process", pytest.param("ray", marks=pytest.mark.slow)])
 def test_kill_9_of_a_one_shot_driver_then_resume_continues_the_supernet_from_its_last_epoch(kind, tmp_path):
     from .executor_script import ONESHOT_EPOCHS
