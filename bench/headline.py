@@ -35,7 +35,8 @@ file), ``tridens-fused`` / ``tridens-unfused`` (the planner's batching choice fo
 ``off``; the other optimizations as planned), the thread options the default policy chooses
 between, forced: ``tridens-side`` (a group's units side by side in forked processes, one thread
 each, one per core: ``ThreadPolicy(threads=1, concurrent=<cores>)``), ``tridens-alone`` (units one
-at a time on every core: ``ThreadPolicy(threads=<cores>, concurrent=1)``), and ``tridens-one``
+at a time on every core: ``ThreadPolicy(threads=<cores>, concurrent=1)``), ``tridens-measured``
+(``ThreadPolicy(repeatable=False)``: the option timed on the first group of each workload), and ``tridens-one``
 (one thread, one unit at a time: ``ThreadPolicy(threads=1, concurrent=1)``); ``optuna`` (``study.optimize`` of an objective with
 a plain PyTorch loop over a ``DataLoader``, ``torch.set_num_threads(1)``: one thread per trial),
 ``ray`` (Tune, function trainable, ``ray.init(num_cpus=<cores>)``: one CPU and one torch thread
@@ -670,7 +671,8 @@ def thread_policy(system: str) -> Any:
     from tridens.engine import ThreadPolicy
 
     cores = len(os.sched_getaffinity(0))
-    return {"tridens-side": ThreadPolicy(threads=1, concurrent=cores),
+    return {"tridens-measured": ThreadPolicy(repeatable=False),
+            "tridens-side": ThreadPolicy(threads=1, concurrent=cores),
             "tridens-one": ThreadPolicy(threads=1, concurrent=1),
             "tridens-alone": ThreadPolicy(threads=cores, concurrent=1)}.get(system)
 
