@@ -15,6 +15,7 @@ turns what happened into the trial's records and outcome.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import multiprocessing as mp
@@ -34,13 +35,13 @@ from torch import nn
 from ..errors import ExecutorFault, UnknownMetric
 from ..evaluators import Evaluator, StepwiseEvaluator, drive
 from ..trial import Decision, Fork
-from ..units import ExecutionUnit, Job
+from ..units import Job
 from ._protocol import GroupHooks, RunHalted, TrialProtocol, TrialTimeout, Verdict, error_text
 from ._threads import ThreadPolicy
 from ._channel import ChannelClosed, PipeChannel, ready
-from ._messages import (Answer, Left, Outcome, Place, Quit, Report, RunTrial, RunUnit, ShipEvaluator,
-                        Started)
-from ._driver import RoundDecision, decide_round
+from ._messages import (Answer, Forked, Left, Outcome, Place, Quit, Report, RunTrial, RunUnit, ShipEvaluator,
+                        Started, Verdicts)
+from ._driver import decide_round
 from ._watchdog import check_overtime, death_error, for_trial, settle
 from ._base import Executor, RunContext, run_context as _context
 from ._lockstep import (LockstepJudge, UnitReport, fork_members, handed_source, load_bytes, model_bytes, plan_units,
@@ -52,34 +53,32 @@ __all__ = ["Executor", "RunContext", "InlineExecutor", "ProcessExecutor", "run_l
 log = logging.getLogger("tridens")
 
 
-class _InlineJudge(LockstepJudge):
-    """The in-process judge: each round decided by the driver's :func:`~._driver.decide_round`
-    (every report recorded, then each member's verdict, then the forks)."""
+class _InProcessLink:
+    """The :class:`~._lockstep.DriverLink` of units that train in the driver's process: each round
+    decided at once by :func:`~._driver.decide_round` (every report recorded, then each member's
+    verdict, then the forks); a member's outcome goes straight to its protocol."""
 
     def __init__(self, lives: Mapping[int, TrialProtocol]):
         self.lives = lives
-        self.decision = RoundDecision()
 
-    def judge(self, reports: Sequence[UnitReport]) -> list[Verdict]:
+    def keep(self, reports: Sequence[UnitReport]) -> None:
+        """Nothing to keep: no other process takes over these members."""
+
+    def round(self, reports: Sequence[Report]) -> Verdicts:
         # seconds 0: a unit in this process counts its members' training time itself
-        trained = [(self.lives[r.trial_id], Report(r.trial_id, r.step, dict(r.metrics), 0.0, r.last))
-                   for r in reports if r.metrics is not None]
-        self.decision = decide_round(trained)
-        return [self.decision.verdicts[r.trial_id] if r.metrics is not None
-                else self.lives[r.trial_id].verdict(r.step, last=True) for r in reports]
+        decision = decide_round([(self.lives[r.trial_id], dataclasses.replace(r, seconds=0.0)) for r in reports])
+        return Verdicts({tid: verdict.value for tid, verdict in decision.verdicts.items()},
+                        [(tid, fork.source, fork.sample, None) for tid, fork in decision.forks.items()])
 
-    def failed(self, unit: ExecutionUnit, trial_id: int, err: BaseException) -> None:
-        self.lives[trial_id].fail(err)
+    def handed(self, handed: Any) -> Any:  # pragma: no cover - every source trains in this process
+        raise TypeError("units in the driver's process hand no state over")
 
-    def finished(self, report: UnitReport, verdict: Verdict) -> None:
-        if verdict.finishes:
-            self.lives[report.trial_id].finish(weights=report.unit.weights(report.trial_id))
+    def forked(self, message: Forked) -> None:
+        self.lives[message.trial_id].forked(self.lives[message.source].trial, message.step,
+                                            Fork(message.source, message.sample))
 
-    def forks(self, reports: Sequence[UnitReport]) -> list[tuple[UnitReport, Fork]]:
-        return [(r, self.decision.forks[r.trial_id]) for r in reports if r.trial_id in self.decision.forks]
-
-    def forked(self, report: UnitReport, fork: Fork) -> None:
-        self.lives[report.trial_id].forked(self.lives[fork.source].trial, report.step, fork)
+    def leave(self, trial_id: int, outcome: Outcome, weights: Mapping[str, Any] | None) -> None:
+        settle(self.lives[trial_id], dataclasses.replace(outcome, weights=weights), lambda state: state)
 
 
 class _Deadline:
@@ -250,7 +249,7 @@ class InlineExecutor(Executor):
             if plan.option:  # a group that does not split: one unit on every idle core instead
                 plan = self.threads.decide_units(units, rates=decisions, splittable=False)
         with plan.applied():
-            run_lockstep(units, _InlineJudge(lives))
+            run_lockstep(units, LockstepJudge(_InProcessLink(lives), evaluator))
         if plan.concurrent == 1:
             _record_thread_rate(plan, measured, lives, before, time.perf_counter() - started, decisions)
 

@@ -5,7 +5,7 @@ When the thread policy runs several units at once (small steps, one thread each,
 :class:`~._threads.ThreadPolicy`), the in-process executor deals its planned units into shares of
 about equal work (:func:`~._threads.shares`; too few units are split first,
 :func:`~._planner.spread_units`) and forks one child process per share. Each child trains its
-share with :func:`~._execution.run_lockstep` and the pool's :class:`~._pool_units.PipeJudge`:
+share with :func:`~._execution.run_lockstep` and the pool's pipe (:class:`~._pool_units.PipeLink`):
 after every round it sends its members' epochs and waits. The driver answers a round only when
 every share has reported it, and then as the in-process loop does: every report recorded first,
 then every verdict, in the order the units were planned. A synchronous rule sees the whole rung,
@@ -41,8 +41,8 @@ from typing import Mapping, Sequence
 import torch
 
 from ..units import Decisions, ExecutionUnit
-from ._lockstep import run_lockstep
-from ._pool_units import PipeJudge
+from ._lockstep import LockstepJudge, run_lockstep
+from ._pool_units import PipeLink
 from ._channel import PipeChannel
 from ._messages import End, LogRecord, Measured
 from ._driver import LockstepDriver, Site
@@ -88,7 +88,7 @@ def _child(conn: Connection, units: Sequence[ExecutionUnit], threads: int) -> No
     logging.getLogger("tridens").handlers = []
     torch.set_num_threads(threads)
     trials = {tid: job.trial for unit in units for tid, job in unit.jobs.items()}
-    judge = PipeJudge(conn, units[0].evaluator, trials)
+    judge = LockstepJudge(PipeLink(conn, trials), units[0].evaluator)
     try:
         run_lockstep(units, judge)
     except Exception as err:  # the pipe broke, or the loop itself failed: every member still here fails

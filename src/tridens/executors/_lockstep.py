@@ -12,7 +12,7 @@ import logging
 import pickle
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -21,10 +21,11 @@ from ..errors import TridensError
 from ..evaluators import StepwiseEvaluator
 from ..trial import Fork
 from ..units import ExecutionUnit, Job, SeparateUnit
-from ._protocol import Verdict
+from ._messages import Forked, Outcome, Report, Verdicts
+from ._protocol import Verdict, error_text
 
 __all__ = ["weights", "worker_payload", "model_bytes", "state_bytes", "weights_bytes", "load_bytes", "plan_units",
-           "UnitReport", "LockstepJudge", "RoundAnswers", "handed_source", "fork_members", "run_lockstep",
+           "UnitReport", "DriverLink", "LockstepJudge", "RoundAnswers", "handed_source", "fork_members", "run_lockstep",
            "resume_units"]
 
 log = logging.getLogger("tridens")
@@ -138,36 +139,100 @@ class UnitReport:
     seconds: float
 
 
+class DriverLink(Protocol):
+    """The worker's end of its conversation with the driver, as :class:`LockstepJudge` uses it:
+    a pipe to the driver (a pool worker, a forked child), the Ray hub and storage (a Ray task), or
+    the driver itself (units that train in the driver's process)."""
+
+    def keep(self, reports: Sequence[UnitReport]) -> None:
+        """Keep each member's state of this round where a fresh worker finds it, before the round
+        is reported (:func:`resume_units`); nothing where no worker replaces this one."""
+
+    def round(self, reports: Sequence[Report]) -> Verdicts:
+        """Report one round; the driver's answer: each member's verdict value and the forks
+        ``(trial, source, sample, handed)``, ``handed`` what :meth:`handed` reads (None: the source
+        trains in the same process)."""
+
+    def handed(self, handed: Any) -> tuple[int, dict[str, Any], nn.Module | None, Mapping[str, Any]]:
+        """A fork's source trained elsewhere: its seed, sample, initial model and trainer state."""
+
+    def forked(self, message: Forked) -> None:
+        """Member ``message.trial_id`` now continues from its source's state (the driver records the lineage)."""
+
+    def leave(self, trial_id: int, outcome: Outcome, weights: Mapping[str, Any] | None) -> None:
+        """Member ``trial_id`` leaves with ``outcome`` (its final ``weights`` beside it, sent as the link sends them)."""
+
+
 class LockstepJudge:
-    """What :func:`run_lockstep` asks after each round of epochs (no-op hooks by default)."""
+    """What :func:`run_lockstep` asks after each round of epochs, wherever the units train: the
+    round goes to the driver through ``link`` (:class:`DriverLink`), whose answer holds each
+    member's verdict and the forks (PBT); a member leaves through the link with its outcome.
+    ``evaluator`` builds the stand-in of a fork's source that trains elsewhere
+    (:func:`handed_source`). Members whose budget was spent before the round are done without
+    asking.
+
+    >>> run_lockstep(units, LockstepJudge(link, evaluator))    # doctest: +SKIP
+    """
+
+    def __init__(self, link: DriverLink, evaluator: StepwiseEvaluator):
+        self.link, self.evaluator = link, evaluator
+        self.given: dict[int, tuple[Any, ...]] = {}
+        self.left: set[int] = set()
 
     def checkpoint(self, reports: Sequence[UnitReport]) -> None:
         """Before :meth:`judge`: keep each member's state of this round (a worker that may die
-        writes it where a fresh worker finds it, :func:`resume_units`). Default: nothing kept."""
+        writes it where a fresh worker finds it, :func:`resume_units`)."""
+        self.link.keep(reports)
 
-    def judge(self, reports: Sequence[UnitReport]) -> list[Verdict]:  # pragma: no cover - abstract
-        """One verdict per report."""
-        raise NotImplementedError
+    def judge(self, reports: Sequence[UnitReport]) -> list[Verdict]:
+        """One verdict per report, the driver's for the members that trained this round."""
+        asks = [Report(r.trial_id, r.step, dict(r.metrics), r.seconds, r.last) for r in reports if r.metrics is not None]
+        answers: dict[int, Any] = {}
+        self.given = {}
+        if asks:
+            answer = self.link.round(asks)
+            answers, self.given = answer.answers, {fork[0]: fork for fork in answer.forks}
+        return [Verdict.DONE if r.metrics is None else Verdict(answers[r.trial_id]) for r in reports]
 
-    def failed(self, unit: ExecutionUnit, trial_id: int, err: BaseException) -> None:
-        """The member's epoch raised: it leaves the unit."""
+    def failed(self, unit: ExecutionUnit | None, trial_id: int, err: BaseException | str) -> None:
+        """The member's epoch raised (or its unit could not be planned): it leaves the unit, failed."""
+        if trial_id not in self.left:
+            self.left.add(trial_id)
+            self.link.leave(trial_id, Outcome("error", error=err if isinstance(err, str) else error_text(err)), None)
 
     def finished(self, report: UnitReport, verdict: Verdict) -> None:
-        """The member ends (:attr:`Verdict.STOP`/``DONE``; its weights are in ``report.unit``),
-        or leaves without them (``DROP``, ``YIELD``)."""
+        """The member ends (:attr:`Verdict.STOP`/``DONE``, with its final weights from ``report.unit``),
+        or leaves without them (``DROP``: failed on the driver already; ``YIELD``: to another share)."""
+        tid = report.trial_id
+        if tid in self.left:
+            return
+        self.left.add(tid)
+        value = None if report.metrics is None else report.metrics[next(iter(report.metrics))]
+        if verdict is Verdict.DROP:
+            self.link.leave(tid, Outcome("dropped"), None)
+        elif verdict is Verdict.YIELD:
+            self.link.leave(tid, Outcome("yielded", value), None)
+        else:
+            self.link.leave(tid, Outcome("stopped" if verdict is Verdict.STOP else "done", value),
+                            report.unit.weights(tid))
 
     def forks(self, reports: Sequence[UnitReport]) -> list[tuple[UnitReport, Fork]]:
-        """Of the members that continue (``reports``), those the strategy moves onto another
-        member's state. Default: none."""
-        return []
+        """Of the members that continue (``reports``), those the driver moves onto another member's state."""
+        return [(r, Fork(self.given[r.trial_id][1], self.given[r.trial_id][2])) for r in reports
+                if r.trial_id in self.given]
 
     def forked(self, report: UnitReport, fork: Fork) -> None:
-        """The member now continues from ``fork.source``'s state (record the lineage)."""
+        """The member now continues from ``fork.source``'s state: the driver records the lineage."""
+        self.link.forked(Forked(report.trial_id, fork.source, report.step, dict(fork.sample)))
 
     def handed(self, report: UnitReport, fork: Fork) -> ExecutionUnit | None:
         """A fork whose source trains in another process: a unit holding only the source member,
-        loaded with the state handed over from there (None: the source must train in this loop)."""
-        return None
+        loaded with the state handed over from there (None: the source trains in this loop)."""
+        entry = self.given.get(report.trial_id)
+        if entry is None or entry[3] is None:
+            return None
+        seed, sample, model, state = self.link.handed(entry[3])
+        return handed_source(self.evaluator, fork.source, seed, sample, model, state)
 
 
 class RoundAnswers:

@@ -52,22 +52,22 @@ import torch
 from ..errors import StorageFault
 from ..evaluators import Evaluator, StepwiseEvaluator
 from ..store import storage_fault
-from ..trial import Fork, Trial
-from ..units import ExecutionUnit, Job, PlanContext
-from ._lockstep import (LockstepJudge, UnitReport, handed_source, load_bytes, model_bytes, plan_units,
+from ..trial import Trial
+from ..units import Job, PlanContext
+from ._lockstep import (LockstepJudge, UnitReport, load_bytes, model_bytes, plan_units,
                         resume_units, run_lockstep, state_bytes)
 from ._channel import ChannelClosed, PipeChannel
 from ._messages import (ArchiveAnswer, ArchiveCall, End, Forked, Left, Outcome, Report, Round, RunUnit, Started,
                         Verdicts)
 from ._driver import LockstepDriver, Site
-from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text
+from ._protocol import GroupHooks, TrialProtocol, error_text
 from ._ray_storage import CheckpointStorage
 from ._stage_relay import ArchiveRelay, PlanningView
 
 if TYPE_CHECKING:
     from ._execution import ProcessExecutor
 
-__all__ = ["UnitRun", "serve_unit", "PipeJudge", "POOL_OPTIMIZATIONS"]
+__all__ = ["UnitRun", "serve_unit", "PipeLink", "POOL_OPTIMIZATIONS"]
 
 log = logging.getLogger("tridens")
 
@@ -225,18 +225,16 @@ class UnitRun:
 
 
 # -- the worker ---------------------------------------------------------------------------------------
-class PipeJudge(LockstepJudge):
-    """A pool worker's (or a forked process's, :mod:`._forked`) side of the lockstep loop: each
-    round's reports go to the driver, whose answer holds the verdicts and the forks; a member's
-    outcome goes back with its weights. With ``storage`` (a population's worker: ``(storage,
-    experiment)``) each member's state of a round is written there before the round is reported."""
+class PipeLink:
+    """A pool worker's (or a forked process's, :mod:`._forked`) end of the pipe to the driver, as
+    its :class:`~._lockstep.LockstepJudge` talks through it (a :class:`~._lockstep.DriverLink`):
+    each round's reports go to the driver, whose answer holds the verdicts and the forks; a
+    member's outcome goes back with its weights (``torch.save`` bytes). With ``storage`` (a
+    population's worker: ``(storage, experiment)``) each member's state of a round is written
+    there before the round is reported."""
 
-    def __init__(self, conn: Connection, evaluator: StepwiseEvaluator, trials: Mapping[int, Trial],
-                 storage: tuple[CheckpointStorage, str] | None = None):
-        self.conn, self.evaluator, self.trials, self.storage = conn, evaluator, trials, storage
-        self.given: list[tuple[Any, ...]] = []
-        self.handed_states: dict[int, tuple[Any, ...]] = {}
-        self.left: set[int] = set()
+    def __init__(self, conn: Connection, trials: Mapping[int, Trial], storage: tuple[CheckpointStorage, str] | None = None):
+        self.conn, self.trials, self.storage = conn, trials, storage
 
     def directory(self, tid: int) -> str:
         """Where member ``tid``'s rounds are kept."""
@@ -244,7 +242,7 @@ class PipeJudge(LockstepJudge):
         storage, experiment = self.storage
         return storage.trial_directory(experiment, tid)
 
-    def checkpoint(self, reports: Sequence[UnitReport]) -> None:
+    def keep(self, reports: Sequence[UnitReport]) -> None:
         """Each member's state of the round under storage; a full (or failing) disk there raises
         the one-line :class:`~tridens.errors.StorageFault` that stops the run (:meth:`halt`)."""
         if self.storage is not None:
@@ -259,66 +257,32 @@ class PipeJudge(LockstepJudge):
                         raise
                     raise fault from err
 
-    def halt(self, fault: StorageFault) -> None:
-        """A storage fault in this worker: every member still here is left unfinished and the run
-        stops with the fault's line (the members train again on the next run)."""
+    def halt(self, fault: StorageFault, left: set[int]) -> None:
+        """A storage fault in this worker: every member still here (not in ``left``) is left
+        unfinished and the run stops with the fault's line (the members train again on the next run)."""
         for tid in self.trials:
-            if tid not in self.left:
-                self.left.add(tid)
+            if tid not in left:
+                left.add(tid)
                 self.conn.send(Left(tid, Outcome("fault", error=str(fault))))
 
-    def judge(self, reports: Sequence[UnitReport]) -> list[Verdict]:
-        asks = [Report(r.trial_id, r.step, dict(r.metrics), r.seconds, r.last) for r in reports if r.metrics is not None]
-        answers: dict[int, str] = {}
-        self.given = []
-        if asks:
-            self.conn.send(Round(asks))
-            message = self.conn.recv()
-            if not isinstance(message, Verdicts):
-                raise RuntimeError(f"the driver answered a round with {type(message).__name__}")
-            answers, self.given = message.answers, message.forks
-        return [Verdict.DONE if r.metrics is None else Verdict(answers[r.trial_id]) for r in reports]
+    def round(self, reports: Sequence[Report]) -> Verdicts:
+        self.conn.send(Round(list(reports)))
+        message = self.conn.recv()
+        if not isinstance(message, Verdicts):
+            raise RuntimeError(f"the driver answered a round with {type(message).__name__}")
+        return message
 
-    def forks(self, reports: Sequence[UnitReport]) -> list[tuple[UnitReport, Fork]]:
-        going = {r.trial_id: r for r in reports}
-        out = []
-        for tid, source, sample, handed in self.given:
-            if tid in going:
-                if handed is not None:
-                    self.handed_states[tid] = handed
-                out.append((going[tid], Fork(source, sample)))
-        return out
+    def handed(self, handed: Any) -> tuple[int, dict[str, Any], Any, Mapping[str, Any]]:
+        seed, sample, model, state = handed
+        return seed, sample, pickle.loads(model), load_bytes(state)
 
-    def handed(self, report: UnitReport, fork: Fork) -> ExecutionUnit | None:
-        entry = self.handed_states.pop(report.trial_id, None)
-        if entry is None:
-            return None
-        seed, sample, model, state = entry
-        return handed_source(self.evaluator, fork.source, seed, sample, pickle.loads(model), load_bytes(state))
+    def forked(self, message: Forked) -> None:
+        self.conn.send(message)
 
-    def forked(self, report: UnitReport, fork: Fork) -> None:
-        self.conn.send(Forked(report.trial_id, fork.source, report.step, fork.sample))
-
-    def _info(self, tid: int) -> dict[str, Any]:
+    def leave(self, tid: int, outcome: Outcome, weights: Mapping[str, Any] | None) -> None:
         info = self.trials[tid].info
-        return {k: info[k] for k in _INFO if k in info}
-
-    def failed(self, unit: ExecutionUnit | None, trial_id: int, err: BaseException | str) -> None:
-        if trial_id not in self.left:
-            self.left.add(trial_id)
-            text = err if isinstance(err, str) else error_text(err)
-            self.conn.send(Left(trial_id, Outcome("error", error=text, info=self._info(trial_id))))
-
-    def finished(self, report: UnitReport, verdict: Verdict) -> None:
-        tid = report.trial_id
-        if tid in self.left:
-            return
-        self.left.add(tid)
-        if verdict.finishes:
-            weights = report.unit.weights(tid)
-            self.conn.send(Left(tid, Outcome("done", weights=state_bytes(weights), info=self._info(tid))))
-        else:   # dropped (already failed on the driver)
-            self.conn.send(Left(tid, Outcome("dropped")))
+        self.conn.send(Left(tid, Outcome(outcome.kind, outcome.value, state_bytes(weights), outcome.error,
+                                         {k: info[k] for k in _INFO if k in info})))
 
 
 def _call(conn: Connection, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -340,12 +304,13 @@ def serve_unit(conn: Connection, message: RunUnit, evaluators: Mapping[int, Eval
     jobs = [Job(trial, pickle.loads(model), max_steps, start_from=load_bytes(state))
             for trial, model, max_steps, state in members]
     storage = None if message.storage is None else (CheckpointStorage(message.storage[0]), message.storage[1])
-    judge = PipeJudge(conn, evaluator, {job.trial.id: job.trial for job in jobs}, storage)  # type: ignore[arg-type]
+    link = PipeLink(conn, {job.trial.id: job.trial for job in jobs}, storage)
+    judge = LockstepJudge(link, evaluator)  # type: ignore[arg-type]
     try:
         if not isinstance(evaluator, StepwiseEvaluator):
             raise TypeError(f"units train step-wise evaluators, not {type(evaluator).__name__}")
         if message.resume and storage is not None:
-            units = resume_units(jobs, evaluator, judge, lambda tid: storage[0].last_round(judge.directory(tid)),
+            units = resume_units(jobs, evaluator, judge, lambda tid: storage[0].last_round(link.directory(tid)),
                                  "restarted on a fresh worker from the members' last rounds")
             run_lockstep(units, judge)
             conn.send(End())
@@ -363,7 +328,7 @@ def serve_unit(conn: Connection, message: RunUnit, evaluators: Mapping[int, Eval
         run_lockstep(units, judge)
     except StorageFault as fault:   # the disk under storage: no member's fault
         with contextlib.suppress(OSError):
-            judge.halt(fault)
+            link.halt(fault, judge.left)
     except Exception as err:  # planning failed, or the pipe broke: every member still here fails with it
         text = error_text(err)
         for job in jobs:

@@ -44,10 +44,9 @@ import ray
 import torch
 
 from ..evaluators import StepwiseEvaluator
-from ..units import ExecutionUnit, Job, PlanContext
-from ..trial import Fork
-from ._lockstep import LockstepJudge, UnitReport, handed_source, plan_units, resume_units, run_lockstep
-from ._messages import Answer, ArchiveCall, Forked, Left, Outcome, Posted, Report, Started, State
+from ..units import Job, PlanContext
+from ._lockstep import LockstepJudge, UnitReport, plan_units, resume_units, run_lockstep
+from ._messages import Answer, ArchiveCall, Forked, Left, Outcome, Posted, Report, Started, State, Verdicts
 from ._protocol import Verdict, error_text
 from ._ray_storage import CheckpointStorage
 
@@ -99,72 +98,43 @@ class _Worker:
         self.storage.save_round(self.directories[tid], step, metrics, state, sample)
 
     def ask(self, reports: Sequence[tuple[int, int, dict[str, float], bool, float]]) -> dict[int, Any]:
-        """Post every member's report at once; the driver's answers (a verdict, or a fork: see _RayJudge), by trial id."""
+        """Post every member's report at once; the driver's answers (a verdict, or a fork: see :meth:`round`), by trial id."""
         refs = [self.hub.ask.remote(Posted(self.attempt, self.worker, Report(tid, step, metrics, seconds, last)))
                 for tid, step, metrics, last, seconds in reports]
         return {report[0]: answer for report, answer in zip(reports, ray.get(refs))}
 
-    def leave(self, tid: int, kind: str, value: float | None = None, weights: Mapping[str, Any] | None = None,
-              error: str | None = None) -> None:
-        final = None
+    # -- the DriverLink of this task's LockstepJudge ------------------------------------------------
+    def keep(self, reports: Sequence[UnitReport]) -> None:
+        for r in reports:
+            self.checkpoint(r.trial_id, r.step, r.metrics or {}, r.unit.state_dict(r.trial_id), r.unit.jobs[r.trial_id].sample)
+
+    def round(self, reports: Sequence[Report]) -> Verdicts:
+        """Every member's report posted at once; each answer is a verdict -- or, for a fork (PBT),
+        ``{"verdict", "source", "sample"[, "handed"]}``: ``handed`` when the source trains in
+        another task (its seed, sample, model, and its state's file under storage)."""
+        answers = self.ask([(r.trial_id, r.step, dict(r.metrics), r.last, r.seconds) for r in reports])
+        forks = [(tid, a["source"], a["sample"], a.get("handed")) for tid, a in answers.items() if isinstance(a, dict)]
+        return Verdicts({tid: a["verdict"] if isinstance(a, dict) else a for tid, a in answers.items()}, forks)
+
+    def handed(self, handed: Any) -> tuple[int, dict[str, Any], Any, Mapping[str, Any]]:
+        seed, sample, model, path = handed
+        return seed, sample, pickle.loads(model), self.storage.take(path)
+
+    def forked(self, message: Forked) -> None:
+        self.post(message)
+
+    def leave(self, tid: int, outcome: Outcome, weights: Mapping[str, Any] | None = None) -> None:
+        """Member ``tid`` leaves: its final ``weights`` written under storage (or ``outcome.weights``
+        there already), its outcome posted to the driver and kept for the task's result."""
+        final = outcome.weights
         if weights is not None:
             final = self.storage.child(self.directories[tid], "final.pt")
             self.storage.save(final, {k: v.detach().cpu() for k, v in weights.items()})
         info = self.trials[tid].info   # what the unit recorded (the stages it went through) goes back too
-        outcome = Outcome(kind, value, final, error, {k: info[k] for k in ("stages", "stage_store", "unit") if k in info})
+        outcome = Outcome(outcome.kind, outcome.value, final, outcome.error,
+                          {k: info[k] for k in ("stages", "stage_store", "unit") if k in info})
         self.outcomes[tid] = outcome
         self.post(Left(tid, outcome))
-
-
-class _RayJudge(LockstepJudge):
-    """The worker's side of the lockstep loop: each member's checkpoint, then its report to the
-    driver, whose answer is the member's verdict -- or, for a fork (PBT), ``{"verdict", "source",
-    "sample"[, "handed"]}``: ``handed`` when the source trains in another task (its seed, sample,
-    model, and its state's file under storage)."""
-
-    def __init__(self, worker: _Worker, evaluator: StepwiseEvaluator):
-        self.worker, self.evaluator = worker, evaluator
-        self.given: dict[int, dict[str, Any]] = {}
-
-    def checkpoint(self, reports: Sequence[UnitReport]) -> None:
-        for r in reports:
-            self.worker.checkpoint(r.trial_id, r.step, r.metrics or {}, r.unit.state_dict(r.trial_id),
-                                   r.unit.jobs[r.trial_id].sample)
-
-    def judge(self, reports: Sequence[UnitReport]) -> list[Verdict]:
-        asks = [(r.trial_id, r.step, dict(r.metrics), r.last, r.seconds) for r in reports if r.metrics is not None]
-        answers = self.worker.ask(asks)
-        self.given = {tid: answer for tid, answer in answers.items() if isinstance(answer, dict)}
-        verdicts = {tid: answer["verdict"] if isinstance(answer, dict) else answer for tid, answer in answers.items()}
-        return [Verdict.DONE if r.metrics is None else Verdict(verdicts[r.trial_id]) for r in reports]
-
-    def forks(self, reports: Sequence[UnitReport]) -> list[tuple[UnitReport, Fork]]:
-        return [(r, Fork(self.given[r.trial_id]["source"], self.given[r.trial_id]["sample"]))
-                for r in reports if r.trial_id in self.given]
-
-    def handed(self, report: UnitReport, fork: Fork) -> ExecutionUnit | None:
-        answer = self.given.get(report.trial_id) or {}
-        if "handed" not in answer:
-            return None
-        seed, sample, model, path = answer["handed"]
-        return handed_source(self.evaluator, fork.source, seed, sample, pickle.loads(model), self.worker.storage.take(path))
-
-    def forked(self, report: UnitReport, fork: Fork) -> None:
-        worker = self.worker
-        worker.post(Forked(report.trial_id, fork.source, report.step, fork.sample))
-
-    def failed(self, unit: ExecutionUnit, trial_id: int, err: BaseException) -> None:
-        self.worker.leave(trial_id, "error", error=error_text(err))
-
-    def finished(self, report: UnitReport, verdict: Verdict) -> None:
-        tid, unit = report.trial_id, report.unit
-        value = None if report.metrics is None else report.metrics[next(iter(report.metrics))]
-        if verdict is Verdict.DROP:
-            self.worker.leave(tid, "dropped")
-        elif verdict is Verdict.YIELD:
-            self.worker.leave(tid, "yielded", value)
-        else:
-            self.worker.leave(tid, "stopped" if verdict is Verdict.STOP else "done", value, unit.weights(tid))
 
 
 def _plan(jobs: Sequence[Job], evaluator: StepwiseEvaluator, spec: Mapping[str, Any], archive: Any = None) -> list[Any]:
@@ -196,7 +166,7 @@ def run_unit(evaluator: StepwiseEvaluator, spec: dict[str, Any], hub: Any) -> di
         worker.post(Started(m["trial"].id, assigned))
     jobs = [Job(m["trial"], pickle.loads(m["model"]), m["max_steps"], start_from=m.get("start_from"))
             for m in spec["members"]]
-    judge = _RayJudge(worker, evaluator)
+    judge = LockstepJudge(worker, evaluator)
     try:
         if spec.get("world", 1) > 1:
             _run_ddp(worker, jobs[0], evaluator, spec)
@@ -213,7 +183,7 @@ def run_unit(evaluator: StepwiseEvaluator, spec: dict[str, Any], hub: Any) -> di
         text = error_text(err)
         for job in jobs:
             if job.trial.id not in worker.outcomes:
-                worker.leave(job.trial.id, "error", error=text)
+                worker.leave(job.trial.id, Outcome("error", error=text))
         return worker.outcomes
     run_lockstep(units, judge)
     return worker.outcomes
@@ -291,9 +261,9 @@ def _run_ddp(worker: _Worker, job: Job, evaluator: StepwiseEvaluator, spec: Mapp
             message = conns[0].recv()
             if isinstance(message, Left):
                 if message.outcome.kind == "error":
-                    worker.leave(tid, "error", error=message.outcome.error)
+                    worker.leave(tid, Outcome("error", error=message.outcome.error))
                 else:
-                    worker.leave(tid, "stopped" if stopped else "done", value, message.outcome.weights)
+                    worker.leave(tid, Outcome("stopped" if stopped else "done", value), message.outcome.weights)
                 return
             report: Report = conns[0].recv()   # after the rank's state
             step, metrics, seconds = report.step, report.metrics, report.seconds
@@ -306,7 +276,7 @@ def _run_ddp(worker: _Worker, job: Job, evaluator: StepwiseEvaluator, spec: Mapp
             stopped = answer == Verdict.STOP.value
             if answer in (Verdict.YIELD.value, Verdict.DROP.value):
                 conns[0].send(Answer(0, answer))
-                worker.leave(tid, "yielded" if answer == Verdict.YIELD.value else "dropped", value)
+                worker.leave(tid, Outcome("yielded" if answer == Verdict.YIELD.value else "dropped", value))
                 return
             conns[0].send(Answer(0, Verdict.CONTINUE.value if epoch < limit and not stopped else Verdict.STOP.value))
     finally:
