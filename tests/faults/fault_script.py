@@ -40,23 +40,30 @@ class Wide(tnn.ModelSpace):
         return self.body(x)
 
 
-def fills_the_disk(model, x, room):
-    """Trial x=1 fills the disk of the folder ``FILL`` (once: a marker remembers it), leaving
-    ``room`` bytes free, then reports: the store's next write (its metrics with no room, the
-    checkpoint with a little) meets a full disk."""
+def fill_the_disk_once(room):
+    """Fills the disk of the folder ``FILL`` (once: a marker remembers it), leaving ``room`` bytes
+    free: the store's next write meets a full disk."""
     folder = os.environ["FILL"]
     marker = os.path.join(folder, "filled")
-    if x == 1 and not os.path.exists(marker):
-        open(marker, "w").close()
-        filler = os.path.join(folder, "filler")
-        try:
-            with open(filler, "wb") as f:
-                while True:
-                    f.write(b"\0" * 65536)
-                    f.flush()
-        except OSError:
-            pass
-        os.truncate(filler, max(0, os.path.getsize(filler) - room))
+    if os.path.exists(marker):
+        return
+    open(marker, "w").close()
+    filler = os.path.join(folder, "filler")
+    try:
+        with open(filler, "wb") as f:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+    except OSError:
+        pass
+    os.truncate(filler, max(0, os.path.getsize(filler) - room))
+
+
+def fills_the_disk(model, x, room):
+    """Trial x=1 fills the disk once, leaving ``room`` bytes free, then reports: the store's next
+    write (its metrics with no room, the checkpoint with a little) meets a full disk."""
+    if x == 1:
+        fill_the_disk_once(room)
     td.report({"value": float(x)}, step=0)
     return float(x)
 
@@ -69,20 +76,7 @@ class FillsTheDiskOnce(td.loggers.Callback):
         self.room = room
 
     def on_trial_step(self, trial, step, metrics):
-        folder = os.environ["FILL"]
-        marker = os.path.join(folder, "filled")
-        if os.path.exists(marker):
-            return
-        open(marker, "w").close()
-        filler = os.path.join(folder, "filler")
-        try:
-            with open(filler, "wb") as f:
-                while True:
-                    f.write(b"\0" * 65536)
-                    f.flush()
-        except OSError:
-            pass
-        os.truncate(filler, max(0, os.path.getsize(filler) - self.room))
+        fill_the_disk_once(self.room)
 
 
 def executor(kind):
