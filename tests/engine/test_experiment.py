@@ -1,6 +1,7 @@
 import contextlib
 import io
 import json
+import time
 
 import pytest
 import torch
@@ -212,6 +213,32 @@ def test_max_duration_stops_between_groups(tmp_path):
     ev = td.evaluators.FunctionalEvaluator(sleep_briefly)
     exp = _run(tmp_path, TinyMLP(), ev, td.strategy.GridSearch(batch_size=1), max_duration=0.5)
     assert len(exp.trials()) == 1  # the grid has two models; the deadline passed during the first
+
+
+class _SleepPastTheDeadline(td.loggers.Callback):
+    """Holds the first reported step until ``seconds`` after the run started, so the deadline
+    passes while the group trains (the run's deadline is set before on_experiment_start)."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def on_experiment_start(self, name, config):
+        self.start = time.monotonic()
+
+    def on_trial_step(self, trial, step, metrics):
+        time.sleep(max(0.0, self.start + self.seconds + 0.05 - time.monotonic()))
+
+
+def test_max_duration_stops_the_trials_of_a_running_group_after_their_step(tmp_path, classification):
+    exp = Experiment(TinyMLP(), classification, td.strategy.GridSearch(batch_size=4), store=tmp_path / "t.db",
+                     name="late", budget=td.Budget(max_duration=2.0), callbacks=[_SleepPastTheDeadline(2.0)],
+                     options=td.RunOptions(verbose=False)).run()
+    trials = exp.trials()
+    assert len(trials) == 4  # one group: the whole grid, started before the deadline
+    for t in trials:
+        assert t.status is TrialStatus.STOPPED and t.info["stopped_by"] == "max_duration"
+        assert len(t.metrics["val_acc"]) == 1 and t.checkpoint  # its first epoch of two, kept
+    assert exp.stop_reason == "max_duration=2.0 reached after 4 trials (4 stopped early at the deadline)"
 
 
 def test_epochs_are_shown_while_trials_train(tmp_path, classification, capsys, monkeypatch):

@@ -83,8 +83,9 @@ def _executor_options(executor: Any, options: Mapping[str, Any]) -> dict[str, An
 @dataclass(frozen=True)
 class Budget:
     """What an experiment may spend: ``max_trials`` (trials in all, earlier runs of a resumed
-    experiment included), ``max_duration`` (seconds, or a string such as ``"2h"``, per run) and
-    ``trial_timeout`` (seconds one trial may train). ``td.Experiment(..., budget=32)`` is
+    experiment included), ``max_duration`` (seconds, or a string such as ``"2h"``, per run: once
+    past it, no group starts and the running trials stop after their current step, ``STOPPED``
+    with ``info["stopped_by"] == "max_duration"``) and ``trial_timeout`` (seconds one trial may train). ``td.Experiment(..., budget=32)`` is
     ``Budget(max_trials=32)``.
 
     >>> Budget(max_trials=32, max_duration="1h").max_trials

@@ -132,6 +132,7 @@ class _Run:
         self.names_checked = False  # the first report checks the objectives' names (check_reported_names)
         self.stop_reason = "the run ended"
         self.deadline = None
+        self.stopped_at_deadline = 0  # running trials that max_duration stopped after a step
         duration = _parse_duration(exp.max_duration)
         if duration is not None:
             self.deadline = time.monotonic() + duration
@@ -200,6 +201,13 @@ class _Run:
         self.db.update_trial(trial)  # its lineage (info["schedule"], info["exploits"])
 
     def decide(self, trial: Trial, step: int) -> Decision:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            # max_duration bounds the run, not only the groups it starts: a running trial ends after
+            # this step, stopped as a pruner would stop it, and says why.
+            trial.status = TrialStatus.STOPPED
+            trial.info["stopped_by"] = "max_duration"
+            self.stopped_at_deadline += 1
+            return Decision.STOP
         decision = self.strategy.decide(trial, step)
         if decision is Decision.STOP:
             trial.status = TrialStatus.STOPPED
@@ -313,7 +321,9 @@ class _Run:
                     break
                 if self.deadline is not None and time.monotonic() >= self.deadline:
                     self.stop_reason = (f"max_duration={self.exp.max_duration!r} reached after {counted}"
-                                        f"{'' if self.exp.max_trials is None else f'/{self.exp.max_trials}'} trials")
+                                        f"{'' if self.exp.max_trials is None else f'/{self.exp.max_trials}'} trials"
+                                        + (f" ({self.stopped_at_deadline} stopped early at the deadline)"
+                                           if self.stopped_at_deadline else ""))
                     break
                 group = self.strategy.ask(remaining)
                 if group is None:
