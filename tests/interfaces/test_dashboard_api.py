@@ -190,6 +190,37 @@ def test_architecture_only_from_code_already_imported(tiny_store, tmp_path):
     assert "someone_elses_module" not in sys.modules
 
 
+def test_fanova_fits_on_a_bounded_sample_of_the_best_and_the_rest(big_store):
+    """fANOVA's forest is fitted on at most max_fanova_trials trials, the best tenth and a uniform
+    sample of the others, and the response says so; PED-ANOVA keeps its own, larger bound."""
+    reader = StoreReader(big_store)
+    fanova = Importance(reader, max_fanova_trials=300)("big", "fanova")
+    assert fanova["trials"] == 300 and fanova["total"] == 8000
+    assert "fitted on 300 of the 8,000: the best 30 and a uniform sample of the others" in fanova["basis"]
+    assert set(fanova["importances"]) == {"width", "op", "lr"}
+    assert max(fanova["importances"], key=fanova["importances"].get) == "width"
+    # the sample holds the 30 best values at the common step, and the same trials on every call
+    at_step = reader.values_at_common_step("big")
+    chosen = reader.values_at_common_step("big", limit=300, best=30)
+    assert len(chosen["ids"]) == 300 and chosen["ids"] == sorted(chosen["ids"])
+    assert sorted(chosen["values"], reverse=True)[:30] == sorted(at_step["values"], reverse=True)[:30]
+    assert chosen == reader.values_at_common_step("big", limit=300, best=30)
+    ped = Importance(reader, max_fanova_trials=300)("big", "ped-anova")
+    assert ped["trials"] == 8000 and ped["total"] == 8000 and "sample" not in ped["basis"]
+
+
+@pytest.mark.slow
+def test_fanova_at_its_default_bound_over_http(big_store):
+    """The dashboard's own fANOVA endpoint on 8,000 finished trials fits on MAX_FANOVA_TRIALS."""
+    from tridens.dashboard._views import MAX_FANOVA_TRIALS
+
+    client = starlette_testclient.TestClient(create_app(big_store), base_url="http://localhost")
+    result = client.get("/api/experiments/big/importance?evaluator=fanova").json()
+    assert result["trials"] == MAX_FANOVA_TRIALS == 1000 and result["total"] == 8000
+    assert f"fitted on 1,000 of the 8,000: the best {MAX_FANOVA_TRIALS // 10}" in result["basis"]
+    assert max(result["importances"], key=result["importances"].get) == "width"
+
+
 def test_importance_with_either_optuna_evaluator(tiny_store):
     client = starlette_testclient.TestClient(create_app(tiny_store), base_url="http://localhost")
     for evaluator in ("ped-anova", "fanova"):

@@ -497,15 +497,17 @@ class StoreReader:
         return {s: n for s, n in self._rows("SELECT status, COUNT(*) FROM trials WHERE experiment_id = ? "
                                             "GROUP BY status", (eid,))}
 
-    def values_at_common_step(self, name: str, limit: int | None = None) -> dict[str, Any]:
+    def values_at_common_step(self, name: str, limit: int | None = None, best: int = 0) -> dict[str, Any]:
         """The objective's value of every finished (completed or stopped) trial at one step all of
         them reached: the last step of the trial that stopped first. With early stopping (ASHA,
         Hyperband, median stopping) that compares every trial at the same budget, stopped ones
         included. ``{"ids", "samples", "values", "step", "total"}`` (``step`` None without finished
         trials; ``total``: how many trials have a value there). With ``limit``, at most that many
-        trials: a uniform sample of them (the same trials on every call while none are added)."""
+        trials: the ``best`` best ones at that step and a uniform sample of the others (the same
+        trials on every call while none are added)."""
         eid, _, _, config_text, _, _ = self._experiment_row(name)
-        metric = self.objective(_object(config_text, "")[0])["metric"]
+        objective = self.objective(_object(config_text, "")[0])
+        metric = objective["metric"]
         step = self._rows(
             "SELECT MIN(last) FROM (SELECT MAX(m.step) AS last FROM metrics m JOIN trials t ON t.id = m.trial_id "
             "WHERE t.experiment_id = ? AND t.status IN ('completed', 'stopped') AND m.name = ? GROUP BY m.trial_id)",
@@ -515,8 +517,20 @@ class StoreReader:
         at_step = ("FROM trials t JOIN metrics m ON m.trial_id = t.id AND m.name = ? AND m.step = ? WHERE "
                    "t.experiment_id = ? AND t.status IN ('completed', 'stopped') AND m.value IS NOT NULL")
         total = self._rows(f"SELECT COUNT(*) {at_step}", (metric, step, eid))[0][0]
-        order = f"ORDER BY {_SCRAMBLED} LIMIT {int(limit)}" if limit is not None and total > limit else ""
-        rows = sorted(self._rows(f"SELECT t.id, t.sample, m.value {at_step} {order}", (metric, step, eid)))
+        columns = f"SELECT t.id, t.sample, m.value {at_step}"
+        if limit is None or total <= limit:
+            rows = self._rows(columns, (metric, step, eid))
+        else:
+            best = max(0, min(int(best), int(limit)))
+            direction = "DESC" if objective["mode"] == "max" else "ASC"
+            chosen = {r[0]: r for r in self._rows(f"{columns} ORDER BY m.value {direction}, t.id LIMIT {best}",
+                                                  (metric, step, eid))} if best else {}
+            for row in self._rows(f"{columns} ORDER BY {_SCRAMBLED} LIMIT {int(limit)}", (metric, step, eid)):
+                if len(chosen) >= limit:
+                    break
+                chosen.setdefault(row[0], row)
+            rows = list(chosen.values())
+        rows.sort()
         ids, samples, values = [], [], []
         for tid, sample, value in rows:
             if math.isfinite(value):

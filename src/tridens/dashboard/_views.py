@@ -13,7 +13,8 @@ from typing import Any, Mapping
 from ..trial import Trial, TrialStatus
 from ._reader import StoreReader
 
-__all__ = ["Importance", "pareto", "architecture", "IMPORTANCE_EVALUATORS", "MAX_IMPORTANCE_TRIALS"]
+__all__ = ["Importance", "pareto", "architecture", "IMPORTANCE_EVALUATORS", "MAX_IMPORTANCE_TRIALS",
+           "MAX_FANOVA_TRIALS"]
 
 IMPORTANCE_EVALUATORS = ("ped-anova", "fanova")
 
@@ -24,17 +25,25 @@ the top quantile's distribution with the whole's, and fANOVA fits a random fores
 distributions, which a sample of this size pins down, while building the Optuna study and the
 forest grows with every trial."""
 
+MAX_FANOVA_TRIALS = 1_000
+"""Most trials fANOVA fits its random forest on: beyond it, the best tenth of them and a uniform
+sample of the others. Optuna's fANOVA (64 trees of depth 64, its tree walks in Python) costs
+seconds per hundred trials and grows faster than linearly; its marginals are taken over the search
+space, not over where the trials lie, so the best trials sharpen the forest where it matters
+without weighting the result towards them."""
+
 
 def _study(reader: StoreReader, name: str, second: tuple[str, str] | None,
-           limit: int | None = None) -> tuple[Any, list[Any], dict[str, Any]]:
-    """An in-memory Optuna study of the experiment's finished trials (at most ``limit``, a uniform
-    sample beyond), its frozen trials, and the points they came from."""
+           limit: int | None = None, best: int = 0) -> tuple[Any, list[Any], dict[str, Any]]:
+    """An in-memory Optuna study of the experiment's finished trials (at most ``limit``: beyond it
+    the ``best`` best and a uniform sample of the others), its frozen trials, and the points they
+    came from."""
     import optuna
 
     from ..loggers import optuna_trials
 
     objective = reader.objective(reader.config(name))
-    points = reader.finished_points(name, second[0] if second else None, limit=limit)
+    points = reader.finished_points(name, second[0] if second else None, limit=limit, best=best)
     trials = []
     for i, (tid, sample, value, status) in enumerate(zip(points["ids"], points["samples"], points["values"],
                                                          points["statuses"])):
@@ -47,16 +56,17 @@ def _study(reader: StoreReader, name: str, second: tuple[str, str] | None,
     return study, frozen, points
 
 
-def _study_at_common_step(reader: StoreReader, name: str, limit: int | None = None) -> tuple[Any, list[Any], dict[str, Any]]:
-    """An in-memory Optuna study of the finished trials (at most ``limit``, a uniform sample
-    beyond), each COMPLETE with its objective's value at the step all of them reached, its frozen
-    trials, and the points (``points["step"]``: that step)."""
+def _study_at_common_step(reader: StoreReader, name: str, limit: int | None = None,
+                          best: int = 0) -> tuple[Any, list[Any], dict[str, Any]]:
+    """An in-memory Optuna study of the finished trials (at most ``limit``: beyond it the ``best``
+    best and a uniform sample of the others), each COMPLETE with its objective's value at the step
+    all of them reached, its frozen trials, and the points (``points["step"]``: that step)."""
     import optuna
 
     from ..loggers import optuna_trials
 
     objective = reader.objective(reader.config(name))
-    points = reader.values_at_common_step(name, limit=limit)
+    points = reader.values_at_common_step(name, limit=limit, best=best)
     trials = [Trial(id=tid, sample=sample, seed=0, status=TrialStatus.COMPLETED, metric=value)
               for tid, sample, value in zip(points["ids"], points["samples"], points["values"])]
     frozen, directions = optuna_trials(trials, (objective["metric"], objective["mode"]))
@@ -71,21 +81,26 @@ class Importance:
     number of finished trials changes. Computed on the completed trials' final values; where an
     early-stopping strategy stopped trials, on every finished trial's value at one step all of them
     reached (:meth:`StoreReader.values_at_common_step`), so the stopped ones count too. ``basis``
-    says which. Beyond ``max_trials`` finished trials, on a uniform sample of that many (the same
-    trials while none are added), and ``basis`` says so.
+    says which. Beyond ``max_trials`` finished trials, PED-ANOVA ranks a uniform sample of that
+    many; beyond ``max_fanova_trials``, fANOVA fits on the best tenth and a uniform sample of the
+    others (the same trials while none are added). ``trials`` is how many it was computed on,
+    ``total`` how many there were, and ``basis`` says how they were chosen.
 
     >>> Importance(StoreReader("tridens.db"))("my-search")["importances"]  # doctest: +SKIP
     {'width': 0.93, 'op': 0.06, 'lr': 0.01}
     """
 
-    def __init__(self, reader: StoreReader, max_trials: int = MAX_IMPORTANCE_TRIALS) -> None:
+    def __init__(self, reader: StoreReader, max_trials: int = MAX_IMPORTANCE_TRIALS,
+                 max_fanova_trials: int = MAX_FANOVA_TRIALS) -> None:
         self.reader = reader
         self.max_trials = max_trials
+        self.max_fanova_trials = max_fanova_trials
         self._cache: dict[tuple[str, str], tuple[tuple[int, int], dict[str, Any]]] = {}
         self._lock = threading.Lock()
 
     def __call__(self, name: str, evaluator: str = "ped-anova") -> dict[str, Any]:
-        """``{"evaluator", "trials", "importances": {label: value}}`` or ``{"message": why not}``."""
+        """``{"evaluator", "trials", "total", "basis", "importances": {label: value}}``, with
+        ``"message"`` (why not) when there is nothing to rank."""
         if evaluator not in IMPORTANCE_EVALUATORS:
             raise ValueError(f"unknown importance evaluator {evaluator!r}; known: {', '.join(IMPORTANCE_EVALUATORS)}")
         counts = self.reader.status_counts(name)
@@ -103,21 +118,25 @@ class Importance:
         import optuna
         from optuna.importance import FanovaImportanceEvaluator, PedAnovaImportanceEvaluator
 
+        limit = self.max_trials if evaluator == "ped-anova" else self.max_fanova_trials
+        best = 0 if evaluator == "ped-anova" else limit // 10  # PED-ANOVA compares the top with the whole
         if stopped:
-            study, frozen, points = _study_at_common_step(self.reader, name, self.max_trials)
+            study, frozen, points = _study_at_common_step(self.reader, name, limit, best)
             basis = (f"completed and stopped trials compared at step {points['step']}, the last step every one of "
                      f"them reached (early stopping ended {stopped} trial(s) there or later)")
         else:
-            study, frozen, points = _study(self.reader, name, None, self.max_trials)
+            study, frozen, points = _study(self.reader, name, None, limit, best)
             basis = "completed trials, final values"
         complete = [t for t in frozen if t.state == optuna.trial.TrialState.COMPLETE]
         if len(complete) < points["total"]:
-            basis += f"; a uniform sample of {len(complete):,} of the {points['total']:,}"
+            basis += (f"; a uniform sample of {len(complete):,} of the {points['total']:,}" if not best else
+                      f"; fitted on {len(complete):,} of the {points['total']:,}: the best {best:,} and a uniform "
+                      "sample of the others")
         varied = set(frozen[0].distributions) if frozen else set()
         varied = {p for p in varied if len({repr(t.params.get(p)) for t in complete}) > 1}
         if len(complete) < 4 or not varied:
-            return {"evaluator": evaluator, "trials": len(complete), "importances": {}, "basis": basis,
-                    "message": f"importance needs at least 4 finished trials with a varied label "
+            return {"evaluator": evaluator, "trials": len(complete), "total": points["total"],
+                    "importances": {}, "basis": basis, "message": f"importance needs at least 4 finished trials with a varied label "
                                f"({len(complete)} on this basis: {basis})"}
         chosen = (PedAnovaImportanceEvaluator() if evaluator == "ped-anova"
                   else FanovaImportanceEvaluator(seed=0))
@@ -126,9 +145,9 @@ class Importance:
                 warnings.simplefilter("ignore")
                 values = optuna.importance.get_param_importances(study, evaluator=chosen, params=sorted(varied))
         except (ValueError, RuntimeError) as err:
-            return {"evaluator": evaluator, "trials": len(complete), "importances": {}, "basis": basis,
-                    "message": f"optuna.importance could not rank these labels: {err}"}
-        return {"evaluator": evaluator, "trials": len(complete), "basis": basis,
+            return {"evaluator": evaluator, "trials": len(complete), "total": points["total"],
+                    "importances": {}, "basis": basis, "message": f"optuna.importance could not rank these labels: {err}"}
+        return {"evaluator": evaluator, "trials": len(complete), "total": points["total"], "basis": basis,
                 "importances": {k: float(v) for k, v in values.items()}}
 
 
