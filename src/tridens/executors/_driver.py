@@ -15,12 +15,14 @@ in three passes over the members' :class:`~._protocol.TrialProtocol`:
 The backends carry a round to the driver and its :class:`RoundDecision` back; how a fork's
 source state reaches the forking member (the same unit, a pipe, Ray's storage) is theirs.
 
-:class:`LockstepDriver` is the driver of members that train in other processes reached through a
+:class:`LockstepDriver` is the driver of trials that train in other processes reached through a
 pipe (forked children, pool workers): it owns their protocols while they train there, the
 barrier across those processes (or each process's round alone), the forks between them (a source
 in another process hands its state back first), the hang check and the one death message. A
 backend is a :class:`Placement`: where a :class:`Site` (one process's share of the members) runs,
-how it is started and killed, and the channel to it.
+how it is started and killed, and the channel to it. A trial that runs alone in a process (a
+user's loop on the pool) is a site of one member that reports step by step (:class:`Report`,
+answered at once) and times out by the wall clock, whether it reports or not.
 
 >>> from tridens.trial import Decision, Trial
 >>> from tridens.units import Job
@@ -50,11 +52,11 @@ from ..errors import StorageFault
 from ..trial import Fork
 from ._channel import ChannelClosed, PipeChannel, ready
 from ._lockstep import RoundAnswers, load_bytes, state_bytes
-from ._messages import (ArchiveAnswer, ArchiveCall, End, Forked, Left, LogRecord, Measured, Report, Round, Started,
-                        Verdicts)
+from ._messages import (Answer, ArchiveAnswer, ArchiveCall, End, Forked, Left, LogRecord, Measured, Report, Round,
+                        Started, Verdicts)
 from ._protocol import RunHalted, TrialProtocol, Verdict
 from ._stage_relay import answer_archive_call
-from ._watchdog import check_silence, death_error, ended_error, for_trial, settle
+from ._watchdog import check_overtime, check_silence, death_error, ended_error, for_trial, settle
 
 __all__ = ["RoundDecision", "decide_round", "Site", "Placement", "LockstepDriver"]
 
@@ -181,9 +183,7 @@ class LockstepDriver:
                 if self.lockstep:
                     self._barrier()
                 for site in list(running):
-                    # silent for longer than the timeout while training (not while waiting for the others)
-                    if site.round is None and check_silence(site.lives.values(), site.last_message,
-                                                            functools.partial(self._lost, site)):
+                    if site.round is None and self._hangs(site):   # (not while it waits for the others)
                         running.remove(site)
         except BaseException:  # the run stops (Ctrl-C, SIGTERM, a store fault): the busy processes end now
             for site in running:
@@ -226,6 +226,8 @@ class LockstepDriver:
                 site.round = message.reports
                 if not self.lockstep:   # a site alone: its round is answered now
                     self._answer([site])
+        elif isinstance(message, Report):   # a trial alone in its process: its step answered now
+            return self._report(site, message)
         elif isinstance(message, Left):
             if message.outcome.kind == "fault":   # the process's disk is full or failing: the run stops
                 raise RunHalted(StorageFault(message.outcome.error or f"a storage fault in {self.placement.name}"))
@@ -256,12 +258,38 @@ class LockstepDriver:
                 return site.lives[trial_id]
         return None
 
+    def _report(self, site: Site, report: Report) -> bool:
+        """One step of a trial alone in ``site``'s process, answered with its verdict; past its
+        timeout (failed by its protocol) the process is killed: a user's loop cannot be told to
+        drop it. False when the site is over."""
+        assert site.channel is not None
+        life = site.lives.get(report.trial_id)
+        if life is None:
+            return True
+        verdict = life.report(report.step, report.metrics, last=report.last, seconds=report.seconds)
+        if verdict is Verdict.DROP:
+            self._lost(site, None)
+            return False
+        with contextlib.suppress(ChannelClosed):   # died meanwhile: read as its death in the loop
+            site.channel.send(Answer(report.trial_id, verdict.value))
+        return True
+
     # -- death and hangs ---------------------------------------------------------------------------
-    def _lost(self, site: Site, error: str) -> None:
-        """``site``'s process died or hangs: killed; every member still there fails with ``error``."""
+    def _hangs(self, site: Site) -> bool:
+        """The hang check of ``site``: a user's loop (a ``"wall"`` clock) past its timeout, reporting
+        or not, else a process silent inside an epoch for longer than the timeout; True when it was killed."""
+        lives = list(site.lives.values())
+        if len(lives) == 1 and lives[0].clock == "wall":
+            return check_overtime(lives[0], functools.partial(self._lost, site, None))
+        return check_silence(lives, site.last_message, functools.partial(self._lost, site))
+
+    def _lost(self, site: Site, error: str | None) -> None:
+        """``site``'s process died or hangs: killed; every member still there fails with ``error``
+        (None: their protocols tell their outcomes themselves)."""
         self.placement.kill(site)
         for life in site.lives.values():
-            life.fail(for_trial(error, life.trial))
+            if error is not None:
+                life.fail(for_trial(error, life.trial))
         site.lives.clear()
         site.round = None
 

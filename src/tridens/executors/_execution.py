@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import multiprocessing as mp
 import os
@@ -25,7 +24,6 @@ import sys
 import threading
 import time
 import types
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -38,11 +36,11 @@ from ..trial import Decision, Fork
 from ..units import Job
 from ._protocol import GroupHooks, RunHalted, TrialProtocol, TrialTimeout, Verdict, error_text
 from ._threads import ThreadPolicy
-from ._channel import ChannelClosed, PipeChannel, ready
-from ._messages import (Answer, Forked, Left, Outcome, Place, Quit, Report, RunTrial, RunUnit, ShipEvaluator,
+from ._channel import PipeChannel
+from ._messages import (Answer, End, Forked, Left, Outcome, Place, Quit, Report, RunTrial, RunUnit, ShipEvaluator,
                         Started, Verdicts)
 from ._driver import decide_round
-from ._watchdog import check_overtime, death_error, for_trial, settle
+from ._watchdog import settle
 from ._base import Executor, RunContext, run_context as _context
 from ._lockstep import (LockstepJudge, UnitReport, fork_members, handed_source, load_bytes, model_bytes, plan_units,
                         run_lockstep, state_bytes, weights, weights_bytes, worker_payload)
@@ -276,8 +274,9 @@ def _record_thread_rate(plan: Any, sizes: Sequence[tuple[float, Sequence[int]]],
 
 # -- process pool --------------------------------------------------------------------------------
 # Messages (tridens.executors._messages), driver -> worker: ShipEvaluator (once per worker and evaluator),
-# RunTrial, Place (Fluid, see ._fluid_pool), RunUnit (trials in lockstep, see ._pool_units), Answer (to a
-# Report), Quit. Worker -> driver: Started, Report, Left (the trial's Outcome).
+# RunTrial (a trial alone, see ._pool_units.TrialRun), Place (Fluid, see ._fluid_pool), RunUnit (trials in
+# lockstep, see ._pool_units), Answer (to a Report), Quit. Worker -> driver: Started, Report, Left (the
+# trial's Outcome), End.
 
 
 def _exit_with_driver(driver: int) -> None:
@@ -386,6 +385,7 @@ def _serve_trial(conn: Connection, evaluator: Evaluator, trial_id: int, model: n
         conn.send(Left(trial_id, Outcome("error", error=error_text(err))))
         if isinstance(err, KeyboardInterrupt):
             raise
+    conn.send(End())
 
 
 @contextlib.contextmanager
@@ -441,12 +441,6 @@ class PoolWorker:
 
     def kill(self) -> None:
         self.channel.kill()
-
-
-@dataclass
-class _Running:
-    life: TrialProtocol
-    worker: PoolWorker
 
 
 class ProcessExecutor(Executor):
@@ -564,58 +558,9 @@ class ProcessExecutor(Executor):
 
             FluidRun(self, jobs, evaluator, hooks, fluid_policy(allocation)).run()
             return
-        queue = list(jobs)
-        running: dict[int, _Running] = {}  # slot -> its trial
-        try:
-            self._serve(queue, running, evaluator, hooks)
-        except BaseException:  # the run stops (Ctrl-C, SIGTERM, a store fault): the busy workers end now
-            for index in running:
-                self.replace(index)
-            raise
+        from ._pool_units import TrialRun
 
-    def _serve(self, queue: list[Job], running: dict[int, _Running], evaluator: Evaluator, hooks: GroupHooks) -> None:
-        """Run the ``queue``'s trials, one per worker (``running``: slot -> its trial)."""
-        while queue or running:
-            for index in range(self.workers):
-                if queue and index not in running:
-                    job = queue.pop(0)
-                    worker = self.worker(index)
-                    try:
-                        token = self.ship(worker, evaluator)
-                        worker.channel.send(RunTrial(job.trial.id, token, model_bytes(job.model), job.trial.sample,
-                                                  job.trial.seed, job.max_steps, state_bytes(job.start_from)))
-                    except OSError:  # died between two trials: its end is read below
-                        pass
-                    running[index] = _Running(TrialProtocol(job, hooks, clock="wall"), worker)
-            readable = ready([run.worker.channel for run in running.values()], timeout=0.2)
-            for index, run in list(running.items()):
-                if run.worker.channel in readable and not self._handle(index, run):
-                    del running[index]
-                elif check_overtime(run.life, functools.partial(self.replace, index)):  # hangs or runs too long
-                    del running[index]
-
-    def _handle(self, index: int, run: _Running) -> bool:
-        """Process one message of ``run``'s worker; False when the trial is over."""
-        life = run.life
-        try:
-            message = run.worker.channel.receive()
-        except ChannelClosed:
-            died = death_error("worker process", run.worker.channel.exit_description())
-            self.replace(index)
-            life.fail(for_trial(died, life.trial))
-            return False
-        if isinstance(message, Started):
-            life.start()
-            return True
-        if isinstance(message, Report):
-            verdict = life.report(message.step, message.metrics)
-            if verdict is Verdict.DROP:  # past its timeout: failed by the protocol
-                self.replace(index)
-                return False
-            run.worker.channel.send(Answer(life.trial.id, verdict.value))
-            return True
-        settle(life, message.outcome, load_bytes)
-        return False
+        TrialRun(self, evaluator).run(jobs, hooks)
 
 
 def check_forks(strategy: Any, executor: Any, evaluator: Any) -> None:

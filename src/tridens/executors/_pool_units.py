@@ -1,5 +1,8 @@
-"""Units on the process pool: trials of a declarative evaluator that train together in one worker,
-epoch by epoch, as the in-process executor trains them (:func:`~._execution.run_lockstep`).
+"""What the process pool trains, as placements of the one driver (:class:`~._driver.LockstepDriver`;
+:class:`PoolPlacement`: a site runs in a free worker slot): a trial alone in a worker
+(:class:`TrialRun`: a user's loop, reporting step by step), or units: trials of a declarative
+evaluator that train together in one worker, epoch by epoch, as the in-process executor trains
+them (:func:`~._execution.run_lockstep`).
 
 Two cases send a TrialGroup's trials to the :class:`~._execution.ProcessExecutor`'s workers as
 units instead of one trial per worker:
@@ -32,8 +35,9 @@ save, fail, link) travel through the worker's pipe to the driver's
 store's ``.stages/`` files, written by the driver. The driver plans which trials form a tree from
 the stored rows only (nothing loaded there).
 
-Messages (:mod:`._messages`), driver -> worker: ``RunUnit``, ``ArchiveAnswer``, ``Verdicts``.
-Worker -> driver: ``Started``, ``ArchiveCall``, ``Round``, ``Forked``, ``Left``, ``End``.
+Messages (:mod:`._messages`), driver -> worker: ``RunTrial`` (answered ``Report``\ s: ``Answer``),
+``RunUnit``, ``ArchiveAnswer``, ``Verdicts``. Worker -> driver: ``Started``, ``Report``,
+``ArchiveCall``, ``Round``, ``Forked``, ``Left``, ``End``.
 """
 
 from __future__ import annotations
@@ -57,8 +61,8 @@ from ..units import Job, PlanContext
 from ._lockstep import (LockstepJudge, UnitReport, load_bytes, model_bytes, plan_units,
                         resume_units, run_lockstep, state_bytes)
 from ._channel import ChannelClosed, PipeChannel
-from ._messages import (ArchiveAnswer, ArchiveCall, End, Forked, Left, Outcome, Report, Round, RunUnit, Started,
-                        Verdicts)
+from ._messages import (ArchiveAnswer, ArchiveCall, End, Forked, Left, Outcome, Report, Round, RunTrial, RunUnit,
+                        Started, Verdicts)
 from ._driver import LockstepDriver, Site
 from ._protocol import GroupHooks, TrialProtocol, error_text
 from ._ray_storage import CheckpointStorage
@@ -67,7 +71,7 @@ from ._stage_relay import ArchiveRelay, PlanningView
 if TYPE_CHECKING:
     from ._execution import ProcessExecutor
 
-__all__ = ["UnitRun", "serve_unit", "PipeLink", "POOL_OPTIMIZATIONS"]
+__all__ = ["PoolPlacement", "TrialRun", "UnitRun", "serve_unit", "PipeLink", "POOL_OPTIMIZATIONS"]
 
 log = logging.getLogger("tridens")
 
@@ -85,30 +89,86 @@ def _optimizations() -> list[Any]:
 
 
 # -- the driver --------------------------------------------------------------------------------------
+class PoolPlacement:
+    """The process pool as a :class:`~._driver.Placement`: each site runs in a free worker slot
+    (started, or restarted after a death), which holds the evaluator; :meth:`start` tells the
+    worker what to train. A site whose worker died fails (``retries`` 0) unless a subclass retries it."""
+
+    name, process, where = "a pool worker", "worker process", "in its worker"
+    retries = 0
+
+    def __init__(self, executor: ProcessExecutor, evaluator: Evaluator):
+        self.executor, self.evaluator = executor, evaluator
+        self.slots = executor.workers
+        self.held: dict[int, int] = {}   # id(site) -> the worker slot it runs in
+
+    def launch(self, site: Site) -> PipeChannel:
+        slot = next(slot for slot in range(self.slots) if slot not in self.held.values())
+        self.held[id(site)] = slot
+        worker = self.executor.worker(slot)
+        try:
+            self.start(site, self.executor.ship(worker, self.evaluator), worker.channel)
+        except ChannelClosed:  # died meanwhile: read as its death
+            pass
+        return worker.channel
+
+    def start(self, site: Site, token: int, channel: PipeChannel) -> None:
+        """Send ``site``'s work to its worker (which holds the evaluator under ``token``)."""
+        raise NotImplementedError
+
+    def kill(self, site: Site) -> None:
+        slot = self.held.pop(id(site), None)
+        if slot is not None:
+            self.executor.replace(slot)
+
+    def release(self, site: Site) -> None:
+        self.held.pop(id(site), None)
+
+    def model(self, trial_id: int) -> bytes:  # pragma: no cover - only a population forks (UnitRun)
+        raise NotImplementedError("only a population's members fork")
+
+    def state_of(self, site: Site, trial_id: int, step: int) -> bytes | None:  # pragma: no cover - (as model)
+        return None
+
+
+class TrialRun(PoolPlacement):
+    """One TrialGroup on the pool a trial per worker (a user's loop, or a step-wise trial alone):
+    each trial a site of one member (:class:`~._messages.RunTrial`) timed by the wall clock; a
+    trial whose worker died fails, and the next one gets a fresh worker.
+
+    >>> TrialRun(executor, evaluator).run(jobs, hooks)   # doctest: +SKIP
+    """
+
+    def run(self, jobs: Sequence[Job], hooks: GroupHooks) -> None:
+        sites = [Site({job.trial.id: TrialProtocol(job, hooks, clock="wall")}, job) for job in jobs]
+        LockstepDriver(self, lockstep=False).run(sites)
+
+    def start(self, site: Site, token: int, channel: PipeChannel) -> None:
+        job: Job = site.data
+        channel.send(RunTrial(job.trial.id, token, model_bytes(job.model), job.trial.sample, job.trial.seed,
+                              job.max_steps, state_bytes(job.start_from)))
+
+
 @dataclass
 class _Unit:
-    """What a site's worker is started with: the run's xopt settings as plain data (None: trained
-    separately), and the worker slot it runs in."""
+    """What a site's worker is started with: the run's xopt settings as plain data (None: trained separately)."""
 
     settings: dict[str, Any] | None
-    slot: int | None = None
 
 
-class UnitRun:
+class UnitRun(PoolPlacement):
     """One TrialGroup on the pool as units (see the module docstring); :meth:`plan` says whether
     the group needs it, :meth:`run` trains it: the pool is the :class:`~._driver.Placement` of a
     :class:`~._driver.LockstepDriver` (each unit a site in a worker slot), whose members' outcomes
     go through their :class:`~._protocol.TrialProtocol`."""
 
-    name, process, where = "a pool worker", "worker process", "in its worker"
+    retries = 1   # a unit whose worker died is retried once (a population from its last rounds)
 
     def __init__(self, executor: ProcessExecutor, evaluator: StepwiseEvaluator, hooks: GroupHooks,
                  models: Mapping[int, bytes], sites: list[Site], forks: bool, archive: Any, order: Sequence[int]):
-        self.executor, self.evaluator, self.hooks = executor, evaluator, hooks
+        super().__init__(executor, evaluator)
+        self.hooks = hooks
         self.models, self.sites, self.forks, self.archive, self.order = models, sites, forks, archive, order
-        self.slots = executor.workers
-        self.retries = 1   # a unit whose worker died is retried once (a population from its last rounds)
-        self.busy: set[int] = set()
         # where a population's workers keep their members' rounds: the run's storage, else a
         # folder of this group's own
         context = getattr(executor, "context", None)
@@ -182,33 +242,13 @@ class UnitRun:
             self.storage.discard(self.storage.trial_directory(self.experiment, tid))
 
     # -- the placement -------------------------------------------------------------------------------
-    def launch(self, site: Site) -> PipeChannel:
+    def start(self, site: Site, token: int, channel: PipeChannel) -> None:
         unit: _Unit = site.data
-        unit.slot = next(slot for slot in range(self.executor.workers) if slot not in self.busy)
-        self.busy.add(unit.slot)
-        worker = self.executor.worker(unit.slot)
-        token = self.executor.ship(worker, self.evaluator)
         members = [(life.trial, self.models[tid], life.job.max_steps, state_bytes(life.job.start_from))
                    for tid, life in site.lives.items()]
         experiment = None if self.archive is None or unit.settings is None else self.archive.experiment
         storage = None if self.storage is None else (self.storage.root, self.experiment)
-        try:
-            worker.channel.send(RunUnit(token, members, unit.settings, POOL_OPTIMIZATIONS, experiment, storage,
-                                        site.resume))
-        except ChannelClosed:  # died meanwhile: read as its death
-            pass
-        return worker.channel
-
-    def kill(self, site: Site) -> None:
-        unit: _Unit = site.data
-        if unit.slot is not None:
-            self.executor.replace(unit.slot)
-        self.release(site)
-
-    def release(self, site: Site) -> None:
-        unit: _Unit = site.data
-        self.busy.discard(unit.slot)   # type: ignore[arg-type]
-        unit.slot = None
+        channel.send(RunUnit(token, members, unit.settings, POOL_OPTIMIZATIONS, experiment, storage, site.resume))
 
     def model(self, trial_id: int) -> bytes:
         return self.models[trial_id]
