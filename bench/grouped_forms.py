@@ -12,7 +12,8 @@ channels-last: ``memory_format="channels_last"``), ``separate-cl-bf16`` (channel
 ``precision="bf16-mixed"``), ``grouped`` (tridens' grouped program, NCHW float32, exact:
 convolutions and Linear per model), ``grouped-inexact`` (the same with ``exact=False``: one grouped
 convolution, one batched matmul), ``grouped-cl`` (channels-last float32, exact against
-``separate-cl``: convolutions, BatchNorm and Linear per model), ``grouped-cl-inexact``
+``separate-cl``: the models' maps stacked along the batch, convolutions, BatchNorm, map dropout and
+Linear per model on their rows), ``grouped-cl-inexact``
 (channels-last float32, ``exact=False``: grouped convolutions, BatchNorm over K*C channels),
 ``grouped-cl-bf16`` (channels-last, bf16-mixed, exact settings), ``grouped-cl-bf16-inexact``, ``vmap``
 (``BatchingSettings(packed=False)``), and with ``--compile`` ``grouped-compiled``

@@ -12,7 +12,8 @@ from tridens.evaluators._supervised import BatchSource
 from tridens.trial import Trial
 from tridens.units import Job
 from tridens.xopt import BatchingSettings
-from tridens.xopt._batched import BatchedMember
+from tridens.xopt._batched import BatchedMember, _example_batch
+from tridens.xopt._grouped import GroupedProgram
 from tridens.xopt._vector_optim import _VectorOptimizer
 
 OPTIMIZERS = ["sgd", "adam", "adamw", "rmsprop"]
@@ -30,11 +31,11 @@ def data():
 
 def bn_cnn(p: float, dtype: torch.dtype) -> nn.Module:
     """Three 3x3 convolutions with biases before BatchNorm (their true gradient is zero: pure
-    rounding noise, which Adam and RMSprop turn into lr-sized steps), max-pool, element-wise and
-    channel dropout, a linear head."""
+    rounding noise, which Adam and RMSprop turn into lr-sized steps), max-pool, channel and
+    element-wise dropout of maps and of features, a linear head."""
     return nn.Sequential(
         nn.Conv2d(1, 12, 3, padding=1), nn.BatchNorm2d(12), nn.ReLU(), nn.Dropout2d(p / 2),
-        nn.Conv2d(12, 24, 3, padding=1), nn.BatchNorm2d(24), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(12, 24, 3, padding=1), nn.BatchNorm2d(24), nn.ReLU(), nn.MaxPool2d(2), nn.Dropout(p / 2),
         nn.Conv2d(24, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
         nn.Flatten(), nn.Dropout(p), nn.Linear(32 * 2 * 2, 10)).to(dtype)
 
@@ -81,12 +82,17 @@ def jobs(build, dtype, samples=SAMPLES):
     return out
 
 
-def train_side_by_side(ev, build, dtype, settings, epochs, leave=None):
+def train_side_by_side(ev, build, dtype, settings, epochs, leave=None, maps=None):
     """Train the samples separately and fused on the same batches, comparing every model's loss,
     parameters and buffers bit for bit after every step and its validation metrics every epoch.
-    ``leave``: (trial, epoch, batch) after which that trial leaves the stack. Returns the steps."""
+    ``leave``: (trial, epoch, batch) after which that trial leaves the stack; ``maps``: the grouped
+    program's layout of maps, if not its own choice. Returns the steps."""
     separate = {j.trial.id: ev.trainer(j.model, j.sample, j.trial.seed) for j in jobs(build, dtype)}
     member = BatchedMember(jobs(build, dtype), ev, settings=settings)
+    if maps is not None:
+        cfg = ev.config(SAMPLES[0])
+        member._program = GroupedProgram(build(0.0, dtype).to("meta"), channels_last=cfg.channels_last, exact=True,
+                                         example_inputs=_example_batch(cfg.train), maps=maps)
     source = BatchSource(ev.config(SAMPLES[0]).train, torch.device("cpu"))
     cfg = ev.config(SAMPLES[0])
     steps = 0
@@ -152,13 +158,26 @@ def test_a_forward_with_a_shape_check_and_a_mean_head_runs_grouped_and_exact(dat
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_fused_bn_cnn_channels_last_is_separate_channels_last_bit_for_bit(data, optimizer, precision):
     """The memory-format policy runs separate and fused training channels-last alike: the grouped
-    engine runs each model's convolution and BatchNorm on its own channels-last map, so every
-    step's loss, parameters and statistics equal separate channels-last training."""
+    engine stacks the models' maps along the batch and runs each model's convolution and
+    BatchNorm on its own rows, and each model's dropout of maps draws as its separate trainer
+    (in the maps' memory order), so every step's loss, parameters and statistics equal separate
+    channels-last training."""
     ev = evaluator(data, optimizer, torch.float32, epochs=1, memory_format="channels_last", precision=precision)
     assert ev.config(SAMPLES[0]).channels_last
     steps, member = train_side_by_side(ev, bn_cnn, torch.float32, BatchingSettings(), epochs=1, leave=(2, 0, 9))
     assert member.engine == "grouped kernels" and member._program.channels_last and steps == 23
-    assert "grouped_conv_batch_norm" in str(member._program)
+    assert member._program.maps == "N" and "stacked_conv_batch_norm" in str(member._program)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_batch_stacked_maps_are_exact_in_nchw_too(data, optimizer):
+    """The batch-stacked program on contiguous (NCHW) maps, with a mean head and a member
+    leaving: bit for bit separate training."""
+    ev = evaluator(data, optimizer, torch.float32, epochs=1)
+    steps, member = train_side_by_side(ev, shape_checked_cnn, torch.float32, BatchingSettings(), epochs=1,
+                                       leave=(1, 0, 4), maps="N")
+    assert member.engine == "grouped kernels" and member._program.maps == "N" and steps == 23
+    assert "stacked_conv_batch_norm" in str(member._program) and "grouped_mean" in str(member._program)
 
 
 def test_native_channels_last_batch_norm_over_k_models_is_exact_but_for_the_input_gradient():

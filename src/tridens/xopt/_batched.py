@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.func import functional_call, vmap
 
 from ..units import ExecutionUnit, Job, UnitResult
@@ -460,6 +461,30 @@ class BatchedMember(PipelineMember):
             mask = mask.transpose(0, 1).reshape(shape[0], k * shape[1], *shape[2:])
         return v * mask
 
+    def _row_dropout(self, v: torch.Tensor, name: str) -> torch.Tensor:
+        """Dropout of batch-stacked maps ``(K*B, ...)``: each model's rows through the dropout's own
+        function, with the default generator of their device holding that trial's stream while it
+        draws -- what the separate trainer runs, so the masks are its masks bit for bit whatever the
+        maps' memory format (a channels-last map draws in memory order) and the build's sampler."""
+        index = self._dropout_index[name]
+        ps = [self._ps[i][index] for i in self.ids]
+        if all(p == 0 for p in ps):
+            return v
+        drop = _DROPOUT_FUNCTIONS[self._dropout_dims[name]]
+        default = torch.cuda.default_generators[v.device.index or 0] if v.device.type == "cuda" \
+            else torch.default_generator
+        outer = default.get_state()
+        outs = []
+        try:
+            for i, p, rows in zip(self.ids, ps, v.split(v.shape[0] // len(self.ids))):
+                stream = self._generators[i]
+                default.set_state(stream.get_state())
+                outs.append(drop(rows, p, True))
+                stream.set_state(default.get_state())
+        finally:
+            default.set_state(outer)
+        return torch.cat(outs)
+
     def _masks(self, x: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """This step's dropout masks, ``(K, *mask shape)`` per call; each model's rows drawn from
         its own stream in call order, as ``F.dropout`` draws on CPU."""
@@ -562,6 +587,11 @@ class BatchedMember(PipelineMember):
             self.buffers = {n: b.index_select(0, index) for n, b in self.buffers.items()}
         self.optimizer.select(keep)
         self._update_runs()
+
+
+# dropout module kind (its ``_DROPOUTS`` entry: the rank it drops features of) -> its function
+_DROPOUT_FUNCTIONS: dict[int | None, Callable[..., torch.Tensor]] = {
+    None: F.dropout, 3: F.dropout1d, 4: F.dropout2d, 5: F.dropout3d}
 
 
 def _full(out: torch.Tensor) -> torch.Tensor:

@@ -21,13 +21,13 @@ would not be the model separate training gives.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["conv_per_model", "conv_maps_per_model", "linear_per_model", "batch_norm_per_model",
-           "batch_norm_maps_per_model"]
+__all__ = ["conv_per_model", "conv_maps_per_model", "conv_rows_per_model", "linear_per_model",
+           "batch_norm_per_model", "batch_norm_maps_per_model"]
 
 
 def conv_per_model(v: torch.Tensor, params: Mapping[str, torch.Tensor], k: int, *, name: str, dims: int,
@@ -55,6 +55,34 @@ def conv_maps_per_model(v: torch.Tensor, params: Mapping[str, torch.Tensor], k: 
         inputs = [x.contiguous(memory_format=fmt) for x in v.split(in_channels, dim=1)]
     else:
         raise ValueError(f"{name}: {v.shape[1]} input channels, expected {in_channels} or {k * in_channels}")
+    return _convs(inputs, ws, bs, dims=dims, stride=stride, padding=padding, dilation=dilation, groups=groups,
+                  channels_last=fmt is torch.channels_last)
+
+
+def conv_rows_per_model(v: torch.Tensor, params: Mapping[str, torch.Tensor], k: int, *, name: str, dims: int,
+                        shared: bool, stride: Any, padding: Any, dilation: Any, groups: int,
+                        channels_last: bool = False) -> list[torch.Tensor]:
+    """Conv1d/2d ``name`` of each of the K models on the shared input (``shared``) or on maps
+    stacked along the batch, ``(K*B, C, ...)`` with model k's examples at rows ``k*B:(k+1)*B``:
+    each model's convolution on its rows as they lie (views: a slice of the batch of a contiguous
+    or channels-last map is laid out as the separate model's map). The K outputs ``(B, O, ...)``."""
+    ws = params[f"{name}.weight"].unbind(0)
+    bias = params.get(f"{name}.bias")
+    bs = [None] * k if bias is None else list(bias.unbind(0))
+    if shared:
+        inputs: Sequence[torch.Tensor] = [v] * k
+    elif v.shape[0] % k:
+        raise ValueError(f"{name}: {v.shape[0]} rows do not stack {k} models' batches")
+    else:
+        inputs = v.split(v.shape[0] // k)
+    return _convs(inputs, ws, bs, dims=dims, stride=stride, padding=padding, dilation=dilation, groups=groups,
+                  channels_last=channels_last and dims == 2)
+
+
+def _convs(inputs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], bs: Sequence[torch.Tensor | None], *,
+           dims: int, stride: Any, padding: Any, dilation: Any, groups: int,
+           channels_last: bool) -> list[torch.Tensor]:
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
     if fmt is torch.channels_last:
         # the strides ``Module.to(memory_format=torch.channels_last)`` gives (a weight with one
         # input channel is channels-last contiguous either way, but oneDNN picks its kernel by strides)
@@ -94,18 +122,23 @@ def batch_norm_per_model(v: torch.Tensor, params: Mapping[str, torch.Tensor], bu
                                                momentum=momentum, eps=eps, relu=relu), dim=1)
 
 
-def batch_norm_maps_per_model(maps: list[torch.Tensor], params: Mapping[str, torch.Tensor],
+def batch_norm_maps_per_model(maps: Sequence[torch.Tensor], params: Mapping[str, torch.Tensor],
                               buffers: Mapping[str, torch.Tensor], *, name: str, training: bool, momentum: float,
-                              eps: float, relu: bool = False) -> list[torch.Tensor]:
-    """:func:`batch_norm_per_model` of K channels-last maps, one per model; the K outputs."""
+                              eps: float, relu: bool = False, regrade: bool = True) -> list[torch.Tensor]:
+    """:func:`batch_norm_per_model` of K maps, one per model; the K outputs. ``regrade``: hand
+    each BatchNorm its gradient channels-last contiguous (for maps that are slices of packed
+    channels, whose gradients arrive strided); maps that are rows of a batch-stacked map get
+    theirs laid out as the separate model's already."""
     weight, bias = params.get(f"{name}.weight"), params.get(f"{name}.bias")
     mean, var = buffers.get(f"{name}.running_mean"), buffers.get(f"{name}.running_var")
     use_batch = training or (mean is None and var is None)
     outs = []
     for i, x in enumerate(maps):
-        out = _channels_last_grad(F.batch_norm(x, None if mean is None else mean[i], None if var is None else var[i],
-                                               None if weight is None else weight[i],
-                                               None if bias is None else bias[i], use_batch, momentum, eps))
+        out = F.batch_norm(x, None if mean is None else mean[i], None if var is None else var[i],
+                           None if weight is None else weight[i], None if bias is None else bias[i], use_batch,
+                           momentum, eps)
+        if regrade:
+            out = _channels_last_grad(out)
         outs.append(F.relu(out) if relu else out)
     return outs
 

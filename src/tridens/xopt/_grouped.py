@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from ..graph import meta, trace
 from ._exact import (batch_norm_maps_per_model, batch_norm_per_model, conv_maps_per_model, conv_per_model,
-                     linear_per_model)
+                     conv_rows_per_model, linear_per_model)
 from ._kernels import BatchNormTrain, batch_norm_pays, batch_norm_supported
 from ._stacked import _DROPOUTS, _first_line
 
@@ -54,7 +54,10 @@ _ELEMENTWISE_METHODS = {"relu", "tanh", "sigmoid", "to", "float", "double", "con
 #   "S": shared by every model, (B, ...) -- the input, and what is computed from it alone;
 #   "C": channel-packed, (B, K*C, ...) -- model k's channels at [k*C, (k+1)*C): convolutions run as ONE
 #        convolution (the first with K*O outputs, later ones grouped), BatchNorm/pooling/activations as is;
-#   "M": model-major, (K, B, F) -- features after flatten; Linear runs as one batched matmul.
+#   "M": model-major, (K, B, F) -- features after flatten; Linear runs as one batched matmul;
+#   "N": batch-stacked maps, (K*B, C, ...) -- model k's examples at rows [k*B, (k+1)*B), each a view
+#        laid out as the separate model's map: exact programs run convolutions and BatchNorm per
+#        model on these views with no copy, pooling, activations and the like once over all rows.
 
 
 class _MaxPool2x2(torch.autograd.Function):
@@ -218,17 +221,69 @@ def grouped_conv_batch_norm(v: torch.Tensor, run: GroupedRun, *, conv: dict[str,
         return grouped_batch_norm(grouped_conv(v, run, **conv), run, **batch_norm)
     maps = conv_maps_per_model(v, run.params, run.k, channels_last=True, **conv)
     bn = batch_norm
-    factor = 0.0 if bn["momentum"] is None else bn["momentum"]
-    tracked = run.buffers.get(f"{bn['name']}.num_batches_tracked")
-    if run.training and bn["track_running_stats"] and tracked is not None:
-        tracked.add_(1)
-        if bn["momentum"] is None:
-            factor = 1.0 / float(tracked[0])
-    training = run.training or (run.buffers.get(f"{bn['name']}.running_mean") is None
-                                and run.buffers.get(f"{bn['name']}.running_var") is None)
-    outs = batch_norm_maps_per_model(maps, run.params, run.buffers, name=bn["name"], training=training,
-                                     momentum=factor, eps=bn["eps"], relu=bn.get("relu", False))
+    factor = _batch_norm_factor(run, bn["name"], bn["momentum"], bn["track_running_stats"])
+    outs = batch_norm_maps_per_model(maps, run.params, run.buffers, name=bn["name"],
+                                     training=_batch_stats(run, bn["name"]), momentum=factor, eps=bn["eps"],
+                                     relu=bn.get("relu", False))
     return torch.cat(outs, dim=1)
+
+
+def _batch_norm_factor(run: GroupedRun, name: str, momentum: float | None, track_running_stats: bool) -> float:
+    """BatchNorm's running-statistics factor for this call, counting the call as ``nn.BatchNorm``
+    does in training (``num_batches_tracked``; with ``momentum=None`` a cumulative average)."""
+    factor = 0.0 if momentum is None else momentum
+    tracked = run.buffers.get(f"{name}.num_batches_tracked")
+    if run.training and track_running_stats and tracked is not None:
+        tracked.add_(1)
+        if momentum is None:
+            factor = 1.0 / float(tracked[0])
+    return factor
+
+
+def _batch_stats(run: GroupedRun, name: str) -> bool:
+    """Whether BatchNorm ``name`` normalizes by the batch's statistics (training, or no running ones)."""
+    return run.training or (run.buffers.get(f"{name}.running_mean") is None
+                            and run.buffers.get(f"{name}.running_var") is None)
+
+
+def stacked_conv(v: torch.Tensor, run: GroupedRun, *, name: str, dims: int, src: str, stride: Any, padding: Any,
+                 dilation: Any, groups: int) -> torch.Tensor:
+    """Conv1d/2d of K models, each on its own rows (:func:`~._exact.conv_rows_per_model`): on the
+    shared input ("S") or on batch-stacked maps ("N"); the outputs stacked along the batch."""
+    maps = conv_rows_per_model(v, run.params, run.k, name=name, dims=dims, shared=src == "S", stride=stride,
+                               padding=padding, dilation=dilation, groups=groups, channels_last=run.channels_last)
+    return torch.cat(maps)
+
+
+def stacked_batch_norm(v: torch.Tensor, run: GroupedRun, *, name: str, momentum: float | None, eps: float,
+                       track_running_stats: bool) -> torch.Tensor:
+    """BatchNorm1d/2d of K models on batch-stacked maps: each model's on its own rows (views), with
+    its statistics; the running statistics updated through views of the stacked buffers."""
+    factor = _batch_norm_factor(run, name, momentum, track_running_stats)
+    outs = batch_norm_maps_per_model(v.split(v.shape[0] // run.k), run.params, run.buffers, name=name,
+                                     training=_batch_stats(run, name), momentum=factor, eps=eps, regrade=False)
+    return torch.cat(outs)
+
+
+def stacked_conv_batch_norm(v: torch.Tensor, run: GroupedRun, *, conv: dict[str, Any],
+                            batch_norm: dict[str, Any]) -> torch.Tensor:
+    """A convolution whose only user is a BatchNorm (:func:`fuse_conv_batch_norm`), of batch-stacked
+    maps: each model's convolution output goes to its BatchNorm as the map it is, and the K
+    outputs are stacked once."""
+    maps = conv_rows_per_model(v, run.params, run.k, shared=conv["src"] == "S", channels_last=run.channels_last,
+                               **{n: a for n, a in conv.items() if n != "src"})
+    bn = batch_norm
+    factor = _batch_norm_factor(run, bn["name"], bn["momentum"], bn["track_running_stats"])
+    outs = batch_norm_maps_per_model(maps, run.params, run.buffers, name=bn["name"],
+                                     training=_batch_stats(run, bn["name"]), momentum=factor, eps=bn["eps"],
+                                     regrade=False)
+    return torch.cat(outs)
+
+
+def stacked_dropout(v: torch.Tensor, run: GroupedRun, *, name: str) -> torch.Tensor:
+    """Dropout of batch-stacked maps, each model's rows drawn from its own stream as the separate
+    trainer draws them (training only)."""
+    return run.member._row_dropout(v, name) if run.training else v
 
 
 def grouped_max_pool2x2(v: torch.Tensor, *, relu: bool = False) -> torch.Tensor:
@@ -252,6 +307,8 @@ def grouped_flatten(v: torch.Tensor, run: GroupedRun, *, src: str) -> torch.Tens
         return v.flatten(1)
     if src == "M":
         return v.flatten(2)
+    if src == "N":  # (one copy of channels-last maps, in each model's flatten order)
+        return v.flatten(1).view(run.k, v.shape[0] // run.k, -1)
     return v.reshape(v.shape[0], run.k, -1).transpose(0, 1)
 
 
@@ -266,6 +323,8 @@ def grouped_mean(v: torch.Tensor, run: GroupedRun, *, dims: tuple[int, ...], kee
     value = v.mean(dims, keepdim=keepdim)
     if out == "M" and src == "C":
         return value.reshape(value.shape[0], run.k, -1).transpose(0, 1)
+    if out == "M" and src == "N":
+        return value.reshape(run.k, value.shape[0] // run.k, -1)
     return value
 
 
@@ -290,6 +349,10 @@ def grouped_mixed(v: torch.Tensor, run: GroupedRun, *, name: str, src: str) -> t
         if transposed:
             return torch.cat([part.transpose(1, 2) for part in parts]).transpose(1, 2)
         return torch.cat(parts)
+    if src == "N":
+        b = v.shape[0] // run.k
+        blocks = v.split([(end - start) * b for start, end, _ in runs])
+        return torch.cat([m(part) for part, (_, _, m) in zip(blocks, runs)])
     c = v.shape[1] // run.k
     blocks = v.split([(end - start) * c for start, end, _ in runs], dim=1)
     return torch.cat([m(part) for part, (_, _, m) in zip(blocks, runs)], dim=1)
@@ -305,18 +368,20 @@ def _flatten_args(node: fx.Node) -> bool:
 
 class _Grouping(fx.Transformer):
     """The model's graph rewritten over K models: each node becomes the grouped op of its layout
-    (``node.meta["layout"]``: "S" shared, "C" channel-packed, "M" model-major), from the rule
-    table :data:`_MODULE_RULES`; a node no rule covers raises :class:`_Unsupported` naming it."""
+    (``node.meta["layout"]``: "S" shared, "C" channel-packed, "M" model-major, "N" batch-stacked),
+    from the rule table :data:`_MODULE_RULES`; a node no rule covers raises :class:`_Unsupported`
+    naming it. ``maps``: the layout of the models' feature maps, "C" or "N"."""
 
-    def __init__(self, traced: fx.GraphModule, mixed: Collection[str]):
+    def __init__(self, traced: fx.GraphModule, mixed: Collection[str], maps: str = "C"):
         super().__init__(traced)
         self.mixed = mixed
+        self.maps = maps
         self.modules = dict(traced.named_modules())
         self.run_arg: fx.Proxy | None = None
 
     def run_node(self, n: fx.Node) -> Any:
         out = self._grouped_node(n)
-        if isinstance(out, fx.Proxy) and out.node.meta.get("layout") == "C" and "rank" not in out.node.meta:
+        if isinstance(out, fx.Proxy) and out.node.meta.get("layout") in ("C", "N") and "rank" not in out.node.meta:
             # packed maps keep the rank of the packed maps they came from
             source = next((self.env[a] for a in n.args if isinstance(a, fx.Node)), None)
             if isinstance(source, fx.Proxy) and "rank" in source.node.meta:
@@ -348,7 +413,7 @@ class _Grouping(fx.Transformer):
             raise _Unsupported(f"node {n.name}: not a chain of single-input ops")
         v, src = args[0], layouts[0]
         if n.op == "call_module" and str(n.target) in self.mixed:
-            if src not in "CM":
+            if src not in "CMN":
                 raise _Unsupported(f"module {n.target}: activations differ on the shared input")
             return self._call(grouped_mixed, v, src, node=n, name=str(n.target), src=src)
         if n.op == "call_module":
@@ -359,7 +424,7 @@ class _Grouping(fx.Transformer):
             proxy, layout = rule(self, n, v, m)
             return self._laid(proxy, layout)
         if n.op == "call_function" and n.target in _ELEMENTWISE_FUNCTIONS or \
-                n.op == "call_function" and n.target in _POOL_FUNCTIONS and src in "SC" or \
+                n.op == "call_function" and n.target in _POOL_FUNCTIONS and src in "SCN" or \
                 n.op == "call_method" and n.target in _ELEMENTWISE_METHODS:
             if n.op == "call_function" and n.target is F.max_pool2d and src == "C" and _is_pool2x2(n, None):
                 return self._call(grouped_max_pool2x2, v, src, node=n)
@@ -383,18 +448,18 @@ class _Grouping(fx.Transformer):
             raise _Unsupported(f"node {n.name}: mean{tuple(n.args[1:])} (a mean over given dimensions only)")
         dims = tuple(dims) if isinstance(dims, (tuple, list)) else (dims,)
         out, rank = src, v.node.meta.get("rank")
-        if src == "C":
+        if src in "CN":
             if rank is None:
                 raise _Unsupported(f"node {n.name}: mean of packed maps of unknown rank")
             spatial = {d % rank for d in dims}
             if not spatial or min(spatial) < 2 or len(spatial) != len(dims):
                 raise _Unsupported(f"node {n.name}: mean over {dims} of packed maps (map dimensions only)")
             left = rank if keepdim else rank - len(spatial)
-            out = "C" if left > 2 else "M"
+            out = src if left > 2 else "M"
         elif src == "M" and any(d == 0 for d in dims):
             raise _Unsupported(f"node {n.name}: mean over the batch dimension")
         proxy = self._call(grouped_mean, v, out, node=n, dims=dims, keepdim=keepdim, src=src, out=out)
-        if out == "C":
+        if out in "CN":
             proxy.node.meta["rank"] = left
         return proxy
 
@@ -416,13 +481,17 @@ class _Grouping(fx.Transformer):
 
 def _conv_rule(g: _Grouping, n: fx.Node, v: Any, m: nn.Module | None) -> tuple[Any, str]:
     src = g.layout(v)
-    if not isinstance(m, (nn.Conv1d, nn.Conv2d)) or m.padding_mode != "zeros" or src not in "SC":
+    if not isinstance(m, (nn.Conv1d, nn.Conv2d)) or m.padding_mode != "zeros" or src not in "S" + g.maps:
         raise _Unsupported(f"node {n.name}: module {n.target} ({type(m).__name__}) on a per-model input")
     dims = 2 if isinstance(m, nn.Conv2d) else 1
-    proxy = g._call(grouped_conv, v, "C", node=n, name=str(n.target), dims=dims, in_channels=m.in_channels,
-                    stride=m.stride, padding=m.padding, dilation=m.dilation, groups=m.groups)
+    if g.maps == "N":
+        proxy = g._call(stacked_conv, v, "N", node=n, name=str(n.target), dims=dims, src=src, stride=m.stride,
+                        padding=m.padding, dilation=m.dilation, groups=m.groups)
+    else:
+        proxy = g._call(grouped_conv, v, "C", node=n, name=str(n.target), dims=dims, in_channels=m.in_channels,
+                        stride=m.stride, padding=m.padding, dilation=m.dilation, groups=m.groups)
     proxy.node.meta["rank"] = dims + 2
-    return proxy, "C"
+    return proxy, g.maps
 
 
 def _linear_rule(g: _Grouping, n: fx.Node, v: Any, m: nn.Module | None) -> tuple[Any, str]:
@@ -435,8 +504,11 @@ def _linear_rule(g: _Grouping, n: fx.Node, v: Any, m: nn.Module | None) -> tuple
 def _batch_norm_rule(g: _Grouping, n: fx.Node, v: Any, m: nn.Module | None) -> tuple[Any, str]:
     src = g.layout(v)
     assert isinstance(m, nn.modules.batchnorm._BatchNorm)
-    if src not in "CM":
+    if src not in "CMN":
         raise _Unsupported(f"node {n.name}: module {n.target} ({type(m).__name__}) on a shared input")
+    if src == "N":
+        return g._call(stacked_batch_norm, v, src, node=n, name=str(n.target), momentum=m.momentum, eps=m.eps,
+                       track_running_stats=m.track_running_stats), src
     return g._call(grouped_batch_norm, v, src, node=n, name=str(n.target), src=src, momentum=m.momentum, eps=m.eps,
                    track_running_stats=m.track_running_stats), src
 
@@ -448,7 +520,7 @@ def _elementwise_rule(g: _Grouping, n: fx.Node, v: Any, m: nn.Module | None) -> 
 
 def _pool_rule(g: _Grouping, n: fx.Node, v: Any, m: nn.Module | None) -> tuple[Any, str]:
     src = g.layout(v)
-    if src not in "SC":
+    if src not in "SCN":
         raise _Unsupported(f"node {n.name}: module {n.target} ({type(m).__name__}) on a per-model input")
     if src == "C" and _is_pool2x2(n, m):
         return g._call(grouped_max_pool2x2, v, src, node=n), src
@@ -465,8 +537,10 @@ def _flatten_rule(g: _Grouping, n: fx.Node, v: Any, m: nn.Module | None) -> tupl
 
 def _dropout_rule(g: _Grouping, n: fx.Node, v: Any, m: nn.Module | None) -> tuple[Any, str]:
     src = g.layout(v)
-    if src not in "CM":
+    if src not in "CMN":
         raise _Unsupported(f"node {n.name}: module {n.target} ({type(m).__name__}) on a shared input")
+    if src == "N":
+        return g._call(stacked_dropout, v, src, node=n, name=str(n.target)), src
     return g._call(grouped_dropout, v, src, node=n, name=str(n.target), src=src), src
 
 
@@ -551,9 +625,19 @@ def fuse_bn_relu(gm: fx.GraphModule) -> int:
 
 def fuse_conv_batch_norm(gm: fx.GraphModule) -> int:
     """A 2-d convolution of packed maps whose only user is a BatchNorm runs with it as one node
-    (:func:`grouped_conv_batch_norm`). Returns the number of rewrites."""
+    (:func:`grouped_conv_batch_norm`); a convolution of batch-stacked maps whose only user is a
+    BatchNorm, likewise (:func:`stacked_conv_batch_norm`). Returns the number of rewrites."""
     done = 0
     for node in list(gm.graph.nodes):
+        if node.target is stacked_batch_norm:
+            conv = node.args[0]
+            if isinstance(conv, fx.Node) and conv.target is stacked_conv and len(conv.users) == 1:
+                node.target = stacked_conv_batch_norm
+                node.args = (conv.args[0], conv.args[1])
+                node.kwargs = {"conv": dict(conv.kwargs), "batch_norm": dict(node.kwargs)}
+                gm.graph.erase_node(conv)
+                done += 1
+            continue
         if node.target is not grouped_batch_norm or node.kwargs.get("src") != "C":
             continue
         conv = node.args[0]
@@ -611,10 +695,16 @@ class GroupedProgram:
     """
 
     def __init__(self, model: nn.Module, *, channels_last: bool = False, mixed: Collection[str] = (),
-                 exact: bool = False, example_inputs: tuple[torch.Tensor, ...] | None = None):
+                 exact: bool = False, example_inputs: tuple[torch.Tensor, ...] | None = None,
+                 maps: str | None = None):
         self.exact = exact
         traced = _traced(model, example_inputs)
-        grouping = _Grouping(traced, mixed)
+        if maps is None:
+            maps = "N" if exact and channels_last and any(isinstance(m, nn.Conv2d) for m in traced.modules()) else "C"
+        if maps not in ("C", "N"):
+            raise ValueError(f"maps={maps!r}: 'C' (channel-packed) or 'N' (batch-stacked)")
+        self.maps = maps
+        grouping = _Grouping(traced, mixed, maps)
         try:
             module = grouping.transform()
         except _Unsupported as err:  # (fx added "While executing <node>" below the first line)
@@ -625,8 +715,8 @@ class GroupedProgram:
         fuse_pool_relu(module)
         fuse_bn_relu(module)
         self.channels_last = channels_last and any(
-            n.target is grouped_conv and n.kwargs["dims"] == 2 for n in module.graph.nodes)
-        if exact and self.channels_last:
+            n.target in (grouped_conv, stacked_conv) and n.kwargs["dims"] == 2 for n in module.graph.nodes)
+        if exact and self.channels_last or maps == "N":
             fuse_conv_batch_norm(module)
         module.graph.eliminate_dead_code()
         module.graph.lint()
