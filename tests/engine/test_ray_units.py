@@ -154,7 +154,7 @@ def test_killed_unit_worker_restarts_its_members_from_their_checkpoints(local_ra
         inline, on_ray = both(tmp_path, TinyMLP(), evaluator(digits_data), factory, "kill", 4,
                               td.executors.Ray(workers=1, max_retries=1))
     assert len(strategies[1].killed) == 1 and len(strategies[0].killed) == 0  # in-process: no worker to kill
-    assert "restarting them from their last checkpoints, as separate trials" in caplog.text
+    assert "retried once on a fresh worker from the members' last checkpoints, as separate trials" in caplog.text
     assert_close(inline, on_ray)  # batched members resumed as separate trainers: the same curves
     for t in on_ray:
         assert t.status is TrialStatus.COMPLETED and t.info["ray_restarts"] == 1

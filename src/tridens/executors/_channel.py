@@ -4,9 +4,12 @@ carries the typed messages of :mod:`._messages` and says whether the far side st
 * :class:`PipeChannel`: a multiprocessing pipe to one process (a pool worker, a forked child);
   the process's liveness and exit code come with it.
 * :class:`HubChannel`: the Ray hub actor every Ray task posts to (:mod:`._ray_hub`); messages
-  arrive in :class:`~._messages.Posted` envelopes, and :class:`~._messages.Answer` /
-  :class:`~._messages.ArchiveAnswer` go back to the task that waits for them. A task's own
-  death is told by its object ref (:func:`~._ray_hub.death_cause`).
+  arrive in :class:`~._messages.Posted` envelopes, and an :class:`~._messages.Answer` goes back
+  to the task that waits for it.
+* :class:`TaskChannel`: one Ray task's channel on the hub: the messages of its trials and
+  attempt, routed to it by :meth:`HubChannel.route`; answers go back under the key of the call
+  the task waits on; its end is told by its object ref: what it returned (the members'
+  outcomes), or how its worker or node died (:func:`~._ray_hub.death_cause`).
 
 A far side that went away makes :meth:`Channel.receive` and :meth:`Channel.send` raise
 :class:`ChannelClosed` (an ``OSError``); :meth:`Channel.exit_description` then says how it ended,
@@ -24,9 +27,9 @@ from __future__ import annotations
 
 import abc
 from multiprocessing.connection import Connection, wait
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
-__all__ = ["Channel", "ChannelClosed", "PipeChannel", "HubChannel", "ready"]
+__all__ = ["Channel", "ChannelClosed", "PipeChannel", "HubChannel", "TaskChannel", "ready"]
 
 
 class ChannelClosed(OSError):
@@ -111,31 +114,38 @@ class PipeChannel(Channel):
         return f"exit code {self.exit_code(wait)}"
 
 
-def ready(channels: Sequence[PipeChannel], timeout: float) -> list[PipeChannel]:
-    """The ``channels`` with a message (or their end) to read, waiting up to ``timeout`` seconds."""
-    by_conn = {channel.conn: channel for channel in channels}
+C = TypeVar("C", bound=Channel)
+
+
+def ready(channels: Sequence[C], timeout: float) -> list[C]:
+    """The ``channels`` with a message (or their end) to read, waiting up to ``timeout`` seconds
+    (Ray tasks' channels: one drain of their hub, :meth:`HubChannel.route`)."""
+    tasks = [channel for channel in channels if isinstance(channel, TaskChannel)]
+    if tasks:
+        tasks[0].hub.route()
+        return [channel for channel in channels if isinstance(channel, TaskChannel) and channel.poll()]
+    by_conn = {channel.conn: channel for channel in channels if isinstance(channel, PipeChannel)}
     return [by_conn[conn] for conn in wait(list(by_conn), timeout=timeout)]  # type: ignore[index]
 
 
 class HubChannel(Channel):
     """The driver's end of the Ray hub (``hub``: the actor, :func:`~._ray_hub.start_hub`): it
     receives every task's :class:`~._messages.Posted` messages, and sends each
-    :class:`~._messages.Answer` (a verdict, for a report's trial, attempt and step) or
-    :class:`~._messages.ArchiveAnswer` (under its call's key) to the task that waits for it."""
+    :class:`~._messages.Answer` (a verdict, for a report's trial, attempt and step) to the task
+    that waits for it. Tasks with a :class:`TaskChannel` of their own (:meth:`task`) get their
+    messages through :meth:`route`."""
 
     def __init__(self, hub: Any):
         self.hub = hub
         self.inbox: list[Any] = []
+        self.tasks: list[TaskChannel] = []
 
     def send(self, message: Any) -> None:
-        from ._messages import Answer, ArchiveAnswer
+        from ._messages import Answer
 
-        if isinstance(message, Answer):
-            self.hub.answer.remote(message.trial_id, message.attempt, message.step, message.verdict)
-        elif isinstance(message, ArchiveAnswer):
-            self.hub.reply.remote(message.key, message.result)
-        else:
+        if not isinstance(message, Answer):
             raise TypeError(f"the Ray hub carries answers to tasks, not {type(message).__name__}")
+        self.hub.answer.remote(message.trial_id, message.attempt, message.step, message.verdict)
 
     def poll(self, timeout: float = 0.0) -> bool:
         if not self.inbox:
@@ -155,6 +165,31 @@ class HubChannel(Channel):
         out, self.inbox = self.inbox, []
         return out
 
+    def task(self, ref: Any, attempt: int, trials: Sequence[int]) -> TaskChannel:
+        """The channel of the task ``ref`` (its ``attempt``, training ``trials``)."""
+        channel = TaskChannel(self, ref, attempt, trials)
+        self.tasks.append(channel)
+        return channel
+
+    def route(self) -> None:
+        """One drain of the hub (waiting :data:`~._ray_hub.POLL_S` at most for a message): each
+        message to its task's channel (a message of a task given up on goes nowhere), then the
+        end of each task that returned or died. Which tasks ended is asked first: what a task
+        posted before it returned is in the hub by then, and read before its end."""
+        import ray
+
+        from ._ray_hub import POLL_S
+
+        refs = {task.ref: task for task in self.tasks if not task.ended}
+        done = ray.wait(list(refs), num_returns=len(refs), timeout=0)[0] if refs else []
+        for posted in self.receive_all(POLL_S):
+            for task in self.tasks:
+                if task.takes(posted):
+                    task.deliver(posted)
+                    break
+        for ref in done:
+            refs[ref].end()
+
     def close(self) -> None:
         import ray
 
@@ -162,3 +197,110 @@ class HubChannel(Channel):
             ray.kill(self.hub)
         except Exception:  # Ray already gone (a cluster that went away): nothing to release
             pass
+
+
+class TaskChannel(Channel):
+    """One Ray task's channel on the hub (made by :meth:`HubChannel.task`): the messages of its
+    ``trials`` posted by its ``attempt`` (routed by :meth:`HubChannel.route`); an answer
+    (:class:`~._messages.Verdicts`, :class:`~._messages.ArchiveAnswer`) goes back under the key of
+    the call the task waits on. When the task returns, its result reads as its members'
+    :class:`~._messages.Left` messages and an :class:`~._messages.End`; when its worker or node
+    died, :meth:`receive` raises :class:`ChannelClosed` and :meth:`exit_description` says how."""
+
+    def __init__(self, hub: HubChannel, ref: Any, attempt: int, trials: Sequence[int]):
+        self.hub, self.ref, self.attempt, self.trials = hub, ref, attempt, set(trials)
+        self.inbox: list[Any] = []
+        self.key: Any = None             # the key of the call the task waits on
+        self.node: str | None = None     # where it runs (from its first message)
+        self.ended = False
+        self.death: str | None = None
+
+    def takes(self, posted: Any) -> bool:
+        """Whether ``posted`` is this task's message (its attempt, one of its trials)."""
+        from ._messages import Round
+
+        message = posted.message
+        trial_id = message.reports[0].trial_id if isinstance(message, Round) else getattr(message, "trial_id", None)
+        return posted.attempt == self.attempt and trial_id in self.trials and not self.ended
+
+    def deliver(self, posted: Any) -> None:
+        """A message of this task, as the driver reads it (a :class:`~._messages.Started` notes
+        where the trial runs in its ``trial.info["ray"]``)."""
+        from ._messages import Started
+
+        message = posted.message
+        pid, node = posted.worker
+        self.node = node
+        if posted.key is not None:
+            self.key = posted.key
+        if isinstance(message, Started):
+            resources = dict(message.resources or {})
+            message = Started(message.trial_id, resources,
+                              {"ray": {"pid": pid, "node": node, "attempt": self.attempt, "resources": resources}})
+        self.inbox.append(message)
+
+    def end(self) -> None:
+        """The task returned or died: its result as messages (or its death)."""
+        import ray
+
+        from ._messages import End, Left, Outcome
+        from ._ray_hub import death_cause
+
+        self.ended = True
+        try:
+            result = ray.get(self.ref)
+        except ray.exceptions.TaskCancelledError:   # cancelled by the driver: its members are decided
+            self.inbox.append(End())
+            return
+        except ray.exceptions.RayTaskError as err:  # raised outside the training (unpickling a model)
+            self.inbox.extend(Left(tid, Outcome("error", error=str(err))) for tid in sorted(self.trials))
+            self.inbox.append(End())
+            return
+        except ray.exceptions.RayError as err:      # the worker process or its node died
+            self.death = death_cause(err, {"ray": {"node": self.node}})
+            return
+        outcomes = result if isinstance(result, dict) else {next(iter(self.trials)): result}
+        self.inbox.extend(Left(tid, outcome) for tid, outcome in outcomes.items())
+        self.inbox.append(End())
+
+    def send(self, message: Any) -> None:
+        from ._messages import Answer, ArchiveAnswer, Verdicts
+
+        if self.key is None:
+            raise RuntimeError(f"the Ray task of trial(s) {sorted(self.trials)} waits for no answer")
+        if isinstance(message, ArchiveAnswer):
+            value: Any = message.result
+        elif isinstance(message, Answer):
+            value = message.verdict
+        elif isinstance(message, Verdicts):
+            value = message
+        else:
+            raise TypeError(f"a Ray task is answered, not sent {type(message).__name__}")
+        key, self.key = self.key, None
+        self.hub.hub.reply.remote(key, value)
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return bool(self.inbox) or self.death is not None
+
+    def receive(self) -> Any:
+        while not self.inbox and self.death is None:
+            self.hub.route()
+        if self.inbox:
+            return self.inbox.pop(0)
+        raise ChannelClosed(self.death)
+
+    def close(self) -> None:
+        if self in self.hub.tasks:
+            self.hub.tasks.remove(self)
+
+    def kill(self) -> None:
+        import ray
+
+        try:
+            ray.cancel(self.ref, force=True)
+        except Exception:  # it ended already
+            pass
+        self.close()
+
+    def exit_description(self, wait: float = 2.0) -> str:
+        return self.death or "it ended"

@@ -15,14 +15,16 @@ in three passes over the members' :class:`~._protocol.TrialProtocol`:
 The backends carry a round to the driver and its :class:`RoundDecision` back; how a fork's
 source state reaches the forking member (the same unit, a pipe, Ray's storage) is theirs.
 
-:class:`LockstepDriver` is the driver of trials that train in other processes reached through a
-pipe (forked children, pool workers): it owns their protocols while they train there, the
-barrier across those processes (or each process's round alone), the forks between them (a source
-in another process hands its state back first), the hang check and the one death message. A
-backend is a :class:`Placement`: where a :class:`Site` (one process's share of the members) runs,
-how it is started and killed, and the channel to it. A trial that runs alone in a process (a
-user's loop on the pool) is a site of one member that reports step by step (:class:`Report`,
-answered at once) and times out by the wall clock, whether it reports or not.
+:class:`LockstepDriver` is the driver of members that train in other processes (forked
+children, pool workers, Ray tasks): it owns their protocols while they train there, the barrier
+across those processes (or each process's round alone), the forks between them (a source in
+another process hands its state back first), the hang check, the one death message and the
+retries of a process that died. A backend is a :class:`Placement`: where a :class:`Site` (one
+process's share of the members) runs, when it may start, how it is started and killed, the
+:class:`~._channel.Channel` to it (a pipe, a Ray task's channel on the hub) and how trainer states
+travel on it (:class:`Carrier`). A trial that runs alone in a process
+(a user's loop) is a site of one member that reports step by step (:class:`Report`, answered at
+once) and times out by the wall clock, whether it reports or not.
 
 >>> from tridens.trial import Decision, Trial
 >>> from tridens.units import Job
@@ -46,11 +48,11 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 from ..errors import StorageFault
 from ..trial import Fork
-from ._channel import ChannelClosed, PipeChannel, ready
+from ._channel import Channel, ChannelClosed, ready
 from ._lockstep import RoundAnswers, load_bytes, state_bytes
 from ._messages import (Answer, ArchiveAnswer, ArchiveCall, End, Forked, Left, LogRecord, Measured, Report, Round,
                         Started, Verdicts)
@@ -58,7 +60,7 @@ from ._protocol import RunHalted, TrialProtocol, Verdict
 from ._stage_relay import answer_archive_call
 from ._watchdog import check_overtime, check_silence, death_error, ended_error, for_trial, settle
 
-__all__ = ["RoundDecision", "decide_round", "Site", "Placement", "LockstepDriver"]
+__all__ = ["RoundDecision", "decide_round", "Site", "Carrier", "Placement", "LockstepDriver"]
 
 log = logging.getLogger("tridens")
 
@@ -102,48 +104,98 @@ def decide_round(round: Sequence[tuple[TrialProtocol, Report]]) -> RoundDecision
 class Site:
     """One process's share of the members, as the driver sees it: their protocols while they train
     there (``lives``), the channel to it while it runs, the round it reported and waits on, when
-    it last said something, and how often a process died under it. ``data``: the placement's own
+    it last said something (``math.inf``: nothing yet, and a placement that queues its processes
+    counts their silence from their first message), how often a process died under it, and its
+    members that left it to move elsewhere (``moving``: Fluid). ``data``: the placement's own
     (what to start the process with)."""
 
     lives: dict[int, TrialProtocol]
     data: Any = None
-    channel: PipeChannel | None = None
+    channel: Channel | None = None
     round: list[Report] | None = None
     last_message: float = field(default_factory=time.monotonic)
     deaths: int = 0
-    resume: bool = False   # its members go on from their last kept rounds (a population, retried)
+    resume: bool = False   # its members go on from their last kept rounds (retried, or moved)
+    moving: set[int] = field(default_factory=set)
 
     def labels(self) -> str:
         return ", ".join(str(life.trial.label) for life in self.lives.values())
 
 
-class Placement(Protocol):
-    """Where a backend's :class:`Site` runs: at most ``slots`` at once; ``name`` says what runs
-    it in the log (``"a pool worker"``), ``process`` in the death message (``"worker process"``),
-    ``where`` in the message of a member its unit ended without (``"in its worker"``); a site whose
-    process died is started again up to ``retries`` times (its members lost only their in-memory state)."""
+@dataclass(frozen=True)
+class Carrier:
+    """How trainer states travel between the driver and a placement's processes: ``wire`` turns
+    a state into what a message carries (a fork's handed source, a stored stage sent to a stage
+    tree), ``unwire`` turns what a process sent back into a state (a stage to store), ``load``
+    reads a member's final weights from its outcome (None: as ``unwire``). Through a pipe:
+    ``torch.save`` bytes (:data:`BY_PIPE`); on Ray: files under the run's storage (a hand-off
+    is taken, the final weights stay in the trial's folder until its group ends)."""
 
-    slots: int
-    name: str
-    process: str
-    where: str
-    retries: int
+    wire: Callable[[Any], Any]
+    unwire: Callable[[Any], Any]
+    load: Callable[[Any], Any] | None = None
 
-    def launch(self, site: Site) -> PipeChannel:
+    def weights(self, payload: Any) -> Any:
+        """The final weights an outcome carries, as a state dict."""
+        return (self.load or self.unwire)(payload)
+
+
+BY_PIPE = Carrier(state_bytes, load_bytes)
+"""States as ``torch.save`` bytes in the messages (pool workers, forked children)."""
+
+
+class Placement:
+    """Where a backend's :class:`Site` runs: at most ``slots`` at once (:meth:`admit`); ``name``
+    says what runs it in the log (``"a pool worker"``), ``process`` in the death message
+    (``"worker process"``), ``where`` in the message of a member its unit ended without (``"in its
+    worker"``). A site whose process died is started again up to ``retries`` times (its members
+    lost only their in-memory state): from their last kept rounds when ``resumes`` says so (the
+    log's words, ``"from the members' last rounds"``; "": from their start), and the last death
+    message names ``limit`` (``"max_retries=2"``; "": nothing) as what allows no more. States travel
+    by ``carrier``.
+
+    >>> class Threads(Placement):                   # doctest: +SKIP
+    ...     def launch(self, site): ...             # start the site's process; its Channel
+    ...     def kill(self, site): ...
+    """
+
+    slots: int = 1
+    name, process, where = "a worker process", "worker process", "in its worker"
+    retries: int = 0
+    resumes: str = ""
+    limit: str = ""
+    carrier: Carrier = BY_PIPE
+
+    def admit(self, queue: Sequence[Site], running: int) -> list[Site]:
+        """Of the sites waiting to start (``queue``, in order), those that start now, with
+        ``running`` sites running: as many as there are free slots."""
+        return list(queue[:max(self.slots - running, 0)])
+
+    def launch(self, site: Site) -> Channel:
         """Start ``site``'s members in a process; the channel to it."""
+        raise NotImplementedError
 
     def kill(self, site: Site) -> None:
         """End ``site``'s process now (it hangs, died, or the run stops)."""
+        raise NotImplementedError
 
     def release(self, site: Site) -> None:
-        """``site`` is over (its process said so): its process is free, or ends."""
+        """``site`` is over (its process said so): its process is free, or ends; members still in
+        ``site.lives`` moved (they start again)."""
+
+    def moves(self, life: TrialProtocol, step: int) -> bool:
+        """Whether member ``life``, continuing after ``step``, leaves its process at this round to
+        start again elsewhere (Fluid's new share): its verdict is then :attr:`Verdict.YIELD`."""
+        return False
 
     def model(self, trial_id: int) -> bytes:
         """Member ``trial_id``'s initial model as its process received it (for a fork's handed source)."""
+        raise NotImplementedError("the members of this placement do not fork across processes")
 
-    def state_of(self, site: Site, trial_id: int, step: int) -> bytes | None:
-        """Member ``trial_id``'s trainer state of ``step`` (``torch.save`` bytes; None: not to be had),
-        for a fork whose source trains in ``site``, another process."""
+    def state_of(self, site: Site, trial_id: int, step: int) -> Any:
+        """Member ``trial_id``'s trainer state of ``step`` (None: not to be had), for a fork whose
+        source trains in ``site``, another process."""
+        return None
 
 
 class LockstepDriver:
@@ -161,7 +213,7 @@ class LockstepDriver:
                  decisions: Any = None):
         self.placement, self.lockstep, self.archive, self.decisions = placement, lockstep, archive, decisions
         self.rank = {tid: i for i, tid in enumerate(order)}
-        self.retry: list[Site] = []       # sites whose process died, to start again first
+        self.again: list[Site] = []       # sites to start again first: their process died, or members moved
         self.sites: list[Site] = []
         self.answers = RoundAnswers()     # a population's last answers, given again to a retried site
 
@@ -170,10 +222,10 @@ class LockstepDriver:
         self.sites = list(sites)
         queue, running = list(sites), []  # type: list[Site], list[Site]
         try:
-            while queue or running or self.retry:
-                queue[:0], self.retry = self.retry, []
-                while queue and len(running) < self.placement.slots:
-                    site = queue.pop(0)
+            while queue or running or self.again:
+                queue[:0], self.again = self.again, []
+                for site in self.placement.admit(queue, len(running)):
+                    queue.remove(site)
                     self._launch(site)
                     running.append(site)
                 readable = ready([site.channel for site in running if site.channel is not None], timeout=0.2)
@@ -213,13 +265,15 @@ class LockstepDriver:
         assert site.channel is not None
         site.last_message = time.monotonic()
         if isinstance(message, Started):
-            for life in site.lives.values():
-                life.start()
+            for tid, life in site.lives.items():
+                if message.trial_id in (None, tid):
+                    life.trial.info.update(message.info or {})
+                    life.start()
         elif isinstance(message, Round):
             again = [self.answers.again(r.trial_id, r.step) for r in message.reports] if self.lockstep else []
             if again and all(a is not None for a in again):   # a retried site's last round: as answered
                 answers = {r.trial_id: a[0] for r, a in zip(message.reports, again) if a is not None}
-                forks = [a[1] for a in again if a is not None and a[1] is not None]
+                forks = [self._wired(a[1]) for a in again if a is not None and a[1] is not None]
                 with contextlib.suppress(ChannelClosed):   # died again: read as its death in the loop
                     site.channel.send(Verdicts(answers, forks))
             else:
@@ -231,14 +285,18 @@ class LockstepDriver:
         elif isinstance(message, Left):
             if message.outcome.kind == "fault":   # the process's disk is full or failing: the run stops
                 raise RunHalted(StorageFault(message.outcome.error or f"a storage fault in {self.placement.name}"))
-            settle(site.lives.pop(message.trial_id, None), message.outcome, load_bytes)
+            if message.outcome.kind == "yielded":   # it moves: its process ends, it starts again elsewhere
+                site.moving.add(message.trial_id)
+            else:
+                settle(site.lives.pop(message.trial_id, None), message.outcome, self.placement.carrier.weights)
         elif isinstance(message, Forked):
             member, origin = site.lives.get(message.trial_id), self._life(message.source)
             if member is not None and origin is not None:
                 member.forked(origin.trial, message.step, Fork(message.source, message.sample))
         elif isinstance(message, ArchiveCall):
+            carrier = self.placement.carrier
             site.channel.send(ArchiveAnswer(answer_archive_call(self.archive, message.method, message.args,
-                                                                message.kwargs, state_bytes, load_bytes,
+                                                                message.kwargs, carrier.wire, carrier.unwire,
                                                                 self.placement.name)))
         elif isinstance(message, LogRecord):
             logging.getLogger(message.record.name).handle(message.record)
@@ -246,9 +304,13 @@ class LockstepDriver:
             if self.decisions is not None:
                 self.decisions.add(message.measurements)
         elif isinstance(message, End):
-            for life in site.lives.values():
+            for tid in [tid for tid in site.lives if tid not in site.moving]:
+                life = site.lives.pop(tid)
                 life.fail(for_trial(ended_error(self.placement.where), life.trial))
-            site.lives.clear()
+            site.moving.clear()
+            if site.lives:   # its members that moved start again (the placement releases them first)
+                site.resume = True
+                self.again.append(site)
             return False
         return True
 
@@ -294,20 +356,22 @@ class LockstepDriver:
         site.round = None
 
     def _died(self, site: Site, how: str) -> None:
-        """The death of ``site``'s process: its members that had not left lost only their in-memory
-        state, so the site starts again on a fresh process up to ``retries`` times (a stage tree
-        resumes from the stages it stored, a population's members from their last rounds; steps
-        recorded before are not recorded again); then they fail."""
+        """The death of ``site``'s process (``how``: its exit code, what the cluster said): its
+        members that had not left lost only their in-memory state, so the site starts again on a
+        fresh process up to ``retries`` times (a stage tree resumes from the stages it stored, a
+        population's members, or a Ray task's, from their last rounds; steps recorded before are
+        not recorded again); then they fail."""
         site.deaths += 1
-        error = death_error(self.placement.process, how, times=site.deaths)
-        if site.deaths > self.placement.retries or not site.lives:
-            self._lost(site, error)
+        placement = self.placement
+        if site.deaths > placement.retries or not site.lives:
+            self._lost(site, death_error(placement.process, how, times=site.deaths, limit=placement.limit))
             return
-        self.placement.kill(site)
-        site.round, site.channel, site.resume = None, None, self.lockstep
-        log.warning("%s; retried once on a fresh worker%s", for_trial(error, site.labels()),
-                    " from the members' last rounds" if self.lockstep else "")
-        self.retry.append(site)
+        placement.kill(site)
+        site.round, site.channel, site.resume = None, None, bool(placement.resumes)
+        retry = "once" if placement.retries == 1 else f"({site.deaths} of {placement.retries})"
+        log.warning("%s; retried %s on a fresh worker%s", for_trial(death_error(placement.process, how), site.labels()),
+                    retry, f" {placement.resumes}" if placement.resumes else "")
+        self.again.append(site)
 
     # -- rounds ------------------------------------------------------------------------------------
     def _barrier(self) -> None:
@@ -324,10 +388,15 @@ class LockstepDriver:
         entries = sorted(((site, report) for site in waiting for report in site.round or ()),
                          key=lambda entry: (self.rank.get(entry[1].trial_id, len(self.rank)), entry[1].trial_id))
         decision = decide_round([(site.lives[report.trial_id], report) for site, report in entries])
+        for site, report in entries:   # members that move to another process at this round (Fluid)
+            tid = report.trial_id
+            if (decision.verdicts[tid] is Verdict.CONTINUE and tid not in decision.forks
+                    and self.placement.moves(site.lives[tid], report.step)):
+                decision.verdicts[tid] = Verdict.YIELD
         where = {report.trial_id: site for site, report in entries}
         steps = {report.trial_id: report.step for _, report in entries}
         given: dict[int, tuple[Any, ...]] = {}
-        states: dict[int, bytes | None] = {}
+        states: dict[int, Any] = {}
         for tid, fork in decision.forks.items():
             site, source = where[tid], where[fork.source]
             if source is site:
@@ -353,4 +422,13 @@ class LockstepDriver:
             site.last_message = time.monotonic()
             assert site.channel is not None
             with contextlib.suppress(ChannelClosed):   # died meanwhile: read as its death in the loop
-                site.channel.send(Verdicts(answers, [given[tid] for tid in answers if tid in given]))
+                site.channel.send(Verdicts(answers, [self._wired(given[tid]) for tid in answers if tid in given]))
+
+    def _wired(self, fork: tuple[Any, ...]) -> tuple[Any, ...]:
+        """A fork ``(trial, source, sample, handed)`` as sent: a handed source's state by the
+        placement's carrier (a fresh copy each time: a process takes what it is handed)."""
+        handed = fork[3]
+        if handed is None:
+            return fork
+        seed, sample, model, state = handed
+        return (*fork[:3], (seed, sample, model, self.placement.carrier.wire(state)))

@@ -45,7 +45,7 @@ from ._lockstep import LockstepJudge, run_lockstep
 from ._pool_units import PipeLink
 from ._channel import PipeChannel
 from ._messages import End, LogRecord, Measured
-from ._driver import LockstepDriver, Site
+from ._driver import LockstepDriver, Placement, Site
 from ._protocol import GroupHooks, TrialProtocol, error_text
 
 __all__ = ["forkable", "run_forked"]
@@ -105,7 +105,7 @@ def _child(conn: Connection, units: Sequence[ExecutionUnit], threads: int) -> No
         pass
 
 
-class _Children:
+class _Children(Placement):
     """The :class:`~._driver.Placement` of a group's shares: each site a forked child training its
     share (``site.data``: its units) with ``threads`` torch threads, all at once."""
 
@@ -135,16 +135,10 @@ class _Children:
 
     def release(self, site: Site) -> None:
         """The child said it ended: it exits (killed when it does not within seconds)."""
-        if site.channel is not None:
+        if isinstance(site.channel, PipeChannel):
             if site.channel.exit_code(wait=5) is None:
                 site.channel.kill()
             site.channel.close()
-
-    def model(self, trial_id: int) -> bytes:  # pragma: no cover - a population that forks does not fork children
-        raise NotImplementedError("members of forked children do not fork")
-
-    def state_of(self, site: Site, trial_id: int, step: int) -> bytes | None:  # pragma: no cover - (as model)
-        return None
 
 
 def run_forked(shares: Sequence[Sequence[ExecutionUnit]], lives: Mapping[int, TrialProtocol], hooks: GroupHooks,

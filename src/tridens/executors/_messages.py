@@ -100,8 +100,7 @@ class RunUnit:
 @dataclass(frozen=True)
 class Answer:
     """The verdict (a :class:`~._protocol.Verdict` value) for a trial's :class:`Report`; on Ray
-    for its ``step`` and ``attempt``, and for a member of a population that forks (PBT) a dict
-    naming the fork's source and sample (see :mod:`._ray_units`)."""
+    for its ``step`` and ``attempt``."""
 
     trial_id: int
     verdict: Any
@@ -120,10 +119,9 @@ class Verdicts:
 
 @dataclass(frozen=True)
 class ArchiveAnswer:
-    """The result of an :class:`ArchiveCall` (on Ray, under its call's ``key``)."""
+    """The result of an :class:`ArchiveCall`."""
 
     result: Any
-    key: Any = None
 
 
 @dataclass(frozen=True)
@@ -135,10 +133,12 @@ class Quit:
 @dataclass(frozen=True)
 class Started:
     """Training began (the timeout counts from here): of ``trial_id``, or of every member of the
-    process's unit (None). ``resources``: what Ray assigned the task."""
+    process's unit (None). ``resources``: what Ray assigned the task; ``info``: what the driver
+    notes in the trial's ``info`` (where it runs: a Ray task's pid, node and attempt)."""
 
     trial_id: int | None = None
     resources: dict[str, Any] | None = None
+    info: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -213,13 +213,12 @@ class State:
 @dataclass(frozen=True)
 class ArchiveCall:
     """A stage tree's call of the driver's stage store (:mod:`._stage_relay`); on Ray it names a
-    member (``trial_id``) and the ``key`` its answer comes back under."""
+    member (``trial_id``: which task calls)."""
 
     method: str
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     trial_id: int | None = None
-    key: Any = None
 
 
 @dataclass(frozen=True)
@@ -243,9 +242,11 @@ class End:
 
 @dataclass(frozen=True)
 class Posted:
-    """A Ray task's message, as posted to the hub: which ``attempt`` (a task restarted after its
-    worker died counts up) and which ``worker`` (pid, node) sent it."""
+    """A Ray task's message, as posted to the hub: which ``attempt`` (a task started again after
+    its worker died, or at a new Fluid share, counts up) and which ``worker`` (pid, node) sent it;
+    ``key``: what its answer comes back under (None: it waits for none)."""
 
     attempt: int
     worker: tuple[int, str]
     message: Any
+    key: Any = None

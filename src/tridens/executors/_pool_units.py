@@ -63,7 +63,7 @@ from ._lockstep import (LockstepJudge, UnitReport, load_bytes, model_bytes, plan
 from ._channel import ChannelClosed, PipeChannel
 from ._messages import (ArchiveAnswer, ArchiveCall, End, Forked, Left, Outcome, Report, Round, RunTrial, RunUnit,
                         Started, Verdicts)
-from ._driver import LockstepDriver, Site
+from ._driver import LockstepDriver, Placement, Site
 from ._protocol import GroupHooks, TrialProtocol, error_text
 from ._ray_storage import CheckpointStorage
 from ._stage_relay import ArchiveRelay, PlanningView
@@ -89,7 +89,7 @@ def _optimizations() -> list[Any]:
 
 
 # -- the driver --------------------------------------------------------------------------------------
-class PoolPlacement:
+class PoolPlacement(Placement):
     """The process pool as a :class:`~._driver.Placement`: each site runs in a free worker slot
     (started, or restarted after a death), which holds the evaluator; :meth:`start` tells the
     worker what to train. A site whose worker died fails (``retries`` 0) unless a subclass retries it."""
@@ -123,12 +123,6 @@ class PoolPlacement:
 
     def release(self, site: Site) -> None:
         self.held.pop(id(site), None)
-
-    def model(self, trial_id: int) -> bytes:  # pragma: no cover - only a population forks (UnitRun)
-        raise NotImplementedError("only a population's members fork")
-
-    def state_of(self, site: Site, trial_id: int, step: int) -> bytes | None:  # pragma: no cover - (as model)
-        return None
 
 
 class TrialRun(PoolPlacement):
@@ -169,6 +163,7 @@ class UnitRun(PoolPlacement):
         super().__init__(executor, evaluator)
         self.hooks = hooks
         self.models, self.sites, self.forks, self.archive, self.order = models, sites, forks, archive, order
+        self.resumes = "from the members' last rounds" if forks else ""
         # where a population's workers keep their members' rounds: the run's storage, else a
         # folder of this group's own
         context = getattr(executor, "context", None)
@@ -253,11 +248,11 @@ class UnitRun(PoolPlacement):
     def model(self, trial_id: int) -> bytes:
         return self.models[trial_id]
 
-    def state_of(self, site: Site, trial_id: int, step: int) -> bytes | None:
+    def state_of(self, site: Site, trial_id: int, step: int) -> Any:
         """Member ``trial_id``'s trainer state of ``step``, as its worker wrote it before reporting the round."""
         assert self.storage is not None
         try:
-            return state_bytes(self.storage.round_of(self.storage.trial_directory(self.experiment, trial_id), step))
+            return self.storage.round_of(self.storage.trial_directory(self.experiment, trial_id), step)
         except (OSError, KeyError) as err:
             log.info("the state of trial %d after step %d is not in storage (%s): it is the source of no fork",
                      trial_id, step, err)

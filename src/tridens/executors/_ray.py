@@ -23,21 +23,22 @@ trains on CUDA), so Ray packs tasks; a share above 1 one task reserving ``share`
 trains the trial with torch DDP over as many local processes (one node, gloo). DynamicFluid moves
 a trial at an epoch boundary: its task checkpoints and ends, a new task at the new share resumes.
 
-Differences from the in-process executor, by design: rung decisions are made as results arrive
-(asynchronously, as in ASHA) rather than after the whole group reported a step, so which trials an
-early-stopping strategy stops may differ. A trial's metrics for the steps it trains are those of
+Differences from the in-process executor, by design: rung decisions are made as each task's
+round arrives (asynchronously, as in ASHA; a unit's members are decided as one round) rather than
+after the whole group reported a step, so which trials an early-stopping strategy stops may differ. A trial's metrics for the steps it trains are those of
 the in-process run with the same seed (bit for bit for separate trials; fused units and DDP as the
 in-process fused units and DDP are, to float summation order).
 
 The parts: checkpoints under ``storage`` (:mod:`._ray_storage`), the messages between workers and
-the driver (:mod:`._ray_hub`), unit tasks (:mod:`._ray_units`), user loops (:mod:`._ray_trials`),
-Fluid shares (:mod:`._ray_fluid`) and the local Ray started on 127.0.0.1 (:mod:`._ray_local`);
-this module holds the executor and its driver loop over unit tasks.
+the driver (:mod:`._ray_hub`, each task's :class:`~._channel.TaskChannel`), unit tasks
+(:mod:`._ray_units`), user loops (:mod:`._ray_trials`), Fluid shares (:mod:`._ray_fluid`) and the
+local Ray started on 127.0.0.1 (:mod:`._ray_local`); this module holds the executor and the
+placement of its unit tasks (:class:`UnitTasks`), driven by the one lockstep driver
+(:class:`~._driver.LockstepDriver`: the rounds, the barrier, forks, the hang check, deaths and retries).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -50,18 +51,14 @@ import ray
 from ..evaluators import Evaluator, StepwiseEvaluator
 from ..units import Job, PlanContext
 from ._base import Executor, RunContext, run_context as _context
-from ..trial import Fork
-from ._channel import HubChannel
-from ._lockstep import RoundAnswers
-from ._driver import decide_round
-from ._messages import Answer, ArchiveAnswer, ArchiveCall, Forked, Left, Outcome, Posted, Report, Started
-from ._protocol import GroupHooks, TrialProtocol, Verdict
+from ._channel import Channel, HubChannel
+from ._driver import Carrier, LockstepDriver, Placement, Site
+from ._protocol import GroupHooks, TrialProtocol
 from ._ray_fluid import FluidOnRay
-from ._ray_hub import POLL_S, death_cause, start_hub
+from ._ray_hub import start_hub
 from ._ray_storage import CheckpointStorage
 from ._ray_trials import UserLoopGroup
-from ._stage_relay import PlanningView, answer_archive_call
-from ._watchdog import check_silence, death_error, ended_error, for_trial, settle
+from ._stage_relay import PlanningView
 
 __all__ = ["RayExecutor"]
 
@@ -69,43 +66,20 @@ log = logging.getLogger("tridens")
 
 
 @dataclass
-class _Member:
-    """The driver's view of one trial of a unit."""
+class _Task:
+    """What a unit task is started with: whether the worker plans the members again with the
+    run's optimizations (``settings``, batching as the driver decided: plain data) and what it
+    should plan (``planned``), its resource request and DDP ranks (a Fluid share above 1), how
+    often it was started (its attempt counts them), and whether Fluid gave it a share."""
 
-    life: TrialProtocol
-    model: bytes                              # the model as it was before planning (what workers rebuild)
-    yielded: bool = False                     # left its task to move to a new Fluid share
-    limit: int | None = None                  # (Fluid) epochs it trains in all
-
-    @property
-    def job(self) -> Job:
-        return self.life.job
-
-    @property
-    def done(self) -> bool:
-        """Finished in the store."""
-        return self.life.finished
-
-
-@dataclass
-class _UnitTrack:
-    """The driver's view of one unit task: its members, its attempts and resources."""
-
-    members: dict[int, _Member]
     optimize: bool = True
-    planned: str = "separate"                 # the kind of unit the driver's planner made
-    settings: Any = None                      # the run's xopt.Settings as plain data, batching as the driver decided
-    attempt: int = 0
-    ref: Any = None
-    resume: bool = False
+    planned: str = "separate"
+    settings: Any = None
     resources: dict[str, float] = field(default_factory=dict)
-    world: int = 1                            # DDP ranks (a Fluid share above 1)
-    started: float = math.inf
-    last_message: float = math.inf
-    deaths: list[str] = field(default_factory=list)
-
-    def unfinished(self) -> list[_Member]:
-        return [m for m in self.members.values() if not m.done]
+    world: int = 1
+    attempt: int = 0
+    launches: int = 0
+    placed: bool = False
 
 
 class RayExecutor(Executor):
@@ -135,7 +109,8 @@ class RayExecutor(Executor):
     (:mod:`._stage_relay`; checkpoints handed through ``storage``). A strategy that forks members
     (PBT) has its population dealt over ``workers`` tasks running at once; the driver answers a
     round only when every member has reported it, and an exploit of a member of another task forks
-    from that member's checkpoint of the step, copied through ``storage`` (:meth:`_barrier`).
+    from that member's checkpoint of the step, copied through ``storage``. The unit tasks are a
+    :class:`~._driver.Placement` of the one lockstep driver (:class:`UnitTasks`).
 
     >>> exp = td.Experiment(space, evaluator, td.strategy.ASHA(max_steps=9),
     ...                     executor=td.executors.Ray(workers=4, max_retries=2))   # doctest: +SKIP
@@ -161,10 +136,6 @@ class RayExecutor(Executor):
         self._hub: HubChannel | None = None   # the driver's end of the hub every task posts to
         self._evaluator: tuple[Any, Any] | None = None  # (evaluator, its object ref): one copy for all groups
         self._archive: Any = None  # the run's stage store (tridens.store.StageArchive) while a group runs
-        # a population's last answer per member (the handed source's seed, sample, model, state
-        # with it), given again when a restarted task asks for that step again
-        self._answered = RoundAnswers()
-        self._order: dict[int, int] = {}   # trial id -> its place in the group (a population's round order)
 
     @property
     def parallelism(self) -> int:  # type: ignore[override]
@@ -272,41 +243,38 @@ class RayExecutor(Executor):
 
     # -- units (declarative evaluators) --------------------------------------------------------
     def _units(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, lives: Mapping[int, TrialProtocol]
-               ) -> list[_UnitTrack]:
+               ) -> list[Site]:
         """The group's unit tasks: the planner's fused units, one task each; separate trials (and
         trials forked from another member's state) one each."""
-        # Pickled before planning may tie or move them; by value where defined in __main__ (a script).
-        models = {job.trial.id: ray.cloudpickle.dumps(job.model) for job in jobs}
 
-        def alone(job: Job) -> _UnitTrack:
-            return _UnitTrack({job.trial.id: _Member(lives[job.trial.id], models[job.trial.id])}, optimize=False)
+        def alone(job: Job) -> Site:
+            return Site({job.trial.id: lives[job.trial.id]}, _Task(optimize=False))
 
-        if self._forks():   # the population at once, dealt over the workers (see _barrier)
+        if self._forks():   # the population at once, dealt over the workers, in lockstep
             count = min(self.workers, len(jobs))
-            return [_UnitTrack({j.trial.id: _Member(lives[j.trial.id], models[j.trial.id]) for j in jobs[i::count]},
-                               optimize=False, planned="population") for i in range(count)]
+            return [Site({j.trial.id: lives[j.trial.id] for j in jobs[i::count]}, _Task(optimize=False, planned="population"))
+                    for i in range(count)]
         fresh = [job for job in jobs if job.start_from is None]
-        tracks = [alone(job) for job in jobs if job.start_from is not None]
+        sites = [alone(job) for job in jobs if job.start_from is not None]
         if not self.optimize or self.allocation is not None:
-            return tracks + [alone(job) for job in fresh]
+            return sites + [alone(job) for job in fresh]
         from ._planner import plan
 
         # stage trees are planned from the stored rows (PlanningView); the tasks load and store
-        # stages through the hub (answered by _handle_unit)
+        # stages through the hub (answered by the driver)
         planning = self._planning().with_archive(None if self._archive is None else PlanningView(self._archive))
         units = plan(fresh, evaluator, self.optimize, context=planning) if fresh else []
         units = self._spread(units, evaluator, planning)
         for unit in units:
             described = unit.describe()
             if described["kind"] == "separate":  # nothing shared: each trial its own task, in parallel
-                tracks.extend(alone(job) for job in unit.jobs.values())
+                sites.extend(alone(job) for job in unit.jobs.values())
                 continue
             # The worker plans the unit's trials again: batching as decided here (a measured
             # speed-up could come out differently there), everything else as configured.
             settings = self.optimize.with_batching(mode=described["batching"]).as_dict()
-            tracks.append(_UnitTrack({t: _Member(lives[t], models[t]) for t in unit.jobs},
-                                     planned=described["kind"], settings=settings))
-        return tracks
+            sites.append(Site({t: lives[t] for t in unit.jobs}, _Task(planned=described["kind"], settings=settings)))
+        return sites
 
     def _spread(self, units: list[Any], evaluator: StepwiseEvaluator, planning: PlanContext) -> list[Any]:
         """Fewer tasks than workers: units split until every worker has a task (a separate unit's
@@ -323,247 +291,117 @@ class RayExecutor(Executor):
     def _run_units(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, evaluator_ref: Any, storage: CheckpointStorage,
                    hooks: GroupHooks) -> None:
         self._archive = self._planning().archive if self.optimize else None
+        # Pickled before planning may tie or move them; by value where defined in __main__ (a script).
+        models = {job.trial.id: ray.cloudpickle.dumps(job.model) for job in jobs}
+        forks = self._forks()
         fluid = None
+        if self.allocation is not None and not forks:
+            fluid = FluidOnRay.start(self.allocation, self.workers, jobs, evaluator)
+            hooks = fluid.watch(hooks)
         lives = {job.trial.id: TrialProtocol(job, hooks, clock="train") for job in jobs}
-        tracks = self._units(jobs, evaluator, lives)
-        held: dict[int, tuple[_UnitTrack, int, Report]] | None = {} if self._forks() else None
-        self._order = {job.trial.id: i for i, job in enumerate(jobs)}
-        self._answered.clear()
-        if self.allocation is not None and held is None:
-            fluid, tracks = FluidOnRay.profile(self.allocation, self.workers, tracks, evaluator)
-        queue = list(tracks) if fluid is None else []
-        waiting = {next(iter(t.members)): t for t in tracks} if fluid is not None else {}
-        running: list[_UnitTrack] = []
-        owner: dict[int, _UnitTrack] = {}  # trial id -> its running task's track
-        hub = self._channel()
-        try:
-            while queue or running or waiting:
-                if fluid is not None:
-                    for placement in fluid.sched.schedule():
-                        track = waiting.pop(placement.key)
-                        fluid.place(track, placement.share, self.cpus_per_trial)
-                        queue.append(track)
-                while queue and (fluid is not None or len(running) < self.workers):
-                    track = queue.pop(0)
-                    if fluid is None:
-                        track.resources = self._resources()
-                    self._launch_unit(track, evaluator_ref, storage)
-                    running.append(track)
-                    owner.update({m.job.trial.id: track for m in track.unfinished()})
-                for message in hub.receive_all(POLL_S):
-                    self._handle_unit(message, owner, storage, fluid, held)
-                if held is not None:
-                    self._barrier(running, held, storage)
-                refs = {t.ref: t for t in running}
-                done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
-                for ref in done:
-                    track = refs[ref]
-                    # messages posted before the task returned are in the hub: read them first
-                    for message in hub.receive_all(0):
-                        self._handle_unit(message, owner, storage, fluid, held)
-                    if self._unit_done(track, ref, storage, fluid):
-                        running.remove(track)
-                        for member in track.members.values():
-                            owner.pop(member.job.trial.id, None)
-                            if fluid is not None and member.yielded and not member.done:
-                                member.yielded = False
-                                track.attempt += 1
-                                track.resume = True
-                                fluid.sched.release(member.job.trial.id, fluid.remaining(member))
-                                waiting[member.job.trial.id] = track
-                    else:  # its worker died: again, from the members' last checkpoints
-                        self._launch_unit(track, evaluator_ref, storage)
-                self._unit_timeout(running, fluid)
-        finally:
-            for track in running:  # interrupted (Ctrl-C, driver error): free the workers
-                ray.cancel(track.ref, force=True)
-
-    def _launch_unit(self, track: _UnitTrack, evaluator_ref: Any, storage: CheckpointStorage) -> None:
-        from ..units import configured_max_unit_memory
-        from ._ray_units import run_unit
-
-        members = []
-        for member in track.unfinished():
-            trial = member.job.trial
-            trial.info["storage"] = storage.trial_directory(str(self.experiment), trial.id)
-            members.append({"trial": trial, "model": member.model, "max_steps": member.job.max_steps,
-                            "directory": trial.info["storage"], "start_from": member.job.start_from})
-        stages = self._archive is not None and track.optimize and not track.resume
-        spec = {"attempt": track.attempt, "root": storage.root, "cpus": track.resources.get("num_cpus", 1.0),
-                "stages": self._archive.experiment if stages else None, "experiment": str(self.experiment),
-                "optimize": track.optimize and not track.resume, "resume": track.resume, "members": members,
-                "max_unit_memory": configured_max_unit_memory(self._planning().max_unit_memory), "world": track.world, "planned": track.planned,
-                "settings": track.settings,
-                "limit": next(iter(track.members.values())).limit}
-        track.started = track.last_message = math.inf
-        track.ref = run_unit.options(**track.resources).remote(evaluator_ref, spec, self._channel().hub)
-
-    def _handle_unit(self, posted: Posted, owner: Mapping[int, _UnitTrack], storage: CheckpointStorage,
-                     fluid: FluidOnRay | None, held: dict[int, Any] | None = None) -> None:
-        attempt, (pid, node), message = posted.attempt, posted.worker, posted.message
-        trial_id = message.trial_id
-        track = owner.get(trial_id)
-        if track is None or attempt != track.attempt or trial_id not in track.members:
-            return  # a message of a task already given up on
-        member = track.members[trial_id]
-        life = member.life
-        track.last_message = time.monotonic()
-        if track.started == math.inf:
-            track.started = track.last_message
-        if isinstance(message, Started):
-            life.trial.info["ray"] = {"pid": pid, "node": node, "attempt": attempt,
-                                      "resources": dict(message.resources or {})}
-            life.start()
-            return
-        if isinstance(message, Left):
-            self._member_left(member, message.outcome, storage, fluid)
-            return
-        if isinstance(message, ArchiveCall):   # a stage tree's stage-store call; checkpoints travel through storage
-            experiment = str(self.experiment)
-            self._channel().send(ArchiveAnswer(answer_archive_call(
-                self._archive, message.method, message.args, message.kwargs,
-                lambda state: storage.hand(experiment, state), storage.take, f"Ray task of trial {trial_id}"),
-                message.key))
-            return
-        if isinstance(message, Forked):   # the member now continues from its source's state: its lineage
-            origin = owner.get(message.source)
-            if origin is not None and message.source in origin.members:
-                life.forked(origin.members[message.source].life.trial, message.step,
-                            Fork(message.source, message.sample))
-            return
-        step = message.step   # a Report
-        if held is not None and not life.finished:   # answered with the whole population's round
-            given = self._answered.again(trial_id, step)
-            if given is not None:   # asked again by a restarted task: the same answer
-                self._channel().send(Answer(trial_id, self._answer(*given, storage), step, attempt))
-                return
-            held[trial_id] = (track, attempt, message)
-            return
-        verdict = life.report(step, message.metrics, last=message.last, seconds=message.seconds)
+        sites = self._units(jobs, evaluator, lives)
         if fluid is not None:
-            fluid.sched.progress(trial_id, fluid.remaining(member))
-        if verdict is Verdict.DROP:  # past its timeout: failed by the protocol
-            self._fluid_finish(fluid, trial_id)
-        elif (fluid is not None and verdict is Verdict.CONTINUE and step == life.last_step
-              and trial_id in fluid.sched.rescales()):
-            verdict = Verdict.YIELD  # to its new share at this epoch boundary
-            log.info("fluid on Ray: trial %d moves to share %g after epoch %d", trial_id,
-                     fluid.sched.rescales()[trial_id], step + 1)
-        self._channel().send(Answer(trial_id, verdict.value, step, attempt))
+            sites = fluid.profile(sites, evaluator)
+        tasks = UnitTasks(self, evaluator_ref, storage, models, fluid)
+        LockstepDriver(tasks, lockstep=forks, order=[job.trial.id for job in jobs],
+                       archive=self._archive).run(sites)
 
     def _forks(self) -> bool:
         """Whether the strategy forks members (PBT): the group's tasks then run at once, in lockstep."""
         return bool(getattr(getattr(self, "context", None), "forks", False))
 
-    def _barrier(self, running: Sequence[_UnitTrack], held: dict[int, tuple[_UnitTrack, int, Report]],
-                 storage: CheckpointStorage) -> None:
-        """Once every training member of the population has reported its step: the round decided
-        as one (:func:`~._driver.decide_round`, in the trials' order: every report recorded, then
-        every verdict, then the strategy's forks), then every member's answer. A fork of a member
-        of another task names the source's checkpoint of that step (written to ``storage=`` before
-        it reported), copied for the forking task to take, with the source's seed, sample and
-        model. Each member's answer is kept until its next round: a task restarted after its node
-        died asks for that step again."""
-        members = [m for t in running for m in t.unfinished() if not m.yielded]
-        if not members or any(m.job.trial.id not in held for m in members):
-            return
-        rounds = dict(held)
-        held.clear()
-        order = sorted(rounds, key=lambda tid: (self._order.get(tid, len(self._order)), tid))
-        decision = decide_round([(rounds[tid][0].members[tid].life, rounds[tid][2]) for tid in order])
-        answers: dict[int, Any] = {tid: verdict.value for tid, verdict in decision.verdicts.items()}
-        handed: dict[int, tuple[Any, ...]] = {}
-        for tid, fork in decision.forks.items():
-            source = rounds[fork.source]
-            if source[0] is not rounds[tid][0]:   # another task: its state travels through storage
-                origin = source[0].members[fork.source]
-                step = source[2].step
-                try:
-                    state = storage.round_of(origin.job.trial.info["storage"], step)
-                except (OSError, KeyError) as err:
-                    state = None
-                    log.info("trial %d not forked from trial %d: its checkpoint of step %d (%s)", tid, fork.source,
-                             step, err)
-                if state is None:
-                    continue
-                handed[tid] = (origin.job.trial.seed, origin.job.trial.sample, origin.model, state)
-            answers[tid] = {"verdict": Verdict.CONTINUE.value, "source": fork.source, "sample": fork.sample}
-        for tid in order:
-            _, attempt, report = rounds[tid]
-            self._answered.keep(tid, report.step, answers[tid], handed.get(tid))
-            self._channel().send(Answer(tid, self._answer(answers[tid], handed.get(tid), storage), report.step, attempt))
 
-    def _answer(self, answer: Any, handed: tuple[Any, ...] | None, storage: CheckpointStorage) -> Any:
-        """A population member's answer; a source in another task handed over as a fresh file (the
-        task takes it, and a restarted task takes its own)."""
-        if handed is None:
-            return answer
-        seed, sample, model, state = handed
-        return {**answer, "handed": (seed, sample, model, storage.hand(str(self.experiment), state))}
+class UnitTasks(Placement):
+    """The :class:`~._driver.Placement` of a group's unit tasks: each site one Ray task
+    (:func:`~._ray_units.run_unit`) asking for its resources -- at most ``workers`` at once, or as
+    Fluid places them (``fluid``: each trial's share its task's request; a trial at a new share
+    moves to a new task) -- on its own channel on the hub (:class:`~._channel.TaskChannel`). A
+    task whose worker or node died starts again up to ``max_retries`` times, its unfinished
+    members as separate trials from their last checkpoints; states travel as files under
+    ``storage`` (a fork's source of another task: its checkpoint of the round, copied)."""
 
-    @staticmethod
-    def _fluid_finish(fluid: FluidOnRay | None, trial_id: int) -> None:
-        if fluid is not None:
-            fluid.sched.finish(trial_id)
+    name, process, where = "a Ray task", "worker", "in its Ray task"
+    resumes = "from the members' last checkpoints, as separate trials"
 
-    def _member_left(self, member: _Member, outcome: Outcome, storage: CheckpointStorage,
-                     fluid: FluidOnRay | None) -> None:
-        """A member's outcome (from its ``left`` message or the task's result; the first counts)."""
-        if member.done or outcome.kind == "dropped":
-            return
-        if outcome.kind == "yielded":
-            member.yielded = True
-            return
-        self._fluid_finish(fluid, member.job.trial.id)
-        settle(member.life, outcome, storage.load)
+    def __init__(self, executor: RayExecutor, evaluator_ref: Any, storage: CheckpointStorage, models: Mapping[int, bytes],
+                 fluid: FluidOnRay | None):
+        self.executor, self.evaluator_ref, self.storage, self.models, self.fluid = (executor, evaluator_ref, storage,
+                                                                                    models, fluid)
+        self.experiment = str(executor.experiment)
+        self.slots = executor.workers
+        self.retries = executor.max_retries
+        self.limit = f"max_retries={executor.max_retries}"
+        self.carrier = Carrier(lambda state: storage.hand(self.experiment, state), storage.take, storage.load)
 
-    def _fail_unfinished(self, track: _UnitTrack, fluid: FluidOnRay | None, error: str) -> None:
-        for member in track.unfinished():
-            self._fluid_finish(fluid, member.job.trial.id)
-            member.life.fail(for_trial(error, member.job.trial))
+    def admit(self, queue: Sequence[Site], running: int) -> list[Site]:
+        """Without Fluid, as many as there are free workers; under Fluid, the sites whose trial the
+        scheduler places now (at its share) and the sites placed before (started again)."""
+        if self.fluid is None:
+            return super().admit(queue, running)
+        by_trial = {tid: site for site in queue for tid in site.lives}
+        for placed in self.fluid.sched.schedule():
+            site = by_trial[placed.key]
+            task: _Task = site.data
+            task.resources, task.world = self.fluid.place(site.lives[placed.key], placed.share,
+                                                          self.executor.cpus_per_trial)
+            task.placed = True
+        return [site for site in queue if site.data.placed]
 
-    def _unit_done(self, track: _UnitTrack, ref: Any, storage: CheckpointStorage, fluid: FluidOnRay | None) -> bool:
-        """Record the outcomes of a finished unit task; False when its worker died and it runs again."""
+    def launch(self, site: Site) -> Channel:
+        from ..units import configured_max_unit_memory
+        from ._ray_units import run_unit
+
+        task: _Task = site.data
+        task.attempt, task.launches = task.launches, task.launches + 1
+        if self.fluid is None:
+            task.resources = self.executor._resources()
+        members = []
+        for life in site.lives.values():
+            trial = life.trial
+            trial.info["storage"] = self.storage.trial_directory(self.experiment, trial.id)
+            members.append({"trial": trial, "model": self.models[trial.id], "max_steps": life.job.max_steps,
+                            "directory": trial.info["storage"], "start_from": life.job.start_from})
+        archive = self.executor._archive
+        stages = archive is not None and task.optimize and not site.resume
+        first = next(iter(site.lives))
+        spec = {"attempt": task.attempt, "root": self.storage.root, "cpus": task.resources.get("num_cpus", 1.0),
+                "stages": archive.experiment if stages else None, "experiment": self.experiment,
+                "optimize": task.optimize and not site.resume, "resume": site.resume, "members": members,
+                "max_unit_memory": configured_max_unit_memory(self.executor._planning().max_unit_memory),
+                "world": task.world, "planned": task.planned, "settings": task.settings,
+                "limit": None if self.fluid is None else self.fluid.limits.get(first)}
+        hub = self.executor._channel()
+        ref = run_unit.options(**task.resources).remote(self.evaluator_ref, spec, hub.hub)
+        site.last_message = math.inf   # it may wait for room in the cluster: silent from its first message
+        return hub.task(ref, task.attempt, list(site.lives))
+
+    def kill(self, site: Site) -> None:
+        if site.deaths:
+            for life in site.lives.values():
+                life.trial.info["ray_restarts"] = site.deaths
+        if site.channel is not None:
+            site.channel.kill()
+
+    def release(self, site: Site) -> None:
+        """The task returned: its channel is closed; a member that moves (Fluid) waits to be placed again."""
+        if site.channel is not None:
+            site.channel.close()
+        if self.fluid is not None and site.lives:
+            for tid, life in site.lives.items():
+                self.fluid.sched.release(tid, self.fluid.remaining(tid, life.last_step))
+            site.data.placed = False
+
+    def moves(self, life: TrialProtocol, step: int) -> bool:
+        return self.fluid is not None and self.fluid.moves(life, step)
+
+    def model(self, trial_id: int) -> bytes:
+        return self.models[trial_id]
+
+    def state_of(self, site: Site, trial_id: int, step: int) -> Any:
+        """Member ``trial_id``'s trainer state of ``step``, as its task wrote it under storage before reporting the round."""
         try:
-            outcomes = ray.get(ref)
-        except ray.exceptions.TaskCancelledError:
-            return True  # cancelled by the timeout, already recorded
-        except ray.exceptions.RayTaskError as err:  # raised outside the training (e.g. unpickling a model)
-            self._fail_unfinished(track, fluid, str(err))
-            return True
-        except ray.exceptions.RayError as err:  # the worker process or its node died
-            unfinished = track.unfinished()
-            track.deaths.append(death_cause(err, unfinished[0].job.trial.info if unfinished else {}))
-            ids = [m.job.trial.id for m in track.unfinished() if not m.yielded]
-            for member in track.unfinished():
-                member.job.trial.info["ray_restarts"] = len(track.deaths)
-            if len(track.deaths) <= self.max_retries and ids:
-                log.warning("trial(s) %s: their worker died (%s); restarting them from their last checkpoints, "
-                            "as separate trials (retry %d of %d)", ids, type(err).__name__, len(track.deaths),
-                            self.max_retries)
-                track.attempt += 1
-                track.resume = True
-                return False
-            self._fail_unfinished(track, fluid, death_error(
-                "worker", f"max_retries={self.max_retries} allows no more restarts; last: {track.deaths[-1]}",
-                times=len(track.deaths)))
-            return True
-        for trial_id, outcome in outcomes.items():
-            if trial_id in track.members:
-                self._member_left(track.members[trial_id], outcome, storage, fluid)
-        for member in [m for m in track.unfinished() if not m.yielded]:
-            self._fluid_finish(fluid, member.job.trial.id)
-            member.life.fail(for_trial(ended_error("in its Ray task"), member.job.trial))
-        return True
-
-    def _unit_timeout(self, running: list[_UnitTrack], fluid: FluidOnRay | None) -> None:
-        """A task silent for longer than ``trial_timeout`` hangs inside an epoch: cancel it (its
-        members' epoch times are checked as they report, by their protocols)."""
-        for track in list(running):
-            members = track.unfinished()
-            if track.last_message != math.inf and members:
-                check_silence([m.life for m in members], track.last_message, functools.partial(self._kill_unit, track, fluid))
-
-    def _kill_unit(self, track: _UnitTrack, fluid: FluidOnRay | None, error: str) -> None:
-        ray.cancel(track.ref, force=True)
-        self._fail_unfinished(track, fluid, error)
+            return self.storage.round_of(site.lives[trial_id].trial.info["storage"], step)
+        except (OSError, KeyError) as err:
+            log.info("the state of trial %d after step %d is not in storage (%s): it is the source of no fork",
+                     trial_id, step, err)
+            return None

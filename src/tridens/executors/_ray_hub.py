@@ -1,13 +1,16 @@
 """The conversation between Ray workers and the driver of the Ray executor.
 
 Workers post messages to one :class:`Hub` actor and wait there for the driver's answers; the
-driver drains the hub (every ``POLL_S`` seconds at most), records what it reads through each
-trial's :class:`~._protocol.TrialProtocol` and answers with the verdict. Every message travels in
-a :class:`~._messages.Posted` envelope naming the attempt (a task restarted after its worker died
-counts up) and its worker (pid, node), and names its trial:
+driver drains the hub (every ``POLL_S`` seconds at most) and hands each unit task's messages to
+that task's channel (:class:`~._channel.TaskChannel`, read by the one lockstep driver,
+:mod:`._driver`). Every message travels in a :class:`~._messages.Posted` envelope naming the
+attempt (a task started again counts up), its worker (pid, node) and, for a call, the key its
+answer comes back under; it names its trial:
 
 * :class:`~._messages.Started`: the task began training the trial;
-* :class:`~._messages.Report`: a step's metrics, answered with a :class:`~._protocol.Verdict`
+* :class:`~._messages.Round`: a unit's round of its members' reports, answered with
+  :class:`~._messages.Verdicts` (posted by :meth:`Hub.call`, answered with :meth:`Hub.reply`);
+* :class:`~._messages.Report`: a user loop's step, answered with a :class:`~._protocol.Verdict`
   value (posted by :meth:`Hub.ask`, which waits for it);
 * :class:`~._messages.Left`: a member of a unit left its task;
 * :class:`~._messages.Forked`: a member continues from another's state;

@@ -188,8 +188,8 @@ class UserLoopGroup:
                             life.trial.label, type(err).__name__, len(task.deaths), self.max_retries)
                 task.attempt += 1
                 return False
-            life.fail(for_trial(death_error("worker", f"max_retries={self.max_retries} allows no more restarts; last: "
-                                             f"{task.deaths[-1]}", times=len(task.deaths)), life.trial))
+            life.fail(for_trial(death_error("worker", task.deaths[-1], times=len(task.deaths),
+                                            limit=f"max_retries={self.max_retries}"), life.trial))
             return True
         settle(life, result, self.storage.load)
         return True

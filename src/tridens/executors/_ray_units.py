@@ -5,9 +5,9 @@ A unit task receives its members (the trials' records, their models pickled befo
 planned, their budgets), plans them again on the worker with the same optimizations and memory
 bound (so the same fused unit is built there), and trains it with the in-process executor's epoch
 loop (:func:`~._execution.run_lockstep`). After each epoch it writes every member's checkpoint to
-storage, posts every member's metrics to the hub, and waits for the driver's per-member verdicts
-(each trial's :class:`~._protocol.TrialProtocol` decides on the driver): a member told to stop (or
-out of budget) saves its final weights and leaves the unit, the others go on.
+storage, posts the round of every member's metrics to the hub, and waits for the driver's verdicts
+(the driver's :class:`~._driver.LockstepDriver` decides the round with the members' protocols):
+a member told to stop (or out of budget) saves its final weights and leaves the unit, the others go on.
 
 **Checkpoints and restarts.** A member's checkpoint is a trainer checkpoint (what
 ``SupervisedTrainer.state_dict()`` holds: weights, optimizer state, epoch, step, random state),
@@ -46,7 +46,7 @@ import torch
 from ..evaluators import StepwiseEvaluator
 from ..units import Job, PlanContext
 from ._lockstep import LockstepJudge, UnitReport, plan_units, resume_units, run_lockstep
-from ._messages import Answer, ArchiveCall, Forked, Left, Outcome, Posted, Report, Started, State, Verdicts
+from ._messages import Answer, ArchiveCall, Forked, Left, Outcome, Posted, Report, Round, Started, State, Verdicts
 from ._protocol import Verdict, error_text
 from ._ray_storage import CheckpointStorage
 
@@ -75,7 +75,7 @@ class _Worker:
         self.calls += 1
         tid = next(iter(self.directories))   # the driver knows the task by any of its members
         key = ("archive", tid, self.attempt, self.calls)
-        return ray.get(self.hub.call.remote(key, Posted(self.attempt, self.worker, ArchiveCall(name, args, kwargs, tid, key))))
+        return ray.get(self.hub.call.remote(key, Posted(self.attempt, self.worker, ArchiveCall(name, args, kwargs, tid), key)))
 
     def relay(self) -> Any:
         """The stage store of the driver, for this task's stage trees (None: the driver shares none)."""
@@ -97,24 +97,17 @@ class _Worker:
         # metrics again (the driver ignores a step it already has).
         self.storage.save_round(self.directories[tid], step, metrics, state, sample)
 
-    def ask(self, reports: Sequence[tuple[int, int, dict[str, float], bool, float]]) -> dict[int, Any]:
-        """Post every member's report at once; the driver's answers (a verdict, or a fork: see :meth:`round`), by trial id."""
-        refs = [self.hub.ask.remote(Posted(self.attempt, self.worker, Report(tid, step, metrics, seconds, last)))
-                for tid, step, metrics, last, seconds in reports]
-        return {report[0]: answer for report, answer in zip(reports, ray.get(refs))}
-
     # -- the DriverLink of this task's LockstepJudge ------------------------------------------------
     def keep(self, reports: Sequence[UnitReport]) -> None:
         for r in reports:
             self.checkpoint(r.trial_id, r.step, r.metrics or {}, r.unit.state_dict(r.trial_id), r.unit.jobs[r.trial_id].sample)
 
     def round(self, reports: Sequence[Report]) -> Verdicts:
-        """Every member's report posted at once; each answer is a verdict -- or, for a fork (PBT),
-        ``{"verdict", "source", "sample"[, "handed"]}``: ``handed`` when the source trains in
-        another task (its seed, sample, model, and its state's file under storage)."""
-        answers = self.ask([(r.trial_id, r.step, dict(r.metrics), r.last, r.seconds) for r in reports])
-        forks = [(tid, a["source"], a["sample"], a.get("handed")) for tid, a in answers.items() if isinstance(a, dict)]
-        return Verdicts({tid: a["verdict"] if isinstance(a, dict) else a for tid, a in answers.items()}, forks)
+        """Every member's report posted at once, as one :class:`~._messages.Round`; the driver's
+        :class:`~._messages.Verdicts` (a fork's ``handed`` source names its state's file under storage)."""
+        first = reports[0]
+        key = ("round", first.trial_id, self.attempt, first.step)
+        return ray.get(self.hub.call.remote(key, Posted(self.attempt, self.worker, Round(list(reports)), key)))
 
     def handed(self, handed: Any) -> tuple[int, dict[str, Any], Any, Mapping[str, Any]]:
         seed, sample, model, path = handed
@@ -272,7 +265,7 @@ def _run_ddp(worker: _Worker, job: Job, evaluator: StepwiseEvaluator, spec: Mapp
             epoch = int(trainer_state["epoch"])
             worker.checkpoint(tid, step, metrics, trainer_state)
             limit = spec["limit"]
-            answer = worker.ask([(tid, step, metrics, epoch >= limit, seconds)])[tid]
+            answer = worker.round([Report(tid, step, metrics, seconds, epoch >= limit)]).answers[tid]
             stopped = answer == Verdict.STOP.value
             if answer in (Verdict.YIELD.value, Verdict.DROP.value):
                 conns[0].send(Answer(0, answer))

@@ -56,10 +56,17 @@ def check_overtime(life: TrialProtocol, kill: Callable[[], None]) -> bool:
     return True
 
 
-def death_error(process: str, detail: str, times: int = 1) -> str:
+def death_error(process: str, detail: str, times: int = 1, limit: str = "") -> str:
     """The message of a trial whose ``process`` (``"worker process"``, ``"forked process"``, ``"worker"``)
-    died ``times`` times; ``detail``: its exit code or what the cluster said (a template naming ``{trial}``)."""
+    died ``times`` times; ``detail``: its exit code or what the cluster said; ``limit``: the setting
+    that allows no more restarts (``"max_retries=2"``), named when given (a template naming ``{trial}``).
+
+    >>> death_error("worker", "RayActorError on node 10.0.0.2", times=3, limit="max_retries=2")
+    'the worker of trial {trial} died 3 time(s) (max_retries=2 allows no more restarts; last: RayActorError on node 10.0.0.2)'
+    """
     counted = "" if times == 1 else f" {times} time(s)"
+    if limit:
+        detail = f"{limit} allows no more restarts; last: {detail}"
     return f"the {process} of trial {{trial}} died{counted} ({detail})"
 
 
