@@ -158,15 +158,17 @@ def test_a_forward_with_a_shape_check_and_a_mean_head_runs_grouped_and_exact(dat
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_fused_bn_cnn_channels_last_is_separate_channels_last_bit_for_bit(data, optimizer, precision):
     """The memory-format policy runs separate and fused training channels-last alike: the grouped
-    engine stacks the models' maps along the batch and runs each model's convolution and
-    BatchNorm on its own rows, and each model's dropout of maps draws as its separate trainer
-    (in the maps' memory order), so every step's loss, parameters and statistics equal separate
-    channels-last training."""
+    engine stacks the models' maps along the batch and runs each model's convolution, BatchNorm,
+    ReLU and pooling on its own rows, and each model's dropout of maps draws as its separate
+    trainer (in the maps' memory order), so every step's loss, parameters and statistics equal
+    separate channels-last training."""
     ev = evaluator(data, optimizer, torch.float32, epochs=1, memory_format="channels_last", precision=precision)
     assert ev.config(SAMPLES[0]).channels_last
     steps, member = train_side_by_side(ev, bn_cnn, torch.float32, BatchingSettings(), epochs=1, leave=(2, 0, 9))
     assert member.engine == "grouped kernels" and member._program.channels_last and steps == 23
     assert member._program.maps == "N" and "stacked_conv_batch_norm" in str(member._program)
+    # every ReLU and max-pool runs per model inside the convolution-BatchNorm before it
+    assert not [n for n in member._program.module.graph.nodes if n.op == "call_module"]
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
