@@ -217,7 +217,7 @@ def test_driver_killed_then_rerun_finishes_the_experiment(local_ray, tmp_path):
     script = tmp_path / "search.py"
     script.write_text(DRIVER)
     db = tmp_path / "driver.db"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}  # this checkout; tests.engine.spaces
     proc = subprocess.Popen([sys.executable, str(script), str(db), local_ray], env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120

@@ -4,8 +4,7 @@ carries the typed messages of :mod:`._messages` and says whether the far side st
 * :class:`PipeChannel`: a multiprocessing pipe to one process (a pool worker, a forked child);
   the process's liveness and exit code come with it.
 * :class:`HubChannel`: the Ray hub actor every Ray task posts to (:mod:`._ray_hub`); messages
-  arrive in :class:`~._messages.Posted` envelopes, and an :class:`~._messages.Answer` goes back
-  to the task that waits for it.
+  arrive in :class:`~._messages.Posted` envelopes and go to their task's channel.
 * :class:`TaskChannel`: one Ray task's channel on the hub: the messages of its trials and
   attempt, routed to it by :meth:`HubChannel.route`; answers go back under the key of the call
   the task waits on; its end is told by its object ref: what it returned (the members'
@@ -130,10 +129,8 @@ def ready(channels: Sequence[C], timeout: float) -> list[C]:
 
 class HubChannel(Channel):
     """The driver's end of the Ray hub (``hub``: the actor, :func:`~._ray_hub.start_hub`): it
-    receives every task's :class:`~._messages.Posted` messages, and sends each
-    :class:`~._messages.Answer` (a verdict, for a report's trial, attempt and step) to the task
-    that waits for it. Tasks with a :class:`TaskChannel` of their own (:meth:`task`) get their
-    messages through :meth:`route`."""
+    receives every task's :class:`~._messages.Posted` messages and hands them to the task's own
+    channel (:meth:`task`, :meth:`route`), through which the task is answered."""
 
     def __init__(self, hub: Any):
         self.hub = hub
@@ -141,11 +138,8 @@ class HubChannel(Channel):
         self.tasks: list[TaskChannel] = []
 
     def send(self, message: Any) -> None:
-        from ._messages import Answer
-
-        if not isinstance(message, Answer):
-            raise TypeError(f"the Ray hub carries answers to tasks, not {type(message).__name__}")
-        self.hub.answer.remote(message.trial_id, message.attempt, message.step, message.verdict)
+        raise TypeError(f"a Ray task is answered through its own channel (HubChannel.task), not the hub: "
+                        f"{type(message).__name__}")
 
     def poll(self, timeout: float = 0.0) -> bool:
         if not self.inbox:
@@ -202,10 +196,11 @@ class HubChannel(Channel):
 class TaskChannel(Channel):
     """One Ray task's channel on the hub (made by :meth:`HubChannel.task`): the messages of its
     ``trials`` posted by its ``attempt`` (routed by :meth:`HubChannel.route`); an answer
-    (:class:`~._messages.Verdicts`, :class:`~._messages.ArchiveAnswer`) goes back under the key of
-    the call the task waits on. When the task returns, its result reads as its members'
-    :class:`~._messages.Left` messages and an :class:`~._messages.End`; when its worker or node
-    died, :meth:`receive` raises :class:`ChannelClosed` and :meth:`exit_description` says how."""
+    (:class:`~._messages.Verdicts`, :class:`~._messages.Answer`, :class:`~._messages.ArchiveAnswer`)
+    goes back under the key of the call the task waits on. When the task returns, its result
+    (its members' outcomes, or a user loop's one) reads as :class:`~._messages.Left` messages and
+    an :class:`~._messages.End`; when its worker or node died, :meth:`receive` raises
+    :class:`ChannelClosed` and :meth:`exit_description` says how."""
 
     def __init__(self, hub: HubChannel, ref: Any, attempt: int, trials: Sequence[int]):
         self.hub, self.ref, self.attempt, self.trials = hub, ref, attempt, set(trials)

@@ -99,13 +99,10 @@ class RunUnit:
 
 @dataclass(frozen=True)
 class Answer:
-    """The verdict (a :class:`~._protocol.Verdict` value) for a trial's :class:`Report`; on Ray
-    for its ``step`` and ``attempt``."""
+    """The verdict (a :class:`~._protocol.Verdict` value) for a trial's :class:`Report`."""
 
     trial_id: int
     verdict: Any
-    step: int | None = None
-    attempt: int = 0
 
 
 @dataclass(frozen=True)

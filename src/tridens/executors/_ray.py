@@ -40,7 +40,6 @@ placement of its unit tasks (:class:`UnitTasks`), driven by the one lockstep dri
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -51,13 +50,13 @@ import ray
 from ..evaluators import Evaluator, StepwiseEvaluator
 from ..units import Job, PlanContext
 from ._base import Executor, RunContext, run_context as _context
-from ._channel import Channel, HubChannel
-from ._driver import Carrier, LockstepDriver, Placement, Site
+from ._channel import HubChannel
+from ._driver import LockstepDriver, Site
 from ._protocol import GroupHooks, TrialProtocol
 from ._ray_fluid import FluidOnRay
 from ._ray_hub import start_hub
 from ._ray_storage import CheckpointStorage
-from ._ray_trials import UserLoopGroup
+from ._ray_trials import RayTasks, TrialTasks
 from ._stage_relay import PlanningView
 
 __all__ = ["RayExecutor"]
@@ -69,16 +68,14 @@ log = logging.getLogger("tridens")
 class _Task:
     """What a unit task is started with: whether the worker plans the members again with the
     run's optimizations (``settings``, batching as the driver decided: plain data) and what it
-    should plan (``planned``), its resource request and DDP ranks (a Fluid share above 1), how
-    often it was started (its attempt counts them), and whether Fluid gave it a share."""
+    should plan (``planned``), its resource request and DDP ranks (a Fluid share above 1), and
+    whether Fluid gave it a share."""
 
     optimize: bool = True
     planned: str = "separate"
     settings: Any = None
     resources: dict[str, float] = field(default_factory=dict)
     world: int = 1
-    attempt: int = 0
-    launches: int = 0
     placed: bool = False
 
 
@@ -238,8 +235,8 @@ class RayExecutor(Executor):
             if self.allocation is not None and jobs:
                 log.warning("allocation=%r places the trials of declarative evaluators only; this evaluator's "
                             "trials run one per task with %s CPU(s)", self.allocation, self.cpus_per_trial)
-            UserLoopGroup(self._channel(), evaluator_ref, storage, str(self.experiment), workers=self.workers,
-                          max_retries=self.max_retries, resources=self._resources()).run(jobs, hooks)
+            TrialTasks(self._channel(), evaluator_ref, storage, str(self.experiment), workers=self.workers,
+                       max_retries=self.max_retries, resources=self._resources()).run(jobs, hooks)
 
     # -- units (declarative evaluators) --------------------------------------------------------
     def _units(self, jobs: Sequence[Job], evaluator: StepwiseEvaluator, lives: Mapping[int, TrialProtocol]
@@ -311,7 +308,7 @@ class RayExecutor(Executor):
         return bool(getattr(getattr(self, "context", None), "forks", False))
 
 
-class UnitTasks(Placement):
+class UnitTasks(RayTasks):
     """The :class:`~._driver.Placement` of a group's unit tasks: each site one Ray task
     (:func:`~._ray_units.run_unit`) asking for its resources -- at most ``workers`` at once, or as
     Fluid places them (``fluid``: each trial's share its task's request; a trial at a new share
@@ -320,18 +317,13 @@ class UnitTasks(Placement):
     members as separate trials from their last checkpoints; states travel as files under
     ``storage`` (a fork's source of another task: its checkpoint of the round, copied)."""
 
-    name, process, where = "a Ray task", "worker", "in its Ray task"
     resumes = "from the members' last checkpoints, as separate trials"
 
     def __init__(self, executor: RayExecutor, evaluator_ref: Any, storage: CheckpointStorage, models: Mapping[int, bytes],
                  fluid: FluidOnRay | None):
-        self.executor, self.evaluator_ref, self.storage, self.models, self.fluid = (executor, evaluator_ref, storage,
-                                                                                    models, fluid)
-        self.experiment = str(executor.experiment)
-        self.slots = executor.workers
-        self.retries = executor.max_retries
-        self.limit = f"max_retries={executor.max_retries}"
-        self.carrier = Carrier(lambda state: storage.hand(self.experiment, state), storage.take, storage.load)
+        super().__init__(executor._channel(), storage, str(executor.experiment), workers=executor.workers,
+                         max_retries=executor.max_retries)
+        self.executor, self.evaluator_ref, self.models, self.fluid = executor, evaluator_ref, models, fluid
 
     def admit(self, queue: Sequence[Site], running: int) -> list[Site]:
         """Without Fluid, as many as there are free workers; under Fluid, the sites whose trial the
@@ -347,45 +339,30 @@ class UnitTasks(Placement):
             task.placed = True
         return [site for site in queue if site.data.placed]
 
-    def launch(self, site: Site) -> Channel:
+    def submit(self, site: Site, attempt: int) -> Any:
         from ..units import configured_max_unit_memory
         from ._ray_units import run_unit
 
         task: _Task = site.data
-        task.attempt, task.launches = task.launches, task.launches + 1
         if self.fluid is None:
             task.resources = self.executor._resources()
-        members = []
-        for life in site.lives.values():
-            trial = life.trial
-            trial.info["storage"] = self.storage.trial_directory(self.experiment, trial.id)
-            members.append({"trial": trial, "model": self.models[trial.id], "max_steps": life.job.max_steps,
-                            "directory": trial.info["storage"], "start_from": life.job.start_from})
+        members = [{"trial": life.trial, "model": self.models[tid], "max_steps": life.job.max_steps,
+                    "directory": life.trial.info["storage"], "start_from": life.job.start_from}
+                   for tid, life in site.lives.items()]
         archive = self.executor._archive
         stages = archive is not None and task.optimize and not site.resume
         first = next(iter(site.lives))
-        spec = {"attempt": task.attempt, "root": self.storage.root, "cpus": task.resources.get("num_cpus", 1.0),
+        spec = {"attempt": attempt, "root": self.storage.root, "cpus": task.resources.get("num_cpus", 1.0),
                 "stages": archive.experiment if stages else None, "experiment": self.experiment,
                 "optimize": task.optimize and not site.resume, "resume": site.resume, "members": members,
                 "max_unit_memory": configured_max_unit_memory(self.executor._planning().max_unit_memory),
                 "world": task.world, "planned": task.planned, "settings": task.settings,
                 "limit": None if self.fluid is None else self.fluid.limits.get(first)}
-        hub = self.executor._channel()
-        ref = run_unit.options(**task.resources).remote(self.evaluator_ref, spec, hub.hub)
-        site.last_message = math.inf   # it may wait for room in the cluster: silent from its first message
-        return hub.task(ref, task.attempt, list(site.lives))
-
-    def kill(self, site: Site) -> None:
-        if site.deaths:
-            for life in site.lives.values():
-                life.trial.info["ray_restarts"] = site.deaths
-        if site.channel is not None:
-            site.channel.kill()
+        return run_unit.options(**task.resources).remote(self.evaluator_ref, spec, self.hub.hub)
 
     def release(self, site: Site) -> None:
         """The task returned: its channel is closed; a member that moves (Fluid) waits to be placed again."""
-        if site.channel is not None:
-            site.channel.close()
+        super().release(site)
         if self.fluid is not None and site.lives:
             for tid, life in site.lives.items():
                 self.fluid.sched.release(tid, self.fluid.remaining(tid, life.last_step))

@@ -1,7 +1,7 @@
 """The conversation between Ray workers and the driver of the Ray executor.
 
 Workers post messages to one :class:`Hub` actor and wait there for the driver's answers; the
-driver drains the hub (every ``POLL_S`` seconds at most) and hands each unit task's messages to
+driver drains the hub (every ``POLL_S`` seconds at most) and hands each task's messages to
 that task's channel (:class:`~._channel.TaskChannel`, read by the one lockstep driver,
 :mod:`._driver`). Every message travels in a :class:`~._messages.Posted` envelope naming the
 attempt (a task started again counts up), its worker (pid, node) and, for a call, the key its
@@ -11,7 +11,7 @@ answer comes back under; it names its trial:
 * :class:`~._messages.Round`: a unit's round of its members' reports, answered with
   :class:`~._messages.Verdicts` (posted by :meth:`Hub.call`, answered with :meth:`Hub.reply`);
 * :class:`~._messages.Report`: a user loop's step, answered with a :class:`~._protocol.Verdict`
-  value (posted by :meth:`Hub.ask`, which waits for it);
+  value (posted by :meth:`Hub.call`);
 * :class:`~._messages.Left`: a member of a unit left its task;
 * :class:`~._messages.Forked`: a member continues from another's state;
 * :class:`~._messages.ArchiveCall`: a stage tree's stage-store call (:mod:`._stage_relay`; posted
@@ -57,11 +57,6 @@ class HubActor:
         self.messages.append(message)
         self.arrived.set()
 
-    async def ask(self, posted: Posted) -> Any:
-        """Post a step's :class:`~._messages.Report` and wait for the driver's :meth:`answer` (a verdict)."""
-        report = posted.message
-        return await self.call((report.trial_id, posted.attempt, report.step), posted)
-
     async def call(self, key: tuple[Any, ...], message: Posted) -> Any:
         """Post ``message`` and wait for the driver's :meth:`reply` under ``key``."""
         future = self._future(key)
@@ -75,9 +70,6 @@ class HubActor:
         future = self._future(key)
         if not future.done():
             future.set_result(value)
-
-    async def answer(self, trial_id: int, attempt: int, step: int, decision: str) -> None:
-        await self.reply((trial_id, attempt, step), decision)
 
     async def node_id(self) -> str:
         """The Ray node this hub runs on (hex)."""

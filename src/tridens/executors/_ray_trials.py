@@ -2,21 +2,21 @@
 reports with ``td.report``) is one Ray task that runs the whole loop on a worker.
 
 Each ``td.report`` on the worker posts the step's metrics to the hub and waits for the driver's
-verdict (:class:`HubReporter`); the driver runs at most ``workers`` such tasks at a time
-(:class:`UserLoopGroup`), records every report through the trial's
-:class:`~._protocol.TrialProtocol`, cancels a task whose trial ran past ``trial_timeout``, and
-starts a task whose worker died again, at most ``max_retries`` times (the steps already recorded
-are not recorded twice). Step-wise evaluators run as units instead (:mod:`._ray_units`).
+verdict (:class:`HubReporter`). The tasks are a :class:`~._driver.Placement` of the one driver
+(:class:`TrialTasks`, each trial a site of one member on its own
+:class:`~._channel.TaskChannel`): at most ``workers`` at a time, every report recorded through
+the trial's :class:`~._protocol.TrialProtocol`, a task whose trial ran past ``trial_timeout``
+cancelled, a task whose worker died started again at most ``max_retries`` times (the steps
+already recorded are not recorded twice). Step-wise evaluators run as units instead
+(:mod:`._ray_units`); :class:`RayTasks` is what both placements share.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import ray
@@ -25,14 +25,13 @@ import torch
 from ..evaluators import Evaluator
 from ..trial import Decision
 from ..units import Job
+from ._channel import Channel, HubChannel
+from ._driver import Carrier, LockstepDriver, Placement, Site
+from ._messages import Outcome, Posted, Report, Started
 from ._protocol import GroupHooks, TrialProtocol, TrialTimeout, Verdict, error_text
-from ._channel import HubChannel
-from ._messages import Answer, Outcome, Posted, Report, Started
-from ._ray_hub import POLL_S, death_cause
 from ._ray_storage import CheckpointStorage
-from ._watchdog import check_overtime, death_error, for_trial, settle
 
-__all__ = ["HubReporter", "UserLoopGroup", "run_trial"]
+__all__ = ["HubReporter", "RayTasks", "TrialTasks", "run_trial"]
 
 log = logging.getLogger("tridens")
 
@@ -48,8 +47,10 @@ class HubReporter:
     def report(self, step: int, metrics: Mapping[str, float]) -> Decision:
         metrics = {k: float(v) for k, v in metrics.items()}
         seconds = time.monotonic() - self.mark
-        answer = ray.get(self.hub.ask.remote(Posted(self.spec["attempt"], self.spec["worker"],
-                                                    Report(self.spec["trial_id"], step, metrics, seconds))))
+        attempt, tid = self.spec["attempt"], self.spec["trial_id"]
+        key = ("report", tid, attempt, step)
+        answer = ray.get(self.hub.call.remote(key, Posted(attempt, self.spec["worker"],
+                                                          Report(tid, step, metrics, seconds), key)))
         self.mark = time.monotonic()
         if answer == Verdict.DROP.value:  # past its timeout: the driver failed it
             raise TrialTimeout()
@@ -62,10 +63,10 @@ def run_trial(evaluator: Evaluator, model: Any, spec: dict[str, Any], hub: Any) 
     of the training itself are returned (the trial failed); only the worker's death raises on the
     driver (and restarts the trial)."""
     torch.set_num_threads(max(1, int(spec["cpus"])))
-    # Every message names its worker: an async actor may run a worker's calls out of order.
     spec["worker"] = (os.getpid(), ray.util.get_node_ip_address())
-    hub.post.remote(Posted(spec["attempt"], spec["worker"],
-                           Started(spec["trial_id"], ray.get_runtime_context().get_assigned_resources())))
+    # waited for: the trial's clock starts before its first report arrives
+    ray.get(hub.post.remote(Posted(spec["attempt"], spec["worker"],
+                                   Started(spec["trial_id"], ray.get_runtime_context().get_assigned_resources()))))
     storage = CheckpointStorage(spec["root"])
     directory = spec["directory"]
     try:
@@ -85,116 +86,73 @@ def run_trial(evaluator: Evaluator, model: Any, spec: dict[str, Any], hub: Any) 
 
 
 # -- the driver side ---------------------------------------------------------------------------------
-@dataclass
-class _Task:
-    """The driver's view of one trial's task."""
+class RayTasks(Placement):
+    """Ray tasks as a :class:`~._driver.Placement`: each site one task on its own channel on the
+    ``hub`` (:meth:`~._channel.HubChannel.task`), at most ``workers`` at once; a task whose worker
+    or node died starts again up to ``max_retries`` times (the death message names the setting);
+    states travel as files under ``storage`` (a hand-off is taken, final weights are read where
+    they are). :meth:`submit` starts a site's task."""
 
-    life: TrialProtocol
-    attempt: int = 0
-    ref: Any = None
-    deaths: list[str] = field(default_factory=list)
+    name, process, where = "a Ray task", "worker", "in its Ray task"
 
-    @property
-    def job(self) -> Job:
-        return self.life.job
+    def __init__(self, hub: HubChannel, storage: CheckpointStorage, experiment: str, *, workers: int, max_retries: int):
+        self.hub, self.storage, self.experiment = hub, storage, experiment
+        self.slots, self.retries = workers, max_retries
+        self.limit = f"max_retries={max_retries}"
+        self.carrier = Carrier(lambda state: storage.hand(experiment, state), storage.take, storage.load)
+        self.attempts: dict[int, int] = {}   # id(site) -> how often its task was started
+
+    def launch(self, site: Site) -> Channel:
+        attempt = self.attempts.get(id(site), 0)
+        self.attempts[id(site)] = attempt + 1
+        for life in site.lives.values():
+            life.trial.info["storage"] = self.storage.trial_directory(self.experiment, life.trial.id)
+        ref = self.submit(site, attempt)
+        site.last_message = math.inf   # it may wait for room in the cluster: silent from its first message
+        return self.hub.task(ref, attempt, list(site.lives))
+
+    def submit(self, site: Site, attempt: int) -> Any:
+        """Start ``site``'s task (its ``attempt``-th start, from 0); its object ref."""
+        raise NotImplementedError
+
+    def kill(self, site: Site) -> None:
+        if site.deaths:
+            for life in site.lives.values():
+                life.trial.info["ray_restarts"] = site.deaths
+        if site.channel is not None:
+            site.channel.kill()
+
+    def release(self, site: Site) -> None:
+        if site.channel is not None:
+            site.channel.close()
 
 
-class UserLoopGroup:
-    """The driver's run of one group of user-loop trials: at most ``workers`` tasks at once, each
-    asking for ``resources``, checkpoints under ``storage``/``experiment``, messages through ``hub``
-    (the driver's end of the Ray hub, :class:`~._channel.HubChannel`).
+class TrialTasks(RayTasks):
+    """The tasks of one group of user-loop trials (see the module docstring): each trial a site
+    of one member timed by the wall clock, its task asking for ``resources``; a trial started
+    again after its worker died goes on from its own last checkpoint (its loop's).
 
-    >>> UserLoopGroup(HubChannel(start_hub()), evaluator_ref, storage, "search", workers=2, max_retries=1,
-    ...               resources={"num_cpus": 1.0}).run(jobs, hooks)             # doctest: +SKIP
+    >>> TrialTasks(hub, evaluator_ref, storage, "search", workers=2, max_retries=1,
+    ...            resources={"num_cpus": 1.0}).run(jobs, hooks)             # doctest: +SKIP
     """
 
-    def __init__(self, hub: HubChannel, evaluator_ref: Any, storage: CheckpointStorage, experiment: str, *, workers: int,
-                 max_retries: int, resources: Mapping[str, float]):
-        self.hub, self.evaluator_ref, self.storage, self.experiment = hub, evaluator_ref, storage, experiment
-        self.workers, self.max_retries, self.resources = workers, max_retries, dict(resources)
+    resumes = "from its last checkpoint"
+
+    def __init__(self, hub: HubChannel, evaluator_ref: Any, storage: CheckpointStorage, experiment: str, *,
+                 workers: int, max_retries: int, resources: Mapping[str, float]):
+        super().__init__(hub, storage, experiment, workers=workers, max_retries=max_retries)
+        self.evaluator_ref, self.resources = evaluator_ref, dict(resources)
 
     def run(self, jobs: Sequence[Job], hooks: GroupHooks) -> None:
         """Run every job's trial to its end (completed, stopped, failed)."""
-        queue = [_Task(TrialProtocol(job, hooks, clock="wall")) for job in jobs]
-        running: dict[int, _Task] = {}   # trial id -> task
-        try:
-            while queue or running:
-                while queue and len(running) < self.workers:
-                    task = queue.pop(0)
-                    self._launch(task)
-                    running[task.job.trial.id] = task
-                for message in self.hub.receive_all(POLL_S):
-                    self._handle(message, running)
-                refs = {t.ref: t for t in running.values()}
-                done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
-                for ref in done:
-                    task = refs[ref]
-                    if task.job.trial.id not in running:
-                        continue  # dropped by its timeout meanwhile
-                    if self._finish(task, ref):
-                        del running[task.job.trial.id]
-                    else:  # its worker died: again
-                        self._launch(task)
-                self._enforce_timeout(running)
-        finally:
-            for task in running.values():  # interrupted (Ctrl-C, driver error): free the workers
-                ray.cancel(task.ref, force=True)
+        sites = [Site({job.trial.id: TrialProtocol(job, hooks, clock="wall")}, job) for job in jobs]
+        LockstepDriver(self, lockstep=False).run(sites)
 
-    def _launch(self, task: _Task) -> None:
-        trial = task.job.trial
-        spec = {"trial_id": trial.id, "attempt": task.attempt, "sample": trial.sample, "seed": trial.seed,
-                "max_steps": task.job.max_steps, "root": self.storage.root, "cpus": self.resources["num_cpus"],
-                "directory": self.storage.trial_directory(self.experiment, trial.id)}
-        trial.info["storage"] = spec["directory"]
-        task.life.started_at = math.inf  # the timeout counts from the worker's first message
-        task.ref = run_trial.options(**self.resources).remote(self.evaluator_ref, task.job.model, spec, self.hub.hub)
-
-    def _handle(self, posted: Posted, running: dict[int, _Task]) -> None:
-        attempt, (pid, node), message = posted.attempt, posted.worker, posted.message
-        trial_id = message.trial_id
-        task = running.get(trial_id)
-        if task is None or attempt != task.attempt:
-            return  # a message of a worker already given up on
-        life = task.life
-        trial = life.trial
-        if trial.info.get("ray", {}).get("attempt") != attempt or life.started_at == math.inf:
-            trial.info["ray"] = {"pid": pid, "node": node, "attempt": attempt}
-            life.start()
-        if isinstance(message, Started):
-            trial.info["ray"]["resources"] = dict(message.resources or {})
-            return
-        # a Report; a user loop is asked after every report
-        verdict = life.report(message.step, message.metrics, seconds=message.seconds)
-        self.hub.send(Answer(trial_id, verdict.value, message.step, attempt))
-        if verdict is Verdict.DROP:  # past its timeout: failed by the protocol; its worker is freed
-            ray.cancel(task.ref, force=True)
-            del running[trial_id]
-
-    def _finish(self, task: _Task, ref: Any) -> bool:
-        """Record the trial's outcome; False when its worker died and it runs again."""
-        life = task.life
-        try:
-            result = ray.get(ref)
-        except ray.exceptions.TaskCancelledError:
-            return True  # cancelled by the timeout, already recorded
-        except ray.exceptions.RayTaskError as err:  # raised outside the training (e.g. unpickling the model)
-            life.fail(str(err))
-            return True
-        except ray.exceptions.RayError as err:  # the worker process or its node died
-            task.deaths.append(death_cause(err, life.trial.info))
-            life.trial.info["ray_restarts"] = len(task.deaths)
-            if len(task.deaths) <= self.max_retries:
-                log.warning("trial %d: its worker died (%s); restarting it from its last checkpoint (retry %d of %d)",
-                            life.trial.label, type(err).__name__, len(task.deaths), self.max_retries)
-                task.attempt += 1
-                return False
-            life.fail(for_trial(death_error("worker", task.deaths[-1], times=len(task.deaths),
-                                            limit=f"max_retries={self.max_retries}"), life.trial))
-            return True
-        settle(life, result, self.storage.load)
-        return True
-
-    def _enforce_timeout(self, running: dict[int, _Task]) -> None:
-        for trial_id, task in list(running.items()):
-            if check_overtime(task.life, functools.partial(ray.cancel, task.ref, force=True)):
-                del running[trial_id]
+    def submit(self, site: Site, attempt: int) -> Any:
+        job: Job = site.data
+        trial = job.trial
+        spec = {"trial_id": trial.id, "attempt": attempt, "sample": trial.sample, "seed": trial.seed,
+                "max_steps": job.max_steps, "root": self.storage.root, "cpus": self.resources["num_cpus"],
+                "directory": trial.info["storage"]}
+        site.lives[trial.id].started_at = math.inf  # the timeout counts from the worker's first message
+        return run_trial.options(**self.resources).remote(self.evaluator_ref, job.model, spec, self.hub.hub)
