@@ -5,7 +5,7 @@ on a real ``tridens dashboard`` server process over HTTP.
 The store is written once (under the temporary folder, or ``--db``) with the rows
 :meth:`tridens.store.Store.add_trial` writes, inserted in bulk (``Store.add_trial`` takes minutes
 for 100,000 trials): 60 % completed, 20 % stopped early, 10 % failed, 10 % running; three labels;
-a three-step ``val_acc`` curve each. ``--sources A,B`` starts the server from each source tree in
+a three-step ``val_acc`` curve each; ``params`` (in the trial's info) as a second objective. ``--sources A,B`` starts the server from each source tree in
 turn (``PYTHONPATH``), in interleaved rounds (A B A B), to compare two versions.
 
     python bench/dashboard_scale.py [--trials 100000] [--rounds 2] [--sources src,/work/main/src]
@@ -30,11 +30,13 @@ from pathlib import Path
 from tridens.store import Store
 
 ENDPOINTS = {
-    "experiment (polled)": "/api/experiments/big",
+    "experiment (polled), first call": "/api/experiments/big",
+    "experiment (polled), next poll": "/api/experiments/big",
     "trials page 50 (polled)": "/api/experiments/big/trials?limit=50",
     "hparams": "/api/experiments/big/hparams",
     "importance PED-ANOVA, first call": "/api/experiments/big/importance?evaluator=ped-anova",
     "importance PED-ANOVA, cached": "/api/experiments/big/importance?evaluator=ped-anova",
+    "pareto (val_acc max, params min)": "/api/experiments/big/pareto",
     "importance fANOVA, first call": "/api/experiments/big/importance?evaluator=fanova",
 }
 
@@ -48,7 +50,7 @@ def build(path: Path, n: int) -> None:
              "lr": {"type": "loguniform", "low": 1e-3, "high": 1e-1}}
     with Store(path) as store:
         store.create_experiment("big", {"objective": {"metric": "val_acc", "mode": "max"}, "max_trials": n,
-                                        "search_space": space})
+                                        "second_objective": ["params", "min"], "search_space": space})
         eid = store.get_experiment("big").id
     trials, metrics = [], []
     for i in range(n):

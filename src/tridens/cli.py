@@ -384,6 +384,9 @@ def _cmd_clean_stages(args: argparse.Namespace) -> int:
     for sid, label, experiment, path, size, why in result.removed:
         by = f"trained by {printable(repr(experiment))}" if experiment else "its experiment deleted"
         print(f"{verb} stage {sid} ({printable(label)}, {by}): {printable(path)}, {size / 2**20:.2f} MiB: {why}")
+    for sid, path in result.skipped:
+        print(f"skipped stage {sid}: its checkpoint {printable(repr(path))} is not a stage checkpoint under "
+              f"{printable(str(db.files_dir / '.stages'))} (a damaged or crafted row); nothing it names is listed or removed")
     rows = f" and {result.orphans} stage row(s) no trial uses any more" if result.orphans else ""
     also = f", then the most recently used up to {args.keep / 2**20:.0f} MiB" if args.keep else ""
     print(f"{verb} {len(result.removed)} stage checkpoint(s) ({result.freed / 2**20:.1f} MiB){rows}; "

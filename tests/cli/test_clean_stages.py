@@ -66,3 +66,48 @@ def test_clean_stages_lists_then_removes_what_no_live_trial_needs(tmp_path, trid
     assert again.returncode == 0 and "removed 0 stage checkpoint(s)" in again.stdout
     with pytest.raises(SystemExit):
         tridens_here("clean-stages", "--keep", "lots", "--db", db)
+
+
+def test_clean_stages_skips_rows_that_name_files_outside_the_stages_folder(tmp_path, tridens_here):  # noqa: F811
+    """Crafted stage rows naming a file outside ``<db>.files/.stages/`` (a relative path out of it,
+    an absolute path, a symlink out of it, a trial's checkpoint, the folder itself) are neither
+    listed nor removed, by --dry-run or by the real run: each is said to be skipped, one line each,
+    while the store's own stage checkpoint is listed and removed."""
+    from tests.security.test_stores import make_store
+
+    db = tmp_path / "runs.db"
+    make_store(db, {}).close()
+    stages = tmp_path / "runs.db.files" / ".stages"
+    (stages / "ab").mkdir(parents=True)
+    (stages / "ab" / "own.pt").write_bytes(b"x" * 100)
+    outside = [tmp_path / "outside.pt", tmp_path / "elsewhere" / "absolute.pt", tmp_path / "linked.pt"]
+    for path in outside:
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"precious")
+    (stages / "ab" / "link.pt").symlink_to(outside[2])
+    conn = sqlite3.connect(db)
+    trial_id, trial_file = conn.execute("SELECT trial_id, path FROM checkpoints").fetchone()
+    named = [".stages/ab/own.pt", "../outside.pt", str(outside[1]), ".stages/ab/link.pt", trial_file, ".stages"]
+    for i, path in enumerate(named):
+        sid = conn.execute(
+            "INSERT INTO stages (root, path, parent, experiment_id, label, first_epoch, last_epoch, first_step, "
+            "last_step, hyperparameters, history, status, checkpoint, bytes, created_at, used_at) VALUES "
+            "(?, 'p', NULL, 1, ?, 0, 1, 0, 1, '{}', '[]', 'done', ?, 10, 0, 0)", (f"r{i}", f"{i}.0", path)).lastrowid
+        conn.execute("INSERT INTO stage_trials (stage_id, trial_id) VALUES (?, ?)", (sid, trial_id))
+    conn.commit()
+    conn.close()
+    checkpoint = tmp_path / "runs.db.files" / trial_file
+
+    for args in (["--dry-run"], []):
+        out = tridens_here("clean-stages", *args, "--db", db)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        listed = [line for line in lines if line.startswith(("would remove stage ", "removed stage "))]
+        assert len(listed) == 1 and ".stages/ab/own.pt" in listed[0], out.stdout
+        skipped = [line for line in lines if line.startswith("skipped stage ")]
+        assert [line.split(":")[0] for line in skipped] == [f"skipped stage {i}" for i in range(2, 7)], out.stdout
+        assert all("not a stage checkpoint" in line for line in skipped)
+        assert not any(str(tmp_path / "outside.pt") in line or "absolute.pt" in line for line in listed)
+        assert all(path.read_bytes() == b"precious" for path in outside) and checkpoint.is_file()
+    assert not (stages / "ab" / "own.pt").exists()     # the real run removed the store's own stage file
+    assert (stages / "ab" / "link.pt").is_symlink()

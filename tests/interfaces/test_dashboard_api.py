@@ -11,7 +11,7 @@ import pytest
 
 from tridens.dashboard import Server, create_app
 from tridens.dashboard._reader import MAX_CURVES, MAX_PAGE, MAX_POINTS, StoreReader
-from tridens.dashboard._views import Importance
+from tridens.dashboard._views import Importance, pareto
 from tridens.store import Store
 from tridens.trial import Trial, TrialStatus
 
@@ -171,6 +171,127 @@ def test_pareto_front_and_relations(tmp_path):
     assert plan["units"] == [] and plan["saved_seconds"] is None
     trial = client.get("/api/experiments/mo/trials/0").json()
     assert trial["children"] == [5] and trial["metrics"]["val_acc"]["values"] == [0.9]
+
+
+def _vm_steps(reader, call):
+    """SQLite virtual-machine instructions the reader's connection runs for ``call()``: the work
+    done, counted the same on every machine."""
+    steps = [0]
+
+    def count():
+        steps[0] += 1
+        return 0
+
+    conn = reader._conn()
+    conn.set_progress_handler(count, 1)
+    try:
+        result = call()
+    finally:
+        conn.set_progress_handler(None, 1)
+    return steps[0], result
+
+
+def test_polled_summary_reads_only_what_changed(tmp_path):
+    """The summary the page polls reads every trial once; a later poll reads the trials added since
+    and those still running, and sees what they changed: a new label, a new metric name from a
+    running trial, a new best, a new stop step."""
+    db = tmp_path / "poll.db"
+    rng = random.Random(1)
+    with Store(db) as store:
+        store.create_experiment("e", {"objective": {"metric": "val_acc", "mode": "max"}})
+        with store.transaction():
+            for i in range(3000):
+                status = STATUSES[i % len(STATUSES)]
+                acc = rng.uniform(0.1, 0.8)
+                trial = Trial(id=-1, sample={"width": rng.choice([16, 32]), "lr": rng.uniform(0.01, 0.1)}, seed=i,
+                              status=status, started_at=1000.0 + i,
+                              metrics={"val_acc": [acc / 2, acc][:1 + (status is not TrialStatus.STOPPED)]})
+                if status in (TrialStatus.COMPLETED, TrialStatus.STOPPED):
+                    trial.metric, trial.finished_at = trial.metrics["val_acc"][-1], 1001.0 + i
+                store.add_trial("e", trial)
+        running = next(t for t in store.trials("e") if t.status is TrialStatus.RUNNING)
+    reader = StoreReader(db)
+    first_steps, first = _vm_steps(reader, lambda: reader.experiment("e"))
+    assert first["labels"] == ["width", "lr"] and first["metrics"] == ["val_acc"] and first["stop_steps"] == [0]
+    again_steps, again = _vm_steps(reader, lambda: reader.experiment("e"))
+    assert again == first
+    assert again_steps * 4 < first_steps, (again_steps, first_steps)
+
+    with Store(db) as store:
+        store.add_metrics(running.id, 0, {"val_acc": 0.5, "train_loss": 1.0})  # a running trial's new metric
+        store.add_trial("e", Trial(id=-1, sample={"width": 16, "lr": 0.05, "depth": 2}, seed=1, finished_at=9000.0,
+                                   status=TrialStatus.COMPLETED, metric=0.99, metrics={"val_acc": [0.99]}))
+        store.add_trial("e", Trial(id=-1, sample={"width": 16, "lr": 0.05}, seed=2, status=TrialStatus.STOPPED,
+                                   finished_at=9001.0, metric=0.2, metrics={"val_acc": [0.1, 0.15, 0.2]}))
+    poll_steps, poll = _vm_steps(reader, lambda: reader.experiment("e"))
+    assert poll["labels"] == ["width", "lr", "depth"] and poll["metrics"] == ["train_loss", "val_acc"]
+    assert poll["best"] == 0.99 and poll["best_over_time"][-2:] == [
+        {"time": 9000.0, "best": 0.99, "trial": poll["best_over_time"][-2]["trial"]},
+        {"time": 9001.0, "best": 0.99, "trial": poll["best_over_time"][-2]["trial"]}]
+    assert poll["stop_steps"] == [0, 2] and poll["by_status"]["completed"] == first["by_status"]["completed"] + 1
+    assert poll_steps * 4 < first_steps, (poll_steps, first_steps)
+    # what a fresh reader computes from scratch
+    fresh = StoreReader(db).experiment("e")
+    assert {k: v for k, v in fresh.items() if k != "updated_at"} == {k: v for k, v in poll.items() if k != "updated_at"}
+
+
+def test_pareto_of_many_trials_is_bounded_and_is_optunas_front(tmp_path):
+    """The Pareto view reads the two objective columns (no Optuna study), finds the front Optuna's
+    best_trials finds (ties, stopped and failed trials, a missing second value included), and past
+    max_points sends the whole front and a uniform sample of the others."""
+    import optuna
+
+    db = tmp_path / "mo.db"
+    rng = random.Random(2)
+    with Store(db) as store:
+        store.create_experiment("mo", {"objective": {"metric": "val_acc", "mode": "max"},
+                                       "second_objective": ["params", "min"]})
+        with store.transaction():
+            for i in range(600):
+                status = ([TrialStatus.COMPLETED] * 3 + [TrialStatus.STOPPED, TrialStatus.FAILED])[i % 5]
+                u = rng.uniform(0, 1)  # the more accurate, the larger; rounded, so that points tie
+                acc, params = round(u, 1), 100 * round(10 * u + rng.choice([0, 1, 2]))
+                info = {} if i % 50 == 7 else {"params": params}  # no second value: not on the front
+                store.add_trial("mo", Trial(id=-1, sample={"w": i}, seed=i, status=status, info=info,
+                                            metric=acc if status is not TrialStatus.FAILED else None))
+    reader = StoreReader(db)
+    whole = pareto(reader, "mo", max_points=10_000)
+    assert whole["sampled"] is False and whole["total"] == len(whole["ids"])
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    for tid, status, value, second in zip(whole["ids"], reader.objective_pairs("mo", "params")["statuses"],
+                                          whole["values"], whole["second"]):
+        if status == "completed" and second is not None:
+            study.add_trial(optuna.trial.create_trial(values=[value, second], user_attrs={"id": tid}))
+    expected = {t.user_attrs["id"] for t in study.best_trials}
+    assert {i for i, f in zip(whole["ids"], whole["front"]) if f} == expected and len(expected) > 10
+
+    bound = len(expected) + 40
+    small = pareto(reader, "mo", max_points=bound)
+    assert len(small["ids"]) == bound and small["total"] == whole["total"] > 400 and small["sampled"] is True
+    assert {i for i, f in zip(small["ids"], small["front"]) if f} == expected
+    assert small == pareto(reader, "mo", max_points=bound) and small["ids"] == sorted(small["ids"])
+    by_id = dict(zip(whole["ids"], zip(whole["numbers"], whole["values"], whole["second"])))
+    assert all(by_id[i] == p for i, p in zip(small["ids"], zip(small["numbers"], small["values"], small["second"])))
+    assert max(small["numbers"]) > 400  # spread over the run
+
+
+def test_pareto_needs_no_optuna_study(tmp_path):
+    """A real dashboard process answers /pareto without importing Optuna (it builds no study)."""
+    import subprocess
+    import sys
+
+    db = tmp_path / "mo.db"
+    with Store(db) as store:
+        store.create_experiment("mo", {"objective": {"metric": "val_acc", "mode": "max"},
+                                       "second_objective": ["params", "min"]})
+        for i, (acc, params) in enumerate([(0.9, 300), (0.8, 100), (0.85, 400)]):
+            store.add_trial("mo", Trial(id=-1, sample={"w": i}, seed=i, status=TrialStatus.COMPLETED, metric=acc,
+                                        info={"params": params}))
+    code = ("import sys, json; from starlette.testclient import TestClient; from tridens.dashboard import create_app; "
+            f"r = TestClient(create_app({str(db)!r}), base_url='http://localhost').get('/api/experiments/mo/pareto').json(); "
+            "print(json.dumps([r['front'], 'optuna' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == [[True, True, False], False]
 
 
 def test_architecture_only_from_code_already_imported(tiny_store, tmp_path):

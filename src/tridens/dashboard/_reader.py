@@ -24,6 +24,7 @@ import math
 import os
 import sqlite3
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -39,6 +40,26 @@ MAX_POINTS = 5_000  # finished trials in one hyperparameter view (a sample beyon
 # first N trials by this key are a uniform sample that stays put as trials are added.
 _SCRAMBLED = "((t.id * 2654435761) % 4294967296)"
 _COUNTED = ("completed", "stopped")
+_SETTLED = ("completed", "stopped", "failed")  # a trial in these states no longer changes its sample or metrics
+
+
+@dataclass
+class _Scanned:
+    """What the reader has read of one experiment's trials, so that a poll reads only what changed:
+    every trial up to ``last_id`` and, again each time, ``unsettled`` (those of them still running
+    or pending, which may report a new metric, be rewritten or finish). A settled trial
+    (``_SETTLED``) never changes again and is read once."""
+
+    experiment: tuple[Any, ...]  # (id, created_at, objective mode): a replaced store or experiment starts over
+    last_id: int = 0
+    unsettled: list[int] = field(default_factory=list)
+    first: list[str] = field(default_factory=list)  # the first trial's labels, in its order
+    labels: set[str] = field(default_factory=set)
+    metrics: set[str] = field(default_factory=set)
+    records: list[tuple[float, float, int]] = field(default_factory=list)  # (finished_at, best so far, id)
+    last_finished: float | None = None
+    stop_steps: set[int] = field(default_factory=set)
+
 
 # Sort keys of the trial table -> SQL expression over the numbered trials ``n``.
 SORT_KEYS = {
@@ -164,6 +185,8 @@ class StoreReader:
         self._uri: str | None = None
         self._local = threading.local()
         self._opening = threading.Lock()
+        self._scans: dict[str, _Scanned] = {}
+        self._scanning = threading.Lock()
         if self.path.exists():
             self._open()
 
@@ -283,54 +306,93 @@ class StoreReader:
         """One experiment: its summary, labels, metric names, and best-so-far over time."""
         row = self._experiment_row(name)
         eid = row[0]
-        counts = {s: n for s, n in self._rows("SELECT status, COUNT(*) FROM trials WHERE experiment_id = ? "
-                                              "GROUP BY status", (eid,))}
+        counts, best = {}, {}
+        for status, n, high, low in self._rows("SELECT status, COUNT(*), MAX(metric), MIN(metric) FROM trials "
+                                               "WHERE experiment_id = ? GROUP BY status", (eid,)):
+            counts[status] = n
+            if status in _COUNTED:
+                best[status] = (high, low)
         summary = self._summary(row, counts, {})
         mode = summary["objective"]["mode"]
-        summary["best"] = _finite(self._rows(
-            f"SELECT {'MAX' if mode == 'max' else 'MIN'}(metric) FROM trials WHERE experiment_id = ? "
-            "AND status IN ('completed', 'stopped')", (eid,))[0][0])
-        summary["labels"] = self.labels(name)
-        summary["metrics"] = [r[0] for r in self._rows(
-            "SELECT DISTINCT m.name FROM metrics m JOIN trials t ON t.id = m.trial_id WHERE t.experiment_id = ? "
-            "ORDER BY m.name", (eid,))]
-        summary["best_over_time"] = self.best_over_time(eid, mode)
-        summary["stop_steps"] = self.stop_steps(eid)
+        values = [v[0 if mode == "max" else 1] for v in best.values() if v[0 if mode == "max" else 1] is not None]
+        summary["best"] = _finite((max if mode == "max" else min)(values)) if values else None
+        scan = self._scan(row)
+        summary["labels"] = scan.first + sorted(scan.labels - set(scan.first))
+        summary["metrics"] = sorted(scan.metrics)
+        summary["best_over_time"] = self._best_points(scan)
+        summary["stop_steps"] = sorted(scan.stop_steps)[:100]
         summary["config"] = _object(row[3], "")[0]
         return summary
 
-    def best_over_time(self, eid: int, mode: str) -> list[dict[str, Any]]:
+    def _scan(self, row: tuple[Any, ...]) -> _Scanned:
+        """The experiment's labels, metric names, best-so-far records and stop steps, read
+        incrementally (:class:`_Scanned`): the trials added since the last call and those not
+        settled then. The first call reads every trial; a poll of a large store reads the few new."""
+        eid, name, created = row[0], row[1], row[4]
+        mode = self.objective(_object(row[3], "")[0])["mode"]
+        with self._scanning:
+            scan = self._scans.get(name)
+            if scan is None or scan.experiment != (eid, created, mode):  # new, or the store was replaced
+                scan = self._scans[name] = _Scanned((eid, created, mode))
+            last = self._rows("SELECT MAX(id) FROM trials WHERE experiment_id = ?", (eid,))[0][0] or 0
+            if last == scan.last_id and not scan.unsettled:
+                return scan
+            chosen = ("SELECT id FROM trials WHERE experiment_id = ? AND id > ? AND id <= ? UNION "
+                      "SELECT value FROM json_each(?)")
+            args = (eid, scan.last_id, last, json.dumps(scan.unsettled))
+            if not scan.first:
+                first = self._rows("SELECT sample FROM trials WHERE experiment_id = ? ORDER BY id LIMIT 1", (eid,))
+                scan.first = list(_object(first[0][0], "")[0]) if first else []
+            scan.labels.update(r[0] for r in self._rows(
+                "SELECT DISTINCT j.key FROM trials t, json_each(CASE WHEN json_valid(t.sample) AND "
+                f"json_type(t.sample) = 'object' THEN t.sample ELSE '{{}}' END) j WHERE t.id IN ({chosen})", args))
+            scan.metrics.update(r[0] for r in self._rows(
+                f"SELECT DISTINCT name FROM metrics WHERE trial_id IN ({chosen})", args))
+            scan.stop_steps.update(r[0] for r in self._rows(
+                f"SELECT MAX(m.step) FROM metrics m JOIN trials t ON t.id = m.trial_id WHERE t.id IN ({chosen}) "
+                "AND t.status = 'stopped' GROUP BY m.trial_id", args) if r[0] is not None)
+            finished = self._rows(
+                f"SELECT finished_at, metric, id FROM trials WHERE id IN ({chosen}) AND status IN {_COUNTED} "
+                "AND metric IS NOT NULL AND finished_at IS NOT NULL", args)
+            if finished:
+                # The records of a set are the records of (its old records + the new points): a point
+                # an earlier one beat stays beaten, whatever is added.
+                better = (lambda a, b: a > b) if mode == "max" else (lambda a, b: a < b)
+                records: list[tuple[float, float, int]] = []
+                for point in sorted(scan.records + finished, key=lambda r: (r[0], r[2])):
+                    if not records or better(point[1], records[-1][1]):
+                        records.append(point)
+                scan.records = records
+                latest = max(f for f, _, _ in finished)
+                scan.last_finished = latest if scan.last_finished is None else max(scan.last_finished, latest)
+            scan.unsettled = [r[0] for r in self._rows(
+                f"SELECT id FROM trials WHERE id IN ({chosen}) AND status NOT IN {_SETTLED}", args)]
+            scan.last_id = last
+            return scan
+
+    def best_over_time(self, name: str) -> list[dict[str, Any]]:
         """The best value so far at each improvement, by finishing time (a step function: only
-        improving trials are returned, so it stays short however many trials there are)."""
-        rows = self._rows("SELECT finished_at, metric, id FROM trials WHERE experiment_id = ? AND status IN "
-                          "('completed', 'stopped') AND metric IS NOT NULL AND finished_at IS NOT NULL "
-                          "ORDER BY finished_at, id", (eid,))
-        points: list[dict[str, Any]] = []
-        best = None
-        for finished, value, tid in rows:
-            if best is None or (value > best if mode == "max" else value < best):
-                best = value
-                points.append({"time": finished, "best": value, "trial": tid})
-        if rows and points and points[-1]["time"] != rows[-1][0]:
-            points.append({"time": rows[-1][0], "best": best, "trial": points[-1]["trial"]})
+        improving trials are returned, so it stays short however many trials there are), ending
+        at the last finish."""
+        return self._best_points(self._scan(self._experiment_row(name)))
+
+    @staticmethod
+    def _best_points(scan: _Scanned) -> list[dict[str, Any]]:
+        points = [{"time": finished, "best": value, "trial": tid} for finished, value, tid in scan.records]
+        if points and points[-1]["time"] != scan.last_finished:
+            points.append({"time": scan.last_finished, "best": points[-1]["best"], "trial": points[-1]["trial"]})
         return points
 
-    def stop_steps(self, eid: int) -> list[int]:
+    def stop_steps(self, name: str) -> list[int]:
         """The steps at which the strategy stopped a trial (an early-stopping rule's rungs, as the
         store shows them): a trial whose curve goes on past one of them was promoted there."""
-        return [r[0] for r in self._rows(
-            "SELECT DISTINCT last FROM (SELECT MAX(m.step) AS last FROM metrics m JOIN trials t ON t.id = m.trial_id "
-            "WHERE t.experiment_id = ? AND t.status = 'stopped' GROUP BY m.trial_id) ORDER BY last LIMIT 100", (eid,))]
+        return sorted(self._scan(self._experiment_row(name)).stop_steps)[:100]
 
     def labels(self, name: str) -> list[str]:
         """Every label of the experiment's samples: the first trial's in its order, then the others
         (conditional labels) alphabetically."""
-        eid = self._experiment_row(name)[0]
-        first = self._rows("SELECT sample FROM trials WHERE experiment_id = ? ORDER BY id LIMIT 1", (eid,))
-        ordered = list(_object(first[0][0], "")[0]) if first else []
-        others = [r[0] for r in self._rows("SELECT DISTINCT j.key FROM trials t, json_each(CASE WHEN json_valid(t.sample) AND json_type(t.sample) = 'object' THEN t.sample ELSE '{}' END) j "
-                                           "WHERE t.experiment_id = ? ORDER BY j.key", (eid,))]
-        return ordered + [k for k in others if k not in ordered]
+        scan = self._scan(self._experiment_row(name))
+        return scan.first + sorted(scan.labels - set(scan.first))
 
     def log_labels(self, name: str) -> list[str]:
         """The labels the space declared on a log scale (``td.loguniform``), as the experiment
@@ -585,6 +647,25 @@ class StoreReader:
                 seconds.append(_finite(float(value)) if isinstance(value, (int, float)) else None)
         return {"ids": ids, "numbers": numbers_out, "samples": samples, "values": values, "statuses": statuses,
                 "second": seconds if extra else None, "total": total, "sampled": len(rows) < total}
+
+    def objective_pairs(self, name: str, second: str) -> dict[str, Any]:
+        """The two objectives of every finished (completed or stopped) trial with a value, as
+        columns read in SQL (no sample, no Optuna): ``{"ids", "statuses", "values", "second"}``,
+        by id. ``second`` is ``info[second]`` (``latency`` reads ``latency_ms``) or else the last
+        value of the metric ``second``; None where neither is a number."""
+        eid = self._experiment_row(name)[0]
+        key = _json_path("latency_ms" if second == "latency" else second)
+        rows = self._rows(
+            "SELECT t.id, t.status, t.metric, COALESCE(json_extract(CASE WHEN json_valid(t.info) THEN t.info END, ?), "
+            "(SELECT m.value FROM metrics m WHERE m.trial_id = t.id AND m.name = ? ORDER BY m.step DESC LIMIT 1)) "
+            f"FROM trials t WHERE t.experiment_id = ? AND t.status IN {_COUNTED} AND t.metric IS NOT NULL ORDER BY t.id",
+            (key, second, eid))
+        return {"ids": [r[0] for r in rows], "statuses": [r[1] for r in rows], "values": [r[2] for r in rows],
+                "second": [float(r[3]) if isinstance(r[3], (int, float)) else None for r in rows]}
+
+    def numbers(self, name: str, ids: Sequence[int]) -> dict[int, int]:
+        """Trial number (its place in the experiment, from 0) of each of ``ids``."""
+        return self._numbers(self._experiment_row(name)[0], ids)
 
     def _numbers(self, eid: int, ids: Sequence[int]) -> dict[int, int]:
         """Trial number (its place in the experiment, from 0) of each of ``ids``."""

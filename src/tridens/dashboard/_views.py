@@ -4,16 +4,17 @@ is already imported in this process."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
 import warnings
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..trial import Trial, TrialStatus
-from ._reader import StoreReader
+from ._reader import MAX_POINTS, StoreReader, _finite
 
-__all__ = ["Importance", "pareto", "architecture", "IMPORTANCE_EVALUATORS", "MAX_IMPORTANCE_TRIALS",
+__all__ = ["Importance", "pareto", "pareto_front", "architecture", "IMPORTANCE_EVALUATORS", "MAX_IMPORTANCE_TRIALS",
            "MAX_FANOVA_TRIALS"]
 
 IMPORTANCE_EVALUATORS = ("ped-anova", "fanova")
@@ -151,18 +152,66 @@ class Importance:
                 "importances": {k: float(v) for k, v in values.items()}}
 
 
-def pareto(reader: StoreReader, name: str) -> dict[str, Any]:
-    """The objective against the second objective for every finished trial, and the trials on the
-    Pareto front (Optuna's ``study.best_trials``); ``{"message"}`` without a second objective."""
-    record = reader.experiment(name)
-    second = record.get("second_objective")
+def pareto_front(first: Sequence[float | None], second: Sequence[float | None],
+                 modes: tuple[str, str]) -> list[bool]:
+    """Which points no other point dominates (at least as good on both objectives and better on
+    one), as Optuna's ``study.best_trials`` decides for two objectives; a point with a missing or
+    infinite value takes no part. One sort and one sweep: O(n log n).
+
+    >>> pareto_front([0.9, 0.8, 0.85], [300, 100, 400], ("max", "min"))
+    [True, True, False]
+    """
+    sign = (-1.0 if modes[0] == "max" else 1.0, -1.0 if modes[1] == "max" else 1.0)
+    points = sorted((sign[0] * a, sign[1] * b, i) for i, (a, b) in enumerate(zip(first, second))
+                    if a is not None and b is not None and math.isfinite(a) and math.isfinite(b))
+    front = [False] * len(first)
+    best_before = math.inf  # the least second value among points with a smaller first value
+    start = 0
+    while start < len(points):
+        end = start
+        while end < len(points) and points[end][0] == points[start][0]:
+            end += 1
+        least = points[start][1]  # sorted: the group's least second value comes first
+        if least < best_before:
+            for a, b, i in points[start:end]:
+                if b == least:  # equal points do not dominate each other
+                    front[i] = True
+            best_before = least
+        start = end
+    return front
+
+
+def pareto(reader: StoreReader, name: str, max_points: int = MAX_POINTS) -> dict[str, Any]:
+    """The objective against the second objective of the finished trials, and which lie on the
+    Pareto front of the completed ones (:func:`pareto_front`, on the two objective columns read
+    in SQL); ``{"message"}`` without a second objective. Beyond ``max_points`` trials, the front
+    and a uniform sample of the others (the same on every call while none are added): ``total``
+    says how many there are, ``sampled`` whether some were left out."""
+    config = reader.config(name)
+    second = config.get("second_objective")
     if not second:
         return {"message": "this experiment has no second objective (td.RunOptions(second_objective=...))"}
-    study, _, points = _study(reader, name, (second[0], second[1]))
-    on_front = {t.user_attrs["tridens_trial_id"] for t in study.best_trials}
-    return {"objective": record["objective"], "second_objective": {"metric": second[0], "mode": second[1]},
-            "ids": points["ids"], "numbers": points["numbers"], "values": points["values"],
-            "second": points["second"], "front": [i in on_front for i in points["ids"]]}
+    if not (isinstance(second, (list, tuple)) and len(second) == 2 and isinstance(second[0], str)):
+        return {"message": f"the experiment's second objective is damaged: {str(second)[:80]!r}"}
+    objective = reader.objective(config)
+    columns = reader.objective_pairs(name, str(second[0]))
+    completed = [s == "completed" for s in columns["statuses"]]
+    front = pareto_front([v if c else None for v, c in zip(columns["values"], completed)], columns["second"],
+                         (objective["mode"], "max" if second[1] == "max" else "min"))
+    total = len(columns["ids"])
+    chosen = range(total)
+    if total > max_points:
+        on = [i for i in range(total) if front[i]][:max_points]
+        others = sorted((i for i in range(total) if not front[i]),
+                        key=lambda i: (columns["ids"][i] * 2654435761) % 4294967296)  # as the store's samples
+        chosen = sorted(on + others[:max_points - len(on)])
+    ids = [columns["ids"][i] for i in chosen]
+    numbers = reader.numbers(name, ids)
+    return {"objective": objective, "second_objective": {"metric": second[0], "mode": second[1]},
+            "ids": ids, "numbers": [numbers.get(t) for t in ids],
+            "values": [_finite(columns["values"][i]) for i in chosen],
+            "second": [_finite(columns["second"][i]) for i in chosen], "front": [front[i] for i in chosen],
+            "total": total, "sampled": len(ids) < total}
 
 
 def _already_imported(ref: Mapping[str, Any]) -> bool:

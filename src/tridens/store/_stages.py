@@ -38,6 +38,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import StoreError
@@ -324,16 +325,13 @@ class StageArchive:
         """Set the stages' checkpoints to NULL and delete their files, only files under
         ``<db>.files/.stages/`` that no trial checkpoint row names (a damaged or crafted stage row
         may name any file); returns the bytes freed."""
-        stages_dir = (self.store.files_dir / ".stages").resolve()
-        with self.store._reading("listing trial checkpoints") as conn:
-            trial_files = {(self.store.files_dir / rel).resolve()
-                           for (rel,) in conn.execute("SELECT path FROM checkpoints")}
+        is_stage_file = _stage_files(self.store)
         freed = 0
         for sid, rel in rows:
             with self.store._writing("cleaning up a stage checkpoint", single=True) as conn:
                 conn.execute("UPDATE stages SET checkpoint = NULL, bytes = 0 WHERE id = ?", (sid,))
             path = (self.store.files_dir / str(rel)).resolve()
-            if not path.is_relative_to(stages_dir) or path in trial_files:
+            if not is_stage_file(path):
                 log.warning("stage row %s names %s, which is not a stage checkpoint; the file is kept", sid, rel)
                 continue
             try:
@@ -358,6 +356,9 @@ class StageCleanup:
     freed and the bytes kept."""
 
     removed: list[tuple[int, str, str | None, str, int, str]] = field(default_factory=list)
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    """``(stage id, path)`` of rows whose checkpoint is not a file under ``<db>.files/.stages/``
+    (a damaged or crafted row, or one naming a trial's checkpoint): neither listed nor removed."""
     orphans: int = 0
     freed: int = 0
     kept: int = 0
@@ -384,6 +385,10 @@ def clean_stages(store: Store, max_bytes: int = 0, *, dry_run: bool = False) -> 
             "FROM stages s LEFT JOIN experiments e ON e.id = s.experiment_id WHERE s.checkpoint IS NOT NULL "
             "ORDER BY s.id", _LIVE).fetchall()
         orphans = conn.execute(f"SELECT COUNT(*) {_orphans_sql()}").fetchone()[0]
+    is_stage_file = _stage_files(store)
+    skipped = [r for r in rows if not is_stage_file((store.files_dir / str(r[1])).resolve())]
+    skipped_ids = {r[0] for r in skipped}
+    rows = [r for r in rows if r[0] not in skipped_ids]
     drop = [(r, "no trial uses it any more") for r in rows if not r[5]]
     kept = sorted((r for r in rows if r[5] and not r[4]), key=lambda r: -r[3])   # newest use first
     total = sum(r[2] for r in rows if r[4])                  # pinned by live trials: always kept
@@ -394,7 +399,8 @@ def clean_stages(store: Store, max_bytes: int = 0, *, dry_run: bool = False) -> 
             drop.append((r, "no live trial needs it" + (f", beyond the {max_bytes / 2**20:.0f} MiB kept" if max_bytes else "")))
     drop.sort(key=lambda item: item[0][0])
     result = StageCleanup(removed=[(r[0], r[6], r[7], str(r[1]), int(r[2]), why) for r, why in drop],
-                          orphans=int(orphans), kept=total, dry_run=dry_run)
+                          skipped=[(r[0], str(r[1])) for r in skipped], orphans=int(orphans), kept=total,
+                          dry_run=dry_run)
     if dry_run:
         result.freed = sum(r[2] for r, _ in drop)
         return result
@@ -406,6 +412,15 @@ def clean_stages(store: Store, max_bytes: int = 0, *, dry_run: bool = False) -> 
                  "most recently used up to %.0f MiB)", len(drop), result.freed / 2**20, total / 2**20,
                  max_bytes / 2**20)
     return result
+
+
+def _stage_files(store: Store) -> Callable[[Path], bool]:
+    """Whether a resolved path is a stage checkpoint: a file under ``<db>.files/.stages/`` that no
+    trial checkpoint row names. The only files stage cleanup lists or deletes."""
+    stages_dir = (store.files_dir / ".stages").resolve()
+    with store._reading("listing trial checkpoints") as conn:
+        trial_files = {(store.files_dir / rel).resolve() for (rel,) in conn.execute("SELECT path FROM checkpoints")}
+    return lambda path: path.is_relative_to(stages_dir) and path != stages_dir and path not in trial_files
 
 
 def _orphans_sql() -> str:

@@ -323,7 +323,7 @@ function experimentPage(name) {
       {...layoutBase, margin: {...layoutBase.margin, l: 140}, height: 60 + 30 * Math.max(entries.length, 1),
        xaxis: {title: {text: "importance"}}}, config);
     const p = await api(`/api/experiments/${enc(name)}/pareto`);
-    paretoNote.textContent = p.message || "";
+    paretoNote.textContent = p.message || (p.sampled ? `${p.ids.length} of ${p.total} finished trials: the Pareto front and a uniform sample of the others` : "");
     if (!p.message) {
       const idx = (on) => p.ids.map((_, i) => i).filter(i => p.front[i] === on);
       const trace = (on, nm) => ({x: idx(on).map(i => p.second[i]), y: idx(on).map(i => p.values[i]), mode: "markers",
