@@ -57,7 +57,8 @@ _ELEMENTWISE_METHODS = {"relu", "tanh", "sigmoid", "to", "float", "double", "con
 #   "M": model-major, (K, B, F) -- features after flatten; Linear runs as one batched matmul;
 #   "N": batch-stacked maps, (K*B, C, ...) -- model k's examples at rows [k*B, (k+1)*B), each a view
 #        laid out as the separate model's map: exact programs run convolutions and BatchNorm per
-#        model on these views with no copy, pooling, activations and the like once over all rows.
+#        model on these views with no copy, the activations and pooling right after them per model
+#        too (:func:`fuse_stacked_chains`), other element-wise ops once over all rows.
 
 
 class _MaxPool2x2(torch.autograd.Function):
@@ -250,7 +251,7 @@ def _stacked(maps: Sequence[torch.Tensor], after: Sequence[nn.Module]) -> torch.
     """K per-model maps, each through the modules ``after`` (activations, pooling: folded in by
     :func:`fuse_stacked_chains`), stacked along the batch. Per model because these ops are
     memory-bound: on one model's maps they run in cache, on K models' maps at once they stream
-    them from memory (about twice the time on small CNNs; BENCHMARKS.md)."""
+    them from memory (slower on small CNNs: BENCHMARKS.md, the BN CNN's kernel forms)."""
     out = list(maps)
     for m in after:
         out = [m(x) for x in out]
