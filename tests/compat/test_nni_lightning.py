@@ -268,6 +268,39 @@ def test_darts_tutorial_module_retrains_with_aux_loss_drop_path_and_clipping(loa
     assert drops and drops[0].drop_prob == pytest.approx(0.2 * 1 / 4)  # set by on_train_epoch_start at epoch 1
 
 
+def test_darts_tutorial_module_drives_a_one_shot_darts_search(loaders, tmp_path: Path, monkeypatch) -> None:
+    """The tutorial's last search: Lightning(DartsClassificationModule(...), Trainer(...)) with
+    DartsStrategy(gradient_clip_val=5.) in a NasExperiment (NNI's file when the snapshot is here, else the
+    condensed copy's module), on a small DARTS space: the module's SGD, cosine schedule and epoch-start
+    hook under Lightning, DARTS' architecture steps on the validation loader, NNI's exported cell keys."""
+    from tridens.compat.nni.nas.evaluator.pytorch import ClassificationModule, DataLoader, Lightning, Trainer
+    from tridens.compat.nni.nas.experiment import NasExperiment
+    from tridens.compat.nni.nas.hub.pytorch import DARTS as DartsSpace
+    from tridens.compat.nni.nas.strategy import DARTS as DartsStrategy
+
+    source = _upstream.read("examples/tutorials/darts.py")
+    if source is None:
+        source = (Path(__file__).parent / "darts_tutorial_nni3.py").read_text()
+    namespace = {"ClassificationModule": ClassificationModule, "torch": torch}
+    exec(compile(_upstream.definitions(source, "DartsClassificationModule"), "darts.py", "exec"), namespace)
+    evaluator = Lightning(namespace["DartsClassificationModule"](0.025, 3e-4, 0., 2),
+                          Trainer(gpus=0, max_epochs=2, limit_train_batches=2),
+                          train_dataloaders=DataLoader(_Padded(loaders[0].dataset, 64), batch_size=32),
+                          val_dataloaders=DataLoader(_Padded(loaders[1].dataset, 64), batch_size=32))
+    experiment = NasExperiment(DartsSpace(width=4, num_cells=3, dataset="cifar"), evaluator,
+                               DartsStrategy(gradient_clip_val=5., samples=2), id="lit")
+    monkeypatch.setenv("TRIDENS_DB", str(tmp_path / "nni.db"))
+    experiment.run()
+    arch = experiment.export_top_models(formatter="dict")[0]
+    assert set(arch) == {f"{c}/{kind}_{i}_{j}" for c in ("normal", "reduce") for kind in ("op", "input")
+                         for i in range(2, 6) for j in range(2)}
+    [supernet] = [t for t in experiment.experiment.trials() if t.info["oneshot"]["role"] == "supernet"]
+    assert supernet.info["oneshot"]["lightning"] == "DartsClassificationModule" and supernet.info["oneshot"]["steps"] == 4
+    lrs = supernet.metrics["lr"]  # logged by its on_train_epoch_start: its CosineAnnealingLR(T_max=2), per epoch
+    assert lrs[0] == pytest.approx(0.025) and lrs[1] == pytest.approx(1e-3 + (0.025 - 1e-3) / 2)
+    assert {"train_loss", "train_acc"} <= set(supernet.metrics) and supernet.metric is None
+
+
 def test_a_plain_classification_module_stays_declarative_and_custom_ones_need_lightning(loaders, tmp_path) -> None:
     from tridens.compat.nni.nas.evaluator.pytorch import Classification, ClassificationModule, Lightning, Trainer
 

@@ -66,13 +66,18 @@ def _trials(db: Path) -> list[td.Trial]:
         return store.trials(record.name)
 
 
+def _all_trials(db: Path) -> list[td.Trial]:
+    with Store(db, readonly=True) as store:
+        return [t for record in store.experiments() for t in store.trials(record.name)]
+
+
 def _role(trial: td.Trial) -> str:
     return trial.info["oneshot"]["role"]
 
 
 # -- NNI 3.x scripts ---------------------------------------------------------------------------------
 def _check_nni3(stdout: str, db: Path) -> list[td.Trial]:
-    trials = _trials(db)
+    trials = _all_trials(db)  # two searches: the Classification one, the tutorial's module's
     supernets = [t for t in trials if _role(t) == "supernet"]
     subnets = [t for t in trials if _role(t) == "subnet" and t.status is TrialStatus.COMPLETED]
     assert len(supernets) == 1 and len(supernets[0].metrics["train_loss"]) == 2  # max_epochs=2
@@ -188,20 +193,28 @@ def test_nni3_darts_tutorial(tmp_path: Path) -> None:
     """NNI 3.0's DARTS tutorial (condensed, see darts_tutorial_nni3.py) with its own fast_dev_run:
     the pre-searched DARTS-V2 evaluated, DartsSpace(16, 8) searched by DARTS, the exported cells
     in the form the tutorial draws, the final model retrained by evaluator.fit; its last part's
-    DartsClassificationModule retrains the final model under Lightning, its one-shot search is refused."""
+    DartsClassificationModule drives the DARTS search under Lightning (DartsStrategy(gradient_clip_val=5.)),
+    then retrains the final model."""
     stdout, db = _script("darts_tutorial_nni3.py", "run", tmp_path)
     assert re.search(r"^Accuracy: [\d.]+$", stdout, re.M)
     arch = ast.literal_eval(re.search(r"^exported_arch: (.*)$", stdout, re.M).group(1))
     assert set(arch) == {f"{cell}/{kind}_{i}_{j}" for cell in ("normal", "reduce") for kind in ("op", "input")
                          for i in range(2, 6) for j in range(2)}
     assert all(arch[f"{c}/input_{i}_{j}"] < i for c in ("normal", "reduce") for i in range(2, 6) for j in range(2))
-    trials = _trials(db)
-    [supernet] = [t for t in trials if _role(t) == "supernet"]
+    trials = _all_trials(db)  # two searches: the Classification one, the tutorial's module's
+    supernets = [t for t in trials if _role(t) == "supernet"]
+    [supernet] = [t for t in supernets if "lightning" not in t.info["oneshot"]]
     assert len(supernet.metrics["train_loss"]) == 1  # fast_dev_run: one epoch of one batch
     assert arch in [t.sample for t in trials if _role(t) == "subnet"]
     retrained = ast.literal_eval(re.search(r"^retrained: (.*)$", stdout, re.M).group(1))
     assert set(retrained) == {"train_loss", "val_acc", "val_loss"} and 0 <= retrained["val_acc"] <= 1
-    assert re.search(r"DartsStrategy\(\)\)\.run\(\): refused: NotSupported: The one-shot strategy DARTS needs", stdout)
+    # the search with the tutorial's own module: one epoch of one batch (fast_dev_run) under Lightning
+    [searched] = [t for t in supernets if t.info["oneshot"].get("lightning") == "DartsClassificationModule"]
+    assert searched.status is td.TrialStatus.COMPLETED and searched.info["oneshot"]["steps"] == 1
+    assert {"train_loss", "train_acc", "lr"} <= set(searched.metrics)  # logged by its training_step and epoch start
+    assert searched.metrics["lr"] == [0.025]  # its SGD's learning rate, as its configure_optimizers set it
+    lit_arch = ast.literal_eval(re.search(r"^lightning exported_arch: (.*)$", stdout, re.M).group(1))
+    assert set(lit_arch) == set(arch) and lit_arch in [t.sample for t in trials if _role(t) == "subnet"]
     final = ast.literal_eval(re.search(r"^final retrained: (.*)$", stdout, re.M).group(1))  # under Lightning
     assert {"train_loss_main", "train_loss_aux", "val_acc", "lr"} <= set(final)
 

@@ -418,6 +418,9 @@ def test_a_one_shot_run_gets_the_in_process_result_wherever_its_supernet_trains(
     with td.store.Store(tmp_path / "t.db", readonly=True) as db:
         state = db.load_checkpoint(supernet.checkpoint)
     assert state["epoch"] == 2 and "info" not in state
+    relay = tmp_path / "t.db.ray"  # where the worker's epochs came back through: no empty folder left there
+    assert not [p for p in relay.rglob("*") if p.is_dir() and not any(p.iterdir())] and not (
+        relay.is_dir() and not any(relay.iterdir()))
 
 
 @pytest.mark.parametrize("kind", EXECUTORS)

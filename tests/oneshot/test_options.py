@@ -109,3 +109,11 @@ def test_a_resumed_experiment_of_another_search_space_is_refused_in_one_line(tmp
     with pytest.raises(td.TridensError, match="experiment 'o' was run with another search space") as info:
         one_shot(tmp_path, evaluator).run()
     assert "\n" not in str(info.value) and "resume='force'" in str(info.value)
+    # forced: the old supernet's weights belong to the old space, so a new supernet trains in the experiment
+    one_shot(tmp_path, evaluator, resume="force").run()
+    trials = td.Experiment.load(tmp_path / "t.db", "o").trials()
+    old, new = [t for t in trials if role(t) == "supernet"]
+    assert old.status is new.status is TrialStatus.COMPLETED and new.id > old.id
+    subnets = [t for t in trials if role(t) == "subnet" and t.info["oneshot"]["supernet"] == new.label]
+    assert subnets and all(set(t.sample) <= set(DigitsCNN().search_space()) and len(t.sample) > 1 for t in subnets)
+    one_shot(tmp_path, evaluator).run()  # the experiment now records the new space: a plain resume is taken

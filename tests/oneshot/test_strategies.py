@@ -220,7 +220,7 @@ def test_bad_parameters_are_named(tmp_path, evaluator, strategy, message):
 
 def test_a_user_loop_evaluator_is_refused(tmp_path):
     ev = td.evaluators.FunctionalEvaluator(lambda model: 0.5)
-    with pytest.raises(ValueError, match="declarative evaluator"):
+    with pytest.raises(ValueError, match="must be td.evaluators.Classification or Regression .* or td.evaluators.Lightning"):
         td.Experiment(DigitsCNN(), ev, td.oneshot.DARTS(), store=tmp_path / "t.db",
                       options=td.RunOptions(verbose=False)).run()
 

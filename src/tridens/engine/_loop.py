@@ -213,13 +213,17 @@ class _Run:
             trial.status = TrialStatus.STOPPED
         return decision
 
+    def _final_value(self, trial: Trial, value: float | None) -> float | None:
+        """The trial's value of the objective when it ends: ``value``, else its last reported one."""
+        values = trial.metrics.get(self.objective.metric)
+        return value if value is not None else (values[-1] if values else None)
+
     @_halts_on_storage_fault
     def finish(self, trial: Trial, status: TrialStatus, *, error: str | None = None,
                weights: Mapping[str, Any] | None = None, value: float | None = None) -> None:
         trial.status = status
         trial.error = error
-        values = trial.metrics.get(self.objective.metric)
-        trial.metric = value if value is not None else (values[-1] if values else None)
+        trial.metric = self._final_value(trial, value)
         trial.finished_at = time.time()
         state = None
         if weights is not None and status in (TrialStatus.COMPLETED, TrialStatus.STOPPED):

@@ -142,6 +142,10 @@ class OneShotRun(_Run):
         super().finish(trial, status, error=error, weights=None if _supernet(trial) else weights,
                        value=None if _supernet(trial) else value)
 
+    def _final_value(self, trial: Trial, value: float | None) -> float | None:
+        # A supernet that validated each epoch (under a Lightning module) still has no value: it never ranks.
+        return None if _supernet(trial) else super()._final_value(trial, value)
+
     def _explain_failure(self, trial: Trial, error: str | None) -> str | None:
         return error if _supernet(trial) else super()._explain_failure(trial, error)
 

@@ -173,7 +173,8 @@ class Lightning(Evaluator):
         """With no ``metric`` given, the module's first ``td.report`` names the objective."""
         return self.metric is None
 
-    def _check(self) -> Any:
+    def check(self) -> Any:
+        """Check the parameters and that Lightning is installed; returns the Lightning package."""
         pl = lightning_package()
         owner = type(self).__name__
         if self.mode not in ("max", "min"):
@@ -217,7 +218,7 @@ class Lightning(Evaluator):
     def evaluate(self, model: nn.Module | None, sample: Mapping[str, Any], seed: int,
                  reporter: Reporter | None = None, *, max_steps: int | None = None) -> float | None:
         """Fit a copy of the module holding ``model`` with a fresh Trainer; returns the objective's last value."""
-        self._check()
+        self.check()
         if model is None:
             raise InvalidParameter(f"{type(self).__name__} trains a model: the experiment needs a model space")
         if not self.__dict__.get("_said"):
@@ -248,6 +249,30 @@ class Lightning(Evaluator):
             raise NothingReported("the Lightning run validated no epoch, so it reported nothing: give "
                                   "val_dataloaders (and check limit_val_batches / check_val_every_n_epoch)")
         return run.last
+
+    def validate(self, module: Any, trainer: Any) -> dict[str, float]:
+        """Validate ``module`` with ``trainer`` (``trainer.validate``) on the evaluator's validation data
+        (``val_dataloaders`` or the datamodule's); returns the logged scalars, what the module reported
+        with ``td.report`` in its hooks first, and the objective under its name (with ``metric=None``: the
+        first value reported).
+
+        >>> metrics = ev.validate(module, ev.trainer())     # doctest: +SKIP
+        """
+        captured = _Captured()
+        token = _SINK.set(captured)
+        try:
+            if self.datamodule is not None:
+                trainer.validate(module, datamodule=self.datamodule, verbose=False)
+            else:
+                trainer.validate(module, dataloaders=self.val_dataloaders, verbose=False)
+        finally:
+            _SINK.reset(token)
+        logged = _scalars(trainer.callback_metrics)
+        mine = captured.pending
+        metrics = {**mine, **{k: v for k, v in logged.items() if k not in mine}}
+        if self.metric is None and mine:
+            metrics = {self.objective.metric: next(iter(mine.values())), **metrics}
+        return metrics
 
     def run_fit(self, trainer: Any, module: Any) -> Any:
         """``trainer.fit(module, ...)`` with the evaluator's loaders (or datamodule)."""

@@ -98,6 +98,23 @@ class CheckpointStorage:
         except FileNotFoundError:
             pass
 
+    def prune(self, path: str) -> None:
+        """Remove the folders above ``path`` that are empty, up to and including ``root`` (a
+        remote store has no empty folders to remove)."""
+        if self.remote:
+            return
+        root = os.path.abspath(self.root)
+        folder = os.path.dirname(os.path.abspath(path))
+        while folder.startswith(root):
+            try:
+                os.rmdir(folder)
+            except OSError:  # not empty (or already gone)
+                if os.path.isdir(folder):
+                    return
+            if folder == root:
+                return
+            folder = os.path.dirname(folder)
+
     def latest_epoch(self, directory: str) -> int | None:
         epochs = [int(m.group(1)) for name in self.listdir(directory) if (m := re.fullmatch(r"epoch-(\d+)\.pt", name))]
         return max(epochs) if epochs else None

@@ -37,12 +37,13 @@ from typing import Any, Callable, ContextManager, Mapping, Protocol
 import torch
 
 from ..errors import TridensError
-from ..evaluators import SupervisedEvaluator, BatchSource
+from ..evaluators import SupervisedEvaluator, BatchSource, Lightning
 from ..store import Store, StoreError
 from ..trial import Objective, Trial, TrialStatus
 from ._search import evaluate_path, evolution, random_search, sample_key
 from ._strategies import OneShotStrategy
 from ._supernet import Supernet, build_supernet
+from ._lightning import LightningScorer, LightningSupernet, lightning_inputs, refuse_lightning
 from ._training import SupernetLoop, SupernetTraining, data_inputs, jsonable
 
 __all__ = ["run_oneshot", "OneShotTrials", "TrialLife", "note_training"]
@@ -145,15 +146,20 @@ def run_oneshot(exp: Any, strategy: OneShotStrategy,
     :class:`OneShotTrials` of the run while the trials run (entered once the experiment's record
     exists; it tells the callbacks the run started and ended). ``config``: more the experiment's
     record holds (the engine's description of the search space)."""
-    if not isinstance(exp.evaluator, SupervisedEvaluator):
-        raise ValueError(f"The 'evaluator' parameter of Experiment must be a declarative evaluator "
-                         f"(td.evaluators.Classification or Regression) for the one-shot strategy "
-                         f"{type(strategy).__name__}: the supernet is trained by tridens' own loop. "
+    lightning = isinstance(exp.evaluator, Lightning)
+    if not isinstance(exp.evaluator, SupervisedEvaluator) and not lightning:
+        raise ValueError(f"The 'evaluator' parameter of Experiment must be td.evaluators.Classification or "
+                         f"Regression (trained by tridens' own loop) or td.evaluators.Lightning (a Lightning module "
+                         f"drives the weight steps) for the one-shot strategy {type(strategy).__name__}. "
                          f"Got {type(exp.evaluator).__name__} instead.")
     strategy.validate()
     _refuse_unapplied(exp, strategy)
     objective = exp._objective()
-    path, name = exp._store_path(), exp._name()
+    if lightning:
+        exp.evaluator.check()
+        refuse_lightning(strategy, exp.evaluator)
+        net = build_supernet(exp.space, seed=exp.seed, example_inputs=lightning_inputs(exp.evaluator))
+        return _run_recorded(exp, strategy, trials_of, config, net, None, {}, objective)
     hparams = exp.evaluator.search_space().default_sample()
     for label, value in hparams.items():  # searched by nobody: the user is told, not left to find out
         log.warning("one-shot: %s does not search the evaluator's hyperparameter %r (%r): the supernet, every "
@@ -163,18 +169,35 @@ def run_oneshot(exp: Any, strategy: OneShotStrategy,
     cfg = exp.evaluator.config(hparams)
     # refuses a space that cannot be one-shot, before any write
     net = build_supernet(exp.space, seed=exp.seed, example_inputs=data_inputs(cfg))
+    return _run_recorded(exp, strategy, trials_of, config, net, cfg, hparams, objective)
+
+
+def _run_recorded(exp: Any, strategy: OneShotStrategy, trials_of: Callable[[Store, str], ContextManager[OneShotTrials]],
+                  config: Mapping[str, Any] | None, net: Supernet, cfg: Any, hparams: dict[str, Any],
+                  objective: Objective) -> str:
+    """The run of :func:`run_oneshot` once its supernet is built: the experiment's record, its trials."""
+    path, name = exp._store_path(), exp._name()
     with Store(path) as db:
         db.lock_run(name)  # a second process running this experiment is refused, naming this one
+        new_space = False
         try:
-            db.get_experiment(name)
+            recorded = db.get_experiment(name).config
         except StoreError:
             record = {**exp._config(objective), **(config or {})}
             record["oneshot"] = {"strategy": type(strategy).__name__, "params": jsonable(strategy.params())}
             db.create_experiment(name, record)
+        else:
+            # resume="force" with another search space (else refused before): the stored supernet belongs
+            # to the old space, so a new one trains; the experiment records the space it now searches.
+            current = (config or {}).get("search_space")
+            new_space = current is not None and recorded.get("search_space") not in (None, current)
+            if new_space:
+                db.update_experiment(name, config={**recorded, "search_space": current})
         db.update_experiment(name, status="running")
         try:
             with trials_of(db, name) as trials:
-                reason = _OneShotRun(exp, db, name, strategy, net, cfg, hparams, objective, trials).run()
+                run = _OneShotRun(exp, db, name, strategy, net, cfg, hparams, objective, trials)
+                reason = run.run(new_space=new_space)
         except BaseException:
             with contextlib.suppress(StoreError):  # (a full disk: the store's next open settles it)
                 db.update_experiment(name, status="interrupted")
@@ -197,15 +220,18 @@ class _OneShotRun:
             print(f"[tridens] {self.name}: " + (message % args if args else message), flush=True)
 
     # -- the whole run -------------------------------------------------------------------------
-    def run(self) -> str:
-        """Train the supernet, score subnets, retrain; returns what was done (the run's stop reason)."""
+    def run(self, new_space: bool = False) -> str:
+        """Train the supernet, score subnets, retrain; returns what was done (the run's stop reason).
+        ``new_space``: the experiment's earlier trials searched another space (a new supernet trains)."""
         trials = self.db.trials(self.name)
         n = self.strategy.samples if self.exp.max_trials is None else min(self.strategy.samples, self.exp.max_trials)
         self.trials.planned(1 + n + int(self.strategy.retrain))
         # retry_failed=False: a supernet an earlier run failed stays failed, a new one trains in its place
         retry = bool(getattr(self.exp, "retry_failed", True))
-        supernet = next((t for t in reversed(trials) if _role(t) == "supernet"
-                         and (retry or t.status is not TrialStatus.FAILED)), None)
+        supernet = None if new_space else next((t for t in reversed(trials) if _role(t) == "supernet"
+                                                and (retry or t.status is not TrialStatus.FAILED)), None)
+        if new_space:
+            self.say("the search space changed (resume='force'): a new supernet trains; the earlier trials stay as they were")
         if supernet is None:
             supernet = self.trials.add(Trial(
                 id=-1, sample={}, seed=self.seed, fingerprint=f"supernet:{type(self.strategy).__name__}", group=0,
@@ -238,6 +264,8 @@ class _OneShotRun:
         (``max_duration`` reached, ``trial_timeout`` exceeded, its process died) or ``None``.
         Where the executor trains trials in other processes, the supernet trains there as one
         trial (:class:`SupernetTraining`); then its final checkpoint is loaded here."""
+        if self.cfg is None:
+            return self._train_lightning(trial)
         fresh = copy.deepcopy(self.strategy)  # (before it begins training here) for a worker to begin
         loop = SupernetLoop(self.net, self.strategy, self.cfg, self.seed)
         epochs = loop.epochs
@@ -283,6 +311,66 @@ class _OneShotRun:
         life.finish()
         return epochs, None
 
+    def _train_lightning(self, trial: Trial) -> tuple[int, str | None]:
+        """:meth:`train_supernet` with a Lightning module driving the weight steps
+        (:class:`LightningSupernet`), in this process whatever the executor."""
+        run = LightningSupernet(self.net, self.strategy, self.exp.evaluator, self.seed)
+        epochs = run.epochs
+        ckpt = self._checkpoint_path(trial)
+        state, done = None, 0
+        if ckpt is not None and ckpt.is_file():
+            state = self.db.load_checkpoint(ckpt)
+            done = run.load_trained(state, ckpt)
+            if done < epochs:
+                self.say("resuming the supernet at epoch %d of %d from %s", done, epochs, ckpt)
+        if done >= epochs and trial.status is TrialStatus.COMPLETED:
+            return epochs, None
+        if self.trials.scratch(trial) is not None:
+            self.say("the supernet trains in this process: a Lightning module's Trainer drives it")
+        trial.status, trial.error, trial.finished_at = TrialStatus.PENDING, None, None
+        trial.started_at = trial.started_at or time.time()
+        life = self.trials.life(trial)
+        life.start()
+        ended: dict[str, Any] = {}
+
+        def report(epoch: int, metrics: Mapping[str, float], *, last: bool, seconds: float) -> str:
+            verdict = life.report(epoch, metrics, last=last, seconds=seconds)
+            ended["epoch"] = epoch + 1
+            self.say("supernet epoch %d/%d: train_loss %.4f", epoch + 1, epochs, metrics.get("train_loss", math.nan))
+            if verdict.value == "drop":  # over trial_timeout: the protocol failed it
+                ended["why"] = (f"{trial.error or 'the supernet exceeded trial_timeout'}; its checkpoint after epoch "
+                                f"{epoch + 1} of {epochs} is kept: run again to continue")
+                return "drop"
+            if verdict.value == "done":
+                return "done"
+            reason = self.trials.out_of_budget()
+            if reason is not None or verdict.value == "stop":
+                ended["stopped"] = True
+                ended["why"] = (f"{reason or 'stopped'} during the supernet's training, after epoch {epoch + 1} "
+                                f"of {epochs} (its checkpoint is kept: run again to continue)")
+                return "stop"
+            return "continue"
+
+        def save(state: dict[str, Any]) -> None:
+            trial.checkpoint = str(self.db.save_checkpoint(trial.id, state, kind="supernet"))
+            self._note_training(trial, run.info())
+
+        try:
+            run.fit(report, state if done else None, save)
+        except KeyboardInterrupt:
+            raise
+        except Exception as err:
+            if not trial.status.finished:
+                life.fail(err)
+            raise
+        if "why" in ended:
+            if ended.get("stopped"):
+                trial.status = TrialStatus.STOPPED
+                life.finish()
+            return int(ended["epoch"]), str(ended["why"])
+        life.finish()
+        return epochs, None
+
     def _train_elsewhere(self, trial: Trial, loop: SupernetLoop, strategy: OneShotStrategy,
                          state: Mapping[str, Any] | None, storage: Any, location: str) -> tuple[int, str | None]:
         """Train the supernet as one trial of the executor (its epochs' checkpoints come back
@@ -295,6 +383,7 @@ class _OneShotRun:
             self.trials.train(trial, training)
         finally:
             storage.remove(location)
+            storage.prune(location)  # its folder (<store>.ray/<experiment>/) only held that file
         ckpt = self._checkpoint_path(trial)
         if ckpt is not None and ckpt.is_file():
             loop.load(self.db.load_checkpoint(ckpt), ckpt)
@@ -320,19 +409,14 @@ class _OneShotRun:
     # -- search over subnets -------------------------------------------------------------------
     def search(self, supernet: Trial, trials: list[Trial], n: int) -> list[Trial]:
         """Score up to ``n`` subnets with the supernet's weights (those scored before are kept)."""
-        cfg, strategy, net = self.cfg, self.strategy, self.net
+        strategy, net = self.strategy, self.net
         space = self.exp.space
         known: dict[str, Trial] = {}
         for t in trials:
             if _role(t) == "subnet" and t.info["oneshot"].get("supernet") == supernet.label and (
                     t.status is TrialStatus.COMPLETED or _violated(t)):
                 known[sample_key(space.restrict(t.sample))] = t
-        val = BatchSource(cfg.val, cfg.device)
-        calib_source = BatchSource(cfg.train, cfg.device)
-        g = torch.Generator().manual_seed(self.seed)
-        calibration = list(itertools.islice(calib_source.batches(torch.randperm(len(calib_source), generator=g),
-                                                                 cfg.batch_size, cfg.loader_seed(self.seed, 0)),
-                                            strategy.bn_batches))
+        scorer = self._scorer()
         scored: list[Trial] = []
         seen: set[str] = set()
         cpu0 = time.process_time()
@@ -345,7 +429,7 @@ class _OneShotRun:
                 trial = known[key]
             else:
                 self._check_budget(f"during the search, after {len(scored)} subnets scored")
-                trial = self._score_subnet(supernet, sample, val, calibration)
+                trial = self._score_subnet(supernet, sample, scorer)
                 known[key] = trial
             scored.append(trial)
             return self._rank(trial)
@@ -372,6 +456,19 @@ class _OneShotRun:
                      time.process_time() - cpu0, self.objective.metric, best.metric, space.restrict(best.sample))
         return scored
 
+    def _scorer(self) -> Callable[[dict[str, Any]], dict[str, float]]:
+        """The validation metrics of a subnet with the supernet's weights (BatchNorm recalibrated)."""
+        cfg, net = self.cfg, self.net
+        if cfg is None:
+            return LightningScorer(net, self.exp.evaluator, self.strategy.bn_batches)
+        val = BatchSource(cfg.val, cfg.device)
+        calib_source = BatchSource(cfg.train, cfg.device)
+        g = torch.Generator().manual_seed(self.seed)
+        calibration = list(itertools.islice(calib_source.batches(torch.randperm(len(calib_source), generator=g),
+                                                                 cfg.batch_size, cfg.loader_seed(self.seed, 0)),
+                                            self.strategy.bn_batches))
+        return lambda sample: evaluate_path(net, sample, cfg, val, calibration)
+
     def _rank(self, trial: Trial) -> tuple[float, float]:
         """A subnet's rank: the objective, ties broken by the lower validation loss. Accuracy on a
         small validation set is coarse (many subnets tie at one value); the loss separates them. A
@@ -381,7 +478,8 @@ class _OneShotRun:
         losses = trial.metrics.get("val_loss") if self.objective.metric != "val_loss" else None
         return self.objective.score(trial.metric), (-losses[-1] if losses else 0.0)
 
-    def _score_subnet(self, supernet: Trial, sample: dict[str, Any], val: BatchSource, calibration: list[Any]) -> Trial:
+    def _score_subnet(self, supernet: Trial, sample: dict[str, Any],
+                      scorer: Callable[[dict[str, Any]], dict[str, float]]) -> Trial:
         if self.exp.constraints:  # a subnet that violates one is failed unscored (as a multi-trial run does)
             model = self.net.extract(sample, seed=self.seed)
             trial = Trial(id=-1, sample={**sample, **self.hparams}, seed=self.seed, group=1, experiment=self.name,
@@ -397,7 +495,7 @@ class _OneShotRun:
                 life.fail(f"constraint violated: {violation}")
                 return trial
         cpu0 = time.process_time()
-        metrics = evaluate_path(self.net, sample, self.cfg, val, calibration)
+        metrics = scorer(sample)
         cpu = time.process_time() - cpu0
         model = self.net.extract(sample, seed=self.seed)
         trial = Trial(id=-1, sample={**sample, **self.hparams}, seed=self.seed, group=1, experiment=self.name,
@@ -452,7 +550,7 @@ class _OneShotRun:
         trial.fingerprint = _fingerprint(model, space.example_inputs, sample)
         trial.info["params"] = sum(p.numel() for p in model.parameters())
         trial.status, trial.metrics = TrialStatus.PENDING, {}
-        if self.trials.scratch(trial) is not None:  # trained where the executor trains its trials
+        if self.cfg is None or self.trials.scratch(trial) is not None:  # where the executor trains its trials
             self.trials.train(trial, evaluator, model)
             if trial.status is TrialStatus.FAILED:
                 self.say("retraining %s failed: %s", sample, (trial.error or "").strip().splitlines()[-1:])

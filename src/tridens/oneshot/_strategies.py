@@ -105,14 +105,40 @@ class OneShotStrategy:
     # -- training -----------------------------------------------------------------------------
     def begin(self, net: Supernet, cfg: TrainConfig, total_steps: int, rng: random.Random) -> None:
         """Start training ``net``: the weight optimizer comes from the evaluator's config."""
-        self.net, self.cfg, self.total_steps, self.rng = net, cfg, total_steps, rng
-        self.optimizer = cfg.make_optimizer(net.model.parameters())
+        self.cfg = cfg
+        self.optimizer: torch.optim.Optimizer | None = cfg.make_optimizer(net.model.parameters())
+        self.begin_architecture(net, total_steps, rng)
+        self.steps_per_epoch = int(cfg.steps_per_epoch)
+
+    def begin_architecture(self, net: Supernet, total_steps: int, rng: random.Random) -> None:
+        """Start the architecture side of training ``net`` only (paths, architecture parameters and
+        their optimizer), for a trainer that makes the weight steps itself (a user's Lightning
+        module: :meth:`before_weight_step` is called before each of them)."""
+        self.net, self.total_steps, self.rng = net, total_steps, rng
+        self.steps_per_epoch = 0   # set by the trainer once it knows its batches
+        self.__dict__.setdefault("optimizer", None)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, arch_batch: Callable[[], Batch], step: int) -> float:
         """One training step on ``(x, y)``; returns the training loss."""
         raise NotImplementedError
 
+    def external_weights(self) -> str | None:
+        """Why this strategy cannot leave its weight steps to another trainer (a Lightning module),
+        or ``None`` when it can (it implements :meth:`before_weight_step`)."""
+        return f"{type(self).__name__} trains the supernet's weights with its own steps"
+
+    def before_weight_step(self, step: int, arch_loss: Callable[[], torch.Tensor]) -> None:
+        """Prepare weight step ``step`` made by another trainer: put the path or the mixing weights
+        in place, after an architecture update where the strategy makes one (``arch_loss()``: the
+        loss of a held-out batch through the supernet as it is set now, differentiable)."""
+        raise NotImplementedError(self.external_weights())
+
+    def uses_arch_data(self) -> bool:
+        """Whether the training steps read held-out batches (DARTS' architecture steps)."""
+        return self.arch_fraction > 0
+
     def _weight_step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> float:
+        assert self.optimizer is not None
         lr = self.cfg.lr_at(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -125,7 +151,7 @@ class OneShotStrategy:
 
     def _clip(self) -> None:
         """Clip the norm of the weight optimizer's gradients to ``grad_clip`` (architecture parameters apart)."""
-        if self.grad_clip is not None:
+        if self.grad_clip is not None and self.optimizer is not None:
             params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, float(self.grad_clip))
 
@@ -139,10 +165,11 @@ class OneShotStrategy:
 
     def state_dict(self) -> dict[str, Any]:
         """The strategy's training state (weight optimizer, architecture parameters)."""
-        return {"optimizer": self.optimizer.state_dict()}
+        return {"optimizer": None if self.optimizer is None else self.optimizer.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
 
 
 class RandomOneShot(OneShotStrategy):
@@ -168,10 +195,18 @@ class RandomOneShot(OneShotStrategy):
         if not isinstance(self.fair, bool):
             raise _param_error(type(self).__name__, "fair", "a bool", self.fair)
 
+    def external_weights(self) -> str | None:
+        return ("RandomOneShot(fair=True) makes one weight step on the mean gradient of several paths"
+                if self.fair else None)
+
+    def before_weight_step(self, step: int, arch_loss: Callable[[], torch.Tensor]) -> None:
+        self.net.set_path(self.net.search_space.random_sample(self.rng))
+
     def step(self, x: torch.Tensor, y: torch.Tensor, arch_batch: Callable[[], Batch], step: int) -> float:
         if not self.fair:
-            self.net.set_path(self.net.search_space.random_sample(self.rng))
+            self.before_weight_step(step, lambda: torch.zeros(()))
             return self._weight_step(x, y, step)
+        assert self.optimizer is not None
         paths = fair_paths(self.net.search_space, self.rng)
         lr = self.cfg.lr_at(step)
         for group in self.optimizer.param_groups:
@@ -257,8 +292,8 @@ class DARTS(OneShotStrategy):
         """Steps at the start of training that update the weights only (``warmup`` of all steps)."""
         return int(self.warmup * self.total_steps)
 
-    def begin(self, net: Supernet, cfg: TrainConfig, total_steps: int, rng: random.Random) -> None:
-        super().begin(net, cfg, total_steps, rng)
+    def begin_architecture(self, net: Supernet, total_steps: int, rng: random.Random) -> None:
+        super().begin_architecture(net, total_steps, rng)
         g = torch.Generator().manual_seed(rng.getrandbits(31))
         self.alpha = {label: nn.Parameter(1e-3 * torch.randn(len(values), generator=g))
                       for label, values in net.state.values.items()}
@@ -273,19 +308,27 @@ class DARTS(OneShotStrategy):
         """``softmax(alpha)`` per label, as lists (what the search has learned)."""
         return {label: F.softmax(a.detach(), dim=-1).tolist() for label, a in self.alpha.items()}
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, arch_batch: Callable[[], Batch], step: int) -> float:
-        if step < self.warmup_steps():  # warm-up: alpha stays put while the shared weights learn
-            self.net.set_weights({k: v.detach() for k, v in self.mixing(step).items()})
-            return self._weight_step(x, y, step)
-        xa, ya = arch_batch()
-        if self.second_order:
-            self._unrolled_arch_step(x, y, xa, ya, step)
-        else:
+    def external_weights(self) -> str | None:
+        return ("second_order=True unrolls the weights' own SGD step, which the strategy does not make "
+                "when another trainer makes the weight steps" if self.second_order else None)
+
+    def before_weight_step(self, step: int, arch_loss: Callable[[], torch.Tensor]) -> None:
+        if step >= self.warmup_steps():  # after the warm-up (alpha stays put while the shared weights learn)
             self.net.set_weights(self.mixing(step))
-            loss = self.cfg.loss(self.net.model(xa), ya)
-            grads = torch.autograd.grad(loss, list(self.alpha.values()), allow_unused=True)
+            grads = torch.autograd.grad(arch_loss(), list(self.alpha.values()), allow_unused=True)
             self._apply_arch(grads)
         self.net.set_weights({k: v.detach() for k, v in self.mixing(step).items()})
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, arch_batch: Callable[[], Batch], step: int) -> float:
+        if self.second_order and step >= self.warmup_steps():
+            xa, ya = arch_batch()
+            self._unrolled_arch_step(x, y, xa, ya, step)
+            self.net.set_weights({k: v.detach() for k, v in self.mixing(step).items()})
+        else:
+            def arch_loss() -> torch.Tensor:
+                xa, ya = arch_batch()
+                return self.cfg.loss(self.net.model(xa), ya)
+            self.before_weight_step(step, arch_loss)
         return self._weight_step(x, y, step)
 
     def _apply_arch(self, grads: Any) -> None:
@@ -383,8 +426,8 @@ class GumbelDARTS(DARTS):
             raise ValueError(f"The 'tau_min' and 'tau_max' parameters of GumbelDARTS must satisfy "
                              f"0 < tau_min <= tau_max. Got tau_min={self.tau_min!r}, tau_max={self.tau_max!r} instead.")
 
-    def begin(self, net: Supernet, cfg: TrainConfig, total_steps: int, rng: random.Random) -> None:
-        super().begin(net, cfg, total_steps, rng)
+    def begin_architecture(self, net: Supernet, total_steps: int, rng: random.Random) -> None:
+        super().begin_architecture(net, total_steps, rng)
         self._gen = torch.Generator().manual_seed(rng.getrandbits(31))
 
     def temperature(self, step: int) -> float:
@@ -524,6 +567,9 @@ class ENAS(OneShotStrategy):
         known = sorted({m for names in self.REWARD_METRICS.values() for m in names})
         if self.reward_metric is not None and self.reward_metric not in known:
             raise _param_error(owner, "reward_metric", f"None or one of {known}", self.reward_metric)
+
+    def external_weights(self) -> str | None:
+        return "ENAS rewards its controller with tridens' own metrics of each sampled path on held-out batches"
 
     def begin(self, net: Supernet, cfg: TrainConfig, total_steps: int, rng: random.Random) -> None:
         allowed = self.REWARD_METRICS.get(cfg.task, ())

@@ -425,7 +425,7 @@ class LightningEvaluator(_ev.Lightning):
     def fit(self, model: Any) -> Any:
         """Train ``model`` in place with the module and a fresh Trainer (NNI's ``evaluator.fit(model)``);
         returns the logged metrics of the last epoch."""
-        self._check()
+        self.check()
         self.module.set_model(model) if hasattr(self.module, "set_model") else setattr(self.module, "model", model)
         trainer = self.trainer()
         self.run_fit(trainer, self.module)

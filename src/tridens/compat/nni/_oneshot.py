@@ -44,10 +44,10 @@ class _EpochWarmup:
 
     _warmup_epochs = 0
     total_steps: int
-    cfg: Any
+    steps_per_epoch: int
 
     def warmup_steps(self) -> int:
-        return min(self.total_steps, self._warmup_epochs * self.cfg.steps_per_epoch)
+        return min(self.total_steps, self._warmup_epochs * self.steps_per_epoch)
 
 
 # Named as the tridens strategies they extend (the experiment records the strategy by class name).

@@ -60,13 +60,14 @@ class NasExperiment:
     def run(self, config: Any = None, port: int | None = None, debug: bool = False, **_: Any) -> bool:
         """Run the search in this process (no web server: ``port`` is ignored; use ``tridens show``).
         A one-shot strategy (DARTS, GumbelDARTS, ENAS, RandomOneShot) trains one supernet; it
-        needs a ``Classification`` / ``Regression`` evaluator."""
+        needs a ``Classification`` / ``Regression`` evaluator, or ``Lightning(module, trainer)`` with a custom
+        module (its ``training_step`` drives the supernet's weights)."""
         config = config if config is not None else self.config
         name = self.id or getattr(config, "experiment_name", None) or unique_name("nni")
-        if getattr(self.strategy, "one_shot", False) and not isinstance(self.evaluator, SupervisedEvaluator):
+        if getattr(self.strategy, "one_shot", False) and not isinstance(self.evaluator, (SupervisedEvaluator, td.evaluators.Lightning)):
             raise NotSupported(f"The one-shot strategy {type(self.strategy).__name__} needs the evaluator "
-                               "nni.nas.evaluator.pytorch.Classification or Regression (tridens.compat.nni.nas.evaluator"
-                               f".pytorch), which tridens trains itself. Got {type(self.evaluator).__name__} instead.")
+                               "nni.nas.evaluator.pytorch.Classification, Regression or Lightning (tridens.compat.nni.nas"
+                               f".evaluator.pytorch). Got {type(self.evaluator).__name__} instead.")
         if (getattr(config, "trial_concurrency", 1) or 1) > 1:
             log.info("trial_concurrency > 1 is run one trial at a time in-process; use td.Experiment(executor=td.executors.Process(workers=N)) for parallel trials")
         objective = None
