@@ -28,6 +28,20 @@ def steps(x):
     return float(x * 10 + 3)
 
 
+def hangs(x):
+    """Like :func:`steps`, but trial x=0 hangs after its first step (the test kills the forkserver
+    meanwhile; trial_timeout must end it)."""
+    mark = os.environ.get("MARK")
+    for step in range(4):
+        if mark:
+            open(os.path.join(mark, f"{x}-{step}-{os.getpid()}"), "w").close()
+        td.report({"value": float(x * 10 + step)}, step=step)
+        if x == 0:
+            time.sleep(3600)
+        time.sleep(0.2)
+    return float(x * 10 + 3)
+
+
 class Wide(tnn.ModelSpace):
     """One architecture with ~150 KB of weights: a checkpoint that a nearly full disk cannot take."""
 
@@ -89,6 +103,10 @@ def main() -> None:
         evaluator = td.evaluators.FunctionalEvaluator(steps, x=td.choice("x", list(range(8))))
         td.Experiment(None, evaluator, td.strategy.GridSearch(), budget=8, store=store, name="steps",
                       executor=executor(kind), options=td.RunOptions(verbose=False)).run()
+    elif scenario == "hangs":   # trial x=0 hangs after its first report; trial_timeout=4 s
+        evaluator = td.evaluators.FunctionalEvaluator(hangs, x=td.choice("x", list(range(4))))
+        td.Experiment(None, evaluator, td.strategy.GridSearch(), budget=td.Budget(max_trials=4, trial_timeout=4),
+                      store=store, name="hangs", executor=executor(kind), options=td.RunOptions(verbose=False)).run()
     elif scenario.startswith("oneshot-fill-"):   # oneshot-fill-<room in bytes>
         from tests.oneshot.spaces import DigitsCNN
 

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import select
 import signal
 import sys
 import threading
@@ -435,12 +436,41 @@ class PoolWorker:
         child.close()
         self.channel = PipeChannel(ours, self.process)
         self.evaluators: set[int] = set()  # tokens of the evaluators this worker holds
+        # A worker the forkserver started is the server's child, not ours: multiprocessing learns
+        # its end from the server, and once the server died it takes every such worker for ended
+        # (exit code 255) and its kill() sends nothing. A pidfd names this very process (never
+        # another that reuses its pid), to see whether it runs and to kill it whatever the server did.
+        self._pidfd = _pidfd_of(self.process.pid)
 
     def alive(self) -> bool:
+        if self._pidfd is not None:
+            return not select.select([self._pidfd], [], [], 0)[0]   # a pidfd reads as ready once its process ended
         return self.channel.alive()
 
     def kill(self) -> None:
+        if self._pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.close(self._pidfd)
+            self._pidfd = None
         self.channel.kill()
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_pidfd", None)
+        if fd is not None:
+            os.close(fd)
+
+
+def _pidfd_of(pid: int | None) -> int | None:
+    """A pidfd of the process ``pid`` (Linux 5.3 and later), or None where there is none."""
+    if pid is None or not hasattr(os, "pidfd_open") or not hasattr(signal, "pidfd_send_signal"):
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
 
 
 class ProcessExecutor(Executor):
