@@ -35,7 +35,7 @@ save, fail, link) travel through the worker's pipe to the driver's
 store's ``.stages/`` files, written by the driver. The driver plans which trials form a tree from
 the stored rows only (nothing loaded there).
 
-Messages (:mod:`._messages`), driver -> worker: ``RunTrial`` (answered ``Report``\ s: ``Answer``),
+Messages (:mod:`._messages`), driver -> worker: ``RunTrial`` (each ``Report`` answered by an ``Answer``),
 ``RunUnit``, ``ArchiveAnswer``, ``Verdicts``. Worker -> driver: ``Started``, ``Report``,
 ``ArchiveCall``, ``Round``, ``Forked``, ``Left``, ``End``.
 """
