@@ -26,6 +26,11 @@ stored stages, the default). Each evaluator is a new object, so only the store c
     .venv/bin/python bench/stage_tree.py --one tree      # one measurement (JSON)
     .venv/bin/python bench/stage_tree.py --strategy asha --rounds 2
     .venv/bin/python bench/stage_tree.py --studies --rounds 2
+    .venv/bin/python bench/stage_tree.py --executor process --rounds 2   # on Process(workers=2)
+
+``--executor process`` runs every experiment on ``td.executors.Process(workers=2)``: the stage
+trees (or the trials) train on the pool's workers; CPU-seconds then count the whole process tree
+(the driver, the fork server, the workers), sampled every 0.1 s.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import argparse
 import itertools
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -43,6 +49,7 @@ from typing import Any
 
 import torch
 
+import _common as C
 import tridens as td
 from _models import SmallCNN
 
@@ -60,7 +67,34 @@ def evaluator(grid: dict[str, list[Any]]) -> td.evaluators.Classification:
         gamma=td.choice("gamma", grid["gamma"]))
 
 
-def measure(mode: str, strategy: str, grid: dict[str, list[Any]]) -> dict[str, Any]:
+def executor(name: str, optimize: bool) -> Any:
+    """The experiment's executor: in-process (``inline``) or a 2-worker pool (``process``)."""
+    if name == "process":
+        return td.executors.Process(workers=2, optimize=optimize)
+    return td.executors.Inline(optimize=optimize)
+
+
+class CpuClock:
+    """CPU-seconds of the run: in-process, this process and its waited-for children (forked units);
+    on a pool, its whole process tree (the workers are the fork server's children, not ours),
+    sampled every 0.1 s (:class:`_common.ProcessTreeClock`)."""
+
+    def __init__(self, on: str) -> None:
+        self.tree = C.ProcessTreeClock(interval=0.1) if on == "process" else None
+
+    def start(self) -> float:
+        return self.tree.start().samples[-1][1] if self.tree else self._own()
+
+    def stop(self) -> float:
+        return self.tree.stop()[1] if self.tree else self._own()
+
+    @staticmethod
+    def _own() -> float:
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.process_time() + kids.ru_utime + kids.ru_stime
+
+
+def measure(mode: str, strategy: str, grid: dict[str, list[Any]], on: str = "inline") -> dict[str, Any]:
     torch.set_num_threads(1)
     ev = evaluator(grid)
     max_trials = None
@@ -75,42 +109,48 @@ def measure(mode: str, strategy: str, grid: dict[str, list[Any]]) -> dict[str, A
     with tempfile.TemporaryDirectory() as tmp:
         exp = td.Experiment(SmallCNN(), ev, chosen, store=os.path.join(tmp, "s.db"), name="schedules",
                             budget=max_trials, options=td.RunOptions(seeds="per-architecture", verbose=False),
-                            executor=td.executors.Inline(optimize=mode == "tree"))
-        cpu0, wall0 = time.process_time(), time.perf_counter()
+                            executor=executor(on, mode == "tree"))
+        clock = CpuClock(on)
+        cpu0, wall0, driver0 = clock.start(), time.perf_counter(), time.process_time()
         exp.run()
-        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        cpu, wall = clock.stop() - cpu0, time.perf_counter() - wall0
+        driver_cpu = time.process_time() - driver0
         trials = exp.trials()
     curves = {json.dumps(t.sample, sort_keys=True): t.metrics.get("val_acc", []) for t in trials}
-    return {"mode": mode, "strategy": strategy, "cpu": cpu, "wall": wall, "trials": len(trials),
+    return {"mode": mode, "strategy": strategy, "executor": on, "cpu": cpu, "driver_cpu": driver_cpu, "wall": wall, "trials": len(trials),
             "trial_epochs": sum(len(c) for c in curves.values()), "best": max((max(c) for c in curves.values() if c), default=None),
             "curves": curves}
 
 
-def measure_studies(mode: str, first: dict[str, list[Any]], second: dict[str, list[Any]]) -> dict[str, Any]:
+def measure_studies(mode: str, first: dict[str, list[Any]], second: dict[str, list[Any]],
+                    on: str = "inline") -> dict[str, Any]:
     """The second of two studies in one store, timed; ``mode``: trial, tree (no reuse) or reuse."""
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "s.db")
         td.Experiment(SmallCNN(), evaluator(first), td.strategy.GridSearch(), store=store, name="first",
-                      options=td.RunOptions(seeds="per-architecture", verbose=False)).run()
+                      options=td.RunOptions(seeds="per-architecture", verbose=False),
+                      executor=executor(on, True)).run()
         policy = td.store.StagePolicy(reuse="store" if mode == "reuse" else "experiment")
         exp = td.Experiment(SmallCNN(), evaluator(second), td.strategy.GridSearch(), store=store, name="second",
                             options=td.RunOptions(seeds="per-architecture", stage_policy=policy, verbose=False),
-                            executor=td.executors.Inline(optimize=mode != "trial"))
-        cpu0, wall0 = time.process_time(), time.perf_counter()
+                            executor=executor(on, mode != "trial"))
+        clock = CpuClock(on)
+        cpu0, wall0, driver0 = clock.start(), time.perf_counter(), time.process_time()
         exp.run()
-        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        cpu, wall = clock.stop() - cpu0, time.perf_counter() - wall0
+        driver_cpu = time.process_time() - driver0
         trials = exp.trials()
     curves = {json.dumps(t.sample, sort_keys=True): t.metrics.get("val_acc", []) for t in trials}
     reused = sum(t.info.get("stage_store", {}).get("epochs", 0) for t in trials)
-    return {"mode": mode, "strategy": "studies", "cpu": cpu, "wall": wall, "trials": len(trials),
+    return {"mode": mode, "strategy": "studies", "executor": on, "cpu": cpu, "driver_cpu": driver_cpu, "wall": wall, "trials": len(trials),
             "trial_epochs": sum(len(c) for c in curves.values()), "best": max(max(c) for c in curves.values() if c),
             "curves": curves, "started_from_stored_epochs": reused}
 
 
-def run_one(mode: str, strategy: str, quick: bool) -> dict[str, Any]:
+def run_one(mode: str, strategy: str, quick: bool, on: str = "inline") -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, __file__, "--one", mode, "--strategy", strategy] + (["--quick"] if quick else [])
+    cmd = [sys.executable, __file__, "--one", mode, "--strategy", strategy, "--executor", on] + (["--quick"] if quick else [])
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -123,17 +163,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="1 round of a smaller grid")
     parser.add_argument("--no-hyperband", action="store_true")
+    parser.add_argument("--executor", choices=["inline", "process"], default="inline",
+                        help="where the experiments run: in-process, or on Process(workers=2)")
     args = parser.parse_args()
     grid = QUICK if args.quick else GRID
     if args.one:
         if args.strategy == "studies":
-            print(json.dumps(measure_studies(args.one, QUICK_STUDY1 if args.quick else STUDY1, grid)))
+            print(json.dumps(measure_studies(args.one, QUICK_STUDY1 if args.quick else STUDY1, grid, args.executor)))
         else:
-            print(json.dumps(measure(args.one, args.strategy, grid)))
+            print(json.dumps(measure(args.one, args.strategy, grid, args.executor)))
         return
     rounds = 1 if args.quick else args.rounds
     if args.studies:
-        studies(rounds, args.quick, grid)
+        studies(rounds, args.quick, grid, args.executor)
         return
     if args.strategy != "grid":
         strategies = [args.strategy]
@@ -144,7 +186,7 @@ def main() -> None:
         runs: dict[str, list[dict[str, Any]]] = {"trial": [], "tree": []}
         for _ in range(rounds):
             for mode in ("trial", "tree"):
-                runs[mode].append(run_one(mode, strategy, args.quick))
+                runs[mode].append(run_one(mode, strategy, args.quick, args.executor))
         same = all(a["curves"] == b["curves"] for a, b in zip(runs["trial"], runs["tree"]))
         med = {mode: {k: statistics.median(r[k] for r in rs) for k in ("cpu", "wall")} for mode, rs in runs.items()}
         print(f"{strategy}: {runs['trial'][0]['trials']} trials ({n} configurations), "
@@ -156,12 +198,12 @@ def main() -> None:
               f"{med['trial']['wall'] / med['tree']['wall']:.2f}x shorter; identical per-epoch curves: {same}")
 
 
-def studies(rounds: int, quick: bool, grid: dict[str, list[Any]]) -> None:
+def studies(rounds: int, quick: bool, grid: dict[str, list[Any]], on: str = "inline") -> None:
     modes = ("trial", "tree", "reuse")
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for _ in range(rounds):
         for mode in modes:
-            runs[mode].append(run_one(mode, "studies", quick))
+            runs[mode].append(run_one(mode, "studies", quick, on))
     same = all(r["curves"] == runs["trial"][i]["curves"] for m in modes for i, r in enumerate(runs[m]))
     med = {m: {k: statistics.median(r[k] for r in rs) for k in ("cpu", "wall")} for m, rs in runs.items()}
     first = QUICK_STUDY1 if quick else STUDY1
