@@ -161,6 +161,7 @@ class Store:
         self._lock = threading.RLock()
         self._depth = 0
         self._experiment_ids: dict[str, int] = {}
+        self._numbered: dict[int, tuple[int, int]] = {}  # experiment id -> (a trial's id, its number): the latest numbered
         self._made_dirs: set[Path] = set()  # checkpoint folders known to exist (one mkdir each)
         self._orphans: list[sqlite3.Connection] = []
         self._run_locks: dict[str, int] = {}  # experiment -> the descriptor of its held run lock
@@ -357,6 +358,7 @@ class Store:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 self._experiment_ids.clear()
+                self._numbered.clear()  # numbers counted inside the rolled-back writes
                 raise
             conn.execute("COMMIT")
 
@@ -410,6 +412,7 @@ class Store:
             except BaseException:
                 self._depth = 0
                 self._experiment_ids.clear()
+                self._numbered.clear()  # numbers counted inside the rolled-back writes
                 with self._guard("rolling back a transaction"):
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
@@ -533,6 +536,7 @@ class Store:
         with self._writing(f"deleting experiment {name!r}", single=True) as conn:
             conn.execute("DELETE FROM experiments WHERE id = ?", (eid,))
         self._experiment_ids.pop(name, None)
+        self._numbered.pop(eid, None)
 
     def experiments(self, *, damaged: list[str] | None = None) -> list[ExperimentRecord]:
         """Every experiment, oldest first. A damaged row (its config not a JSON object) raises
@@ -610,12 +614,12 @@ class Store:
             with self._writing(f"adding a trial to experiment {experiment!r}", single=not rows,
                                integrity=parent_msg) as conn:
                 trial_id = conn.execute(_INSERT_TRIAL, values).lastrowid
+                assert trial_id is not None  # an INSERT's row id
                 if rows:
                     conn.executemany(_INSERT_METRIC, [(trial_id, n, s, _float_or_nan(v)[0]) for n, s, v in rows])
-                number = conn.execute("SELECT COUNT(*) FROM trials WHERE experiment_id = ? AND id < ?",
-                                      (eid, trial_id)).fetchone()[0]
-            trial.id = int(trial_id)  # type: ignore[arg-type]
-            trial.number = int(number)
+                number = self._number(conn, eid, trial_id)
+            trial.id = trial_id
+            trial.number = number
             trial.experiment = experiment
             return trial
 
@@ -823,8 +827,7 @@ class Store:
             raise StoreError(f"the store {self.path} is open read-only; cannot save a checkpoint of trial {trial_id}")
         _check_state(state, "the checkpoint state", torch)
         with self._reading(f"finding trial {trial_id}") as conn:
-            row = conn.execute("SELECT e.name, (SELECT COUNT(*) FROM trials u WHERE u.experiment_id = t.experiment_id "
-                               "AND u.id < t.id) FROM trials t JOIN experiments e ON e.id = t.experiment_id "
+            row = conn.execute("SELECT e.name, t.experiment_id FROM trials t JOIN experiments e ON e.id = t.experiment_id "
                                "WHERE t.id = ?", (trial_id,)).fetchone()
             known = experiment is not None and _NAME_RE.fullmatch(experiment)
             if row is None and not known:
@@ -834,11 +837,31 @@ class Store:
             if not known:
                 experiment = row[0]
             # named by the trial's number in its experiment, as tables show it; a store written when
-            # files were named by store id may hold that name for another trial: then the id is added
-            name = f"trial-{row[1]}" if kind == "final" else f"trial-{row[1]}-{kind}"
-            taken = conn.execute("SELECT 1 FROM checkpoints WHERE path = ? AND trial_id != ? LIMIT 1",
-                                 (f"{experiment}/{name}.pt", trial_id)).fetchone()
+            # files were named by store id (trial-<id>[-<kind>].pt) may hold that name for the trial
+            # whose id is this number, with this kind: then the id is added. No other row can hold it
+            # (a numbered name carries its own trial's number; a name's folder is its experiment).
+            number = self._number(conn, row[1], trial_id)
+            name = f"trial-{number}" if kind == "final" else f"trial-{number}-{kind}"
+            taken = conn.execute("SELECT 1 FROM checkpoints WHERE trial_id = ? AND kind = ? AND path = ? "
+                                 "AND trial_id != ?", (number, kind, f"{experiment}/{name}.pt", trial_id)).fetchone()
         return f"{experiment}/{name}-id{trial_id}.pt" if taken else f"{experiment}/{name}.pt"
+
+    def _number(self, conn: sqlite3.Connection, eid: int, trial_id: int) -> int:
+        """The number of trial ``trial_id`` in experiment ``eid``: how many of its trials have a
+        smaller id. Counted from the latest trial numbered here (ids only grow, and trials leave only
+        with their experiment), so a count spans the trials added since, not the whole experiment."""
+        known = self._numbered.get(eid)
+        if known is None:
+            number = conn.execute("SELECT COUNT(*) FROM trials WHERE experiment_id = ? AND id < ?",
+                                  (eid, trial_id)).fetchone()[0]
+        else:
+            low, high = sorted((known[0], trial_id))
+            between = conn.execute("SELECT COUNT(*) FROM trials WHERE experiment_id = ? AND id >= ? AND id < ?",
+                                   (eid, low, high)).fetchone()[0]
+            number = known[1] + between if trial_id >= known[0] else known[1] - between
+        if known is None or trial_id > known[0]:
+            self._numbered[eid] = (trial_id, int(number))
+        return int(number)
 
     def _write_checkpoint_file(self, trial_id: int, rel: str, state: Any) -> Path:
         """Write the file atomically (a temporary file, then ``os.replace``). With
