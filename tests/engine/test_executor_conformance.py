@@ -157,9 +157,10 @@ def test_a_trial_past_its_timeout_fails_even_if_it_never_reports(kind, tmp_path,
 
 
 # -- a unit's process hangs or dies inside an epoch -----------------------------------------------------
-UNIT_BACKENDS = ["process", "process-units", "ray", "forked"]
+UNIT_BACKENDS = ["process", "process-units", "process-fluid", "ray", "forked"]
 """Where step-wise trials train in another process: a pool worker per trial, pool workers training
-stage trees (units), a Ray task per trial, forked children of the in-process executor (units side by side)."""
+stage trees (units), pool workers placed by Fluid, a Ray task per trial, forked children of the
+in-process executor (units side by side)."""
 
 
 def away(kind, how, executor_of, digits_data, tmp_path, trial_timeout=None):
@@ -173,6 +174,8 @@ def away(kind, how, executor_of, digits_data, tmp_path, trial_timeout=None):
         ev = classification(digits_data, epochs=td.choice("epochs", [2, 3]), lr=0.1, schedule="step",
                             milestones=[1], gamma=td.choice("gamma", [0.1, 0.5]))
         options = {"seeds": "per-architecture"}
+    elif kind == "process-fluid":   # Fluid's placements, a worker each (none packed with a misbehaving one)
+        executor = executor_of("process", optimize=False, allocation=td.executors.StaticFluid(max_pack=1))
     elif kind == "ray":
         executor = executor_of("ray", optimize=False)
     else:

@@ -167,3 +167,31 @@ def test_profile_parameter_is_checked():
         StaticFluid(profile=3.0).scheduler(2)
     with pytest.raises(ValueError, match="'profile' parameter of DynamicFluid must return a finite number"):
         DynamicFluid(profile=lambda sample: -1.0).step_time({"hidden": 4})
+
+
+def lr_profile(sample):
+    """Seconds per step by the learning rate: lr 0.2 long (a worker of its own), lr 0.05 short (packed)."""
+    return 1e-2 if sample["lr"] == 0.2 else 1e-4
+
+
+def test_a_packed_worker_that_dies_fails_the_trials_on_it_and_no_other(tmp_path, digits_data):
+    """The driver's death message on Fluid: the two short trials share a worker (shares 0.5) and
+    the width-8 one ends that process in its first epoch, while the other (three epochs, turn
+    about) still trains; both fail with the worker's death, and the long trial on the other
+    worker completes."""
+    from .spaces import AwayMLP
+
+    train, val = digits_data
+    ev = td.evaluators.Classification(train=train, val=val, epochs=3, batch_size=128, optimizer="sgd",
+                                      lr=td.choice("lr", [0.05, 0.2]))
+    group = [{"hidden": 4, "lr": 0.2}, {"hidden": 4, "lr": 0.05}, {"hidden": 8, "lr": 0.05}]
+    executor = td.executors.Process(workers=2, allocation=StaticFluid(profile=lr_profile))
+    trials = Experiment(AwayMLP("die"), ev, Groups([group]), store=tmp_path / "t.db", options=td.RunOptions(verbose=False),
+                        executor=executor).run().trials()
+    long, short, dying = sorted(trials, key=lambda t: (-t.sample["lr"], t.sample["hidden"]))
+    assert long.status is TrialStatus.COMPLETED, long.error
+    assert [a["share"] for a in short.info["allocation"]] == [0.5]
+    assert short.info["allocation"][0]["workers"] == dying.info["allocation"][0]["workers"]   # packed together
+    for trial in (short, dying):
+        assert trial.status is TrialStatus.FAILED and "worker process of trial" in trial.error, trial.error
+        assert "died (exit code 3)" in trial.error, trial.error

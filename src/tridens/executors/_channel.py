@@ -25,6 +25,7 @@ for the one death message (:func:`~._watchdog.death_error`).
 from __future__ import annotations
 
 import abc
+import time
 from multiprocessing.connection import Connection, wait
 from typing import Any, Sequence, TypeVar
 
@@ -64,6 +65,14 @@ class Channel(abc.ABC):
     def exit_description(self, wait: float = 2.0) -> str:
         """How the far side ended (``"exit code -9"``), waiting up to ``wait`` seconds for it to end."""
         return "it ended"
+
+    def waitables(self) -> list[Any]:
+        """The connections whose data may be this channel's next message (for :func:`ready`)."""
+        return []
+
+    def buffered(self) -> bool:
+        """Whether this channel has a message (or its end) read already, to :meth:`receive` now."""
+        return False
 
 
 class PipeChannel(Channel):
@@ -112,19 +121,34 @@ class PipeChannel(Channel):
     def exit_description(self, wait: float = 2.0) -> str:
         return f"exit code {self.exit_code(wait)}"
 
+    def waitables(self) -> list[Any]:
+        return [self.conn]
+
 
 C = TypeVar("C", bound=Channel)
 
 
 def ready(channels: Sequence[C], timeout: float) -> list[C]:
-    """The ``channels`` with a message (or their end) to read, waiting up to ``timeout`` seconds
-    (Ray tasks' channels: one drain of their hub, :meth:`HubChannel.route`)."""
+    """The ``channels`` with a message (or their end) to read, waiting up to ``timeout`` seconds:
+    Ray tasks' channels after one drain of their hub (:meth:`HubChannel.route`); others holding
+    one already, else those whose connections have data (several channels may read one
+    connection: each of them is returned)."""
     tasks = [channel for channel in channels if isinstance(channel, TaskChannel)]
     if tasks:
         tasks[0].hub.route()
         return [channel for channel in channels if isinstance(channel, TaskChannel) and channel.poll()]
-    by_conn = {channel.conn: channel for channel in channels if isinstance(channel, PipeChannel)}
-    return [by_conn[conn] for conn in wait(list(by_conn), timeout=timeout)]  # type: ignore[index]
+    now = [channel for channel in channels if channel.buffered()]
+    by_conn: dict[Any, list[C]] = {}
+    for channel in channels:
+        for conn in channel.waitables():
+            by_conn.setdefault(conn, []).append(channel)
+    if not by_conn:
+        if not now:
+            time.sleep(timeout)
+        return now
+    for conn in wait(list(by_conn), timeout=0 if now else timeout):
+        now += [channel for channel in by_conn[conn] if channel not in now]
+    return now
 
 
 class HubChannel(Channel):

@@ -321,17 +321,22 @@ class LockstepDriver:
         return None
 
     def _report(self, site: Site, report: Report) -> bool:
-        """One step of a trial alone in ``site``'s process, answered with its verdict; past its
-        timeout (failed by its protocol) the process is killed: a user's loop cannot be told to
-        drop it. False when the site is over."""
+        """One step of a trial alone in ``site``'s process, answered with its verdict
+        (:attr:`Verdict.YIELD` where it moves: :meth:`Placement.moves`). Past its timeout (failed
+        by its protocol) a trial's process drops it, but a user's loop (a ``"wall"`` clock) cannot
+        be told: its process is killed. False when the site is over."""
         assert site.channel is not None
         life = site.lives.get(report.trial_id)
         if life is None:
             return True
         verdict = life.report(report.step, report.metrics, last=report.last, seconds=report.seconds)
-        if verdict is Verdict.DROP:
+        if verdict is Verdict.DROP and life.clock == "wall":
             self._lost(site, None)
             return False
+        if verdict is Verdict.DROP:
+            site.lives.pop(report.trial_id)
+        elif verdict is Verdict.CONTINUE and self.placement.moves(life, report.step):
+            verdict = Verdict.YIELD
         with contextlib.suppress(ChannelClosed):   # died meanwhile: read as its death in the loop
             site.channel.send(Answer(report.trial_id, verdict.value))
         return True

@@ -528,10 +528,6 @@ class ProcessExecutor(Executor):
             current = self._pool[index] = PoolWorker(self._ctx, index)
         return current
 
-    def running(self, index: int) -> PoolWorker | None:
-        """The worker in slot ``index`` as it is (alive or dead), None when the slot is empty."""
-        return self._pool.get(index)
-
     def replace(self, index: int) -> None:
         """Kill the worker in slot ``index``; the next :meth:`worker` call starts a fresh one."""
         current = self._pool.pop(index, None)

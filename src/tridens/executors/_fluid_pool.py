@@ -8,30 +8,35 @@ measured on each trial's first real training steps (never on extra steps) and ca
 across the experiment's groups, or given by the policy's ``profile``. Fluid needs a declarative
 (step-wise) evaluator; other evaluators run one trial per worker.
 
-The driver side is :class:`FluidRun` (places trials, relays messages; each trial's outcome goes
-through its :class:`~._protocol.TrialProtocol`); the worker side is :func:`serve_placement`. The
-epoch helpers :func:`budget` and :func:`epoch_metrics` are shared with the Ray workers' DDP ranks.
+The driver side is :class:`FluidRun`, a :class:`~._driver.Placement` of the one driver
+(:class:`~._driver.LockstepDriver`, each trial a site of one member): the schedule says which
+sites start (:meth:`FluidRun.admit`) and which trials move (:meth:`FluidRun.moves`); a trial's
+:class:`_TrialChannel` reads its messages off the pipes of the workers it is placed on (several
+trials share a packed worker's pipe), so the driver's hang check, death message and outcomes
+apply to each trial as to any other. A worker that dies or is killed (a trial on it hangs) takes
+every trial on it. The worker side is :func:`serve_placement`. The epoch helpers :func:`budget`
+and :func:`epoch_metrics` are shared with the Ray workers' DDP ranks.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Mapping, Sequence
 
 import torch
 
 from ..evaluators import Evaluator, StepwiseEvaluator
 from ..units import Job
 from ._lockstep import load_bytes, model_bytes, state_bytes, weights_bytes
-from ._fluid import Placement, StaticFluid
-from ._channel import ChannelClosed, PipeChannel, ready
-from ._messages import Answer, Closed, Left, Outcome, Place, Profile, Report, ShipEvaluator, Started, Yielded
+from ._fluid import Placement as Shares, StaticFluid
+from ._channel import Channel, ChannelClosed, PipeChannel
+from ._driver import LockstepDriver, Placement, Site
+from ._messages import Answer, Closed, End, Left, Outcome, Place, Profile, Report, ShipEvaluator, Started, Yielded
 from ._protocol import GroupHooks, TrialProtocol, Verdict, error_text
-from ._watchdog import check_silence, death_error, for_trial, settle
 
 if TYPE_CHECKING:
     from ._execution import ProcessExecutor
@@ -41,7 +46,7 @@ __all__ = ["FluidRun", "serve_placement", "epoch_metrics", "budget"]
 log = logging.getLogger("tridens")
 
 
-# -- the process executor's Fluid loop (driver side) -------------------------------------------------
+# -- the process executor's Fluid placement (driver side) --------------------------------------------
 PROFILE_STEPS = 5      # steps timed (after one warm-up step) at the start of a trial's first epoch
 CLOSE_TIMEOUT = 60.0   # seconds the ranks of a DDP placement get to tear their gloo group down
 
@@ -68,6 +73,30 @@ def _structure(token: int, job: Job, cfg: Any) -> Hashable:
     return (token, net, getattr(cfg, "batch_size", None), getattr(cfg, "optimizer", None))
 
 
+class _Pipe:
+    """The pipe of the worker in ``slot``, read for the Fluid trials placed on it: each message goes
+    to its trial's channel (``readers``); ``death`` says how the worker ended, once it did."""
+
+    def __init__(self, slot: int, channel: PipeChannel):
+        self.slot, self.channel = slot, channel
+        self.readers: dict[int, _TrialChannel] = {}
+        self.death: str | None = None
+
+    def pump(self) -> None:
+        """Every message the worker sent so far, to its trial's channel."""
+        if self.death is None and self.channel.conn.closed:   # replaced meanwhile (it had died)
+            self.death = self.channel.exit_description(wait=0)
+        while self.death is None and self.channel.poll():
+            try:
+                message = self.channel.receive()
+            except ChannelClosed:
+                self.death = self.channel.exit_description()
+                return
+            reader = self.readers.get(message.trial_id)
+            if reader is not None:
+                reader.inbox.append((self.slot, message))
+
+
 @dataclass
 class _FluidTrial:
     life: TrialProtocol
@@ -79,8 +108,10 @@ class _FluidTrial:
     epochs_done: int = 0
     state: bytes | None = None       # the trainer's checkpoint while it waits to move
     slots: tuple[int, ...] = ()
-    last_message: float = field(default_factory=time.monotonic)
     history: list[dict[str, Any]] = field(default_factory=list)
+    site: Site | None = None
+    placement: Shares | None = None   # where the schedule placed it, until its site starts
+    channel: _TrialChannel | None = None
 
     @property
     def job(self) -> Job:
@@ -90,10 +121,88 @@ class _FluidTrial:
         return self.step_time * self.steps_per_epoch * max(self.limit - self.epochs_done, 0)
 
 
-class FluidRun:
+class _TrialChannel(Channel):
+    """The driver's channel to one Fluid trial: what the workers it is placed on (``pipes``, rank
+    0 first) say about it, after :meth:`FluidRun.heard` took what is the placement's (profiles,
+    moves, the ranks' teardown); answers go to rank 0. Its :class:`~._messages.End` comes once the
+    trial left and its devices are free (every rank of a DDP placement tore its group down)."""
+
+    def __init__(self, run: FluidRun, ft: _FluidTrial):
+        self.run, self.ft = run, ft
+        self.pipes: list[_Pipe] = []
+        self.inbox: list[tuple[int, Any]] = []   # (slot, message) as read off the pipes
+        self.out: list[Any] = []                 # what the driver reads next
+        self.closing: set[int] = set()           # DDP ranks (slots) yet to tear their group down
+        self.closed: set[int] = set()            # ranks that tore it down (one may say so before rank 0 is read)
+        self.deadline = 0.0
+        self.over = False                        # the trial left (its End follows once the ranks closed)
+        self.clean = True                        # no rank failed: the workers serve on
+
+    def place(self, pipes: Sequence[_Pipe]) -> None:
+        self.pipes, self.closed = list(pipes), set()
+        for pipe in pipes:
+            pipe.readers[self.ft.life.trial.id] = self
+
+    def vacate(self) -> None:
+        for pipe in self.pipes:
+            if pipe.readers.get(self.ft.life.trial.id) is self:
+                del pipe.readers[self.ft.life.trial.id]
+        self.pipes = []
+
+    def waitables(self) -> list[Any]:
+        return [pipe.channel.conn for pipe in self.pipes if pipe.death is None and not pipe.channel.conn.closed]
+
+    def _death(self) -> str | None:
+        return next((pipe.death for pipe in self.pipes if pipe.death is not None), None)
+
+    def buffered(self) -> bool:
+        return bool(self.out or self.inbox) or self._finished() or self._death() is not None
+
+    def _finished(self) -> bool:
+        return self.over and not self.closing
+
+    def teardown(self) -> bool:
+        """The ranks of a DDP placement tear their group down: True when all of them did already."""
+        self.closing, self.deadline = set(self.ft.slots) - self.closed, time.monotonic() + CLOSE_TIMEOUT
+        return not self.closing
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        for pipe in self.pipes:
+            pipe.pump()
+        while self.inbox:
+            slot, message = self.inbox.pop(0)
+            message = self.run.heard(self, slot, message)
+            if message is not None:
+                self.out.append(message)
+        if self.closing and time.monotonic() > self.deadline:
+            self.run.overdue(self)
+        return bool(self.out) or self._finished() or self._death() is not None
+
+    def receive(self) -> Any:
+        if self.out:
+            return self.out.pop(0)
+        if self._finished():
+            return End()
+        death = self._death()
+        if death is not None:
+            raise ChannelClosed(death)
+        raise RuntimeError(f"nothing to read from trial {self.ft.life.trial.id}'s workers")   # (poll() first)
+
+    def send(self, message: Any) -> None:
+        if not self.pipes:
+            raise ChannelClosed(f"trial {self.ft.life.trial.id} is on no worker")
+        self.pipes[0].channel.send(message)
+        if isinstance(message, Answer) and message.verdict == Verdict.DROP.value:   # past its timeout
+            self.run.left(self)
+
+    def exit_description(self, wait: float = 2.0) -> str:
+        return self._death() or "it ended"
+
+
+class FluidRun(Placement):
     """One TrialGroup on a :class:`~._execution.ProcessExecutor`'s workers with Fluid shares (see
-    the module docstring); :meth:`run` trains it. Each trial's outcome goes through its
-    :class:`~._protocol.TrialProtocol`; this class only places trials and relays messages.
+    the module docstring): the :class:`~._driver.Placement` of its trials, whose outcomes go
+    through their :class:`~._protocol.TrialProtocol` in the driver; :meth:`run` trains it.
 
     Profiles: a trial's seconds per step come from ``policy.profile`` when given, else from the
     step times measured on earlier trials of the same structure (cached on the executor across
@@ -101,17 +210,17 @@ class FluidRun:
     running the trial reports its first real steps -- no step is trained twice to measure it.
     """
 
+    name, process, where = "a pool worker", "worker process", "in its worker"
+
     def __init__(self, executor: ProcessExecutor, jobs: Sequence[Job], evaluator: StepwiseEvaluator,
                  hooks: GroupHooks, policy: StaticFluid):
         self.executor, self.evaluator, self.hooks, self.policy = executor, evaluator, hooks, policy
+        self.slots = executor.workers
         self.sched = policy.scheduler(executor.workers)
         self.cache: dict[Hashable, float] = executor.fluid_profiles  # kept across groups
         self.trials: dict[int, _FluidTrial] = {}
         self.token = id(evaluator)
-        self.hosts: dict[int, set[int]] = {i: set() for i in range(executor.workers)}  # slot -> trial ids on it
-        # DDP placements whose ranks are tearing their group down: trial id -> [slots yet to say
-        # "closed", deadline, what frees the devices in the schedule once all have]
-        self.closing: dict[int, list[Any]] = {}
+        self.pipes: dict[int, _Pipe] = {}   # slot -> its worker's pipe
         for job in jobs:
             self._submit(job)
 
@@ -135,45 +244,166 @@ class FluidRun:
         limit = epochs if job.max_steps is None else min(epochs, job.max_steps)
         ft = self.trials[job.trial.id] = _FluidTrial(life, structure, step_time, per_epoch, limit, measured=measured)
         ft.state = state_bytes(job.start_from)
+        ft.site, ft.channel = Site({job.trial.id: life}, ft), _TrialChannel(self, ft)
         if measured:
             job.trial.info["fluid_step_seconds"] = step_time
         self.sched.submit(job.trial.id, ft.remaining())
 
-    # -- devices ---------------------------------------------------------------------------------
-    def _vacate(self, tid: int, slots: Sequence[int], then: Callable[[], None], clean: bool = True) -> None:
-        """The trial leaves ``slots``; ``then()`` frees its devices in the schedule. A DDP
-        placement that ended cleanly first tears its gloo group down (barrier, destroy) and each
-        rank says "closed": the devices are free only then, so nothing is sent to a rank still
-        inside the teardown. A DDP placement that failed may have ranks blocked in a collective
-        and is replaced."""
-        if len(slots) > 1 and clean:
-            self.closing[tid] = [set(slots), time.monotonic() + CLOSE_TIMEOUT, then]
+    def run(self) -> None:
+        executor = self.executor
+        for slot in range(executor.workers):
+            # Every worker has started (and holds the evaluator) before anything is placed: the plan
+            # assumes all devices are there, and a worker still starting would hold its trials back.
+            executor.ship(executor.worker(slot), self.evaluator)
+        LockstepDriver(self, lockstep=False).run([ft.site for ft in self.trials.values() if ft.site is not None])
+
+    # -- the placement -------------------------------------------------------------------------------
+    def admit(self, queue: Sequence[Site], running: int) -> list[Site]:
+        """The sites of the trials the schedule places now; a trial that moved is placed again on
+        its site, and one waiting for devices is not silent."""
+        starting = []
+        waiting = {id(site) for site in queue}
+        for placement in self.sched.schedule():
+            ft = self.trials[placement.key]   # type: ignore[index]
+            assert ft.site is not None
+            if id(ft.site) in waiting:
+                ft.placement = placement
+                starting.append(ft.site)
+            else:
+                self._place(ft, placement)
+        now = time.monotonic()
+        for ft in self.trials.values():
+            if ft.site is not None and id(ft.site) not in waiting and not ft.slots:
+                ft.site.last_message = now
+        return starting
+
+    def launch(self, site: Site) -> Channel:
+        ft: _FluidTrial = site.data
+        assert ft.placement is not None and ft.channel is not None
+        self._place(ft, ft.placement)
+        return ft.channel
+
+    def _place(self, ft: _FluidTrial, p: Shares) -> None:
+        assert ft.channel is not None and ft.site is not None
+        ft.slots, ft.placement = p.devices, None
+        ft.history.append({"share": p.share, "workers": list(p.devices), "from_epoch": ft.epochs_done})
+        job = ft.job
+        job.trial.info["allocation"] = ft.history
+        port = None
+        if p.share > 1:
+            from ._ddp import free_port
+
+            port = free_port()
+        payload = model_bytes(job.model)
+        pipes = []
+        for rank, slot in enumerate(p.devices):
+            worker = self.executor.worker(slot)
+            pipe = self.pipes.get(slot)
+            if pipe is None or pipe.channel is not worker.channel:
+                pipe = self.pipes[slot] = _Pipe(slot, worker.channel)
+            pipes.append(pipe)
+            try:
+                token = self.executor.ship(worker, self.evaluator)
+                worker.channel.send(Place(job.trial.id, token, payload, job.trial.sample, job.trial.seed,
+                                          job.max_steps, ft.state, not ft.measured, rank, len(p.devices), port))
+            except ChannelClosed:   # died meanwhile: read as its death
+                pass
+        ft.state = None
+        ft.channel.place(pipes)
+        ft.site.last_message = time.monotonic()
+
+    def moves(self, life: TrialProtocol, step: int) -> bool:
+        return life.trial.id in self.sched.rescales()
+
+    def kill(self, site: Site) -> None:
+        """The trial's workers are replaced (it hangs, a worker died, or the run stops): every
+        other trial on them dies with them."""
+        ft: _FluidTrial = site.data
+        channel = ft.channel
+        assert channel is not None
+        label = ft.life.trial.label
+        for pipe in channel.pipes:
+            if pipe.death is None and not pipe.channel.conn.closed:
+                self.executor.replace(pipe.slot)
+                pipe.death = f"{pipe.channel.exit_description(wait=0)}, killed with trial {label}"
+        self._done(ft)
+
+    def release(self, site: Site) -> None:
+        """The trial left and its devices are free (a DDP placement whose rank failed is replaced:
+        its other ranks may wait in a collective forever)."""
+        ft: _FluidTrial = site.data
+        assert ft.channel is not None
+        if not ft.channel.clean and len(ft.channel.pipes) > 1:
+            self.kill(site)
             return
-        for slot in slots:
-            self.hosts[slot].discard(tid)
-            if len(slots) > 1:
-                self.executor.replace(slot)
-        then()
+        self._done(ft)
 
-    def _closed(self, tid: int, slot: int | None) -> None:
-        entry = self.closing[tid]
-        for s in ([slot] if slot is not None else list(entry[0])):
-            entry[0].discard(s)
-            self.hosts[s].discard(tid)
-            if slot is None:
-                self.executor.replace(s)
-        if not entry[0]:
-            del self.closing[tid]
-            entry[2]()
+    def _done(self, ft: _FluidTrial) -> None:
+        assert ft.channel is not None
+        ft.channel.vacate()
+        ft.slots = ()
+        self.trials.pop(ft.life.trial.id, None)
+        self.sched.finish(ft.life.trial.id)
 
-    def _end(self, tid: int, clean: bool = True) -> TrialProtocol:
-        """The trial leaves the run (its outcome is given to the returned protocol next)."""
-        ft = self.trials.pop(tid)
-        slots, ft.slots = ft.slots, ()
-        self._vacate(tid, slots, lambda: self.sched.finish(tid), clean)
-        if ft.history:
-            ft.job.trial.info["allocation"] = ft.history
-        return ft.life
+    # -- what the workers say ----------------------------------------------------------------------
+    def heard(self, channel: _TrialChannel, slot: int, message: Any) -> Any:
+        """A message of ``channel``'s trial from the worker in ``slot``: what the placement takes
+        (a rank's teardown, a move's checkpoint) is kept here, the rest goes on to the driver
+        (None: nothing does)."""
+        ft = channel.ft
+        if isinstance(message, Closed):
+            channel.closed.add(slot)
+            if slot in channel.closing:
+                channel.closing.discard(slot)
+                if not channel.closing and not channel.over:   # moved off a DDP placement: placed again later
+                    self._moved(ft)
+            return None
+        if isinstance(message, Profile):
+            if not ft.measured:
+                self._learn(ft, message.step_time, message.per_epoch, message.epochs,
+                            float(len(ft.slots)) if len(ft.slots) > 1 else 1.0)
+        elif isinstance(message, Report):
+            ft.epochs_done = message.step + 1
+            self.sched.progress(ft.life.trial.id, ft.remaining())
+            return dataclasses.replace(message, last=ft.epochs_done >= ft.limit)
+        elif isinstance(message, Yielded):
+            ft.state = message.state
+            log.info("fluid: trial %d moves from %s to share %s after epoch %d", ft.life.trial.id, ft.slots,
+                     self.sched.rescales().get(ft.life.trial.id), ft.epochs_done)
+            if len(channel.pipes) == 1 or channel.teardown():   # (a DDP placement's ranks tear their group down first)
+                self._moved(ft)
+            return None
+        elif isinstance(message, Left):
+            channel.clean = message.outcome.kind != "error"
+            self.left(channel)
+        return message
+
+    def left(self, channel: _TrialChannel) -> None:
+        """The trial leaves its workers (its outcome, or dropped past its timeout): its End follows
+        once a clean DDP placement's ranks tore their group down."""
+        if not channel.over:
+            channel.over = True
+            if len(channel.pipes) > 1 and channel.clean:
+                channel.teardown()
+
+    def overdue(self, channel: _TrialChannel) -> None:
+        """Ranks of a DDP placement that did not tear their gloo group down in time are replaced;
+        the trial goes on as if they had (it ends, or moves)."""
+        log.warning("fluid: the ranks %s of trial %d did not tear their gloo group down within %s s; replaced",
+                    sorted(channel.closing), channel.ft.life.trial.id, CLOSE_TIMEOUT)
+        for pipe in channel.pipes:
+            if pipe.slot in channel.closing:
+                self.executor.replace(pipe.slot)
+        channel.closing = set()
+        if not channel.over:
+            self._moved(channel.ft)
+
+    def _moved(self, ft: _FluidTrial) -> None:
+        """The trial left its workers to move: it waits to be placed again at its new share."""
+        assert ft.channel is not None
+        ft.channel.vacate()
+        ft.slots = ()
+        self.sched.release(ft.life.trial.id, ft.remaining())
 
     def _learn(self, ft: _FluidTrial, step_time: float, per_epoch: int | None, epochs: int | None,
                share: float) -> None:
@@ -194,125 +424,6 @@ class FluidRun:
             if not other.measured and not other.slots:
                 other.step_time, other.measured = self._assumed(other.structure)
                 self.sched.progress(tid, other.remaining())
-
-    def _launch(self, p: Placement) -> None:
-        key = p.key
-        assert isinstance(key, int)  # this run's scheduler is keyed by trial id
-        ft = self.trials[key]
-        ft.slots = p.devices
-        ft.last_message = time.monotonic()
-        ft.history.append({"share": p.share, "workers": list(p.devices), "from_epoch": ft.epochs_done})
-        job = ft.job
-        port = None
-        if p.share > 1:
-            from ._ddp import free_port
-
-            port = free_port()
-        payload = model_bytes(job.model)
-        measure = not ft.measured
-        for rank, slot in enumerate(p.devices):
-            worker = self.executor.worker(slot)
-            self.hosts[slot].add(key)
-            token = self.executor.ship(worker, self.evaluator)
-            worker.channel.send(Place(job.trial.id, token, payload, job.trial.sample, job.trial.seed, job.max_steps,
-                                   ft.state, measure, rank, len(p.devices), port))
-        ft.state = None
-
-    def _kill_slot(self, slot: int, reason: str) -> None:
-        """A worker died or hangs: kill it; every trial on it fails (with the other ranks of a DDP trial)."""
-        victims = sorted(self.hosts[slot])
-        slots = {slot}
-        for tid in victims:
-            slots |= set(self.trials[tid].slots) if tid in self.trials else set(self.closing.get(tid, [()])[0])
-        for s in slots:
-            self.executor.replace(s)
-        for s in slots:
-            for tid in sorted(self.hosts[s]):
-                if tid in self.closing:  # its outcome is recorded already; only the devices are freed
-                    self._closed(tid, None)
-                elif tid in self.trials:
-                    number = self.trials[tid].life.trial.label
-                    error = (for_trial(reason, number) if tid in victims else
-                             f"trial {number} was lost with worker {s} (killed because of trial(s) "
-                             f"{[self.trials[v].life.trial.label if v in self.trials else v for v in victims]})")
-                    self._end(tid, clean=False).fail(error)
-
-    # -- the loop ----------------------------------------------------------------------------------
-    def run(self) -> None:
-        executor = self.executor
-        for slot in range(executor.workers):
-            # Every worker has started (and holds the evaluator) before anything is placed: the plan
-            # assumes all devices are there, and a worker still starting would hold its trials back.
-            executor.ship(executor.worker(slot), self.evaluator)
-        while self.trials or self.closing:
-            for placement in self.sched.schedule():
-                self._launch(placement)
-            channels = {}
-            for s, tids in self.hosts.items():
-                worker = executor.running(s)
-                if tids and worker is not None:
-                    channels[id(worker.channel)] = (s, worker.channel)
-            for channel in ready([c for _, c in channels.values()], timeout=0.2):
-                slot = channels[id(channel)][0]
-                if self.hosts[slot]:
-                    self._receive(slot, channel)
-            now = time.monotonic()
-            for tid in [t for t, entry in self.closing.items() if now > entry[1]]:
-                log.warning("fluid: the ranks %s of trial %d did not tear their gloo group down within %s s; replaced",
-                            sorted(self.closing[tid][0]), tid, CLOSE_TIMEOUT)
-                self._closed(tid, None)
-            for tid, ft in list(self.trials.items()):
-                # A trial silent for longer than the timeout hangs inside an epoch: kill its worker.
-                if ft.slots and tid in self.trials:
-                    check_silence([ft.life], ft.last_message, functools.partial(self._kill_slot, ft.slots[0]))
-
-    def _receive(self, slot: int, channel: PipeChannel) -> None:
-        """One message from the worker in ``slot``."""
-        try:
-            message = channel.receive()
-        except ChannelClosed:
-            self._kill_slot(slot, death_error("worker process", channel.exit_description()))
-            return
-        tid = message.trial_id
-        if isinstance(message, Closed):
-            if tid in self.closing and slot in self.closing[tid][0]:
-                self._closed(tid, slot)
-            return
-        ft = self.trials.get(tid)
-        if ft is None:
-            return
-        ft.last_message = time.monotonic()
-        life = ft.life
-        if isinstance(message, Started):
-            life.start()
-        elif isinstance(message, Profile):
-            if not ft.measured:
-                self._learn(ft, message.step_time, message.per_epoch, message.epochs,
-                            float(len(ft.slots)) if len(ft.slots) > 1 else 1.0)
-        elif isinstance(message, Report):
-            ft.epochs_done = message.step + 1
-            verdict = life.report(message.step, message.metrics, last=ft.epochs_done >= ft.limit, seconds=message.seconds)
-            self.sched.progress(tid, ft.remaining())
-            if verdict is Verdict.DROP:  # past its timeout: failed by the protocol
-                channel.send(Answer(tid, Verdict.DROP.value))
-                self._end(tid)
-            elif verdict is Verdict.CONTINUE and tid in self.sched.rescales():
-                channel.send(Answer(tid, Verdict.YIELD.value))
-            else:
-                channel.send(Answer(tid, verdict.value))
-        elif isinstance(message, Yielded):
-            ft.state = message.state
-            new = self.sched.rescales().get(tid)
-            log.info("fluid: trial %d moves from %s to share %s after epoch %d", tid, ft.slots, new, ft.epochs_done)
-            slots, ft.slots = ft.slots, ()
-
-            def release(tid: int = tid, ft: _FluidTrial = ft) -> None:
-                self.sched.release(tid, ft.remaining())
-
-            self._vacate(tid, slots, release)
-        elif isinstance(message, Left):
-            # after an error the other ranks of a DDP trial may wait in a collective forever: replaced
-            settle(self._end(tid, clean=message.outcome.kind != "error"), message.outcome, load_bytes)
 
 
 # -- the worker side ------------------------------------------------------------------------------
