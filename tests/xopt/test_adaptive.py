@@ -5,7 +5,6 @@ separate training from the start."""
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
@@ -412,19 +411,21 @@ def test_adaptive_units_on_ray(monkeypatch, data, tmp_path, caplog):
     the groups became (separate trainers after fused steps here); metrics as in-process."""
     ray = pytest.importorskip("ray")
     from tests.engine.spaces import TinyMLP
+    from tests.engine.test_ray_units import SeenInStorage
 
     settings = auto(0.5)
     train, val = data
     ev = td.evaluators.Classification(train=train, val=val, epochs=2, batch_size=128, optimizer="adam",
                                       lr=td.choice("lr", [0.01, 0.003]))
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    seen = SeenInStorage()  # the group's folders under storage are removed when it ends
     try:
         runs = []
         for kind, executor in (("inline", td.executors.Inline(optimize=settings)),
                                ("ray", td.executors.Ray(workers=1, optimize=settings))):
             exp = td.Experiment(TinyMLP(), ev, td.strategy.GridSearch(), budget=4,
                                 options=td.RunOptions(seed=5, verbose=False), store=tmp_path / f"{kind}.db",
-                                name="adaptive", executor=executor)
+                                name="adaptive", executor=executor, callbacks=[seen] if kind == "ray" else [])
             with caplog.at_level(logging.INFO, logger="tridens"):
                 runs.append(exp.run().trials())
     finally:
@@ -438,7 +439,8 @@ def test_adaptive_units_on_ray(monkeypatch, data, tmp_path, caplog):
         for key in a.metrics:
             assert all(abs(x - y) <= TOL for x, y in zip(a.metrics[key], b.metrics[key])), key
     for t in on_ray:
-        saved = torch.load(os.path.join(t.info["storage"], "epoch-2.pt"), weights_only=True)
+        assert "epoch-2.pt" in seen.files[t.id]
+        saved = seen.saved[t.id]
         assert saved["trainer"] is not None and saved["trainer"]["epoch"] == 2
 
 
