@@ -130,7 +130,7 @@ def test_a_gpu_request_without_cuda_is_one_line(loaders) -> None:
     with pytest.raises(td.evaluators.InvalidParameter, match="no CUDA device"):
         td.evaluators.Classification(loaders[0].dataset, loaders[1].dataset, device="cuda").config()
     with pytest.raises(td.evaluators.InvalidParameter, match="no CUDA device"):
-        td.evaluators.Lightning(Module(), train_dataloaders=loaders[0], accelerator="gpu")._check()
+        td.evaluators.Lightning(Module(), train_dataloaders=loaders[0], accelerator="gpu").check()
 
 
 # -- NNI's API --------------------------------------------------------------------------------------------------

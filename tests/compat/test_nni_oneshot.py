@@ -500,7 +500,7 @@ def test_multi_trial_with_the_lightning_evaluator_exports_trained_instances(tmp_
 def test_oneshot_needs_the_declarative_evaluator(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("TRIDENS_DB", str(tmp_path / "t.db"))
     exp = NasExperiment(_Tiny(), FunctionalEvaluator(lambda model: 0.5), nni3.DARTS())
-    with pytest.raises(NotSupported, match="Classification or Regression"):
+    with pytest.raises(NotSupported, match="Classification, Regression or Lightning"):
         exp.run()
     assert not (tmp_path / "t.db").exists()
 

@@ -154,12 +154,13 @@ def test_ctrl_c_stops_a_pool_run_and_the_interrupted_trials_resume(tmp_path):
     proc = subprocess.Popen([*command, "40"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
-    done = 0
-    while done < 2 and time.monotonic() < deadline and proc.poll() is None:
+    done = running = 0
+    while (done < 2 or not running) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.3)
         try:
-            with Store(db, readonly=True) as store:
+            with Store(db, readonly=True) as store:  # (between two groups no trial runs: wait for the next)
                 done = len(store.trials("pool", status="completed"))
+                running = len(store.trials("pool", status="running"))
         except Exception:  # not created yet
             continue
     proc.send_signal(signal.SIGINT)
