@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import glob
 import logging
 import os
@@ -81,9 +82,11 @@ def cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+@functools.cache
 def _physical_cores() -> int:
     """Physical cores of the machine (distinct package and core ids in sysfs; ``os.cpu_count()``
-    where sysfs does not say), as torch counts them for its default."""
+    where sysfs does not say), as torch counts them for its default. Read once per process: the
+    topology does not change while it runs, and the thread policy asks before every unit."""
     seen = set()
     for topology in glob.glob("/sys/devices/system/cpu/cpu[0-9]*/topology"):
         try:
