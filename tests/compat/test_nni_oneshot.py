@@ -292,6 +292,27 @@ def test_warmup_epochs_freeze_alpha_for_that_many_epochs(tmp_path: Path, data) -
     assert moved[2] < 1e-2 < moved[1]
 
 
+def test_fast_dev_run_scores_only_the_strategys_export(tmp_path: Path, data) -> None:
+    """Classification(fast_dev_run=True) trains one epoch of one batch (its translation keeps no flag
+    for the trainer) and says so: a one-shot search then scores only its strategy's export, one
+    subnet whatever ``samples`` asks, as NNI exports one architecture without a search."""
+    train, val = data
+    loaders = {"train_dataloaders": DataLoader(Subset(train, range(256)), batch_size=64),
+               "val_dataloaders": DataLoader(Subset(val, range(64)), batch_size=64)}
+    ev = Classification(learning_rate=1e-2, max_epochs=10, fast_dev_run=True, **loaders)
+    assert ev.fast_dev_run and ev.epochs == 1 and not Classification(max_epochs=10, **loaders).fast_dev_run
+    for name, strategy in (("darts", nni3.DARTS(samples=8)), ("spos", nni3.RandomOneShot(samples=8))):
+        td.Experiment(_Tiny(), ev, strategy, store=tmp_path / "f.db", name=name, options=td.RunOptions(verbose=False)).run()
+        with Store(tmp_path / "f.db", readonly=True) as store:
+            trials = store.trials(name)
+        [supernet] = [t for t in trials if _role(t) == "supernet"]
+        assert len(supernet.metrics["train_loss"]) == 1 and supernet.info["oneshot"]["steps"] == 1
+        [subnet] = [t for t in trials if _role(t) == "subnet"]
+        assert subnet.status is TrialStatus.COMPLETED
+        if name == "darts":
+            assert subnet.sample == supernet.info["oneshot"]["argmax"]
+
+
 @pytest.mark.parametrize("make, name, hint", [
     (lambda: nni3.DARTS(gradient_clip_val="5"), "gradient_clip_val", "number"),
     (lambda: nni2.ENAS(ctrl_grad_clip=1.0), "ctrl_grad_clip", "ctrl_lr"),

@@ -159,3 +159,21 @@ def test_random_one_shot_validates_each_epoch_and_resumes_from_lightnings_checkp
     assert resumed.id == first.id and resumed.info["oneshot"]["steps"] == 8
     for name in ("train_loss", "val_acc", "lr"):
         assert resumed.metrics[name] == pytest.approx(whole.metrics[name], rel=1e-5), name
+
+
+def test_fast_dev_run_scores_only_the_strategys_export(loaders, tmp_path) -> None:
+    """Lightning's fast_dev_run checks that the code runs: one batch trains the supernet, and the
+    search scores the strategy's export only (DARTS' argmax; RandomOneShot one path), whatever
+    ``samples`` asks, as NNI's one-shot strategies export one architecture without a search."""
+    ev = td.evaluators.Lightning(Module(), train_dataloaders=loaders[0], val_dataloaders=loaders[1], metric="val_acc",
+                                 max_epochs=3, fast_dev_run=True)
+    assert ev.fast_dev_run and not td.evaluators.Lightning(Module(), max_epochs=3).fast_dev_run
+    for name, strategy in (("darts", td.oneshot.DARTS(samples=3)), ("spos", td.oneshot.RandomOneShot(samples=3))):
+        _run(tmp_path, ev, strategy, name=name)
+        trials = _trials(tmp_path / "t.db", name)
+        [supernet] = [t for t in trials if role(t) == "supernet"]
+        assert supernet.info["oneshot"]["steps"] == 1 and len(supernet.metrics["train_loss"]) == 1
+        [subnet] = [t for t in trials if role(t) == "subnet"]
+        assert subnet.status is TrialStatus.COMPLETED and 0 <= subnet.metric <= 1
+        if name == "darts":
+            assert subnet.sample == supernet.info["oneshot"]["argmax"]

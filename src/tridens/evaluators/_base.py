@@ -128,6 +128,18 @@ class Evaluator:
     def objective(self) -> Objective:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    @property
+    def fast_dev_run(self) -> bool:
+        """Whether the evaluator only checks that the code runs (Lightning's ``fast_dev_run``: one
+        batch of training and one of validation). A one-shot search under such an evaluator scores
+        only its strategy's export (DARTS' argmax), as its result.
+
+        >>> import tridens as td
+        >>> td.evaluators.FunctionalEvaluator(lambda model: 0.5).fast_dev_run
+        False
+        """
+        return False
+
     def for_objective(self, metric: str) -> "Evaluator":
         """This evaluator for an experiment whose objective is ``metric``: one whose reports name
         their metrics by what they compute returns itself (the default); a user's loop reporting

@@ -169,6 +169,11 @@ class Lightning(Evaluator):
         return Objective(self.metric or "value", self.mode)
 
     @property
+    def fast_dev_run(self) -> bool:
+        """The Trainer's ``fast_dev_run`` (``True`` or a number of batches) was given."""
+        return bool(self.trainer_kwargs.get("fast_dev_run"))
+
+    @property
     def objective_from_reports(self) -> bool:  # type: ignore[override]
         """With no ``metric`` given, the module's first ``td.report`` names the objective."""
         return self.metric is None

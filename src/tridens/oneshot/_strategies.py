@@ -50,7 +50,8 @@ class OneShotStrategy:
 
     * ``epochs``: supernet training epochs (``None``: the evaluator's ``epochs``);
     * ``search``: ``"evolution"`` (regularized evolution) or ``"random"`` over subnets evaluated
-      with the supernet's weights; ``samples`` subnets are evaluated (each one becomes a trial);
+      with the supernet's weights; ``samples`` subnets are evaluated (each one becomes a trial;
+      under an evaluator's ``fast_dev_run``, one: the strategy's export, DARTS' argmax);
       ``population`` and ``tournament`` size the evolution;
     * ``bn_batches``: training batches that recalibrate BatchNorm statistics before each subnet
       is scored;

@@ -208,7 +208,16 @@ def _translate(owner: str, criterion: Any, learning_rate: Any, weight_decay: Any
 
 class _Fit:
     """NNI's ``evaluator.fit(model)``: train ``model`` in place with the evaluator's settings (the
-    trainer tridens runs in a trial, seed 0), validating after every epoch."""
+    trainer tridens runs in a trial, seed 0), validating after every epoch; and Lightning's
+    ``fast_dev_run``, which the translation turns into one epoch of one batch."""
+
+    _fast_dev_run = False
+
+    @property
+    def fast_dev_run(self) -> bool:
+        """The Trainer argument ``fast_dev_run`` was given (one epoch, one batch of training and of
+        validation): a one-shot search scores only its strategy's export."""
+        return self._fast_dev_run
 
     def fit(self, model: nn.Module) -> dict[str, float]:
         """Train ``model`` for ``max_epochs``; returns the last epoch's training and validation metrics.
@@ -239,6 +248,7 @@ class Classification(_Fit, _ev.Classification):
         # program, and accuracy needs no class count.
         super().__init__(**_translate("Classification", criterion, learning_rate, weight_decay, optimizer,
                                       train_dataloaders, val_dataloaders, train_dataloader, datamodule, trainer_kwargs))
+        self._fast_dev_run = bool(trainer_kwargs.get("fast_dev_run"))
 
 
 class Regression(_Fit, _ev.Regression):
@@ -255,6 +265,7 @@ class Regression(_Fit, _ev.Regression):
                  **trainer_kwargs: Any) -> None:
         super().__init__(**_translate("Regression", criterion, learning_rate, weight_decay, optimizer,
                                       train_dataloaders, val_dataloaders, train_dataloader, datamodule, trainer_kwargs))
+        self._fast_dev_run = bool(trainer_kwargs.get("fast_dev_run"))
 
 
 def _lightning_base() -> type:
