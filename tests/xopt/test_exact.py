@@ -14,7 +14,7 @@ from tridens.units import Job
 from tridens.xopt import BatchingSettings
 from tridens.xopt._batched import BatchedMember, _example_batch
 from tridens.xopt._grouped import GroupedProgram
-from tridens.xopt._vector_optim import _VectorOptimizer
+from tridens.xopt._vector_optim import _VectorOptimizer, disagreeing_form, stacked_update_is_exact
 
 OPTIMIZERS = ["sgd", "adam", "adamw", "rmsprop"]
 # different lrs, momenta (Adam's beta1), weight decays, schedules and dropout in one stack
@@ -254,6 +254,63 @@ def test_vector_optimizer_is_torch_optim_bit_for_bit(data, optimizer, dtype, mom
         for row, r in enumerate(rows):
             for n, p in models[r].named_parameters():
                 assert torch.equal(stacked[n][row], p.detach()), (optimizer, step, r, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_stacked_update_forms_are_the_per_row_forms_at_every_row_length(dtype):
+    """What the stacked update rests on, exhaustively: each of its forms on K stacked rows (one
+    operation for all, a per-model scalar as a column) gives every row the bits the per-row form
+    gives it, at every row length 1..200 (each position of a kernel's scalar tail against its
+    vector body); and the check the optimizer runs agrees on this CPU, so the fused tests in this
+    file run the stacked update."""
+    assert stacked_update_is_exact(dtype)
+    gen = torch.Generator().manual_seed(1)
+    for length in range(1, 201):
+        assert disagreeing_form(dtype, "cpu", 5, length, gen) is None, length
+
+
+def odd_mlp(dtype: torch.dtype) -> nn.Module:
+    """Layers of odd widths: weights and biases of 3 to 1,073 elements, so each parameter's last
+    elements fall at another position of the kernels' scalar tail."""
+    widths = [64, 37, 29, 23, 19, 17, 13, 11, 7, 5, 3]
+    layers: list[nn.Module] = [nn.Flatten()]
+    for i, o in zip(widths, widths[1:]):
+        layers += [nn.Linear(i, o), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(3, 10)).to(dtype)
+
+
+@pytest.mark.parametrize("decay", ["all", "some"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_stacked_update_is_torch_optim_bit_for_bit_on_odd_sizes(data, optimizer, dtype, decay):
+    """The stacked update (every model with momentum, different lrs, momenta and weight decays:
+    per-model scalars as columns) against torch.optim per model, on parameters of odd sizes
+    trained on digits: every parameter bit for bit after every step."""
+    lrs, momenta = [0.02, 0.005, 0.001, 0.01], [0.9, 0.5, 0.8, 0.95]
+    decays = [1e-3, 1e-2, 5e-4, 1e-3] if decay == "all" else [0.0, 1e-2, 0.0, 1e-3]
+    torch.manual_seed(0)
+    models = [odd_mlp(dtype) for _ in lrs]
+    cfgs = [evaluator(data, optimizer, dtype).config(dict(lr=lr, m=m, wd=wd, s="constant"))
+            for lr, m, wd in zip(lrs, momenta, decays)]
+    opts = [c.make_optimizer(m.parameters()) for c, m in zip(cfgs, models)]
+    stacked = {n: torch.stack([dict(m.named_parameters())[n].detach() for m in models]).requires_grad_()
+               for n, _ in models[0].named_parameters()}
+    vector = _VectorOptimizer(optimizer, [c.momentum for c in cfgs], [c.weight_decay for c in cfgs])
+    assert vector._stackable(list(stacked), stacked)
+    x, y = data[0].tensors[0].to(dtype), data[0].tensors[1]
+    for step in range(12):
+        batch = slice(64 * step, 64 * step + 64)
+        for m in models:
+            m.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(m(x[batch]), y[batch]).backward()
+        for n, t in stacked.items():
+            t.grad = torch.stack([dict(m.named_parameters())[n].grad for m in models])
+        for o in opts:
+            o.step()
+        vector.step(stacked, [c.lr for c in cfgs])
+        for row, m in enumerate(models):
+            for n, p in m.named_parameters():
+                assert torch.equal(stacked[n][row], p.detach()), (optimizer, step, row, n)
 
 
 class BnCnnSpace(td.nn.ModelSpace):
