@@ -270,6 +270,9 @@ def test_nni3_strategies_map_their_arguments() -> None:
     assert isinstance(spos, td.oneshot.RandomOneShot) and spos.fair
     # logging-only arguments are accepted at any value
     assert nni3.DARTS(log_prob_every_n_step=1).arch_lr == 3e-4
+    # NNI's DARTS and GumbelDARTS export their argmax: the one subnet scored, unless samples= asks for a search
+    assert (nni3.DARTS().samples, nni3.GumbelDARTS().samples, nni2.DARTS().samples, nni2.GumbelDARTS().samples) == (1,) * 4
+    assert (nni3.DARTS(warmup_epochs=1).samples, nni3.ENAS().samples, nni3.RandomOneShot().samples) == (1, 64, 64)
     # NNI's DARTS updates the architecture from the first step unless warmup_epochs says otherwise
     assert nni3.DARTS().warmup == 0.0 and nni3.DARTS(warmup=0.5).warmup == 0.5 and nni2.DARTS().warmup == 0.0
 

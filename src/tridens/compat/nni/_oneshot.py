@@ -7,9 +7,11 @@ some arguments differently, so each has its factory here. Each returns the tride
 ``retrain``, ``epochs``, ``second_order``...) may be passed too.
 
 What differs from NNI, by design: the architecture steps of DARTS/GumbelDARTS/ENAS use a held-out
-share of the *training* set (``arch_fraction``), and the validation set scores the subnets;
-after training, ``samples`` subnets are scored with the supernet's weights and stored as trials,
-so ``export_top_models(k)`` can return more than NNI's top-1.
+share of the *training* set (``arch_fraction``), and the validation set scores the subnets.
+DARTS and GumbelDARTS export their argmax, as NNI's do: it is the one subnet scored (``samples=1``;
+``samples=k`` searches ``k`` subnets with the supernet's weights, the argmax first). ENAS and
+RandomOneShot score ``samples`` subnets (tridens' default 64) and export the best, where NNI
+exports one sampled path; ``export_top_models(k)`` then ranks ``k`` of them.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def _darts(owner: str, arc_learning_rate: float, gradient_clip_val: Any, warmup_
     if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int) or warmup_epochs < 0:
         raise NotSupported(f"The 'warmup_epochs' parameter of {owner} must be an int >= 0. Got {warmup_epochs!r} instead.")
     kw = tridens_kwargs(owner, target, kwargs, _DARTS_NAMES + extra_names, f"td.oneshot.{target.__name__}")
-    kw = {"arch_lr": arc_learning_rate, **defaults, **kw}
+    # NNI's DARTS exports the argmax of alpha without scoring other subnets: the argmax alone is scored
+    kw = {"arch_lr": arc_learning_rate, "samples": 1, **defaults, **kw}
     if "warmup" in kw or warmup_epochs == 0:
         kw.setdefault("warmup", 0.0)  # NNI's default: architecture steps from the first step (tridens': half the steps)
         return target(**kw)
@@ -84,8 +87,10 @@ def _darts(owner: str, arc_learning_rate: float, gradient_clip_val: Any, warmup_
 # -- NNI 3.x: nni.nas.strategy ---------------------------------------------------------------------
 def DARTS(*, arc_learning_rate: float = 3.0e-4, gradient_clip_val: float | None = None, log_prob_every_n_step: int = 10,
           warmup_epochs: int = 0, penalty: Any = None, mutation_hooks: Any = None, **kwargs: Any) -> _os.DARTS:
-    """``nni.nas.strategy.DARTS`` -> ``td.oneshot.DARTS(arch_lr=arc_learning_rate)`` (first order, as
-    NNI; ``second_order=True`` is tridens' unrolled gradient). ``warmup_epochs`` epochs train the
+    """``nni.nas.strategy.DARTS`` -> ``td.oneshot.DARTS(arch_lr=arc_learning_rate, samples=1)`` (first
+    order, as NNI; ``second_order=True`` is tridens' unrolled gradient). The export is the argmax, as
+    NNI's, scored with the supernet's weights (``samples=k``: a search of ``k`` subnets, the argmax
+    first, exports the best of them). ``warmup_epochs`` epochs train the
     weights only (NNI's default 0: tridens' ``warmup=0``; pass ``warmup=0.5`` for tridens' own
     default). ``log_prob_every_n_step`` is ignored: the learned probabilities are stored in the
     supernet trial's ``info["oneshot"]``.
@@ -113,8 +118,9 @@ def _temperature(owner: str, value: Any) -> tuple[float, float]:
 def GumbelDARTS(*, temperature: Any = (1.0, 0.33), arc_learning_rate: float = 3.0e-4,
                 gradient_clip_val: float | None = None, log_prob_every_n_step: int = 10, warmup_epochs: int = 0,
                 penalty: Any = None, mutation_hooks: Any = None, **kwargs: Any) -> _os.GumbelDARTS:
-    """``nni.nas.strategy.GumbelDARTS`` -> ``td.oneshot.GumbelDARTS(tau_max=init, tau_min=min)``.
-    NNI anneals the temperature linearly per epoch, tridens exponentially per step (same ends).
+    """``nni.nas.strategy.GumbelDARTS`` -> ``td.oneshot.GumbelDARTS(tau_max=init, tau_min=min, samples=1)``:
+    the argmax exported, as DARTS. NNI anneals the temperature linearly per epoch, tridens
+    exponentially per step (same ends).
 
     >>> strategy = GumbelDARTS(temperature=(1.0, 0.33))     # doctest: +SKIP
     """
