@@ -13,6 +13,7 @@ from tridens.trial import Trial
 from tridens.units import Job
 from tridens.xopt import BatchingSettings
 from tridens.xopt._batched import BatchedMember, _example_batch
+from tridens.xopt._exact import BatchedLinear, linear_per_model
 from tridens.xopt._grouped import GroupedProgram
 from tridens.xopt._vector_optim import _VectorOptimizer, disagreeing_form, stacked_update_is_exact
 
@@ -311,6 +312,50 @@ def test_stacked_update_is_torch_optim_bit_for_bit_on_odd_sizes(data, optimizer,
         for row, m in enumerate(models):
             for n, p in m.named_parameters():
                 assert torch.equal(stacked[n][row], p.detach()), (optimizer, step, row, n)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_linear_of_k_models_is_each_models_linear_bit_for_bit(data, dtype, threads):
+    """The exact program's Linear of K models (one batched matmul where its check passes at the
+    shape, else K Linears) against each model's own Linear on digits: outputs, input, weight and
+    bias gradients bit for bit, the output gradient arriving contiguous or batch-major (as a
+    packed BatchNorm hands it back), from a long reduction (split over threads by BLAS) to a
+    tiny one (summed by a plain loop in a batched matmul), on a shared input and on one per model."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        pixels, labels = data[0].tensors[0].flatten(1).to(dtype)[:64], data[0].tensors[1][:64]
+        wide = pixels.repeat(1, 25)
+        used = []
+        for k, batch, features, out, shared, layout in [
+                (4, 64, 64, 48, True, "contiguous"), (4, 64, 64, 48, False, "batch-major"),
+                (3, 64, 1568, 10, False, "contiguous"), (3, 64, 1568, 10, True, "batch-major"),
+                (4, 5, 7, 3, False, "batch-major")]:
+            torch.manual_seed(features + out)
+            models = [nn.Linear(features, out).to(dtype) for _ in range(k)]
+            head = torch.randn(out, 10, dtype=dtype)
+            x = wide[:batch, :features]
+            v = x if shared else torch.stack([x * (m + 1) for m in range(k)]).requires_grad_()
+            params = {"l.weight": torch.stack([m.weight.detach() for m in models]).requires_grad_(),
+                      "l.bias": torch.stack([m.bias.detach() for m in models]).requires_grad_()}
+            fused = linear_per_model(v, params, k, name="l", src="S" if shared else "M")
+            # batch-major: each model's outputs taken from a (B, K, O) copy, so their gradient comes back so
+            rows = fused.transpose(0, 1).contiguous().unbind(1) if layout == "batch-major" else fused.unbind(0)
+            sum(nn.functional.cross_entropy(rows[m] @ head, labels[:batch]) for m in range(k)).backward()
+            used.append(BatchedLinear.is_exact(k, batch, features, out, True, shared, dtype, "cpu", threads))
+            for m, model in enumerate(models):
+                xm = x if shared else (x * (m + 1)).requires_grad_()
+                alone = model(xm)
+                nn.functional.cross_entropy(alone @ head, labels[:batch]).backward()
+                assert torch.equal(fused[m], alone), (k, features, out, m)
+                assert torch.equal(params["l.weight"].grad[m], model.weight.grad), (k, features, out, m)
+                assert torch.equal(params["l.bias"].grad[m], model.bias.grad), (k, features, out, m)
+                assert shared or torch.equal(v.grad[m], xm.grad), (k, features, out, m)
+        # the MLP shapes run batched; the tiny one, summed by another loop, does not
+        assert used[:2] == [True, True] and not used[-1]
+    finally:
+        torch.set_num_threads(old)
 
 
 class BnCnnSpace(td.nn.ModelSpace):

@@ -8,7 +8,9 @@ the same products in another order than K ordinary ones (oneDNN and BLAS block t
 by the shapes they see): float32 values ~1e-6 relative apart, and float64 weight gradients of a
 K*O convolution an ulp apart. Training amplifies such differences -- an adaptive optimizer turns
 a rounding-noise gradient (a bias before BatchNorm) into an lr-sized step -- so the fused model
-would not be the model separate training gives.
+would not be the model separate training gives. A batched matmul does sum each model's products
+as its own matmul at many shapes (MKL runs the same kernel per matrix), but not at all: Linear
+is batched only at shapes where :class:`BatchedLinear` was checked to be exact.
 
 >>> import torch, torch.nn as nn
 >>> conv = nn.Conv2d(1, 4, 3)
@@ -21,12 +23,13 @@ would not be the model separate training gives.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["conv_per_model", "conv_maps_per_model", "conv_rows_per_model", "linear_per_model",
+__all__ = ["BatchedLinear", "conv_per_model", "conv_maps_per_model", "conv_rows_per_model", "linear_per_model",
            "batch_norm_per_model", "batch_norm_maps_per_model"]
 
 
@@ -94,15 +97,98 @@ def _convs(inputs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor], bs: Seque
 def linear_per_model(v: torch.Tensor, params: Mapping[str, torch.Tensor], k: int, *, name: str,
                      src: str) -> torch.Tensor:
     """Linear ``name`` of each of the K models on a shared ``(B, F)`` input ("S") or on
-    ``(K, B, F)`` ("M"); the outputs ``(K, B, O)``, contiguous."""
-    ws = params[f"{name}.weight"].unbind(0)
-    bias = params.get(f"{name}.bias")
-    bs = [None] * k if bias is None else list(bias.unbind(0))
+    ``(K, B, F)`` ("M"); the outputs ``(K, B, O)``, contiguous. One batched matmul where that is
+    the K Linears bit for bit at this shape (:class:`BatchedLinear`), else K Linears."""
+    weight, bias = params[f"{name}.weight"], params.get(f"{name}.bias")
     if v.dim() == 2 and src == "S":
+        inputs = v.expand(k, *v.shape)
+    elif v.dim() == 3 and v.shape[0] == k:
+        inputs = v.contiguous()
+    else:
+        raise ValueError(f"{name}: Linear on a {v.dim()}-d input")
+    device = weight.device.type
+    if (v.dtype == weight.dtype and not (v.dim() == 2 and v.requires_grad) and not torch.is_autocast_enabled(device)
+            and BatchedLinear.is_exact(k, inputs.shape[1], weight.shape[2], weight.shape[1], bias is not None,
+                                       v.dim() == 2, weight.dtype, device, torch.get_num_threads())):
+        return BatchedLinear.apply(inputs, weight, bias)
+    ws = weight.unbind(0)
+    bs = [None] * k if bias is None else list(bias.unbind(0))
+    if v.dim() == 2:
         return torch.stack([F.linear(v, w, b) for w, b in zip(ws, bs)])
-    if v.dim() == 3 and v.shape[0] == k:
-        return torch.stack([F.linear(x.contiguous(), w, b) for x, w, b in zip(v.unbind(0), ws, bs)])
-    raise ValueError(f"{name}: Linear on a {v.dim()}-d input")
+    return torch.stack([F.linear(x, w, b) for x, w, b in zip(inputs.unbind(0), ws, bs)])
+
+
+class BatchedLinear(torch.autograd.Function):
+    """K Linears as batched matmuls: ``(K, B, F)`` inputs, ``(K, O, F)`` weights, ``(K, O)``
+    biases or None; the outputs ``(K, B, O)``. The backward takes the output gradient contiguous
+    (each model's rows as the separate model's Linear gets them) and computes what
+    ``F.linear``'s backward computes per model, batched: ``g @ W``, ``g^T @ x`` and the sum of
+    ``g`` over the batch (a sum over a strided layout adds in another order).
+
+    Whether that is each model's own ``F.linear`` bit for bit depends on the shape: BLAS picks its
+    kernel and its split of a reduction over threads by the shapes it sees (a long reduction split
+    over two threads in a single matmul, not in a batched one; a tiny batched matmul summed by a
+    plain loop). :meth:`is_exact` checks it per shape, dtype, device and thread count, once per
+    process, on random values (a different order of a reduction shows in most elements).
+
+    >>> BatchedLinear.is_exact(4, 32, 64, 16, True, False, torch.float64, "cpu", torch.get_num_threads())
+    True
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.bias = bias is not None
+        if bias is None:
+            return torch.bmm(x, weight.transpose(1, 2))
+        return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = torch.bmm(grad, weight) if ctx.needs_input_grad[0] else None
+        grad_w = torch.bmm(grad.transpose(1, 2), x) if ctx.needs_input_grad[1] else None
+        grad_b = grad.sum(1) if ctx.bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)  # a fact of this torch build, device and thread count, per shape
+    def is_exact(k: int, batch: int, in_features: int, out_features: int, bias: bool, shared: bool,
+                 dtype: torch.dtype, device: str, threads: int) -> bool:
+        """Whether :class:`BatchedLinear` gives each model's output and gradients (input, weight,
+        bias) bit for bit as its own ``F.linear`` does, at this shape, on a shared ``(B, F)``
+        input (``shared``) or one per model, at the current thread count (``threads``: the cache
+        key)."""
+        gen = torch.Generator().manual_seed(0)
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
+
+        x = rand(batch, in_features) if shared else rand(k, batch, in_features)
+        w, b = rand(k, out_features, in_features), rand(k, out_features) if bias else None
+        grad = rand(k, batch, out_features)
+        with torch.enable_grad():
+            xs, ws = x.clone().requires_grad_(not shared), w.clone().requires_grad_()
+            bs = b.clone().requires_grad_() if b is not None else None
+            together = BatchedLinear.apply(xs.expand(k, *x.shape) if shared else xs, ws, bs)
+            together.backward(grad)
+            for m in range(k):
+                xm = (x if shared else x[m]).clone().requires_grad_(not shared)
+                wm = w[m].clone().requires_grad_()
+                bm = b[m].clone().requires_grad_() if b is not None else None
+                alone = F.linear(xm, wm, bm)
+                alone.backward(grad[m])
+                # (the fused tensor, its row m's counterpart from the model alone)
+                pairs = [(together, alone), (ws.grad, wm.grad)]
+                if bs is not None and bm is not None:
+                    pairs.append((bs.grad, bm.grad))
+                if not shared:
+                    pairs.append((xs.grad, xm.grad))
+                if not together.is_contiguous() or any(
+                        a is None or b is None or not torch.equal(a[m], b) for a, b in pairs):
+                    return False
+        return True
 
 
 def batch_norm_per_model(v: torch.Tensor, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],

@@ -187,7 +187,7 @@ class _VectorOptimizer:
     >>> opt = _VectorOptimizer("adamw", momentum=[0.9, 0.9], weight_decay=[0.0, 1e-2])
     >>> w = torch.zeros(2, 3, requires_grad=True); w.grad = torch.ones(2, 3)
     >>> opt.step({"w": w}, lrs=[0.1, 0.01]); w[:, 0].tolist()
-    [-0.10000000149011612, -0.009999999776482582]
+    [-0.09999998658895493, -0.009999999776482582]
     """
 
     BETA2, EPS, ALPHA = 0.999, 1e-8, 0.99
