@@ -208,6 +208,55 @@ def test_a_cell_with_input_choices_is_held_whole_and_each_path_matches_its_froze
         assert torch.allclose(net.model(x), space.freeze(sample)(x))
 
 
+class TwoOpCell(tnn.ModelSpace):
+    """A DARTS-like cell: two ops per node, each an op with weights (or none) on any earlier state;
+    the ``wide`` op is built wider for a node's second op (its factory reads the op index)."""
+
+    def __init__(self):
+        super().__init__()
+        ops = {"lin": lambda j, k, i: nn.Linear(4, 4), "mlp": lambda j, k, i: nn.Sequential(nn.Linear(4, 4), nn.Tanh()),
+               "wide": lambda j, k, i: nn.Sequential(nn.Linear(4, 4 + 4 * k), nn.Linear(4 + 4 * k, 4)),
+               "skip": lambda j, k, i: nn.Identity()}
+        self.cell = tnn.Cell(ops, num_nodes=3, num_ops_per_node=2, num_predecessors=2, label="cell")
+        self.example_inputs = (torch.randn(3, 4), torch.randn(3, 4))
+
+    def forward(self, x, y):
+        return self.cell([x, y])
+
+
+def test_a_cells_ops_share_one_op_per_edge_and_weights_run_each_once():
+    """As NNI's one-shot cells and DARTS' edges: a node's ops hold one set of candidates per input
+    (a factory that builds another op for another op index keeps its own), so the weighted cell
+    runs each shared candidate once per edge, mixed by the sum over the node's ops, and computes
+    what running every op apart computes; a path's subnet (its ops' weights taken from the shared ones)
+    computes the supernet's path."""
+    space = TwoOpCell()
+    net = build_supernet(space)  # checks paths against space.freeze
+    cell = net.model.cell
+    first, second = cell.ops[0], cell.ops[1]  # node 2's two ops
+    for i in range(2):
+        for name in ("lin", "mlp"):
+            o = first.edges[i].keys.index(name)
+            assert first.edges[i].candidates[o] is second.edges[i].candidates[o]
+        o = first.edges[i].keys.index("wide")
+        assert first.edges[i].candidates[o] is not second.edges[i].candidates[o]
+    x = space.example_inputs
+    g = torch.Generator().manual_seed(0)
+    alphas = {label: torch.randn(len(v), generator=g, requires_grad=True) for label, v in net.state.values.items()}
+    net.set_weights({k: F.softmax(a, -1) for k, a in alphas.items()})
+    mixed = net.model(*x)
+    states = list(x)  # every op apart: sum over ops k of sum_i p(input_k = i) sum_o p(op_k = o) op(state_i)
+    for j in range(3):
+        states.append(sum(cell.ops[2 * j + k](states) for k in range(2)))
+    assert torch.allclose(mixed, torch.cat(states[2:], dim=1), atol=1e-6)
+    mixed.sum().backward()
+    assert all(a.grad is not None and a.grad.abs().sum() > 0 for a in alphas.values())
+    for seed in range(4):
+        sample = space.random_sample(seed)
+        net.set_path(sample)
+        assert torch.allclose(net.model(*x), net.extract(sample, seed=0)(*x), atol=1e-6)  # its weights, as frozen
+
+
 def test_a_mutator_space_is_refused():
     class AddBN(td.Mutator):
         def mutate(self, graph):

@@ -7,7 +7,8 @@
 * ``tnn.InputChoice`` -> :class:`MixedInput`, reading every input;
 * ``tnn.Repeat`` with a chosen depth -> :class:`MixedDepth`, the largest depth, cut per sample;
 * ``tnn.Cell`` -> :class:`MixedCell`: for every op of every node, a :class:`MixedEdge` holding the
-  op's candidates (a :class:`MixedLayer`) on each state the op may read (DARTS' edges);
+  op's candidates (a :class:`MixedLayer`) on each state the op may read; a node's ops share one
+  set of candidates per edge (node, input), as DARTS' edges and NNI's one-shot cells do;
 * an int ``td.choice`` (width, kernel size, depth...) -> a :class:`~._traced.TracedInt` at the
   largest candidate, so layers are built at their largest size; afterwards each ``Conv1d/2d``,
   ``Linear``, ``BatchNorm1d/2d``, ``LayerNorm``, ``Embedding`` and ``MultiheadAttention`` whose sizes depend on a
@@ -190,6 +191,35 @@ class MixedEdge(nn.Module):
         return f"label={self.label!r}, inputs={len(self.edges)}"
 
 
+def _mixed_node(edges: Sequence[MixedEdge], states: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """A cell node's output under weights: each distinct candidate module on each input runs once,
+    weighted by ``sum_k p(input_k = i) p(op_k = o)`` over the node's ops ``k`` that hold it (they
+    share the candidates of an edge), the same sum as running every op apart. None where the node
+    has one op or a label has no weights (the ops then run one by one)."""
+    state = edges[0]._state
+    if len(edges) < 2 or not state.weighted:
+        return None
+    layers: list[list[MixedLayer]] = [list(e.edges) for e in edges]  # type: ignore[arg-type]
+    if any(e.label not in state.probs or any(layer.label not in state.probs for layer in per_input)
+           for e, per_input in zip(edges, layers)):
+        return None
+    total = None
+    for i in range(len(layers[0])):
+        runs: dict[int, tuple[nn.Module, torch.Tensor]] = {}  # id(candidate) -> (candidate, its weight)
+        for e, per_input in zip(edges, layers):
+            layer = per_input[i]
+            w_ops = state.probs[e.label][i] * state.probs[layer.label]
+            for o, cand in enumerate(layer.candidates):
+                held = runs.get(id(cand))
+                runs[id(cand)] = (cand, w_ops[o] if held is None else held[1] + w_ops[o])
+        for cand, w in runs.values():
+            if not w.requires_grad and float(w) == 0.0:
+                continue  # hard (one-hot) samples: only the chosen ops on the chosen inputs run
+            y = w * cand(states[i])
+            total = y if total is None else total + y
+    return total
+
+
 class MixedCell(nn.Module):
     """A ``tnn.Cell`` holding every wiring; ``ops[n]`` is the :class:`MixedEdge` of the frozen
     cell's ``ops[n]``, so a subnet's weights keep their names.
@@ -214,11 +244,14 @@ class MixedCell(nn.Module):
         if len(inputs) == 1 and isinstance(inputs[0], (list, tuple)):
             inputs = tuple(inputs[0])
         states = list(inputs)
+        n = self.num_ops_per_node
         for j in range(self.num_nodes):
-            total = None
-            for k in range(self.num_ops_per_node):
-                y = self.ops[j * self.num_ops_per_node + k](states)
-                total = y if total is None else total + y
+            node_edges: list[MixedEdge] = list(self.ops[j * n:(j + 1) * n])  # type: ignore[arg-type]
+            total = _mixed_node(node_edges, states)
+            if total is None:
+                for edge in node_edges:
+                    y = edge(states)
+                    total = y if total is None else total + y
             states.append(total)
         outs = states[self.num_predecessors:]
         if self.merge_op == "loose_end":
@@ -311,6 +344,10 @@ class SupernetResolver(Resolver):
         values = op_domain.values()
         candidates = [op_domain.to_candidate(v) for v in values]
         edges = []
+        # One set of candidate ops per edge (node, input), shared by the node's ops, as NNI's one-shot
+        # cells (and DARTS' edges) have: a weighted cell then runs each candidate once per edge. A
+        # factory that builds another op for another op index (its repr differs) keeps its own.
+        first: dict[tuple[int, int, int], nn.Module] = {}
         for j in range(num_nodes):
             node = num_predecessors + j
             for k in range(num_ops_per_node):
@@ -319,9 +356,14 @@ class SupernetResolver(Resolver):
                 self._register(op_label, op_domain, "cell")
                 self.claimed[input_label] = "Cell input"
                 self.claimed[op_label] = "Cell op"
-                per_input = [MixedLayer(op_label, values, [_copy(c) if isinstance(c, nn.Module) else
-                                                           instantiate_candidate(c(node, k, i), op_label) for c in candidates],
-                                        self.state) for i in range(node)]
+                per_input = []
+                for i in range(node):
+                    built = []
+                    for o, c in enumerate(candidates):
+                        op = _copy(c) if isinstance(c, nn.Module) else instantiate_candidate(c(node, k, i), op_label)
+                        shared = first.setdefault((node, i, o), op)
+                        built.append(shared if repr(shared) == repr(op) else op)
+                    per_input.append(MixedLayer(op_label, values, built, self.state))
                 edges.append(MixedEdge(input_label, per_input, self.state))
         return MixedCell(edges, num_nodes, num_ops_per_node, num_predecessors, concat_dim, merge_op)
 
