@@ -104,7 +104,10 @@ def test_darts_steps_the_architecture_between_the_modules_own_weight_steps(loade
     assert info["epochs"] == 2 and info["steps"] == 12 and info["lightning"] == "Module"
     probs = info["probabilities"]["op"]
     assert max(probs) - min(probs) > 0.01  # alpha learned by DARTS' own Adam on the validation batches
-    assert supernet.checkpoint and torch.load(supernet.checkpoint, weights_only=True)["epoch"] == 2
+    ckpt = torch.load(supernet.checkpoint, weights_only=True)
+    assert ckpt["epoch"] == 2 and ckpt["lightning"]["optimizer_states"]
+    # the weights are stored once: the module holds nothing but the model, so Lightning's state_dict is left empty
+    assert not ckpt["lightning"]["state_dict"] and set(ckpt["lightning_model_keys"].values()) <= set(ckpt["model"])
     subnets = [t for t in trials if role(t) == "subnet"]
     assert len(subnets) == 3 and all(t.status is TrialStatus.COMPLETED and 0 <= t.metric <= 1 for t in subnets)
     assert exp.top(1)[0].id in {t.id for t in trials if role(t) in ("subnet", "retrain")}
@@ -177,3 +180,14 @@ def test_fast_dev_run_scores_only_the_strategys_export(loaders, tmp_path) -> Non
         assert subnet.status is TrialStatus.COMPLETED and 0 <= subnet.metric <= 1
         if name == "darts":
             assert subnet.sample == supernet.info["oneshot"]["argmax"]
+
+
+def test_darts_trains_without_a_validation_loop_lightning_would_warn_about(loaders, tmp_path, recwarn) -> None:
+    """DARTS feeds the validation batches to its architecture steps: the supernet's training has no
+    validation loop, so its wrapper has no validation_step and Lightning has nothing to warn about."""
+    ev = td.evaluators.Lightning(Module(), train_dataloaders=loaders[0], val_dataloaders=loaders[1], metric="val_acc",
+                                 max_epochs=1, fast_dev_run=True)
+    _run(tmp_path, ev, td.oneshot.DARTS())
+    assert not [w for w in recwarn if "val_dataloader" in str(w.message)]
+    [subnet] = [t for t in _trials(tmp_path / "t.db") if role(t) == "subnet"]
+    assert subnet.status is TrialStatus.COMPLETED  # scored by the module's validation_step

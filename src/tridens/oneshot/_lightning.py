@@ -110,8 +110,20 @@ def _plain(obj: Any) -> Any:
     return repr(obj)
 
 
-def _wrapper(pl: Any, run: LightningSupernet) -> Any:
-    """The LightningModule that trains ``run``'s supernet with the user's module (a class per package)."""
+def _with_model(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Lightning's checkpoint of a stored supernet checkpoint ``state``, the model's weights put back
+    into its ``state_dict`` from ``state["model"]`` (stored once)."""
+    lightning = dict(state["lightning"])
+    keys = state.get("lightning_model_keys", {})
+    lightning["state_dict"] = {**lightning.get("state_dict", {}), **{k: state["model"][m] for k, m in keys.items()}}
+    return lightning
+
+
+def _wrapper(pl: Any, run: LightningSupernet, validates: bool) -> Any:
+    """The LightningModule that trains ``run``'s supernet with the user's module (a class per package);
+    with a ``validation_step`` only where the training ``validates`` (DARTS reads the validation
+    batches for its architecture steps instead: no validation loop, and no step Lightning would
+    warn about)."""
 
     class OneShotSupernet(pl.LightningModule):  # type: ignore[misc, name-defined]
         """The user's module in manual optimization, with the one-shot strategy's steps around its own."""
@@ -138,9 +150,10 @@ def _wrapper(pl: Any, run: LightningSupernet) -> Any:
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             return run.training_step(self, batch, batch_idx)
 
-        def validation_step(self, batch: Any, batch_idx: int) -> Any:
-            run.validation_path(int(self.trainer.global_step), batch_idx)
-            return self.inner.validation_step(batch, batch_idx)
+        if validates:
+            def validation_step(self, batch: Any, batch_idx: int) -> Any:
+                run.validation_path(int(self.trainer.global_step), batch_idx)
+                return self.inner.validation_step(batch, batch_idx)
 
         def on_train_epoch_end(self) -> None:
             self.inner.on_train_epoch_end()
@@ -227,18 +240,18 @@ class LightningSupernet:
         """Train from ``start`` (a stored checkpoint, or None); ``report(epoch, metrics, last=, seconds=)``
         after each epoch, then ``save(state)``. Returns the Lightning trainer."""
         self.report, self.save = report, save
-        wrapper = _wrapper(self.pl, self)(self.module)
         trainer = self.trainer_evaluator.trainer()
         train = _loaders(self.evaluator, "train")
         if self.strategy.uses_arch_data():  # NNI's DARTS: the validation batches feed the architecture steps
             train, val = {"train": train, "val": _loaders(self.evaluator, "val")}, None
         else:
             val = _loaders(self.evaluator, "val")
+        wrapper = _wrapper(self.pl, self, validates=val is not None)(self.module)
         with tempfile.TemporaryDirectory(prefix="tridens-oneshot-") as tmp:
             ckpt = None
             if start is not None:
                 ckpt = Path(tmp) / "start.ckpt"
-                torch.save(start["lightning"], ckpt)
+                torch.save(_with_model(start), ckpt)
             self.tmp = Path(tmp)
             self.epoch_wall = time.perf_counter()
             self.cpu0 = time.process_time()
@@ -346,9 +359,14 @@ class LightningSupernet:
         trainer.save_checkpoint(path)
         lightning = _plain(torch.load(path, map_location="cpu", weights_only=False))
         path.unlink()
-        self.save({"format": CHECKPOINT_FORMAT, "lightning": lightning, "model": self.net.model.state_dict(),
-                   "strategy": self.strategy.state_dict(), "epoch": epoch + 1, "step": int(trainer.global_step),
-                   "metrics": metrics})
+        # The supernet's weights are kept once, as "model": Lightning's copy of them (its module's
+        # state_dict holds the model) is left out, with the names to put them back under on resume.
+        names = {id(t): k for k, t in self.net.model.state_dict(keep_vars=True).items()}
+        model_keys = {k: names[id(t)] for k, t in wrapper.state_dict(keep_vars=True).items() if id(t) in names}
+        lightning["state_dict"] = {k: v for k, v in lightning.get("state_dict", {}).items() if k not in model_keys}
+        self.save({"format": CHECKPOINT_FORMAT, "lightning": lightning, "lightning_model_keys": model_keys,
+                   "model": self.net.model.state_dict(), "strategy": self.strategy.state_dict(), "epoch": epoch + 1,
+                   "step": int(trainer.global_step), "metrics": metrics})
         if verdict != "continue":
             trainer.should_stop = True
 
