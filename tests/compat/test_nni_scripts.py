@@ -113,5 +113,8 @@ def test_nni2_darts_tutorial(tmp_path: Path) -> None:
     assert roles == {"supernet", "subnet"} and all(t.status == TrialStatus.COMPLETED for t in trials)
     supernets = [t for t in trials if t.info["oneshot"]["role"] == "supernet"]
     assert len(supernets) == 2  # the Classification search and the module's
+    # each exported its argmax, as NNI's DARTS does: the one subnet scored (fast_dev_run too)
+    subnets = [t for t in trials if t.info["oneshot"]["role"] == "subnet"]
+    assert sorted(map(str, (t.sample for t in subnets))) == sorted(str(s.info["oneshot"]["argmax"]) for s in supernets)
     [searched] = [t for t in supernets if t.info["oneshot"].get("lightning") == "DartsClassificationModule"]
     assert searched.info["oneshot"]["steps"] == 1 and {"train_loss", "lr"} <= set(searched.metrics)
