@@ -59,7 +59,8 @@ def Cell(op_candidates: Sequence[OpFactory | nn.Module] | Mapping[str, OpFactory
     (which earlier state it reads). Candidates are modules (deep-copied) or factories
     ``f(node_index, op_index, input_index) -> nn.Module``. The output concatenates every node
     (``merge_op="all"``) or the nodes no other node reads (``"loose_end"``) along ``concat_dim``.
-    Under a one-shot supernet (``tridens.oneshot``) every op of every possible input is held.
+    Under a one-shot supernet (``tridens.oneshot``) every op of every possible input is held, one
+    set of candidates per edge (node, input) shared by the node's ops, as in DARTS and NNI.
 
     >>> ops = {"conv": lambda j, k, i: nn.Conv2d(8, 8, 3, padding=1), "skip": lambda j, k, i: nn.Identity()}  # doctest: +SKIP
     >>> self.cell = tnn.Cell(ops, num_nodes=4, num_predecessors=2, label="cell")  # doctest: +SKIP
