@@ -164,3 +164,14 @@ def test_nni_darts_example_model_under_darts_trainer(tmp_path: Path) -> None:
     arch = __import__("json").loads((folder / "checkpoint.json").read_text())
     # NNI's labels: {normal,reduce}_n{2..5}_p{i} ops and _switch input choices of two
     assert len(arch) == 2 * (2 + 3 + 4 + 5 + 4) and all(len(arch[k]) == 2 for k in arch if k.endswith("switch"))
+
+
+def test_nni1_callbacks_import_and_refuse_naming_the_2x_way() -> None:
+    """NNI 2.10's oneshot/darts/search.py imports these at top level, for its --v1 branch only."""
+    from tridens.compat.nni.nas.pytorch.callbacks import ArchitectureCheckpoint, LRSchedulerCallback
+
+    with pytest.raises(NotSupported, match=r"NNI 1\.x.*trainer\.export\(\)"):
+        ArchitectureCheckpoint("./checkpoints")
+    optimizer = _optimizer(Net(4))
+    with pytest.raises(NotSupported, match=r"NNI 1\.x.*configure_optimizers"):
+        LRSchedulerCallback(torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, 10))

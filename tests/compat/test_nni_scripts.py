@@ -118,3 +118,25 @@ def test_nni2_darts_tutorial(tmp_path: Path) -> None:
     assert sorted(map(str, (t.sample for t in subnets))) == sorted(str(s.info["oneshot"]["argmax"]) for s in supernets)
     [searched] = [t for t in supernets if t.info["oneshot"].get("lightning") == "DartsClassificationModule"]
     assert searched.info["oneshot"]["steps"] == 1 and {"train_loss", "lr"} <= set(searched.metrics)
+
+
+def test_nni2_oneshot_darts_search(tmp_path: Path) -> None:
+    """examples/nas/oneshot/darts/search.py as written, its 2.x branch (no --v1): NNI's CNN (a plain
+    torch.nn.Module with LayerChoice / InputChoice) under DartsTrainer, CIFAR-10 through its own
+    datasets.py (the stand-in's images), one epoch of a 3-layer, 4-channel network; its top-level
+    import of NNI 1.x's callbacks (used only by --v1) resolves. It prints and saves trainer.export()."""
+    folder = _upstream.example(tmp_path, "examples/nas/oneshot/darts",
+                               ["search.py", "datasets.py", "model.py", "ops.py", "utils.py"])
+    done, trials = _run(folder, "search.py", "--epochs", "1", "--layers", "3", "--channels", "4", "--batch-size", "16")
+    arch = json.loads((folder / "checkpoint.json").read_text())
+    assert f"Final architecture: {arch}" in done.stdout
+    # layers 3: one normal cell, two reduction cells; each cell's nodes 2..5 choose an op per input, two inputs
+    ops = {"maxpool", "avgpool", "skipconnect", "sepconv3x3", "sepconv5x5", "dilconv3x3", "dilconv5x5"}
+    assert set(arch) == {f"{cell}_n{n}_{key}" for cell in ("normal", "reduce") for n in range(2, 6)
+                         for key in [f"p{i}" for i in range(n)] + ["switch"]}
+    assert all(arch[k] in ops for k in arch if not k.endswith("switch"))
+    assert all(len(arch[k]) == 2 and len(set(arch[k])) == 2 for k in arch if k.endswith("switch"))
+    roles = {t.info["oneshot"]["role"] for t in trials}
+    assert roles == {"supernet", "subnet"} and all(t.status == TrialStatus.COMPLETED for t in trials)
+    [subnet] = [t for t in trials if t.info["oneshot"]["role"] == "subnet"]
+    assert subnet.sample == arch  # the argmax exported is the subnet scored
