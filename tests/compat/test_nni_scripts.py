@@ -140,3 +140,24 @@ def test_nni2_oneshot_darts_search(tmp_path: Path) -> None:
     assert roles == {"supernet", "subnet"} and all(t.status == TrialStatus.COMPLETED for t in trials)
     [subnet] = [t for t in trials if t.info["oneshot"]["role"] == "subnet"]
     assert subnet.sample == arch  # the argmax exported is the subnet scored
+
+
+def test_nni2_nasbench201_network(tmp_path: Path) -> None:
+    """examples/nas/multi-trial/nasbench201/network.py: NNI's NasBench201 space (NasBench201Cell) under
+    Random, its own NasBench201TrainingModule (a custom LightningModule, RMSprop and cosine schedule)
+    through pl.Lightning, CIFAR-100 the stand-in's images, --epochs 1. Two lines are not the script's
+    as written, both for reasons outside tridens: timm (not installed here; it needs torchvision) gives
+    RMSpropTF, here torch's RMSprop; and torchmetrics 0.11 and later refuse ``Accuracy()`` without
+    ``task=``. The script's candidates are lambdas in a comprehension that all read the loop variable
+    at call time, so every choice builds 'avg_pool_3x3' (in NNI too): every sample is one model, and
+    tridens records the repeats as duplicates of the trained ones and stops when Random finds no new model."""
+    folder = _upstream.example(tmp_path, "examples/nas/multi-trial/nasbench201", ["network.py", "base_ops.py"])
+    _edit(folder / "network.py", ("from timm.optim import RMSpropTF\n", "from torch.optim import RMSprop as RMSpropTF\n"),
+          ("AccuracyWithLogits()", "AccuracyWithLogits(task='multiclass', num_classes=100)"), ("gpus=1", "gpus=0"))
+    done, trials = _run(folder, "network.py", "--epochs", "1", "--batch_size", "64", TRIDENS_STANDIN_SIZE="128,64")
+    trained = [t for t in trials if t.status != TrialStatus.DUPLICATE]
+    assert trained and all(t.status == TrialStatus.COMPLETED and t.metric is not None for t in trained)
+    assert all(set(t.sample) == {f"cell/{j}_{i}" for j in range(1, 4) for i in range(j)} for t in trials)
+    assert len({t.fingerprint for t in trials}) == 1  # NNI's file: every candidate is avg_pool_3x3
+    assert all(t.info["duplicate_of"] in {u.id for u in trained} for t in trials if t.status == TrialStatus.DUPLICATE)
+    assert "the space is exhausted" in done.stdout + done.stderr

