@@ -76,6 +76,25 @@ class TinyMLP(tnn.ModelSpace):
         return self.body(x)
 
 
+class EqualActivationsMLP(TinyMLP):
+    """TinyMLP with a choice between two equal activations ("act"): four samples, two models."""
+
+    def __init__(self):
+        super().__init__()
+        self.body[2] = tnn.LayerChoice([nn.ReLU(), nn.ReLU()], label="act")
+
+
+TRAINED: list[int] = []  # the hidden width of each model score_and_count trained, in this process
+
+
+def score_and_count(model):
+    width = model.body[1].out_features
+    TRAINED.append(width)
+    if width == 8:
+        raise RuntimeError("boom: hidden=8 is not supported")
+    td.report(0.25, step=0)
+
+
 class AwayMLP(TinyMLP):
     """TinyMLP whose width-8 models misbehave in any process but the one that built them (the
     driver, where tracing and planning run): ``"hang"`` sleeps ten minutes inside an epoch without

@@ -12,6 +12,7 @@ from tridens.engine import Experiment, load
 from tridens.store import Store
 from tridens.trial import TrialStatus
 
+from . import spaces
 from .spaces import (TinyCNN, TinyMLP, nan_on_hidden_8, raise_on_hidden_8, score_by_width, sleep_briefly,
                      sleep_on_hidden_8)
 
@@ -70,6 +71,27 @@ def test_functional_evaluator_and_dedup(tmp_path):
     best = exp.best()
     assert best.sample["hidden"] == 8 and best.metric == pytest.approx(1.0)
     assert best.metrics["val_acc" if "val_acc" in best.metrics else next(iter(best.metrics))] == pytest.approx([1/3, 2/3, 1.0])
+
+
+def test_equal_models_of_one_group_train_once(tmp_path):
+    """Four samples of one grid group, two models: each model trains once and its equal waits
+    for it, a duplicate of it when it completed; when it failed the equal one trains (and fails
+    too). Trials keep the group's order and ids."""
+    spaces.TRAINED.clear()
+    exp = _run(tmp_path, spaces.EqualActivationsMLP(), td.evaluators.FunctionalEvaluator(spaces.score_and_count),
+               td.strategy.GridSearch(), max_trials=4)
+    trials = exp.trials()
+    assert [t.id for t in trials] == sorted(t.id for t in trials) and len({t.group for t in trials}) == 1
+    assert sorted(spaces.TRAINED) == [4, 8, 8]
+    by_model: dict[int, list] = {}
+    for t in trials:
+        by_model.setdefault(t.sample["hidden"], []).append(t)
+    first, second = by_model[4]
+    assert first.status is TrialStatus.COMPLETED and first.metric == pytest.approx(0.25)
+    assert second.status is TrialStatus.DUPLICATE and second.info["duplicate_of"] == first.id
+    assert second.metric == first.metric
+    assert [t.status for t in by_model[8]] == [TrialStatus.FAILED, TrialStatus.FAILED]
+    assert all("boom: hidden=8" in t.error for t in by_model[8])
 
 
 def test_failing_trials_are_recorded_and_the_run_continues(tmp_path):

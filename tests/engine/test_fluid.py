@@ -147,9 +147,10 @@ def test_ddp_workers_are_reused_and_profiles_are_measured_once_per_structure(tmp
     measured structure starts from the measured profile instead of timing its steps again."""
     train, val = digits_data
     ev = td.evaluators.Classification(train=train, val=val, epochs=td.choice("epochs", [1, 2, 12, 40]),
-                                      batch_size=96, optimizer="adam", lr=0.01)
+                                      batch_size=96, optimizer="adam", lr=td.choice("lr", [0.01, 0.02]))
     executor = td.engine.ProcessExecutor(workers=2, allocation="static")
-    groups = [[{"hidden": 64, "epochs": 2}], [{"hidden": 64, "epochs": 1}], [{"hidden": 4, "epochs": 1}, {"hidden": 4, "epochs": 1}]]
+    groups = [[{"hidden": 64, "epochs": 2, "lr": 0.01}], [{"hidden": 64, "epochs": 1, "lr": 0.01}],
+              [{"hidden": 4, "epochs": 1, "lr": 0.01}, {"hidden": 4, "epochs": 1, "lr": 0.02}]]
     strategy = PidGroups(groups, executor)
     trials = Experiment(MLPSpace(), ev, strategy, store=tmp_path / "t.db", options=td.RunOptions(verbose=False),
                         executor=executor).run().trials()

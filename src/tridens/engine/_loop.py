@@ -98,6 +98,11 @@ def _structure_cached(space: BaseSpace) -> bool:
 _Hook = TypeVar("_Hook", bound=Callable[..., Any])
 
 
+def _built(model: Any) -> bool:
+    """Whether ``model`` was built for real (not on the meta device, not absent)."""
+    return model is not None and not any(p.is_meta for p in model.parameters())
+
+
 def _halts_on_storage_fault(hook: _Hook) -> _Hook:
     """A hook of the trial protocol whose store write meets a storage fault (full disk, the store
     file gone) raises :class:`~._protocol.RunHalted`: the run stops; the trial is not failed."""
@@ -137,6 +142,10 @@ class _Run:
         if duration is not None:
             self.deadline = time.monotonic() + duration
         self.seen: dict[str, Trial] = {}  # dedup key -> finished trial
+        # The wave being started: the dedup keys of its trials that train, and its trials equal to
+        # one of those, decided once that one has finished (a duplicate then, or trained if it failed).
+        self.training: set[str] = set()
+        self.waiting: list[tuple[Trial, bool]] = []  # (trial, whether its model was built for real)
         self.progress = Progress(exp.max_trials, objective, enabled=exp.verbose)
         self.finished_here: list[Trial] = []
         self.flops: dict[str, int | None] = {}  # fingerprint -> FLOPs
@@ -338,13 +347,16 @@ class _Run:
                 progress_mark = len(self.finished_here)
                 ran = 0
                 for wave in self._waves(samples):  # one wave unless warm start is on
-                    jobs = []
-                    for sample in wave:
-                        job = self._new_job(sample, group)
-                        if job is not None:
-                            jobs.append(job)
-                    ran += len(jobs)
-                    self._run_jobs(jobs, executor)
+                    self.training, self.waiting = set(), []
+                    jobs = [job for job in (self._new_job(sample, group) for sample in wave) if job is not None]
+                    while True:
+                        ran += len(jobs)
+                        self._run_jobs(jobs, executor)
+                        if not self.waiting:
+                            break
+                        waiting, self.training, self.waiting = self.waiting, set(), []
+                        jobs = [job for job in (self._readmit(trial, built, group) for trial, built in waiting)
+                                if job is not None]
                 self.group_index += 1  # one group index per TrialGroup, duplicates and early failures included
                 if not ran and len(self.finished_here) == progress_mark:
                     idle += 1
@@ -562,26 +574,56 @@ class _Run:
                       max_steps=group.max_steps, experiment=self.name, parent=group.parent_of(sample),
                       number=self.position)
         self.position += 1
+        return self._admit(trial, group)
+
+    def _readmit(self, trial: Trial, built: bool, group: TrialGroup) -> Job | None:
+        """A trial that waited for an equal one of its wave: a duplicate of it where it finished,
+        else (it failed) a new job, built again under the trial's own seed."""
+        original = self.seen.get(self._dedup_key(trial))
+        if original is not None:
+            self.built_duplicates += built
+            self._duplicate(trial, original)
+            return None
+        return self._admit(trial, group)
+
+    def _store(self, trial: Trial) -> None:
+        """Write ``trial``: its row where it has none yet (a waiting trial has one), else its fields."""
+        if trial.id < 0:
+            self.db.add_trial(self.name, trial)
+        else:
+            self.db.update_trial(trial)
+
+    def _duplicate(self, trial: Trial, original: Trial) -> None:
+        trial.status = TrialStatus.DUPLICATE
+        trial.metric = original.metric
+        trial.info["duplicate_of"] = original.id
+        trial.finished_at = time.time()
+        self._store(trial)
+        self.strategy.tell(trial)
+
+    def _admit(self, trial: Trial, group: TrialGroup) -> Job | None:
+        """The job of new ``trial``, or None where it is a duplicate of a finished trial, waits for
+        an equal trial of its wave that is still to train (then it is decided by that one's outcome:
+        one training per model, as for trials of earlier groups), or fails before training."""
         try:
             model = self._instantiate(trial)
         except Exception as err:
-            self.db.add_trial(self.name, trial)
+            self._store(trial)
             self.finish(trial, TrialStatus.FAILED, error=str(err) if isinstance(err, (InvalidSample, InvalidSpace)) else error_text(err))
             return None
         key = self._dedup_key(trial)
         original = self.seen.get(key)
         if original is not None:
-            if model is not None and not any(p.is_meta for p in model.parameters()):
-                self.built_duplicates += 1  # initialised for nothing (see _instantiate)
-            trial.status = TrialStatus.DUPLICATE
-            trial.metric = original.metric
-            trial.info["duplicate_of"] = original.id
-            trial.finished_at = time.time()
-            self.db.add_trial(self.name, trial)
-            self.strategy.tell(trial)
+            self.built_duplicates += _built(model)  # initialised for nothing (see _instantiate)
+            self._duplicate(trial, original)
             return None
-        # One row, written with its fingerprint; _materialize needs the id (warm start, inheritance).
-        self.db.add_trial(self.name, trial)
+        # One row, written with its fingerprint, in the group's order (a waiting trial's too);
+        # _materialize needs the id (warm start, inheritance).
+        self._store(trial)
+        if key in self.training:
+            self.waiting.append((trial, _built(model)))
+            return None
+        self.training.add(key)
         try:
             if any(c.key == "latency_ms" for c in self.exp.constraints):
                 model = self._materialize(trial, model)  # latency is measured on the real model
