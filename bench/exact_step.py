@@ -13,31 +13,25 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
+import sys
 
-import torch
-from torch import nn
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from headline import LRS_MLP as LRS  # noqa: E402  (the sweep's lrs and MLPs, as the headline trains them)
+from headline import mlp  # noqa: E402
 
-import tridens as td
-from tridens.evaluators._supervised import BatchSource
-from tridens.trial import Trial
-from tridens.units import Job
-from tridens.xopt import BatchingSettings
-from tridens.xopt._batched import BatchedMember
+import torch  # noqa: E402
 
-LRS = [1e-3, 3e-3, 1e-2, 3e-2]
+import tridens as td  # noqa: E402
+from tridens.evaluators._supervised import BatchSource  # noqa: E402
+from tridens.trial import Trial  # noqa: E402
+from tridens.units import Job  # noqa: E402
+from tridens.xopt import BatchingSettings  # noqa: E402
+from tridens.xopt._batched import BatchedMember  # noqa: E402
+
 PARTS = {"optimizer": ("_vector_optim.py", "step"), "backward": ("~", "<method 'run_backward'"),
          "forward Linear": ("_exact.py", "linear_per_model"), "loss": ("~", "<built-in method torch._C._nn.cross_entropy_loss>")}
-
-
-def mlp(hidden: int, depth: int, activation: str) -> nn.Module:
-    act = nn.ReLU if activation == "relu" else nn.Tanh
-    layers: list[nn.Module] = [nn.Flatten()]
-    width = 64
-    for _ in range(depth):
-        layers += [nn.Linear(width, hidden), act()]
-        width = hidden
-    return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
 def main() -> None:
