@@ -362,14 +362,19 @@ class _VectorOptimizer:
             columns = [table[i].view(-1, *[1] * (p.dim() - 1)).expand_as(p) for i, p in enumerate(ps)]
             _addcdiv_by_columns(ps, exp_avg, denom, columns)
 
-    def _rmsprop_stacked(self, names: list[str], params: Mapping[str, torch.Tensor], ps: list[torch.Tensor],
-                         gs: list[torch.Tensor], lrs: list[float]) -> None:
-        mom, alpha = self.momentum, self.ALPHA
-        square_avg = self._state(names, "square_avg", params)
-        torch._foreach_mul_(square_avg, alpha)
-        torch._foreach_addcmul_(square_avg, gs, gs, value=1 - alpha)
+    def _rms_denominator(self, square_avg: list[torch.Tensor], gs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """RMSprop's running square updated in place (``a * alpha + (1 - alpha) * g * g``) and its
+        root plus eps, the divisor of the step, on stacked tensors or row views alike."""
+        torch._foreach_mul_(square_avg, self.ALPHA)
+        torch._foreach_addcmul_(square_avg, gs, gs, value=1 - self.ALPHA)
         avg = torch._foreach_sqrt(square_avg)
         torch._foreach_add_(avg, self.EPS)
+        return list(avg)
+
+    def _rmsprop_stacked(self, names: list[str], params: Mapping[str, torch.Tensor], ps: list[torch.Tensor],
+                         gs: list[torch.Tensor], lrs: list[float]) -> None:
+        mom = self.momentum
+        avg = self._rms_denominator(self._state(names, "square_avg", params), gs)
         steps = [-lr for lr in lrs]
         if not mom[0] > 0:  # p - lr * g / avg
             if len(set(steps)) == 1:
@@ -421,12 +426,8 @@ class _VectorOptimizer:
 
     def _rmsprop(self, names: list[str], params: Mapping[str, torch.Tensor], ps: list[torch.Tensor],
                  gs: list[torch.Tensor], lrs: list[float], k: int, per: int) -> None:
-        mom, alpha = self.momentum, self.ALPHA
-        square_avg = self._stacked(names, "square_avg", params)
-        torch._foreach_mul_(square_avg, alpha)
-        torch._foreach_addcmul_(square_avg, gs, gs, value=1 - alpha)
-        avg = torch._foreach_sqrt(square_avg)
-        torch._foreach_add_(avg, self.EPS)
+        mom = self.momentum
+        avg = self._rms_denominator(self._stacked(names, "square_avg", params), gs)
         plain = [j for j in range(k * per) if not mom[j % k] > 0]
         if plain:  # p - lr * g / avg
             torch._foreach_addcdiv_(_pick(ps, plain), _pick(gs, plain), _pick(avg, plain),
